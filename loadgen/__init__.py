@@ -1,0 +1,1 @@
+"""Synthetic workloads, the load generator and benchmarks against peers."""

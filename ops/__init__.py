@@ -1,0 +1,1 @@
+"""Operating mqinfer: metrics, cost reports, compaction, bulk-job orchestration."""

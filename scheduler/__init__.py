@@ -1,0 +1,1 @@
+"""Dual-threshold batcher, KV block pool and cache manager, continuous-batching scheduler, request state."""

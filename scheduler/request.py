@@ -1,0 +1,139 @@
+"""Engine-side request state: sampling parameters, status, token lists, KV block ownership.
+
+This is the contract between the scheduler (which moves requests through their states), the
+KV cache manager (the only code that mutates ``block_ids``) and the model runner (which reads
+tokens, ``num_computed_tokens`` and ``block_ids`` to build a step's batch).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered: every status after PREEMPTED is a finished one."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_CANCELLED = 5
+    FINISHED_EXPIRED = 6
+    FINISHED_ERROR = 7
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_CANCELLED: "cancelled",
+    RequestStatus.FINISHED_EXPIRED: "expired",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples and when it stops. Checks itself when built."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One generation request as the engine sees it.
+
+    ``request_id`` is the engine-wide key (the worker builds it from job_id and id).
+    Tokens ``all_token_ids[:num_computed_tokens]`` have their KV in the cache; the scheduler
+    advances ``num_computed_tokens`` in ``update_from_output`` after the model ran.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_time: float = 0.0
+    priority: int = 0
+    deadline: float | None = None
+    # The model's context limit; generation ends with "length" when reached.
+    max_model_len: int = 2048
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    # Prompt tokens found in the prefix cache at the first admission.
+    num_cached_tokens: int = -1
+    # KV blocks held, in position order. Only the KV cache manager mutates this list.
+    block_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    # Tokens whose KV was computed, dropped by a preemption, and must be computed again.
+    num_recompute_tokens: int = 0
+    # Sampling seed fixed at creation (drawn at random when the request gave none), so that
+    # seeded randomness is keyed by (seed, position) and independent of the batch.
+    sampling_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("prompt must have at least one token")
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
