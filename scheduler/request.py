@@ -111,6 +111,9 @@ class Request:
     # Sampling seed fixed at creation (drawn at random when the request gave none), so that
     # seeded randomness is keyed by (seed, position) and independent of the batch.
     sampling_seed: int = 0
+    # Set when the request ends with FINISHED_ERROR: a stable code and a human message.
+    error_code: str | None = None
+    error: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
