@@ -1,0 +1,426 @@
+"""The `mqinfer` command line: run, worker, submit, redis, compact, report.
+
+Producer-side commands (submit, redis, compact, report) never import torch; `worker` and `run`
+load the engine only in the worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from mqinfer import __version__
+from mqinfer.config import (
+    ENGINE_OPTIONS,
+    JOB_ID,
+    LOG_FORMAT,
+    LOG_LEVEL,
+    REDIS,
+    STREAM,
+    WORKER_OPTIONS,
+    ConfigError,
+    Option,
+    add_options,
+    load_config_file,
+    resolve,
+)
+
+OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datasets go here.", metavar="DIR")
+WORKERS = Option("workers", int, 1, "Worker processes to run.", metavar="N")
+FORMAT = Option("format", str, "msgpack", "Stream entry encoding.", choices=("msgpack", "json"))
+PORT = Option("port", int, 0, "TCP port on 127.0.0.1 (0 = pick a free one).", metavar="P")
+DATA_DIR = Option("dir", str, "mqinfer-redis", "Folder for the append-only file.", metavar="DIR")
+UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")
+
+COMMON = [LOG_LEVEL, LOG_FORMAT]
+WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
+RUN_CMD = [OUT, REDIS, STREAM, WORKERS, JOB_ID, *ENGINE_OPTIONS,
+           *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
+SUBMIT_CMD = [REDIS, STREAM, JOB_ID, FORMAT, *COMMON]
+REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
+
+log = logging.getLogger("mqinfer")
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mqinfer",
+        description="Message-queue batch inference for LLMs: Redis streams in, continuous batching over a "
+                    "paged KV cache, Parquet results and per-request costs out.",
+        epilog="Every flag can also be set as MQINFER_<FLAG> in the environment or in a TOML file given "
+               "with --config. Quick start: mqinfer run examples/prompts.jsonl --out out/",
+    )
+    parser.add_argument("--version", action="version", version=f"mqinfer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, help_text: str, options: list[Option], required=()) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", metavar="FILE", help="TOML file with flag values (env MQINFER_CONFIG).")
+        add_options(p, options, required=required)
+        p.set_defaults(_options=options, _required=required)
+        return p
+
+    p = command("run", "Run a whole bulk job: submit INPUT, run workers until every request has a row, "
+                "compact, print a summary. Without --redis an embedded server runs for the job.", RUN_CMD,
+                required=("out",))
+    p.add_argument("input", metavar="INPUT", help="JSONL or Parquet file of requests (or OpenAI Batch lines).")
+    command("worker", "Run a long-lived inference worker on a request stream.", WORKER_CMD,
+            required=("redis", "out"))
+    p = command("submit", "Validate INPUT and add its requests to the request stream. Invalid lines are "
+                "reported with their numbers and not sent; exit 1 if there were any.", SUBMIT_CMD,
+                required=("redis",))
+    p.add_argument("input", metavar="INPUT", help="JSONL or Parquet file of requests.")
+    command("redis", "Run an embedded Redis-compatible server in the foreground and print its URL.", REDIS_CMD)
+    p = command("compact", "Rewrite DIR/results keeping one row per (job_id, id); mark discarded "
+                "duplicates' cost rows as `duplicate`.", COMMON)
+    p.add_argument("dir", metavar="DIR", help="Output folder of a job or worker.")
+    report = sub.add_parser("report", help="Reports over an output folder.", description="Reports over an output folder.")
+    rsub = report.add_subparsers(dest="report", metavar="REPORT")
+    rc = rsub.add_parser("costs", help="Cost by tenant, model, request type, job or worker.",
+                         description="Cost by tenant, model, request type, job or worker.")
+    rc.add_argument("dir", metavar="DIR", help="Output folder (with costs/).")
+    rc.add_argument("--by", default="tenant",
+                    help="Comma-separated group keys: tenant, model, request_type, job_id, worker (default: tenant).")
+    rc.add_argument("--format", default="table", choices=("table", "csv", "json"), help="Output format (default: table).")
+    rc.add_argument("--since", default=None, help="Only rows finished at or after this time (ISO 8601 or unix seconds).")
+    rc.add_argument("--until", default=None, help="Only rows finished before this time (ISO 8601 or unix seconds).")
+    rc.set_defaults(_options=[], _required=())
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    if args.command == "report" and not getattr(args, "report", None):
+        parser.parse_args(["report", "--help"])
+    try:
+        config_path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
+        file_values = load_config_file(config_path, args.command)
+        opts = resolve(args, args._options, file_values, args._required)
+    except ConfigError as exc:
+        print(f"mqinfer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(opts.get("log_level", "info"), opts.get("log_format", "text"))
+    handler = {
+        "run": cmd_run, "worker": cmd_worker, "submit": cmd_submit, "redis": cmd_redis,
+        "compact": cmd_compact, "report": cmd_report,
+    }[args.command]
+    try:
+        return handler(args, opts)
+    except KeyboardInterrupt:
+        print(f"mqinfer {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"mqinfer {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+# -- worker ----------------------------------------------------------------------------------
+def engine_config(opts: dict):
+    from mqinfer.workers.engine import EngineConfig
+
+    return EngineConfig(
+        model=opts["model"], device=opts["device"], dtype=opts["dtype"], block_size=opts["block_size"],
+        num_kv_blocks=opts["num_kv_blocks"], max_num_batched_tokens=opts["max_num_batched_tokens"],
+        max_num_seqs=opts["max_num_seqs"], max_model_len=opts["max_model_len"],
+        enable_prefix_caching=not opts["no_prefix_cache"],
+    )
+
+
+def cmd_worker(args, opts: dict) -> int:
+    from mqinfer.workers.worker import Worker, WorkerConfig
+
+    config = WorkerConfig(
+        redis_url=opts["redis"], out_dir=Path(opts["out"]), engine=engine_config(opts), stream=opts["stream"],
+        group=opts["group"], consumer=opts["consumer"], max_batch=opts["max_batch"],
+        max_wait_ms=opts["max_wait_ms"], claim_idle_ms=opts["claim_idle_ms"],
+        max_deliveries=opts["max_deliveries"], idle_exit_s=opts["idle_exit_s"],
+        metrics_port=opts["metrics_port"], metrics_host=opts["metrics_host"],
+        price_per_device_hour=opts["price_per_device_hour"], flush_rows=opts["flush_rows"],
+        flush_interval_s=opts["flush_interval_s"], drain_timeout_s=opts["drain_timeout_s"],
+    )
+    return Worker(config).run()
+
+
+# -- submit ----------------------------------------------------------------------------------
+def read_input(path: str, job_id: str | None):
+    """Check every line of INPUT; returns (requests, invalid items, duplicate-id messages)."""
+    import msgspec
+
+    from mqinfer.schemas.files import iter_input
+
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no such input file: {p}")
+    requests, invalid, duplicates = [], [], []
+    seen: dict[str, int] = {}
+    for item in iter_input(p):
+        if item.request is None:
+            invalid.append(item)
+            continue
+        req = item.request
+        if job_id is not None:
+            req = msgspec.structs.replace(req, job_id=job_id)
+        key = req.id
+        if key in seen:
+            duplicates.append(f"line {item.line}: id {key!r} repeats line {seen[key]}: not sent")
+            continue
+        seen[key] = item.line
+        requests.append(req)
+    return requests, invalid, duplicates
+
+
+def cmd_submit(args, opts: dict) -> int:
+    from mqinfer.client import Producer
+
+    requests, invalid, duplicates = read_input(args.input, opts["job_id"])
+    for item in invalid:
+        print(f"line {item.line}: {item.error.code}: {item.error.message}", file=sys.stderr)
+    for message in duplicates:
+        print(message, file=sys.stderr)
+    producer = Producer(opts["redis"], stream=opts["stream"], fmt=opts["format"])
+    sent = producer.submit_many(requests)
+    print(f"submitted {sent} requests to {producer.stream_key}"
+          + (f"; {len(invalid) + len(duplicates)} lines not sent" if invalid or duplicates else ""))
+    return 1 if invalid or duplicates else 0
+
+
+# -- redis -----------------------------------------------------------------------------------
+def cmd_redis(args, opts: dict) -> int:
+    from mqinfer.server import EmbeddedServer
+
+    server = EmbeddedServer(opts["dir"], port=opts["port"] or None, unix_socket=opts["unix_socket"])
+    stop = False
+
+    def on_signal(_signum, _frame):
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    server.start()
+    print(server.url, flush=True)
+    print(f"embedded server running (data in {server.data_dir}); Ctrl-C to stop", file=sys.stderr, flush=True)
+    try:
+        while not stop and server.process is not None and server.process.poll() is None:
+            time.sleep(0.2)
+    finally:
+        server.stop()
+    return 0
+
+
+# -- compact / report ------------------------------------------------------------------------
+def cmd_compact(args, opts: dict) -> int:
+    from mqinfer.ops.compact import compact
+
+    stats = compact(Path(args.dir))
+    print(stats)
+    return 0
+
+
+def _parse_time(text: str | None) -> float | None:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        from datetime import datetime, timezone
+
+        dt = datetime.fromisoformat(text)
+        if dt.tzinfo is None:
+            dt = dt.replace(tzinfo=timezone.utc)
+        return dt.timestamp()
+
+
+def cmd_report(args, opts: dict) -> int:
+    from mqinfer.ops.report import cost_report, render
+
+    by = [b.strip() for b in args.by.split(",") if b.strip()]
+    report = cost_report(Path(args.dir), by=by, since=_parse_time(args.since), until=_parse_time(args.until))
+    print(render(report, args.format))
+    return 0
+
+
+# -- run -------------------------------------------------------------------------------------
+def _worker_argv(opts: dict, redis_url: str) -> list[str]:
+    argv = [sys.executable, "-m", "mqinfer", "worker", "--redis", redis_url, "--out", str(opts["out"]),
+            "--stream", opts["stream"]]
+    for opt in [*ENGINE_OPTIONS, *WORKER_OPTIONS, LOG_FORMAT]:
+        if opt.name == "consumer":
+            continue
+        value = opts.get(opt.name)
+        if value is None:
+            continue
+        if opt.type is bool:
+            if value:
+                argv.append(opt.flag)
+            continue
+        argv += [opt.flag, str(value)]
+    return argv
+
+
+class _Progress:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.start = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def show(self, done: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < (0.5 if self.tty else 10.0):
+            return
+        self._last = now
+        elapsed = now - self.start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (self.total - done) / rate if rate > 0 else float("nan")
+        pct = 100.0 * done / self.total if self.total else 100.0
+        line = f"{done}/{self.total} requests ({pct:5.1f}%), {rate:.1f} req/s, elapsed {elapsed:.0f}s"
+        if done < self.total and rate > 0:
+            line += f", eta {eta:.0f}s"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def cmd_run(args, opts: dict) -> int:
+    from mqinfer.client import Producer
+    from mqinfer.ops.compact import compact
+    from mqinfer.schemas.rows import CostRow, error_result_row
+    from mqinfer.server import EmbeddedServer
+    from mqinfer.workers.sink import Sinks
+    from mqinfer.workers.worker import job_done_key
+
+    if opts["workers"] < 1:
+        raise ConfigError("--workers must be >= 1")
+    out = Path(opts["out"])
+    job_id = opts["job_id"] or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    requests, invalid, duplicates = read_input(args.input, job_id)
+    for message in duplicates:
+        print(message, file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # Lines that failed validation still get their error row, written here.
+    if invalid:
+        now = time.time()
+        sinks = Sinks(out, "submit")
+        for item in invalid:
+            rid = item.error.request_id or f"line:{item.line}"
+            row = error_result_row(rid, job_id, item.error.code, f"line {item.line}: {item.error.message}",
+                                   worker="submit", attempt=0, enqueued_at=now, finished_at=now)
+            sinks.add(row, CostRow(kind="request", job_id=job_id, id=rid, tenant=row.tenant, model=row.model,
+                                   request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0,
+                                   output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=0.0,
+                                   recomputed_s=0.0, kv_block_s=0.0, cost_usd=0.0,
+                                   price_per_device_hour=opts["price_per_device_hour"], worker="submit",
+                                   finished_at=now))
+        sinks.flush()
+        print(f"{len(invalid)} invalid lines got error rows (first: line {invalid[0].line}: "
+              f"{invalid[0].error.message})", file=sys.stderr)
+
+    server = None
+    workers: list[subprocess.Popen] = []
+    started = time.time()
+    try:
+        redis_url = opts["redis"]
+        if not redis_url:
+            server = EmbeddedServer(out / ".mqinfer" / "redis", unix_socket=True).start()
+            redis_url = server.url
+        producer = Producer(redis_url, stream=opts["stream"])
+        producer.submit_many(requests)
+        print(f"job {job_id}: submitted {len(requests)} requests", file=sys.stderr, flush=True)
+        env = dict(os.environ)
+        env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
+        argv = _worker_argv(opts, redis_url)
+        workers = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL) for _ in range(opts["workers"])]
+        done_key = job_done_key(opts["stream"], job_id)
+        progress = _Progress(len(requests))
+        done = 0
+        while done < len(requests):
+            done = producer.redis.scard(done_key)
+            progress.show(done)
+            alive = [w for w in workers if w.poll() is None]
+            if not alive and done < len(requests):
+                codes = ", ".join(str(w.returncode) for w in workers)
+                progress.close()
+                print(f"mqinfer run: error: every worker exited (codes {codes}) with {len(requests) - done} "
+                      "requests unfinished; rerun with --log-level info to see why", file=sys.stderr)
+                return 1
+            time.sleep(0.1)
+        progress.show(done, force=True)
+        progress.close()
+    finally:
+        _stop_workers(workers)
+        if server is not None:
+            server.stop()
+    compact(out)
+    return _summary(out, job_id, len(requests) + len(invalid), time.time() - started, opts)
+
+
+def _stop_workers(workers: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+    for w in workers:
+        if w.poll() is None:
+            w.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        try:
+            w.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
+
+
+def _summary(out: Path, job_id: str, expected: int, wall_s: float, opts: dict) -> int:
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    results = ds.dataset(out / "results", format="parquet", partitioning="hive").to_table(
+        filter=pc.field("job_id") == job_id, columns=["id", "finish_reason", "prompt_tokens", "output_tokens"])
+    costs = ds.dataset(out / "costs", format="parquet", partitioning="hive").to_table(
+        filter=pc.field("job_id") == job_id, columns=["cost_usd", "kind"])
+    n = results.num_rows
+    errors = pc.sum(pc.equal(results["finish_reason"], "error")).as_py() or 0
+    prompt = pc.sum(results["prompt_tokens"]).as_py() or 0
+    output = pc.sum(results["output_tokens"]).as_py() or 0
+    cost = pc.sum(costs["cost_usd"]).as_py() or 0.0
+    print(f"job {job_id}: {n} requests: {n - errors} ok, {errors} error")
+    print(f"tokens: {prompt} prompt, {output} output; {output / wall_s:.1f} output tokens/s over {wall_s:.1f}s")
+    print(f"cost: ${cost:.6f} of requests at ${opts['price_per_device_hour']}/device-hour")
+    print(f"results: {out / 'results'}  costs: {out / 'costs'}")
+    if n != expected:
+        print(f"mqinfer run: error: expected {expected} result rows, found {n}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,175 @@
+"""Command-line options in one place: each flag, its type, default and help, and where values come from.
+
+Every flag can also be given as an environment variable ``MQINFER_<FLAG>`` (``--max-wait-ms`` →
+``MQINFER_MAX_WAIT_MS``) and in a TOML file passed with ``--config`` (keys spelled like the flag,
+with dashes or underscores; a table named after the command, e.g. ``[worker]``, overrides the top
+level for that command). Precedence: command line > environment > config file > default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # python name, e.g. "max_wait_ms"
+    type: Callable[[str], Any] | type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return "MQINFER_" + self.name.upper()
+
+    def convert(self, raw: Any, source: str) -> Any:
+        if raw is None:
+            return None
+        try:
+            if self.type is bool:
+                if isinstance(raw, bool):
+                    return raw
+                text = str(raw).strip().lower()
+                if text in _TRUE:
+                    return True
+                if text in _FALSE:
+                    return False
+                raise ValueError(f"expected true/false, got {raw!r}")
+            value = self.type(raw) if not isinstance(raw, bool) else raw
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{self.flag} (from {source}): {exc}") from None
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"{self.flag} (from {source}): {value!r} is not one of {', '.join(self.choices)}")
+        return value
+
+
+class ConfigError(ValueError):
+    """A flag, environment variable or config file value that cannot be used."""
+
+
+def _optional_int(text: str) -> int | None:
+    return None if str(text).lower() in ("", "none", "auto") else int(text)
+
+
+def _optional_float(text: str) -> float | None:
+    return None if str(text).lower() in ("", "none", "off") else float(text)
+
+
+REDIS = Option("redis", str, None, "Redis URL: redis://[user:pass@]host:port/db, rediss:// (TLS) or "
+               "unix://[:pass@]/path.sock.", metavar="URL")
+STREAM = Option("stream", str, "requests", "Stream name S: requests go to key mqinfer:{S}.", metavar="S")
+LOG_LEVEL = Option("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error"))
+LOG_FORMAT = Option("log_format", str, "text", "Log line format.", choices=("text", "json"))
+JOB_ID = Option("job_id", str, None, "Job id stamped on every request (default: requests keep their own "
+                "job_id; `run` generates one).", metavar="ID")
+
+ENGINE_OPTIONS = [
+    Option("model", str, "tiny", "`tiny` (built-in smoke-test model) or a local Hugging Face checkpoint folder.",
+           metavar="M"),
+    Option("device", str, "auto", "Where the model runs.", choices=("auto", "cpu", "cuda")),
+    Option("dtype", str, "auto", "Weight and activation dtype (auto = the checkpoint's own).",
+           choices=("auto", "float32", "bfloat16", "float16")),
+    Option("block_size", int, 16, "Tokens per KV cache block."),
+    Option("num_kv_blocks", _optional_int, None, "KV cache blocks (default: sized from the model and memory).",
+           metavar="K"),
+    Option("max_num_batched_tokens", int, 2048, "Token budget of one engine step (prefill chunks + decodes).",
+           metavar="T"),
+    Option("max_num_seqs", int, 128, "Requests running at once, at most.", metavar="S"),
+    Option("max_model_len", _optional_int, None, "Context length (default: the model's).", metavar="N"),
+    Option("no_prefix_cache", bool, False, "Turn prefix caching off."),
+]
+
+WORKER_OPTIONS = [
+    Option("group", str, "workers", "Consumer group name.", metavar="G"),
+    Option("consumer", str, None, "Consumer name (default: hostname-pid-random).", metavar="C"),
+    Option("max_batch", int, 64, "Dual-threshold batcher: release a batch at this many requests...", metavar="N"),
+    Option("max_wait_ms", float, 10.0, "...or this long after the oldest arrival, whichever comes first.",
+           metavar="T"),
+    Option("claim_idle_ms", int, 30_000, "Take over another consumer's entries idle this long (it is "
+           "presumed dead; live workers keep their entries fresh).", metavar="MS"),
+    Option("max_deliveries", int, 3, "After this many deliveries a request ends with an error row.",
+           metavar="N"),
+    Option("idle_exit_s", _optional_float, None, "Exit 0 after this many seconds with nothing to do "
+           "(default: never).", metavar="S"),
+    Option("metrics_port", _optional_int, None, "Serve Prometheus metrics, /healthz and /readyz on this port.",
+           metavar="P"),
+    Option("metrics_host", str, "127.0.0.1", "Address the metrics endpoint binds to.", metavar="ADDR"),
+    Option("price_per_device_hour", float, 1.0, "Price of one device hour in USD, for cost_usd.", metavar="USD"),
+    Option("flush_rows", int, 256, "Write Parquet part files once this many rows are pending...", metavar="N"),
+    Option("flush_interval_s", float, 0.5, "...or once the oldest pending row is this old.", metavar="S"),
+    Option("drain_timeout_s", float, 30.0, "On SIGTERM, finish running requests for at most this long, "
+           "then hand the rest back.", metavar="S"),
+]
+
+
+def add_options(parser: argparse.ArgumentParser, options: list[Option], *, required: tuple[str, ...] = ()) -> None:
+    """Add flags whose argparse default is 'not given', so env and config can fill them later."""
+    for opt in options:
+        default_text = "off" if opt.type is bool and not opt.default else opt.default
+        env_note = f"env {opt.env}"
+        help_text = f"{opt.help} (default: {default_text}; {env_note})"
+        if opt.name in required:
+            help_text = f"{opt.help} (required; {env_note})"
+        if opt.type is bool:
+            parser.add_argument(opt.flag, dest=opt.name, action="store_const", const=True,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(opt.flag, dest=opt.name, default=argparse.SUPPRESS, help=help_text,
+                                metavar=opt.metavar or opt.name.upper(), choices=None)
+
+
+def load_config_file(path: str | os.PathLike | None, command: str) -> dict[str, Any]:
+    if not path:
+        return {}
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no such file: {p}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"--config {p}: not valid TOML: {exc}") from None
+    values = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
+    section = data.get(command)
+    if isinstance(section, dict):
+        values.update({k.replace("-", "_"): v for k, v in section.items()})
+    return values
+
+
+def resolve(args: argparse.Namespace, options: list[Option], file_values: dict[str, Any],
+            required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Final value of each option: command line > environment > config file > default."""
+    known = {o.name for o in options}
+    resolved: dict[str, Any] = {}
+    for opt in options:
+        if hasattr(args, opt.name):
+            value = opt.convert(getattr(args, opt.name), "command line")
+        elif opt.env in os.environ:
+            value = opt.convert(os.environ[opt.env], f"environment {opt.env}")
+        elif opt.name in file_values:
+            value = opt.convert(file_values[opt.name], "config file")
+        else:
+            value = opt.default
+        resolved[opt.name] = value
+    for name in required:
+        if resolved.get(name) in (None, ""):
+            opt = next(o for o in options if o.name == name)
+            raise ConfigError(f"{opt.flag} is required (or set {opt.env})")
+    unknown = sorted(set(file_values) - known - {"config"})
+    if unknown:
+        # Settings for other commands may share a file; only flag keys no command knows.
+        resolved["_unknown_config_keys"] = unknown
+    return resolved
