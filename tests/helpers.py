@@ -1,0 +1,63 @@
+"""Helpers for tests that run real `mqinfer` processes against the embedded server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.dataset as ds
+
+
+def mqinfer_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mqinfer", *args]
+
+
+def start_worker(redis_url: str, out: Path, *extra: str, log_level: str = "warning") -> subprocess.Popen:
+    env = dict(os.environ, MQINFER_LOG_LEVEL=log_level)
+    return subprocess.Popen(
+        mqinfer_cmd("worker", "--redis", redis_url, "--out", str(out), *extra),
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def wait_exit(proc: subprocess.Popen, timeout: float = 180.0) -> tuple[int, str]:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        raise AssertionError(f"process did not exit within {timeout}s; stderr:\n{err[-4000:]}")
+    return proc.returncode, err
+
+
+def wait_until(predicate, timeout: float = 60.0, interval: float = 0.05, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def read_dataset(path: Path):
+    if not path.exists():
+        return None
+    return ds.dataset(path, format="parquet", partitioning="hive").to_table()
+
+
+def rows(path: Path) -> list[dict]:
+    table = read_dataset(path)
+    return [] if table is None else table.to_pylist()
+
+
+def write_jsonl(path: Path, items) -> Path:
+    with open(path, "w", encoding="utf-8") as f:
+        for item in items:
+            f.write(item if isinstance(item, str) else json.dumps(item))
+            f.write("\n")
+    return path

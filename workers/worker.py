@@ -1,0 +1,616 @@
+"""The inference worker process: stream ingest, engine loop, durable rows, then acks.
+
+One loop, one thread: read what the engine can start soon (``XREADGROUP`` with a COUNT bounded
+by free capacity, plus ``XAUTOCLAIM`` of dead workers' entries), decode and validate, hold
+requests in the dual-threshold batcher, step the engine, turn finished requests into a result
+row and a cost row, write them durably, and only then ``XACK`` (and ``XDEL``) their entries.
+While a request runs its entry is re-claimed by this worker (``XCLAIM ... JUSTID``) so its idle
+time stays low and only a dead worker's entries are taken over. SIGTERM drains: no new reads,
+finish what runs within ``drain_timeout_s``, hand the rest back, flush, ack, exit 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+import redis
+
+from mqinfer import keys
+from mqinfer.ops.metrics import WorkerMetrics
+from mqinfer.scheduler.batcher import DynamicBatcher
+from mqinfer.scheduler.request import SamplingParams
+from mqinfer.schemas import errors
+from mqinfer.schemas.errors import RequestError
+from mqinfer.schemas.request import Request, to_sampling_kwargs
+from mqinfer.schemas.rows import CostRow, ResultRow, error_result_row
+from mqinfer.schemas.stream import decode_entry
+from mqinfer.server import connect, redact
+from mqinfer.workers.costs import Meter, WorkModel
+from mqinfer.workers.engine import EngineConfig, EngineInputError, LLMEngine
+from mqinfer.workers.sink import Sinks, remove_temp_files
+
+log = logging.getLogger("mqinfer.worker")
+
+HANDBACK_CONSUMER = "mqinfer-handback"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    redis_url: str
+    out_dir: Path
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    stream: str = "requests"
+    group: str = keys.GROUP
+    consumer: str | None = None
+    max_batch: int = 64
+    max_wait_ms: float = 10.0
+    claim_idle_ms: int = 30_000
+    max_deliveries: int = 3
+    idle_exit_s: float | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    price_per_device_hour: float = 1.0
+    flush_rows: int = 256
+    flush_interval_s: float = 0.5
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.max_batch >= 1, f"--max-batch must be >= 1, got {self.max_batch}"),
+            (self.max_wait_ms >= 0, f"--max-wait-ms must be >= 0, got {self.max_wait_ms}"),
+            (self.claim_idle_ms >= 100, f"--claim-idle-ms must be >= 100, got {self.claim_idle_ms}"),
+            (self.max_deliveries >= 1, f"--max-deliveries must be >= 1, got {self.max_deliveries}"),
+            (self.idle_exit_s is None or self.idle_exit_s >= 0, "--idle-exit-s must be >= 0"),
+            (self.price_per_device_hour >= 0, "--price-per-device-hour must be >= 0"),
+            (self.flush_rows >= 1, "--flush-rows must be >= 1"),
+            (self.flush_interval_s >= 0, "--flush-interval-s must be >= 0"),
+            (bool(self.stream) and "}" not in self.stream, f"invalid --stream {self.stream!r}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A stream entry this worker owns, from decode to ack."""
+
+    entry_id: str
+    request: Request
+    attempt: int
+    enqueued_at: float
+    started_at: float | None = None
+    first_token_at: float | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    sampling: SamplingParams | None = None
+
+
+def default_consumer_name() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+
+
+def entry_time(entry_id: str) -> float:
+    """Unix seconds at which the server added the entry (its id's millisecond part)."""
+    try:
+        return int(entry_id.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return time.time()
+
+
+def _recover_job_id(fields: dict) -> str | None:
+    """Best effort: the job_id of an entry that failed validation, so its error row is keyed right."""
+    raw = fields.get(b"r") or fields.get("r")
+    obj = None
+    try:
+        if raw is not None:
+            obj = msgspec.msgpack.decode(raw)
+        else:
+            text = fields.get(b"json") or fields.get("json")
+            if text is not None:
+                obj = msgspec.json.decode(text)
+    except Exception:
+        return None
+    job_id = obj.get("job_id") if isinstance(obj, dict) else None
+    if isinstance(job_id, str) and 0 < len(job_id) <= 128 and job_id.isprintable():
+        return job_id
+    return None
+
+
+def _s(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig, *, clock=time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.started = clock()
+        self.consumer = config.consumer or default_consumer_name()
+        self.stream_key = keys.request_stream(config.stream)
+        self.dead_key = keys.dead_letter_stream(config.stream)
+        self.redis = connect(config.redis_url)
+        self.metrics = WorkerMetrics()
+        self.batcher = DynamicBatcher(max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
+        self.inflight: dict[str, InFlight] = {}
+        self.pending_acks: list[tuple[str, str | None, str]] = []  # (entry_id, job_id, id)
+        self.stopping = False
+        self.engine: LLMEngine | None = None
+        self.sinks: Sinks | None = None
+        self.meter: Meter | None = None
+        self._last_autoclaim = 0.0
+        self._last_keepalive = 0.0
+        self._last_activity = self.started
+        self._disowned: set[str] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def _install_signals(self) -> None:
+        def on_signal(signum, _frame):
+            if self.stopping:
+                return
+            log.info("signal %s: draining", signal.Signals(signum).name)
+            self.stopping = True
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def start(self) -> None:
+        cfg = self.config
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        removed = remove_temp_files(out)
+        if removed:
+            log.info("removed %d leftover temporary part files", removed)
+        self._ensure_group()
+        self.engine = LLMEngine(cfg.engine, clock=self.clock)
+        info = self.engine.info
+        self.meter = Meter(
+            WorkModel.for_model(
+                num_params=info.num_params, vocab_size=info.vocab_size, hidden_size=info.hidden_size,
+                num_layers=info.num_layers, num_heads=info.num_heads, head_dim=info.head_dim,
+                tied=getattr(info, "tie_word_embeddings", False),
+            ),
+            start=self.started,
+        )
+        self.sinks = Sinks(out, self.consumer, flush_rows=cfg.flush_rows, flush_interval_s=cfg.flush_interval_s,
+                           clock=self.clock)
+        if cfg.metrics_port is not None:
+            port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
+            log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, port)
+        now = self.clock()
+        startup_s = self.meter.startup_done(now)
+        self.sinks.add_cost(self._overhead_row("startup", startup_s, now))
+        self.metrics.ready = True
+        self._last_activity = now
+        log.info(
+            "worker %s ready: model %s, stream %s on %s, startup %.2fs",
+            self.consumer, info.model_id, self.stream_key, redact(cfg.redis_url), startup_s,
+        )
+
+    def _ensure_group(self) -> None:
+        try:
+            self.redis.xgroup_create(self.stream_key, self.config.group, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def run(self) -> int:
+        self._install_signals()
+        self.start()
+        self._recover_own_pending()
+        while True:
+            if self.stopping:
+                break
+            self._iteration()
+            if self._idle_exit_due():
+                log.info("idle for %.1fs: exiting", self.config.idle_exit_s)
+                break
+        self._drain()
+        return 0
+
+    def _iteration(self) -> None:
+        now = self.clock()
+        self._ingest(now)
+        self._admit()
+        if self.engine.has_unfinished():
+            self._step()
+        now = self.clock()
+        self._keepalive(now)
+        if self.sinks.pending and (self.sinks.should_flush() or not self.engine.has_unfinished()):
+            self._flush()
+
+    def _idle_exit_due(self) -> bool:
+        limit = self.config.idle_exit_s
+        if limit is None:
+            return False
+        busy = self.inflight or len(self.batcher) or self.engine.has_unfinished() or self.pending_acks
+        if busy:
+            self._last_activity = self.clock()
+            return False
+        return self.clock() - self._last_activity >= limit
+
+    # -- ingest ------------------------------------------------------------------------------
+    def _room(self) -> int:
+        return max(0, min(self.engine.free_capacity() - len(self.batcher), self.config.max_batch))
+
+    def _block_ms(self) -> int | None:
+        """How long XREADGROUP may block: never while the engine has work to step."""
+        if self.engine.has_unfinished() or self.sinks.pending:
+            return None
+        wait = self.batcher.time_until_release(engine_idle=True)
+        if wait is not None:
+            return max(1, int(wait * 1000)) if wait > 0 else None
+        cap = 1000
+        if self.config.idle_exit_s is not None:
+            cap = min(cap, max(1, int(self.config.idle_exit_s * 1000)))
+        return cap
+
+    def _ingest(self, now: float) -> None:
+        room = self._room()
+        if room <= 0:
+            return
+        if now - self._last_autoclaim >= min(self.config.claim_idle_ms / 2000.0, 5.0):
+            self._last_autoclaim = now
+            room -= self._autoclaim(room)
+            if room <= 0:
+                return
+        block = self._block_ms()
+        try:
+            response = self.redis.xreadgroup(
+                self.config.group, self.consumer, {self.stream_key: ">"}, count=room, block=block
+            )
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" in str(exc):  # the stream or group was deleted under us: recreate
+                self._ensure_group()
+                return
+            raise
+        for _key, entries in response or []:
+            for entry_id, fields in entries:
+                self._accept(_s(entry_id), fields, attempt=1)
+
+    def _recover_own_pending(self) -> None:
+        """Entries already pending under this consumer name (a restart with a fixed --consumer)."""
+        response = self.redis.xreadgroup(self.config.group, self.consumer, {self.stream_key: "0"}, count=10_000)
+        for _key, entries in response or []:
+            for entry_id, fields in entries:
+                entry_id = _s(entry_id)
+                if fields:
+                    self._accept(entry_id, fields, attempt=self._delivery_count(entry_id))
+                else:
+                    self._ack_lost(entry_id)
+
+    def _delivery_count(self, entry_id: str) -> int:
+        info = self.redis.xpending_range(self.stream_key, self.config.group, entry_id, entry_id, 1)
+        return int(info[0]["times_delivered"]) if info else 1
+
+    def _autoclaim(self, room: int) -> int:
+        """Take over entries idle longer than --claim-idle-ms (their worker is presumed dead)."""
+        try:
+            result = self.redis.xautoclaim(
+                self.stream_key, self.config.group, self.consumer, self.config.claim_idle_ms,
+                start_id="0-0", count=room,
+            )
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                self._ensure_group()
+                return 0
+            raise
+        entries = result[1] if len(result) > 1 else []
+        deleted = result[2] if len(result) > 2 else []
+        for entry_id in deleted:  # pending, but trimmed from the stream: its content is gone
+            self._ack_lost(_s(entry_id))
+        for entry_id, fields in entries:
+            entry_id = _s(entry_id)
+            if entry_id in self.inflight:
+                continue
+            self.metrics.redeliveries.inc()
+            self._accept(entry_id, fields, attempt=self._delivery_count(entry_id))
+        return len(entries)
+
+    def _ack_lost(self, entry_id: str) -> None:
+        log.warning("entry %s was pending but is no longer in the stream (trimmed): its request is lost", entry_id)
+        self.redis.xack(self.stream_key, self.config.group, entry_id)
+
+    def _accept(self, entry_id: str, fields: dict, attempt: int) -> None:
+        """Decode and validate one entry; a bad one becomes an error row or a dead letter."""
+        now = self.clock()
+        enqueued_at = entry_time(entry_id)
+        self._last_activity = now
+        try:
+            request = decode_entry(fields)
+        except RequestError as exc:
+            if exc.request_id is None:
+                self._dead_letter(entry_id, fields, exc)
+            else:
+                self._error_row(entry_id, exc.request_id, _recover_job_id(fields), exc.code, exc.message,
+                                attempt=attempt, enqueued_at=enqueued_at)
+            return
+        if attempt > self.config.max_deliveries:
+            self._error_row(
+                entry_id, request.id, request.job_id, errors.MAX_DELIVERIES_EXCEEDED,
+                f"delivered {attempt} times (--max-deliveries {self.config.max_deliveries}); "
+                "its workers died or failed each time", attempt=attempt, enqueued_at=enqueued_at, request=request,
+            )
+            return
+        info = self.engine.info
+        if request.model is not None and request.model not in (info.name, info.model_id):
+            self._error_row(
+                entry_id, request.id, request.job_id, errors.MODEL_MISMATCH,
+                f"model: request asks for {request.model!r} but this worker serves {info.name!r}",
+                attempt=attempt, enqueued_at=enqueued_at, request=request,
+            )
+            return
+        try:
+            messages = (
+                [{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None
+            )
+            prompt_ids = self.engine.encode_prompt(request.prompt, request.prompt_token_ids, messages)
+            sampling = SamplingParams(**to_sampling_kwargs(request))
+        except EngineInputError as exc:
+            self._error_row(entry_id, request.id, request.job_id, exc.code, exc.message,
+                            attempt=attempt, enqueued_at=enqueued_at, request=request)
+            return
+        except ValueError as exc:
+            self._error_row(entry_id, request.id, request.job_id, errors.INVALID_REQUEST, str(exc),
+                            attempt=attempt, enqueued_at=enqueued_at, request=request)
+            return
+        self.inflight[entry_id] = InFlight(
+            entry_id, request, attempt, enqueued_at, prompt_token_ids=prompt_ids, sampling=sampling
+        )
+        self.batcher.add(entry_id)
+
+    def _dead_letter(self, entry_id: str, fields: dict, exc: RequestError) -> None:
+        """No usable id: the entry goes to the dead-letter stream with the reason, then is acked."""
+        self.metrics.dead_letters.inc()
+        log.warning("dead letter %s: %s: %s", entry_id, exc.code, exc.message)
+        dead = {"entry_id": entry_id, "error_code": exc.code, "error": exc.message[:2000], "worker": self.consumer}
+        for k, v in fields.items():
+            name = _s(k)
+            if name in ("r", "json", "v"):
+                dead["orig_" + name] = v
+        self.redis.xadd(self.dead_key, dead, maxlen=100_000, approximate=True)
+        self.pending_acks.append((entry_id, None, ""))
+
+    # -- engine ------------------------------------------------------------------------------
+    def _admit(self) -> None:
+        idle = not self.engine.has_unfinished()
+        batch = self.batcher.poll(engine_idle=idle)
+        if not batch:
+            return
+        now = self.clock()
+        if idle:
+            self.meter.idle_until(now)
+        for entry_id in batch:
+            item = self.inflight.get(entry_id)
+            if item is None:
+                continue
+            req = item.request
+            try:
+                self.engine.add_request(
+                    entry_id, item.prompt_token_ids, item.sampling,
+                    arrival_time=item.enqueued_at, priority=req.priority, deadline=req.deadline,
+                )
+            except EngineInputError as exc:
+                del self.inflight[entry_id]
+                self._error_row(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,
+                                enqueued_at=item.enqueued_at, request=req)
+                continue
+            item.started_at = now
+            self.metrics.queue_time.observe(max(0.0, now - item.enqueued_at))
+
+    def _step(self) -> None:
+        result = self.engine.step()
+        scheduler = self.engine.scheduler
+        held = {}
+        for w in result.work:
+            r = scheduler.get_request(w.request_id)
+            held[w.request_id] = float(len(r.block_ids)) if r is not None else 0.0
+        self.meter.step(result.end, result.work, held)
+        gen_tokens = 0
+        for out in result.outputs:
+            gen_tokens += len(out.new_token_ids)
+            item = self.inflight.get(out.request_id)
+            if item is None:
+                continue
+            if item.first_token_at is None and out.new_token_ids:
+                item.first_token_at = out.first_token_time or result.end
+                self.metrics.ttft.observe(max(0.0, item.first_token_at - item.enqueued_at))
+            if out.finished:
+                self._finish(item, out)
+        self.metrics.generation_tokens.inc(gen_tokens)
+        self.metrics.requests_running.set(scheduler.num_running)
+        self.metrics.requests_waiting.set(scheduler.num_waiting + len(self.batcher))
+        self.metrics.kv_cache_usage.set(scheduler.kv_cache_manager.usage)
+        self._last_activity = result.end
+
+    def _finish(self, item: InFlight, out) -> None:
+        del self.inflight[item.entry_id]
+        meter = self.meter.pop(item.entry_id)
+        if item.entry_id in self._disowned:  # another worker owns the entry now: its row wins
+            self._disowned.discard(item.entry_id)
+            return
+        now = self.clock()
+        req = item.request
+        info = self.engine.info
+        row = ResultRow(
+            job_id=req.job_id, id=req.id, tenant=req.tenant, model=info.model_id, request_type=req.request_type,
+            finish_reason=out.finish_reason, error_code=out.error_code, error=out.error,
+            prompt_tokens=out.num_prompt_tokens, output_tokens=len(out.output_token_ids),
+            output_token_ids=list(out.output_token_ids), text=out.text, logprobs=out.logprobs,
+            enqueued_at=item.enqueued_at, started_at=item.started_at, first_token_at=item.first_token_at,
+            finished_at=now, worker=self.consumer, attempt=item.attempt, metadata=dict(req.metadata),
+        )
+        price = self.config.price_per_device_hour
+        cost = CostRow(
+            kind="request", job_id=req.job_id, id=req.id, tenant=req.tenant, model=info.model_id,
+            request_type=req.request_type, prompt_tokens=out.num_prompt_tokens,
+            cached_prompt_tokens=max(0, out.num_cached_tokens), output_tokens=len(out.output_token_ids),
+            queue_s=max(0.0, (item.started_at or now) - item.enqueued_at), prefill_s=meter.prefill_s,
+            decode_s=meter.decode_s, device_s=meter.device_s, recomputed_s=meter.recomputed_s,
+            kv_block_s=meter.kv_block_s, cost_usd=meter.device_s * price / 3600.0,
+            price_per_device_hour=price, worker=self.consumer, finished_at=now,
+        )
+        self.sinks.add(row, cost)
+        self.pending_acks.append((item.entry_id, req.job_id, req.id))
+        self.metrics.finish(out.finish_reason or "error")
+        self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
+        self.metrics.e2e.observe(max(0.0, now - item.enqueued_at))
+        log.info(
+            "finished %s", json.dumps({
+                "id": req.id, "job_id": req.job_id, "tenant": req.tenant, "finish_reason": out.finish_reason,
+                "prompt_tokens": out.num_prompt_tokens, "output_tokens": len(out.output_token_ids),
+                "device_s": round(meter.device_s, 6), "e2e_s": round(now - item.enqueued_at, 6),
+            }),
+        )
+
+    def _error_row(self, entry_id: str, request_id: str, job_id: str | None, code: str, message: str, *,
+                   attempt: int, enqueued_at: float, request: Request | None = None) -> None:
+        now = self.clock()
+        info = self.engine.info
+        row = error_result_row(
+            request_id, job_id, code, message,
+            tenant=request.tenant if request else "default",
+            model=info.model_id,
+            request_type=request.request_type if request else "default",
+            worker=self.consumer, attempt=attempt, enqueued_at=enqueued_at, finished_at=now,
+            metadata=dict(request.metadata) if request else {},
+        )
+        cost = CostRow(
+            kind="request", job_id=job_id, id=request_id, tenant=row.tenant, model=info.model_id,
+            request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0,
+            queue_s=max(0.0, now - enqueued_at), prefill_s=0.0, decode_s=0.0, device_s=0.0, recomputed_s=0.0,
+            kv_block_s=0.0, cost_usd=0.0, price_per_device_hour=self.config.price_per_device_hour,
+            worker=self.consumer, finished_at=now,
+        )
+        self.sinks.add(row, cost)
+        self.pending_acks.append((entry_id, job_id, request_id))
+        self.metrics.finish("error")
+        log.info("error row %s: %s: %s", request_id, code, message)
+
+    def _overhead_row(self, kind: str, seconds: float, now: float) -> CostRow:
+        price = self.config.price_per_device_hour
+        return CostRow(
+            kind=kind, job_id=None, id=None, tenant=None, model=self.engine.info.model_id if self.engine else None,
+            request_type=None, prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, queue_s=0.0,
+            prefill_s=0.0, decode_s=0.0, device_s=seconds, recomputed_s=0.0, kv_block_s=0.0,
+            cost_usd=seconds * price / 3600.0, price_per_device_hour=price, worker=self.consumer, finished_at=now,
+        )
+
+    # -- durability and acks -----------------------------------------------------------------
+    def _flush(self) -> None:
+        now = self.clock()
+        if not self.engine.has_unfinished():
+            self.meter.idle_until(now)
+        idle = self.meter.take_idle()
+        if idle > 0:
+            self.sinks.add_cost(self._overhead_row("idle", idle, now))
+        try:
+            self.sinks.flush()
+        except OSError:
+            self.metrics.healthy = False
+            log.exception("writing result rows failed: nothing acked; exiting unhealthy")
+            raise
+        self.metrics.rows_written.inc(len(self.pending_acks))
+        self._ack()
+
+    def _ack(self) -> None:
+        if not self.pending_acks:
+            return
+        ids = [entry_id for entry_id, _, _ in self.pending_acks]
+        done: dict[str, list[str]] = {}
+        for _, job_id, rid in self.pending_acks:
+            if job_id is not None:
+                done.setdefault(job_id, []).append(rid)
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xack(self.stream_key, self.config.group, *ids)
+        pipe.xdel(self.stream_key, *ids)  # acked entries leave the stream; pending ones never do
+        for job_id, rids in done.items():
+            key = job_done_key(self.config.stream, job_id)
+            pipe.sadd(key, *rids)
+            pipe.expire(key, 7 * 24 * 3600)
+        pipe.execute()
+        self.pending_acks.clear()
+
+    def _keepalive(self, now: float) -> None:
+        """Reset the idle time of the entries this worker is working on (and notice lost ones)."""
+        if now - self._last_keepalive < self.config.claim_idle_ms / 3000.0:
+            return
+        self._last_keepalive = now
+        mine = [e for e in self.inflight if e not in self._disowned]
+        if not mine:
+            return
+        owned = set()
+        for chunk_start in range(0, len(mine), 1000):
+            chunk = mine[chunk_start:chunk_start + 1000]
+            lo, hi = min(chunk, key=_id_key), max(chunk, key=_id_key)
+            for p in self.redis.xpending_range(self.stream_key, self.config.group, lo, hi, len(chunk) * 4 + 10,
+                                               consumername=self.consumer):
+                owned.add(_s(p["message_id"]))
+        still = [e for e in mine if e in owned]
+        lost = [e for e in mine if e not in owned]
+        if still:
+            self.redis.xclaim(self.stream_key, self.config.group, self.consumer, 0, still, justid=True)
+        for entry_id in lost:
+            # Another worker took this entry while we were stalled: stop computing it.
+            log.warning("entry %s was claimed by another worker; dropping our copy", entry_id)
+            self._disowned.add(entry_id)
+            if self.engine.scheduler.get_request(entry_id) is not None:
+                self.engine.cancel(entry_id)
+            else:
+                self.inflight.pop(entry_id, None)
+                self._disowned.discard(entry_id)
+
+    def _drain(self) -> None:
+        """Finish what runs (within the drain timeout), hand back the rest, flush and ack."""
+        # Entries still in the batcher never started: they are handed back below.
+        deadline = self.clock() + self.config.drain_timeout_s
+        while self.engine.has_unfinished() and self.clock() < deadline:
+            self._step()
+            if self.sinks.should_flush():
+                self._flush()
+        unfinished = [e for e in self.inflight if e not in self._disowned]
+        if unfinished:
+            for entry_id in unfinished:
+                if self.engine.scheduler.get_request(entry_id) is not None:
+                    self.engine.cancel(entry_id)
+            self._handback(unfinished)
+            self.inflight.clear()
+        self.meter.idle_until(self.clock())
+        self._flush()
+        try:
+            pending = self.redis.xpending_range(self.stream_key, self.config.group, "-", "+", 1,
+                                                consumername=self.consumer)
+            if not pending:
+                self.redis.xgroup_delconsumer(self.stream_key, self.config.group, self.consumer)
+        except redis.exceptions.RedisError:
+            log.warning("could not remove consumer %s from the group", self.consumer)
+        self.metrics.close()
+        log.info("worker %s stopped", self.consumer)
+
+    def _handback(self, entry_ids: list[str]) -> None:
+        """Make unfinished entries claimable at once by another worker, without counting a delivery."""
+        for entry_id in entry_ids:
+            attempt = self.inflight[entry_id].attempt
+            self.redis.xclaim(
+                self.stream_key, self.config.group, HANDBACK_CONSUMER, 0, [entry_id],
+                idle=self.config.claim_idle_ms + 1, retrycount=max(0, attempt - 1), justid=True,
+            )
+        log.info("handed back %d unfinished entries", len(entry_ids))
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def job_done_key(stream: str, job_id: str) -> str:
+    """Set of request ids of a job that have a durable row (used by `mqinfer run` for progress)."""
+    return f"mqinfer:{{{stream}}}:done:{job_id}"
