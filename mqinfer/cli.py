@@ -322,7 +322,7 @@ def cmd_run(args, opts: dict) -> int:
     from mqinfer.schemas.rows import CostRow, error_result_row
     from mqinfer.server import EmbeddedServer
     from mqinfer.workers.sink import Sinks
-    from mqinfer.workers.worker import job_done_key
+    from mqinfer import keys
 
     if opts["workers"] < 1:
         raise ConfigError("--workers must be >= 1")
@@ -366,7 +366,7 @@ def cmd_run(args, opts: dict) -> int:
         env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
         argv = _worker_argv(opts, redis_url)
         workers = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL) for _ in range(opts["workers"])]
-        done_key = job_done_key(opts["stream"], job_id)
+        done_key = keys.job_done_set(opts["stream"], job_id)
         progress = _Progress(len(requests))
         done = 0
         while done < len(requests):

@@ -41,6 +41,7 @@ from mqinfer.workers.sink import Sinks, remove_temp_files
 log = logging.getLogger("mqinfer.worker")
 
 HANDBACK_CONSUMER = "mqinfer-handback"
+CANCELLED_JOB_STATUSES = ("cancelling", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,12 @@ def _recover_job_id(fields: dict) -> str | None:
     return None
 
 
+def _replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
 def _s(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -141,12 +148,15 @@ class Worker:
         self.metrics = WorkerMetrics()
         self.batcher = DynamicBatcher(max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
         self.inflight: dict[str, InFlight] = {}
-        self.pending_acks: list[tuple[str, str | None, str]] = []  # (entry_id, job_id, id)
+        # Entries whose rows are written (or about to be): (entry_id, job_id, id, result row).
+        self.pending_acks: list[tuple[str, str | None, str, ResultRow | None]] = []
+        self._job_cache: dict[str, tuple[float, str | None]] = {}
         self.stopping = False
         self.engine: LLMEngine | None = None
         self.sinks: Sinks | None = None
         self.meter: Meter | None = None
         self._last_autoclaim = 0.0
+        self._autoclaim_cursor = "0-0"
         self._last_keepalive = 0.0
         self._last_activity = self.started
         self._disowned: set[str] = set()
@@ -223,7 +233,8 @@ class Worker:
         if self.engine.has_unfinished():
             self._step()
         now = self.clock()
-        self._keepalive(now)
+        if self._keepalive(now):
+            self._cancel_cancelled_jobs()
         if self.sinks.pending and (self.sinks.should_flush() or not self.engine.has_unfinished()):
             self._flush()
 
@@ -296,13 +307,16 @@ class Worker:
         try:
             result = self.redis.xautoclaim(
                 self.stream_key, self.config.group, self.consumer, self.config.claim_idle_ms,
-                start_id="0-0", count=room,
+                start_id=self._autoclaim_cursor, count=room,
             )
         except redis.exceptions.ResponseError as exc:
             if "NOGROUP" in str(exc):
                 self._ensure_group()
                 return 0
             raise
+        # The server scans at most COUNT*10 pending entries per call: keep the cursor so that a
+        # long pending list is walked in full over successive calls.
+        self._autoclaim_cursor = _s(result[0]) if result else "0-0"
         entries = result[1] if len(result) > 1 else []
         deleted = result[2] if len(result) > 2 else []
         for entry_id in deleted:  # pending, but trimmed from the stream: its content is gone
@@ -339,6 +353,10 @@ class Worker:
                 f"delivered {attempt} times (--max-deliveries {self.config.max_deliveries}); "
                 "its workers died or failed each time", attempt=attempt, enqueued_at=enqueued_at, request=request,
             )
+            return
+        if self._job_status(request.job_id) in CANCELLED_JOB_STATUSES:
+            self._error_row(entry_id, request.id, request.job_id, None, None, attempt=attempt,
+                            enqueued_at=enqueued_at, request=request, finish_reason="cancelled")
             return
         info = self.engine.info
         if request.model is not None and request.model not in (info.name, info.model_id):
@@ -377,7 +395,7 @@ class Worker:
             if name in ("r", "json", "v"):
                 dead["orig_" + name] = v
         self.redis.xadd(self.dead_key, dead, maxlen=100_000, approximate=True)
-        self.pending_acks.append((entry_id, None, ""))
+        self.pending_acks.append((entry_id, None, "", None))
 
     # -- engine ------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -459,7 +477,7 @@ class Worker:
             price_per_device_hour=price, worker=self.consumer, finished_at=now,
         )
         self.sinks.add(row, cost)
-        self.pending_acks.append((item.entry_id, req.job_id, req.id))
+        self.pending_acks.append((item.entry_id, req.job_id, req.id, row))
         self.metrics.finish(out.finish_reason or "error")
         self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         self.metrics.e2e.observe(max(0.0, now - item.enqueued_at))
@@ -471,8 +489,10 @@ class Worker:
             }),
         )
 
-    def _error_row(self, entry_id: str, request_id: str, job_id: str | None, code: str, message: str, *,
-                   attempt: int, enqueued_at: float, request: Request | None = None) -> None:
+    def _error_row(self, entry_id: str, request_id: str, job_id: str | None, code: str | None,
+                   message: str | None, *, attempt: int, enqueued_at: float, request: Request | None = None,
+                   finish_reason: str = "error") -> None:
+        """A row for a request that ends without running: invalid, or its job was cancelled."""
         now = self.clock()
         info = self.engine.info
         row = error_result_row(
@@ -490,10 +510,13 @@ class Worker:
             kv_block_s=0.0, cost_usd=0.0, price_per_device_hour=self.config.price_per_device_hour,
             worker=self.consumer, finished_at=now,
         )
+        if finish_reason != "error":
+            row = msgspec.structs.replace(row, finish_reason=finish_reason) if isinstance(row, msgspec.Struct) \
+                else _replace(row, finish_reason=finish_reason)
         self.sinks.add(row, cost)
-        self.pending_acks.append((entry_id, job_id, request_id))
-        self.metrics.finish("error")
-        log.info("error row %s: %s: %s", request_id, code, message)
+        self.pending_acks.append((entry_id, job_id, request_id, row))
+        self.metrics.finish(finish_reason)
+        log.info("%s row %s: %s: %s", finish_reason, request_id, code, message)
 
     def _overhead_row(self, kind: str, seconds: float, now: float) -> CostRow:
         price = self.config.price_per_device_hour
@@ -522,31 +545,63 @@ class Worker:
         self._ack()
 
     def _ack(self) -> None:
+        """Acknowledge entries whose rows are durable, in one transaction with their side effects:
+        the entry leaves the stream, its id joins the job's done set, and a registered bulk job
+        gets the row on its result stream."""
         if not self.pending_acks:
             return
-        ids = [entry_id for entry_id, _, _ in self.pending_acks]
+        ids = [entry_id for entry_id, _, _, _ in self.pending_acks]
         done: dict[str, list[str]] = {}
-        for _, job_id, rid in self.pending_acks:
+        for _, job_id, rid, _ in self.pending_acks:
             if job_id is not None:
                 done.setdefault(job_id, []).append(rid)
         pipe = self.redis.pipeline(transaction=True)
         pipe.xack(self.stream_key, self.config.group, *ids)
         pipe.xdel(self.stream_key, *ids)  # acked entries leave the stream; pending ones never do
         for job_id, rids in done.items():
-            key = job_done_key(self.config.stream, job_id)
+            key = keys.job_done_set(self.config.stream, job_id)
             pipe.sadd(key, *rids)
             pipe.expire(key, 7 * 24 * 3600)
+        for _, job_id, rid, row in self.pending_acks:
+            if job_id is not None and row is not None and self._is_registered_job(job_id):
+                pipe.xadd(keys.job_results_stream(job_id), {"id": rid, "row": msgspec.json.encode(row)})
         pipe.execute()
         self.pending_acks.clear()
 
-    def _keepalive(self, now: float) -> None:
+    def _is_registered_job(self, job_id: str) -> bool:
+        """Whether `mqinfer jobs` registered this job (then it wants rows on its result stream)."""
+        return self._job_status(job_id) is not None
+
+    def _job_status(self, job_id: str | None) -> str | None:
+        """A registered bulk job's status (cached for a second), or None for other requests."""
+        if job_id is None:
+            return None
+        now = self.clock()
+        cached = self._job_cache.get(job_id)
+        if cached is not None and now - cached[0] < 1.0:
+            return cached[1]
+        status = self.redis.hget(keys.job_key(job_id), "status")
+        status = _s(status) if status is not None else None
+        if len(self._job_cache) > 10_000:
+            self._job_cache.clear()
+        self._job_cache[job_id] = (now, status)
+        return status
+
+    def _cancel_cancelled_jobs(self) -> None:
+        """Running requests of a job being cancelled stop now (they end with finish_reason cancelled)."""
+        for entry_id, item in list(self.inflight.items()):
+            if self._job_status(item.request.job_id) in CANCELLED_JOB_STATUSES:
+                if self.engine.scheduler.get_request(entry_id) is not None:
+                    self.engine.cancel(entry_id)
+
+    def _keepalive(self, now: float) -> bool:
         """Reset the idle time of the entries this worker is working on (and notice lost ones)."""
-        if now - self._last_keepalive < self.config.claim_idle_ms / 3000.0:
-            return
+        if now - self._last_keepalive < min(self.config.claim_idle_ms / 3000.0, 1.0):
+            return False
         self._last_keepalive = now
         mine = [e for e in self.inflight if e not in self._disowned]
         if not mine:
-            return
+            return True
         owned = set()
         for chunk_start in range(0, len(mine), 1000):
             chunk = mine[chunk_start:chunk_start + 1000]
@@ -567,6 +622,7 @@ class Worker:
             else:
                 self.inflight.pop(entry_id, None)
                 self._disowned.discard(entry_id)
+        return True
 
     def _drain(self) -> None:
         """Finish what runs (within the drain timeout), hand back the rest, flush and ack."""
@@ -611,6 +667,3 @@ def _id_key(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def job_done_key(stream: str, job_id: str) -> str:
-    """Set of request ids of a job that have a durable row (used by `mqinfer run` for progress)."""
-    return f"mqinfer:{{{stream}}}:done:{job_id}"
