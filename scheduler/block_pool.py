@@ -1,0 +1,179 @@
+"""The KV block pool: fixed-size blocks with reference counts, the free list, the prefix-cache map.
+
+Every block id in ``range(num_blocks)`` is usable; none is reserved (the model runner packs
+tokens without padding, so it never needs a dummy slot).
+
+The free list is also the eviction order. It holds every block with no owner, least recently
+used first. A full block whose tokens are known gets a chained hash (the parent block's hash,
+this block's token ids and an optional extra key) and is registered in the hash → block map;
+when its last owner lets go it stays registered in the free list, so a later request with the
+same prefix can take it back out (a hit), until ``allocate`` reuses it for something else (an
+eviction). Hashes are 128-bit BLAKE2b digests, and a hit is still confirmed by comparing the
+stored token ids, so a crafted collision can never hand one request another's KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+BlockHash = bytes
+
+_ROOT_HASH: BlockHash = b"\x00" * 16
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_key: bytes | None = None
+) -> BlockHash:
+    """Chained hash of one full block: its whole prefix is folded in through ``parent_hash``.
+
+    ``extra_key`` separates caches that must not share KV for equal tokens (a LoRA adapter, a
+    tenant salt). Lengths are hashed too, so no two different inputs give the same byte stream.
+    """
+    h = hashlib.blake2b(parent_hash if parent_hash is not None else _ROOT_HASH, digest_size=16)
+    h.update(len(token_ids).to_bytes(4, "little"))
+    h.update(array("q", token_ids).tobytes())
+    if extra_key:
+        h.update(len(extra_key).to_bytes(4, "little"))
+        h.update(extra_key)
+    return h.digest()
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    """One block of ``block_size`` KV slots. Opaque outside the pool and the cache manager."""
+
+    block_id: int
+    # Requests holding this block (a prefix shared by several requests counts each of them).
+    ref_cnt: int = 0
+    # Set while the block is registered in the prefix cache, together with the tokens it holds.
+    block_hash: BlockHash | None = None
+    token_ids: tuple[int, ...] | None = None
+
+    def __repr__(self) -> str:
+        cached = "" if self.block_hash is None else f", hash={self.block_hash.hex()[:8]}"
+        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}{cached})"
+
+
+class BlockPool:
+    """Hands out blocks, counts their owners, and keeps freed full blocks as a prefix cache.
+
+    All operations are O(1) per block: the free list is an insertion-ordered dict keyed by
+    block id, so a block can be taken out of the middle of it on a cache hit.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Least recently used first: allocate() takes from the front.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks nobody holds, cached (evictable) ones included."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by some request (0..1)."""
+        return 1.0 - len(self._free) / self.num_blocks
+
+    def allocate(self, num_blocks: int) -> list[KVBlock]:
+        """Take ``num_blocks`` free blocks, least recently used first, evicting their cache entries."""
+        if num_blocks > len(self._free):
+            raise ValueError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} are free")
+        free = self._free
+        cached = self._cached
+        out = []
+        for _ in range(num_blocks):
+            _, block = free.popitem(last=False)
+            if block.block_hash is not None:
+                # The map may point at another block with the same hash only if this one was
+                # never registered; only drop the entry that is ours.
+                if cached.get(block.block_hash) is block:
+                    del cached[block.block_hash]
+                block.block_hash = None
+                block.token_ids = None
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
+        """The cached block holding exactly ``token_ids`` under ``block_hash``, or None."""
+        block = self._cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add one owner to each block (a prefix-cache hit); a free one leaves the free list."""
+        free = self._free
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one owner from each block, in the given order; unowned blocks become free.
+
+        A cached block goes to the most-recently-used end (evicted last); an uncached one holds
+        nothing reusable, so it goes to the front and is reused before any cached block.
+        Callers pass a request's blocks tail first, so that its prefix outlives its suffix.
+        """
+        free = self._free
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"block {block.block_id} freed more often than it was allocated")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                free[block.block_id] = block
+                if block.block_hash is None:
+                    free.move_to_end(block.block_id, last=False)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
+        """Register a full, computed block under ``block_hash``.
+
+        Returns False (and leaves the block uncached) when caching is off, the block is already
+        registered, or another block holds that hash: two requests that computed the same prefix
+        at once keep one cached copy, and the other is freed like any uncached block.
+        """
+        if not self.enable_caching or block.block_hash is not None or block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        block.token_ids = tuple(token_ids)
+        self._cached[block_hash] = block
+        return True
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block that nobody holds (after new weights are loaded, say).
+
+        Blocks still held by requests keep their entries. Returns how many entries were dropped.
+        """
+        dropped = 0
+        for block_hash, block in list(self._cached.items()):
+            if block.ref_cnt == 0:
+                del self._cached[block_hash]
+                block.block_hash = None
+                block.token_ids = None
+                self._free.move_to_end(block.block_id, last=False)
+                dropped += 1
+        return dropped
+
+    # Read-only views, for metrics and for tests that check the pool's invariants.
+    def free_blocks(self) -> Iterator[KVBlock]:
+        """Free blocks in eviction order (least recently used first)."""
+        return iter(self._free.values())
+
+    def cached_blocks(self) -> Iterator[tuple[BlockHash, KVBlock]]:
+        return iter(self._cached.items())

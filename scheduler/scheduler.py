@@ -1,0 +1,338 @@
+"""The continuous-batching scheduler: which requests run this step, with how many tokens each.
+
+One token budget per step and no separate prefill and decode phases. Each step first serves
+the running requests, in priority order, each asking for ``num_tokens - num_computed_tokens``
+tokens (a long prompt is cut into chunks; every running request is left at least one token of
+the budget, so decodes never stall behind a chunked prompt), then admits waiting requests in
+priority order (lower ``priority`` first, then earlier arrival) while the budget, the free KV
+blocks and ``max_num_seqs`` allow.
+
+When the KV cache has no room for a running request, the scheduler preempts by recompute: the
+lowest-priority, latest-arrived running request gives its blocks back and returns to the
+waiting queue in its old place. Full computed blocks stay in the prefix cache, so a preempted
+request usually gets most of its KV back for free when it is re-admitted.
+
+The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
+``update_from_output()`` with the sampled tokens, strictly in that order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from bisect import insort
+from collections.abc import Callable, Iterable
+
+from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.scheduler.kv_cache_manager import KVCacheManager
+from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
+from mqinfer.scheduler.request import Request, RequestStatus
+
+# (priority, arrival_time, sequence number of add_request): the scheduling order, smallest first.
+_OrderKey = tuple[int, float, int]
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.kv_cache_manager = KVCacheManager(
+            config.block_size, config.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching
+        )
+        # Unfinished requests by id.
+        self._requests: dict[str, Request] = {}
+        self._order: dict[str, _OrderKey] = {}
+        self._seq = 0
+        # Running requests, kept sorted by their order key: the preemption victim is the last.
+        self._running: list[Request] = []
+        # Waiting (new and preempted) requests as a heap of (order key, request). A request that
+        # finishes while waiting leaves a stale entry behind, skipped when it reaches the top.
+        self._waiting: list[tuple[_OrderKey, Request]] = []
+        self._num_waiting = 0
+        # (deadline, sequence number, request) for every request that has a deadline.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        # Requests refused by add_request, reported by the next schedule().
+        self._rejected: list[Request] = []
+        self.num_preemptions_total = 0
+
+    # -- public state -------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache (once per request)."""
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Prompt tokens found in the prefix cache (once per request)."""
+        return self.kv_cache_manager.prefix_cache_hits
+
+    def has_unfinished_requests(self) -> bool:
+        # Rejected requests still count: the next schedule() has to report them.
+        return bool(self._running or self._num_waiting or self._rejected)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    # -- requests in and out ------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a new request. One whose prompt can never run is reported by the next schedule().
+
+        The request's ``max_model_len`` is lowered to the scheduler's when that is smaller.
+        """
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid!r} is already in the scheduler")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.block_ids:
+            raise ValueError(f"request {rid!r} must be new (WAITING, nothing computed), got {request.status.name}")
+        if request.max_model_len > self.config.max_model_len:
+            request.max_model_len = self.config.max_model_len
+
+        error = self._admission_error(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error_code, request.error = error
+            self._rejected.append(request)
+            return
+
+        key = (request.priority, request.arrival_time, self._seq)
+        self._seq += 1
+        self._requests[rid] = request
+        self._order[rid] = key
+        heapq.heappush(self._waiting, (key, request))
+        self._num_waiting += 1
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, key[2], request))
+
+    def finish_requests(
+        self,
+        request_ids: Iterable[str],
+        status: RequestStatus,
+        error_code: str | None = None,
+        error: str | None = None,
+    ) -> list[Request]:
+        """End requests from outside (stop string matched, cancelled, failed); frees their blocks.
+
+        Unknown or already finished ids are ignored. Returns the requests ended by this call.
+        """
+        if not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        ended = []
+        for rid in request_ids:
+            request = self._requests.get(rid)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self._running.remove(request)
+            else:
+                self._num_waiting -= 1
+            request.error_code = error_code
+            request.error = error
+            self._end(request, status)
+            ended.append(request)
+        return ended
+
+    # -- one step -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's work and allocate its KV slots; may preempt or end requests."""
+        out = SchedulerOutput()
+        if self._rejected:
+            out.finished.extend(self._rejected)
+            self._rejected.clear()
+        if self._deadlines:
+            self._expire(self.clock(), out)
+            # Requests that ended before their deadline leave entries behind; drop them once
+            # they dominate, so a far deadline does not pin a finished request's memory.
+            if len(self._deadlines) > 2 * len(self._requests) + 64:
+                self._deadlines = [e for e in self._deadlines if not e[2].is_finished]
+                heapq.heapify(self._deadlines)
+
+        kv = self.kv_cache_manager
+        running = self._running
+        scheduled = out.scheduled
+        budget = self.config.max_num_batched_tokens
+
+        i = 0
+        while i < len(running):
+            request = running[i]
+            # Leave one token for each running request after this one; the config guarantees
+            # max_num_batched_tokens >= max_num_seqs, so the cap is always at least one.
+            cap = budget - (len(running) - i - 1)
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new > cap:
+                num_new = cap
+            if num_new <= 0:
+                # Only reachable if a sampled token went missing; skip rather than schedule nothing.
+                i += 1
+                continue
+            while True:
+                if kv.allocate_slots(request, num_new):
+                    scheduled.append(ScheduledRequest(request, num_new))
+                    budget -= num_new
+                    i += 1
+                    break
+                victim = running.pop()
+                if victim is request and i == 0:
+                    # Alone, it holds the whole cache and still cannot grow: it can never go on.
+                    self._end(request, RequestStatus.FINISHED_LENGTH)
+                    out.finished.append(request)
+                    break
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+
+        # Admissions go on after a preemption: a victim needs at least the blocks it gave up to
+        # come back, more than are left, so it cannot bounce straight back in.
+        self._admit(out, budget)
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        kv = self.kv_cache_manager
+        running = self._running
+        waiting = self._waiting
+        max_num_seqs = self.config.max_num_seqs
+        order_of = self._order.__getitem__
+        while waiting and budget > 0 and len(running) < max_num_seqs:
+            request = waiting[0][1]
+            if request.status.is_finished:  # ended while waiting: a stale entry
+                heapq.heappop(waiting)
+                continue
+            if kv.num_blocks_for(request.num_tokens) > kv.num_blocks:
+                # Only a preempted request can get here (prompts are checked on arrival): it
+                # grew past the whole cache before it was preempted.
+                heapq.heappop(waiting)
+                self._num_waiting -= 1
+                self._end(request, RequestStatus.FINISHED_LENGTH)
+                out.finished.append(request)
+                continue
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget:
+                num_new = budget
+            # Keep one free block per running request, so that the running ones can each cross
+            # their next block boundary without preempting the request admitted here.
+            if not kv.allocate_slots(request, num_new, hits, num_reserved_blocks=len(running)):
+                break  # head-of-line: later requests must not overtake it
+            heapq.heappop(waiting)
+            self._num_waiting -= 1
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            insort(running, request, key=lambda r: order_of(r.request_id))
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Request]:
+        """Apply one model step: advance computed tokens, append sampled ones, apply stop rules.
+
+        ``sampled_token_ids`` is aligned with ``output.scheduled``: a token where the request
+        needed a sample, None where it did not. Requests ended from outside while the step ran
+        are skipped. Returns the requests that finished in this update, their blocks freed.
+        """
+        scheduled = output.scheduled
+        if len(sampled_token_ids) != len(scheduled):
+            raise ValueError(
+                f"got {len(sampled_token_ids)} sampled tokens for {len(scheduled)} scheduled requests"
+            )
+        # Check everything before changing anything, so a bad call leaves the state as it was.
+        for sr, token in zip(scheduled, sampled_token_ids):
+            request = sr.request
+            needs_sample = request.num_computed_tokens + sr.num_new_tokens == len(request.all_token_ids)
+            if (token is None) == needs_sample and request.status is RequestStatus.RUNNING:
+                need = "a sampled token" if needs_sample else "None (a prompt chunk samples nothing)"
+                raise ValueError(f"request {request.request_id!r} needs {need}, got {token!r}")
+
+        finished: list[Request] = []
+        for sr, token in zip(scheduled, sampled_token_ids):
+            request = sr.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            request.num_computed_tokens += sr.num_new_tokens
+            if token is None:
+                continue
+            request.append_output_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                request.status = status
+                finished.append(request)
+        if finished:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+            for request in finished:
+                self._end(request, request.status)
+        return finished
+
+    # -- internals ----------------------------------------------------------------------------
+    @staticmethod
+    def _stop_status(request: Request, token: int) -> RequestStatus | None:
+        """The token-level stop rules; a stop token wins over a length limit reached with it."""
+        sampling = request.sampling
+        num_output = len(request.output_token_ids)
+        if num_output >= sampling.min_tokens and (
+            (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids
+        ):
+            return RequestStatus.FINISHED_STOPPED
+        if num_output >= sampling.max_tokens or len(request.all_token_ids) >= request.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _admission_error(self, request: Request) -> tuple[str, str] | None:
+        num_prompt = request.num_prompt_tokens
+        if num_prompt > request.max_model_len:
+            return (
+                "prompt_too_long",
+                f"prompt has {num_prompt} tokens but the context limit (max_model_len) is {request.max_model_len}",
+            )
+        kv = self.kv_cache_manager
+        num_blocks = kv.num_blocks_for(num_prompt)
+        if num_blocks > kv.num_blocks:
+            bs = kv.block_size
+            return (
+                "kv_cache_too_small",
+                f"prompt has {num_prompt} tokens and needs {num_blocks} KV blocks of {bs} tokens, but the "
+                f"whole KV cache has {kv.num_blocks} blocks ({kv.num_blocks * bs} tokens)",
+            )
+        return None
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        deadlines = self._deadlines
+        expired_running = False
+        while deadlines and deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(deadlines)
+            if request.is_finished:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                expired_running = True
+            else:
+                self._num_waiting -= 1
+            self._end(request, RequestStatus.FINISHED_EXPIRED)
+            out.finished.append(request)
+        if expired_running:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+
+    def _preempt(self, request: Request) -> None:
+        request.status = RequestStatus.PREEMPTED
+        self.kv_cache_manager.free(request)  # caches its computed blocks, so reads num_computed_tokens
+        request.num_recompute_tokens += request.num_computed_tokens
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        heapq.heappush(self._waiting, (self._order[request.request_id], request))
+        self._num_waiting += 1
+
+    def _end(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished and release everything; the caller has taken it off running/waiting."""
+        request.status = status
+        self.kv_cache_manager.free(request)
+        rid = request.request_id
+        self._requests.pop(rid, None)
+        self._order.pop(rid, None)
