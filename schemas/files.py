@@ -1,0 +1,132 @@
+"""Input files: JSON Lines and Parquet, read as a stream of validated requests or per-line errors.
+
+Every non-blank JSONL line and every Parquet row becomes one :class:`InputItem` (1-based
+``line``); a bad one carries a RequestError instead of a Request, with ``request_id``
+``line:<N>`` when no usable id could be recovered. Files are read incrementally (line by line,
+Parquet batch by batch), so their size is not bounded by memory.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Literal
+
+from mqinfer.schemas import errors
+from mqinfer.schemas.errors import RequestError
+from mqinfer.schemas.request import Request, decode_request, request_from_obj
+
+JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
+PARQUET_SUFFIXES = (".parquet", ".pq")
+PARQUET_BATCH_ROWS = 1024
+
+# Integer fields of a Request. A Parquet column of them may have been written as float (pandas
+# turns an int column with missing values into float64), so integral floats are taken as ints.
+_INT_FIELDS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "priority"})
+_BOM = b"\xef\xbb\xbf"
+
+
+@dataclass(frozen=True, slots=True)
+class InputItem:
+    """One input line (or Parquet row): exactly one of ``request`` / ``error`` is set."""
+
+    line: int
+    request: Request | None
+    error: RequestError | None
+
+
+def input_format(path: str | os.PathLike[str]) -> Literal["jsonl", "parquet"]:
+    """The format of an input file, from its extension; ValueError for anything else."""
+    suffix = Path(path).suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    known = ", ".join(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+    raise ValueError(f"{path}: unknown input format {suffix or '(no extension)'!r}; expected one of {known}")
+
+
+def iter_input(path: str | os.PathLike[str]) -> Iterator[InputItem]:
+    """Yield one InputItem per request in a JSONL or Parquet file, in file order.
+
+    The file is opened here, so a missing or unreadable file fails at the call, not at the
+    first item.
+    """
+    fmt = input_format(path)
+    if fmt == "jsonl":
+        return _iter_jsonl(open(path, "rb"))
+    return _iter_parquet(_open_parquet(Path(path)))
+
+
+def _item(line: int, request: Request | None = None, error: RequestError | None = None) -> InputItem:
+    if error is not None and error.request_id is None:
+        error = error.with_request_id(f"line:{line}")
+    return InputItem(line, request, error)
+
+
+def _iter_jsonl(f: BinaryIO) -> Iterator[InputItem]:
+    with f:
+        for line_no, raw in enumerate(f, start=1):
+            if line_no == 1 and raw.startswith(_BOM):
+                raw = raw[len(_BOM) :]
+            if not raw.strip():
+                continue
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield _item(line_no, error=RequestError(errors.INVALID_JSON, f"line is not valid UTF-8: {exc}"))
+                continue
+            try:
+                yield _item(line_no, request=decode_request(raw, fmt="json"))
+            except RequestError as exc:
+                yield _item(line_no, error=exc)
+
+
+def _open_parquet(path: Path) -> Any:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError) as exc:
+        raise ValueError(f"{path}: not a readable Parquet file: {exc}") from None
+
+
+def _iter_parquet(parquet: Any) -> Iterator[InputItem]:
+    with parquet:
+        row_no = 0
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+            for row in batch.to_pylist():
+                row_no += 1
+                try:
+                    yield _item(row_no, request=request_from_obj(clean_parquet_row(row)))
+                except RequestError as exc:
+                    yield _item(row_no, error=exc)
+
+
+def clean_parquet_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A Parquet row (from ``to_pylist``) as the object a JSON line would have been."""
+    clean = {}
+    for key, value in row.items():
+        if value is None:
+            continue  # a null column is an absent field
+        if key == "metadata" and isinstance(value, list):
+            # Arrow maps come back as lists of (key, value) pairs.
+            if all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+                value = dict(value)
+        elif key in _INT_FIELDS and isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)
+        elif key == "deadline" and isinstance(value, dt.datetime):
+            value = value.timestamp() if value.tzinfo else value.replace(tzinfo=dt.timezone.utc).timestamp()
+        clean[key] = value
+    return clean
+
+
+# The former private name, still imported by ops/job_input.py.
+_clean_row = clean_parquet_row

@@ -1,0 +1,239 @@
+"""The request wire type: the msgspec struct every producer sends and every worker decodes.
+
+Owns the field constraints (as ``Annotated`` aliases, so that msgspec checks them while decoding
+and names the path of a bad value, e.g. ``$.max_tokens``), the cross-field rules, the JSON and
+msgpack codecs (one cached encoder/decoder per format), the routing of OpenAI Batch lines to
+:mod:`mqinfer.schemas.openai_batch`, and the mapping onto the engine's sampling parameters.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from mqinfer.schemas import errors
+from mqinfer.schemas.errors import RequestError
+
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_ID_LENGTH = 128
+MAX_STOP_STRINGS = 16
+REPLY_PREFIX = "mqinfer:reply:"
+
+# C0, DEL and C1 controls: they break log lines, file names and terminal output.
+_CONTROL_CHARS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH)]
+Label = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+# Token ids are stored as int32 in the results dataset; no vocabulary comes near that bound.
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+TokenIds = Annotated[list[TokenId], msgspec.Meta(min_length=1)]
+TokenCount = Annotated[int, msgspec.Meta(ge=0, le=INT32_MAX)]
+PositiveTokenCount = Annotated[int, msgspec.Meta(ge=1, le=INT32_MAX)]
+Temperature = Annotated[float, msgspec.Meta(ge=0.0)]
+TopP = Annotated[float, msgspec.Meta(gt=0.0, le=1.0)]
+# Any signed 64-bit value (torch.Generator.manual_seed takes these; msgpack carries them).
+Seed = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+StopString = Annotated[str, msgspec.Meta(min_length=1)]
+StopStrings = Annotated[list[StopString], msgspec.Meta(max_length=MAX_STOP_STRINGS)]
+Logprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
+Priority = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+ReplyTo = Annotated[str, msgspec.Meta(pattern=f"^{REPLY_PREFIX}.", max_length=512)]
+Role = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+
+
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
+    """One turn of a chat prompt; the worker renders a list of them with the model's template."""
+
+    role: Role
+    content: str
+
+
+class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """One generation request, exactly as it travels (JSONL line, Parquet row, stream entry).
+
+    Exactly one of ``prompt`` (text), ``prompt_token_ids`` or ``messages`` (a chat, rendered by
+    the worker with the model's chat template) is given. ``api`` is set only by the OpenAI Batch
+    mapping: ``"completions"`` or ``"chat"`` (which endpoint the line named), so that the output
+    side can answer in the OpenAI format; it is None for native requests. Decoding a ``stop``
+    given as a single string normalises it to a one-element list.
+    """
+
+    id: RequestId
+    prompt: str | None = None
+    prompt_token_ids: TokenIds | None = None
+    messages: Annotated[list[ChatMessage], msgspec.Meta(min_length=1)] | None = None
+    max_tokens: PositiveTokenCount = 16
+    min_tokens: TokenCount = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TokenCount = 0
+    seed: Seed | None = None
+    stop: StopStrings | StopString = []
+    stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    logprobs: Logprobs | None = None
+    tenant: Label = "default"
+    model: str | None = None
+    request_type: Label = "default"
+    priority: Priority = 0
+    deadline: float | None = None
+    reply_to: ReplyTo | None = None
+    job_id: RequestId | None = None
+    metadata: dict[str, str] = {}
+    api: Literal["completions", "chat"] | None = None
+
+    def __post_init__(self) -> None:
+        # msgspec reports a ValueError raised here as a ValidationError with this message.
+        if _CONTROL_CHARS.search(self.id):
+            raise ValueError("id must not contain control characters - at `$.id`")
+        if self.job_id is not None and _CONTROL_CHARS.search(self.job_id):
+            raise ValueError("job_id must not contain control characters - at `$.job_id`")
+        given = [
+            name
+            for name, value in (
+                ("prompt", self.prompt),
+                ("prompt_token_ids", self.prompt_token_ids),
+                ("messages", self.messages),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            got = " and ".join(given) if given else "none"
+            raise ValueError(
+                f"exactly one of `prompt`, `prompt_token_ids` or `messages` is required, got {got} - at `$`"
+            )
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+                " - at `$.min_tokens`"
+            )
+        if not math.isfinite(self.temperature):
+            raise ValueError("temperature must be a finite number - at `$.temperature`")
+        if self.deadline is not None and not math.isfinite(self.deadline):
+            raise ValueError("deadline must be a finite number of unix seconds - at `$.deadline`")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+
+
+class _IdProbe(msgspec.Struct):
+    """Reads only ``id`` / ``custom_id`` of an object, skipping everything else cheaply."""
+
+    id: Any = None
+    custom_id: Any = None
+
+
+_DECODERS = {
+    "json": msgspec.json.Decoder(Request),
+    "msgpack": msgspec.msgpack.Decoder(Request),
+}
+# float_hook: a number too large for a float (1e999) is valid JSON; it must reach validation as
+# inf and be rejected there, with its path, instead of failing the whole parse.
+_ANY_DECODERS = {"json": msgspec.json.Decoder(float_hook=float), "msgpack": msgspec.msgpack.Decoder()}
+_PROBE_DECODERS = {"json": msgspec.json.Decoder(_IdProbe), "msgpack": msgspec.msgpack.Decoder(_IdProbe)}
+_ENCODERS = {"json": msgspec.json.Encoder(), "msgpack": msgspec.msgpack.Encoder()}
+
+
+def usable_id(value: object) -> str | None:
+    """``value`` if it can identify a request (a str of 1..128 chars, no control chars), else None."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_ID_LENGTH and not _CONTROL_CHARS.search(value):
+        return value
+    return None
+
+
+def recover_id_from_obj(obj: object) -> str | None:
+    """The request id of an already-parsed object, if one is usable (``id``, else ``custom_id``)."""
+    if not isinstance(obj, dict):
+        return None
+    return usable_id(obj.get("id")) or usable_id(obj.get("custom_id"))
+
+
+def recover_id(data: bytes | str, fmt: str = "json") -> str | None:
+    """The request id in raw encoded data, if the data parses and holds a usable one."""
+    try:
+        probe = _PROBE_DECODERS[fmt].decode(data)
+    except Exception:  # any failure means "no id": this is a best-effort look
+        return None
+    return usable_id(probe.id) or usable_id(probe.custom_id)
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in _DECODERS:
+        raise ValueError(f"unknown request format {fmt!r}; expected 'json' or 'msgpack'")
+
+
+def _malformed(fmt: str, exc: Exception) -> str:
+    what = "JSON" if fmt == "json" else "msgpack"
+    if isinstance(exc, RecursionError):
+        return f"invalid {what}: nested too deeply"
+    return f"invalid {what}: {exc}"
+
+
+def decode_request(data: bytes | str, *, fmt: Literal["json", "msgpack"] = "json") -> Request:
+    """Decode and validate one request; OpenAI Batch lines (with ``custom_id``) are mapped.
+
+    Raises RequestError: ``invalid_json`` when the data does not parse, ``invalid_request`` when
+    it violates the schema (the message names the path), or what the OpenAI mapping raises.
+    """
+    _check_fmt(fmt)
+    if fmt == "msgpack" and isinstance(data, str):
+        raise RequestError(errors.INVALID_JSON, "msgpack request data must be bytes, got text")
+    try:
+        return _DECODERS[fmt].decode(data)
+    except msgspec.ValidationError as exc:
+        typed_error = exc
+    except (msgspec.DecodeError, UnicodeError, RecursionError) as exc:
+        raise RequestError(errors.INVALID_JSON, _malformed(fmt, exc)) from None
+    # Not a valid native request: an OpenAI Batch line, or a bad one. The typed decoder stops at
+    # the first violation, so the rest of the data may still turn out to be malformed.
+    try:
+        obj = _ANY_DECODERS[fmt].decode(data)
+    except (msgspec.DecodeError, UnicodeError, RecursionError) as exc:
+        raise RequestError(errors.INVALID_JSON, _malformed(fmt, exc)) from None
+    if isinstance(obj, dict) and "custom_id" in obj:
+        from mqinfer.schemas.openai_batch import request_from_openai
+
+        return request_from_openai(obj)
+    raise RequestError(errors.INVALID_REQUEST, str(typed_error), recover_id_from_obj(obj)) from None
+
+
+def request_from_obj(obj: Any) -> Request:
+    """Validate an already-parsed object (a dict from a Parquet row, a client call) as a Request."""
+    if isinstance(obj, Request):
+        return obj
+    if isinstance(obj, dict) and "custom_id" in obj:
+        from mqinfer.schemas.openai_batch import request_from_openai
+
+        return request_from_openai(obj)
+    try:
+        return msgspec.convert(obj, Request)
+    except msgspec.ValidationError as exc:
+        raise RequestError(errors.INVALID_REQUEST, str(exc), recover_id_from_obj(obj)) from None
+    except RecursionError:
+        raise RequestError(errors.INVALID_REQUEST, "request nested too deeply", recover_id_from_obj(obj)) from None
+
+
+def encode_request(req: Request, fmt: Literal["json", "msgpack"] = "msgpack") -> bytes:
+    """Encode a request (defaults omitted) for a stream entry or a file."""
+    _check_fmt(fmt)
+    return _ENCODERS[fmt].encode(req)
+
+
+def to_sampling_kwargs(req: Request) -> dict[str, Any]:
+    """Keyword arguments for ``mqinfer.scheduler.request.SamplingParams`` built from ``req``."""
+    stop = req.stop if isinstance(req.stop, list) else [req.stop]
+    return {
+        "max_tokens": req.max_tokens,
+        "min_tokens": req.min_tokens,
+        "temperature": float(req.temperature),
+        "top_p": float(req.top_p),
+        "top_k": req.top_k,
+        "seed": req.seed,
+        "stop": tuple(stop),
+        "stop_token_ids": tuple(req.stop_token_ids),
+        "ignore_eos": req.ignore_eos,
+        "logprobs": req.logprobs,
+    }

@@ -1,0 +1,239 @@
+"""Storage rows: one result row and one cost row per finished request, and their Arrow schemas.
+
+``ResultRow`` and ``CostRow`` are what workers build in Python (timestamps as float unix
+seconds); ``RESULT_SCHEMA`` and ``COST_SCHEMA`` are the public column contract of the
+``results/`` and ``costs/`` Parquet datasets, in that order. :func:`rows_to_table` is the one
+place where the former become the latter (timestamps become microseconds, UTC).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import msgspec
+import pyarrow as pa
+
+FINISH_REASONS = ("stop", "length", "error", "expired", "cancelled")
+COST_KINDS = ("request", "idle", "startup", "duplicate")
+
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+LOGPROB_TYPE = pa.struct(
+    [
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("logprob", pa.float32(), nullable=False),
+        pa.field("top_token_ids", pa.list_(pa.int32())),
+        pa.field("top_logprobs", pa.list_(pa.float32())),
+    ]
+)
+
+RESULT_SCHEMA = pa.schema(
+    [
+        pa.field("job_id", pa.string()),
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("tenant", pa.string(), nullable=False),
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("request_type", pa.string(), nullable=False),
+        pa.field("finish_reason", pa.string(), nullable=False),
+        pa.field("error_code", pa.string()),
+        pa.field("error", pa.string()),
+        pa.field("prompt_tokens", pa.int32(), nullable=False),
+        pa.field("output_tokens", pa.int32(), nullable=False),
+        pa.field("output_token_ids", pa.list_(pa.int32()), nullable=False),
+        pa.field("text", pa.string()),
+        pa.field("logprobs", pa.list_(LOGPROB_TYPE)),
+        pa.field("enqueued_at", TIMESTAMP),
+        pa.field("started_at", TIMESTAMP),
+        pa.field("first_token_at", TIMESTAMP),
+        pa.field("finished_at", TIMESTAMP, nullable=False),
+        pa.field("worker", pa.string(), nullable=False),
+        pa.field("attempt", pa.int32(), nullable=False),
+        pa.field("metadata", pa.map_(pa.string(), pa.string()), nullable=False),
+    ]
+)
+
+COST_SCHEMA = pa.schema(
+    [
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("job_id", pa.string()),
+        pa.field("id", pa.string()),
+        pa.field("tenant", pa.string()),
+        pa.field("model", pa.string()),
+        pa.field("request_type", pa.string()),
+        pa.field("prompt_tokens", pa.int32(), nullable=False),
+        pa.field("cached_prompt_tokens", pa.int32(), nullable=False),
+        pa.field("output_tokens", pa.int32(), nullable=False),
+        pa.field("queue_s", pa.float64(), nullable=False),
+        pa.field("prefill_s", pa.float64(), nullable=False),
+        pa.field("decode_s", pa.float64(), nullable=False),
+        pa.field("device_s", pa.float64(), nullable=False),
+        pa.field("recomputed_s", pa.float64(), nullable=False),
+        pa.field("kv_block_s", pa.float64(), nullable=False),
+        pa.field("cost_usd", pa.float64(), nullable=False),
+        pa.field("price_per_device_hour", pa.float64(), nullable=False),
+        pa.field("worker", pa.string(), nullable=False),
+        pa.field("finished_at", TIMESTAMP, nullable=False),
+    ]
+)
+
+
+class TokenLogprob(msgspec.Struct, kw_only=True):
+    """The sampled token's log-probability and the top alternatives at one output position."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class ResultRow(msgspec.Struct, kw_only=True):
+    """One finished request (or one rejected one: ``finish_reason`` "error")."""
+
+    job_id: str | None = None
+    id: str
+    tenant: str = "default"
+    model: str
+    request_type: str = "default"
+    finish_reason: str
+    error_code: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    output_token_ids: list[int] = []
+    text: str | None = None
+    # TokenLogprob structs (or dicts of the same keys), one per output token; None when not asked.
+    logprobs: list[TokenLogprob] | None = None
+    enqueued_at: float | None = None
+    started_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float
+    worker: str
+    attempt: int = 1
+    metadata: dict[str, str] = {}
+
+
+class CostRow(msgspec.Struct, kw_only=True):
+    """Where device time went: one row per request, plus ``idle`` and ``startup`` rows per worker."""
+
+    kind: Literal["request", "idle", "startup", "duplicate"]
+    job_id: str | None = None
+    id: str | None = None
+    tenant: str | None = None
+    model: str | None = None
+    request_type: str | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    output_tokens: int = 0
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    device_s: float = 0.0
+    recomputed_s: float = 0.0
+    kv_block_s: float = 0.0
+    cost_usd: float = 0.0
+    price_per_device_hour: float = 0.0
+    worker: str
+    finished_at: float
+
+
+def to_micros(value: float | int | dt.datetime | None) -> int | None:
+    """Unix seconds (or an aware datetime) as integer microseconds, the storage unit."""
+    if value is None:
+        return None
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            raise ValueError(f"timestamp {value!r} has no time zone; give unix seconds or an aware datetime")
+        value = value.timestamp()
+    return round(value * 1_000_000)
+
+
+def _column(rows: Sequence[Any], field: pa.Field) -> pa.Array:
+    name = field.name
+    try:
+        values = [getattr(row, name) for row in rows]
+    except AttributeError:
+        raise ValueError(f"rows for this schema need a `{name}` attribute") from None
+    if pa.types.is_timestamp(field.type):
+        values = [to_micros(v) for v in values]
+    elif name == "logprobs":
+        values = [None if v is None else msgspec.to_builtins(v) for v in values]
+    try:
+        array = pa.array(values, type=field.type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+        raise ValueError(f"column `{name}`: {exc}") from None
+    if not field.nullable and array.null_count:
+        first = next(i for i, v in enumerate(values) if v is None)
+        raise ValueError(f"column `{name}` must not be null (row {first})")
+    return array
+
+
+_INT32_RANGE = range(-(2**31), 2**31)
+_CHECKS: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def check_row(row: Any, schema: pa.Schema) -> None:
+    """Cheap checks of one row against ``schema``: required columns set, int32 columns in range.
+
+    Catches the usual mistakes where a row is made, for a few microseconds, without building
+    Arrow arrays (that happens once per batch in :func:`rows_to_table`).
+    """
+    checks = _CHECKS.get(id(schema))
+    if checks is None:
+        required = tuple(f.name for f in schema if not f.nullable)
+        int32 = tuple(f.name for f in schema if f.type == pa.int32())
+        checks = _CHECKS[id(schema)] = (required, int32)
+    required, int32 = checks
+    for name in required:
+        if getattr(row, name, None) is None:
+            raise ValueError(f"column `{name}` must not be null")
+    for name in int32:
+        value = getattr(row, name)
+        if value is not None and (not isinstance(value, int) or value not in _INT32_RANGE):
+            raise ValueError(f"column `{name}` must be an int32, got {value!r}")
+
+
+def rows_to_table(rows: Sequence[Any], schema: pa.Schema) -> pa.Table:
+    """An Arrow table with exactly ``schema``'s columns, one row per ``rows`` item."""
+    return pa.Table.from_arrays([_column(rows, field) for field in schema], schema=schema)
+
+
+def error_result_row(
+    request_id: str,
+    job_id: str | None,
+    code: str,
+    message: str,
+    *,
+    tenant: str = "default",
+    model: str,
+    request_type: str = "default",
+    worker: str,
+    attempt: int = 1,
+    enqueued_at: float | None = None,
+    finished_at: float,
+    metadata: dict[str, str] | None = None,
+) -> ResultRow:
+    """The row of a request that ended in an error: ``finish_reason`` "error", zero tokens."""
+    return ResultRow(
+        job_id=job_id,
+        id=request_id,
+        tenant=tenant,
+        model=model,
+        request_type=request_type,
+        finish_reason="error",
+        error_code=code,
+        error=message,
+        prompt_tokens=0,
+        output_tokens=0,
+        output_token_ids=[],
+        text=None,
+        logprobs=None,
+        enqueued_at=enqueued_at,
+        started_at=None,
+        first_token_at=None,
+        finished_at=finished_at,
+        worker=worker,
+        attempt=attempt,
+        metadata=dict(metadata or {}),
+    )

@@ -1,0 +1,110 @@
+"""Cost reports: group sums and totals equal the rows; rendering in three formats."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+
+import pytest
+
+from mqinfer.ops.report import cost_report, render
+from mqinfer.schemas.rows import COST_SCHEMA, CostRow
+from mqinfer.workers.sink import DatasetWriter
+
+T = 1_700_000_000.0
+
+
+def row(kind, tenant=None, *, rid=None, job=None, model="tiny", worker="w1", at=T, p=0, c=0, o=0, dev=0.0):
+    return CostRow(kind=kind, job_id=job, id=rid, tenant=tenant, model=model,
+                   request_type=None if rid is None else "chat", prompt_tokens=p, cached_prompt_tokens=c,
+                   output_tokens=o, device_s=dev, cost_usd=dev * 2.0 / 3600, price_per_device_hour=2.0,
+                   worker=worker, finished_at=at)
+
+
+ROWS = [
+    row("request", "acme", rid="1", job="j1", at=T + 1, p=100, c=40, o=20, dev=3.0),
+    row("request", "acme", rid="2", job="j2", at=T + 2, p=50, c=0, o=30, dev=1.0, worker="w2"),
+    row("request", "beta", rid="3", job="j1", at=T + 3, p=10, c=0, o=0, dev=0.5),
+    row("request", "beta", rid="4", at=T + 86_400, p=0, o=0, dev=0.0),  # next day, no tokens
+    row("duplicate", "acme", rid="1", job="j1", at=T + 4, p=100, o=20, dev=2.0),
+    row("idle", at=T + 5, dev=10.0),
+    row("startup", at=T, dev=4.0, worker="w2"),
+]
+
+
+@pytest.fixture
+def out(tmp_path):
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w1").write(ROWS)
+    return tmp_path
+
+
+def test_groups_and_totals_equal_the_rows(out):
+    report = cost_report(out)
+    assert [g.key for g in report.groups] == [{"tenant": "acme"}, {"tenant": "beta"}]  # highest cost first
+    acme, beta = report.groups
+    assert (acme.requests, acme.prompt_tokens, acme.cached_prompt_tokens, acme.output_tokens) == (2, 150, 40, 50)
+    assert acme.device_s == pytest.approx(4.0) and acme.cost_usd == pytest.approx(4.0 * 2 / 3600)
+    assert acme.usd_per_1m_tokens == pytest.approx(acme.cost_usd / 200 * 1e6)
+    assert (beta.requests, beta.prompt_tokens, beta.output_tokens, beta.device_s) == (2, 10, 0, 0.5)
+
+    t = report.totals
+    all_device = sum(r.device_s for r in ROWS)
+    assert t.device_s == pytest.approx(all_device) and t.cost_usd == pytest.approx(sum(r.cost_usd for r in ROWS))
+    assert t.device_s_by_kind == pytest.approx({"request": 4.5, "idle": 10.0, "startup": 4.0, "duplicate": 2.0})
+    assert t.device_share_by_kind["idle"] == pytest.approx(10.0 / all_device)
+    assert sum(t.device_share_by_kind.values()) == pytest.approx(1.0)
+    assert (t.requests, t.prompt_tokens, t.cached_prompt_tokens, t.output_tokens) == (4, 160, 40, 50)
+    assert t.usd_per_1m_tokens == pytest.approx(4.5 * 2 / 3600 / 210 * 1e6)
+
+
+def test_group_by_several_keys_and_nulls(out):
+    report = cost_report(out, by=["tenant", "job_id"])
+    got = {(g.key["tenant"], g.key["job_id"]): (g.requests, g.device_s) for g in report.groups}
+    assert got == {
+        ("acme", "j1"): (1, 3.0), ("acme", "j2"): (1, 1.0), ("beta", "j1"): (1, 0.5), ("beta", None): (1, 0.0),
+    }
+    by_worker = {g.key["worker"]: g.requests for g in cost_report(out, by=["worker"]).groups}
+    assert by_worker == {"w1": 3, "w2": 1}
+    (only,) = cost_report(out, by=["model", "request_type"]).groups
+    assert (only.key, only.requests) == ({"model": "tiny", "request_type": "chat"}, 4)
+
+
+def test_time_window(out):
+    report = cost_report(out, since=T + 1, until=T + 3)  # since inclusive, until exclusive
+    assert [(g.key["tenant"], g.requests) for g in report.groups] == [("acme", 2)]
+    assert report.totals.device_s_by_kind == pytest.approx({"request": 4.0, "idle": 0.0, "startup": 0.0,
+                                                            "duplicate": 0.0})
+    assert cost_report(out, since=T + 86_400).totals.requests == 1
+
+
+def test_bad_group_keys(out):
+    for by in (["tenant", "colour"], [], ["tenant", "tenant"]):
+        with pytest.raises(ValueError, match="cannot group costs by"):
+            cost_report(out, by=by)
+
+
+def test_render_formats(out):
+    report = cost_report(out, by=["tenant", "job_id"])
+    parsed = list(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert [(r["tenant"], r["job_id"], int(r["requests"]), float(r["device_s"])) for r in parsed] == [
+        (g.key["tenant"], g.key["job_id"] or "", g.requests, g.device_s) for g in report.groups
+    ]
+    assert parsed[-1]["usd_per_1m_tokens"] == ""  # beta without a job: no tokens
+    assert json.loads(render(report, "json")) == json.loads(json.dumps(dataclasses.asdict(report)))
+    table = render(report, "table")
+    assert table.splitlines()[0].split() == ["tenant", "job_id", "requests", "prompt_tokens",
+                                             "cached_prompt_tokens", "output_tokens", "device_s", "cost_usd",
+                                             "usd_per_1m_tokens"]
+    assert "(none)" in table and "TOTAL" in table
+    idle_line = next(line for line in table.splitlines() if line.strip().startswith("idle"))
+    assert "10.000 s" in idle_line and "48.78%" in idle_line  # 10 of 20.5 device seconds
+    with pytest.raises(ValueError, match="format"):
+        render(report, "xml")
+
+
+def test_empty_dataset(tmp_path):
+    report = cost_report(tmp_path)
+    assert report.groups == [] and report.totals.device_s == 0 and report.totals.usd_per_1m_tokens is None
+    assert "TOTAL" in render(report) and render(report, "csv").count("\n") == 1

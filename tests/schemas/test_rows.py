@@ -1,0 +1,101 @@
+"""Result and cost rows: the column contract and the conversion to Arrow."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from mqinfer.schemas.errors import RequestError
+from mqinfer.schemas import errors
+from mqinfer.schemas.rows import (
+    COST_SCHEMA,
+    RESULT_SCHEMA,
+    CostRow,
+    ResultRow,
+    TokenLogprob,
+    error_result_row,
+    rows_to_table,
+)
+
+UTC_US = pa.timestamp("us", tz="UTC")
+
+
+def test_result_schema_is_the_contract():
+    assert RESULT_SCHEMA.names == [
+        "job_id", "id", "tenant", "model", "request_type", "finish_reason", "error_code", "error",
+        "prompt_tokens", "output_tokens", "output_token_ids", "text", "logprobs", "enqueued_at", "started_at",
+        "first_token_at", "finished_at", "worker", "attempt", "metadata",
+    ]
+    types = {f.name: f.type for f in RESULT_SCHEMA}
+    assert types["prompt_tokens"] == types["output_tokens"] == types["attempt"] == pa.int32()
+    assert types["output_token_ids"] == pa.list_(pa.int32())
+    assert types["finished_at"] == types["enqueued_at"] == UTC_US
+    assert types["metadata"] == pa.map_(pa.string(), pa.string())
+    lp = types["logprobs"].value_type
+    assert [(f.name, f.type) for f in lp] == [
+        ("token_id", pa.int32()), ("logprob", pa.float32()), ("top_token_ids", pa.list_(pa.int32())),
+        ("top_logprobs", pa.list_(pa.float32())),
+    ]
+    nullable = {f.name for f in RESULT_SCHEMA if f.nullable}
+    assert nullable == {"job_id", "error_code", "error", "text", "logprobs", "enqueued_at", "started_at",
+                        "first_token_at"}
+
+
+def test_cost_schema_is_the_contract():
+    assert COST_SCHEMA.names == [
+        "kind", "job_id", "id", "tenant", "model", "request_type", "prompt_tokens", "cached_prompt_tokens",
+        "output_tokens", "queue_s", "prefill_s", "decode_s", "device_s", "recomputed_s", "kv_block_s", "cost_usd",
+        "price_per_device_hour", "worker", "finished_at",
+    ]
+    types = {f.name: f.type for f in COST_SCHEMA}
+    assert all(types[n] == pa.int32() for n in ("prompt_tokens", "cached_prompt_tokens", "output_tokens"))
+    assert all(types[n] == pa.float64() for n in ("queue_s", "device_s", "cost_usd", "price_per_device_hour"))
+    assert types["finished_at"] == UTC_US
+
+
+def test_rows_to_table_converts_and_survives_parquet(tmp_path):
+    row = ResultRow(
+        job_id=None, id="r1", model="tiny", finish_reason="length", prompt_tokens=3, output_tokens=2,
+        output_token_ids=[7, 8], text="ab",
+        logprobs=[TokenLogprob(token_id=7, logprob=-0.25, top_token_ids=[7, 1], top_logprobs=[-0.25, -2.0]),
+                  TokenLogprob(token_id=8, logprob=-1.5)],
+        enqueued_at=1_700_000_000.0, started_at=1_700_000_000.5, first_token_at=None, finished_at=1_700_000_001.000001,
+        worker="w", attempt=2, metadata={"a": "1"},
+    )
+    table = rows_to_table([row], RESULT_SCHEMA)
+    assert table.schema.equals(RESULT_SCHEMA)
+    pq.write_table(table, tmp_path / "r.parquet")
+    back = pq.read_table(tmp_path / "r.parquet").to_pylist()[0]
+    assert back["finished_at"] == dt.datetime(2023, 11, 14, 22, 13, 21, 1, tzinfo=dt.timezone.utc)
+    assert back["started_at"].timestamp() == 1_700_000_000.5 and back["first_token_at"] is None
+    assert back["metadata"] == [("a", "1")] and back["output_token_ids"] == [7, 8]
+    assert back["logprobs"] == [
+        {"token_id": 7, "logprob": -0.25, "top_token_ids": [7, 1], "top_logprobs": [-0.25, -2.0]},
+        {"token_id": 8, "logprob": -1.5, "top_token_ids": [], "top_logprobs": []},
+    ]
+    assert (back["job_id"], back["tenant"], back["request_type"], back["attempt"]) == (None, "default", "default", 2)
+
+
+def test_cost_rows_and_null_checks():
+    idle = CostRow(kind="idle", device_s=2.5, cost_usd=0.001, price_per_device_hour=1.44, worker="w", finished_at=10.0)
+    table = rows_to_table([idle], COST_SCHEMA)
+    assert table.to_pylist()[0]["id"] is None and table["device_s"].to_pylist() == [2.5]
+    with pytest.raises(ValueError, match="`worker` must not be null"):
+        rows_to_table([CostRow(kind="idle", worker=None, finished_at=1.0)], COST_SCHEMA)
+    with pytest.raises(ValueError, match="`prompt_tokens`"):
+        rows_to_table([CostRow(kind="request", prompt_tokens=2**31, worker="w", finished_at=1.0)], COST_SCHEMA)
+    with pytest.raises(ValueError, match="time zone"):
+        rows_to_table([CostRow(kind="idle", worker="w", finished_at=dt.datetime(2024, 1, 1))], COST_SCHEMA)
+
+
+def test_error_result_row():
+    err = RequestError(errors.INVALID_REQUEST, "Expected `int` >= 1 - at `$.max_tokens`", "r9")
+    row = error_result_row(err.request_id, "j1", err.code, err.message, model="tiny", worker="w", attempt=1,
+                           enqueued_at=5.0, finished_at=6.0, metadata={"m": "x"})
+    assert (row.finish_reason, row.error_code, row.error) == ("error", "invalid_request", err.message)
+    assert (row.id, row.job_id, row.prompt_tokens, row.output_tokens, row.output_token_ids) == ("r9", "j1", 0, 0, [])
+    assert (row.tenant, row.request_type, row.metadata) == ("default", "default", {"m": "x"})
+    assert rows_to_table([row], RESULT_SCHEMA).num_rows == 1
