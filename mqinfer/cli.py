@@ -244,8 +244,12 @@ def cmd_redis(args, opts: dict) -> int:
 def cmd_compact(args, opts: dict) -> int:
     from mqinfer.ops.compact import compact
 
-    stats = compact(Path(args.dir))
-    print(stats)
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"no such output folder: {directory}")
+    s = compact(directory)
+    print(f"results: {s.results_before} rows -> {s.results_after} ({s.duplicates_removed} duplicates removed); "
+          f"costs: {s.costs_before} rows -> {s.costs_after} ({s.cost_rows_marked_duplicate} marked duplicate)")
     return 0
 
 
@@ -336,11 +340,13 @@ def cmd_run(args, opts: dict) -> int:
     # Lines that failed validation still get their error row, written here.
     if invalid:
         now = time.time()
+        model_name = "tiny" if opts["model"] == "tiny" else Path(opts["model"]).name
         sinks = Sinks(out, "submit")
         for item in invalid:
             rid = item.error.request_id or f"line:{item.line}"
             row = error_result_row(rid, job_id, item.error.code, f"line {item.line}: {item.error.message}",
-                                   worker="submit", attempt=0, enqueued_at=now, finished_at=now)
+                                   model=model_name, worker="submit", attempt=0, enqueued_at=now,
+                                   finished_at=now)
             sinks.add(row, CostRow(kind="request", job_id=job_id, id=rid, tenant=row.tenant, model=row.model,
                                    request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0,
                                    output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=0.0,

@@ -57,7 +57,7 @@ def test_bad_entries_get_error_rows_or_dead_letters_and_good_ones_still_succeed(
         redis_client.xadd(STREAM, {"json": obj if isinstance(obj, str) else json.dumps(obj), "v": "1"})
 
     add_json({"id": "good-1", "prompt": "fine", "max_tokens": 3})
-    add_json('{"id": "broken", "prompt": ')                                   # malformed JSON
+    add_json('{"id": "broken", "prompt": ')                                   # malformed: no usable id
     add_json({"id": "unknown", "prompt": "x", "colour": "blue"})              # unknown field
     add_json({"id": "both", "prompt": "x", "prompt_token_ids": [1, 2]})       # both prompt forms
     add_json({"id": "zero", "prompt": "x", "max_tokens": 0})                  # max_tokens 0
@@ -72,12 +72,10 @@ def test_bad_entries_get_error_rows_or_dead_letters_and_good_ones_still_succeed(
     code, err = wait_exit(start_worker(redis_url, out, "--idle-exit-s", "1.5", "--flush-interval-s", "0.1"))
     assert code == 0, err
     by_id = {r["id"]: r for r in rows(out / "results")}
-    assert set(by_id) == {"good-1", "good-2", "broken", "unknown", "both", "zero", "neg-top-p", "too-long",
-                          "wrong-model"}
+    assert set(by_id) == {"good-1", "good-2", "unknown", "both", "zero", "neg-top-p", "too-long", "wrong-model"}
     assert by_id["good-1"]["finish_reason"] in ("stop", "length")
     assert by_id["good-2"]["finish_reason"] in ("stop", "length")
     expect = {
-        "broken": ("invalid_json", None),
         "unknown": ("invalid_request", "colour"),
         "both": ("invalid_request", "prompt"),
         "zero": ("invalid_request", "max_tokens"),
@@ -92,10 +90,12 @@ def test_bad_entries_get_error_rows_or_dead_letters_and_good_ones_still_succeed(
         if word:
             assert word in row["error"], (rid, row["error"])
     dead = redis_client.xrange(keys.dead_letter_stream("requests"))
-    assert len(dead) == 2
-    by_reason = {f[b"error_code"].decode(): f[b"error"].decode() for _, f in dead}
-    assert "id" in by_reason["invalid_request"]  # the entry without an id
-    assert set(by_reason) == {"invalid_request", "invalid_json"}  # and the undecodable msgpack
+    # Malformed JSON, the entry without an id, and the undecodable msgpack: no usable id.
+    assert len(dead) == 3
+    codes = sorted(f[b"error_code"].decode() for _, f in dead)
+    assert codes == ["invalid_json", "invalid_json", "invalid_request"]
+    no_id = next(f for _, f in dead if f[b"error_code"] == b"invalid_request")
+    assert b"id" in no_id[b"error"] and no_id[b"orig_json"] == b'{"prompt": "who am I"}'
     assert redis_client.xlen(STREAM) == 0
 
 
@@ -115,7 +115,8 @@ def test_run_one_command_on_mixed_file(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "7 requests: 3 ok, 4 error" in proc.stdout
     by_id = {r["id"]: r for r in rows(out / "results")}
-    assert set(by_id) == {"a", "b", "c", "d", "line:5", "e", "f"}
+    assert set(by_id) == {"a", "b", "line:3", "d", "line:5", "e", "f"}  # malformed lines have no usable id
+    assert by_id["line:3"]["error_code"] == "invalid_json"
     assert by_id["f"]["error_code"] == "unsupported_parameter" and "n" in by_id["f"]["error"]
     assert by_id["line:5"]["error_code"] == "invalid_request"
     assert len({r["job_id"] for r in by_id.values()}) == 1
