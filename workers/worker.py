@@ -126,12 +126,6 @@ def _recover_job_id(fields: dict) -> str | None:
     return None
 
 
-def _replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
-
-
 def _s(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -511,8 +505,7 @@ class Worker:
             worker=self.consumer, finished_at=now,
         )
         if finish_reason != "error":
-            row = msgspec.structs.replace(row, finish_reason=finish_reason) if isinstance(row, msgspec.Struct) \
-                else _replace(row, finish_reason=finish_reason)
+            row = msgspec.structs.replace(row, finish_reason=finish_reason)
         self.sinks.add(row, cost)
         self.pending_acks.append((entry_id, job_id, request_id, row))
         self.metrics.finish(finish_reason)
