@@ -1,0 +1,391 @@
+"""Attention over a paged KV cache: the PyTorch path (CPU, and the reference for the Triton path).
+
+Owns the cache write (``store_kv``), the per-step attention metadata (``AttentionMetadata``,
+built once per step by ``build_attention_metadata`` and shared by every layer), the batched
+attention itself (``paged_attention``) and a naive, obviously-correct
+``reference_paged_attention`` that the tests hold the fast path to.
+
+Layout. One K and one V cache per layer, each ``[num_blocks, block_size, num_kv_heads,
+head_dim]``; token ``pos`` of a sequence lives in slot ``block_table[pos // block_size] *
+block_size + pos % block_size``. Queries come packed: ``[T, num_heads, head_dim]``, the new
+tokens of every scheduled sequence back to back, no padding.
+
+How the fast path works. Sequences are split into a few *groups* once per step (decode tokens
+together, prefill chunks together, each sorted by length and cut so that no gathered tensor
+grows past a budget). Per group and layer there are exactly three large ops: gather the
+group's KV blocks into a reused workspace, one masked ``scaled_dot_product_attention``, and a
+scatter of the valid rows back into the packed output. Grouped-query attention never repeats
+K/V: the ``g = num_heads / num_kv_heads`` query heads that share a KV head are folded into the
+query-length axis, so SDPA sees ``[B, Hkv, g * Q, D]`` against ``[B, Hkv, L, D]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+# Upper bound on (sequences x padded context tokens) gathered in one SDPA call, so the K/V
+# workspace stays a few hundred MiB even for 128 long sequences.
+DEFAULT_MAX_GATHER_TOKENS = 1 << 17
+# Upper bound on the score matrix of one call (sequences x g x query rows x context), elements.
+DEFAULT_MAX_SCORE_ELEMENTS = 1 << 26
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``k``, ``v`` (``[T, Hkv, D]``) into the caches at ``slot_mapping`` (``[T]``)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+class AttentionWorkspace:
+    """Reusable gather buffers for K and V.
+
+    Large fresh allocations on CPU are page-faulted in on every use (glibc hands them out by
+    mmap), which costs more than the gather itself; keeping one buffer per step shape class
+    and slicing it makes the gather a plain memory copy. Owned by the model runner (one per
+    runner), never shared across threads.
+    """
+
+    def __init__(self) -> None:
+        self._kv: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def buffers(
+        self, num_elements: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._kv
+        if kv is None or kv[0].numel() < num_elements or kv[0].dtype != dtype or kv[0].device != device:
+            kv = self._kv = (
+                torch.empty(num_elements, dtype=dtype, device=device),
+                torch.empty(num_elements, dtype=dtype, device=device),
+            )
+        return kv[0][:num_elements], kv[1][:num_elements]
+
+
+@dataclass
+class AttentionGroup:
+    """Sequences that go through one SDPA call (tensors built once per step, used per layer).
+
+    ``block_ids`` ``[Bg * nb]``: the KV blocks of each sequence, padded with block 0.
+    ``query_rows`` ``[Bg * Qg]``: packed-token row of each (padded) query; padding reads row 0.
+    ``mask`` ``[Bg, 1, g * Qg, nb * block_size]``: True where a query may attend to a key.
+    ``out_rows`` / ``out_tokens``: which rows of the padded output are real, and where they go
+    in the packed output. ``identity`` marks a group whose queries are exactly the packed rows
+    in order with one query per sequence (a pure decode step): no gather or scatter needed.
+    """
+
+    num_seqs: int
+    max_query_len: int
+    num_blocks: int
+    block_ids: torch.Tensor
+    query_rows: torch.Tensor
+    mask: torch.Tensor
+    out_rows: torch.Tensor
+    out_tokens: torch.Tensor
+    identity: bool
+
+
+@dataclass
+class AttentionMetadata:
+    """Everything attention needs about one step's packed batch (shared by all layers).
+
+    ``query_start_loc`` ``[B + 1]``: offsets of each sequence's tokens in the packed batch.
+    ``seq_lens`` ``[B]``: context length including this step's tokens.
+    ``block_tables`` ``[B, max_blocks]``: KV block ids in position order, padded with 0.
+    ``slot_mapping``, ``positions`` ``[T]``: cache slot and position of every packed token.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    positions: torch.Tensor
+    block_size: int
+    num_queries_per_kv: int
+    groups: list[AttentionGroup] = field(default_factory=list)
+    workspace: AttentionWorkspace | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])
+
+
+def _plan_groups(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    num_queries_per_kv: int,
+    block_size: int,
+    max_gather_tokens: int,
+    max_score_elements: int,
+) -> list[list[int]]:
+    """Split sequence indices into groups: decodes apart from prefills; a kind that fits the
+    budgets is one group in batch order, otherwise it is sorted by length and cut where
+    padding the next sequence in would exceed the gather or score budget."""
+
+    def over_budget(n: int, max_q: int, max_len: int) -> bool:
+        padded_len = -(-max_len // block_size) * block_size
+        return n * padded_len > max_gather_tokens or (
+            n * num_queries_per_kv * max_q * padded_len > max_score_elements
+        )
+
+    decodes = [i for i, q in enumerate(query_lens) if q == 1]
+    prefills = [i for i, q in enumerate(query_lens) if q > 1]
+    groups: list[list[int]] = []
+    for members in (decodes, prefills):
+        if not members:
+            continue
+        if not over_budget(
+            len(members), max(query_lens[i] for i in members), max(seq_lens[i] for i in members)
+        ):
+            # Batch order kept: a pure decode step then needs no gather or scatter of queries.
+            groups.append(members)
+            continue
+        current: list[int] = []
+        max_q = max_len = 0
+        for i in sorted(members, key=lambda i: (query_lens[i], seq_lens[i])):
+            q, s = max(max_q, query_lens[i]), max(max_len, seq_lens[i])
+            if current and over_budget(len(current) + 1, q, s):
+                groups.append(current)
+                current, q, s = [], query_lens[i], seq_lens[i]
+            current.append(i)
+            max_q, max_len = q, s
+        groups.append(current)
+    return groups
+
+
+def build_attention_metadata(
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    block_size: int,
+    num_queries_per_kv: int,
+    device: torch.device | str = "cpu",
+    workspace: AttentionWorkspace | None = None,
+    max_gather_tokens: int = DEFAULT_MAX_GATHER_TOKENS,
+    max_score_elements: int = DEFAULT_MAX_SCORE_ELEMENTS,
+) -> AttentionMetadata:
+    """Build a step's metadata from per-sequence Python lists (O(B) Python, the rest tensors).
+
+    Sequence ``b`` contributes ``query_lens[b]`` packed tokens, the last ones of its
+    ``seq_lens[b]``-token context; ``block_tables[b]`` must cover that context.
+    """
+    num_seqs = len(query_lens)
+    if not (len(seq_lens) == len(block_tables) == num_seqs) or num_seqs == 0:
+        raise ValueError(
+            "query_lens, seq_lens and block_tables must be non-empty and of equal length, got "
+            f"{len(query_lens)}, {len(seq_lens)}, {len(block_tables)}"
+        )
+    for b in range(num_seqs):
+        q, s = query_lens[b], seq_lens[b]
+        if not 1 <= q <= s:
+            raise ValueError(f"sequence {b}: need 1 <= query_len ({q}) <= seq_len ({s})")
+        if len(block_tables[b]) * block_size < s:
+            raise ValueError(
+                f"sequence {b}: {len(block_tables[b])} blocks of {block_size} cannot hold "
+                f"{s} tokens"
+            )
+    device = torch.device(device)
+    max_blocks = max(len(t) for t in block_tables)
+    # One tensor from padded Python rows: far cheaper than a tensor per row.
+    table = torch.tensor(
+        [t if len(t) == max_blocks else [*t, *([0] * (max_blocks - len(t)))] for t in block_tables],
+        dtype=torch.int64,
+    )
+    q_lens = torch.tensor(query_lens, dtype=torch.int64)
+    s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+    query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int64)
+    torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    # Position of every packed token: its sequence's first new position plus its offset.
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+    first_pos = s_lens - q_lens
+    positions = (
+        torch.arange(num_tokens) - query_start_loc[:-1][seq_of_token] + first_pos[seq_of_token]
+    )
+    slot_mapping = (
+        table[seq_of_token, positions // block_size] * block_size + positions % block_size
+    )
+
+    groups = []
+    for members in _plan_groups(
+        query_lens, seq_lens, num_queries_per_kv, block_size, max_gather_tokens,
+        max_score_elements,
+    ):
+        groups.append(
+            _build_group(
+                members, q_lens, s_lens, query_start_loc, table, block_size,
+                num_queries_per_kv, num_tokens, device,
+            )
+        )
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=s_lens.to(device),
+        block_tables=table.to(device),
+        slot_mapping=slot_mapping.to(device),
+        positions=positions.to(device),
+        block_size=block_size,
+        num_queries_per_kv=num_queries_per_kv,
+        groups=groups,
+        workspace=workspace if workspace is not None else AttentionWorkspace(),
+    )
+
+
+def _build_group(
+    members: list[int],
+    q_lens: torch.Tensor,
+    s_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    table: torch.Tensor,
+    block_size: int,
+    g: int,
+    num_tokens: int,
+    device: torch.device,
+) -> AttentionGroup:
+    idx = torch.tensor(members, dtype=torch.int64)
+    gq, gs = q_lens[idx], s_lens[idx]
+    bg = len(members)
+    max_q = int(gq.max())
+    num_blocks = -(-int(gs.max()) // block_size)
+    key_len = num_blocks * block_size
+
+    offs = torch.arange(max_q)
+    valid = offs[None, :] < gq[:, None]  # [Bg, Qg]
+    rows = query_start_loc[idx][:, None] + offs[None, :]
+    query_rows = torch.where(valid, rows, torch.zeros_like(rows))
+    # Padding queries get position 0 so that they attend to exactly one key (no NaN rows).
+    q_pos = torch.where(valid, (gs - gq)[:, None] + offs[None, :], torch.zeros_like(rows))
+    allowed = torch.arange(key_len)[None, None, :] <= q_pos[:, :, None]  # [Bg, Qg, L]
+    mask = allowed[:, None, None].expand(bg, 1, g, max_q, key_len).reshape(bg, 1, g * max_q, key_len)
+
+    block_ids = table[idx][:, :num_blocks].reshape(-1)
+    flat_valid = valid.reshape(-1)
+    out_rows = torch.nonzero(flat_valid).squeeze(1)
+    out_tokens = rows.reshape(-1)[out_rows]
+    identity = (
+        max_q == 1 and bg == num_tokens and bool(torch.equal(out_tokens, torch.arange(num_tokens)))
+    )
+    return AttentionGroup(
+        num_seqs=bg,
+        max_query_len=max_q,
+        num_blocks=num_blocks,
+        block_ids=block_ids.to(device),
+        query_rows=query_rows.reshape(-1).to(device),
+        mask=mask.to(device),
+        out_rows=out_rows.to(device),
+        out_tokens=out_tokens.to(device),
+        identity=identity,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of the packed queries ``q`` ``[T, Hq, D]`` over the paged cache.
+
+    Each sequence's query tokens see its cached tokens at positions ``0..pos`` (the caller has
+    already stored this step's K/V). Returns ``[T, Hq, D]`` in ``q``'s dtype.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    g = metadata.num_queries_per_kv
+    if num_heads != g * num_kv_heads:
+        raise ValueError(
+            f"{num_heads} query heads do not match {num_kv_heads} KV heads x {g} queries per KV head"
+        )
+    workspace = metadata.workspace or AttentionWorkspace()
+    q = q.to(k_cache.dtype)
+    out = None
+    for group in metadata.groups:
+        bg, max_q = group.num_seqs, group.max_query_len
+        key_len = group.num_blocks * block_size
+        numel = bg * key_len * num_kv_heads * head_dim
+        k_buf, v_buf = workspace.buffers(numel, k_cache.dtype, k_cache.device)
+        k_buf = k_buf.view(bg * group.num_blocks, block_size, num_kv_heads, head_dim)
+        v_buf = v_buf.view_as(k_buf)
+        torch.index_select(k_cache, 0, group.block_ids, out=k_buf)
+        torch.index_select(v_cache, 0, group.block_ids, out=v_buf)
+        keys = k_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
+        values = v_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
+
+        if group.identity:
+            # [T, Hq, D] is already [B, Hkv, g * 1, D]: fold without copying.
+            query = q.view(bg, num_kv_heads, g, head_dim)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scale)
+            return o.reshape(num_tokens, num_heads, head_dim)
+
+        query = (
+            q.index_select(0, group.query_rows)
+            .view(bg, max_q, num_kv_heads, g, head_dim)
+            .permute(0, 2, 3, 1, 4)
+            .reshape(bg, num_kv_heads, g * max_q, head_dim)
+        )
+        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=group.mask, scale=scale)
+        o = (
+            o.view(bg, num_kv_heads, g, max_q, head_dim)
+            .permute(0, 3, 1, 2, 4)
+            .reshape(bg * max_q, num_heads, head_dim)
+        )
+        if out is None:
+            out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
+        out.index_copy_(0, group.out_tokens, o.index_select(0, group.out_rows))
+    if out is None:
+        raise ValueError("attention metadata has no groups")
+    return out
+
+
+def reference_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_lens: Sequence[int],
+    seq_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    scale: float,
+) -> torch.Tensor:
+    """Token-by-token attention in float64, straight from the definition (tests only)."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_heads = q.shape[1]
+    g = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    row = 0
+    for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+        keys = torch.stack(
+            [k_cache[table[p // block_size], p % block_size] for p in range(seq_len)]
+        ).double()  # [L, Hkv, D]
+        values = torch.stack(
+            [v_cache[table[p // block_size], p % block_size] for p in range(seq_len)]
+        ).double()
+        for i in range(q_len):
+            pos = seq_len - q_len + i
+            for h in range(num_heads):
+                kv = h // g
+                scores = (keys[: pos + 1, kv] @ q[row, h].double()) * scale
+                weights = torch.softmax(scores, dim=0)
+                out[row, h] = weights @ values[: pos + 1, kv]
+            row += 1
+    return out.to(q.dtype)
+
+
+__all__ = [
+    "AttentionGroup",
+    "AttentionMetadata",
+    "AttentionWorkspace",
+    "build_attention_metadata",
+    "paged_attention",
+    "reference_paged_attention",
+    "store_kv",
+]

@@ -1,0 +1,182 @@
+"""Token sampling and log-probabilities for a batch of logits rows, fully vectorised.
+
+Owns greedy / temperature / top-k / top-p sampling (``sample``) and the log-probabilities
+reported back to users (``compute_logprobs``).
+
+Seeded sampling is batch-independent: the randomness of row ``b`` is a pure function of that
+request's seed, the position of the token being sampled and the vocabulary index, computed
+with a counter-based hash (splitmix64 on int64 tensors). Gumbel-max over those uniforms picks
+the token, so the same seed gives the same tokens whether the request runs alone, in any
+batch, at any batch index, or after a preemption that recomputes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+def _signed64(x: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+_GOLDEN = _signed64(0x9E3779B97F4A7C15)
+_MIX1 = _signed64(0xBF58476D1CE4E5B9)
+_MIX2 = _signed64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; mask the sign-extended bits to get a logical shift.
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors (multiplication wraps modulo 2**64)."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def random_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniforms in (0, 1), ``[B, vocab_size]`` float32, a pure function of (seed, position, index).
+
+    23 random bits per draw so that ``(k + 0.5) / 2**23`` is exact in float32 and never 0 or 1.
+    """
+    row_key = mix64(mix64(seeds.to(torch.int64) + _GOLDEN) ^ mix64(positions.to(torch.int64)))
+    counter = (torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device)) * _GOLDEN
+    bits = _shr(mix64(row_key[:, None] + counter[None, :]), 41)
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters as tensors (built once per step by the model runner).
+
+    ``temperature`` 0 means greedy. ``top_k`` 0 means off. ``positions`` is the position of
+    the token being sampled (the request's current length), which keys the randomness.
+    """
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] int64
+    top_p: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+
+    @classmethod
+    def from_lists(
+        cls,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        seeds: Sequence[int],
+        positions: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> "SamplingTensors":
+        n = len(temperature)
+        if not (len(top_k) == len(top_p) == len(seeds) == len(positions) == n):
+            raise ValueError("sampling parameter lists must all have one entry per row")
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_p=torch.tensor(top_p, dtype=torch.float32, device=device),
+            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            all_greedy=all(t == 0.0 for t in temperature),
+            any_top_k=any(k > 0 for k in top_k),
+            any_top_p=any(p < 1.0 for p in top_p),
+        )
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set to -inf every logit outside the row's top-k and then outside its top-p nucleus.
+
+    Top-k keeps exactly k tokens (ties broken by index order). Top-p keeps the smallest
+    prefix of the sorted distribution whose mass reaches p (always at least one token), on
+    the distribution left after top-k. Rows with k = 0 and p = 1 are unchanged.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[-1]
+    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+        remove = ranks >= k[:, None]
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        # The first token has mass_before 0 < p, so every row keeps at least one token.
+        remove = remove | (mass_before >= top_p[:, None])
+    masked = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, sorted_idx, masked)
+
+
+def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
+    """One token id per row of ``logits`` (``[B, V]`` float32): ``[B]`` int64."""
+    greedy_ids = torch.argmax(logits, dim=-1)
+    if params.all_greedy:
+        return greedy_ids
+    is_greedy = params.temperature == 0.0
+    rows = torch.nonzero(~is_greedy).squeeze(1)
+    if rows.numel() == logits.shape[0]:
+        rows = None  # every row samples: skip the gathers
+    sub = logits if rows is None else logits.index_select(0, rows)
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t if rows is None else t.index_select(0, rows)
+
+    scaled = sub / pick(params.temperature)[:, None]
+    scaled = apply_top_k_top_p(
+        scaled,
+        pick(params.top_k) if params.any_top_k else None,
+        pick(params.top_p) if params.any_top_p else None,
+    )
+    uniforms = random_uniforms(pick(params.seeds), pick(params.positions), logits.shape[-1])
+    # Gumbel-max: argmax(logit/T + G) with G = -log(-log U) samples softmax(logit/T) exactly.
+    gumbel = -torch.log(-torch.log(uniforms))
+    sampled = torch.argmax(scaled + gumbel, dim=-1)
+    if rows is None:
+        return sampled
+    return greedy_ids.index_copy(0, rows, sampled)
+
+
+@dataclass
+class Logprobs:
+    """``sampled`` ``[B]``: log-probability of each row's sampled token; ``top_ids`` /
+    ``top_logprobs`` ``[B, k]``: the k most likely tokens, most likely first."""
+
+    sampled: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+
+def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> Logprobs:
+    """Log-probabilities under the model's raw distribution (log_softmax of the logits, before
+    temperature, top-k or top-p)."""
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, sampled.view(-1, 1).to(torch.int64)).squeeze(1)
+    top_logprobs, top_ids = torch.topk(logprobs, min(k, logprobs.shape[-1]), dim=-1)
+    return Logprobs(sampled=chosen, top_ids=top_ids, top_logprobs=top_logprobs)
+
+
+__all__ = [
+    "Logprobs",
+    "SamplingTensors",
+    "apply_top_k_top_p",
+    "compute_logprobs",
+    "mix64",
+    "random_uniforms",
+    "sample",
+]

@@ -1,0 +1,428 @@
+"""The engine the worker drives: requests in, one step at a time, outputs and billable work out.
+
+Owns ``EngineConfig``, ``LLMEngine`` and the records a step returns (``StepResult`` with
+``RequestOutput`` per touched request and ``StepWork`` per scheduled request, for cost
+attribution). One step is::
+
+    scheduler.schedule() -> runner.execute() -> scheduler.update_from_output()
+    -> detokenize, match stop strings (-> scheduler.finish_requests) -> outputs
+
+Prompt checks that depend on the model (length, vocabulary, stop strings needing a
+tokenizer) raise ``EngineInputError`` with a stable code, so the worker can write an error
+row instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.scheduler import Scheduler
+from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
+from mqinfer.workers.model_runner import ModelRunner
+from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+# Default KV cache size on CPU when num_kv_blocks is not given: enough for max_num_seqs full
+# contexts, but at most this share of physical memory and this many bytes.
+_CPU_KV_MEMORY_SHARE = 0.25
+_CPU_KV_MAX_BYTES = 4 << 30
+# On CUDA: this share of the memory free after loading the model, minus room for activations.
+_CUDA_KV_MEMORY_SHARE = 0.9
+_CUDA_ACTIVATION_RESERVE = 2 << 30
+_SEED_MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    # None: sized from memory (see _default_num_kv_blocks).
+    num_kv_blocks: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    # None: the model's max_position_embeddings.
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    # Seeds the sampling seeds drawn for requests that give none.
+    seed: int = 0
+    # CPU threads for torch; None: OMP_NUM_THREADS when set, else every core this process may use.
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+
+
+class EngineInputError(Exception):
+    """A request the engine cannot run, with a stable ``code`` and a human ``message``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class RequestOutput:
+    """What happened to one request in one step.
+
+    ``new_token_ids`` / ``new_text`` are this step's delta. ``output_token_ids`` and
+    ``logprobs`` are cumulative (everything generated so far; the last
+    ``len(new_token_ids)`` entries are this step's). ``text`` is set once finished (cut before
+    a matched stop string; None for a model without a tokenizer).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    error_code: str | None
+    error: str | None
+    output_token_ids: list[int]
+    text: str | None
+    logprobs: list[dict] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_preemptions: int
+    first_token_time: float | None
+
+
+@dataclass
+class StepWork:
+    """One scheduled request's share of a step, for cost attribution."""
+
+    request_id: str
+    num_tokens: int
+    # Context length after this step's tokens.
+    context_len: int
+    # Prompt (or recomputed) tokens rather than a single decode token.
+    is_prefill: bool
+    # Tokens in this chunk whose KV had been computed before and was lost to a preemption.
+    num_recomputed_tokens: int
+    # Whether the request sampled a token this step (the LM head ran for it).
+    sampled: bool = False
+
+
+@dataclass
+class StepResult:
+    outputs: list[RequestOutput]
+    work: list[StepWork]
+    start: float
+    end: float
+
+
+@dataclass
+class _Tracked:
+    """Engine-side state of an unfinished request."""
+
+    request: Request
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[dict] | None
+    # Highest num_computed_tokens reached: tokens below it that run again are recomputation.
+    high_water: int = 0
+    first_token_time: float | None = None
+    new_token_ids: list[int] = field(default_factory=list)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def _num_threads(requested: int | None) -> int:
+    if requested is not None:
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    # Every core this process may run on (torch's default counts physical cores only). Note
+    # that on a CPU shared with other busy processes, fewer threads can be much faster.
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 8 << 30
+
+
+def _default_num_kv_blocks(info: ModelInfo, device: torch.device, config: EngineConfig,
+                           max_model_len: int) -> int:
+    block_bytes = info.kv_bytes_per_token * config.block_size
+    wanted = -(-config.max_num_seqs * max_model_len // config.block_size)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * _CUDA_KV_MEMORY_SHARE) - _CUDA_ACTIVATION_RESERVE
+    else:
+        budget = min(int(_physical_memory() * _CPU_KV_MEMORY_SHARE), _CPU_KV_MAX_BYTES)
+    # Always room for at least one full-length sequence.
+    floor = -(-max_model_len // config.block_size) + 1
+    return max(floor, min(wanted, budget // block_bytes))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        self.device = _resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(_num_threads(config.num_threads))
+        model, info = load_model(config.model, self.device, config.dtype)
+        self.model = model
+        self.info = info
+        self.tokenizer: Tokenizer | None = (
+            ByteTokenizer() if config.model == TINY else load_tokenizer(info.path) if info.path else None
+        )
+        max_len = config.max_model_len or info.max_model_len
+        if max_len > info.max_model_len:
+            raise ValueError(
+                f"max_model_len {max_len} exceeds the model's max_position_embeddings ({info.max_model_len})"
+            )
+        if info.sliding_window is not None and max_len > info.sliding_window:
+            raise ValueError(
+                f"{info.name} uses sliding-window attention ({info.sliding_window} tokens), which this engine "
+                f"does not implement; set max_model_len <= {info.sliding_window}"
+            )
+        self.max_model_len = max_len
+        num_blocks = config.num_kv_blocks or _default_num_kv_blocks(info, self.device, config, max_len)
+        self.scheduler_config = SchedulerConfig(
+            block_size=config.block_size,
+            num_kv_blocks=num_blocks,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_len,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
+        self.scheduler = Scheduler(self.scheduler_config, clock=clock)
+        self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype))
+        self.eos_token_ids = frozenset(info.eos_token_ids) or (
+            frozenset([self.tokenizer.eos_token_id])
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
+            else frozenset()
+        )
+        self._rng = random.Random(config.seed)
+        self._tracked: dict[str, _Tracked] = {}
+        # Requests ended between steps (cancel): reported by the next step.
+        self._ended_outside: list[Request] = []
+        log.info(
+            "engine ready: %s (%s, %s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB), "
+            "max_model_len %d",
+            info.model_id, info.architecture, info.dtype, f"{info.num_params:,}", self.device, num_blocks,
+            config.block_size, self.runner.kv_cache_bytes / 2**20, max_len,
+        )
+
+    # -- requests in --------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                      messages: list[dict] | None) -> list[int]:
+        """Token ids for exactly one of a text prompt, token ids, or chat messages."""
+        given = [name for name, v in (("prompt", prompt), ("prompt_token_ids", prompt_token_ids),
+                                      ("messages", messages)) if v is not None]
+        if len(given) != 1:
+            raise EngineInputError(
+                "invalid_request",
+                "exactly one of prompt, prompt_token_ids or messages is required"
+                + (f" (got {', '.join(given)})" if given else ""),
+            )
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            self._check_token_ids(ids)
+        else:
+            if self.tokenizer is None:
+                raise EngineInputError(
+                    "invalid_request",
+                    f"{given[0]}: model {self.info.name} has no tokenizer (no tokenizer.json); "
+                    "send prompt_token_ids instead",
+                )
+            try:
+                ids = self.tokenizer.encode(prompt) if prompt is not None else self.tokenizer.encode_chat(messages)
+            except ValueError as exc:
+                raise EngineInputError("invalid_request", f"{given[0]}: {exc}") from None
+        if not ids:
+            raise EngineInputError("invalid_request", f"{given[0]}: the prompt has no tokens")
+        self._check_length(len(ids))
+        return ids
+
+    def _check_token_ids(self, ids: list[int]) -> None:
+        vocab = self.info.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise EngineInputError(
+                    "invalid_token_id",
+                    f"prompt_token_ids[{i}] = {t!r} is outside the vocabulary (0..{vocab - 1})",
+                )
+
+    def _check_length(self, n: int) -> None:
+        if n >= self.max_model_len:
+            raise EngineInputError(
+                "prompt_too_long",
+                f"prompt has {n} tokens; the context limit (max_model_len) is {self.max_model_len}, "
+                "which leaves no room to generate",
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
+                    arrival_time: float | None = None, priority: int = 0,
+                    deadline: float | None = None) -> None:
+        if request_id in self._tracked or self.scheduler.get_request(request_id) is not None:
+            raise ValueError(f"request {request_id!r} is already in the engine")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise EngineInputError("invalid_request", "prompt_token_ids: the prompt has no tokens")
+        self._check_length(len(ids))
+        self._check_token_ids(ids)
+        if sampling.stop and self.tokenizer is None:
+            raise EngineInputError(
+                "invalid_request",
+                f"stop: stop strings need a tokenizer and model {self.info.name} has none; use stop_token_ids",
+            )
+        seed = sampling.seed & _SEED_MASK if sampling.seed is not None else self._rng.getrandbits(63)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=ids,
+            sampling=sampling,
+            eos_token_ids=self.eos_token_ids,
+            arrival_time=self.clock() if arrival_time is None else arrival_time,
+            priority=priority,
+            deadline=deadline,
+            max_model_len=self.max_model_len,
+            sampling_seed=seed,
+        )
+        detok = (
+            IncrementalDetokenizer(self.tokenizer, sampling.stop, ids) if self.tokenizer is not None else None
+        )
+        self._tracked[request_id] = _Tracked(request, detok, [] if sampling.logprobs is not None else None)
+        self.scheduler.add_request(request)
+
+    def cancel(self, request_id: str) -> None:
+        """End a request as cancelled (its blocks are freed now; the next step reports it)."""
+        self._ended_outside.extend(
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_CANCELLED)
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._ended_outside)
+
+    def free_capacity(self) -> int:
+        s = self.scheduler
+        return max(0, self.scheduler_config.max_num_seqs - s.num_running - s.num_waiting)
+
+    # -- one step -----------------------------------------------------------------------------
+    def step(self) -> StepResult:
+        start = self.clock()
+        out = self.scheduler.schedule()
+        scheduled = out.scheduled
+        work: list[StepWork] = []
+        touched: dict[str, Request] = {}
+        for request in (*self._ended_outside, *out.finished):
+            touched[request.request_id] = request
+        self._ended_outside = []
+        if scheduled:
+            for sr in scheduled:
+                r, n = sr.request, sr.num_new_tokens
+                c = r.num_computed_tokens
+                tracked = self._tracked[r.request_id]
+                work.append(StepWork(
+                    request_id=r.request_id, num_tokens=n, context_len=c + n,
+                    is_prefill=not (n == 1 and c >= r.num_prompt_tokens),
+                    num_recomputed_tokens=max(0, min(c + n, tracked.high_water) - c),
+                    sampled=sr.needs_sample,
+                ))
+                tracked.high_water = max(tracked.high_water, c + n)
+            sampled = self.runner.execute(out)
+            logprobs = self.runner.last_logprobs
+            self.scheduler.update_from_output(out, sampled)
+            now = self.clock()
+            for sr, token, lp in zip(scheduled, sampled, logprobs):
+                if token is None:
+                    continue
+                tracked = self._tracked[sr.request.request_id]
+                tracked.new_token_ids.append(token)
+                if tracked.first_token_time is None:
+                    tracked.first_token_time = now
+                if tracked.logprobs is not None and lp is not None:
+                    tracked.logprobs.append(lp.to_dict())
+                touched[sr.request.request_id] = sr.request
+
+        outputs = [self._output(request) for request in touched.values()]
+        # Stop strings end requests here; their blocks go back before the next schedule().
+        stopped = [o.request_id for o in outputs if o.finished and not touched[o.request_id].is_finished]
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
+
+    def _output(self, request: Request) -> RequestOutput:
+        rid = request.request_id
+        tracked = self._tracked.get(rid)
+        new_ids = tracked.new_token_ids if tracked is not None else []
+        if tracked is not None:
+            tracked.new_token_ids = []
+        finished = request.is_finished
+        status = request.status
+        new_text, text = "", None
+        detok = tracked.detokenizer if tracked is not None else None
+        if detok is not None:
+            feed = new_ids
+            if (finished and status is RequestStatus.FINISHED_STOPPED and new_ids
+                    and self._is_stop_token(request, new_ids[-1])):
+                feed = new_ids[:-1]  # a stop token ends the text; it is not part of it
+            new_text = detok.feed(feed) if feed else ""
+            if detok.stopped and status is not RequestStatus.FINISHED_STOPPED:
+                # A stop string matched: the request ends with "stop", even if a length limit
+                # was reached by the same token. The caller frees a still-running one.
+                finished, status = True, RequestStatus.FINISHED_STOPPED
+                if request.is_finished:
+                    request.status = status
+            if finished:
+                new_text += detok.flush()
+                # An error row has no text; every other ending has (possibly empty) text.
+                text = detok.text if status is not RequestStatus.FINISHED_ERROR else None
+        if finished:
+            self._tracked.pop(rid, None)
+        return RequestOutput(
+            request_id=rid,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+            finished=finished,
+            finish_reason=status.finish_reason if finished else None,
+            error_code=request.error_code if finished else None,
+            error=request.error if finished else None,
+            output_token_ids=list(request.output_token_ids),
+            text=text,
+            logprobs=list(tracked.logprobs) if tracked is not None and tracked.logprobs is not None else None,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=max(0, request.num_cached_tokens),
+            num_preemptions=request.num_preemptions,
+            first_token_time=tracked.first_token_time if tracked is not None else None,
+        )
+
+    @staticmethod
+    def _is_stop_token(request: Request, token: int) -> bool:
+        sampling = request.sampling
+        return token in sampling.stop_token_ids or (token in request.eos_token_ids and not sampling.ignore_eos)
+
+
+__all__ = ["EngineConfig", "EngineInputError", "LLMEngine", "RequestOutput", "StepResult", "StepWork"]

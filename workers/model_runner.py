@@ -1,0 +1,161 @@
+"""The model runner: owns the paged KV cache tensors and turns one ``SchedulerOutput`` into
+sampled tokens.
+
+Per step it packs the new tokens of every scheduled request into one flat batch (no
+padding), builds the attention metadata (positions, slot mapping, block tables) and the
+sampling tensors once, runs the model under ``torch.inference_mode()``, puts only the rows
+that sample through the LM head, samples, and brings the results back with a single
+device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+from dataclasses import dataclass
+
+import torch
+
+from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metadata
+from mqinfer.kernels.sampling import SamplingTensors, compute_logprobs, sample
+from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.scheduler.output import SchedulerOutput
+from mqinfer.workers.loader import ModelInfo
+from mqinfer.workers.models import LlamaForCausalLM
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One sampled token's log-probability and the top alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def to_dict(self) -> dict:
+        return {
+            "token_id": self.token_id,
+            "logprob": self.logprob,
+            "top_token_ids": self.top_token_ids,
+            "top_logprobs": self.top_logprobs,
+        }
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        info: ModelInfo,
+        scheduler_config: SchedulerConfig,
+        device: torch.device | str,
+        dtype: torch.dtype,
+    ) -> None:
+        self.model = model
+        self.info = info
+        self.config = scheduler_config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.block_size = scheduler_config.block_size
+        shape = (scheduler_config.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
+        self._buffers: list[mmap.mmap] = []
+        self.kv_caches = [(self._zeroed(shape, dtype), self._zeroed(shape, dtype)) for _ in range(info.num_layers)]
+        self.workspace = AttentionWorkspace()
+        self.num_queries_per_kv = info.num_heads // info.num_kv_heads
+        model.rotary.extend(scheduler_config.max_model_len)
+        # Logprobs of the last execute(), aligned with its scheduled requests (None where the
+        # request did not sample or did not ask for logprobs).
+        self.last_logprobs: list[TokenLogprobs | None] = []
+
+    def _zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zero-filled cache tensor.
+
+        Zeroed, not empty: attention reads padded (masked) slots too, and a NaN there would
+        leak through the zero attention weight (0 * NaN = NaN). On CPU the memory comes from
+        an anonymous mapping, which the kernel hands out zeroed and commits page by page as
+        blocks are first written: start-up does not pay for zeroing gigabytes, and a cache
+        sized for the worst case costs only what is used.
+        """
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buffer = mmap.mmap(-1, nbytes)
+        self._buffers.append(buffer)  # the tensor borrows this memory; keep it alive
+        return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> list[int | None]:
+        """Run one step: the sampled token per scheduled request (None where none is due)."""
+        scheduled = output.scheduled
+        self.last_logprobs = [None] * len(scheduled)
+        if not scheduled:
+            return []
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []  # packed row of the last token of each sampling request
+        sample_of: list[int] = []  # index into `scheduled` of each sampling row
+        row = 0
+        for i, sr in enumerate(scheduled):
+            request, n = sr.request, sr.num_new_tokens
+            c = request.num_computed_tokens
+            if n == 1:
+                input_ids.append(request.all_token_ids[c])
+            else:
+                input_ids.extend(request.all_token_ids[c : c + n])
+            query_lens.append(n)
+            seq_lens.append(c + n)
+            tables.append(request.block_ids)
+            row += n
+            if c + n == request.num_tokens:
+                sample_rows.append(row - 1)
+                sample_of.append(i)
+
+        device = self.device
+        metadata = build_attention_metadata(
+            query_lens, seq_lens, tables, self.block_size, self.num_queries_per_kv,
+            device=device, workspace=self.workspace,
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
+        hidden = self.model(ids, metadata.positions, self.kv_caches, metadata)
+        sampled: list[int | None] = [None] * len(scheduled)
+        if not sample_rows:
+            return sampled
+
+        rows = torch.tensor(sample_rows, dtype=torch.int64).to(device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        requests = [scheduled[i].request for i in sample_of]
+        params = SamplingTensors.from_lists(
+            temperature=[r.sampling.temperature for r in requests],
+            top_k=[r.sampling.top_k for r in requests],
+            top_p=[r.sampling.top_p for r in requests],
+            seeds=[r.sampling_seed for r in requests],
+            positions=[r.num_tokens for r in requests],
+            device=device,
+        )
+        token_ids = sample(logits, params)
+        want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
+        if want:
+            self._logprobs(logits, token_ids, want, requests, sample_of)
+        for i, token in zip(sample_of, token_ids.tolist()):
+            sampled[i] = token
+        return sampled
+
+    def _logprobs(self, logits, token_ids, want, requests, sample_of) -> None:
+        k = max(requests[j].sampling.logprobs for j in want)
+        sel = torch.tensor(want, dtype=torch.int64, device=logits.device)
+        lp = compute_logprobs(logits.index_select(0, sel), token_ids.index_select(0, sel), k)
+        chosen = lp.sampled.tolist()
+        top_ids = lp.top_ids.tolist()
+        top_lps = lp.top_logprobs.tolist()
+        picked = token_ids.index_select(0, sel).tolist()
+        for n, j in enumerate(want):
+            kj = requests[j].sampling.logprobs
+            self.last_logprobs[sample_of[j]] = TokenLogprobs(
+                token_id=picked[n], logprob=chosen[n], top_token_ids=top_ids[n][:kj], top_logprobs=top_lps[n][:kj]
+            )

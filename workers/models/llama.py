@@ -1,0 +1,327 @@
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the packed flat batch.
+
+Owns the network: RMSNorm, rotary embeddings (default, linear and Llama-3 frequency scaling),
+grouped-query attention over the paged KV cache, SwiGLU MLP, and the mapping from Hugging
+Face checkpoint tensor names onto our fused layout (q/k/v in one projection, gate/up in one),
+which halves the number of matmuls per layer.
+
+``forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, H]`` runs
+every scheduled token of every sequence at once (no padding); ``compute_logits`` then runs
+the LM head on only the rows that sample.
+
+Numerics follow the reference implementation where it matters for exact agreement: RMSNorm
+in float32 then cast back before the weight, rotary tables in float32 cast to the activation
+dtype, residual adds in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from mqinfer.workers.models.config import ModelConfig, ModelLoadError
+
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    # Uninitialised on purpose: every value is overwritten by the checkpoint, and random
+    # init of a billion parameters would cost seconds.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
+        super().__init__()
+        self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    """Token embedding; with tied weights the LM head shares ``weight``."""
+
+    def __init__(self, num_embeddings: int, dim: int, dtype, device) -> None:
+        super().__init__()
+        self.weight = _empty_param(num_embeddings, dim, dtype=dtype, device=device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class LMHead(nn.Module):
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype, device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = _empty_param(dim, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) with the configured scaling."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    )
+    params = config.rope_scaling
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])
+    elif rope_type == "llama3":
+        try:
+            factor = float(params["factor"])
+            low = float(params["low_freq_factor"])
+            high = float(params["high_freq_factor"])
+            old_len = float(params["original_max_position_embeddings"])
+        except KeyError as exc:
+            raise ModelLoadError(f"llama3 rope scaling is missing {exc.args[0]!r}") from None
+        # Long wavelengths (beyond the original context / low) are slowed by `factor`, short
+        # ones (below original context / high) are kept, and the band between is blended.
+        wavelen = 2 * math.pi / inv_freq
+        slowed = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        blend = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - blend) * slowed / factor + blend * slowed
+        in_band = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+        inv_freq = torch.where(in_band, smoothed, slowed)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for positions ``0..max_len-1`` (float32), looked up per packed token."""
+
+    def __init__(self, config: ModelConfig, max_len: int, device) -> None:
+        super().__init__()
+        self.inv_freq = rope_inv_freq(config).to(device)
+        self.max_len = 0
+        self.cos = self.sin = torch.empty(0)
+        self.extend(max_len)
+
+    def extend(self, max_len: int) -> None:
+        if max_len <= self.max_len:
+            return
+        positions = torch.arange(max_len, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = positions[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos, self.sin, self.max_len = emb.cos(), emb.sin(), max_len
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos.index_select(0, positions).to(dtype)
+        sin = self.sin.index_select(0, positions).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.scale = config.head_dim**-0.5
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, dtype, device)
+        self.o_proj = Linear(q_size, config.hidden_size, config.o_bias, dtype, device)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qk, v = self.qkv_proj(x).split([(hq + hkv) * d, hkv * d], dim=-1)
+        qk = qk.reshape(num_tokens, hq + hkv, d)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
+        # q and k rotate together: one elementwise pass instead of two.
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k = qk[:, :hq], qk[:, hq:]
+        store_kv(k, v.view(num_tokens, hkv, d), k_cache, v_cache, metadata.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, hq * d))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = Linear(
+            config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device
+        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, h, cos, sin, k_cache, v_cache, metadata) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, metadata)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: ModelConfig, dtype, device) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+# Checkpoint projection name -> (our fused parameter's module name, shard index).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+# Tensors some checkpoints carry that the model recomputes or does not use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM whose parameters are allocated but not initialised."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        max_len: int | None = None,
+    ) -> None:
+        super().__init__()
+        device = torch.device(device)
+        self.config = config
+        self.dtype = dtype
+        self.model = _Backbone(config, dtype, device)
+        self.lm_head = LMHead(
+            self.model.embed_tokens.weight
+            if config.tie_word_embeddings
+            else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        # Tables for long-context models are large; start small, the runner extends them to
+        # its max_model_len.
+        self.rotary = RotaryEmbedding(config, max_len or min(config.max_position_embeddings, 4096), device)
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        inter = config.intermediate_size
+        self._shard_offsets = {
+            "qkv_proj": (0, q_size, q_size + kv_size, q_size + 2 * kv_size),
+            "gate_up_proj": (0, inter, 2 * inter),
+        }
+
+    # ------------------------------------------------------------------ running
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final (normalised) hidden states ``[T, hidden]`` of the packed tokens."""
+        if len(kv_caches) != len(self.model.layers):
+            raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, h.dtype)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            h = layer(h, cos, sin, k_cache, v_cache, attn_metadata)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM head on the rows that sample: ``[B, hidden] -> [B, vocab]`` (model dtype)."""
+        return self.lm_head(hidden)
+
+    # ------------------------------------------------------------------ loading
+    def checkpoint_weight_names(self) -> set[str]:
+        """The Hugging Face tensor names a complete checkpoint provides for this model."""
+        names = set()
+        for name, param in self.named_parameters():
+            module, _, leaf = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj == "qkv_proj":
+                names.update(f"{parent}.{p}.{leaf}" for p in ("q_proj", "k_proj", "v_proj"))
+            elif proj == "gate_up_proj":
+                names.update(f"{parent}.{p}.{leaf}" for p in ("gate_proj", "up_proj"))
+            else:
+                names.add(name)
+        if self.config.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (HF names) into the parameters; returns the names used.
+
+        Raises ``ModelLoadError`` for a tensor with an unknown name or the wrong shape.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the embedding is the head
+            module, _, leaf = name.rpartition(".")
+            parent, _, proj = module.rpartition(".")
+            if proj in _FUSED:
+                fused, shard = _FUSED[proj]
+                target_name = f"{parent}.{fused}.{leaf}"
+                param = params.get(target_name)
+                if param is None:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+                offsets = self._shard_offsets[fused]
+                target = param.data[offsets[shard] : offsets[shard + 1]]
+            else:
+                param = params.get(name)
+                if param is None:
+                    raise ModelLoadError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+                target = param.data
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelLoadError(
+                    f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name)
+        return loaded
