@@ -154,7 +154,7 @@ def engine_config(opts: dict):
         model=opts["model"], device=opts["device"], dtype=opts["dtype"], block_size=opts["block_size"],
         num_kv_blocks=opts["num_kv_blocks"], max_num_batched_tokens=opts["max_num_batched_tokens"],
         max_num_seqs=opts["max_num_seqs"], max_model_len=opts["max_model_len"],
-        enable_prefix_caching=not opts["no_prefix_cache"],
+        enable_prefix_caching=not opts["no_prefix_cache"], num_threads=opts["num_threads"],
     )
 
 

@@ -91,6 +91,8 @@ ENGINE_OPTIONS = [
     Option("max_num_seqs", int, 128, "Requests running at once, at most.", metavar="S"),
     Option("max_model_len", _optional_int, None, "Context length (default: the model's).", metavar="N"),
     Option("no_prefix_cache", bool, False, "Turn prefix caching off."),
+    Option("num_threads", _optional_int, None, "CPU threads for the model (default: OMP_NUM_THREADS, else "
+           "every core).", metavar="N"),
 ]
 
 WORKER_OPTIONS = [

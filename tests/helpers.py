@@ -17,7 +17,9 @@ def mqinfer_cmd(*args: str) -> list[str]:
 
 
 def start_worker(redis_url: str, out: Path, *extra: str, log_level: str = "warning") -> subprocess.Popen:
-    env = dict(os.environ, MQINFER_LOG_LEVEL=log_level)
+    # One model thread per worker: tests run several processes on a small machine, where
+    # oversubscribed threads make every step many times slower.
+    env = dict(os.environ, MQINFER_LOG_LEVEL=log_level, OMP_NUM_THREADS="1")
     return subprocess.Popen(
         mqinfer_cmd("worker", "--redis", redis_url, "--out", str(out), *extra),
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

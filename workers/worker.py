@@ -24,7 +24,7 @@ from pathlib import Path
 import msgspec
 import redis
 
-from mqinfer import keys
+from mqinfer import faults, keys
 from mqinfer.ops.metrics import WorkerMetrics
 from mqinfer.scheduler.batcher import DynamicBatcher
 from mqinfer.scheduler.request import SamplingParams
@@ -40,8 +40,15 @@ from mqinfer.workers.sink import Sinks, remove_temp_files
 
 log = logging.getLogger("mqinfer.worker")
 
+# Redis unreachable (restarting, loading its append-only file, network): retry with backoff.
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
+
 HANDBACK_CONSUMER = "mqinfer-handback"
 CANCELLED_JOB_STATUSES = ("cancelling", "cancelled")
+
+
+class SinkError(RuntimeError):
+    """Result rows could not be written durably; the worker must not ack them."""
 
 
 @dataclass(frozen=True)
@@ -154,6 +161,8 @@ class Worker:
         self._last_keepalive = 0.0
         self._last_activity = self.started
         self._disowned: set[str] = set()
+        self._redis_retry_at = 0.0
+        self._redis_backoff = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _install_signals(self) -> None:
@@ -173,7 +182,7 @@ class Worker:
         removed = remove_temp_files(out)
         if removed:
             log.info("removed %d leftover temporary part files", removed)
-        self._ensure_group()
+        self._wait_for_redis()
         self.engine = LLMEngine(cfg.engine, clock=self.clock)
         info = self.engine.info
         self.meter = Meter(
@@ -185,7 +194,8 @@ class Worker:
             start=self.started,
         )
         self.sinks = Sinks(out, self.consumer, flush_rows=cfg.flush_rows, flush_interval_s=cfg.flush_interval_s,
-                           clock=self.clock)
+                           clock=self.clock,
+                           before_rename=(lambda _p: faults.hit("sink.before_rename")) if faults.enabled() else None)
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, port)
@@ -199,6 +209,21 @@ class Worker:
             self.consumer, info.model_id, self.stream_key, redact(cfg.redis_url), startup_s,
         )
 
+    def _wait_for_redis(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        delay = 0.1
+        while True:
+            try:
+                self._ensure_group()
+                return
+            except REDIS_DOWN as exc:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis at {redact(self.config.redis_url)} unreachable for "
+                                       f"{timeout_s:.0f}s: {exc}") from exc
+                log.warning("waiting for redis (%s)", exc)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
     def _ensure_group(self) -> None:
         try:
             self.redis.xgroup_create(self.stream_key, self.config.group, id="0", mkstream=True)
@@ -207,30 +232,64 @@ class Worker:
                 raise
 
     def run(self) -> int:
+        """Serve until SIGTERM or idle exit; 0 on a clean stop, 3 when rows could not be written."""
         self._install_signals()
         self.start()
-        self._recover_own_pending()
-        while True:
-            if self.stopping:
-                break
-            self._iteration()
-            if self._idle_exit_due():
-                log.info("idle for %.1fs: exiting", self.config.idle_exit_s)
-                break
-        self._drain()
+        self._redis(self._recover_own_pending)
+        try:
+            while True:
+                if self.stopping:
+                    break
+                self._iteration()
+                if self._idle_exit_due():
+                    log.info("idle for %.1fs: exiting", self.config.idle_exit_s)
+                    break
+            self._drain()
+        except SinkError as exc:
+            # Nothing unwritten was acked: the entries stay pending and another worker redoes them.
+            self.metrics.healthy = False
+            log.error("cannot write result rows (%s): exiting unhealthy without acking them", exc.__cause__)
+            self.metrics.close()
+            return 3
         return 0
 
     def _iteration(self) -> None:
         now = self.clock()
-        self._ingest(now)
+        self._redis(self._ingest, now)
         self._admit()
         if self.engine.has_unfinished():
             self._step()
+            faults.hit("worker.after_step")
         now = self.clock()
-        if self._keepalive(now):
-            self._cancel_cancelled_jobs()
+        if self._redis(self._keepalive, now):
+            self._redis(self._cancel_cancelled_jobs)
         if self.sinks.pending and (self.sinks.should_flush() or not self.engine.has_unfinished()):
             self._flush()
+        elif self.pending_acks:
+            self._redis(self._ack)
+
+    def _redis(self, fn, *args):
+        """Call a Redis-using phase; while the server is unreachable, skip it and retry with backoff.
+
+        The engine keeps stepping meanwhile, rows keep being written, and acks wait: nothing that
+        was read is lost (an entry read but not yet tracked stays pending and is re-claimed).
+        """
+        now = self.clock()
+        if now < self._redis_retry_at:
+            return None
+        try:
+            result = fn(*args)
+        except REDIS_DOWN as exc:
+            self._redis_backoff = min(max(self._redis_backoff * 2, 0.1), 5.0)
+            self._redis_retry_at = now + self._redis_backoff
+            log.warning("redis unavailable (%s); retrying in %.1fs", exc, self._redis_backoff)
+            if not self.engine.has_unfinished():
+                time.sleep(min(self._redis_backoff, 0.5))
+            return None
+        if self._redis_backoff:
+            log.info("redis reachable again")
+            self._redis_backoff = 0.0
+        return result
 
     def _idle_exit_due(self) -> bool:
         limit = self.config.idle_exit_s
@@ -530,12 +589,11 @@ class Worker:
             self.sinks.add_cost(self._overhead_row("idle", idle, now))
         try:
             self.sinks.flush()
-        except OSError:
-            self.metrics.healthy = False
-            log.exception("writing result rows failed: nothing acked; exiting unhealthy")
-            raise
+            faults.hit("sink.after_write")
+        except OSError as exc:
+            raise SinkError("writing Parquet part files failed") from exc
         self.metrics.rows_written.inc(len(self.pending_acks))
-        self._ack()
+        self._redis(self._ack)
 
     def _ack(self) -> None:
         """Acknowledge entries whose rows are durable, in one transaction with their side effects:
@@ -630,10 +688,17 @@ class Worker:
             for entry_id in unfinished:
                 if self.engine.scheduler.get_request(entry_id) is not None:
                     self.engine.cancel(entry_id)
-            self._handback(unfinished)
+            self._redis(self._handback, unfinished)
             self.inflight.clear()
         self.meter.idle_until(self.clock())
         self._flush()
+        for _ in range(20):  # acks of durable rows: keep trying a while if the server is away
+            if not self.pending_acks:
+                break
+            self._redis_retry_at = 0.0
+            self._redis(self._ack)
+            if self.pending_acks:
+                time.sleep(0.5)
         try:
             pending = self.redis.xpending_range(self.stream_key, self.config.group, "-", "+", 1,
                                                 consumername=self.consumer)
@@ -641,6 +706,9 @@ class Worker:
                 self.redis.xgroup_delconsumer(self.stream_key, self.config.group, self.consumer)
         except redis.exceptions.RedisError:
             log.warning("could not remove consumer %s from the group", self.consumer)
+        if self.pending_acks:
+            log.warning("%d durable rows stay unacked (redis unavailable): they will be redelivered and "
+                        "deduplicated by compaction", len(self.pending_acks))
         self.metrics.close()
         log.info("worker %s stopped", self.consumer)
 

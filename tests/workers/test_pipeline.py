@@ -110,8 +110,8 @@ def test_run_one_command_on_mixed_file(tmp_path):
         {"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "n": 2}},
     ])
     out = tmp_path / "out"
-    proc = subprocess.run(mqinfer_cmd("run", str(src), "--out", str(out)), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(mqinfer_cmd("run", str(src), "--out", str(out), "--num-threads", "1"),
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "7 requests: 3 ok, 4 error" in proc.stdout
     by_id = {r["id"]: r for r in rows(out / "results")}

@@ -1,0 +1,57 @@
+"""Named fault-injection points for tests: faults the operating system cannot produce for root.
+
+Off unless the environment variable ``MQINFER_FAULTS`` is set, which only tests do:
+``MQINFER_FAULTS="point=action[@N],..."`` with actions ``kill`` (SIGKILL this process),
+``enospc`` (raise ``OSError(ENOSPC)``), ``eio`` (raise ``OSError(EIO)``) or ``sleep:S``; ``@N``
+fires on the N-th time the point is reached (default: the first), and only then.
+
+Points: ``sink.before_rename`` (a Parquet part file is written and fsynced under its temporary
+name), ``sink.after_write`` (rows are durable, before the ack), ``worker.after_step`` (each engine
+step), ``compact.<step>`` (each step of compaction).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+_plan: dict[str, tuple[str, int]] | None = None
+_hits: dict[str, int] = {}
+
+
+def _load() -> dict[str, tuple[str, int]]:
+    global _plan
+    if _plan is None:
+        _plan = {}
+        for part in filter(None, (p.strip() for p in os.environ.get("MQINFER_FAULTS", "").split(","))):
+            point, _, action = part.partition("=")
+            action, _, nth = (action or "kill").partition("@")
+            _plan[point] = (action, int(nth or 1))
+    return _plan
+
+
+def enabled() -> bool:
+    return bool(_load())
+
+
+def hit(point: str) -> None:
+    """Reach a named point: does nothing unless a test armed it."""
+    plan = _load()
+    if not plan or point not in plan:
+        return
+    action, nth = plan[point]
+    _hits[point] = _hits.get(point, 0) + 1
+    if _hits[point] != nth:
+        return
+    if action == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "enospc":
+        raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
+    elif action == "eio":
+        raise OSError(errno.EIO, f"Input/output error (injected at {point})")
+    elif action.startswith("sleep:"):
+        time.sleep(float(action.split(":", 1)[1]))
+    else:
+        raise ValueError(f"MQINFER_FAULTS: unknown action {action!r} for {point}")
