@@ -99,29 +99,48 @@ def test_bad_entries_get_error_rows_or_dead_letters_and_good_ones_still_succeed(
     assert redis_client.xlen(STREAM) == 0
 
 
-def test_run_one_command_on_mixed_file(tmp_path):
-    src = write_jsonl(tmp_path / "mixed.jsonl", [
-        {"id": "a", "prompt": "one", "max_tokens": 5, "temperature": 0},
-        {"id": "b", "prompt_token_ids": [256, 1, 2, 3], "max_tokens": 3},
-        '{"id": "c", "prompt": ',
+def test_run_one_command_on_200_mixed_lines(tmp_path):
+    bad = [
+        '{"id": "c", "prompt": ',                                         # malformed: no usable id
         {"id": "d", "prompt": "x", "max_tokens": -1},
         {"prompt": "no id"},
-        {"custom_id": "e", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "max_tokens": 4}},
+        {"id": "u", "prompt": "x", "colour": 1},
+        {"id": "both", "prompt": "x", "prompt_token_ids": [1]},
         {"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "n": 2}},
-    ])
+    ]
+    lines, expected = [], {}
+    for i in range(200):
+        if i % 10 == 3:
+            item = bad[(i // 10) % len(bad)]
+            if isinstance(item, dict):  # a distinct id per line, so every line is its own request
+                item = json.loads(json.dumps(item).replace('"d"', f'"d{i}"').replace('"u"', f'"u{i}"')
+                                  .replace('"both"', f'"both{i}"').replace('"f"', f'"f{i}"'))
+            lines.append(item)
+        elif i % 10 == 7:
+            lines.append({"custom_id": f"oa{i}", "method": "POST", "url": "/v1/completions",
+                          "body": {"prompt": f"hi {i}", "max_tokens": 3, "temperature": 0}})
+        else:
+            lines.append({"id": f"g{i}", "prompt": f"line {i}", "max_tokens": 3, "temperature": 0.7, "seed": i,
+                          "tenant": "a" if i % 2 else "b"})
+    src = write_jsonl(tmp_path / "mixed.jsonl", lines)
     out = tmp_path / "out"
     proc = subprocess.run(mqinfer_cmd("run", str(src), "--out", str(out), "--num-threads", "1"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "7 requests: 3 ok, 4 error" in proc.stdout
-    by_id = {r["id"]: r for r in rows(out / "results")}
-    assert set(by_id) == {"a", "b", "line:3", "d", "line:5", "e", "f"}  # malformed lines have no usable id
-    assert by_id["line:3"]["error_code"] == "invalid_json"
-    assert by_id["f"]["error_code"] == "unsupported_parameter" and "n" in by_id["f"]["error"]
-    assert by_id["line:5"]["error_code"] == "invalid_request"
-    assert len({r["job_id"] for r in by_id.values()}) == 1
+    results = rows(out / "results")
+    by_id = {r["id"]: r for r in results}
+    assert len(results) == len(by_id) == 200  # one row per line, after compaction
+    errors = {k: r for k, r in by_id.items() if r["finish_reason"] == "error"}
+    assert len(errors) == 20
+    assert f"200 requests: 180 ok, 20 error" in proc.stdout
+    # Malformed lines and lines without an id are known by their line number.
+    assert by_id["line:4"]["error_code"] == "invalid_json"
+    assert by_id["line:24"]["error_code"] == "invalid_request" and "id" in by_id["line:24"]["error"]
+    assert all(e["error"] for e in errors.values())
+    assert any(e["error_code"] == "unsupported_parameter" and "n" in e["error"] for e in errors.values())
+    assert len({r["job_id"] for r in results}) == 1
     costs = [c for c in rows(out / "costs") if c["kind"] == "request"]
-    assert sorted(c["id"] for c in costs) == sorted(by_id)
+    assert sorted(c["id"] for c in costs) == sorted(by_id)  # a cost row for every request
 
 
 def test_run_fails_clearly_on_missing_input(tmp_path):
@@ -129,3 +148,34 @@ def test_run_fails_clearly_on_missing_input(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert "no such input file" in proc.stderr
+
+
+def test_standalone_worker_against_mqinfer_redis_serves_submit(tmp_path):
+    server = subprocess.Popen(mqinfer_cmd("redis", "--dir", str(tmp_path / "srv")), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()
+        src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"s{i}", "prompt": "hey", "max_tokens": 2} for i in range(5)])
+        sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", url, "--job-id", "j1"),
+                             capture_output=True, text=True)
+        assert sub.returncode == 0, sub.stderr
+        out = tmp_path / "out"
+        code, err = wait_exit(start_worker(url, out, "--idle-exit-s", "1", "--flush-interval-s", "0.1"))
+        assert code == 0, err
+        got = rows(out / "results")
+        assert sorted(r["id"] for r in got) == [f"s{i}" for i in range(5)]
+        assert {r["job_id"] for r in got} == {"j1"}
+    finally:
+        server.terminate()
+        server.wait(timeout=20)
+
+
+def test_submit_reports_invalid_lines_and_sends_the_rest(redis_url, redis_client, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "ok", "prompt": "a"}, {"id": "bad", "top_k": -1, "prompt": "a"},
+                                              "not json", {"id": "ok", "prompt": "again"}])
+    sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", redis_url), capture_output=True, text=True)
+    assert sub.returncode == 1
+    assert "line 2: invalid_request" in sub.stderr and "top_k" in sub.stderr
+    assert "line 3: invalid_json" in sub.stderr
+    assert "line 4: id 'ok' repeats line 1" in sub.stderr
+    assert redis_client.xlen(STREAM) == 1
