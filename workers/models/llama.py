@@ -130,6 +130,19 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
 
+def _attention_kernels(device) -> tuple:
+    """(store_kv, paged_attention) for a device: the Triton kernels on a CUDA device when
+    triton imports, else the PyTorch path (same arguments, same results)."""
+    if torch.device(device).type == "cuda":
+        try:
+            from mqinfer.kernels import triton_attention
+        except ImportError:  # no triton for this platform: the PyTorch path also runs on CUDA
+            pass
+        else:
+            return triton_attention.store_kv, triton_attention.paged_attention
+    return store_kv, paged_attention
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -142,6 +155,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.scale = config.head_dim**-0.5
+        self.store_kv, self.paged_attention = _attention_kernels(device)
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.qkv_proj = Linear(config.hidden_size, q_size + 2 * kv_size, config.qkv_bias, dtype, device)
         self.o_proj = Linear(q_size, config.hidden_size, config.o_bias, dtype, device)
@@ -169,8 +183,8 @@ class Attention(nn.Module):
         # q and k rotate together: one elementwise pass instead of two.
         qk = qk * cos + _rotate_half(qk) * sin
         q, k = qk[:, :hq], qk[:, hq:]
-        store_kv(k, v.view(num_tokens, hkv, d), k_cache, v_cache, metadata.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, metadata, self.scale)
+        self.store_kv(k, v.view(num_tokens, hkv, d), k_cache, v_cache, metadata.slot_mapping)
+        out = self.paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, hq * d))
 
 

@@ -1,0 +1,195 @@
+"""The KV-cache write on the GPU: one Triton kernel that scatters this step's K and V into their slots.
+
+Same contract as ``mqinfer.kernels.attention.store_kv`` (the PyTorch path): ``k``, ``v`` are
+``[T, num_kv_heads, head_dim]`` (any strides over tokens and heads, as the model's fused QKV
+projection hands them out), the caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``
+and packed token ``t`` goes to flat slot ``slot_mapping[t]``. One program per token writes both
+its K and its V row, so the write is one launch instead of the two ``index_copy_`` of the
+PyTorch path, and needs no contiguous copy of ``k``/``v`` first.
+
+Importing this module imports triton; callers that may run without it import it lazily.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """One planned kernel launch: what ``run()`` passes to the kernel, kept as data so that the
+    same plan can also be compiled ahead of time for a GPU this machine does not have
+    (``python -m mqinfer.loadgen.gpu_kernels --compile-only``)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple[Any, ...]
+    constexprs: dict[str, Any]
+    options: dict[str, int] = field(default_factory=dict)
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs, **self.options)
+
+
+def run_launches(launches: list[KernelLaunch], device: torch.device) -> None:
+    """Run launches in order on ``device`` (Triton launches on the current CUDA device, which
+    need not be the tensors' one in a process that drives several GPUs)."""
+    if device.type == "cuda" and device.index is not None and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            for launch in launches:
+                launch.run()
+    else:
+        for launch in launches:
+            launch.run()
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    num_slots,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_kc_block,
+    stride_kc_slot,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_slot,
+    stride_vc_head,
+    BLOCK_SIZE: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEADS_PADDED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr,
+):
+    tok = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    # A slot outside the cache would be a write into someone else's memory on the GPU (the
+    # PyTorch path raises there); the host checks the common mistakes, this keeps the rest
+    # from corrupting memory.
+    if (slot < 0) | (slot >= num_slots):
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    heads = tl.arange(0, HEADS_PADDED)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+
+    k_src = k_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :]
+    k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
+    k_dst += heads[:, None] * stride_kc_head + dims[None, :]
+    tl.store(k_dst, tl.load(k_src, mask=mask).to(k_cache_ptr.dtype.element_ty), mask=mask)
+
+    v_src = v_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
+    v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
+    v_dst += heads[:, None] * stride_vc_head + dims[None, :]
+    tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_store_inputs(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or t.shape[1] != num_kv_heads or t.shape[2] != head_dim:
+            raise ValueError(
+                f"{name} must be [T, {num_kv_heads}, {head_dim}] to match the cache, got {tuple(t.shape)}"
+            )
+        if t.stride(2) != 1:
+            raise ValueError(f"{name} must be contiguous along head_dim (stride {t.stride(2)})")
+        if t.device != k_cache.device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {k_cache.device}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("the KV caches must be contiguous along head_dim")
+    if slot_mapping.dim() != 1 or slot_mapping.shape[0] != k.shape[0] or v.shape[0] != k.shape[0]:
+        raise ValueError(
+            f"slot_mapping {tuple(slot_mapping.shape)}, k {tuple(k.shape)} and v {tuple(v.shape)} "
+            "must have one entry per packed token"
+        )
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
+    if slot_mapping.device != k_cache.device:
+        raise ValueError(f"slot_mapping is on {slot_mapping.device} but the cache is on {k_cache.device}")
+
+
+def plan_store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> KernelLaunch | None:
+    """Check the inputs of ``store_kv`` and plan its launch (None: nothing to write)."""
+    _check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return None
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    args = (
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        num_blocks * block_size,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+    )
+    constexprs = dict(
+        BLOCK_SIZE=block_size,
+        NUM_KV_HEADS=num_kv_heads,
+        HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+    )
+    num_warps = 1 if num_kv_heads * head_dim <= 512 else 4
+    return KernelLaunch(_store_kv_kernel, (num_tokens,), args, constexprs, {"num_warps": num_warps})
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write ``k``, ``v`` (``[T, Hkv, D]``) into the caches at ``slot_mapping`` (``[T]``).
+
+    Values are converted to the cache's dtype. Slots outside the cache are not written (the
+    PyTorch path raises on them; checking here would cost a device-to-host sync per layer).
+    """
+    launch = plan_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    if launch is not None:
+        run_launches([launch], k_cache.device)
+
+
+__all__ = ["KernelLaunch", "plan_store_kv", "run_launches", "store_kv"]

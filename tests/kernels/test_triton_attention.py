@@ -1,0 +1,197 @@
+"""The Triton KV store and paged attention, run by Triton's interpreter on the CPU in float32,
+held to the float64 definition and to the PyTorch path (the interpreter has no bf16)."""
+
+from __future__ import annotations
+
+import os
+
+# Before triton is imported anywhere in this process: @triton.jit picks the interpreter at
+# decoration time.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import importlib
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
+
+from mqinfer.kernels import attention, triton_attention, triton_store  # noqa: E402
+
+
+def _ensure_interpreted():
+    """Kernels decorated before TRITON_INTERPRET was set (another module imported them first)
+    are compiled-GPU kernels; with no GPU here, decorate them again under the interpreter."""
+    global triton_attention, triton_store
+    if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
+        triton_store = importlib.reload(triton_store)
+        triton_attention = importlib.reload(triton_attention)
+
+
+_ensure_interpreted()
+
+HEAD_DIM = 64
+NUM_KV_HEADS = 2
+
+
+def _make_step(query_lens, seq_lens, block_size, g, seed, head_dim=HEAD_DIM, num_kv_heads=NUM_KV_HEADS):
+    """Random caches over shuffled, disjoint block tables (sometimes a spare block), and this
+    step's q/k/v as views of one fused QKV tensor, strided as the model hands them over."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-s // block_size) + 1 for s in seq_lens) + 3
+    ids = list(range(num_blocks))
+    rng.shuffle(ids)
+    tables = [[ids.pop() for _ in range(-(-s // block_size) + rng.randint(0, 1))] for s in seq_lens]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen)
+    v_cache = torch.randn(shape, generator=gen)
+    hq = num_kv_heads * g
+    qkv = torch.randn(sum(query_lens), hq + 2 * num_kv_heads, head_dim, generator=gen)
+    q, k, v = qkv[:, :hq], qkv[:, hq : hq + num_kv_heads], qkv[:, hq + num_kv_heads :]
+    md = attention.build_attention_metadata(query_lens, seq_lens, tables, block_size, g)
+    return q, k, v, k_cache, v_cache, md, tables
+
+
+def _check(query_lens, seq_lens, block_size, g, seed, num_kv_splits=None, **shape):
+    q, k, v, k_cache, v_cache, md, tables = _make_step(query_lens, seq_lens, block_size, g, seed, **shape)
+    k_torch, v_torch = k_cache.clone(), v_cache.clone()
+    attention.store_kv(k, v, k_torch, v_torch, md.slot_mapping)
+    triton_attention.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    # A store is a copy: bit for bit what the PyTorch path writes, nothing else touched.
+    assert torch.equal(k_cache, k_torch) and torch.equal(v_cache, v_torch)
+
+    scale = q.shape[2] ** -0.5
+    out = triton_attention.paged_attention(q, k_cache, v_cache, md, scale, num_kv_splits=num_kv_splits)
+    ref = attention.reference_paged_attention(q, k_cache, v_cache, query_lens, seq_lens, tables, scale)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch_out = attention.paged_attention(q, k_cache, v_cache, md, scale)
+    torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+    return out, md
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("g", [1, 4])
+def test_mixed_decode_and_prefill_match_reference(block_size, g):
+    # Decodes and prefill chunks in one step; contexts ending mid-block and on a block
+    # boundary; fresh prompts and chunks continuing an earlier prefill (query < context); a
+    # chunk longer than one prefill tile.
+    query_lens = [1, 7, 1, 40, 1, 16, 5]
+    seq_lens = [1, 7, 45, 40, block_size * 2, 50, 5 + block_size]
+    _, md = _check(query_lens, seq_lens, block_size, g, seed=block_size + g)
+    assert md.num_tokens > len(query_lens)  # the prefill (packed tiles) path
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("g", [1, 4])
+def test_pure_decode_step_matches_reference(block_size, g):
+    # One query per sequence: the decode path (tile = sequence), contexts ending mid-block.
+    _check([1] * 5, [1, 17, block_size + 3, 70, 2 * block_size], block_size, g, seed=g)
+
+
+@pytest.mark.parametrize("num_kv_splits", [2, 3])
+def test_decode_split_across_programs_merges_exactly(num_kv_splits):
+    # Flash-decoding: the keys of each sequence split over programs, merged by a second
+    # kernel. Short sequences leave later splits empty; those must weigh nothing.
+    out, _ = _check([1] * 4, [5, 100, 130, 33], 16, 4, seed=num_kv_splits, num_kv_splits=num_kv_splits)
+    whole, _ = _check([1] * 4, [5, 100, 130, 33], 16, 4, seed=num_kv_splits, num_kv_splits=1)
+    torch.testing.assert_close(out, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_odd_group_and_head_dim():
+    # g = 3 (rows per tile not a power of two) and head_dim 80 (padded lanes masked).
+    _check([1, 9, 20], [30, 9, 41], 16, 3, seed=5, head_dim=80)
+
+
+def test_store_skips_slots_outside_the_cache_and_writes_the_rest():
+    k_cache = torch.zeros(2, 16, 2, 8)
+    v_cache = torch.zeros(2, 16, 2, 8)
+    k = torch.randn(3, 2, 8)
+    v = torch.randn(3, 2, 8)
+    triton_attention.store_kv(k, v, k_cache, v_cache, torch.tensor([17, -1, 32]))
+    assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[1, 1], v[0])
+    # Only slot 17 was written: -1 and 32 (one past the end) were skipped.
+    assert k_cache.count_nonzero() == k[0].count_nonzero()
+    assert v_cache.count_nonzero() == v[0].count_nonzero()
+
+
+def test_store_converts_to_the_cache_dtype():
+    k_cache = torch.zeros(1, 16, 1, 16, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(2, 1, 16)
+    triton_store.store_kv(k, k * 2, k_cache, v_cache, torch.tensor([3, 0]))
+    assert torch.equal(k_cache[0, 3], k[0].double()) and torch.equal(v_cache[0, 0], (k[1] * 2).double())
+
+
+def test_bad_inputs_are_named():
+    q, k, v, k_cache, v_cache, md, _ = _make_step([2, 1], [5, 9], 16, 2, seed=0)
+    with pytest.raises(ValueError, match="query heads do not match"):
+        triton_attention.paged_attention(q[:, :3], k_cache, v_cache, md, 0.1)
+    with pytest.raises(ValueError, match="head_dim"):
+        triton_attention.paged_attention(q[:, :, :32], k_cache, v_cache, md, 0.1)
+    with pytest.raises(ValueError, match="v_cache is torch.float64"):
+        triton_attention.paged_attention(q, k_cache, v_cache.double(), md, 0.1)
+    with pytest.raises(ValueError, match="must be \\[T, 2, 64\\]"):
+        triton_attention.store_kv(k[:, :1], v, k_cache, v_cache, md.slot_mapping)
+    with pytest.raises(ValueError, match="one entry per packed token"):
+        triton_attention.store_kv(k, v, k_cache, v_cache, md.slot_mapping[:2])
+    with pytest.raises(ValueError, match="num_kv_splits"):
+        triton_attention.paged_attention(q[:2], k_cache, v_cache, attention.build_attention_metadata(
+            [1, 1], [5, 9], [[0], [1]], 16, 2), 0.1, num_kv_splits=0)
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    data=st.lists(
+        st.tuples(st.integers(1, 45), st.integers(0, 40)).map(lambda t: (t[0], t[0] + t[1])),
+        min_size=1, max_size=4,
+    ),
+    decode_every=st.integers(1, 3),
+    block_size=st.sampled_from([16, 32]),
+    g=st.sampled_from([1, 4]),
+    seed=st.integers(0, 1000),
+)
+def test_random_steps_match_the_pytorch_path(data, decode_every, block_size, g, seed):
+    query_lens = [1 if i % decode_every == 0 else q for i, (q, _) in enumerate(data)]
+    seq_lens = [s for _, s in data]
+    q, k, v, k_cache, v_cache, md, _ = _make_step(query_lens, seq_lens, block_size, g, seed)
+    triton_attention.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    scale = HEAD_DIM**-0.5
+    out = triton_attention.paged_attention(q, k_cache, v_cache, md, scale)
+    torch_out = attention.paged_attention(q, k_cache, v_cache, md, scale)
+    torch.testing.assert_close(out, torch_out, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_with_the_triton_kernels_generates_what_the_pytorch_path_does(monkeypatch):
+    # The kernels as drop-ins inside the real model (fused-QKV views, rotary output, the
+    # runner's metadata): the built-in tiny Llama (head_dim 64, g = 2), chunked prefill of
+    # several prompts beside running decodes, greedy tokens compared one for one.
+    from mqinfer.scheduler.request import SamplingParams
+    from mqinfer.workers.engine import EngineConfig, LLMEngine
+    from mqinfer.workers.models import llama
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 50))] for _ in range(3)]
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+    def generate():
+        engine = LLMEngine(EngineConfig(model="tiny", device="cpu", num_threads=1, num_kv_blocks=64,
+                                        max_num_batched_tokens=24, max_num_seqs=3))
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, greedy)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step().outputs:
+                if out.finished:
+                    done[out.request_id] = out.output_token_ids
+        return done
+
+    expected = generate()
+    monkeypatch.setattr(llama, "store_kv", triton_attention.store_kv)
+    monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention)
+    assert generate() == expected
+    assert len(expected) == 3 and all(len(t) == 4 for t in expected.values())
