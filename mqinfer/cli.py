@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--since", default=None, help="Only rows finished at or after this time (ISO 8601 or unix seconds).")
     rc.add_argument("--until", default=None, help="Only rows finished before this time (ISO 8601 or unix seconds).")
     rc.set_defaults(_options=[], _required=())
+    from mqinfer import jobs_cli
+
+    jobs_cli.add_jobs_parser(sub)
     return parser
 
 
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "report" and not getattr(args, "report", None):
         parser.parse_args(["report", "--help"])
+    if args.command == "jobs":
+        from mqinfer import jobs_cli
+
+        return jobs_cli.run(args)
     try:
         config_path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
         file_values = load_config_file(config_path, args.command)

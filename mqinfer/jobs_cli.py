@@ -1,0 +1,289 @@
+"""The `mqinfer jobs` command line: submit, worker, status, list, cancel (bulk jobs through rq).
+
+``add_jobs_parser(subparsers)`` adds the ``jobs`` command to the main parser; every subcommand's
+parsed args carry ``_jobs_handler(args) -> int``. ``python -m mqinfer.jobs_cli ...`` runs the same
+commands on their own. Flags also come from ``MQINFER_<FLAG>`` and from ``--config`` (a ``[jobs]``
+table overrides the top level). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+
+from mqinfer.config import LOG_LEVEL, REDIS, STREAM, ConfigError, Option, add_options, load_config_file, resolve
+
+OUT = Option("out", str, None, "Output folder: output.parquet (and output.jsonl / errors.jsonl for OpenAI "
+             "Batch input) and the job's spool go here.", metavar="DIR")
+DEADLINE = Option("deadline", str, None, "When the job expires: +SECONDS from now, unix seconds, or ISO 8601 "
+                  "(UTC unless a zone is given). Rows finished by then are kept.", metavar="WHEN")
+MAX_IN_FLIGHT = Option("max_in_flight", int, 256, "Requests of this job in the stream without a row yet, at "
+                       "most (backpressure).", metavar="N")
+CHUNK_SIZE = Option("chunk_size", int, 500, "Requests sent to the stream per feed step.", metavar="N")
+QUEUE = Option("queue", str, "mqinfer-jobs", "rq queue of the job tasks.", metavar="Q")
+LEASE_S = Option("lease_s", float, 10.0, "Lock lease of a running job task; a dead task's job is taken over "
+                 "after about this long.", metavar="S")
+SWEEP_INTERVAL_S = Option("sweep_interval_s", float, 2.0, "How often the worker looks for jobs whose task "
+                          "chain stopped (a killed worker) and restarts them.", metavar="S")
+
+SUBMIT_OPTIONS = [REDIS, OUT, STREAM, DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE, LEASE_S, LOG_LEVEL]
+WORKER_OPTIONS = [REDIS, QUEUE, SWEEP_INTERVAL_S, LOG_LEVEL]
+READ_OPTIONS = [REDIS, LOG_LEVEL]
+
+_FINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def add_jobs_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `jobs` (with submit, worker, status, list, cancel) to the main parser's subparsers."""
+    text = "Bulk jobs through rq: submit a file, watch it, cancel it; it resumes after any crash."
+    jobs = subparsers.add_parser("jobs", help=text, description=text)
+    jobs.set_defaults(_options=[], _required=(), _jobs_handler=_needs_subcommand(jobs))
+    _add_subcommands(jobs)
+    return jobs
+
+
+def _needs_subcommand(parser: argparse.ArgumentParser):
+    def handler(_args) -> int:
+        parser.print_help(sys.stderr)
+        return 2
+    return handler
+
+
+def _add_subcommands(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="jobs_command", metavar="SUBCOMMAND")
+
+    def command(name: str, help_text: str, options: list[Option], handler, required=()) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument("--config", metavar="FILE", help="TOML file with flag values (env MQINFER_CONFIG).")
+        add_options(p, options, required=required)
+        p.set_defaults(_options=options, _required=required, _jobs_handler=handler)
+        return p
+
+    p = command("submit", "Register a bulk job for INPUT (JSONL or Parquet; native requests or OpenAI Batch "
+                "lines) and print its id. `mqinfer jobs worker` runs it; inference workers compute it. "
+                "Submitting the same INPUT into the same --out again resumes a job the server forgot.",
+                SUBMIT_OPTIONS, cmd_submit, required=("redis", "out"))
+    p.add_argument("input", metavar="INPUT", help="Input file.")
+    p.add_argument("--json", action="store_true", help="Print {\"job_id\": ...} as JSON.")
+    p = command("worker", "Run an rq worker for bulk-job tasks (they import no torch).", WORKER_OPTIONS,
+                cmd_worker, required=("redis",))
+    p.add_argument("--name", default=None, help="Worker name (default: mqinfer-jobs-HOST-PID-random).")
+    p.add_argument("--burst", action="store_true", help="Exit once the queue is empty.")
+    p = command("status", "Show a job: status, counts, tokens, cost so far, throughput, ETA.", READ_OPTIONS,
+                cmd_status, required=("redis",))
+    p.add_argument("job_id", metavar="ID", help="Job id.")
+    p.add_argument("--json", action="store_true", help="Print the status as JSON.")
+    p.add_argument("--watch", action="store_true", help="Refresh until the job ends (a progress bar on a "
+                   "terminal); exit 0 if it completed, 1 otherwise.")
+    p.add_argument("--interval", type=float, default=1.0, help="Seconds between refreshes (default: 1).")
+    p = command("list", "List jobs, newest first.", READ_OPTIONS, cmd_list, required=("redis",))
+    p.add_argument("--limit", type=int, default=50, help="At most this many (default: 50).")
+    p.add_argument("--json", action="store_true", help="Print a JSON array.")
+    p = command("cancel", "Cancel a job: requests not started end as cancelled; rows already finished are "
+                "kept in its output.", READ_OPTIONS, cmd_cancel, required=("redis",))
+    p.add_argument("job_id", metavar="ID", help="Job id.")
+
+
+def _options(args) -> dict:
+    path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
+    return resolve(args, args._options, load_config_file(path, "jobs"), args._required)
+
+
+def _client(opts: dict):
+    from mqinfer.server import connect
+
+    return connect(opts["redis"])
+
+
+# -- handlers --------------------------------------------------------------------------------
+def cmd_submit(args) -> int:
+    from mqinfer.ops.jobs import parse_deadline, submit_job
+
+    opts = _options(args)
+    result = submit_job(
+        _client(opts), args.input, opts["out"], stream=opts["stream"], deadline=parse_deadline(opts["deadline"]),
+        max_in_flight=opts["max_in_flight"], chunk_size=opts["chunk_size"], queue_name=opts["queue"],
+        lease_s=opts["lease_s"],
+    )
+    if args.json:
+        print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))
+    else:
+        print(result.job_id)
+        if result.resumed:
+            print(f"resumed job {result.job_id}: {result.adopted_rows} rows already in {opts['out']} are kept",
+                  file=sys.stderr)
+    return 0
+
+
+def cmd_worker(args) -> int:
+    from mqinfer.ops.jobs import run_worker
+
+    opts = _options(args)
+    return run_worker(_client(opts), queue_name=opts["queue"], name=args.name, burst=args.burst,
+                      sweep_interval_s=opts["sweep_interval_s"], logging_level=opts["log_level"])
+
+
+def cmd_status(args) -> int:
+    from mqinfer.ops.jobs import job_info
+
+    opts = _options(args)
+    client = _client(opts)
+    if args.interval <= 0:
+        raise ValueError(f"--interval must be > 0, got {args.interval}")
+    info = job_info(client, args.job_id)
+    if not args.watch:
+        print(json.dumps(info, indent=2) if args.json else render_status(info))
+        return 0
+    tty = sys.stderr.isatty() and not args.json
+    last_line, last_print = "", 0.0
+    while info["status"] not in _FINAL:
+        line = progress_line(info)
+        now = time.monotonic()
+        if tty:
+            print("\r\x1b[2K" + line, end="", file=sys.stderr, flush=True)
+        elif line != last_line and now - last_print >= 10 * args.interval or not last_print:
+            print(line, file=sys.stderr, flush=True)
+            last_line, last_print = line, now
+        time.sleep(args.interval)
+        info = job_info(client, args.job_id)
+    if tty:
+        print("\r\x1b[2K" + progress_line(info), file=sys.stderr, flush=True)
+    print(json.dumps(info, indent=2) if args.json else render_status(info))
+    return 0 if info["status"] == "completed" else 1
+
+
+def cmd_list(args) -> int:
+    from mqinfer.ops.jobs import list_jobs
+
+    opts = _options(args)
+    jobs = list_jobs(_client(opts), limit=args.limit)
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    if not jobs:
+        print("no jobs")
+        return 0
+    print(f"{'ID':<32} {'STATUS':<12} {'DONE':>15} {'CREATED (UTC)':<20} INPUT")
+    for job in jobs:
+        c = job["counts"]
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(job["created_at"] or 0))
+        print(f"{job['id']:<32} {job['status']:<12} {c['done']:>7}/{c['total']:<7} {created:<20} {job['input']}")
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    from mqinfer.ops.jobs import cancel_job
+
+    opts = _options(args)
+    status = cancel_job(_client(opts), args.job_id)
+    if status == "cancelling":
+        print(f"job {args.job_id}: cancelling (requests not started end as cancelled; finished rows are kept)")
+        return 0
+    print(f"job {args.job_id} is {status}: nothing to cancel", file=sys.stderr)
+    return 0 if status in ("cancelled", "cancelling") else 1
+
+
+# -- rendering -------------------------------------------------------------------------------
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+def progress_line(info: dict, width: int = 30) -> str:
+    c = info["counts"]
+    total = c["total"]
+    frac = c["done"] / total if total else (1.0 if info["status"] in _FINAL else 0.0)
+    filled = int(round(frac * width))
+    bar = "#" * filled + "-" * (width - filled)
+    rate = info["throughput"]["requests_per_s"]
+    line = f"[{bar}] {100 * frac:5.1f}% {c['done']}/{total} {info['status']}"
+    if rate:
+        line += f", {rate:.1f} req/s"
+    if info["eta_s"] is not None:
+        line += f", eta {_duration(info['eta_s'])}"
+    return line
+
+
+def render_status(info: dict) -> str:
+    c, t = info["counts"], info["tokens"]
+    fmt = {"openai": "OpenAI Batch lines", "native": "native requests",
+           "mixed": "native requests and OpenAI Batch lines"}.get(info["format"] or "", "not known yet")
+    lines = [
+        f"job {info['id']}: {info['status']}",
+        f"  input      {info['input']} ({fmt})",
+        f"  output     {info['out']}",
+        f"  progress   {progress_line(info)}",
+        f"  requests   total {c['total']}: completed {c['completed']}, failed {c['failed']} "
+        f"(invalid lines {c['invalid']}), cancelled {c['cancelled']}, expired {c['expired']}; "
+        f"skipped as already done {c['skipped']}; in flight {c['in_flight']}",
+        f"  tokens     {t['prompt']} prompt, {t['output']} output",
+        "  cost       " + (f"${info['cost_usd']:.6f} so far" if info["cost_usd"] is not None
+                           else "not known from the rows"),
+    ]
+    rate, trate = info["throughput"]["requests_per_s"], info["throughput"]["output_tokens_per_s"]
+    if rate is not None:
+        lines.append(f"  throughput {rate:.2f} req/s, {trate or 0:.1f} output tokens/s; eta {_duration(info['eta_s'])}")
+    if info["deadline"]:
+        lines.append("  deadline   " + time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["deadline"])))
+    if info["error"]:
+        lines.append(f"  reason     {info['error']}")
+    if info["last_task_error"]:
+        lines.append(f"  last task error: {info['last_task_error']}")
+    if info["errors"]:
+        lines.append(f"  first invalid lines ({len(info['errors'])} shown, every one has an error row):")
+        for e in info["errors"]:
+            lines.append(f"    line {e['line']}: {e['code']}: {e['message']}")
+    for name, path in info["outputs"].items():
+        lines.append(f"  {name + ':':<10} {path}")
+    return "\n".join(lines)
+
+
+# -- entry point -----------------------------------------------------------------------------
+def run(args) -> int:
+    """Call the parsed command's handler with the usual error handling."""
+    handler = getattr(args, "_jobs_handler", None)
+    if handler is None:
+        return 2
+    import redis
+
+    from mqinfer.ops.job_store import JobNotFound
+
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        print("mqinfer jobs: interrupted", file=sys.stderr)
+        return 130
+    except JobNotFound as exc:
+        print(f"mqinfer jobs: {exc}", file=sys.stderr)
+        return 1
+    except redis.exceptions.ConnectionError as exc:
+        print(f"mqinfer jobs: error: cannot reach Redis: {exc}", file=sys.stderr)
+        return 1
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"mqinfer jobs: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="mqinfer jobs", description="Bulk jobs through rq.")
+    _add_subcommands(parser)
+    args = parser.parse_args(argv)
+    if getattr(args, "_jobs_handler", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    level = os.environ.get("MQINFER_LOG_LEVEL", getattr(args, "log_level", None) or "info")
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,535 @@
+"""The rq task that advances a bulk job by one short step, and enqueues its own follow-up.
+
+A job is a chain of :func:`advance` tasks on the ``mqinfer-jobs`` queue (JSON serializer). Each
+task takes the job's lock, works for at most a few seconds, then puts the next task at the back
+of the queue, so one rq worker serves many jobs in turn and a small job submitted behind a huge
+one starts within seconds. What a task does depends on the job's status:
+
+- ``validating``: read the next chunk of the input, validate it, write it to the spool index
+  (requests ready to send, or the line's error); at the end of the input look for repeated ids
+  and fail the job if the input is unusable (unreadable, or not one valid request in it).
+- ``in_progress``: collect result rows from the job's result stream into the spool (a Parquet
+  part is made durable before the cursor moves), then feed the next requests to the request
+  stream while fewer than ``max_in_flight`` are out. Requests that already have a row (their id is
+  in the stream's done set) are skipped, not sent again. Every so often, requests in flight
+  whose stream entry vanished without a row are sent again.
+- ``cancelling``, or ``in_progress`` past the deadline: stop feeding, collect what the workers
+  still return (they end the job's requests as cancelled / expired), then finalize.
+- ``finalizing``: collect the last rows and write the output (:mod:`mqinfer.ops.job_output`).
+
+The tasks never import torch: rq forks a work horse per task, and a forked process must not touch
+a GPU. State lives in Redis (:mod:`mqinfer.ops.job_store`) and in the spool
+(:mod:`mqinfer.ops.job_spool`), so a task killed anywhere is simply run again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+
+import msgspec
+import pyarrow as pa
+import pyarrow.compute as pc
+import redis
+from rq import Queue, get_current_job
+from rq.serializers import JSONSerializer
+
+from mqinfer import keys
+from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
+from mqinfer.ops.job_output import compose_output
+from mqinfer.ops.job_spool import Spool
+from mqinfer.ops.job_store import (
+    CANCELLED, CANCELLING, FAILED, FINAL_STATUSES, FINALIZING, IN_PROGRESS, QUEUE_NAME, VALIDATING,
+    CollectedRow, FeedItem, JobNotFound, JobStore, LockLost, StatusChanged,
+)
+from mqinfer.schemas.request import encode_request
+from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow, rows_to_table
+
+log = logging.getLogger("mqinfer.jobs")
+
+TASK_BUDGET_S = 5.0          # a task yields the rq worker after this long
+INDEX_PART_LINES = 4096      # input lines validated per step (and per spool index part)
+COLLECT_MAX_ROWS = 2048      # result rows read per collect step
+PART_MIN_ROWS = 256          # spool a part once this many rows wait (or max_in_flight / 4)...
+PART_MAX_AGE_S = 2.0         # ...or once the oldest waiting row is this old
+IDLE_WAIT_S = 1.0            # how long an idle task blocks for new rows when no other job waits
+RECONCILE_EVERY_S = 30.0     # how often requests in flight are checked for vanished entries
+END_GRACE_S = 60.0           # a cancelled or expired job waits this long for rows still in flight
+MAX_TASK_ERRORS = 5          # failed tasks in a row before the job itself fails
+MAX_REPORTED_ERRORS = 10     # invalid lines listed in the job (all are in the output)
+DEFAULT_LEASE_S = 10.0
+TASK_TIMEOUT_S = 3600
+FAILURE_TTL_S = 7 * 24 * 3600
+
+_ROW_DECODER = msgspec.json.Decoder(ResultRow)
+_COUNTER_FOR_REASON = {"stop": "completed", "length": "completed", "error": "failed",
+                       "cancelled": "cancelled", "expired": "expired"}
+
+
+def _s(value) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+def _entry_time(entry_id: str) -> float:
+    try:
+        return int(entry_id.split("-", 1)[0]) / 1000.0
+    except ValueError:
+        return time.time()
+
+
+# -- the task --------------------------------------------------------------------------------
+def advance(job_id: str, chain: str) -> str:
+    """The rq task: advance bulk job ``job_id`` if ``chain`` is still its live chain."""
+    current = get_current_job()
+    if current is None:
+        raise RuntimeError("advance() runs as an rq task; start `mqinfer jobs worker` to run bulk jobs")
+    return run_task(current.connection, job_id, chain, queue_name=current.origin or QUEUE_NAME)
+
+
+def enqueue_task(client: redis.Redis, queue_name: str, job_id: str, chain: str, task_id: str) -> None:
+    """Put an :func:`advance` task for ``job_id`` at the back of ``queue_name``."""
+    queue = Queue(queue_name, connection=client, serializer=JSONSerializer)
+    queue.enqueue(advance, job_id, chain, job_id=task_id, job_timeout=TASK_TIMEOUT_S, result_ttl=0,
+                  failure_ttl=FAILURE_TTL_S, description=f"advance bulk job {job_id}")
+
+
+def new_task_id(job_id: str) -> str:
+    return f"mqinfer-job-{job_id}-{uuid.uuid4().hex[:12]}"
+
+
+class LeaseKeeper:
+    """Keeps the task's lock fresh from a thread, so a long step never loses it while alive."""
+
+    def __init__(self, store: JobStore, token: str, lease_s: float) -> None:
+        self.store, self.token, self.lease_s = store, token, lease_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mqinfer-job-lease", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.lease_s / 3):
+            try:
+                if not self.store.refresh(self.token, self.lease_s):
+                    return  # lost: the fenced writes of the task will notice
+            except redis.RedisError:
+                log.warning("job %s: could not refresh the lease", self.store.job_id, exc_info=True)
+
+    def __enter__(self) -> "LeaseKeeper":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+def run_task(client: redis.Redis, job_id: str, chain: str, *, queue_name: str = QUEUE_NAME,
+             budget_s: float | None = None) -> str:
+    """One step of a job: take its lock, work for up to ``budget_s`` (default TASK_BUDGET_S),
+    enqueue the next step."""
+    store = JobStore(client, job_id)
+    lease_raw = client.hget(store.hash_key, "lease_s")
+    lease_s = float(lease_raw) if lease_raw else DEFAULT_LEASE_S
+    token = uuid.uuid4().hex
+    got = store.acquire(chain, token, lease_s)
+    if got == "stale":
+        return f"job {job_id}: chain {chain} is no longer the job's (the job ended or was restarted)"
+    if got == "busy":
+        return f"job {job_id}: another task is advancing it"
+    try:
+        with LeaseKeeper(store, token, lease_s):
+            try:
+                budget = TASK_BUDGET_S if budget_s is None else budget_s
+                final = JobRun(store, token, queue_name, budget_s=budget).advance()
+            except LockLost as exc:
+                log.warning("%s; this task stops", exc)
+                return str(exc)
+            except JobNotFound as exc:  # deleted under us: nothing left to advance
+                return str(exc)
+            except Exception as exc:
+                _record_task_error(store, token, exc)
+                raise
+            if final:
+                return f"job {job_id}: {store.status()}"
+            task_id = new_task_id(job_id)
+            store.record_next_task(token, task_id)
+            enqueue_task(client, queue_name, job_id, chain, task_id)
+            return f"job {job_id}: {store.status()}, next task {task_id}"
+    finally:
+        try:
+            store.release(token)
+        except redis.RedisError:
+            log.warning("job %s: could not release its lock (it expires by itself)", job_id)
+
+
+def _record_task_error(store: JobStore, token: str, exc: Exception) -> None:
+    """Note a failed step; after MAX_TASK_ERRORS in a row the job fails.
+
+    The chain stops here; the sweeper of `mqinfer jobs worker` starts a new one once the job's
+    last sign of life is older than its grace time. That sign is set into the future, doubling
+    with each failure, so that a lasting fault (a full disk, say) is retried with backoff.
+    """
+    message = f"{type(exc).__name__}: {exc}"[:2000]
+    log.exception("job %s: task failed: %s", store.job_id, message)
+    try:
+        errors = int(store.redis.hget(store.hash_key, "task_errors") or 0) + 1
+        store.update(token, {"last_task_error": message, "beat": time.time() + min(60.0, 2.0 ** errors)},
+                     incr={"task_errors": 1})
+        if errors >= MAX_TASK_ERRORS:
+            store.finish(token, {"status": FAILED, "failed_at": time.time(),
+                                 "error": f"orchestration failed {errors} times in a row; last: {message}"},
+                         expect_status=None)
+    except (redis.RedisError, LockLost, StatusChanged):
+        log.warning("job %s: could not record the task error", store.job_id, exc_info=True)
+
+
+# -- one task's work -------------------------------------------------------------------------
+class JobRun:
+    """The work of one task on one job; ``advance()`` returns True once the job is final."""
+
+    def __init__(self, store: JobStore, token: str, queue_name: str, *, budget_s: float = TASK_BUDGET_S,
+                 clock=time.time) -> None:
+        self.store = store
+        self.token = token
+        self.redis = store.redis
+        self.clock = clock
+        self.queue_key = Queue(queue_name, connection=store.redis, serializer=JSONSerializer).key
+        self.ends_at = time.monotonic() + budget_s
+        self.job = store.load()
+        self.job_id = store.job_id
+        self.spool = Spool(str(self.job["out"]))
+        stream = str(self.job["stream"])
+        self.stream_key = keys.request_stream(stream)
+        self.done_key = keys.job_done_set(stream, self.job_id)
+        self.deadline = float(self.job["deadline"]) if self.job.get("deadline") else None
+        self._index_parts: dict[int, tuple[list, list, list]] = {}
+        self._dup_lines: set[int] | None = None
+        self._group_ready = False
+        self._pending_rows = 0
+        self._last_row_id: str | None = None
+        self._oldest_pending: float | None = None
+
+    def out_of_budget(self) -> bool:
+        return time.monotonic() >= self.ends_at
+
+    def reload(self) -> None:
+        self.job = self.store.load()
+
+    def advance(self) -> bool:
+        while True:
+            status = str(self.job["status"])
+            if status in FINAL_STATUSES:
+                return True
+            step = {VALIDATING: self.validate, IN_PROGRESS: self.work, CANCELLING: self.work,
+                    FINALIZING: self.finalize}.get(status)
+            if step is None:
+                raise ValueError(f"job {self.job_id} has an unknown status {status!r}")
+            try:
+                moved = step()
+            except StatusChanged:
+                moved = True  # a cancel came in between: look again
+            self.reload()
+            if str(self.job["status"]) in FINAL_STATUSES:
+                return True
+            if not moved or self.out_of_budget():
+                return False
+
+    # -- validating --------------------------------------------------------------------------
+    def validate(self) -> bool:
+        while not self.out_of_budget():
+            position = InputPosition.decode(str(self.job.get("val_pos") or ""))
+            try:
+                items, next_position, at_end = read_chunk(str(self.job["input"]), position, INDEX_PART_LINES)
+            except InputUnusable as exc:
+                return self.fail(str(exc))
+            if items:
+                self._index_chunk(items, next_position)
+            elif not at_end:
+                raise RuntimeError(f"job {self.job_id}: input reader made no progress at {position}")
+            if at_end:
+                return self._end_validation()
+            self.reload()
+        return False
+
+    def _index_chunk(self, items, next_position: InputPosition) -> None:
+        job_deadline = self.deadline
+        fmt = str(self.job.get("format") or "")
+        reported = json.loads(str(self.job.get("errors") or "[]"))
+        columns: dict[str, list] = {"line": [], "id": [], "request": [], "api": [], "error_code": [], "error": []}
+        invalid = 0
+        for item in items:
+            columns["line"].append(item.line)
+            if item.request is None:
+                invalid += 1
+                err = item.error
+                columns["id"].append(err.request_id or f"line:{item.line}")
+                columns["request"].append(None)
+                columns["api"].append(None)
+                columns["error_code"].append(err.code)
+                columns["error"].append(err.message)
+                if len(reported) < MAX_REPORTED_ERRORS:
+                    reported.append({"line": item.line, "id": err.request_id, "code": err.code,
+                                     "message": err.message[:500]})
+                continue
+            req = item.request
+            line_fmt = "openai" if req.api is not None else "native"
+            fmt = line_fmt if fmt in ("", line_fmt) else "mixed"
+            deadline = req.deadline
+            if job_deadline is not None:
+                deadline = job_deadline if deadline is None else min(deadline, job_deadline)
+            req = msgspec.structs.replace(req, job_id=self.job_id, deadline=deadline)
+            columns["id"].append(req.id)
+            columns["request"].append(encode_request(req, "msgpack"))
+            columns["api"].append(req.api)
+            columns["error_code"].append(None)
+            columns["error"].append(None)
+        part = int(self.job.get("val_parts") or 0)
+        self.spool.write_index_part(part, columns)
+        self.store.update(self.token, {"val_pos": next_position.encode(), "val_parts": part + 1, "format": fmt,
+                                       "errors": reported},
+                          incr={"total": len(items), "invalid": invalid}, expect_status=VALIDATING)
+
+    def _end_validation(self) -> bool:
+        self.reload()
+        total, invalid = int(self.job.get("total") or 0), int(self.job.get("invalid") or 0)
+        if total == 0:
+            return self.fail(f"{self.job['input']} holds no requests (it is empty or every line is blank)")
+        if invalid == total:
+            first = json.loads(str(self.job.get("errors") or "[]"))[:3]
+            shown = "; ".join(f"line {e['line']}: {e['message']}" for e in first)
+            return self.fail(f"none of the {total} lines of {self.job['input']} is a valid request ({shown})")
+        parts = int(self.job["val_parts"])
+        index = self.spool.read_index(parts, ["line", "id", "error_code"])
+        valid = index.filter(pc.is_null(index["error_code"])).select(["line", "id"])
+        firsts = valid.group_by("id").aggregate([("line", "min"), ("line", "count")])
+        repeated = firsts.filter(pc.greater(firsts["line_count"], 1))
+        duplicates = pa.table({"line": pa.array([], pa.int64()), "id": pa.array([], pa.string()),
+                               "first_line": pa.array([], pa.int64())})
+        if repeated.num_rows:
+            joined = valid.join(repeated.select(["id", "line_min"]), "id", join_type="inner")
+            later = joined.filter(pc.not_equal(joined["line"], joined["line_min"])).sort_by("line")
+            duplicates = pa.table({"line": later["line"], "id": later["id"], "first_line": later["line_min"]})
+        self.spool.write_duplicates(duplicates)
+        now = self.clock()
+        self.store.update(self.token, {"status": IN_PROGRESS, "in_progress_at": now, "validated": 1,
+                                       "duplicates": duplicates.num_rows, "feed_part": 0, "feed_offset": 0},
+                          expect_status=VALIDATING)
+        log.info("job %s: validated %d lines (%d invalid, %d repeated ids); in progress",
+                 self.job_id, total, invalid, duplicates.num_rows)
+        return True
+
+    def fail(self, reason: str) -> bool:
+        self.store.finish(self.token, {"status": FAILED, "failed_at": self.clock(), "error": reason},
+                          expect_status=VALIDATING)
+        log.warning("job %s failed: %s", self.job_id, reason)
+        return True
+
+    # -- in progress, cancelling, expiring ---------------------------------------------------
+    def _ending(self) -> str | None:
+        if self.job["status"] == CANCELLING:
+            return "cancelled"
+        if self.deadline is not None and self.clock() >= self.deadline:
+            return "expired"
+        return None
+
+    def _feed_done(self) -> bool:
+        return int(self.job.get("feed_part") or 0) >= int(self.job.get("val_parts") or 0)
+
+    def work(self) -> bool:
+        if self.job["status"] == CANCELLING and not int(self.job.get("validated") or 0):
+            self.store.finish(self.token, {"status": CANCELLED, "cancelled_at": self.clock(),
+                                           "error": "cancelled before its input was validated; nothing ran"},
+                              expect_status=CANCELLING)
+            return True
+        while True:
+            ending = self._ending()
+            progressed = self.collect(force=ending is not None or self._feed_done())
+            if ending is None:
+                progressed = self.feed() or progressed
+                progressed = self.reconcile() or progressed
+            in_flight = self.store.inflight_count()
+            if ending is None and self._feed_done() and in_flight == 0:
+                return self._to_finalizing("completed")
+            if ending is not None:
+                since = float(self.job.get("cancelling_at") or 0) if ending == "cancelled" else self.deadline
+                if in_flight == 0 or self.clock() - (since or 0) >= END_GRACE_S:
+                    return self._to_finalizing(ending)
+            if self.out_of_budget():
+                return False
+            if not progressed and not self._wait_for_rows():
+                return False
+
+    def _to_finalizing(self, ending: str) -> bool:
+        self.store.update(self.token, {"status": FINALIZING, "finalizing_at": self.clock(), "ending": ending},
+                          expect_status=str(self.job["status"]))
+        log.info("job %s: finalizing (%s)", self.job_id, ending)
+        return True
+
+    def _wait_for_rows(self) -> bool:
+        """Block briefly for new rows; False when the task should rather yield to other jobs."""
+        queued = int(self.redis.llen(self.queue_key))
+        wait = IDLE_WAIT_S if queued == 0 else min(IDLE_WAIT_S, 0.5 / queued)
+        wait = min(wait, self.ends_at - time.monotonic())
+        if self._oldest_pending is not None:
+            wait = min(wait, self._oldest_pending + PART_MAX_AGE_S - self.clock() + 0.01)
+        if wait > 0.01:
+            last = self._last_row_id or str(self.job.get("cursor") or "") or "0-0"
+            self.redis.xread({self.store.results_key: last}, count=1, block=max(1, int(wait * 1000)))
+        return queued == 0
+
+    def _index_part(self, part: int) -> tuple[list, list, list]:
+        cached = self._index_parts.get(part)
+        if cached is None:
+            table = self.spool.read_index_part(part, ["line", "id", "request"])
+            cached = (table["line"].to_pylist(), table["id"].to_pylist(), table["request"].to_pylist())
+            self._index_parts = {part: cached}  # one part at a time: parts are read in order
+        return cached
+
+    def _duplicate_lines(self) -> set[int]:
+        if self._dup_lines is None:
+            self._dup_lines = set(self.spool.read_duplicates()["line"].to_pylist())
+        return self._dup_lines
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            self.redis.xgroup_create(self.stream_key, keys.GROUP, id="0", mkstream=True)
+        except redis.exceptions.ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._group_ready = True
+
+    def feed(self) -> bool:
+        if self._feed_done():
+            return False
+        out = self.store.inflight_count() - self._pending_rows
+        room = int(self.job["max_in_flight"]) - out
+        if room <= 0:
+            return False
+        part, offset = int(self.job.get("feed_part") or 0), int(self.job.get("feed_offset") or 0)
+        lines, ids, payloads = self._index_part(part)
+        dups = self._duplicate_lines()
+        want = min(room, int(self.job["chunk_size"]))
+        items: list[FeedItem] = []
+        i = offset
+        while i < len(lines) and len(items) < want:
+            if payloads[i] is not None and lines[i] not in dups:
+                items.append(FeedItem(ids[i], f"{part}:{i}", payloads[i]))
+            i += 1
+        next_part, next_offset = (part + 1, 0) if i >= len(lines) else (part, i)
+        skipped = 0
+        if items:
+            done = self.redis.smismember(self.done_key, [item.id for item in items])
+            if any(done):
+                skipped = sum(1 for d in done if d)
+                items = [item for item, d in zip(items, done) if not d]
+            self._ensure_group()
+        self.store.commit_feed(self.token, self.stream_key, items, feed_part=next_part, feed_offset=next_offset,
+                               skipped=skipped)
+        self.reload()
+        return True
+
+    def collect(self, *, force: bool) -> bool:
+        cursor = str(self.job.get("cursor") or "")
+        entries = self.redis.xrange(self.store.results_key, min=f"({cursor}" if cursor else "-", max="+",
+                                    count=COLLECT_MAX_ROWS)
+        self._pending_rows = len(entries)
+        if not entries:
+            self._oldest_pending = None
+            return False
+        first_id, last_id = _s(entries[0][0]), _s(entries[-1][0])
+        self._last_row_id = last_id
+        self._oldest_pending = _entry_time(first_id)
+        threshold = max(1, min(PART_MIN_ROWS, int(self.job["max_in_flight"]) // 4))
+        if not force and len(entries) < threshold and self.clock() - self._oldest_pending < PART_MAX_AGE_S:
+            return False
+        rows: list[ResultRow] = []
+        counted: list[CollectedRow] = []
+        for entry_id, fields in entries:
+            fields = {_s(k): v for k, v in fields.items()}
+            try:
+                row = _ROW_DECODER.decode(fields["row"])
+            except (KeyError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("job %s: result entry %s is unreadable (%s); skipped", self.job_id, _s(entry_id), exc)
+                continue
+            rid = _s(fields["id"]) if "id" in fields else row.id
+            cost = None
+            if "cost_usd" in fields:
+                try:
+                    cost = float(_s(fields["cost_usd"]))
+                except ValueError:
+                    cost = None
+            rows.append(row)
+            counted.append(CollectedRow(rid, _COUNTER_FOR_REASON.get(row.finish_reason, "failed"),
+                                        int(row.prompt_tokens), int(row.output_tokens), cost))
+        part_name = None
+        if rows:
+            part_name = self.spool.new_rows_part_name(int(self.job.get("row_parts") or 0))
+            self.spool.write_rows_part(part_name, rows_to_table(rows, RESULT_SCHEMA))
+        self.store.commit_collect(self.token, last_id, part_name, counted)
+        self._pending_rows = 0
+        self._oldest_pending = None
+        self.reload()
+        return True
+
+    def reconcile(self) -> bool:
+        """Send again the requests in flight whose stream entry is gone without a row (a trimmed or
+        deleted stream): nothing else would ever finish them."""
+        now = self.clock()
+        last = float(self.job.get("reconciled_at") or self.job.get("in_progress_at") or now)
+        if now - last < RECONCILE_EVERY_S:
+            return False
+        in_flight = self.store.inflight()
+        lost: list[FeedItem] = []
+        if in_flight:
+            rids = list(in_flight)
+            pipe = self.redis.pipeline(transaction=False)
+            for rid in rids:
+                entry_id = in_flight[rid][0]
+                pipe.xrange(self.stream_key, min=entry_id, max=entry_id, count=1)
+            gone = [rid for rid, found in zip(rids, pipe.execute()) if not found]
+            if gone:
+                done = self.redis.smismember(self.done_key, gone)
+                for rid, d in zip(gone, done):
+                    if d:
+                        continue
+                    part, _, offset = in_flight[rid][1].partition(":")
+                    _, ids, payloads = self._index_part(int(part))
+                    if ids[int(offset)] == rid:
+                        lost.append(FeedItem(rid, in_flight[rid][1], payloads[int(offset)]))
+        if lost:
+            log.warning("job %s: %d requests in flight lost their stream entry; sending them again",
+                        self.job_id, len(lost))
+            self._ensure_group()
+            self.store.commit_feed(self.token, self.stream_key, lost, feed_part=None, feed_offset=None,
+                                   counter="refed")
+        self.store.update(self.token, {"reconciled_at": now})
+        self.reload()
+        return bool(lost)
+
+    # -- finalizing --------------------------------------------------------------------------
+    def finalize(self) -> bool:
+        while self.collect(force=True):
+            if self.out_of_budget():
+                return False
+        ending = str(self.job.get("ending") or "completed")
+        now = self.clock()
+        summary = compose_output(
+            self.spool, job_id=self.job_id, index_parts=int(self.job["val_parts"]),
+            row_parts=self.store.part_names(), ending=ending, openai=self.job.get("format") in ("openai", "mixed"),
+            now=now,
+        )
+        self.store.finish(self.token, {
+            "status": ending, f"{ending}_at": now, "output_rows": summary.rows, "completed": summary.completed,
+            "failed": summary.failed, "cancelled": summary.cancelled, "expired": summary.expired,
+            "prompt_tokens": summary.prompt_tokens, "output_tokens": summary.output_tokens,
+        }, expect_status=FINALIZING)
+        # The index duplicates the input and the output has everything now; a resubmission of the
+        # same input into this folder validates it again anyway.
+        self.spool.reset_index()
+        self.spool.clean()
+        log.info("job %s %s: %d rows in %s", self.job_id, ending, summary.rows, self.spool.out)
+        return True

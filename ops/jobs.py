@@ -1,0 +1,343 @@
+"""Bulk jobs, the public API: submit a file, look at a job, list jobs, cancel one, run the rq worker.
+
+``submit_job`` registers a job (its Redis hash, status ``validating``), writes its manifest into
+the output folder and enqueues the first :func:`mqinfer.ops.job_tasks.advance` task; everything
+after that happens in rq tasks run by :class:`JobsWorker` (``mqinfer jobs worker``). Statuses
+follow the OpenAI Batch API: validating, failed, in_progress, finalizing, completed, expired,
+cancelling, cancelled.
+
+A chain of tasks can break (an rq worker killed mid-task, a task that raised): the worker's
+sweeper, run between tasks and every couple of seconds while idle, finds active jobs that are
+neither locked by a running task nor queued, and starts a new chain for them (the old chain's
+token is retired, so a late task of it does nothing). Submitting into a folder whose job Redis
+no longer knows (the server lost its data) resumes that job: the rows already in its spool are
+kept and their requests are skipped, not computed again.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import math
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.compute as pc
+import redis
+from rq import Queue, Worker
+from rq.serializers import JSONSerializer
+
+from mqinfer import keys
+from mqinfer.ops.job_output import ERRORS_JSONL, OUTPUT_JSONL, OUTPUT_PARQUET
+from mqinfer.ops.job_spool import Spool
+from mqinfer.ops.job_store import (
+    ACTIVE_JOBS, CANCELLED, CANCELLING, COMPLETED, EXPIRED, FINAL_STATUSES, IN_PROGRESS, JOBS_INDEX,
+    QUEUE_NAME, SWEEP_LOCK, VALIDATING, JobNotFound, JobStore, decode_hash,
+)
+from mqinfer.ops.job_tasks import DEFAULT_LEASE_S, enqueue_task, new_task_id
+from mqinfer.schemas.files import input_format
+
+log = logging.getLogger("mqinfer.jobs")
+
+DEFAULT_MAX_IN_FLIGHT = 256
+DEFAULT_CHUNK_SIZE = 500
+_ADOPT_BATCH = 10_000
+
+
+class JobConflict(ValueError):
+    """The output folder already belongs to a job that is still known."""
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    job_id: str
+    resumed: bool  # an earlier job of this folder was registered again
+    adopted_rows: int  # rows already in the spool whose requests will be skipped
+
+
+def parse_deadline(text: str | float | None, *, now: float | None = None) -> float | None:
+    """``+SECONDS`` from now, unix seconds, or an ISO 8601 time (UTC unless it names a zone)."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        raw = text.strip()
+        try:
+            if raw.startswith("+"):
+                value = (time.time() if now is None else now) + float(raw[1:])
+            else:
+                value = float(raw)
+        except ValueError:
+            try:
+                parsed = dt.datetime.fromisoformat(raw)
+            except ValueError:
+                raise ValueError(f"--deadline {text!r}: expected +SECONDS, unix seconds or an ISO 8601 time "
+                                 "such as 2030-01-31T18:00:00Z") from None
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=dt.timezone.utc)
+            value = parsed.timestamp()
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--deadline {text!r} is not a usable time")
+    return value
+
+
+def new_job_id() -> str:
+    return f"job-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
+
+
+def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
+               stream: str = "requests", deadline: float | None = None,
+               max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, chunk_size: int = DEFAULT_CHUNK_SIZE,
+               queue_name: str = QUEUE_NAME, lease_s: float = DEFAULT_LEASE_S) -> SubmitResult:
+    """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task."""
+    if max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
+    if chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
+    if lease_s < 0.5:
+        raise ValueError(f"--lease-s must be >= 0.5, got {lease_s}")
+    if not stream or "}" in stream or "{" in stream:
+        raise ValueError(f"invalid --stream {stream!r}")
+    now = time.time()
+    if deadline is not None and deadline <= now:
+        raise ValueError(f"--deadline is {now - deadline:.0f}s in the past")
+    source = Path(input_path).resolve()
+    if not source.is_file():
+        raise FileNotFoundError(f"no such input file: {source}")
+    fmt = input_format(source)
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    spool = Spool(out)
+
+    resumed, adopted, parts = False, 0, []
+    manifest = spool.read_manifest()
+    if manifest is not None:
+        job_id = str(manifest.get("job_id") or "")
+        store = JobStore(client, job_id)
+        if not job_id:
+            raise JobConflict(f"{spool.manifest_path} names no job; remove it or choose another --out")
+        if store.exists():
+            raise JobConflict(f"{out} already holds job {job_id} ({store.status()}); watch it with "
+                              f"`mqinfer jobs status {job_id}`, or choose another --out")
+        if manifest.get("input") != str(source):
+            raise JobConflict(f"{out} holds job {job_id} of another input ({manifest.get('input')}); "
+                              "choose another --out")
+        resumed = True
+        spool.clean()
+        spool.reset_index()
+        parts = spool.existing_rows_parts()
+        adopted = _adopt_rows(client, spool, parts, keys.job_done_set(stream, job_id))
+        log.info("job %s resumes in %s: %d rows already collected", job_id, out, adopted)
+    else:
+        job_id = new_job_id()
+        spool.write_manifest({"job_id": job_id, "input": str(source), "out": str(out), "created_at": now})
+
+    chain = uuid.uuid4().hex
+    task_id = new_task_id(job_id)
+    store = JobStore(client, job_id)
+    store.register({
+        "id": job_id, "status": VALIDATING, "input": str(source), "input_format": fmt, "out": str(out),
+        "stream": stream, "queue": queue_name, "deadline": "" if deadline is None else repr(float(deadline)),
+        "max_in_flight": max_in_flight, "chunk_size": chunk_size, "lease_s": repr(float(lease_s)),
+        "created_at": repr(now), "chain": chain, "task": task_id, "beat": repr(now), "total": 0, "invalid": 0,
+        "val_parts": 0, "fed": 0, "skipped": 0, "collected": 0, "row_parts": len(parts),
+        "resumed_rows": adopted,
+    }, parts=parts)
+    enqueue_task(client, queue_name, job_id, chain, task_id)
+    return SubmitResult(job_id, resumed, adopted)
+
+
+def _adopt_rows(client: redis.Redis, spool: Spool, parts: list[str], done_key: str) -> int:
+    """Mark the ids of rows already in the spool as done, so feeding skips their requests."""
+    if not parts:
+        return 0
+    ids = pc.unique(spool.read_rows(parts, ["id"])["id"]).to_pylist()
+    for start in range(0, len(ids), _ADOPT_BATCH):
+        client.sadd(done_key, *ids[start:start + _ADOPT_BATCH])
+    client.expire(done_key, 7 * 24 * 3600)
+    return len(ids)
+
+
+def cancel_job(client: redis.Redis, job_id: str) -> str:
+    """Ask a job to stop; returns its status after the call (``cancelling`` when it will stop)."""
+    before = JobStore(client, job_id).cancel()
+    if not before:
+        raise JobNotFound(f"no job {job_id!r} on this Redis (see `mqinfer jobs list`)")
+    return CANCELLING if before in (VALIDATING, IN_PROGRESS) else before
+
+
+# -- looking at jobs -------------------------------------------------------------------------
+def _f(job: dict, name: str) -> float | None:
+    value = job.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _i(job: dict, name: str) -> int:
+    value = job.get(name)
+    return value if isinstance(value, int) else 0
+
+
+def describe(job: dict, *, in_flight: int = 0, now: float | None = None) -> dict:
+    """The public view of a job hash: counts, tokens, cost, throughput, ETA, outputs."""
+    now = time.time() if now is None else now
+    status = str(job.get("status"))
+    finished = status in (COMPLETED, CANCELLED, EXPIRED) and "output_rows" in job
+    total = _i(job, "total")
+    invalid = _i(job, "invalid") + _i(job, "duplicates")
+    if finished:
+        counts = {k: _i(job, k) for k in ("completed", "failed", "cancelled", "expired")}
+        done = _i(job, "output_rows")
+    else:
+        counts = {"completed": _i(job, "completed"), "failed": _i(job, "failed") + invalid,
+                  "cancelled": _i(job, "cancelled"), "expired": _i(job, "expired")}
+        done = sum(counts.values()) + _i(job, "skipped")
+    started = _f(job, "in_progress_at")
+    ended = next((_f(job, f"{s}_at") for s in (COMPLETED, CANCELLED, EXPIRED, "failed") if _f(job, f"{s}_at")), None)
+    elapsed = ((ended or now) - started) if started else None
+    computed = _i(job, "collected")
+    rate = computed / elapsed if elapsed and elapsed > 0 else None
+    token_rate = _i(job, "output_tokens") / elapsed if elapsed and elapsed > 0 else None
+    remaining = max(0, total - done)
+    eta = remaining / rate if rate and not finished and status not in FINAL_STATUSES else None
+    out = str(job.get("out", ""))
+    outputs = {}
+    if finished:
+        outputs["parquet"] = str(Path(out) / OUTPUT_PARQUET)
+        if job.get("format") in ("openai", "mixed"):
+            outputs["jsonl"] = str(Path(out) / OUTPUT_JSONL)
+            outputs["errors"] = str(Path(out) / ERRORS_JSONL)
+    deadline = _f(job, "deadline")
+    return {
+        "id": job.get("id"), "status": status, "input": job.get("input"), "out": out,
+        "stream": job.get("stream"), "format": job.get("format") or None,
+        "created_at": _f(job, "created_at"), "in_progress_at": started,
+        "finalizing_at": _f(job, "finalizing_at"), "ended_at": ended, "deadline": deadline,
+        "counts": {"total": total, **counts, "invalid": invalid, "skipped": _i(job, "skipped"),
+                   "in_flight": in_flight, "fed": _i(job, "fed"), "done": done},
+        "tokens": {"prompt": _i(job, "prompt_tokens"), "output": _i(job, "output_tokens")},
+        "cost_usd": _f(job, "cost_usd") if _i(job, "cost_rows") else None,
+        "throughput": {"requests_per_s": rate, "output_tokens_per_s": token_rate},
+        "eta_s": eta,
+        "validated": bool(_i(job, "validated")),
+        "errors": json.loads(str(job.get("errors") or "[]")),
+        "error": job.get("error") or None,
+        "last_task_error": job.get("last_task_error") or None,
+        "outputs": outputs,
+    }
+
+
+def job_info(client: redis.Redis, job_id: str, *, now: float | None = None) -> dict:
+    store = JobStore(client, job_id)
+    job = store.load()
+    return describe(job, in_flight=store.inflight_count(), now=now)
+
+
+def list_jobs(client: redis.Redis, *, limit: int = 50) -> list[dict]:
+    """The latest ``limit`` jobs, newest first."""
+    ids = [i.decode() if isinstance(i, bytes) else i for i in client.zrevrange(JOBS_INDEX, 0, max(0, limit - 1))]
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hgetall(keys.job_key(job_id))
+    jobs = []
+    for job_id, raw in zip(ids, pipe.execute()):
+        if not raw:
+            client.zrem(JOBS_INDEX, job_id)
+            continue
+        jobs.append(describe(decode_hash(raw)))
+    return jobs
+
+
+# -- the rq worker ---------------------------------------------------------------------------
+def sweep(client: redis.Redis, queue_name: str = QUEUE_NAME, *, grace_s: float = 5.0,
+          lock_ms: int = 1000) -> list[str]:
+    """Start a new task chain for every active job of ``queue_name`` whose chain died; returns their ids.
+
+    A chain is alive while its job is locked (a task runs), while its next task waits in the
+    queue, or within ``grace_s`` of its last sign of life (a task about to start or just enqueued).
+    """
+    if not client.set(SWEEP_LOCK, b"1", nx=True, px=lock_ms):
+        return []  # another worker swept just now
+    queue_key = Queue(queue_name, connection=client, serializer=JSONSerializer).key
+    restarted = []
+    now = time.time()
+    for raw_id in client.smembers(ACTIVE_JOBS):
+        job_id = raw_id.decode() if isinstance(raw_id, bytes) else raw_id
+        store = JobStore(client, job_id)
+        status, chain, task, beat, queue = (
+            v.decode() if isinstance(v, bytes) else v
+            for v in client.hmget(store.hash_key, "status", "chain", "task", "beat", "queue"))
+        if status is None or status in FINAL_STATUSES:
+            client.srem(ACTIVE_JOBS, job_id)
+            continue
+        if (queue or QUEUE_NAME) != queue_name or client.exists(store.lock_key):
+            continue
+        if now - float(beat or 0) < grace_s:
+            continue
+        if task and client.lpos(queue_key, task) is not None:
+            continue
+        new_chain, task_id = uuid.uuid4().hex, new_task_id(job_id)
+        if store.rekick(chain or "", new_chain, task_id):
+            enqueue_task(client, queue_name, job_id, new_chain, task_id)
+            log.warning("job %s (%s): its task chain had stopped; started a new one", job_id, status)
+            restarted.append(job_id)
+    return restarted
+
+
+class JobsWorker(Worker):
+    """An rq worker for the bulk-job queue (JSON serializer) that also sweeps for broken chains.
+
+    It forks a work horse per task, as rq does; the tasks import no torch. Its dequeue wait is
+    short so that the sweep runs every ``sweep_interval_s`` even when the queue is empty.
+    """
+
+    def __init__(self, connection: redis.Redis, *, queue_name: str = QUEUE_NAME, name: str | None = None,
+                 sweep_interval_s: float = 2.0, grace_s: float | None = None, **kwargs) -> None:
+        if sweep_interval_s <= 0:
+            raise ValueError(f"--sweep-interval-s must be > 0, got {sweep_interval_s}")
+        # Set before rq's constructor, which reads dequeue_timeout.
+        self.sweep_interval_s = sweep_interval_s
+        self.grace_s = grace_s if grace_s is not None else max(5.0, 2.5 * sweep_interval_s)
+        self.jobs_queue_name = queue_name
+        self._next_sweep = 0.0
+        name = name or f"mqinfer-jobs-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        super().__init__([queue_name], name=name, connection=connection, serializer=JSONSerializer, **kwargs)
+
+    @property
+    def dequeue_timeout(self) -> int:
+        return max(1, math.ceil(self.sweep_interval_s))
+
+    @property
+    def should_run_maintenance_tasks(self) -> bool:
+        return time.monotonic() >= self._next_sweep or super().should_run_maintenance_tasks
+
+    def run_maintenance_tasks(self) -> None:
+        if super().should_run_maintenance_tasks:
+            super().run_maintenance_tasks()
+        self._next_sweep = time.monotonic() + self.sweep_interval_s
+        try:
+            sweep(self.connection, self.jobs_queue_name, grace_s=self.grace_s,
+                  lock_ms=max(100, int(self.sweep_interval_s * 900)))
+        except redis.RedisError as exc:
+            # rq's loop quits on an unexpected exception; a Redis blip must not stop the worker.
+            log.warning("sweep failed: %s", exc)
+
+
+def run_worker(client: redis.Redis, *, queue_name: str = QUEUE_NAME, name: str | None = None,
+               burst: bool = False, sweep_interval_s: float = 2.0, logging_level: str = "INFO") -> int:
+    """Run :class:`JobsWorker` until it is stopped (SIGTERM / Ctrl-C finish the current task first)."""
+    worker = JobsWorker(client, queue_name=queue_name, name=name, sweep_interval_s=sweep_interval_s)
+    worker.work(burst=burst, logging_level=logging_level.upper())
+    return 0
