@@ -162,6 +162,8 @@ def engine_config(opts: dict):
         num_kv_blocks=opts["num_kv_blocks"], max_num_batched_tokens=opts["max_num_batched_tokens"],
         max_num_seqs=opts["max_num_seqs"], max_model_len=opts["max_model_len"],
         enable_prefix_caching=not opts["no_prefix_cache"], num_threads=opts["num_threads"],
+        preemption_mode=opts["preemption"], swap_space_gib=opts["swap_space_gib"],
+        priority_aging_s=opts["priority_aging_s"] or None,
     )
 
 

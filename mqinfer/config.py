@@ -91,6 +91,12 @@ ENGINE_OPTIONS = [
     Option("max_num_seqs", int, 128, "Requests running at once, at most.", metavar="S"),
     Option("max_model_len", _optional_int, None, "Context length (default: the model's).", metavar="N"),
     Option("no_prefix_cache", bool, False, "Turn prefix caching off."),
+    Option("preemption", str, "recompute", "When KV blocks run out: recompute the preempted request later, "
+           "or swap its KV to host memory and back.", choices=("recompute", "swap")),
+    Option("swap_space_gib", float, 4.0, "Host memory for swapped-out KV blocks (with --preemption swap).",
+           metavar="G"),
+    Option("priority_aging_s", float, 60.0, "Waiting this long is worth one priority level, so nothing "
+           "starves (0 = strict priority).", metavar="S"),
     Option("num_threads", _optional_int, None, "CPU threads for the model (default: OMP_NUM_THREADS, else "
            "every core).", metavar="N"),
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -29,12 +32,33 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    # What a preempted request does with its KV: "recompute" drops it (the prefix cache keeps
+    # what it can) and computes it again on re-admission; "swap" copies it to a host-memory
+    # pool of ``num_swap_blocks`` blocks and back, falling back to recompute when that is full.
+    preemption_mode: str = "recompute"
+    num_swap_blocks: int = 0
+    # Priority aging: a waiting request's effective priority is ``priority - waited_s /
+    # priority_aging_s`` (lowest runs first), so one priority level is worth this many seconds
+    # of waiting and nothing starves. None: strict priority, first come first served within it.
+    priority_aging_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             _check_positive_int(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        swap = self.num_swap_blocks
+        if not isinstance(swap, int) or isinstance(swap, bool) or swap < 0:
+            raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
+        if self.preemption_mode == "swap" and self.num_swap_blocks == 0:
+            raise ValueError("preemption_mode swap needs swap space: num_swap_blocks must be at least 1")
+        aging = self.priority_aging_s
+        if aging is not None and (
+            not isinstance(aging, (int, float)) or isinstance(aging, bool) or not math.isfinite(aging) or aging <= 0
+        ):
+            raise ValueError(f"priority_aging_s must be a finite number of seconds > 0 (or None: off), got {aging!r}")
         # Every running request gets at least one token per step (decodes never stall), which
         # needs a budget of at least one token per running request.
         if self.max_num_batched_tokens < self.max_num_seqs:

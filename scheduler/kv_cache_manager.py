@@ -2,8 +2,15 @@
 
 The scheduler talks to the cache only through this narrow API: ``get_computed_blocks`` (the
 prefix-cache hits for a request about to be admitted), ``allocate_slots`` (room for the tokens
-of this step, or "no" so that the scheduler preempts), ``free`` and ``usage``. This class is
-the only code that changes ``Request.block_ids``.
+of this step, or "no" so that the scheduler preempts), ``swap_out`` / ``swap_in`` (swap
+preemption), ``free`` and ``usage``. This class is the only code that changes
+``Request.block_ids``.
+
+Swap preemption keeps a second, host-memory pool of blocks (no prefix caching there). Swapping
+out allocates one host block per device block that holds computed KV and releases the device
+blocks the way ``free`` does, so their full blocks stay in the prefix cache; swapping in takes
+back whichever of those are still cached as hits and copies only the rest. The manager only
+decides which blocks go where; it returns the block pairs, and the model runner copies.
 
 A block is registered in the prefix cache once it is full of *computed* tokens, that is,
 tokens whose KV an earlier step has written. Caching a block while the step that writes it
@@ -19,7 +26,9 @@ from mqinfer.scheduler.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0
+    ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
@@ -36,6 +45,11 @@ class KVCacheManager:
         # after); re-admissions after a preemption are not counted.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        if not isinstance(num_swap_blocks, int) or isinstance(num_swap_blocks, bool) or num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks must be an integer >= 0, got {num_swap_blocks!r}")
+        self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks else None
+        # Host blocks of each swapped-out request, in position order.
+        self._req_swap_blocks: dict[str, list[KVBlock]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -137,8 +151,18 @@ class KVCacheManager:
 
         Its full computed blocks are cached first, so a preempted request usually finds its own
         prefix again when it is re-admitted. Call it after setting the request's new status: a
-        finished request's hashes are dropped, a preempted one's are kept.
+        finished request's hashes are dropped, a preempted one's are kept. Host blocks of a
+        swapped-out request are released too: its KV is gone, so it must recompute.
         """
+        rid = request.request_id
+        self._release_device_blocks(request)
+        host_blocks = self._req_swap_blocks.pop(rid, None)
+        if host_blocks:
+            self.swap_pool.free(host_blocks)
+        if request.status.is_finished:
+            self._req_hashes.pop(rid, None)
+
+    def _release_device_blocks(self, request: Request) -> None:
         rid = request.request_id
         blocks = self._req_blocks.pop(rid, None)
         if blocks:
@@ -148,8 +172,92 @@ class KVCacheManager:
             self.block_pool.free(reversed(blocks))
         request.block_ids = []
         self._req_num_cached.pop(rid, None)
-        if request.status.is_finished:
-            self._req_hashes.pop(rid, None)
+
+    # -- swap preemption ----------------------------------------------------------------------
+    @property
+    def num_swap_blocks(self) -> int:
+        return self.swap_pool.num_blocks if self.swap_pool is not None else 0
+
+    @property
+    def num_free_swap_blocks(self) -> int:
+        return self.swap_pool.num_free_blocks if self.swap_pool is not None else 0
+
+    def is_swapped_out(self, request: Request) -> bool:
+        return request.request_id in self._req_swap_blocks
+
+    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+        """Move the computed KV of a request being preempted to host blocks.
+
+        Returns the (device block, host block) pairs to copy, in position order, and releases
+        the request's device blocks (as ``free`` does; set its status to PREEMPTED first). The
+        copies must run before any later write to those device blocks. Returns None, changing
+        nothing, when the host pool is missing or too full, or there is no computed KV to keep:
+        the caller then preempts by recompute.
+        """
+        rid = request.request_id
+        if rid in self._req_swap_blocks:
+            raise ValueError(f"request {rid!r} is already swapped out")
+        blocks = self._req_blocks.get(rid)
+        num_needed = self.num_blocks_for(request.num_computed_tokens)
+        if self.swap_pool is None or not blocks or num_needed == 0 or num_needed > self.swap_pool.num_free_blocks:
+            return None
+        if num_needed > len(blocks):
+            raise ValueError(
+                f"request {rid!r} has {request.num_computed_tokens} computed tokens but holds only "
+                f"{len(blocks)} blocks of {self.block_size}"
+            )
+        host_blocks = self.swap_pool.allocate(num_needed)
+        self._req_swap_blocks[rid] = host_blocks
+        pairs = [(d.block_id, h.block_id) for d, h in zip(blocks, host_blocks)]
+        self._release_device_blocks(request)
+        return pairs
+
+    def swap_in(
+        self, request: Request, num_new_tokens: int, num_reserved_blocks: int = 0
+    ) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out request's KV back and make room for ``num_new_tokens`` more tokens.
+
+        Leading full blocks still in the prefix cache are taken as hits (no copy); the other
+        computed blocks get new device blocks. Returns the (host block, device block) pairs to
+        copy, which must run before the step's forward pass, and frees the host blocks. Returns
+        None, changing nothing, unless at least ``num_reserved_blocks`` device blocks would
+        still be free afterwards.
+        """
+        rid = request.request_id
+        host_blocks = self._req_swap_blocks.get(rid)
+        if host_blocks is None:
+            raise ValueError(f"request {rid!r} is not swapped out")
+        if rid in self._req_blocks:
+            raise ValueError(f"request {rid!r} already holds device blocks")
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        hits, _ = self.get_computed_blocks(request)
+        # Only blocks whose KV the request had computed can stand in for its host copies.
+        del hits[num_computed // bs :]
+        num_required = self.num_blocks_for(num_computed + num_new_tokens)
+        num_new_blocks = num_required - len(hits)
+        pool = self.block_pool
+        num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits + num_reserved_blocks > pool.num_free_blocks:
+            return None
+
+        pool.touch(hits)
+        blocks = hits + pool.allocate(num_new_blocks)
+        self._req_blocks[rid] = blocks
+        request.block_ids = [b.block_id for b in blocks]
+        pairs = [(host_blocks[i].block_id, blocks[i].block_id) for i in range(len(hits), len(host_blocks))]
+        del self._req_swap_blocks[rid]
+        # Freed now, reused at the earliest by a later swap-out, whose copy the runner executes
+        # after this one.
+        self.swap_pool.free(host_blocks)
+        self._req_num_cached[rid] = len(hits)
+        if self.enable_prefix_caching:
+            # Registered before the copy has run: the runner copies before the forward pass, so
+            # no request can read these blocks before they hold the KV.
+            self._cache_full_blocks(request, blocks, num_computed // bs)
+        return pairs
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""

@@ -28,16 +28,33 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """One step's work.
+
+    Swap preemption adds block copies that the runner must execute before the forward pass,
+    all of ``swap_out`` first, then all of ``swap_in``: a device block given up by a swapped-out
+    request may be handed, in the same step, to a request swapped in or to one that writes it
+    in the forward pass, so it must be read out before anything writes it.
+    """
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests preempted by this schedule() call (their blocks are already freed).
+    # Requests preempted by this schedule() call (their device blocks are already released).
     preempted: list[Request] = field(default_factory=list)
     # Requests that ended inside schedule() (expired deadline, can never fit, ...).
     finished: list[Request] = field(default_factory=list)
+    # (device block, host block) pairs to copy device -> host, for requests swapped out.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host block, device block) pairs to copy host -> device, for requests swapped back in.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def has_swaps(self) -> bool:
+        return bool(self.swap_out or self.swap_in)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        """Nothing for the runner to do: no tokens to run and no blocks to copy."""
+        return not self.scheduled and not self.swap_out and not self.swap_in

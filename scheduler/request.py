@@ -1,8 +1,9 @@
 """Engine-side request state: sampling parameters, status, token lists, KV block ownership.
 
 This is the contract between the scheduler (which moves requests through their states), the
-KV cache manager (the only code that mutates ``block_ids``) and the model runner (which reads
-tokens, ``num_computed_tokens`` and ``block_ids`` to build a step's batch).
+KV cache manager (the only code that mutates ``block_ids``, and the one that knows whether a
+preempted request's KV waits in host memory) and the model runner (which reads tokens,
+``num_computed_tokens`` and ``block_ids`` to build a step's batch).
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ class Request:
     """One generation request as the engine sees it.
 
     ``request_id`` is the engine-wide key (the worker builds it from job_id and id).
-    Tokens ``all_token_ids[:num_computed_tokens]`` have their KV in the cache; the scheduler
+    Tokens ``all_token_ids[:num_computed_tokens]`` have their KV in the cache (in host memory
+    while the request is swapped out); the scheduler
     advances ``num_computed_tokens`` in ``update_from_output`` after the model ran.
     """
 
@@ -105,8 +107,10 @@ class Request:
     num_cached_tokens: int = -1
     # KV blocks held, in position order. Only the KV cache manager mutates this list.
     block_ids: list[int] = field(default_factory=list)
+    # Preemptions of either kind; ``num_swaps`` of them kept the KV in host memory.
     num_preemptions: int = 0
-    # Tokens whose KV was computed, dropped by a preemption, and must be computed again.
+    num_swaps: int = 0
+    # Tokens whose KV was computed, dropped by a recompute preemption, and must be computed again.
     num_recompute_tokens: int = 0
     # Sampling seed fixed at creation (drawn at random when the request gave none), so that
     # seeded randomness is keyed by (seed, position) and independent of the batch.

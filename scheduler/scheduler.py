@@ -1,16 +1,27 @@
 """The continuous-batching scheduler: which requests run this step, with how many tokens each.
 
 One token budget per step and no separate prefill and decode phases. Each step first serves
-the running requests, in priority order, each asking for ``num_tokens - num_computed_tokens``
+the running requests, in scheduling order, each asking for ``num_tokens - num_computed_tokens``
 tokens (a long prompt is cut into chunks; every running request is left at least one token of
 the budget, so decodes never stall behind a chunked prompt), then admits waiting requests in
-priority order (lower ``priority`` first, then earlier arrival) while the budget, the free KV
-blocks and ``max_num_seqs`` allow.
+scheduling order while the budget, the free KV blocks and ``max_num_seqs`` allow.
 
-When the KV cache has no room for a running request, the scheduler preempts by recompute: the
-lowest-priority, latest-arrived running request gives its blocks back and returns to the
-waiting queue in its old place. Full computed blocks stay in the prefix cache, so a preempted
-request usually gets most of its KV back for free when it is re-admitted.
+Scheduling order, with priority aging (``SchedulerConfig.priority_aging_s`` = A): a request's
+effective priority is ``priority - waited_s / A``, the lowest first; ties go to the lower
+``priority``, then to the earlier arrival. Every request ages at the same rate, so the order
+never changes while requests wait and equals sorting by ``arrival_time + priority * A``: a
+request with priority p is served as if it had arrived p * A seconds later than it did. A
+request of any priority therefore gets ahead of everything that arrives more than (its
+priority - the best priority) * A seconds after it: nothing starves. Without aging (None) the
+order is priority, then arrival.
+
+When the KV cache has no room for a running request, the scheduler preempts the running
+request that comes last in scheduling order, which returns to the waiting queue in its old
+place. By recompute (the default), it gives its blocks back; full computed blocks stay in the
+prefix cache, so it usually gets most of its KV back for free when it is re-admitted. By swap
+(``preemption_mode="swap"``), its KV is copied to host-memory blocks and back when it is
+re-admitted (``SchedulerOutput.swap_out`` / ``swap_in``); when the host pool is full it falls
+back to recompute.
 
 The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
 ``update_from_output()`` with the sampled tokens, strictly in that order.
@@ -28,8 +39,9 @@ from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus
 
-# (priority, arrival_time, sequence number of add_request): the scheduling order, smallest first.
-_OrderKey = tuple[int, float, int]
+# (arrival_time + priority * aging, priority, arrival_time, sequence number of add_request): the
+# scheduling order, smallest first. Without aging, the first item is the priority itself.
+_OrderKey = tuple[float, int, float, int]
 
 
 class Scheduler:
@@ -37,7 +49,8 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(
-            config.block_size, config.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching
+            config.block_size, config.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching,
+            num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
         )
         # Unfinished requests by id.
         self._requests: dict[str, Request] = {}
@@ -54,6 +67,8 @@ class Scheduler:
         # Requests refused by add_request, reported by the next schedule().
         self._rejected: list[Request] = []
         self.num_preemptions_total = 0
+        # Preemptions that kept the KV in host memory (a subset of num_preemptions_total).
+        self.num_swaps_total = 0
 
     # -- public state -------------------------------------------------------------------------
     @property
@@ -103,14 +118,14 @@ class Scheduler:
             self._rejected.append(request)
             return
 
-        key = (request.priority, request.arrival_time, self._seq)
+        key = self._order_key(request, self._seq)
         self._seq += 1
         self._requests[rid] = request
         self._order[rid] = key
         heapq.heappush(self._waiting, (key, request))
         self._num_waiting += 1
         if request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, key[2], request))
+            heapq.heappush(self._deadlines, (request.deadline, key[-1], request))
 
     def finish_requests(
         self,
@@ -185,13 +200,15 @@ class Scheduler:
                     self._end(request, RequestStatus.FINISHED_LENGTH)
                     out.finished.append(request)
                     break
-                self._preempt(victim)
+                self._preempt(victim, out)
                 out.preempted.append(victim)
                 if victim is request:
                     break
 
         # Admissions go on after a preemption: a victim needs at least the blocks it gave up to
-        # come back, more than are left, so it cannot bounce straight back in.
+        # come back, more than are left, so it cannot bounce straight back in; only one whose
+        # prefix blocks are shared with a running request needs less, and may come back at once
+        # (for swap, the runner's out-before-in copy order keeps that correct).
         self._admit(out, budget)
         return out
 
@@ -214,19 +231,26 @@ class Scheduler:
                 self._end(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
                 continue
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit_tokens
-            if num_new > budget:
-                num_new = budget
             # Keep one free block per running request, so that the running ones can each cross
             # their next block boundary without preempting the request admitted here.
-            if not kv.allocate_slots(request, num_new, hits, num_reserved_blocks=len(running)):
-                break  # head-of-line: later requests must not overtake it
+            if kv.is_swapped_out(request):
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                pairs = kv.swap_in(request, num_new, num_reserved_blocks=len(running))
+                if pairs is None:
+                    break  # head-of-line: later requests must not overtake it
+                out.swap_in.extend(pairs)
+            else:
+                hits, num_hit_tokens = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if num_new > budget:
+                    num_new = budget
+                if not kv.allocate_slots(request, num_new, hits, num_reserved_blocks=len(running)):
+                    break
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                request.num_computed_tokens = num_hit_tokens
             heapq.heappop(waiting)
             self._num_waiting -= 1
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
             insort(running, request, key=lambda r: order_of(r.request_id))
             out.scheduled.append(ScheduledRequest(request, num_new))
@@ -319,11 +343,23 @@ class Scheduler:
         if expired_running:
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
 
-    def _preempt(self, request: Request) -> None:
+    def _order_key(self, request: Request, seq: int) -> _OrderKey:
+        aging = self.config.priority_aging_s
+        rank = request.arrival_time + request.priority * aging if aging is not None else float(request.priority)
+        return (rank, request.priority, request.arrival_time, seq)
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
         request.status = RequestStatus.PREEMPTED
-        self.kv_cache_manager.free(request)  # caches its computed blocks, so reads num_computed_tokens
-        request.num_recompute_tokens += request.num_computed_tokens
-        request.num_computed_tokens = 0
+        kv = self.kv_cache_manager
+        pairs = kv.swap_out(request) if self.config.preemption_mode == "swap" else None
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            request.num_swaps += 1
+            self.num_swaps_total += 1
+        else:
+            kv.free(request)  # caches its computed blocks, so reads num_computed_tokens
+            request.num_recompute_tokens += request.num_computed_tokens
+            request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         heapq.heappush(self._waiting, (self._order[request.request_id], request))

@@ -15,6 +15,7 @@ row instead of failing.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -28,6 +29,7 @@ from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner
+from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,11 @@ class EngineConfig:
     seed: int = 0
     # CPU threads for torch; None: OMP_NUM_THREADS when set, else every core this process may use.
     num_threads: int | None = None
+    # "recompute" or "swap" (KV of preempted requests goes to swap_space_gib of host memory).
+    preemption_mode: str = "recompute"
+    swap_space_gib: float = 4.0
+    # Seconds of waiting worth one priority level (see Scheduler); None: strict priority.
+    priority_aging_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -71,6 +78,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if not (self.swap_space_gib >= 0 and math.isfinite(self.swap_space_gib)):
+            raise ValueError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib}")
 
 
 class EngineInputError(Exception):
@@ -106,6 +117,8 @@ class RequestOutput:
     num_cached_tokens: int
     num_preemptions: int
     first_token_time: float | None
+    # Preemptions that kept the KV in host memory (a subset of num_preemptions).
+    num_swaps: int = 0
 
 
 @dataclass
@@ -210,6 +223,15 @@ class LLMEngine:
             )
         self.max_model_len = max_len
         num_blocks = config.num_kv_blocks or _default_num_kv_blocks(info, self.device, config, max_len)
+        num_swap_blocks = 0
+        if config.preemption_mode == "swap":
+            block_bytes = info.kv_bytes_per_token * config.block_size
+            num_swap_blocks = num_swap_blocks_for(int(config.swap_space_gib * 2**30), block_bytes)
+            if num_swap_blocks == 0:
+                raise ValueError(
+                    f"swap_space_gib {config.swap_space_gib} holds no KV block ({block_bytes} bytes for "
+                    f"{config.block_size} tokens of {info.name}); give more swap space or use recompute"
+                )
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
             num_kv_blocks=num_blocks,
@@ -217,6 +239,9 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_len,
             enable_prefix_caching=config.enable_prefix_caching,
+            preemption_mode=config.preemption_mode,
+            num_swap_blocks=num_swap_blocks,
+            priority_aging_s=config.priority_aging_s,
         )
         self.scheduler = Scheduler(self.scheduler_config, clock=clock)
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype))
@@ -366,6 +391,8 @@ class LLMEngine:
                 if tracked.logprobs is not None and lp is not None:
                     tracked.logprobs.append(lp.to_dict())
                 touched[sr.request.request_id] = sr.request
+        elif out.swap_out or out.swap_in:
+            self.runner.execute(out)  # only block copies this step; they must still happen now
 
         outputs = [self._output(request) for request in touched.values()]
         # Stop strings end requests here; their blocks go back before the next schedule().
@@ -417,6 +444,7 @@ class LLMEngine:
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_preemptions=request.num_preemptions,
             first_token_time=tracked.first_token_time if tracked is not None else None,
+            num_swaps=request.num_swaps,
         )
 
     @staticmethod

@@ -22,6 +22,7 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.workers.loader import ModelInfo
 from mqinfer.workers.models import LlamaForCausalLM
+from mqinfer.workers.swap import HostKVCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,13 @@ class ModelRunner:
         shape = (scheduler_config.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
         self._buffers: list[mmap.mmap] = []
         self.kv_caches = [(self._zeroed(shape, dtype), self._zeroed(shape, dtype)) for _ in range(info.num_layers)]
+        # Host-memory blocks for swap preemption; pinned on CUDA so the copies are async DMA.
+        self.host_cache: HostKVCache | None = None
+        if scheduler_config.preemption_mode == "swap":
+            self.host_cache = HostKVCache(
+                scheduler_config.num_swap_blocks, info.num_layers, shape[1:], dtype,
+                pin_memory=self.device.type == "cuda",
+            )
         self.workspace = AttentionWorkspace()
         self.num_queries_per_kv = info.num_heads // info.num_kv_heads
         model.rotary.extend(scheduler_config.max_model_len)
@@ -90,6 +98,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[int | None]:
         """Run one step: the sampled token per scheduled request (None where none is due)."""
+        if output.swap_out or output.swap_in:
+            # Out before in: a block swapped in may be one another request just gave up.
+            self.host_cache.swap_out(self.kv_caches, output.swap_out)
+            self.host_cache.swap_in(self.kv_caches, output.swap_in)
         scheduled = output.scheduled
         self.last_logprobs = [None] * len(scheduled)
         if not scheduled:
