@@ -54,6 +54,9 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         out = {"ts": round(record.created, 6), "level": record.levelname.lower(), "logger": record.name,
                "msg": record.getMessage()}
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):  # structured lines (a finished request) keep their fields as keys
+            out.update({k: v for k, v in fields.items() if k not in out})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
         return json.dumps(out)
@@ -112,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--format", default="table", choices=("table", "csv", "json"), help="Output format (default: table).")
     rc.add_argument("--since", default=None, help="Only rows finished at or after this time (ISO 8601 or unix seconds).")
     rc.add_argument("--until", default=None, help="Only rows finished before this time (ISO 8601 or unix seconds).")
+    rc.add_argument("--top", type=int, default=10,
+                    help="How many of the most expensive requests to list (default: 10).")
+    rc.add_argument("--budgets", default=None, metavar="FILE",
+                    help="TOML file of per-tenant budgets: mark tenants over budget.")
+    rc.add_argument("--plot", default=None, metavar="DIR", help="Also write PNG charts into DIR (needs matplotlib).")
     rc.set_defaults(_options=[], _required=())
     from mqinfer import jobs_cli
 
@@ -178,6 +186,7 @@ def cmd_worker(args, opts: dict) -> int:
         metrics_port=opts["metrics_port"], metrics_host=opts["metrics_host"],
         price_per_device_hour=opts["price_per_device_hour"], flush_rows=opts["flush_rows"],
         flush_interval_s=opts["flush_interval_s"], drain_timeout_s=opts["drain_timeout_s"],
+        budgets=Path(opts["budgets"]) if opts["budgets"] else None, enforce_budgets=opts["enforce_budgets"],
     )
     return Worker(config).run()
 
@@ -277,16 +286,26 @@ def _parse_time(text: str | None) -> float | None:
 
 
 def cmd_report(args, opts: dict) -> int:
-    from mqinfer.ops.report import cost_report, render
+    from mqinfer.ops.budgets import load_budgets
+    from mqinfer.ops.report import cost_report, plot, render
 
     by = [b.strip() for b in args.by.split(",") if b.strip()]
-    report = cost_report(Path(args.dir), by=by, since=_parse_time(args.since), until=_parse_time(args.until))
-    print(render(report, args.format))
+    budgets = load_budgets(args.budgets) if args.budgets else None
+    report = cost_report(Path(args.dir), by=by, since=_parse_time(args.since), until=_parse_time(args.until),
+                         top=args.top, budgets=budgets)
+    print(render(report, args.format), end="")
+    if args.plot:
+        try:
+            charts = plot(report, args.plot)
+        except RuntimeError as exc:
+            print(f"mqinfer report costs: error: {exc}", file=sys.stderr)
+            return 2
+        print("charts: " + ", ".join(str(p) for p in charts), file=sys.stderr)
     return 0
 
 
 # -- run -------------------------------------------------------------------------------------
-def _worker_argv(opts: dict, redis_url: str) -> list[str]:
+def _worker_argv(opts: dict, redis_url: str, index: int = 0) -> list[str]:
     argv = [sys.executable, "-m", "mqinfer", "worker", "--redis", redis_url, "--out", str(opts["out"]),
             "--stream", opts["stream"]]
     for opt in [*ENGINE_OPTIONS, *WORKER_OPTIONS, LOG_FORMAT]:
@@ -295,6 +314,8 @@ def _worker_argv(opts: dict, redis_url: str) -> list[str]:
         value = opts.get(opt.name)
         if value is None:
             continue
+        if opt.name == "metrics_port" and value:
+            value += index  # each worker of `run --workers N` serves on its own port: P, P+1, ...
         if opt.type is bool:
             if value:
                 argv.append(opt.flag)
@@ -379,8 +400,8 @@ def cmd_run(args, opts: dict) -> int:
         print(f"job {job_id}: submitted {len(requests)} requests", file=sys.stderr, flush=True)
         env = dict(os.environ)
         env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
-        argv = _worker_argv(opts, redis_url)
-        workers = [subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL) for _ in range(opts["workers"])]
+        workers = [subprocess.Popen(_worker_argv(opts, redis_url, i), env=env, stdin=subprocess.DEVNULL)
+                   for i in range(opts["workers"])]
         done_key = keys.job_done_set(opts["stream"], job_id)
         progress = _Progress(len(requests))
         done = 0
@@ -425,7 +446,7 @@ def _summary(out: Path, job_id: str, expected: int, wall_s: float, opts: dict) -
     results = ds.dataset(out / "results", format="parquet", partitioning="hive").to_table(
         filter=pc.field("job_id") == job_id, columns=["id", "finish_reason", "prompt_tokens", "output_tokens"])
     costs = ds.dataset(out / "costs", format="parquet", partitioning="hive").to_table(
-        filter=pc.field("job_id") == job_id, columns=["cost_usd", "kind"])
+        filter=(pc.field("job_id") == job_id) & (pc.field("kind") == "request"), columns=["cost_usd", "kind"])
     n = results.num_rows
     errors = pc.sum(pc.equal(results["finish_reason"], "error")).as_py() or 0
     prompt = pc.sum(results["prompt_tokens"]).as_py() or 0

@@ -121,6 +121,10 @@ WORKER_OPTIONS = [
     Option("flush_interval_s", float, 0.5, "...or once the oldest pending row is this old.", metavar="S"),
     Option("drain_timeout_s", float, 30.0, "On SIGTERM, finish running requests for at most this long, "
            "then hand the rest back.", metavar="S"),
+    Option("budgets", str, None, "TOML file of per-tenant budgets (period, default_usd, [tenants]); exports "
+           "budget and spend metrics.", metavar="FILE"),
+    Option("enforce_budgets", bool, False, "Refuse new requests of a tenant whose budget is spent: they end "
+           "with error_code budget_exceeded. Needs --budgets."),
 ]
 
 

@@ -2,29 +2,96 @@
 
 Each worker owns one registry (no module-level mutable state), served on ``--metrics-port``
 bound to 127.0.0.1 unless told otherwise, with ``/healthz`` and ``/readyz`` beside ``/metrics``.
+With ``mqinfer run --workers N`` worker ``i`` serves on ``--metrics-port + i``.
+
+Counters and histograms are updated by the worker's thread as things happen (``record_step``
+once per engine step, ``charge`` and ``finish`` per request). Everything else is read when
+Prometheus scrapes, in the HTTP thread, so it is current even while the engine is idle: the
+engine's running / waiting counts and KV usage (plain integer reads), the meter's time totals,
+device memory, the stream's lag and queueing delay (``XINFO GROUPS`` on the worker's stream,
+cached for a second so that several scrapers cost one round trip) and the tenants' budgets. A
+collector whose source fails (Redis away) exports nothing for that scrape rather than a stale
+value.
+
+Names (``_total`` is added to counters by the client library):
+
+==========================================  =========  ======================================
+``mqinfer_num_requests_running``            gauge      requests in the engine's running set
+``mqinfer_num_requests_waiting``            gauge      read from the stream, not running yet
+``mqinfer_kv_cache_usage_ratio``            gauge      share of KV blocks held (0-1)
+``mqinfer_prefix_cache_queries_total``      counter    prompt tokens looked up in the cache
+``mqinfer_prefix_cache_hits_total``         counter    prompt tokens found there
+``mqinfer_num_preemptions_total``           counter    requests preempted
+``mqinfer_prompt_tokens_total``             counter    prompt tokens of finished requests
+``mqinfer_generation_tokens_total``         counter    generated tokens
+``mqinfer_request_success_total``           counter    finished requests by ``finished_reason``
+``mqinfer_time_to_first_token_seconds``     histogram  enqueue to first token
+``mqinfer_inter_token_latency_seconds``     histogram  gap between a request's tokens
+``mqinfer_e2e_request_latency_seconds``     histogram  enqueue to result row
+``mqinfer_request_queue_time_seconds``      histogram  enqueue to admission into the engine
+``mqinfer_batch_idle_ratio``                gauge      share of the last minute or so the engine
+                                                       had capacity and nothing to run
+``mqinfer_device_seconds_total``            counter    wall time by ``state``: startup, idle, busy
+``mqinfer_queueing_delay_seconds``          gauge      age of the oldest entry no worker has read
+``mqinfer_memory_utilization_ratio``        gauge      device memory in use (0-1); CPU: host RAM
+``mqinfer_stream_lag``                      gauge      entries not yet delivered + pending
+``mqinfer_stream_pending``                  gauge      entries delivered, not yet acked
+``mqinfer_dead_letters_total``              counter    entries sent to the dead-letter stream
+``mqinfer_redeliveries_total``              counter    entries taken over from another consumer
+``mqinfer_cost_usd_total``                  counter    billed dollars by ``tenant`` (capped)
+``mqinfer_tenant_budget_usd``               gauge      a tenant's budget (with ``--budgets``)
+``mqinfer_tenant_spend_usd``                gauge      its fleet-wide spend this budget period
+``mqinfer_result_rows_written_total``       counter    result rows written durably
+``mqinfer_process_*``                       various    resident memory, CPU seconds, open fds
+==========================================  =========  ======================================
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+log = logging.getLogger(__name__)
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "error", "expired", "cancelled")
+# Tenants exported with their own label; the rest are summed under OTHER_TENANT.
+DEFAULT_MAX_TENANT_LABELS = 50
+OTHER_TENANT = "other"
+_STREAM_CACHE_S = 1.0
 
 
 class WorkerMetrics:
-    def __init__(self, model: str = "") -> None:
+    def __init__(self, model: str = "", *, max_tenant_labels: int = DEFAULT_MAX_TENANT_LABELS) -> None:
+        if max_tenant_labels < 1:
+            raise ValueError(f"max_tenant_labels must be >= 1, got {max_tenant_labels}")
+        self.model = model
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests_running = Gauge("mqinfer_num_requests_running", "Requests in the engine's running set.", registry=r)
+        self.requests_running = Gauge(
+            "mqinfer_num_requests_running", "Requests in the engine's running set.", registry=r
+        )
         self.requests_waiting = Gauge(
             "mqinfer_num_requests_waiting", "Requests read from the stream and not yet running.", registry=r
         )
-        self.kv_cache_usage = Gauge("mqinfer_kv_cache_usage_ratio", "Share of KV cache blocks in use (0-1).", registry=r)
+        self.kv_cache_usage = Gauge(
+            "mqinfer_kv_cache_usage_ratio", "Share of KV cache blocks in use (0-1).", registry=r
+        )
+        self.prefix_cache_queries = Counter(
+            "mqinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", registry=r
+        )
+        self.prefix_cache_hits = Counter(
+            "mqinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache.", registry=r
+        )
         self.prompt_tokens = Counter("mqinfer_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("mqinfer_generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("mqinfer_num_preemptions", "Requests preempted by the scheduler.", registry=r)
@@ -36,6 +103,10 @@ class WorkerMetrics:
         self.ttft = Histogram(
             "mqinfer_time_to_first_token_seconds", "Time from enqueue to the first generated token.",
             buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.itl = Histogram(
+            "mqinfer_inter_token_latency_seconds", "Time between two generated tokens of one request.",
+            buckets=_ITL_BUCKETS, registry=r,
         )
         self.e2e = Histogram(
             "mqinfer_e2e_request_latency_seconds", "Time from enqueue to the result row.",
@@ -50,14 +121,103 @@ class WorkerMetrics:
             "mqinfer_redeliveries", "Entries this worker claimed from another consumer.", registry=r
         )
         self.rows_written = Counter("mqinfer_result_rows_written", "Result rows written durably.", registry=r)
+        self._cost = Counter(
+            "mqinfer_cost_usd", f"Billed cost in USD by tenant (at most {max_tenant_labels} tenants by name, the "
+            f"rest as {OTHER_TENANT!r}).", ["tenant"], registry=r,
+        )
+        self.max_tenant_labels = max_tenant_labels
+        self._tenant_cost: dict[str, Any] = {}
+        ProcessCollector(namespace="mqinfer", registry=r)
+        # Deltas of the scheduler's cumulative counts, and each running request's last token time.
+        self._seen_queries = 0
+        self._seen_hits = 0
+        self._seen_preemptions = 0
+        self._last_token_at: dict[str, float] = {}
         self.ready = False
         self.healthy = True
         self._server: ThreadingHTTPServer | None = None
 
+    # -- what the worker thread records ----------------------------------------------------------
     def finish(self, reason: str) -> None:
         counter = self.finished.get(reason)
         if counter is not None:
             counter.inc()
+
+    def record_step(self, result, scheduler) -> None:
+        """One engine step: generated tokens, inter-token latency, prefix-cache and preemption counts.
+
+        ``result`` is the engine's ``StepResult``; ``scheduler`` its ``Scheduler`` (read only).
+        """
+        now = result.end
+        generated = 0
+        last_token_at = self._last_token_at
+        observe_itl = self.itl.observe
+        for out in result.outputs:
+            n = len(out.new_token_ids)
+            if n:
+                generated += n
+                previous = last_token_at.get(out.request_id)
+                if previous is not None:
+                    gap = max(0.0, now - previous) / n  # tokens of one step arrive together
+                    for _ in range(n):
+                        observe_itl(gap)
+                last_token_at[out.request_id] = now
+            if out.finished:
+                last_token_at.pop(out.request_id, None)
+        if generated:
+            self.generation_tokens.inc(generated)
+        self._seen_queries = _advance(self.prefix_cache_queries, self._seen_queries, scheduler.prefix_cache_queries)
+        self._seen_hits = _advance(self.prefix_cache_hits, self._seen_hits, scheduler.prefix_cache_hits)
+        self._seen_preemptions = _advance(self.preemptions, self._seen_preemptions, scheduler.num_preemptions_total)
+
+    def charge(self, tenant: str | None, cost_usd: float) -> None:
+        """Add a finished request's cost to its tenant's counter."""
+        if cost_usd <= 0:
+            return
+        child = self._tenant_cost.get(tenant or "default")
+        if child is None:
+            child = self._tenant_child(tenant or "default")
+        child.inc(cost_usd)
+
+    def _tenant_child(self, tenant: str):
+        # Named tenants up to the cap, each bound once; later ones share the OTHER_TENANT series.
+        named = sum(1 for t in self._tenant_cost if t != OTHER_TENANT)
+        label = tenant if named < self.max_tenant_labels or tenant == OTHER_TENANT else OTHER_TENANT
+        child = self._cost.labels(label)
+        if label == tenant:
+            self._tenant_cost[tenant] = child
+        else:
+            self._tenant_cost.setdefault(OTHER_TENANT, child)
+        return child
+
+    # -- what is read when Prometheus scrapes ------------------------------------------------------
+    def track_engine(self, scheduler, num_waiting_outside: Callable[[], int] = lambda: 0) -> None:
+        """Read the running / waiting counts and KV usage from ``scheduler`` at each scrape.
+
+        ``num_waiting_outside`` counts requests the worker holds that the engine has not seen
+        yet (its batcher). These are plain integer reads, safe from the HTTP thread, and current
+        even while the engine is idle between steps.
+        """
+        self.requests_running.set_function(lambda: scheduler.num_running)
+        self.requests_waiting.set_function(lambda: scheduler.num_waiting + num_waiting_outside())
+        self.kv_cache_usage.set_function(lambda: scheduler.kv_cache_manager.usage)
+
+    def track_meter(self, meter) -> None:
+        """Export a ``workers.costs.Meter``'s time totals and batch idle ratio."""
+        self.registry.register(_MeterCollector(meter))
+
+    def watch_stream(self, client, stream_key: str, group: str, clock: Callable[[], float] = time.time) -> None:
+        """Export the stream's lag, pending count and queueing delay (``client``: a redis.Redis)."""
+        self.registry.register(_StreamCollector(client, stream_key, group, clock))
+
+    def watch_memory(self, device: str = "cpu") -> None:
+        """Export the memory utilisation of ``device`` (``cpu``, ``cuda`` or ``cuda:N``)."""
+        self.registry.register(_MemoryCollector(str(device)))
+
+    def watch_budgets(self, guard, client=None) -> None:
+        """Export each budgeted tenant's budget and spend (``guard``: an ``ops.budgets.BudgetGuard``;
+        ``client``: the Redis client scrapes read spend with, by default the guard's)."""
+        self.registry.register(_BudgetCollector(guard, client, self.max_tenant_labels))
 
     # -- HTTP --------------------------------------------------------------------------------
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -96,3 +256,189 @@ class WorkerMetrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _advance(counter: Counter, seen: int, current: int) -> int:
+    """Add the growth of a cumulative count to ``counter``; returns the new high-water mark."""
+    if current > seen:
+        counter.inc(current - seen)
+    # A smaller value means the source was rebuilt: count from its new value on.
+    return current
+
+
+class _MeterCollector:
+    def __init__(self, meter) -> None:
+        self.meter = meter
+
+    def describe(self):
+        return list(self._families(with_values=False))
+
+    def collect(self):
+        return list(self._families(with_values=True))
+
+    def _families(self, with_values: bool):
+        m = self.meter
+        seconds = CounterMetricFamily(
+            "mqinfer_device_seconds", "Worker wall time by state: startup (model load), idle (nothing to run), "
+            "busy (engine steps).", labels=["state"],
+        )
+        ratio = GaugeMetricFamily(
+            "mqinfer_batch_idle_ratio", "Share of recent time (exponentially weighted, 60 s) in which the engine "
+            "had capacity and nothing to run.",
+        )
+        if with_values:
+            seconds.add_metric(["startup"], m.startup_s)
+            seconds.add_metric(["idle"], m.idle_total_s)
+            seconds.add_metric(["busy"], m.busy_total_s)
+            ratio.add_metric([], m.idle_ratio)
+        yield seconds
+        yield ratio
+
+
+class _StreamCollector:
+    """``XINFO GROUPS`` at scrape time, cached briefly; nothing exported while Redis is away."""
+
+    def __init__(self, client, stream_key: str, group: str, clock: Callable[[], float]) -> None:
+        self.client = client
+        self.stream_key = stream_key
+        self.group = group
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._cached_at = float("-inf")
+        self._cached: tuple[int, int, float] | None = None
+
+    def describe(self):
+        return list(self._families(None))
+
+    def collect(self):
+        return list(self._families(self._read()))
+
+    def _read(self) -> tuple[int, int, float] | None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._cached_at < _STREAM_CACHE_S:
+                return self._cached
+            try:
+                self._cached = self._query()
+            except Exception as exc:  # any Redis trouble: skip this scrape, never fail it
+                log.debug("stream metrics unavailable: %s", exc)
+                self._cached = None
+            self._cached_at = now
+            return self._cached
+
+    def _query(self) -> tuple[int, int, float] | None:
+        key = self.stream_key
+        info = next((g for g in self.client.xinfo_groups(key) if _text(g.get("name")) == self.group), None)
+        if info is None:
+            return None
+        pending = int(info.get("pending") or 0)
+        lag = info.get("lag")
+        if lag is None:
+            # The server cannot count undelivered entries (a gap in entries-read). Workers
+            # delete entries once acked, so what the stream holds is pending or undelivered.
+            lag = max(0, int(self.client.xlen(key)) - pending)
+        lag = int(lag)
+        delay = 0.0
+        if lag > 0:
+            last = _text(info.get("last-delivered-id")) or "0-0"
+            first = self.client.xrange(key, min="(" + last, max="+", count=1)
+            if first:
+                ms = int(_text(first[0][0]).split("-", 1)[0])
+                delay = max(0.0, self.clock() - ms / 1000.0)
+        return lag, pending, delay
+
+    @staticmethod
+    def _families(values: tuple[int, int, float] | None):
+        lag = GaugeMetricFamily("mqinfer_stream_lag", "Entries of the request stream not yet delivered to a worker "
+                                "plus those delivered and not yet acknowledged.")
+        pending = GaugeMetricFamily("mqinfer_stream_pending", "Entries delivered and not yet acknowledged.")
+        delay = GaugeMetricFamily("mqinfer_queueing_delay_seconds", "Age of the oldest request in the stream that "
+                                  "no worker has read yet (0 when none waits).")
+        if values is not None:
+            lag.add_metric([], values[0] + values[1])
+            pending.add_metric([], values[1])
+            delay.add_metric([], values[2])
+        return lag, pending, delay
+
+
+class _MemoryCollector:
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def describe(self):
+        return [GaugeMetricFamily("mqinfer_memory_utilization_ratio", "")]
+
+    def collect(self):
+        family = GaugeMetricFamily(
+            "mqinfer_memory_utilization_ratio",
+            "Share of the device's memory in use by any process (0-1); for a CPU worker, host memory.",
+        )
+        try:
+            value = memory_utilization(self.device)
+        except Exception as exc:  # a scrape must not fail because a driver call did
+            log.debug("memory utilisation unavailable: %s", exc)
+            value = None
+        if value is not None:
+            family.add_metric([], value)
+        return [family]
+
+
+def memory_utilization(device: str = "cpu") -> float | None:
+    """Used share of ``device``'s memory: CUDA via the driver, the host from /proc/meminfo."""
+    if device.startswith("cuda"):
+        import torch  # only a worker on a GPU gets here; producers never import torch
+
+        index = torch.device(device).index
+        free, total = torch.cuda.mem_get_info(torch.cuda.current_device() if index is None else index)
+        return 1.0 - free / total if total else None
+    try:
+        fields = {}
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                fields[name] = int(rest.split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    total, available = fields.get("MemTotal"), fields.get("MemAvailable")
+    if not total or available is None:
+        return None
+    return 1.0 - available / total
+
+
+class _BudgetCollector:
+    def __init__(self, guard, client, max_tenants: int) -> None:
+        self.guard = guard
+        self.client = client
+        self.max_tenants = max_tenants
+
+    def describe(self):
+        return list(self._families(None))
+
+    def collect(self):
+        try:
+            spend = self.guard.spend_snapshot(self.client)
+        except Exception as exc:
+            log.debug("tenant spend unavailable: %s", exc)
+            spend = None
+        return list(self._families(spend))
+
+    def _families(self, spend: dict[str, float] | None):
+        budget = GaugeMetricFamily("mqinfer_tenant_budget_usd", "A tenant's budget for the current budget period.",
+                                   labels=["tenant"])
+        spent = GaugeMetricFamily("mqinfer_tenant_spend_usd", "A tenant's spend in the current budget period, "
+                                  "over every worker (acknowledged requests).", labels=["tenant"])
+        budgets = self.guard.budgets
+        tenants = sorted(budgets.tenants)[: self.max_tenants]
+        for tenant in tenants:
+            budget.add_metric([tenant], budgets.tenants[tenant])
+        if spend is not None:
+            for tenant in tenants:
+                spent.add_metric([tenant], spend.get(tenant, 0.0))
+        return budget, spent
+
+
+def _text(value) -> str | None:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+__all__ = ["DEFAULT_MAX_TENANT_LABELS", "FINISH_REASONS", "OTHER_TENANT", "WorkerMetrics", "memory_utilization"]

@@ -1,15 +1,30 @@
 """Cost reports from the costs dataset: what each tenant (model, job, ...) used and paid.
 
-Groups sum the ``request`` rows only; ``idle``, ``startup`` and ``duplicate`` rows bill nobody
-and appear in the totals, with their share of all device time, so that the report shows how
-much of the fleet's time went to no one. Read the dataset after ``mqinfer compact``: before it,
-a retried request's cost rows are all still ``request``. Needs pyarrow only, no torch.
+:func:`cost_report` reads ``DIR/costs`` (optionally a ``finished_at`` window) and returns a
+:class:`Report`; :func:`render` turns it into an aligned table, CSV or JSON; :func:`plot` draws
+PNG charts when matplotlib is installed.
+
+* **Groups** (``--by`` any of tenant, model, request_type, job_id, worker) sum the ``request``
+  rows only: requests, prompt (input) and output tokens, device seconds and their prefill /
+  decode / recomputed split, KV block-seconds, dollars, and dollars per million tokens: all
+  tokens, input tokens (the prefill share of the cost) and output tokens (the decode share).
+* **Totals** add every row, and each kind's (request, idle, startup, duplicate) share of all
+  device time: ``idle``, ``startup`` and ``duplicate`` rows bill nobody, and the report shows
+  how much of the fleet's time went to no one.
+* **The most expensive requests**, and **a series per hour** (of ``finished_at``; an idle row
+  counts in the hour it was written, though it may cover time before it).
+* **Budgets** (``ops/budgets.py``): each budgeted tenant's spend in the window, per budget
+  period, and whether it reached its budget; groups keyed by tenant are marked.
+
+Read the dataset after ``mqinfer compact``: before it, a retried request's cost rows are all
+still ``request``. Needs pyarrow only (matplotlib for charts), no torch.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime as dt
 import io
 import json
 import os
@@ -22,12 +37,21 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA
 from mqinfer.workers.sink import COSTS_DIR, part_files
 
 GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
-_SUMMED = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "cost_usd")
-_METRICS = ("requests",) + _SUMMED + ("usd_per_1m_tokens",)
+_SUMMED = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "prefill_s", "decode_s",
+           "recomputed_s", "kv_block_s", "cost_usd", "input_usd")
+_GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "prefill_s",
+                 "decode_s", "recomputed_s", "kv_block_s", "cost_usd", "usd_per_1m_tokens",
+                 "usd_per_1m_input_tokens", "usd_per_1m_output_tokens")
+# The group columns of the text table (CSV and JSON have every field).
+_TABLE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "cost_usd",
+                 "usd_per_1m_input_tokens", "usd_per_1m_output_tokens", "usd_per_1m_tokens")
+_TABLE_HEADERS = {"usd_per_1m_input_tokens": "usd_per_1m_in", "usd_per_1m_output_tokens": "usd_per_1m_out"}
+DEFAULT_TOP = 10
 
 
 @dataclass
@@ -43,6 +67,16 @@ class GroupCost:
     cost_usd: float
     # cost_usd per million prompt + output tokens; None when the group has no tokens.
     usd_per_1m_tokens: float | None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    recomputed_s: float = 0.0
+    kv_block_s: float = 0.0
+    # The prefill share of cost_usd per million prompt tokens, the decode share per million
+    # output tokens; None without such tokens.
+    usd_per_1m_input_tokens: float | None = None
+    usd_per_1m_output_tokens: float | None = None
+    # With budgets and a tenant key: whether that tenant reached its budget (None: no budget).
+    over_budget: bool | None = None
 
 
 @dataclass
@@ -52,6 +86,8 @@ class Totals:
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
     usd_per_1m_tokens: float | None = None
+    usd_per_1m_input_tokens: float | None = None
+    usd_per_1m_output_tokens: float | None = None
     # Device seconds and dollars of every row, and per kind (request, idle, startup, duplicate).
     device_s: float = 0.0
     cost_usd: float = 0.0
@@ -62,12 +98,46 @@ class Totals:
 
 
 @dataclass
+class RequestCost:
+    """One billed request row (for the most expensive requests)."""
+
+    job_id: str | None
+    id: str | None
+    tenant: str | None
+    model: str | None
+    request_type: str | None
+    worker: str
+    prompt_tokens: int
+    output_tokens: int
+    device_s: float
+    cost_usd: float
+    finished_at: str  # ISO 8601, UTC
+
+
+@dataclass
+class HourCost:
+    """Every row finished within one UTC hour."""
+
+    hour: str  # start of the hour, ISO 8601, UTC
+    requests: int
+    prompt_tokens: int
+    output_tokens: int
+    cost_usd: float  # every kind
+    billed_usd: float  # request rows only
+    device_s_by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_KINDS, 0.0))
+
+
+@dataclass
 class Report:
     by: list[str]
     since: float | None
     until: float | None
     groups: list[GroupCost]
     totals: Totals
+    top_requests: list[RequestCost] = field(default_factory=list)
+    hourly: list[HourCost] = field(default_factory=list)
+    # None when no budgets were given.
+    budgets: list[BudgetStatus] | None = None
 
 
 def _per_million(cost: float, tokens: int) -> float | None:
@@ -79,11 +149,15 @@ def cost_report(
     by: Sequence[str] = ("tenant",),
     since: float | None = None,
     until: float | None = None,
+    *,
+    top: int = DEFAULT_TOP,
+    budgets: Budgets | None = None,
 ) -> Report:
     """Sum the costs dataset under ``out_dir`` by the ``by`` columns.
 
     ``since`` (inclusive) and ``until`` (exclusive) bound ``finished_at``, in unix seconds.
-    Groups are ordered by cost, highest first.
+    Groups are ordered by cost, highest first; ``top`` is how many of the most expensive
+    requests to list.
     """
     if isinstance(by, str):
         by = [by]
@@ -91,7 +165,11 @@ def cost_report(
     bad = [key for key in by if key not in GROUP_KEYS]
     if bad or not by or len(set(by)) != len(by):
         raise ValueError(f"cannot group costs by {by!r}: use one or more distinct keys of {', '.join(GROUP_KEYS)}")
-    table = _read_costs(Path(out_dir), by, since, until)
+    if top < 0:
+        raise ValueError(f"top must be >= 0, got {top}")
+    if since is not None and until is not None and until <= since:
+        raise ValueError(f"empty time window: until ({until}) must be after since ({since})")
+    table = _with_input_cost(_read_costs(Path(out_dir), since, until))
 
     totals = Totals()
     if table.num_rows:
@@ -105,41 +183,33 @@ def cost_report(
         totals.device_share_by_kind = {k: v / totals.device_s for k, v in totals.device_s_by_kind.items()}
 
     billed = table.filter(pc.equal(table["kind"], "request"))
-    groups: list[GroupCost] = []
-    if billed.num_rows:
-        aggregated = billed.group_by(by, use_threads=False).aggregate(
-            [("kind", "count")] + [(name, "sum") for name in _SUMMED]
-        )
-        for row in aggregated.to_pylist():
-            tokens = row["prompt_tokens_sum"] + row["output_tokens_sum"]
-            groups.append(
-                GroupCost(
-                    key={k: row[k] for k in by},
-                    requests=row["kind_count"],
-                    prompt_tokens=row["prompt_tokens_sum"],
-                    cached_prompt_tokens=row["cached_prompt_tokens_sum"],
-                    output_tokens=row["output_tokens_sum"],
-                    device_s=row["device_s_sum"],
-                    cost_usd=row["cost_usd_sum"],
-                    usd_per_1m_tokens=_per_million(row["cost_usd_sum"], tokens),
-                )
-            )
+    groups = [_group(key_row, by) for key_row in _aggregate(billed, by)]
     groups.sort(key=lambda g: (-g.cost_usd, [(v is None, v or "") for v in g.key.values()]))
     totals.requests = sum(g.requests for g in groups)
     totals.prompt_tokens = sum(g.prompt_tokens for g in groups)
     totals.cached_prompt_tokens = sum(g.cached_prompt_tokens for g in groups)
     totals.output_tokens = sum(g.output_tokens for g in groups)
-    totals.usd_per_1m_tokens = _per_million(
-        totals.cost_usd_by_kind["request"], totals.prompt_tokens + totals.output_tokens
-    )
-    return Report(by=by, since=since, until=until, groups=groups, totals=totals)
+    billed_usd = totals.cost_usd_by_kind["request"]
+    input_usd = pc.sum(billed["input_usd"]).as_py() or 0.0
+    totals.usd_per_1m_tokens = _per_million(billed_usd, totals.prompt_tokens + totals.output_tokens)
+    totals.usd_per_1m_input_tokens = _per_million(input_usd, totals.prompt_tokens)
+    totals.usd_per_1m_output_tokens = _per_million(billed_usd - input_usd, totals.output_tokens)
+
+    statuses = None
+    if budgets is not None:
+        statuses = check_budgets(budgets, _spend_by_period(billed, budgets))
+        if "tenant" in by:
+            over = {s.tenant: s.over for s in statuses}
+            for g in groups:
+                g.over_budget = over.get(g.key["tenant"] or "default")
+    return Report(by=by, since=since, until=until, groups=groups, totals=totals,
+                  top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses)
 
 
-def _read_costs(out: Path, by: list[str], since: float | None, until: float | None) -> pa.Table:
-    columns = sorted(set(by) | {"kind", *_SUMMED})
+def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table:
     files = part_files(out / COSTS_DIR)
     if not files:
-        return pa.table({name: pa.array([], COST_SCHEMA.field(name).type) for name in columns})
+        return COST_SCHEMA.empty_table()
     dataset = ds.dataset([str(f) for f in files], format="parquet", schema=COST_SCHEMA)
     condition = None
     ts_type = COST_SCHEMA.field("finished_at").type
@@ -148,14 +218,112 @@ def _read_costs(out: Path, by: list[str], since: float | None, until: float | No
     if until is not None:
         upper = ds.field("finished_at") < pa.scalar(round(until * 1_000_000), ts_type)
         condition = upper if condition is None else condition & upper
-    return dataset.to_table(columns=columns, filter=condition)
+    return dataset.to_table(filter=condition)
+
+
+def _with_input_cost(table: pa.Table) -> pa.Table:
+    """Add ``input_usd``: each row's cost times its prefill share of device time."""
+    device = table["device_s"]
+    share = pc.if_else(pc.greater(device, 0.0), pc.divide(table["prefill_s"], device), 0.0)
+    return table.append_column("input_usd", pc.multiply(table["cost_usd"], share))
+
+
+def _aggregate(billed: pa.Table, by: list[str]) -> list[dict]:
+    if not billed.num_rows:
+        return []
+    return billed.group_by(by, use_threads=False).aggregate(
+        [("kind", "count")] + [(name, "sum") for name in _SUMMED]
+    ).to_pylist()
+
+
+def _group(row: dict, by: list[str]) -> GroupCost:
+    s = {name: row[f"{name}_sum"] for name in _SUMMED}
+    return GroupCost(
+        key={k: row[k] for k in by},
+        requests=row["kind_count"],
+        prompt_tokens=s["prompt_tokens"],
+        cached_prompt_tokens=s["cached_prompt_tokens"],
+        output_tokens=s["output_tokens"],
+        device_s=s["device_s"],
+        cost_usd=s["cost_usd"],
+        usd_per_1m_tokens=_per_million(s["cost_usd"], s["prompt_tokens"] + s["output_tokens"]),
+        prefill_s=s["prefill_s"],
+        decode_s=s["decode_s"],
+        recomputed_s=s["recomputed_s"],
+        kv_block_s=s["kv_block_s"],
+        usd_per_1m_input_tokens=_per_million(s["input_usd"], s["prompt_tokens"]),
+        usd_per_1m_output_tokens=_per_million(s["cost_usd"] - s["input_usd"], s["output_tokens"]),
+    )
+
+
+def _iso(value: dt.datetime) -> str:
+    return value.astimezone(dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _top_requests(billed: pa.Table, top: int) -> list[RequestCost]:
+    if not top or not billed.num_rows:
+        return []
+    ranked = billed.sort_by([("cost_usd", "descending"), ("finished_at", "ascending")]).slice(0, top)
+    return [
+        RequestCost(job_id=r["job_id"], id=r["id"], tenant=r["tenant"], model=r["model"],
+                    request_type=r["request_type"], worker=r["worker"], prompt_tokens=r["prompt_tokens"],
+                    output_tokens=r["output_tokens"], device_s=r["device_s"], cost_usd=r["cost_usd"],
+                    finished_at=_iso(r["finished_at"]))
+        for r in ranked.to_pylist()
+    ]
+
+
+def _hourly(table: pa.Table) -> list[HourCost]:
+    if not table.num_rows:
+        return []
+    is_request = pc.equal(table["kind"], "request")
+    zero = pa.scalar(0, pa.int32())
+    hours = pa.table({
+        "hour": pc.floor_temporal(table["finished_at"], unit="hour"),
+        "kind": table["kind"],
+        "device_s": table["device_s"],
+        "cost_usd": table["cost_usd"],
+        "requests": pc.cast(is_request, pa.int64()),
+        "prompt_tokens": pc.if_else(is_request, table["prompt_tokens"], zero),
+        "output_tokens": pc.if_else(is_request, table["output_tokens"], zero),
+    })
+    agg = hours.group_by(["hour", "kind"], use_threads=False).aggregate(
+        [(name, "sum") for name in ("device_s", "cost_usd", "requests", "prompt_tokens", "output_tokens")]
+    )
+    series: dict[dt.datetime, HourCost] = {}
+    for row in agg.to_pylist():
+        h = series.get(row["hour"])
+        if h is None:
+            h = series[row["hour"]] = HourCost(hour=_iso(row["hour"]), requests=0, prompt_tokens=0, output_tokens=0,
+                                               cost_usd=0.0, billed_usd=0.0)
+        h.device_s_by_kind[row["kind"]] = row["device_s_sum"]
+        h.cost_usd += row["cost_usd_sum"]
+        h.requests += row["requests_sum"]
+        h.prompt_tokens += row["prompt_tokens_sum"]
+        h.output_tokens += row["output_tokens_sum"]
+        if row["kind"] == "request":
+            h.billed_usd += row["cost_usd_sum"]
+    return [series[k] for k in sorted(series)]
+
+
+def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str], float]:
+    if not billed.num_rows:
+        return {}
+    if budgets.period == "total":
+        period = pa.array([""] * billed.num_rows, pa.string())
+    else:
+        period = pc.strftime(billed["finished_at"], format="%Y-%m" if budgets.period == "month" else "%Y-%m-%d")
+    spend = pa.table({"tenant": pc.fill_null(billed["tenant"], "default"), "period": period,
+                      "cost_usd": billed["cost_usd"]})
+    agg = spend.group_by(["tenant", "period"], use_threads=False).aggregate([("cost_usd", "sum")])
+    return {(r["tenant"], r["period"]): r["cost_usd_sum"] for r in agg.to_pylist()}
 
 
 # -- rendering ------------------------------------------------------------------------------
 
 
 def render(report: Report, fmt: Literal["table", "csv", "json"] = "table") -> str:
-    """The report as an aligned text table, CSV (one line per group) or JSON (everything)."""
+    """The report as aligned text tables, CSV (one line per group) or JSON (everything)."""
     if fmt == "json":
         return json.dumps(dataclasses.asdict(report), indent=2) + "\n"
     if fmt == "csv":
@@ -168,11 +336,14 @@ def render(report: Report, fmt: Literal["table", "csv", "json"] = "table") -> st
 def _render_csv(report: Report) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(report.by + list(_METRICS))
+    budget_column = ["over_budget"] if report.budgets is not None and "tenant" in report.by else []
+    w.writerow(report.by + list(_GROUP_FIELDS) + budget_column)
     for g in report.groups:
+        extra = ["" if g.over_budget is None else str(g.over_budget).lower()] if budget_column else []
         w.writerow(
             ["" if g.key[k] is None else g.key[k] for k in report.by]
-            + ["" if getattr(g, m) is None else getattr(g, m) for m in _METRICS]
+            + ["" if getattr(g, m) is None else getattr(g, m) for m in _GROUP_FIELDS]
+            + extra
         )
     return buf.getvalue()
 
@@ -180,48 +351,135 @@ def _render_csv(report: Report) -> str:
 def _fmt_number(name: str, value: Any) -> str:
     if value is None:
         return "-"
-    if name == "cost_usd":
-        return f"{value:.6f}"
-    if name == "usd_per_1m_tokens":
+    if name.startswith("usd_per_1m"):
         return f"{value:.4f}"
-    if name == "device_s":
+    if name.endswith("usd"):
+        return f"{value:.6f}"
+    if name.endswith("_s"):
         return f"{value:.3f}"
     return str(value)
 
 
-def _render_table(report: Report) -> str:
-    headers = report.by + list(_METRICS)
-    lines: list[list[str]] = []
-    for g in report.groups:
-        lines.append(
-            ["(none)" if g.key[k] is None else str(g.key[k]) for k in report.by]
-            + [_fmt_number(m, getattr(g, m)) for m in _METRICS]
-        )
-    t = report.totals
-    total_values = {
-        "requests": t.requests,
-        "prompt_tokens": t.prompt_tokens,
-        "cached_prompt_tokens": t.cached_prompt_tokens,
-        "output_tokens": t.output_tokens,
-        "device_s": t.device_s_by_kind["request"],
-        "cost_usd": t.cost_usd_by_kind["request"],
-        "usd_per_1m_tokens": t.usd_per_1m_tokens,
-    }
-    lines.append(["TOTAL"] + [""] * (len(report.by) - 1) + [_fmt_number(m, total_values[m]) for m in _METRICS])
-    widths = [max(len(h), *(len(row[i]) for row in lines)) for i, h in enumerate(headers)]
-    numeric = [i >= len(report.by) for i in range(len(headers))]
+def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
+             footer: list[str] | None = None) -> list[str]:
+    every = rows + ([footer] if footer else [])
+    widths = [max(len(h), *(len(r[i]) for r in every)) if every else len(h) for i, h in enumerate(headers)]
 
-    def fmt_row(cells: list[str]) -> str:
+    def line(cells: list[str]) -> str:
         return "  ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(cells, widths, numeric)).rstrip()
 
-    out = [fmt_row(headers), fmt_row(["-" * w for w in widths])]
-    out += [fmt_row(row) for row in lines[:-1]]
-    out += [fmt_row(["-" * w for w in widths]), fmt_row(lines[-1])]
-    out.append("")
-    out.append(f"device time: {t.device_s:.3f} s, cost {t.cost_usd:.6f} USD")
+    rule = line(["-" * w for w in widths])
+    out = [line(headers), rule] + [line(r) for r in rows]
+    if footer:
+        out += [rule, line(footer)]
+    return out
+
+
+def _render_table(report: Report) -> str:
+    budget_column = report.budgets is not None and "tenant" in report.by
+    headers = report.by + [_TABLE_HEADERS.get(m, m) for m in _TABLE_FIELDS] + (["budget"] if budget_column else [])
+    numeric = [False] * len(report.by) + [True] * len(_TABLE_FIELDS) + ([False] if budget_column else [])
+    rows = []
+    for g in report.groups:
+        mark = ["" if g.over_budget is None else "OVER" if g.over_budget else "ok"] if budget_column else []
+        rows.append(["(none)" if g.key[k] is None else str(g.key[k]) for k in report.by]
+                    + [_fmt_number(m, getattr(g, m)) for m in _TABLE_FIELDS] + mark)
+    t = report.totals
+    total_values = {
+        "requests": t.requests, "prompt_tokens": t.prompt_tokens, "cached_prompt_tokens": t.cached_prompt_tokens,
+        "output_tokens": t.output_tokens, "device_s": t.device_s_by_kind["request"],
+        "cost_usd": t.cost_usd_by_kind["request"], "usd_per_1m_tokens": t.usd_per_1m_tokens,
+        "usd_per_1m_input_tokens": t.usd_per_1m_input_tokens, "usd_per_1m_output_tokens": t.usd_per_1m_output_tokens,
+    }
+    footer = (["TOTAL"] + [""] * (len(report.by) - 1) + [_fmt_number(m, total_values[m]) for m in _TABLE_FIELDS]
+              + ([""] if budget_column else []))
+    out = _aligned(headers, rows, numeric, footer)
+
+    out += ["", f"device time: {t.device_s:.3f} s, cost {t.cost_usd:.6f} USD"]
     for kind in COST_KINDS:
         out.append(
             f"  {kind:<10} {t.device_s_by_kind[kind]:>12.3f} s  {100 * t.device_share_by_kind[kind]:6.2f}%"
             f"  {t.cost_usd_by_kind[kind]:.6f} USD"
         )
+    if report.top_requests:
+        out += ["", f"most expensive requests (top {len(report.top_requests)}):"]
+        out += _aligned(
+            ["job_id", "id", "tenant", "worker", "prompt_tokens", "output_tokens", "device_s", "cost_usd"],
+            [[r.job_id or "(none)", r.id or "", r.tenant or "", r.worker, str(r.prompt_tokens), str(r.output_tokens),
+              _fmt_number("device_s", r.device_s), _fmt_number("cost_usd", r.cost_usd)] for r in report.top_requests],
+            [False] * 4 + [True] * 4,
+        )
+    if report.hourly:
+        out += ["", "per hour (UTC):"]
+        out += _aligned(
+            ["hour", "requests", "prompt_tokens", "output_tokens", "request_s", "idle_s", "startup_s", "duplicate_s",
+             "cost_usd"],
+            [[h.hour, str(h.requests), str(h.prompt_tokens), str(h.output_tokens)]
+             + [_fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS]
+             + [_fmt_number("cost_usd", h.cost_usd)] for h in report.hourly],
+            [False] + [True] * 8,
+        )
+    if report.budgets is not None:
+        out += ["", "budgets:"]
+        if report.budgets:
+            out += _aligned(
+                ["tenant", "period", "budget_usd", "spent_usd", "remaining_usd", "status"],
+                [[s.tenant, s.period or "total", _fmt_number("usd", s.budget_usd), _fmt_number("usd", s.spent_usd),
+                  _fmt_number("usd", s.remaining_usd), "OVER BUDGET" if s.over else "ok"] for s in report.budgets],
+                [False, False, True, True, True, False],
+            )
+        else:
+            out.append("  (no tenant has a budget)")
     return "\n".join(out) + "\n"
+
+
+# -- charts ---------------------------------------------------------------------------------
+
+
+def plot(report: Report, directory: str | os.PathLike[str]) -> list[Path]:
+    """Write PNG charts of the report into ``directory``; returns their paths.
+
+    ``cost_by_<keys>.png``: billed cost of the 20 most expensive groups;
+    ``device_time_per_hour.png``: device seconds per hour, stacked by kind.
+    Needs matplotlib (``pip install matplotlib``).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise RuntimeError("charts need matplotlib, which is not installed: pip install matplotlib") from None
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    groups = report.groups[:20]
+    fig = Figure(figsize=(9, 1.5 + 0.35 * max(len(groups), 1)), layout="constrained")
+    ax = fig.add_subplot()
+    labels = [" / ".join("(none)" if v is None else str(v) for v in g.key.values()) for g in groups]
+    positions = list(range(len(groups)))
+    ax.barh(positions, [g.cost_usd for g in groups][::-1], color="tab:blue")
+    ax.set_yticks(positions, labels[::-1])
+    ax.set_xlabel("cost (USD)")
+    ax.set_title(f"Billed cost by {', '.join(report.by)}" + (" (top 20)" if len(report.groups) > 20 else ""))
+    path = folder / f"cost_by_{'_'.join(report.by)}.png"
+    fig.savefig(path, dpi=100)
+    written.append(path)
+
+    fig = Figure(figsize=(10, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    # Bars at integer positions with the hours as tick labels (as categories, matplotlib would
+    # try to read them as dates).
+    positions = list(range(len(report.hourly)))
+    bottom = [0.0] * len(positions)
+    colors = {"request": "tab:blue", "idle": "tab:gray", "startup": "tab:orange", "duplicate": "tab:red"}
+    for kind in COST_KINDS:
+        values = [h.device_s_by_kind[kind] for h in report.hourly]
+        ax.bar(positions, values, bottom=bottom, label=kind, color=colors[kind])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(positions, [h.hour[:13].replace("T", " ") + "h" for h in report.hourly], rotation=45, ha="right")
+    ax.set_ylabel("device seconds")
+    ax.set_title("Device time per hour (UTC) by kind")
+    ax.legend()
+    path = folder / "device_time_per_hour.png"
+    fig.savefig(path, dpi=100)
+    written.append(path)
+    return written

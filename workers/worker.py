@@ -25,6 +25,7 @@ import msgspec
 import redis
 
 from mqinfer import faults, keys
+from mqinfer.ops.budgets import BUDGET_EXCEEDED, BudgetGuard, load_budgets
 from mqinfer.ops.metrics import WorkerMetrics
 from mqinfer.scheduler.batcher import DynamicBatcher
 from mqinfer.scheduler.request import SamplingParams
@@ -34,7 +35,7 @@ from mqinfer.schemas.request import Request, to_sampling_kwargs
 from mqinfer.schemas.rows import CostRow, ResultRow, error_result_row
 from mqinfer.schemas.stream import decode_entry
 from mqinfer.server import connect, redact
-from mqinfer.workers.costs import Meter, WorkModel
+from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time, wasted_work_row
 from mqinfer.workers.engine import EngineConfig, EngineInputError, LLMEngine
 from mqinfer.workers.sink import Sinks, remove_temp_files
 
@@ -70,6 +71,9 @@ class WorkerConfig:
     flush_rows: int = 256
     flush_interval_s: float = 0.5
     drain_timeout_s: float = 30.0
+    # Per-tenant budgets (ops/budgets.py); with enforce_budgets a spent tenant's requests are refused.
+    budgets: Path | None = None
+    enforce_budgets: bool = False
 
     def __post_init__(self) -> None:
         checks = [
@@ -82,6 +86,7 @@ class WorkerConfig:
             (self.flush_rows >= 1, "--flush-rows must be >= 1"),
             (self.flush_interval_s >= 0, "--flush-interval-s must be >= 0"),
             (bool(self.stream) and "}" not in self.stream, f"invalid --stream {self.stream!r}"),
+            (self.budgets is not None or not self.enforce_budgets, "--enforce-budgets needs --budgets FILE"),
         ]
         for ok, message in checks:
             if not ok:
@@ -156,6 +161,7 @@ class Worker:
         self.engine: LLMEngine | None = None
         self.sinks: Sinks | None = None
         self.meter: Meter | None = None
+        self.budget_guard: BudgetGuard | None = None
         self._last_autoclaim = 0.0
         self._autoclaim_cursor = "0-0"
         self._last_keepalive = 0.0
@@ -191,8 +197,17 @@ class Worker:
                 num_layers=info.num_layers, num_heads=info.num_heads, head_dim=info.head_dim,
                 tied=getattr(info, "tie_word_embeddings", False),
             ),
-            start=self.started,
+            start=self._startup_began(), block_size=cfg.engine.block_size,
         )
+        self.metrics.track_meter(self.meter)
+        self.metrics.track_engine(self.engine.scheduler, self.batcher.__len__)
+        self.metrics.watch_memory(str(self.engine.device))
+        # Scrapes read Redis from the HTTP thread, on their own client with a short timeout.
+        scrape_redis = connect(cfg.redis_url, socket_timeout=2.0)
+        self.metrics.watch_stream(scrape_redis, self.stream_key, cfg.group, clock=self.clock)
+        if cfg.budgets is not None:
+            self.budget_guard = BudgetGuard(load_budgets(cfg.budgets), self.redis, cfg.stream, clock=self.clock)
+            self.metrics.watch_budgets(self.budget_guard, scrape_redis)
         self.sinks = Sinks(out, self.consumer, flush_rows=cfg.flush_rows, flush_interval_s=cfg.flush_interval_s,
                            clock=self.clock,
                            before_rename=(lambda _p: faults.hit("sink.before_rename")) if faults.enabled() else None)
@@ -208,6 +223,12 @@ class Worker:
             "worker %s ready: model %s, stream %s on %s, startup %.2fs",
             self.consumer, info.model_id, self.stream_key, redact(cfg.redis_url), startup_s,
         )
+
+    def _startup_began(self) -> float:
+        """Where the startup row begins: the process's start (imports count as startup), unless
+        the worker runs on an injected clock."""
+        began = process_start_time() if self.clock is time.time else None
+        return min(self.started, began) if began is not None else self.started
 
     def _wait_for_redis(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -255,6 +276,8 @@ class Worker:
 
     def _iteration(self) -> None:
         now = self.clock()
+        if not self.engine.has_unfinished():
+            self.meter.idle_until(now)  # keeps the batch idle ratio current while nothing runs
         self._redis(self._ingest, now)
         self._admit()
         if self.engine.has_unfinished():
@@ -265,7 +288,9 @@ class Worker:
             self._redis(self._cancel_cancelled_jobs)
         if self.sinks.pending and (self.sinks.should_flush() or not self.engine.has_unfinished()):
             self._flush()
-        elif self.pending_acks:
+        elif self.pending_acks and not self.sinks.pending:
+            # Only acks whose rows are durable (a flush whose ack failed): with rows still
+            # buffered, pending_acks holds their entries too, and they wait for the next flush.
             self._redis(self._ack)
 
     def _redis(self, fn, *args):
@@ -411,6 +436,12 @@ class Worker:
             self._error_row(entry_id, request.id, request.job_id, None, None, attempt=attempt,
                             enqueued_at=enqueued_at, request=request, finish_reason="cancelled")
             return
+        if self.config.enforce_budgets:
+            refused = self.budget_guard.exceeded(request.tenant)
+            if refused is not None:
+                self._error_row(entry_id, request.id, request.job_id, BUDGET_EXCEEDED, refused, attempt=attempt,
+                                enqueued_at=enqueued_at, request=request)
+                return
         info = self.engine.info
         if request.model is not None and request.model not in (info.name, info.model_id):
             self._error_row(
@@ -480,14 +511,18 @@ class Worker:
     def _step(self) -> None:
         result = self.engine.step()
         scheduler = self.engine.scheduler
-        held = {}
-        for w in result.work:
-            r = scheduler.get_request(w.request_id)
-            held[w.request_id] = float(len(r.block_ids)) if r is not None else 0.0
+        held = kv_block_shares(scheduler.kv_cache_manager, (w.request_id for w in result.work))
         self.meter.step(result.end, result.work, held)
-        gen_tokens = 0
+        self.metrics.record_step(result, scheduler)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %s", json.dumps({
+                "requests": len(result.work), "tokens": sum(w.num_tokens for w in result.work),
+                "prefill_requests": sum(1 for w in result.work if w.is_prefill),
+                "finished": sum(1 for o in result.outputs if o.finished), "running": scheduler.num_running,
+                "waiting": scheduler.num_waiting, "kv_usage": round(scheduler.kv_cache_manager.usage, 4),
+                "step_s": round(result.end - result.start, 6),
+            }))
         for out in result.outputs:
-            gen_tokens += len(out.new_token_ids)
             item = self.inflight.get(out.request_id)
             if item is None:
                 continue
@@ -496,10 +531,6 @@ class Worker:
                 self.metrics.ttft.observe(max(0.0, item.first_token_at - item.enqueued_at))
             if out.finished:
                 self._finish(item, out)
-        self.metrics.generation_tokens.inc(gen_tokens)
-        self.metrics.requests_running.set(scheduler.num_running)
-        self.metrics.requests_waiting.set(scheduler.num_waiting + len(self.batcher))
-        self.metrics.kv_cache_usage.set(scheduler.kv_cache_manager.usage)
         self._last_activity = result.end
 
     def _finish(self, item: InFlight, out) -> None:
@@ -507,6 +538,7 @@ class Worker:
         meter = self.meter.pop(item.entry_id)
         if item.entry_id in self._disowned:  # another worker owns the entry now: its row wins
             self._disowned.discard(item.entry_id)
+            self._bill_wasted(item, meter)
             return
         now = self.clock()
         req = item.request
@@ -531,16 +563,24 @@ class Worker:
         )
         self.sinks.add(row, cost)
         self.pending_acks.append((item.entry_id, req.job_id, req.id, row))
+        if self.budget_guard is not None:
+            self.budget_guard.note(item.entry_id, req.tenant, cost.cost_usd, now)
         self.metrics.finish(out.finish_reason or "error")
         self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         self.metrics.e2e.observe(max(0.0, now - item.enqueued_at))
-        log.info(
-            "finished %s", json.dumps({
-                "id": req.id, "job_id": req.job_id, "tenant": req.tenant, "finish_reason": out.finish_reason,
-                "prompt_tokens": out.num_prompt_tokens, "output_tokens": len(out.output_token_ids),
-                "device_s": round(meter.device_s, 6), "e2e_s": round(now - item.enqueued_at, 6),
-            }),
-        )
+        self.metrics.charge(req.tenant, cost.cost_usd)
+        fields = {
+            "id": req.id, "job_id": req.job_id, "tenant": req.tenant, "request_type": req.request_type,
+            "model": info.model_id, "worker": self.consumer, "attempt": item.attempt,
+            "finish_reason": out.finish_reason, "error_code": out.error_code,
+            "prompt_tokens": out.num_prompt_tokens, "cached_prompt_tokens": cost.cached_prompt_tokens,
+            "output_tokens": len(out.output_token_ids), "preemptions": out.num_preemptions,
+            "queue_s": round(cost.queue_s, 6),
+            "ttft_s": round(item.first_token_at - item.enqueued_at, 6) if item.first_token_at else None,
+            "e2e_s": round(now - item.enqueued_at, 6), "device_s": round(meter.device_s, 6),
+            "recomputed_s": round(meter.recomputed_s, 6), "cost_usd": cost.cost_usd,
+        }
+        log.info("finished %s", json.dumps(fields), extra={"fields": fields})
 
     def _error_row(self, entry_id: str, request_id: str, job_id: str | None, code: str | None,
                    message: str | None, *, attempt: int, enqueued_at: float, request: Request | None = None,
@@ -569,6 +609,18 @@ class Worker:
         self.pending_acks.append((entry_id, job_id, request_id, row))
         self.metrics.finish(finish_reason)
         log.info("%s row %s: %s: %s", finish_reason, request_id, code, message)
+
+    def _bill_wasted(self, item: InFlight, meter) -> None:
+        """Device time spent on a request whose row this worker will not write bills nobody,
+        but still appears (as a ``duplicate`` row), so the worker's rows add up to its uptime."""
+        if meter.device_s <= 0:
+            return
+        req = item.request
+        self.sinks.add_cost(wasted_work_row(
+            meter, job_id=req.job_id, request_id=req.id, tenant=req.tenant, model=self.engine.info.model_id,
+            request_type=req.request_type, prompt_tokens=len(item.prompt_token_ids), worker=self.consumer,
+            price_per_device_hour=self.config.price_per_device_hour, finished_at=self.clock(),
+        ))
 
     def _overhead_row(self, kind: str, seconds: float, now: float) -> CostRow:
         price = self.config.price_per_device_hour
@@ -607,6 +659,7 @@ class Worker:
             if job_id is not None:
                 done.setdefault(job_id, []).append(rid)
         pipe = self.redis.pipeline(transaction=True)
+        charged = self.budget_guard.charge(pipe, ids) if self.budget_guard is not None else []
         pipe.xack(self.stream_key, self.config.group, *ids)
         pipe.xdel(self.stream_key, *ids)  # acked entries leave the stream; pending ones never do
         for job_id, rids in done.items():
@@ -617,6 +670,8 @@ class Worker:
             if job_id is not None and row is not None and self._is_registered_job(job_id):
                 pipe.xadd(keys.job_results_stream(job_id), {"id": rid, "row": msgspec.json.encode(row)})
         pipe.execute()
+        if charged:
+            self.budget_guard.charged(charged)
         self.pending_acks.clear()
 
     def _is_registered_job(self, job_id: str) -> bool:
@@ -650,7 +705,8 @@ class Worker:
         if now - self._last_keepalive < min(self.config.claim_idle_ms / 3000.0, 1.0):
             return False
         self._last_keepalive = now
-        mine = [e for e in self.inflight if e not in self._disowned]
+        # Finished entries whose rows wait for a flush stay ours until acked: keep them fresh too.
+        mine = [e for e in self.inflight if e not in self._disowned] + [a[0] for a in self.pending_acks]
         if not mine:
             return True
         owned = set()
@@ -684,6 +740,8 @@ class Worker:
             if self.sinks.should_flush():
                 self._flush()
         unfinished = [e for e in self.inflight if e not in self._disowned]
+        for entry_id, item in self.inflight.items():  # work that no row of ours will carry
+            self._bill_wasted(item, self.meter.pop(entry_id))
         if unfinished:
             for entry_id in unfinished:
                 if self.engine.scheduler.get_request(entry_id) is not None:

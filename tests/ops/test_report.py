@@ -96,7 +96,7 @@ def test_render_formats(out):
     table = render(report, "table")
     assert table.splitlines()[0].split() == ["tenant", "job_id", "requests", "prompt_tokens",
                                              "cached_prompt_tokens", "output_tokens", "device_s", "cost_usd",
-                                             "usd_per_1m_tokens"]
+                                             "usd_per_1m_in", "usd_per_1m_out", "usd_per_1m_tokens"]
     assert "(none)" in table and "TOTAL" in table
     idle_line = next(line for line in table.splitlines() if line.strip().startswith("idle"))
     assert "10.000 s" in idle_line and "48.78%" in idle_line  # 10 of 20.5 device seconds
