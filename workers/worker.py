@@ -46,6 +46,7 @@ REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, r
 
 HANDBACK_CONSUMER = "mqinfer-handback"
 CANCELLED_JOB_STATUSES = ("cancelling", "cancelled")
+FINAL_JOB_STATUSES = ("completed", "failed", "expired", "cancelled")
 
 
 class SinkError(RuntimeError):
@@ -157,6 +158,7 @@ class Worker:
         # Entries whose rows are written (or about to be): (entry_id, job_id, id, result row).
         self.pending_acks: list[tuple[str, str | None, str, ResultRow | None]] = []
         self._job_cache: dict[str, tuple[float, str | None]] = {}
+        self._entry_cost: dict[str, float] = {}  # cost_usd of written rows, until acked
         self.stopping = False
         self.engine: LLMEngine | None = None
         self.sinks: Sinks | None = None
@@ -563,6 +565,8 @@ class Worker:
         )
         self.sinks.add(row, cost)
         self.pending_acks.append((item.entry_id, req.job_id, req.id, row))
+        if req.job_id is not None:
+            self._entry_cost[item.entry_id] = cost.cost_usd
         if self.budget_guard is not None:
             self.budget_guard.note(item.entry_id, req.tenant, cost.cost_usd, now)
         self.metrics.finish(out.finish_reason or "error")
@@ -666,17 +670,20 @@ class Worker:
             key = keys.job_done_set(self.config.stream, job_id)
             pipe.sadd(key, *rids)
             pipe.expire(key, 7 * 24 * 3600)
-        for _, job_id, rid, row in self.pending_acks:
-            if job_id is not None and row is not None and self._is_registered_job(job_id):
-                pipe.xadd(keys.job_results_stream(job_id), {"id": rid, "row": msgspec.json.encode(row)})
+        for entry_id, job_id, rid, row in self.pending_acks:
+            cost_usd = self._entry_cost.pop(entry_id, 0.0)
+            if job_id is not None and row is not None and self._job_wants_rows(job_id):
+                pipe.xadd(keys.job_results_stream(job_id),
+                          {"id": rid, "row": msgspec.json.encode(row), "cost_usd": repr(cost_usd)})
         pipe.execute()
         if charged:
             self.budget_guard.charged(charged)
         self.pending_acks.clear()
 
-    def _is_registered_job(self, job_id: str) -> bool:
-        """Whether `mqinfer jobs` registered this job (then it wants rows on its result stream)."""
-        return self._job_status(job_id) is not None
+    def _job_wants_rows(self, job_id: str) -> bool:
+        """Whether `mqinfer jobs` registered this job and still collects rows from its result stream
+        (a late row for a finished job must not recreate the stream it deleted)."""
+        return self._job_status(job_id) not in (None, *FINAL_JOB_STATUSES)
 
     def _job_status(self, job_id: str | None) -> str | None:
         """A registered bulk job's status (cached for a second), or None for other requests."""
