@@ -24,6 +24,8 @@ from mqinfer.config import (
     LOG_FORMAT,
     LOG_LEVEL,
     REDIS,
+    REDIS_CLUSTER,
+    SHARDS,
     STREAM,
     WORKER_OPTIONS,
     ConfigError,
@@ -42,9 +44,9 @@ UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instea
 
 COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
-RUN_CMD = [OUT, REDIS, STREAM, WORKERS, JOB_ID, *ENGINE_OPTIONS,
+RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
-SUBMIT_CMD = [REDIS, STREAM, JOB_ID, FORMAT, *COMMON]
+SUBMIT_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
 
 log = logging.getLogger("mqinfer")
@@ -186,6 +188,7 @@ def cmd_worker(args, opts: dict) -> int:
         metrics_port=opts["metrics_port"], metrics_host=opts["metrics_host"],
         price_per_device_hour=opts["price_per_device_hour"], flush_rows=opts["flush_rows"],
         flush_interval_s=opts["flush_interval_s"], drain_timeout_s=opts["drain_timeout_s"],
+        reply_maxlen=opts["reply_maxlen"], reply_ttl_s=opts["reply_ttl_s"], redis_cluster=opts["redis_cluster"],
         budgets=Path(opts["budgets"]) if opts["budgets"] else None, enforce_budgets=opts["enforce_budgets"],
     )
     return Worker(config).run()
@@ -219,17 +222,36 @@ def read_input(path: str, job_id: str | None):
     return requests, invalid, duplicates
 
 
+def _submit_sharded(opts: dict, redis_url: str, requests) -> tuple[int, str]:
+    """Requests spread over --shards streams (and/or a Redis Cluster); (count, where)."""
+    from mqinfer.client import Client
+
+    client = Client(redis_url, stream=opts["stream"], shards=opts["shards"], cluster=opts["redis_cluster"],
+                    fmt=opts.get("format", "msgpack"))
+    try:
+        sent = len(client.submit_many(requests, reply=False))
+    finally:
+        client.close(delete_reply_stream=False)
+    keys_ = client.stream_keys
+    return sent, keys_[0] if len(keys_) == 1 else f"{len(keys_)} shards {keys_[0]}..{keys_[-1]}"
+
+
 def cmd_submit(args, opts: dict) -> int:
     from mqinfer.client import Producer
 
+    if opts["shards"] < 1:
+        raise ConfigError("--shards must be >= 1")
     requests, invalid, duplicates = read_input(args.input, opts["job_id"])
     for item in invalid:
         print(f"line {item.line}: {item.error.code}: {item.error.message}", file=sys.stderr)
     for message in duplicates:
         print(message, file=sys.stderr)
-    producer = Producer(opts["redis"], stream=opts["stream"], fmt=opts["format"])
-    sent = producer.submit_many(requests)
-    print(f"submitted {sent} requests to {producer.stream_key}"
+    if opts["shards"] > 1 or opts["redis_cluster"]:
+        sent, where = _submit_sharded(opts, opts["redis"], requests)
+    else:
+        producer = Producer(opts["redis"], stream=opts["stream"], fmt=opts["format"])
+        sent, where = producer.submit_many(requests), producer.stream_key
+    print(f"submitted {sent} requests to {where}"
           + (f"; {len(invalid) + len(duplicates)} lines not sent" if invalid or duplicates else ""))
     return 1 if invalid or duplicates else 0
 
@@ -305,9 +327,9 @@ def cmd_report(args, opts: dict) -> int:
 
 
 # -- run -------------------------------------------------------------------------------------
-def _worker_argv(opts: dict, redis_url: str, index: int = 0) -> list[str]:
+def _worker_argv(opts: dict, redis_url: str, index: int = 0, stream: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "mqinfer", "worker", "--redis", redis_url, "--out", str(opts["out"]),
-            "--stream", opts["stream"]]
+            "--stream", stream or opts["stream"]]
     for opt in [*ENGINE_OPTIONS, *WORKER_OPTIONS, LOG_FORMAT]:
         if opt.name == "consumer":
             continue
@@ -352,6 +374,7 @@ class _Progress:
 
 def cmd_run(args, opts: dict) -> int:
     from mqinfer.client import Producer
+    from mqinfer.cluster import connect_redis, shard_streams
     from mqinfer.ops.compact import compact
     from mqinfer.schemas.rows import CostRow, error_result_row
     from mqinfer.server import EmbeddedServer
@@ -360,6 +383,14 @@ def cmd_run(args, opts: dict) -> int:
 
     if opts["workers"] < 1:
         raise ConfigError("--workers must be >= 1")
+    if opts["shards"] < 1:
+        raise ConfigError("--shards must be >= 1")
+    if opts["workers"] < opts["shards"]:
+        raise ConfigError(f"--workers ({opts['workers']}) must be at least --shards ({opts['shards']}): "
+                          "each shard's stream is read by its own workers")
+    if opts["redis_cluster"] and not opts["redis"]:
+        raise ConfigError("--redis-cluster needs --redis URL of a cluster node (the embedded server is not a cluster)")
+    streams = shard_streams(opts["stream"], opts["shards"])
     out = Path(opts["out"])
     job_id = opts["job_id"] or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     requests, invalid, duplicates = read_input(args.input, job_id)
@@ -395,18 +426,25 @@ def cmd_run(args, opts: dict) -> int:
         if not redis_url:
             server = EmbeddedServer(out / ".mqinfer" / "redis", unix_socket=True).start()
             redis_url = server.url
-        producer = Producer(redis_url, stream=opts["stream"])
-        producer.submit_many(requests)
-        print(f"job {job_id}: submitted {len(requests)} requests", file=sys.stderr, flush=True)
+        counter = connect_redis(redis_url, cluster=opts["redis_cluster"])
         env = dict(os.environ)
         env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
-        workers = [subprocess.Popen(_worker_argv(opts, redis_url, i), env=env, stdin=subprocess.DEVNULL)
-                   for i in range(opts["workers"])]
-        done_key = keys.job_done_set(opts["stream"], job_id)
+        # Worker i reads shard i mod N: every shard has workers, and they share it fairly. They
+        # start first: requests submitted while one worker is up and the others still load their
+        # model would all go to the first.
+        workers = [subprocess.Popen(_worker_argv(opts, redis_url, i, streams[i % len(streams)]), env=env,
+                                    stdin=subprocess.DEVNULL) for i in range(opts["workers"])]
+        _wait_for_workers(counter, [keys.request_stream(s) for s in streams], opts["group"], workers)
+        if len(streams) > 1 or opts["redis_cluster"]:
+            _submit_sharded(opts, redis_url, requests)
+        else:
+            Producer(stream=opts["stream"], client=counter).submit_many(requests)
+        print(f"job {job_id}: submitted {len(requests)} requests", file=sys.stderr, flush=True)
+        done_keys = [keys.job_done_set(s, job_id) for s in streams]
         progress = _Progress(len(requests))
         done = 0
         while done < len(requests):
-            done = producer.redis.scard(done_key)
+            done = _count_done(counter, done_keys, done)
             progress.show(done)
             alive = [w for w in workers if w.poll() is None]
             if not alive and done < len(requests):
@@ -424,6 +462,39 @@ def cmd_run(args, opts: dict) -> int:
             server.stop()
     compact(out)
     return _summary(out, job_id, len(requests) + len(invalid), time.time() - started, opts)
+
+
+def _wait_for_workers(client, stream_keys: list[str], group: str, workers: list[subprocess.Popen],
+                      timeout_s: float = 120.0) -> None:
+    """Until every worker reads its stream (it joined the consumer group), one exited, or timeout."""
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and all(w.poll() is None for w in workers):
+        joined = 0
+        for key in stream_keys:
+            try:
+                joined += len(client.xinfo_consumers(key, group))
+            except redis.exceptions.RedisError:  # no stream or group yet
+                pass
+        if joined >= len(workers):
+            return
+        time.sleep(0.1)
+
+
+def _count_done(client, done_keys: list[str], previous: int) -> int:
+    """Requests with a durable row, over every shard (one key per slot: no multi-key command)."""
+    import redis
+
+    from mqinfer.cluster import CLUSTER_TRANSIENT
+
+    pipe = client.pipeline(transaction=False)
+    for key in done_keys:
+        pipe.scard(key)
+    try:
+        return sum(pipe.execute())
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, *CLUSTER_TRANSIENT):
+        return previous  # a node is restarting: count again next time
 
 
 def _stop_workers(workers: list[subprocess.Popen], timeout_s: float = 60.0) -> None:

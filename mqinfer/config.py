@@ -69,11 +69,26 @@ def _optional_float(text: str) -> float | None:
     return None if str(text).lower() in ("", "none", "off") else float(text)
 
 
+def _wait_ms(text: str) -> float | str:
+    """Milliseconds, or ``auto`` (the batcher chooses its wait from arrival rate and step time)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected milliseconds or auto, got {text!r}") from None
+
+
 REDIS = Option("redis", str, None, "Redis URL: redis://[user:pass@]host:port/db, rediss:// (TLS) or "
                "unix://[:pass@]/path.sock.", metavar="URL")
 STREAM = Option("stream", str, "requests", "Stream name S: requests go to key mqinfer:{S}.", metavar="S")
 LOG_LEVEL = Option("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error"))
 LOG_FORMAT = Option("log_format", str, "text", "Log line format.", choices=("text", "json"))
+REDIS_CLUSTER = Option("redis_cluster", bool, False, "--redis is a seed node of a Redis Cluster (keys are "
+                       "hash-tagged per stream; rq bulk jobs need a plain server).")
+SHARDS = Option("shards", int, 1, "Spread requests over N streams S-0..S-{N-1} by a hash of their id, each "
+                "read by its own workers (`run` gives worker i shard i mod N); for Redis Cluster, where one "
+                "stream lives in one slot.", metavar="N")
 JOB_ID = Option("job_id", str, None, "Job id stamped on every request (default: requests keep their own "
                 "job_id; `run` generates one).", metavar="ID")
 
@@ -105,8 +120,8 @@ WORKER_OPTIONS = [
     Option("group", str, "workers", "Consumer group name.", metavar="G"),
     Option("consumer", str, None, "Consumer name (default: hostname-pid-random).", metavar="C"),
     Option("max_batch", int, 64, "Dual-threshold batcher: release a batch at this many requests...", metavar="N"),
-    Option("max_wait_ms", float, 10.0, "...or this long after the oldest arrival, whichever comes first.",
-           metavar="T"),
+    Option("max_wait_ms", _wait_ms, 10.0, "...or this long after the oldest arrival, whichever comes first; "
+           "`auto` chooses it from the arrival rate and step time.", metavar="T"),
     Option("claim_idle_ms", int, 30_000, "Take over another consumer's entries idle this long (it is "
            "presumed dead; live workers keep their entries fresh).", metavar="MS"),
     Option("max_deliveries", int, 3, "After this many deliveries a request ends with an error row.",
@@ -125,6 +140,9 @@ WORKER_OPTIONS = [
            "budget and spend metrics.", metavar="FILE"),
     Option("enforce_budgets", bool, False, "Refuse new requests of a tenant whose budget is spent: they end "
            "with error_code budget_exceeded. Needs --budgets."),
+    Option("reply_maxlen", int, 100_000, "Reply streams keep about this many messages at most.", metavar="N"),
+    Option("reply_ttl_s", int, 3600, "Reply streams expire this long after their last message.", metavar="S"),
+    REDIS_CLUSTER,
 ]
 
 

@@ -23,8 +23,11 @@ from pathlib import Path
 
 import msgspec
 import redis
+from prometheus_client import Gauge
 
 from mqinfer import faults, keys
+from mqinfer.client import ReplyWriter, cancel_key, cancel_member
+from mqinfer.cluster import CLUSTER_TRANSIENT, connect_redis
 from mqinfer.ops.budgets import BUDGET_EXCEEDED, BudgetGuard, load_budgets
 from mqinfer.ops.metrics import WorkerMetrics
 from mqinfer.scheduler.batcher import DynamicBatcher
@@ -34,7 +37,7 @@ from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request, to_sampling_kwargs
 from mqinfer.schemas.rows import CostRow, ResultRow, error_result_row
 from mqinfer.schemas.stream import decode_entry
-from mqinfer.server import connect, redact
+from mqinfer.server import redact
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time, wasted_work_row
 from mqinfer.workers.engine import EngineConfig, EngineInputError, LLMEngine
 from mqinfer.workers.sink import Sinks, remove_temp_files
@@ -42,9 +45,12 @@ from mqinfer.workers.sink import Sinks, remove_temp_files
 log = logging.getLogger("mqinfer.worker")
 
 # Redis unreachable (restarting, loading its append-only file, network): retry with backoff.
-REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
+REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError,
+              *CLUSTER_TRANSIENT)
 
 HANDBACK_CONSUMER = "mqinfer-handback"
+# A consumer that tried to read this recently is a live worker (a blocked XREADGROUP counts).
+LIVE_CONSUMER_MS = 10_000
 CANCELLED_JOB_STATUSES = ("cancelling", "cancelled")
 FINAL_JOB_STATUSES = ("completed", "failed", "expired", "cancelled")
 
@@ -62,7 +68,8 @@ class WorkerConfig:
     group: str = keys.GROUP
     consumer: str | None = None
     max_batch: int = 64
-    max_wait_ms: float = 10.0
+    # Milliseconds, or "auto": chosen from the arrival rate and step time (scheduler/batcher.py).
+    max_wait_ms: float | str = 10.0
     claim_idle_ms: int = 30_000
     max_deliveries: int = 3
     idle_exit_s: float | None = None
@@ -72,14 +79,22 @@ class WorkerConfig:
     flush_rows: int = 256
     flush_interval_s: float = 0.5
     drain_timeout_s: float = 30.0
+    # Reply streams: about this many messages at most, expiring this long after the last one.
+    reply_maxlen: int = 100_000
+    reply_ttl_s: int = 3600
+    # --redis is a seed node of a Redis Cluster.
+    redis_cluster: bool = False
     # Per-tenant budgets (ops/budgets.py); with enforce_budgets a spent tenant's requests are refused.
     budgets: Path | None = None
     enforce_budgets: bool = False
 
     def __post_init__(self) -> None:
+        auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"
         checks = [
             (self.max_batch >= 1, f"--max-batch must be >= 1, got {self.max_batch}"),
-            (self.max_wait_ms >= 0, f"--max-wait-ms must be >= 0, got {self.max_wait_ms}"),
+            (auto_wait or (not isinstance(self.max_wait_ms, str) and self.max_wait_ms >= 0),
+             f"--max-wait-ms must be >= 0 or auto, got {self.max_wait_ms}"),
+            (self.reply_maxlen >= 1 and self.reply_ttl_s >= 1, "reply_maxlen and reply_ttl_s must be >= 1"),
             (self.claim_idle_ms >= 100, f"--claim-idle-ms must be >= 100, got {self.claim_idle_ms}"),
             (self.max_deliveries >= 1, f"--max-deliveries must be >= 1, got {self.max_deliveries}"),
             (self.idle_exit_s is None or self.idle_exit_s >= 0, "--idle-exit-s must be >= 0"),
@@ -151,9 +166,22 @@ class Worker:
         self.consumer = config.consumer or default_consumer_name()
         self.stream_key = keys.request_stream(config.stream)
         self.dead_key = keys.dead_letter_stream(config.stream)
-        self.redis = connect(config.redis_url)
+        self.redis = connect_redis(config.redis_url, cluster=config.redis_cluster)
         self.metrics = WorkerMetrics()
         self.batcher = DynamicBatcher(max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
+        r = self.metrics.registry
+        self._wait_gauges = (
+            Gauge("mqinfer_batcher_max_wait_seconds", "The batcher's wait threshold in force.", registry=r),
+            Gauge("mqinfer_batcher_arrival_rate", "Requests per second reaching the batcher (adaptive wait).",
+                  registry=r),
+            Gauge("mqinfer_batcher_step_time_seconds", "Moving average of engine step time (adaptive wait).",
+                  registry=r),
+        ) if self.batcher.adaptive is not None else None
+        self.replies = ReplyWriter(self.consumer, maxlen=config.reply_maxlen, ttl_s=config.reply_ttl_s)
+        # Final reply messages wait for their rows to be durable: (reply_to, row), sent by _ack.
+        self.pending_finals: list[tuple[str, ResultRow]] = []
+        self.cancel_key = cancel_key(config.stream)
+        self._cancels_allowed = True
         self.inflight: dict[str, InFlight] = {}
         # Entries whose rows are written (or about to be): (entry_id, job_id, id, result row).
         self.pending_acks: list[tuple[str, str | None, str, ResultRow | None]] = []
@@ -205,7 +233,7 @@ class Worker:
         self.metrics.track_engine(self.engine.scheduler, self.batcher.__len__)
         self.metrics.watch_memory(str(self.engine.device))
         # Scrapes read Redis from the HTTP thread, on their own client with a short timeout.
-        scrape_redis = connect(cfg.redis_url, socket_timeout=2.0)
+        scrape_redis = connect_redis(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=2.0)
         self.metrics.watch_stream(scrape_redis, self.stream_key, cfg.group, clock=self.clock)
         if cfg.budgets is not None:
             self.budget_guard = BudgetGuard(load_budgets(cfg.budgets), self.redis, cfg.stream, clock=self.clock)
@@ -285,6 +313,8 @@ class Worker:
         if self.engine.has_unfinished():
             self._step()
             faults.hit("worker.after_step")
+        if self.replies:
+            self._redis(self.replies.send, self.redis)
         now = self.clock()
         if self._redis(self._keepalive, now):
             self._redis(self._cancel_cancelled_jobs)
@@ -330,7 +360,36 @@ class Worker:
 
     # -- ingest ------------------------------------------------------------------------------
     def _room(self) -> int:
+        # A worker holding requests its engine could not start (waiting in the scheduler) reads
+        # nothing more: what is still in the stream goes to a worker that can start it now.
+        if self.engine.scheduler.num_waiting:
+            return 0
         return max(0, min(self.engine.free_capacity() - len(self.batcher), self.config.max_batch))
+
+    def _fair_share(self, room: int) -> int:
+        """How many unread entries to take now: an even share of all outstanding work (unread plus
+        in flight) among the live workers, less what this one holds, but at least one, so that no
+        backlog waits while this worker has room. Nothing unread: ``room`` (new arrivals go to the
+        blocked readers in turn)."""
+        if room <= 1:
+            return room
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xinfo_groups(self.stream_key)
+        pipe.xinfo_consumers(self.stream_key, self.config.group)
+        try:
+            groups, consumers = pipe.execute()
+        except redis.exceptions.ResponseError:  # no stream or group yet: the read below recreates it
+            return room
+        group = next((g for g in groups if _s(g["name"]) == self.config.group), None)
+        if group is None or not group.get("lag"):  # nothing unread, or the server cannot tell
+            return room
+        names = {_s(c["name"]): c for c in consumers}
+        live = sum(1 for name, c in names.items()
+                   if name != HANDBACK_CONSUMER and (name == self.consumer or c["idle"] < LIVE_CONSUMER_MS))
+        if self.consumer not in names:
+            live += 1
+        share = -(-(int(group["lag"]) + int(group["pending"])) // live) - len(self.inflight)
+        return max(1, min(room, share))
 
     def _block_ms(self) -> int | None:
         """How long XREADGROUP may block: never while the engine has work to step."""
@@ -353,6 +412,7 @@ class Worker:
             room -= self._autoclaim(room)
             if room <= 0:
                 return
+        room = self._fair_share(room)
         block = self._block_ms()
         try:
             response = self.redis.xreadgroup(
@@ -363,9 +423,14 @@ class Worker:
                 self._ensure_group()
                 return
             raise
+        new = []
         for _key, entries in response or []:
             for entry_id, fields in entries:
-                self._accept(_s(entry_id), fields, attempt=1)
+                entry_id = _s(entry_id)
+                self._accept(entry_id, fields, attempt=1)
+                new.append(entry_id)
+        if new:
+            self._apply_cancels([e for e in new if e in self.inflight])
 
     def _recover_own_pending(self) -> None:
         """Entries already pending under this consumer name (a restart with a fixed --consumer)."""
@@ -374,7 +439,7 @@ class Worker:
             for entry_id, fields in entries:
                 entry_id = _s(entry_id)
                 if fields:
-                    self._accept(entry_id, fields, attempt=self._delivery_count(entry_id))
+                    self._accept(entry_id, fields, attempt=self._delivery_count(entry_id), redelivered=True)
                 else:
                     self._ack_lost(entry_id)
 
@@ -406,15 +471,19 @@ class Worker:
             if entry_id in self.inflight:
                 continue
             self.metrics.redeliveries.inc()
-            self._accept(entry_id, fields, attempt=self._delivery_count(entry_id))
+            self._accept(entry_id, fields, attempt=self._delivery_count(entry_id), redelivered=True)
         return len(entries)
 
     def _ack_lost(self, entry_id: str) -> None:
         log.warning("entry %s was pending but is no longer in the stream (trimmed): its request is lost", entry_id)
         self.redis.xack(self.stream_key, self.config.group, entry_id)
 
-    def _accept(self, entry_id: str, fields: dict, attempt: int) -> None:
-        """Decode and validate one entry; a bad one becomes an error row or a dead letter."""
+    def _accept(self, entry_id: str, fields: dict, attempt: int, redelivered: bool = False) -> None:
+        """Decode and validate one entry; a bad one becomes an error row or a dead letter.
+
+        A redelivered request with a reply stream first gets a ``restart`` message there, so its
+        consumer drops what an earlier worker sent.
+        """
         now = self.clock()
         enqueued_at = entry_time(entry_id)
         self._last_activity = now
@@ -427,6 +496,8 @@ class Worker:
                 self._error_row(entry_id, exc.request_id, _recover_job_id(fields), exc.code, exc.message,
                                 attempt=attempt, enqueued_at=enqueued_at)
             return
+        if redelivered and request.reply_to is not None:
+            self.replies.restart(request.reply_to, request.id, request.job_id, attempt)
         if attempt > self.config.max_deliveries:
             self._error_row(
                 entry_id, request.id, request.job_id, errors.MAX_DELIVERIES_EXCEEDED,
@@ -512,6 +583,8 @@ class Worker:
 
     def _step(self) -> None:
         result = self.engine.step()
+        if result.work:  # a step that only reported cancellations ran no model
+            self.batcher.observe_step(result.end - result.start)
         scheduler = self.engine.scheduler
         held = kv_block_shares(scheduler.kv_cache_manager, (w.request_id for w in result.work))
         self.meter.step(result.end, result.work, held)
@@ -531,8 +604,18 @@ class Worker:
             if item.first_token_at is None and out.new_token_ids:
                 item.first_token_at = out.first_token_time or result.end
                 self.metrics.ttft.observe(max(0.0, item.first_token_at - item.enqueued_at))
+            reply_to = item.request.reply_to
+            if reply_to is not None and (out.new_token_ids or out.new_text) and item.entry_id not in self._disowned:
+                req = item.request
+                index = len(out.output_token_ids) - len(out.new_token_ids)
+                self.replies.delta(reply_to, req.id, req.job_id, out.new_token_ids, out.new_text, index, item.attempt)
             if out.finished:
                 self._finish(item, out)
+        if self._wait_gauges is not None:
+            stats = self.batcher.stats()
+            self._wait_gauges[0].set(stats.wait_s)
+            self._wait_gauges[1].set(stats.arrival_rate)
+            self._wait_gauges[2].set(stats.step_time_s or 0.0)
         self._last_activity = result.end
 
     def _finish(self, item: InFlight, out) -> None:
@@ -565,6 +648,8 @@ class Worker:
         )
         self.sinks.add(row, cost)
         self.pending_acks.append((item.entry_id, req.job_id, req.id, row))
+        if req.reply_to is not None:
+            self.pending_finals.append((req.reply_to, row))
         if req.job_id is not None:
             self._entry_cost[item.entry_id] = cost.cost_usd
         if self.budget_guard is not None:
@@ -611,6 +696,8 @@ class Worker:
             row = msgspec.structs.replace(row, finish_reason=finish_reason)
         self.sinks.add(row, cost)
         self.pending_acks.append((entry_id, job_id, request_id, row))
+        if request is not None and request.reply_to is not None:
+            self.pending_finals.append((request.reply_to, row))
         self.metrics.finish(finish_reason)
         log.info("%s row %s: %s: %s", finish_reason, request_id, code, message)
 
@@ -654,7 +741,12 @@ class Worker:
     def _ack(self) -> None:
         """Acknowledge entries whose rows are durable, in one transaction with their side effects:
         the entry leaves the stream, its id joins the job's done set, and a registered bulk job
-        gets the row on its result stream."""
+        gets the row on its result stream. Final reply messages (rows durable now) go first."""
+        for reply_to, row in self.pending_finals:
+            self.replies.final(reply_to, row)
+        self.pending_finals.clear()
+        if self.replies:
+            self.replies.send(self.redis)
         if not self.pending_acks:
             return
         ids = [entry_id for entry_id, _, _, _ in self.pending_acks]
@@ -670,12 +762,16 @@ class Worker:
             key = keys.job_done_set(self.config.stream, job_id)
             pipe.sadd(key, *rids)
             pipe.expire(key, 7 * 24 * 3600)
+        # A job's result stream is in another slot: in a cluster it cannot join the transaction.
+        results_pipe = self.redis.pipeline(transaction=False) if self.config.redis_cluster else pipe
         for entry_id, job_id, rid, row in self.pending_acks:
             cost_usd = self._entry_cost.pop(entry_id, 0.0)
             if job_id is not None and row is not None and self._job_wants_rows(job_id):
-                pipe.xadd(keys.job_results_stream(job_id),
-                          {"id": rid, "row": msgspec.json.encode(row), "cost_usd": repr(cost_usd)})
+                results_pipe.xadd(keys.job_results_stream(job_id),
+                                  {"id": rid, "row": msgspec.json.encode(row), "cost_usd": repr(cost_usd)})
         pipe.execute()
+        if results_pipe is not pipe:
+            results_pipe.execute()
         if charged:
             self.budget_guard.charged(charged)
         self.pending_acks.clear()
@@ -727,6 +823,7 @@ class Worker:
         lost = [e for e in mine if e not in owned]
         if still:
             self.redis.xclaim(self.stream_key, self.config.group, self.consumer, 0, still, justid=True)
+            self._apply_cancels(still)
         for entry_id in lost:
             # Another worker took this entry while we were stalled: stop computing it.
             log.warning("entry %s was claimed by another worker; dropping our copy", entry_id)
@@ -738,12 +835,43 @@ class Worker:
                 self._disowned.discard(entry_id)
         return True
 
+    def _apply_cancels(self, entry_ids: list[str]) -> None:
+        """Requests their producer cancelled (``Client.cancel``) stop now and end ``cancelled``.
+
+        One ZMSCORE for all of them; a cancel older than the request's entry is for an earlier
+        request with the same id and is ignored.
+        """
+        items = [self.inflight[e] for e in entry_ids if e in self.inflight and e not in self._disowned]
+        if not items or not self._cancels_allowed:
+            return
+        try:
+            scores = self.redis.zmscore(self.cancel_key,
+                                        [cancel_member(i.request.id, i.request.job_id) for i in items])
+        except redis.exceptions.NoPermissionError as exc:
+            # An ACL written before cancel existed: serve on, without it, and say so once.
+            self._cancels_allowed = False
+            log.warning("cancel checks are off: this Redis user may not read %s (%s); grant ZMSCORE on it",
+                        self.cancel_key, exc)
+            return
+        for item, score in zip(items, scores):
+            if score is None or score < item.enqueued_at:
+                continue
+            req = item.request
+            if self.engine.scheduler.get_request(item.entry_id) is not None:
+                self.engine.cancel(item.entry_id)  # the next step reports it and _finish writes its row
+            elif self.batcher.remove(item.entry_id):
+                del self.inflight[item.entry_id]
+                self._error_row(item.entry_id, req.id, req.job_id, None, None, attempt=item.attempt,
+                                enqueued_at=item.enqueued_at, request=req, finish_reason="cancelled")
+
     def _drain(self) -> None:
         """Finish what runs (within the drain timeout), hand back the rest, flush and ack."""
         # Entries still in the batcher never started: they are handed back below.
         deadline = self.clock() + self.config.drain_timeout_s
         while self.engine.has_unfinished() and self.clock() < deadline:
             self._step()
+            if self.replies:
+                self._redis(self.replies.send, self.redis)
             if self.sinks.should_flush():
                 self._flush()
         unfinished = [e for e in self.inflight if e not in self._disowned]

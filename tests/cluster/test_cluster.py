@@ -1,0 +1,114 @@
+"""A real three-node Redis Cluster from the packaged server binary: sharded request streams, the
+client across slots, and a whole `mqinfer run` job across the cluster through a node restart."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import pytest
+import redis
+
+from mqinfer import config as mqinfer_config
+from mqinfer import keys
+from mqinfer.client import Client, ReplyWriter, cancel_key, cancel_member
+from mqinfer.cluster import LocalCluster, connect_redis, shard_index, shard_streams
+from mqinfer.schemas.rows import ResultRow
+from mqinfer.schemas.stream import decode_entry
+from tests.helpers import mqinfer_cmd, rows, wait_until, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = LocalCluster(tmp_path_factory.mktemp("cluster"), nodes=3).start()
+    yield c
+    c.stop()
+
+
+def test_shard_names_and_the_stable_hash():
+    assert shard_streams("requests", 1) == ["requests"]
+    assert shard_streams("s", 3) == ["s-0", "s-1", "s-2"]
+    with pytest.raises(ValueError, match="shards"):
+        shard_streams("s", 0)
+    assert shard_index("abc", None, 1) == 0
+    spread = [shard_index(f"r{i}", "job", 4) for i in range(400)]
+    assert spread == [shard_index(f"r{i}", "job", 4) for i in range(400)]
+    assert min(spread.count(k) for k in range(4)) > 60
+    with pytest.raises(ValueError, match="cluster seed"):
+        connect_redis("unix:///tmp/x.sock", cluster=True)
+
+
+def test_default_shards_live_on_different_nodes(cluster):
+    nodes = {cluster.node_for_key(keys.request_stream(s)) for s in shard_streams("requests", 3)}
+    assert nodes == {0, 1, 2}
+    # A stream's dead letters, done sets and cancel set share its slot (acks need no cross-slot MULTI).
+    slot = redis.cluster.key_slot
+    for s in shard_streams("requests", 3):
+        stream_slot = slot(keys.request_stream(s).encode())
+        for key in (keys.dead_letter_stream(s), keys.job_done_set(s, "j"), cancel_key(s)):
+            assert slot(key.encode()) == stream_slot
+
+
+def test_client_submits_across_slots_and_reads_replies(cluster):
+    with Client(cluster.url, cluster=True, stream="cl", shards=3) as client:
+        client.submit_many([{"id": f"c{i}", "prompt": "x"} for i in range(60)])
+        direct = cluster.client()
+        counts = [direct.xlen(k) for k in client.stream_keys]
+        assert sum(counts) == 60 and min(counts) > 5
+        for shard, key in enumerate(client.stream_keys):
+            for _, fields in direct.xrange(key):
+                req = decode_entry(fields)
+                assert shard_index(req.id, None, 3) == shard and req.reply_to == client.reply_to
+        writer = ReplyWriter("w")
+        writer.delta(client.reply_to, "c7", None, [104], "h", 0, 1)
+        writer.final(client.reply_to, ResultRow(id="c7", model="tiny", finish_reason="length", finished_at=1.0,
+                                                worker="w", text="h", output_token_ids=[104], output_tokens=1))
+        writer.send(direct)
+        assert [e.type for e in client.stream("c7", timeout=10)] == ["delta", "final"]
+        client.cancel("c9")
+        shard = shard_index("c9", None, 3)
+        assert direct.zscore(cancel_key(f"cl-{shard}"), cancel_member("c9", None)) is not None
+        direct.close()
+
+
+@pytest.mark.skipif(not hasattr(mqinfer_config, "REDIS_CLUSTER"),
+                    reason="needs the CLI change of scale-cli.diff / scale-config.diff (--redis-cluster, --shards)")
+def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path):
+    n = 36
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": f"j{i}", "prompt_token_ids": [256] + [65 + i % 26] * 4, "max_tokens": 32, "ignore_eos": True,
+         "temperature": 0.0} for i in range(n)])
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        mqinfer_cmd("run", str(src), "--out", str(out), "--redis", cluster.url, "--redis-cluster",
+                    "--stream", "job", "--shards", "3", "--workers", "3", "--num-threads", "1",
+                    "--max-num-seqs", "4", "--flush-interval-s", "0.1", "--claim-idle-ms", "2000"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    outputs: dict[str, str] = {}
+    reader = threading.Thread(target=lambda: outputs.update(zip(("out", "err"), proc.communicate())))
+    reader.start()
+    try:
+        wait_until(lambda: len(rows(out / "results")) >= 6 or proc.poll() is not None, timeout=180,
+                   what="the job under way")
+        assert proc.poll() is None, "the job ended before the restart"
+        victim = cluster.node_for_key(keys.request_stream("job-1"))
+        cluster.restart_node(victim, down_s=1.0)
+        restarted_at = time.monotonic()
+        reader.join(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join()
+    assert proc.returncode == 0, outputs.get("err", "")[-4000:]
+    assert f"{n} requests: {n} ok, 0 error" in outputs["out"]
+    results = rows(out / "results")  # compacted by `run`: one row per request
+    assert sorted(r["id"] for r in results) == sorted(f"j{i}" for i in range(n))
+    assert all(r["output_tokens"] == 32 for r in results)
+    assert len({r["worker"] for r in results}) == 3  # every shard had its worker
+    assert time.monotonic() - restarted_at < 240
+    direct = cluster.client()
+    for s in shard_streams("job", 3):
+        assert direct.xlen(keys.request_stream(s)) == 0
+    direct.close()
