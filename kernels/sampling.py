@@ -121,16 +121,27 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, masked)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest logit (the first one on ties), ``[B]`` int64.
+
+    ``max(dim).indices`` rather than ``argmax``: on CPU it reads bfloat16 rows as they are,
+    several times faster than argmax on bfloat16 or than converting the rows to float32
+    first, and it picks the same index (the first maximal value) as argmax does.
+    """
+    return logits.max(dim=-1).indices
+
+
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
-    """One token id per row of ``logits`` (``[B, V]`` float32): ``[B]`` int64."""
-    greedy_ids = torch.argmax(logits, dim=-1)
+    """One token id per row of ``logits`` (``[B, V]``, float32 or the model's dtype; the
+    sampling arithmetic runs in float32): ``[B]`` int64."""
+    greedy_ids = greedy(logits)
     if params.all_greedy:
         return greedy_ids
     is_greedy = params.temperature == 0.0
     rows = torch.nonzero(~is_greedy).squeeze(1)
     if rows.numel() == logits.shape[0]:
         rows = None  # every row samples: skip the gathers
-    sub = logits if rows is None else logits.index_select(0, rows)
+    sub = (logits if rows is None else logits.index_select(0, rows)).float()
 
     def pick(t: torch.Tensor) -> torch.Tensor:
         return t if rows is None else t.index_select(0, rows)
@@ -176,6 +187,7 @@ __all__ = [
     "SamplingTensors",
     "apply_top_k_top_p",
     "compute_logprobs",
+    "greedy",
     "mix64",
     "random_uniforms",
     "sample",

@@ -254,6 +254,12 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         # Requests ended between steps (cancel): reported by the next step.
         self._ended_outside: list[Request] = []
+        # Seconds spent in each part of step() since start (perf_counter), for profiling:
+        # schedule, prepare (inputs and metadata), forward, sample, postprocess.
+        self.phase_seconds: dict[str, float] = dict.fromkeys(
+            ("schedule", "prepare", "forward", "sample", "postprocess"), 0.0
+        )
+        self.num_steps = 0
         log.info(
             "engine ready: %s (%s, %s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB), "
             "max_model_len %d",
@@ -358,7 +364,9 @@ class LLMEngine:
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> StepResult:
         start = self.clock()
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         scheduled = out.scheduled
         work: list[StepWork] = []
         touched: dict[str, Request] = {}
@@ -377,7 +385,9 @@ class LLMEngine:
                     sampled=sr.needs_sample,
                 ))
                 tracked.high_water = max(tracked.high_water, c + n)
+            t1 = time.perf_counter()
             sampled = self.runner.execute(out)
+            t2 = time.perf_counter()
             logprobs = self.runner.last_logprobs
             self.scheduler.update_from_output(out, sampled)
             now = self.clock()
@@ -393,13 +403,29 @@ class LLMEngine:
                 touched[sr.request.request_id] = sr.request
         elif out.swap_out or out.swap_in:
             self.runner.execute(out)  # only block copies this step; they must still happen now
+            t2 = time.perf_counter()
+        else:
+            t2 = t1
 
         outputs = [self._output(request) for request in touched.values()]
         # Stop strings end requests here; their blocks go back before the next schedule().
         stopped = [o.request_id for o in outputs if o.finished and not touched[o.request_id].is_finished]
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._account(t0, t1, t2)
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
+
+    def _account(self, t0: float, t1: float, t2: float) -> None:
+        """Add this step's phase times: schedule [t0, t1], runner [t1, t2] (split by the runner's
+        own marks), postprocess [t2, now]; the bookkeeping between them counts as schedule."""
+        phases = self.phase_seconds
+        runner = self.runner.last_phase_seconds if t2 > t1 else (0.0, 0.0, 0.0)
+        phases["schedule"] += t1 - t0
+        phases["prepare"] += runner[0]
+        phases["forward"] += runner[1]
+        phases["sample"] += runner[2]
+        phases["postprocess"] += time.perf_counter() - t2 + max(0.0, (t2 - t1) - sum(runner))
+        self.num_steps += 1
 
     def _output(self, request: Request) -> RequestOutput:
         rid = request.request_id

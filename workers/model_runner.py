@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import time
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,9 @@ class ModelRunner:
         # Logprobs of the last execute(), aligned with its scheduled requests (None where the
         # request did not sample or did not ask for logprobs).
         self.last_logprobs: list[TokenLogprobs | None] = []
+        # Seconds of the last execute() in (prepare inputs, forward incl. LM head, sample); on
+        # CUDA the split is only indicative (kernels run asynchronously).
+        self.last_phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def _zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled cache tensor.
@@ -98,6 +102,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> list[int | None]:
         """Run one step: the sampled token per scheduled request (None where none is due)."""
+        t0 = time.perf_counter()
         if output.swap_out or output.swap_in:
             # Out before in: a block swapped in may be one another request just gave up.
             self.host_cache.swap_out(self.kv_caches, output.swap_out)
@@ -105,6 +110,7 @@ class ModelRunner:
         scheduled = output.scheduled
         self.last_logprobs = [None] * len(scheduled)
         if not scheduled:
+            self.last_phase_seconds = (time.perf_counter() - t0, 0.0, 0.0)
             return []
         input_ids: list[int] = []
         query_lens: list[int] = []
@@ -134,13 +140,19 @@ class ModelRunner:
             device=device, workspace=self.workspace,
         )
         ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
+        t1 = time.perf_counter()
         hidden = self.model(ids, metadata.positions, self.kv_caches, metadata)
         sampled: list[int | None] = [None] * len(scheduled)
         if not sample_rows:
+            t2 = time.perf_counter()
+            self.last_phase_seconds = (t1 - t0, t2 - t1, 0.0)
             return sampled
 
         rows = torch.tensor(sample_rows, dtype=torch.int64).to(device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+        # Logits stay in the model's dtype: greedy rows need only the argmax, and sample() and
+        # compute_logprobs() convert what they need to float32 themselves.
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        t2 = time.perf_counter()
         requests = [scheduled[i].request for i in sample_of]
         params = SamplingTensors.from_lists(
             temperature=[r.sampling.temperature for r in requests],
@@ -156,6 +168,7 @@ class ModelRunner:
             self._logprobs(logits, token_ids, want, requests, sample_of)
         for i, token in zip(sample_of, token_ids.tolist()):
             sampled[i] = token
+        self.last_phase_seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return sampled
 
     def _logprobs(self, logits, token_ids, want, requests, sample_of) -> None:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from mqinfer.kernels.attention import (
     build_attention_metadata,
+    native_attention_available,
     paged_attention,
     reference_paged_attention,
     store_kv,
@@ -31,22 +32,28 @@ def _random_tables(seq_lens, block_size, num_blocks, rng):
     return tables
 
 
-def _run_case(query_lens, seq_lens, block_size, g, seed, dtype=torch.float32, **budget):
+needs_native = pytest.mark.skipif(
+    not native_attention_available(), reason="no C compiler for the native CPU attention kernel"
+)
+
+
+def _run_case(query_lens, seq_lens, block_size, g, seed, dtype=torch.float32, backend="torch", head_dim=HEAD_DIM,
+              **budget):
     rng = random.Random(seed)
     torch.manual_seed(seed)
     num_blocks = sum(-(-s // block_size) + 1 for s in seq_lens) + 3
     tables = _random_tables(seq_lens, block_size, num_blocks, rng)
-    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    v_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    k_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype=dtype)
+    v_cache = torch.randn(num_blocks, block_size, NUM_KV_HEADS, head_dim, dtype=dtype)
     md = build_attention_metadata(query_lens, seq_lens, tables, block_size, g, **budget)
     num_tokens = sum(query_lens)
     # This step's K/V go in through store_kv, exactly as the model does it.
-    k_new = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
-    v_new = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+    k_new = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, dtype=dtype)
+    v_new = torch.randn(num_tokens, NUM_KV_HEADS, head_dim, dtype=dtype)
     store_kv(k_new, v_new, k_cache, v_cache, md.slot_mapping)
-    q = torch.randn(num_tokens, NUM_KV_HEADS * g, HEAD_DIM, dtype=dtype)
-    scale = HEAD_DIM**-0.5
-    out = paged_attention(q, k_cache, v_cache, md, scale)
+    q = torch.randn(num_tokens, NUM_KV_HEADS * g, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    out = paged_attention(q, k_cache, v_cache, md, scale, backend=backend)
     ref = reference_paged_attention(q.float(), k_cache.float(), v_cache.float(), query_lens, seq_lens, tables, scale)
     return out, ref, md, tables, k_new, k_cache
 
@@ -130,3 +137,80 @@ def test_random_batches_match_reference(data, block_size, g, seed):
     seq_lens = [s for _, s in data]
     out, ref, *_ = _run_case(query_lens, seq_lens, block_size, g, seed, max_gather_tokens=256)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    if native_attention_available():
+        out, ref, *_ = _run_case(query_lens, seq_lens, block_size, g, seed, backend="native")
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# The native CPU kernel: the generic C loops (head sizes other than 64 / 128 with 4 query heads
+# per KV head) and the AVX-512 versions (64 x 4, 128 x 4), each against the reference.
+@needs_native
+@pytest.mark.parametrize("head_dim,g", [(16, 1), (16, 4), (32, 2), (64, 4), (128, 4)])
+def test_native_kernel_matches_reference(head_dim, g):
+    query_lens = [1, 7, 1, 33, 1, 16, 5, 1]
+    seq_lens = [1, 7, 40, 33, 32, 50, 21, 300]
+    out, ref, *_ = _run_case(query_lens, seq_lens, 16, g, seed=head_dim + g, backend="native", head_dim=head_dim)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_native_kernel_bfloat16_close_to_reference(head_dim):
+    out, ref, *_ = _run_case([1, 12, 1, 40], [30, 12, 47, 90], 16, 4, seed=5, dtype=torch.bfloat16,
+                             backend="native", head_dim=head_dim)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
+@needs_native
+def test_native_kernel_splits_work_across_threads_without_changing_results():
+    query_lens = [1] * 9 + [60]
+    seq_lens = [5, 16, 17, 31, 64, 2, 200, 90, 33, 60]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one, ref, *_ = _run_case(query_lens, seq_lens, 16, 4, seed=9, backend="native", head_dim=64)
+        torch.set_num_threads(3)
+        three, *_ = _run_case(query_lens, seq_lens, 16, 4, seed=9, backend="native", head_dim=64)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, three)  # each token's result is computed by one thread, the same way
+    torch.testing.assert_close(one, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_kernel_reads_a_strided_query_view():
+    # The model hands over q as a slice of the fused q/k projection: not contiguous.
+    torch.manual_seed(2)
+    k_cache = torch.randn(8, 16, 2, 64)
+    v_cache = torch.randn(8, 16, 2, 64)
+    tables = [[3, 5], [1]]
+    md = build_attention_metadata([3, 1], [20, 9], tables, 16, 4)
+    qk = torch.randn(4, 10, 64)
+    q = qk[:, :8]
+    assert not q.is_contiguous()
+    out = paged_attention(q, k_cache, v_cache, md, 0.125, backend="native")
+    ref = reference_paged_attention(q, k_cache, v_cache, [3, 1], [20, 9], tables, 0.125)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_backend_agrees_with_torch_backend():
+    query_lens = [1, 5, 1]
+    seq_lens = [40, 5, 70]
+    out_torch, ref, *_ = _run_case(query_lens, seq_lens, 16, 4, seed=4, backend="torch", head_dim=64)
+    out_auto, *_ = _run_case(query_lens, seq_lens, 16, 4, seed=4, backend="auto", head_dim=64)
+    torch.testing.assert_close(out_auto, out_torch, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out_auto, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_kernel_rejects_mismatched_shapes():
+    k_cache = torch.zeros(4, 16, 2, 64)
+    md = build_attention_metadata([1], [5], [[2]], 16, 4)
+    with pytest.raises(ValueError, match="does not match"):
+        paged_attention(torch.zeros(1, 6, 64), k_cache, k_cache.clone(), md, 0.125, backend="native")
+    with pytest.raises(ValueError, match="does not match"):
+        paged_attention(torch.zeros(1, 8, 32), k_cache, k_cache.clone(), md, 0.125, backend="native")
+    bad = build_attention_metadata([1], [5], [[9]], 16, 4)  # block 9 of a 4-block cache
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_attention(torch.zeros(1, 8, 64), k_cache, k_cache.clone(), bad, 0.125, backend="native")

@@ -13,6 +13,7 @@ from mqinfer.kernels.sampling import (
     SamplingTensors,
     apply_top_k_top_p,
     compute_logprobs,
+    greedy,
     mix64,
     random_uniforms,
     sample,
@@ -64,6 +65,21 @@ def test_greedy_rows_take_argmax_in_a_mixed_batch():
             assert out[i] == logits[i].argmax()
     all_greedy = sample(logits, _params(6, temperature=0.0))
     assert torch.equal(all_greedy, logits.argmax(-1))
+
+
+def test_greedy_on_bfloat16_picks_the_first_maximum_like_argmax_on_float32():
+    # bfloat16 logits tie often; greedy must pick what argmax over the float32 values picks (the
+    # first maximal index), with or without sampled rows beside it.
+    torch.manual_seed(1)
+    logits = torch.randint(0, 4, (64, 3000)).to(torch.bfloat16)
+    expected = logits.float().argmax(-1)
+    assert torch.equal(greedy(logits), expected)
+    assert torch.equal(sample(logits, _params(64, temperature=0.0)), expected)
+    temps = [0.0 if i % 2 else 0.8 for i in range(64)]
+    mixed = sample(logits, _params(64, temperature=temps))
+    assert torch.equal(mixed[1::2], expected[1::2])
+    # Sampled rows are drawn from the float32 values: the same draw as from float32 logits.
+    assert torch.equal(mixed, sample(logits.float(), _params(64, temperature=temps)))
 
 
 def test_top_k_keeps_exactly_the_k_largest():

@@ -298,6 +298,12 @@ def test_step_work_and_capacity(tiny_engine_factory):
     r3 = engine.step()
     assert [(w.num_tokens, w.context_len, w.is_prefill, w.sampled, w.num_recomputed_tokens)
             for w in r3.work] == [(1, 31, False, True, 0)]
+    # Profiling counters: every step counted; the forward ran in each, sampling only in 2 and 3.
+    assert engine.num_steps == 3
+    phases = engine.phase_seconds
+    assert set(phases) == {"schedule", "prepare", "forward", "sample", "postprocess"}
+    assert all(v >= 0 for v in phases.values()) and phases["forward"] > 0 and phases["sample"] > 0
+    assert sum(phases.values()) <= sum(r.end - r.start for r in (r1, r2, r3)) + 0.05
 
 
 def test_recomputed_tokens_are_reported_after_preemption(small_llama):

@@ -1,0 +1,190 @@
+"""Where the engine's time goes: ``LLMEngine`` driven directly (no Redis, no sinks) on the standard
+workload, beside transformers' static batching on the same requests in the same run.
+
+Owns the engine profiling command::
+
+    python -m mqinfer.loadgen.profile_engine [--num-requests 64] [--hf-batch-size 64] [--torch-profile]
+
+It builds (or reuses) the standard checkpoint, takes a seeded subset of the standard workload,
+warms both systems up, then times the engine (generated tokens per second over the whole run,
+the number of steps, and the mean step time split into schedule / prepare inputs / forward /
+sample / postprocess, from the engine's own ``phase_seconds``) and transformers' static
+batching (``loadgen.hf_baseline.run_static``), and prints the ratio between them. The machine
+may be shared and its load noisy: the ratio from one run means more than either figure alone,
+and ``--repeat`` alternates the two systems several times. ``--torch-profile`` adds a
+torch.profiler table of the top operators of a few engine steps.
+
+Throughput counts the tokens the requests asked for (all of them, ``ignore_eos``) over the time
+from the first step to the last, the same rule as ``mqinfer bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+PHASES = ("schedule", "prepare", "forward", "sample", "postprocess")
+
+
+@dataclass
+class EngineFigures:
+    tokens: int
+    wall_s: float
+    cpu_s: float  # CPU seconds of this process (all threads) over the run
+    steps: int
+    phase_seconds: dict[str, float]
+    outputs: dict[str, list[int]]
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def _log(message: str) -> None:
+    print(f"[profile {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def build_engine(model: str, args: argparse.Namespace):
+    from mqinfer.workers.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        model=model, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
+        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine(config)
+
+
+def run_engine(engine, requests: list[dict[str, Any]], profiler=None) -> EngineFigures:
+    """All requests added at once, then steps until none is left; returns the figures."""
+    from mqinfer.scheduler.request import SamplingParams
+
+    before = dict(engine.phase_seconds)
+    steps_before = engine.num_steps
+    outputs: dict[str, list[int]] = {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    for r in requests:
+        sampling = SamplingParams(max_tokens=int(r["max_tokens"]), temperature=float(r["temperature"]),
+                                  ignore_eos=bool(r["ignore_eos"]))
+        engine.add_request(r["id"], r["prompt_token_ids"], sampling)
+    while engine.has_unfinished():
+        result = engine.step()
+        for o in result.outputs:
+            if o.finished:
+                outputs[o.request_id] = o.output_token_ids
+        if profiler is not None:
+            profiler.step()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    phases = {k: engine.phase_seconds[k] - before[k] for k in PHASES}
+    tokens = sum(int(r["max_tokens"]) for r in requests)
+    got = sum(len(v) for v in outputs.values())
+    if got != tokens or len(outputs) != len(requests):
+        raise RuntimeError(f"the engine generated {got} tokens for {len(outputs)} requests; "
+                           f"expected {tokens} for {len(requests)}")
+    return EngineFigures(tokens, wall, cpu, engine.num_steps - steps_before, phases, outputs)
+
+
+def format_phases(fig: EngineFigures) -> str:
+    busy = sum(fig.phase_seconds.values())
+    steps = max(1, fig.steps)
+    parts = [f"{k} {fig.phase_seconds[k] / steps * 1e3:.2f} ms ({fig.phase_seconds[k] / busy:.0%})"
+             for k in PHASES] if busy > 0 else []
+    outside = 1 - fig.phase_seconds["forward"] / busy if busy > 0 else 0.0
+    return (f"{fig.steps} steps, mean step {busy / steps * 1e3:.2f} ms: " + ", ".join(parts)
+            + f"; outside the forward pass: {outside:.1%}")
+
+
+def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> str:
+    from mqinfer.loadgen.metrics import token_agreement
+
+    agreement = token_agreement(a, b)
+    if agreement is None:
+        return "no common requests"
+    return str(agreement)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.profile_engine", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-requests", type=int, default=64, help="Requests of the standard workload (default: 64).")
+    parser.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
+    parser.add_argument("--model", default=None, help="Checkpoint folder (default: the standard checkpoint).")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: every core).")
+    parser.add_argument("--hf-batch-size", type=int, default=64,
+                        help="transformers static batch size; 0 skips the comparison (default: 64).")
+    parser.add_argument("--repeat", type=int, default=1, help="Alternate engine and transformers this many times.")
+    parser.add_argument("--torch-profile", action="store_true",
+                        help="Also profile the engine's steps with torch.profiler and print the top operators.")
+    parser.add_argument("--top", type=int, default=20, help="Rows of the torch.profiler table (default: 20).")
+    args = parser.parse_args(argv)
+    if args.num_requests < 1 or args.repeat < 1:
+        parser.error("--num-requests and --repeat must be at least 1")
+
+    import torch
+
+    from mqinfer.loadgen.checkpoint import make_standard_checkpoint, read_config
+    from mqinfer.loadgen.workload import standard_workload, workload_stats
+
+    model = args.model or str(make_standard_checkpoint())
+    config = read_config(model)
+    requests = standard_workload(vocab_size=int(config["vocab_size"]), n=args.num_requests, seed=args.seed)
+    stats = workload_stats(requests)
+    _log(f"{stats.num_requests} requests, {stats.prompt_tokens} prompt tokens, {stats.output_tokens} output tokens")
+
+    t = time.perf_counter()
+    engine = build_engine(model, args)
+    _log(f"engine ready in {time.perf_counter() - t:.1f}s ({torch.get_num_threads()} threads)")
+    warm = [dict(r, id=f"warm-{r['id']}", max_tokens=4) for r in requests[:8]]
+    run_engine(engine, warm)
+
+    hf = None
+    if args.hf_batch_size:
+        from mqinfer.loadgen.hf_baseline import load_hf_model, run_static, warm_up
+
+        hf = load_hf_model(model, dtype=args.dtype)
+        warm_up(hf, requests)
+
+    print(f"profile_engine: {stats.num_requests} standard requests (seed {args.seed}), {stats.prompt_tokens} prompt "
+          f"+ {stats.output_tokens} output tokens, {args.dtype}, {torch.get_num_threads()} threads, "
+          f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
+    ratios = []
+    for k in range(args.repeat):
+        fig = run_engine(engine, [dict(r, id=f"{r['id']}-{k}") for r in requests])
+        print(f"[{k}] mqinfer engine: {fig.throughput:8.1f} tok/s ({fig.wall_s:.2f}s wall, {fig.cpu_s:.2f}s CPU); "
+              f"{format_phases(fig)}")
+        if hf is not None:
+            c0 = time.process_time()
+            base = run_static(hf, requests, args.hf_batch_size, progress=None)
+            hf_cpu = time.process_time() - c0
+            ratio = fig.throughput / base.throughput
+            # On a shared machine the CPU seconds each system got say more than wall time.
+            cpu_ratio = hf_cpu / fig.cpu_s if fig.cpu_s > 0 else float("nan")
+            ratios.append((ratio, cpu_ratio))
+            ours = {rid.rsplit("-", 1)[0]: ids for rid, ids in fig.outputs.items()}
+            print(f"[{k}] hf static@{args.hf_batch_size}: {base.throughput:8.1f} tok/s "
+                  f"({base.summary.span_s:.2f}s wall, {hf_cpu:.2f}s CPU); mqinfer / hf = {ratio:.2f}x by wall "
+                  f"time, {cpu_ratio:.2f}x by CPU time; greedy agreement: {_agreement(ours, base.outputs)}")
+    if ratios:
+        print(f"ratio mqinfer / hf static@{args.hf_batch_size} (wall, CPU): "
+              + ", ".join(f"{r:.2f}x / {c:.2f}x" for r, c in ratios))
+
+    if args.torch_profile:
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        steps = schedule(wait=2, warmup=2, active=20, repeat=1)
+        with profile(activities=[ProfilerActivity.CPU], schedule=steps, record_shapes=False) as prof:
+            run_engine(engine, [dict(r, id=f"{r['id']}-prof") for r in requests], profiler=prof)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
