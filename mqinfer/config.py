@@ -101,9 +101,9 @@ ENGINE_OPTIONS = [
     Option("block_size", int, 16, "Tokens per KV cache block."),
     Option("num_kv_blocks", _optional_int, None, "KV cache blocks (default: sized from the model and memory).",
            metavar="K"),
-    Option("max_num_batched_tokens", int, 2048, "Token budget of one engine step (prefill chunks + decodes); "
+    Option("max_num_batched_tokens", int, 4096, "Token budget of one engine step (prefill chunks + decodes); "
            "at least --max-num-seqs, so every running request can advance every step.", metavar="T"),
-    Option("max_num_seqs", int, 128, "Requests running at once, at most.", metavar="S"),
+    Option("max_num_seqs", int, 256, "Requests running at once, at most.", metavar="S"),
     Option("max_model_len", _optional_int, None, "Context length (default: the model's).", metavar="N"),
     Option("no_prefix_cache", bool, False, "Turn prefix caching off."),
     Option("preemption", str, "recompute", "When KV blocks run out: recompute the preempted request later, "

@@ -25,7 +25,7 @@ def test_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("MQINFER_MAX_BATCH", "16")
     assert _resolve([], values)["max_batch"] == 16
     assert _resolve(["--max-batch", "4"], values)["max_batch"] == 4
-    assert _resolve([])["max_num_seqs"] == 128  # default
+    assert _resolve([])["max_num_seqs"] == 256  # default
 
 
 def test_bool_and_optional_values(monkeypatch):
