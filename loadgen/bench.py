@@ -1,0 +1,700 @@
+"""`mqinfer bench`: our whole pipeline under a synthetic workload, beside Hugging Face baselines.
+
+Owns the benchmark command: it builds (or reuses) the checkpoint and the seeded workload,
+measures the machine's matrix rate and the workload's compute ceiling, runs the workload
+through the real pipeline (an embedded server, ``Producer``, ``mqinfer worker`` processes, the
+results Parquet) and, with ``--compare hf``, through transformers on the same checkpoint and
+requests, then prints throughput, latency percentiles and the ratios between systems.
+
+- offline: every request is submitted before the workers start; throughput counts the tokens
+  the requests asked for over first started -> last finished, read back from the result rows.
+- online: workers start first (and are warmed with one request); requests then arrive as a
+  Poisson process at ``--rate`` per second (several comma-separated rates make a sweep), and
+  TTFT / TPOT / e2e are measured from each entry's enqueue time.
+
+``add_bench_arguments(parser)`` and ``run_bench(args) -> int`` are for the ``mqinfer`` CLI;
+``python -m mqinfer.loadgen.bench`` runs the same thing. Progress goes to stderr, the report
+to stdout, all figures to ``--json FILE``, charts to ``--plot DIR`` (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mqinfer.loadgen.metrics import (
+    Percentiles,
+    RequestTiming,
+    RunSummary,
+    summarize,
+    timings_from_results,
+    token_agreement,
+)
+from mqinfer.loadgen.workload import WORKLOADS, make_workload, workload_stats
+
+STREAM = "bench"
+BENCH_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def _log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rate_list(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated request rates, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"request rates must be > 0, got {text!r}")
+    return values
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    values = _int_list(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return values[0], values[1]
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `bench` flags, on ``parser`` (a subcommand parser of the mqinfer CLI, or our own)."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="standard",
+                   help="Length distribution of the requests (default: standard = issue 4's: prompts uniform "
+                        "16..256 tokens, outputs uniform 16..128).")
+    g.add_argument("--num-requests", type=_positive_int, default=256, metavar="N", help="Requests (default: 256).")
+    g.add_argument("--prompt-len", type=_length_range, default=None, metavar="LO,HI",
+                   help="Prompt lengths: the uniform range or the log-normal bounds (not for standard).")
+    g.add_argument("--output-len", type=_length_range, default=None, metavar="LO,HI",
+                   help="Output lengths (max_tokens): the uniform range or the log-normal bounds (not for "
+                        "standard).")
+    g.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
+    g.add_argument("--model", default=None, metavar="M",
+                   help="Checkpoint folder, or `tiny` (default: the standard benchmark checkpoint, created once "
+                        "under ~/.cache/mqinfer/standard-llama).")
+
+    g = parser.add_argument_group("run")
+    g.add_argument("--mode", choices=("offline", "online"), default="offline",
+                   help="offline: submit everything at once; online: Poisson arrivals at --rate (default: offline).")
+    g.add_argument("--rate", type=_rate_list, default=None, metavar="R[,R...]",
+                   help="Online mode: requests per second; several values run a sweep (latency against offered "
+                        "load).")
+    g.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="Worker processes (default: 1).")
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help="Keep the workers' output (results/, costs/, logs) here (default: a temporary folder, "
+                        "removed afterwards).")
+    g.add_argument("--timeout-s", type=float, default=3600.0, metavar="S",
+                   help="Give up on a run after this long (default: 3600).")
+    g.add_argument("--idle-exit-s", type=float, default=120.0, metavar="S",
+                   help="Passed to the workers, so that none outlives an interrupted bench (default: 120).")
+    g.add_argument("--skip-engine", action="store_true",
+                   help="Run only the --compare baselines and the matrix rate, not mqinfer.")
+
+    g = parser.add_argument_group("comparison and output")
+    g.add_argument("--compare", choices=("hf",), default=None,
+                   help="Also run transformers on the same checkpoint and requests: static batching at "
+                        "--hf-batch-sizes (the best counts) and its continuous batching.")
+    g.add_argument("--hf-batch-sizes", type=_int_list, default=[16, 64, 256], metavar="B[,B...]",
+                   help="Static batch sizes for --compare hf (default: 16,64,256).")
+    g.add_argument("--hf-max-batch-tokens", type=_positive_int, default=None, metavar="T",
+                   help="Tokens per step of transformers' continuous batching (default: its own choice).")
+    g.add_argument("--matrix-size", type=_positive_int, default=2048, metavar="N",
+                   help="Side of the square matmul that measures the matrix rate (default: 2048).")
+    g.add_argument("--plot", default=None, metavar="DIR", help="Write PNG charts here (needs matplotlib).")
+    g.add_argument("--json", default=None, metavar="FILE", help="Write every figure of the run as JSON.")
+
+    g = parser.add_argument_group("engine flags passed to the workers")
+    g.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="Weights and activations, for mqinfer and transformers alike (default: bfloat16).")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="Where the workers run the model; transformers runs on cuda when this is cuda "
+                        "(default: auto).")
+    for flag, meta, text in (
+        ("--max-num-seqs", "S", "Requests running at once, at most."),
+        ("--max-num-batched-tokens", "T", "Token budget of one engine step."),
+        ("--num-kv-blocks", "K", "KV cache blocks."),
+        ("--block-size", "B", "Tokens per KV cache block."),
+        ("--max-batch", "N", "Dual-threshold batcher: batch size threshold."),
+    ):
+        g.add_argument(flag, type=_positive_int, default=None, metavar=meta, help=f"{text} (default: the worker's).")
+    g.add_argument("--max-wait-ms", type=float, default=None, metavar="T",
+                   help="Dual-threshold batcher: wait threshold (default: the worker's).")
+
+
+# ------------------------------------------------------------------------------------ model
+@dataclass
+class ModelSpec:
+    arg: str  # what the workers get as --model
+    folder: Path | None  # a checkpoint folder transformers can load (None until needed for tiny)
+    config: dict[str, Any]  # its config.json
+    vocab_size: int  # token ids for prompts are drawn below this
+    max_model_len: int
+
+
+def resolve_model(model: str | None) -> ModelSpec:
+    from mqinfer.loadgen.checkpoint import make_standard_checkpoint, read_config, standard_checkpoint_dir
+
+    if model is None:
+        folder = standard_checkpoint_dir()
+        _log(f"standard checkpoint: {folder}")
+        make_standard_checkpoint(folder)
+        model = str(folder)
+    if model == "tiny":
+        from mqinfer.workers.loader import TINY_BOS, TINY_HF_CONFIG
+
+        # Byte ids only: the ids from TINY_BOS up are special tokens.
+        return ModelSpec("tiny", None, dict(TINY_HF_CONFIG), int(TINY_BOS),
+                         int(TINY_HF_CONFIG["max_position_embeddings"]))
+    folder = Path(model).resolve()
+    config = read_config(folder)
+    return ModelSpec(str(folder), folder, config, int(config["vocab_size"]),
+                     int(config.get("max_position_embeddings") or 2048))
+
+
+def hf_folder(spec: ModelSpec, scratch: Path) -> Path:
+    if spec.folder is not None:
+        return spec.folder
+    from mqinfer.workers.loader import save_tiny_checkpoint
+
+    spec.folder = save_tiny_checkpoint(scratch / "tiny-checkpoint")
+    return spec.folder
+
+
+# ---------------------------------------------------------------------------------- workers
+def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: Path) -> list[str]:
+    argv = [sys.executable, "-m", "mqinfer", "worker", "--redis", redis_url, "--out", str(out),
+            "--stream", STREAM, "--model", model_arg, "--dtype", args.dtype, "--device", args.device,
+            "--idle-exit-s", str(args.idle_exit_s)]
+    for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_batch",
+                 "max_wait_ms"):
+        value = getattr(args, name)
+        if value is not None:
+            argv += ["--" + name.replace("_", "-"), str(value)]
+    return argv
+
+
+class WorkerPool:
+    """``mqinfer worker`` processes, their logs in files (shown when one fails)."""
+
+    def __init__(self, argv: list[str], count: int, log_dir: Path) -> None:
+        self.argv = argv
+        self.count = count
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list[Any] = []
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.setdefault("MQINFER_LOG_LEVEL", "warning")
+        for i in range(self.count):
+            log = open(self.log_dir / f"worker-{i}.log", "wb")
+            self._logs.append(log)
+            self.procs.append(subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                               stderr=subprocess.STDOUT))
+
+    def check_alive(self) -> None:
+        """Raise with the log's tail when every worker has exited."""
+        if self.procs and all(p.poll() is not None for p in self.procs):
+            codes = ", ".join(str(p.returncode) for p in self.procs)
+            raise RuntimeError(f"every worker exited (codes {codes}) before the run finished; "
+                               f"last lines of worker-0.log:\n{self.log_tail(0)}")
+
+    def log_tail(self, index: int, chars: int = 3000) -> str:
+        path = self.log_dir / f"worker-{index}.log"
+        try:
+            return path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)  # drains: flushes rows, acks, exits 0
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+
+def _wait_done(redis_client, job_id: str, expected: int, pool: WorkerPool, timeout_s: float, what: str) -> None:
+    from mqinfer import keys
+
+    done_key = keys.job_done_set(STREAM, job_id)
+    start = time.monotonic()
+    last_note = start
+    while True:
+        done = redis_client.scard(done_key)
+        if done >= expected:
+            return
+        now = time.monotonic()
+        if now - start > timeout_s:
+            raise TimeoutError(f"{what}: {done}/{expected} requests done after {timeout_s:.0f}s (--timeout-s)")
+        if now - last_note >= 10:
+            last_note = now
+            _log(f"{what}: {done}/{expected} requests done, {now - start:.0f}s")
+        pool.check_alive()
+        time.sleep(0.05)
+
+
+def read_results(out: Path, job_id: str, requests: list[dict[str, Any]]
+                 ) -> tuple[list[RequestTiming], dict[str, list[int]]]:
+    """Timings (in request order) and generated token ids of a job's rows in ``out/results``."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    results = out / "results"
+    if not results.exists():
+        raise RuntimeError(f"the workers wrote no results under {results}")
+    table = ds.dataset(results, format="parquet", partitioning="hive").to_table(filter=pc.field("job_id") == job_id)
+    requested = {r["id"]: int(r["max_tokens"]) for r in requests}
+    timings = timings_from_results(table, requested)
+    tokens: dict[str, list[int]] = {}
+    for rid, reason, ids in zip(table.column("id").to_pylist(), table.column("finish_reason").to_pylist(),
+                                table.column("output_token_ids").to_pylist()):
+        if reason != "error" and rid not in tokens:
+            tokens[rid] = list(ids or [])
+    # At-least-once delivery may leave a duplicate row; one per request, the first non-error one.
+    best: dict[str, RequestTiming] = {}
+    for t in timings:
+        if t.id not in best or (t.ok and not best[t.id].ok):
+            best[t.id] = t
+    missing = set(requested) - set(best)
+    if missing:
+        raise RuntimeError(f"{len(missing)} requests have no result row (e.g. {sorted(missing)[:3]})")
+    outputs = {rid: tokens.get(rid, []) for rid in requested}
+    return [best[r["id"]] for r in requests], outputs
+
+
+@dataclass
+class OnlinePoint:
+    rate: float  # offered load, requests per second
+    summary: RunSummary
+    submit_lag_p99_s: float  # how late the submitter was against the Poisson schedule
+    timings: list[RequestTiming] = field(repr=False, default_factory=list)
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each of ``n`` requests arrives, at ``rate`` per second."""
+    import numpy as np
+
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0  # the first request opens the run
+    return np.cumsum(gaps).tolist()
+
+
+def _submit_on_schedule(producer, requests: list[dict[str, Any]], arrivals: list[float], job_id: str,
+                        lags: list[float], errors: list[BaseException]) -> None:
+    try:
+        t0 = time.monotonic()
+        for req, at in zip(requests, arrivals):
+            delay = t0 + at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            producer.submit(req, job_id=job_id)
+            lags.append(max(0.0, time.monotonic() - (t0 + at)))
+    except BaseException as exc:  # reported by the main thread
+        errors.append(exc)
+
+
+@dataclass
+class EngineRun:
+    offline: RunSummary | None
+    online: list[OnlinePoint]
+    timings: list[RequestTiming]  # offline only
+    outputs: dict[str, list[int]]  # offline only
+
+
+def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], scratch: Path
+               ) -> EngineRun:
+    """One offline run, or the online sweep, through the real pipeline."""
+    from mqinfer.client import Producer
+    from mqinfer.server import EmbeddedServer
+
+    out = Path(args.out).resolve() if args.out else scratch / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    server = EmbeddedServer(scratch / "redis", unix_socket=True, appendonly=False).start()
+    pool = WorkerPool(worker_argv(args, spec.arg, server.url, out), args.workers, out / "logs")
+    producer = Producer(server.url, stream=STREAM)
+    tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    try:
+        if args.mode == "offline":
+            job_id = f"bench-{tag}"
+            producer.submit_many(requests, job_id=job_id)
+            _log(f"mqinfer offline: {len(requests)} requests submitted; starting {args.workers} worker(s)")
+            pool.start()
+            _wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, "mqinfer offline")
+            pool.stop()
+            timings, outputs = read_results(out, job_id, requests)
+            return EngineRun(summarize(timings), [], timings, outputs)
+
+        pool.start()
+        # Reversed, so that it shares no cached prefix blocks with the measured requests.
+        warm = {"id": "warmup", "prompt_token_ids": requests[0]["prompt_token_ids"][::-1], "max_tokens": 8,
+                "ignore_eos": True, "temperature": 0.0}
+        warm_job = f"bench-warmup-{tag}"
+        producer.submit(warm, job_id=warm_job)
+        _log(f"mqinfer online: starting {args.workers} worker(s), waiting for a warm-up request")
+        _wait_done(producer.redis, warm_job, 1, pool, args.timeout_s, "warm-up")
+        points = []
+        for k, rate in enumerate(args.rate):
+            job_id = f"bench-{tag}-r{k}"
+            arrivals = poisson_arrivals(len(requests), rate, args.seed + k)
+            lags: list[float] = []
+            errors: list[BaseException] = []
+            submitter = Producer(server.url, stream=STREAM)
+            thread = threading.Thread(target=_submit_on_schedule, name="bench-submitter",
+                                      args=(submitter, requests, arrivals, job_id, lags, errors), daemon=True)
+            _log(f"mqinfer online: {len(requests)} requests at {rate:g} req/s (about {arrivals[-1]:.0f}s of arrivals)")
+            thread.start()
+            try:
+                _wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, f"online {rate:g} req/s")
+            finally:
+                thread.join(timeout=5)
+                submitter.redis.close()
+            if errors:
+                raise RuntimeError(f"submitting at {rate:g} req/s failed: {errors[0]}")
+            # Rows are durable before their id joins the done set, so they can be read while workers run.
+            timings, _ = read_results(out, job_id, requests)
+            lag = sorted(lags)
+            points.append(OnlinePoint(rate, summarize(timings), lag[int(0.99 * (len(lag) - 1))] if lag else 0.0,
+                                      timings))
+        pool.stop()
+        return EngineRun(None, points, [], {})
+    finally:
+        pool.stop()
+        producer.redis.close()
+        server.stop()
+
+
+# ---------------------------------------------------------------------------------- reports
+def _fmt_pct(p: Percentiles | None, scale: float = 1.0, digits: int = 3) -> str:
+    if p is None:
+        return "-"
+    return "/".join(f"{v * scale:.{digits}g}" for v in (p.p50, p.p90, p.p99))
+
+
+def format_table(rows: list[tuple[str, RunSummary]]) -> str:
+    head = (f"{'system':<22} {'tok/s':>9} {'span s':>8} {'reqs':>5} {'err':>4}  "
+            f"{'TTFT s p50/p90/p99':<22} {'TPOT ms p50/p90/p99':<22} {'e2e s p50/p90/p99':<22}")
+    lines = [head, "-" * len(head)]
+    for name, s in rows:
+        lines.append(f"{name:<22} {s.throughput:>9.1f} {s.span_s:>8.2f} {s.num_requests:>5d} {s.num_errors:>4d}  "
+                     f"{_fmt_pct(s.ttft):<22} {_fmt_pct(s.tpot, 1000.0):<22} {_fmt_pct(s.e2e):<22}")
+    return "\n".join(lines)
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b > 0 else "n/a"
+
+
+def _check_plotting(plot_dir: str | None) -> str | None:
+    if plot_dir is None:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return ("--plot needs matplotlib, which is not installed: pip install matplotlib "
+                "(or run without --plot)")
+    return None
+
+
+def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[OnlinePoint]) -> list[Path]:
+    """throughput.png (one bar per system) and, for online sweeps, latency.png (against offered load)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    if systems:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        names = [n for n, _ in systems]
+        values = [v for _, v in systems]
+        bars = ax.bar(names, values, color=["tab:blue" if n.startswith("mqinfer") else "tab:gray" for n in names])
+        ax.bar_label(bars, fmt="%.0f")
+        ax.margins(y=0.12)  # room for the labels above the tallest bar
+        ax.set_ylabel("requested output tokens / s")
+        ax.set_title("Throughput by system")
+        ax.tick_params(axis="x", labelrotation=20)
+        fig.tight_layout()
+        path = plot_dir / "throughput.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    if online:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+        rates = [p.rate for p in online]
+        for ax, metric, title, scale in ((axes[0], "ttft", "time to first token (s)", 1.0),
+                                         (axes[1], "tpot", "time per output token (ms)", 1000.0),
+                                         (axes[2], "e2e", "end-to-end latency (s)", 1.0)):
+            for q in ("p50", "p90", "p99"):
+                ys = [getattr(getattr(p.summary, metric), q) * scale if getattr(p.summary, metric) else float("nan")
+                      for p in online]
+                ax.plot(rates, ys, marker="o", label=q)
+            ax.set_xlabel("offered load (requests / s)")
+            ax.set_title(title)
+            ax.legend()
+        fig.tight_layout()
+        path = plot_dir / "latency.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _command_line() -> str:
+    prog = Path(sys.argv[0]).name
+    if prog in ("bench.py", "__main__.py"):
+        prog = "python -m mqinfer.loadgen.bench"  # what `python -m` leaves in argv[0] is a path
+    return " ".join([prog, *sys.argv[1:]])
+
+
+def _save_json(path: str | None, report: dict[str, Any]) -> None:
+    if not path:
+        return
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    os.replace(tmp, target)  # a reader never sees half a file
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures depend on: processor, cores, matrix extensions, and other load right now."""
+    info: dict[str, Any] = {"cpus": os.cpu_count(), "load_average": os.getloadavg()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and "cpu" not in info:
+            info["cpu"] = value.strip()
+        elif key.strip() == "flags" and "flags" not in info:
+            flags = value.split()
+            info["flags"] = sorted(f for f in flags if f.startswith(("avx512", "amx", "avx2")))
+    return info
+
+
+def _validate(args: argparse.Namespace) -> str | None:
+    if args.mode == "online" and not args.rate:
+        return "--mode online needs --rate R (requests per second; several comma-separated for a sweep)"
+    if args.mode == "offline" and args.rate:
+        return "--rate applies to --mode online only"
+    if args.skip_engine and not args.compare:
+        return "--skip-engine leaves nothing to run without --compare hf"
+    if args.workload == "standard" and (args.prompt_len or args.output_len):
+        return "the standard workload has fixed lengths; use --workload uniform with --prompt-len/--output-len"
+    if args.workload == "shared-prefix" and args.prompt_len:
+        return "--prompt-len does not apply to shared-prefix (a fixed prefix plus a random suffix)"
+    if args.timeout_s <= 0:
+        return "--timeout-s must be > 0"
+    if args.idle_exit_s <= 0:
+        return "--idle-exit-s must be > 0"
+    return _check_plotting(args.plot)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark that ``args`` (from ``add_bench_arguments``) describes; 0 on success."""
+    problem = _validate(args)
+    if problem:
+        print(f"mqinfer bench: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("mqinfer bench: interrupted", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError, ValueError, FileNotFoundError, FileExistsError) as exc:
+        print(f"mqinfer bench: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from mqinfer.loadgen.matrix_rate import compute_ceiling, measure_matmul_rate, workload_flops
+
+    started = time.time()
+    spec = resolve_model(args.model)
+    requests = make_workload(args.workload, n=args.num_requests, seed=args.seed, vocab_size=spec.vocab_size,
+                             max_model_len=spec.max_model_len, prompt_len=args.prompt_len,
+                             output_len=args.output_len)
+    stats = workload_stats(requests)
+    _log(f"workload {args.workload}: {stats.num_requests} requests, {stats.prompt_tokens} prompt tokens, "
+         f"{stats.output_tokens} output tokens asked for; model {spec.arg}")
+    device = "cuda" if args.device == "cuda" else "cpu"
+    mm_dtype = args.dtype if args.dtype != "auto" else str(spec.config.get("torch_dtype") or "float32")
+    _log(f"measuring the {mm_dtype} matrix rate on {device}")
+    rate = measure_matmul_rate(args.matrix_size, dtype=mm_dtype, device=device)
+    flops = workload_flops(spec.config, requests)
+    ceiling = compute_ceiling(flops, rate.flops_per_s)
+
+    scratch = Path(tempfile.mkdtemp(prefix="mqinfer-bench-"))
+    report: dict[str, Any] = {
+        "date": time.strftime(BENCH_DATE_FORMAT),
+        "command": _command_line(),
+        "machine": machine_info(),
+        "workload": {"name": args.workload, "seed": args.seed, "prompt_len": args.prompt_len,
+                     "output_len": args.output_len, **asdict(stats)},
+        "model": {"arg": spec.arg, "config": spec.config},
+        "mode": args.mode,
+        "workers": args.workers,
+        "engine_flags": {k: getattr(args, k) for k in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
+                                                       "num_kv_blocks", "block_size", "max_batch", "max_wait_ms")},
+        "matrix_rate": asdict(rate),
+        "flops": {**asdict(flops), "total": flops.total, "params_convention": flops.params_convention},
+        "compute_ceiling_tok_s": ceiling,
+        "systems": {},
+    }
+    table_rows: list[tuple[str, RunSummary]] = []
+    online: list[OnlinePoint] = []
+    ours: RunSummary | None = None
+    our_outputs: dict[str, list[int]] = {}
+
+    def done(name: str, summary: RunSummary, entry: dict[str, Any]) -> None:
+        # Each system's figures are logged and saved as soon as it finishes, so that a long run
+        # cut short still leaves what it measured.
+        table_rows.append((name, summary))
+        report["systems"][name] = entry
+        _log(f"{name}: {summary.throughput:.1f} tok/s over {summary.span_s:.1f}s, {summary.num_errors} errors")
+        _save_json(args.json, report)
+
+    try:
+        if not args.skip_engine:
+            run = run_engine(args, spec, requests, scratch)
+            ours, online, our_outputs = run.offline, run.online, run.outputs
+            if online:
+                report["online"] = [{"rate": p.rate, "summary": p.summary.to_dict(),
+                                     "submit_lag_p99_s": p.submit_lag_p99_s,
+                                     "requests": [asdict(t) for t in p.timings]} for p in online]
+            for p in online:
+                done(f"mqinfer @{p.rate:g} req/s", p.summary, {"summary": p.summary.to_dict()})
+            if ours is not None:
+                done("mqinfer offline", ours, {"summary": ours.to_dict(), "requests": [asdict(t) for t in run.timings]})
+        static_best = continuous = None
+        if args.compare == "hf":
+            from mqinfer.loadgen import hf_baseline
+
+            folder = hf_folder(spec, scratch)
+            _log(f"transformers: loading {folder} in {args.dtype} on {device}")
+            model = hf_baseline.load_hf_model(folder, dtype=mm_dtype, device=device)
+            hf_baseline.warm_up(model, requests)
+            for batch_size in args.hf_batch_sizes:
+                r = hf_baseline.run_static(model, requests, batch_size, progress=_log)
+                if static_best is None or r.throughput > static_best.throughput:
+                    static_best = r
+                    report["hf_static_best"] = r.label
+                done(r.label, r.summary, r.to_dict())
+            _log("transformers continuous batching")
+            try:
+                continuous = hf_baseline.run_continuous(model, requests, max_batch_tokens=args.hf_max_batch_tokens,
+                                                        progress=_log, timeout_s=args.timeout_s)
+                done(continuous.label, continuous.summary, continuous.to_dict())
+            except (RuntimeError, TimeoutError, ValueError) as exc:
+                report["systems"]["hf-continuous"] = {"error": str(exc)}
+                _log(f"transformers continuous batching failed: {exc}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    # ---- report
+    print(f"mqinfer bench: workload {args.workload} ({stats.num_requests} requests, {stats.prompt_tokens} prompt "
+          f"tokens, {stats.output_tokens} output tokens asked for, seed {args.seed}), model {spec.arg}, "
+          f"dtype {args.dtype}, mode {args.mode}")
+    machine = report["machine"]
+    print(f"machine: {machine.get('cpu', '?')}, {machine['cpus']} cpus, "
+          f"{' '.join(f for f in machine.get('flags', []) if f.startswith(('amx', 'avx512_bf16'))) or 'no bf16 units'}"
+          f"; load average at start {machine['load_average'][0]:.2f}")
+    print(format_table(table_rows))
+    ratios: dict[str, float] = {}
+    if ours is not None and static_best is not None:
+        ratios["vs_hf_static_best"] = ours.throughput / static_best.throughput if static_best.throughput else 0.0
+        print(f"mqinfer / transformers static batching (best: {static_best.label}): "
+              f"{_ratio(ours.throughput, static_best.throughput)}")
+    if ours is not None and continuous is not None:
+        ratios["vs_hf_continuous"] = ours.throughput / continuous.throughput if continuous.throughput else 0.0
+        print(f"mqinfer / transformers continuous batching: {_ratio(ours.throughput, continuous.throughput)}")
+    report["ratios"] = ratios
+    if our_outputs and static_best is not None:
+        agreement = token_agreement(our_outputs, static_best.outputs)
+        if agreement is not None:
+            report["agreement_vs_hf_static"] = asdict(agreement)
+            print(f"greedy agreement with {static_best.label} over {agreement.compared} requests: first token "
+                  f"{agreement.first_token:.0%}, identical output {agreement.identical:.0%}, common prefix "
+                  f"{agreement.common_prefix:.0%} on average (bf16 near-ties make later tokens differ)")
+    print(f"{mm_dtype} matrix rate: {rate.flops_per_s / 1e12:.3f} TFLOP/s ({rate.size}^3 matmul on {rate.device}, "
+          f"{rate.threads} threads, best of 5); workload: {flops.total / 1e12:.3f} TFLOP of matmuls "
+          f"({flops.params_convention / 1e12:.3f} counting the embedding table as 2 x params does); "
+          f"compute ceiling {ceiling:.0f} tok/s")
+    shares = {}
+    for name, s in table_rows:
+        if s.throughput > 0 and (name == "mqinfer offline" or name.startswith("hf-")):
+            shares[name] = s.throughput / ceiling
+    if shares:
+        print("share of the ceiling: " + ", ".join(f"{n} {v:.1%}" for n, v in shares.items()))
+    report["ceiling_share"] = shares
+    report["wall_s"] = time.time() - started
+    report["load_average_at_end"] = os.getloadavg()
+
+    if args.json:
+        _save_json(args.json, report)
+        _log(f"figures written to {args.json}")
+    if args.plot:
+        systems = [(n, s.throughput) for n, s in table_rows if not n.startswith("mqinfer @")]
+        for path in write_plots(Path(args.plot), systems, online):
+            _log(f"chart written to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mqinfer bench",
+        description="Benchmark the whole mqinfer pipeline on a synthetic workload, optionally beside "
+                    "transformers (--compare hf).")
+    add_bench_arguments(parser)
+    return run_bench(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

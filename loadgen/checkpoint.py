@@ -1,0 +1,176 @@
+"""The benchmark checkpoint: a random Llama-architecture model saved as a Hugging Face folder.
+
+Owns ``make_standard_checkpoint`` (issue 4's standard model: hidden 512, 8 layers, 8 heads, 2 KV
+heads, intermediate 1408, vocabulary 32000, context 2048, about 55M parameters) and the general
+``make_llama_checkpoint`` it is built on. Weights are N(0, 0.02) from a ``torch.Generator``
+seeded 0, drawn in float32 in a fixed tensor order and stored in bf16 (RMSNorm weights are 1);
+``config.json`` names ``LlamaForCausalLM`` and ``torch_dtype: bfloat16``; there is no tokenizer,
+since benchmark prompts are token ids. Both transformers and mqinfer's loader read the folder.
+
+A folder that already holds the same checkpoint (same config and seed, recorded in a stamp file
+written last) is reused, so a benchmark run creates it once per machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+STANDARD_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+_STAMP = "mqinfer-checkpoint.json"
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_cache_dir() -> Path:
+    """``$MQINFER_CACHE_DIR`` or ``$XDG_CACHE_HOME/mqinfer`` or ``~/.cache/mqinfer``."""
+    explicit = os.environ.get("MQINFER_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "mqinfer"
+
+
+def standard_checkpoint_dir() -> Path:
+    return default_cache_dir() / "standard-llama"
+
+
+def _full_config(overrides: dict[str, Any], dtype: str) -> dict[str, Any]:
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+    config = {**STANDARD_CONFIG, **overrides, "torch_dtype": dtype}
+    if "head_dim" not in overrides and ("hidden_size" in overrides or "num_attention_heads" in overrides):
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+        if not isinstance(config[key], int) or config[key] < 1:
+            raise ValueError(f"config {key} must be a positive integer, got {config[key]!r}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+    if config["tie_word_embeddings"] or config["attention_bias"] or config["mlp_bias"]:
+        raise ValueError("this writer makes untied, bias-free Llama checkpoints only")
+    return config
+
+
+def _tensors(config: dict[str, Any], seed: int):
+    """(HF name, float32 tensor) in a fixed order, so a seed names exactly one checkpoint."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    h, inter, d = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    q_size = config["num_attention_heads"] * d
+    kv_size = config["num_key_value_heads"] * d
+    vocab = config["vocab_size"]
+
+    def normal(*shape: int):
+        return torch.randn(*shape, generator=gen).mul_(0.02)
+
+    yield "model.embed_tokens.weight", normal(vocab, h)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.self_attn.q_proj.weight", normal(q_size, h)
+        yield f"{p}.self_attn.k_proj.weight", normal(kv_size, h)
+        yield f"{p}.self_attn.v_proj.weight", normal(kv_size, h)
+        yield f"{p}.self_attn.o_proj.weight", normal(h, q_size)
+        yield f"{p}.mlp.gate_proj.weight", normal(inter, h)
+        yield f"{p}.mlp.up_proj.weight", normal(inter, h)
+        yield f"{p}.mlp.down_proj.weight", normal(h, inter)
+        yield f"{p}.input_layernorm.weight", torch.ones(h)
+        yield f"{p}.post_attention_layernorm.weight", torch.ones(h)
+    yield "model.norm.weight", torch.ones(h)
+    yield "lm_head.weight", normal(vocab, h)
+
+
+def _stamp(config: dict[str, Any], seed: int) -> dict[str, Any]:
+    return {"format": 1, "seed": seed, "config": config}
+
+
+def is_checkpoint(folder: str | os.PathLike, config: dict[str, Any], seed: int) -> bool:
+    """Whether ``folder`` holds the complete checkpoint this module would write for (config, seed)."""
+    folder = Path(folder)
+    stamp = folder / _STAMP
+    if not (stamp.is_file() and (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()):
+        return False
+    try:
+        return json.loads(stamp.read_text()) == _stamp(config, seed)
+    except (OSError, ValueError):
+        return False
+
+
+def make_llama_checkpoint(folder: str | os.PathLike, *, seed: int = 0, dtype: str = "bfloat16",
+                          **overrides: Any) -> Path:
+    """Write (or reuse) a random Llama checkpoint: the standard config with HF-key ``overrides``.
+
+    The files are written in a temporary sibling folder and moved into place, so an interrupted
+    run never leaves a half checkpoint that a later run would take for a whole one.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    config = _full_config(overrides, dtype)
+    if is_checkpoint(folder, config, seed):
+        return folder
+    if folder.exists() and any(folder.iterdir()) and not (folder / _STAMP).exists():
+        raise FileExistsError(f"{folder} exists and is not a checkpoint written by mqinfer.loadgen; "
+                              "choose another folder")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    store = getattr(torch, dtype)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        tensors = {name: t.to(store).contiguous() for name, t in _tensors(config, seed)}
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2) + "\n")
+        # The stamp goes in last: its presence means the rest is complete.
+        (tmp / _STAMP).write_text(json.dumps(_stamp(config, seed), sort_keys=True) + "\n")
+        if folder.exists() and not is_checkpoint(folder, config, seed):
+            shutil.rmtree(folder)  # an older or different mqinfer checkpoint (it had a stamp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:
+            # Another process finished the same checkpoint first: keep theirs.
+            if not is_checkpoint(folder, config, seed):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def make_standard_checkpoint(folder: str | os.PathLike | None = None) -> Path:
+    """Issue 4's standard benchmark checkpoint in ``folder`` (default: the cache's standard-llama)."""
+    return make_llama_checkpoint(folder if folder is not None else standard_checkpoint_dir(), seed=0)
+
+
+def read_config(model: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint folder's config.json, with a clear error when it is missing."""
+    path = Path(model) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{model} is not a checkpoint folder: no config.json") from None

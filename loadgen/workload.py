@@ -1,0 +1,183 @@
+"""Seeded synthetic workloads: lists of token-id generation requests for benchmarks.
+
+Owns the length distributions (uniform, log-normal, shared-prefix) and the standard workload of
+issue 4 (256 requests, prompts uniform in 16..256 tokens, outputs uniform in 16..128, greedy,
+``ignore_eos``). Every request is a plain dict in the public request format, so the same list can
+go to ``Producer.submit_many`` and to the Hugging Face baselines. The same seed always gives the
+same requests (numpy's PCG64 generator); no torch here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# Ids below this are left out of prompts: Llama-style vocabularies keep unk/bos/eos at 0..2.
+MIN_TOKEN_ID = 3
+
+WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix")
+
+
+@dataclass(frozen=True)
+class WorkloadStats:
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # what the requests ask for (max_tokens, generated in full: ignore_eos)
+    max_prompt_len: int
+    max_output_len: int
+
+
+def _check_range(name: str, bounds: tuple[int, int], low: int = 1) -> tuple[int, int]:
+    lo, hi = int(bounds[0]), int(bounds[1])
+    if lo < low or hi < lo:
+        raise ValueError(f"{name} must be a range lo..hi with {low} <= lo <= hi, got {bounds!r}")
+    return lo, hi
+
+
+def _check_common(n: int, vocab_size: int) -> None:
+    if n < 1:
+        raise ValueError(f"a workload needs at least 1 request, got n={n}")
+    if vocab_size <= MIN_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_TOKEN_ID} (ids below it are special), got {vocab_size}")
+
+
+def _tokens(rng: np.random.Generator, length: int, vocab_size: int) -> list[int]:
+    return rng.integers(MIN_TOKEN_ID, vocab_size, size=length).tolist()
+
+
+def _request(prefix: str, index: int, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    return {
+        "id": f"{prefix}-{index:06d}",
+        "prompt_token_ids": prompt,
+        "max_tokens": int(max_tokens),
+        "ignore_eos": True,
+        "temperature": 0.0,
+    }
+
+
+def uniform_workload(n: int = 256, *, prompt_len: tuple[int, int] = (16, 256),
+                     output_len: tuple[int, int] = (16, 128), vocab_size: int = 32000, seed: int = 0,
+                     id_prefix: str = "uniform") -> list[dict[str, Any]]:
+    """Prompt and output lengths drawn uniformly from the inclusive ranges."""
+    _check_common(n, vocab_size)
+    p_lo, p_hi = _check_range("prompt_len", prompt_len)
+    o_lo, o_hi = _check_range("output_len", output_len)
+    rng = np.random.default_rng(seed)
+    # Lengths first, then tokens: changing vocab_size keeps the lengths of a seed.
+    p_lens = rng.integers(p_lo, p_hi + 1, size=n)
+    o_lens = rng.integers(o_lo, o_hi + 1, size=n)
+    return [_request(id_prefix, i, _tokens(rng, int(p_lens[i]), vocab_size), int(o_lens[i])) for i in range(n)]
+
+
+def _lognormal_lengths(rng: np.random.Generator, n: int, median: float, sigma: float,
+                       bounds: tuple[int, int]) -> np.ndarray:
+    lo, hi = bounds
+    draws = rng.lognormal(mean=np.log(median), sigma=sigma, size=n)
+    return np.clip(np.rint(draws), lo, hi).astype(np.int64)
+
+
+def lognormal_workload(n: int = 256, *, prompt_median: float = 96.0, prompt_sigma: float = 0.8,
+                       prompt_len: tuple[int, int] = (4, 1024), output_median: float = 48.0,
+                       output_sigma: float = 0.7, output_len: tuple[int, int] = (4, 512),
+                       vocab_size: int = 32000, seed: int = 0,
+                       id_prefix: str = "lognormal") -> list[dict[str, Any]]:
+    """Log-normal prompt and output lengths (long-tailed, like real traffic), clipped to the ranges."""
+    _check_common(n, vocab_size)
+    p_bounds = _check_range("prompt_len", prompt_len)
+    o_bounds = _check_range("output_len", output_len)
+    for name, value in (("prompt_median", prompt_median), ("output_median", output_median)):
+        if value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    for name, value in (("prompt_sigma", prompt_sigma), ("output_sigma", output_sigma)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    rng = np.random.default_rng(seed)
+    p_lens = _lognormal_lengths(rng, n, prompt_median, prompt_sigma, p_bounds)
+    o_lens = _lognormal_lengths(rng, n, output_median, output_sigma, o_bounds)
+    return [_request(id_prefix, i, _tokens(rng, int(p_lens[i]), vocab_size), int(o_lens[i])) for i in range(n)]
+
+
+def shared_prefix_workload(n: int = 256, *, num_prefixes: int = 8, prefix_len: int = 128,
+                           suffix_len: tuple[int, int] = (8, 64), output_len: tuple[int, int] = (16, 128),
+                           vocab_size: int = 32000, seed: int = 0,
+                           id_prefix: str = "shared") -> list[dict[str, Any]]:
+    """``num_prefixes`` distinct prefixes of ``prefix_len`` tokens (a system prompt, a few-shot
+    header), each request one of them (round robin, so every prefix is used) plus a random suffix."""
+    _check_common(n, vocab_size)
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
+    if prefix_len < 1:
+        raise ValueError(f"prefix_len must be >= 1, got {prefix_len}")
+    s_lo, s_hi = _check_range("suffix_len", suffix_len, low=0)
+    o_lo, o_hi = _check_range("output_len", output_len)
+    rng = np.random.default_rng(seed)
+    prefixes = [_tokens(rng, prefix_len, vocab_size) for _ in range(num_prefixes)]
+    s_lens = rng.integers(s_lo, s_hi + 1, size=n)
+    o_lens = rng.integers(o_lo, o_hi + 1, size=n)
+    return [
+        _request(id_prefix, i, prefixes[i % num_prefixes] + _tokens(rng, int(s_lens[i]), vocab_size), int(o_lens[i]))
+        for i in range(n)
+    ]
+
+
+def standard_workload(vocab_size: int = 32000, n: int = 256, seed: int = 0) -> list[dict[str, Any]]:
+    """Issue 4's standard workload: prompts uniform in 16..256 tokens, outputs uniform in 16..128."""
+    return uniform_workload(n, prompt_len=(16, 256), output_len=(16, 128), vocab_size=vocab_size, seed=seed,
+                            id_prefix="std")
+
+
+def make_workload(name: str, *, n: int = 256, seed: int = 0, vocab_size: int = 32000,
+                  max_model_len: int | None = None, prompt_len: tuple[int, int] | None = None,
+                  output_len: tuple[int, int] | None = None) -> list[dict[str, Any]]:
+    """A named workload (the ``--workload`` flag of the bench).
+
+    ``prompt_len`` / ``output_len`` replace the default ranges: the uniform ranges, the
+    log-normal clip bounds, or (``output_len`` only) the shared-prefix output range; the standard
+    workload is fixed. ``max_model_len`` (the model's context) trims lengths so that prompt +
+    output fits; it only matters for small models, since the defaults stay under 1,600 tokens.
+    """
+    ranges: dict[str, tuple[int, int]] = {}
+    if prompt_len is not None:
+        ranges["prompt_len"] = prompt_len
+    if output_len is not None:
+        ranges["output_len"] = output_len
+    if name == "standard":
+        if ranges:
+            raise ValueError("the standard workload has fixed lengths; use --workload uniform to choose them")
+        reqs = standard_workload(vocab_size=vocab_size, n=n, seed=seed)
+    elif name == "uniform":
+        reqs = uniform_workload(n, vocab_size=vocab_size, seed=seed, **ranges)
+    elif name == "lognormal":
+        reqs = lognormal_workload(n, vocab_size=vocab_size, seed=seed, **ranges)
+    elif name == "shared-prefix":
+        if prompt_len is not None:
+            raise ValueError("shared-prefix prompts are a fixed prefix plus a suffix; prompt_len does not apply")
+        reqs = shared_prefix_workload(n, vocab_size=vocab_size, seed=seed, **ranges)
+    else:
+        raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
+    if max_model_len is not None:
+        reqs = [fit_to_context(r, max_model_len) for r in reqs]
+    return reqs
+
+
+def fit_to_context(request: dict[str, Any], max_model_len: int) -> dict[str, Any]:
+    """The request with its prompt cut (from the front) so prompt + max_tokens <= max_model_len."""
+    if max_model_len < 2:
+        raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    max_tokens = min(request["max_tokens"], max_model_len - 1)
+    room = max_model_len - max_tokens
+    prompt = request["prompt_token_ids"]
+    if len(prompt) <= room and max_tokens == request["max_tokens"]:
+        return request
+    return {**request, "prompt_token_ids": prompt[-room:], "max_tokens": max_tokens}
+
+
+def workload_stats(requests: Sequence[dict[str, Any]]) -> WorkloadStats:
+    if not requests:
+        raise ValueError("empty workload")
+    p = [len(r["prompt_token_ids"]) for r in requests]
+    o = [int(r["max_tokens"]) for r in requests]
+    return WorkloadStats(len(requests), sum(p), sum(o), max(p), max(o))
