@@ -678,7 +678,8 @@ int mqinfer_paged_attention(
 }
 """
 
-_NATIVE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fPIC", "-shared", "-Werror=implicit-function-declaration")
+# No -ffast-math: loading a library built with it turns on flush-to-zero for the whole process.
+_NATIVE_FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-Werror=implicit-function-declaration")
 _native_lock = threading.Lock()
 _native_state: dict[str, object] = {}
 log = logging.getLogger(__name__)

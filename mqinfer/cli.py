@@ -190,6 +190,8 @@ def cmd_worker(args, opts: dict) -> int:
         flush_interval_s=opts["flush_interval_s"], drain_timeout_s=opts["drain_timeout_s"],
         reply_maxlen=opts["reply_maxlen"], reply_ttl_s=opts["reply_ttl_s"], redis_cluster=opts["redis_cluster"],
         budgets=Path(opts["budgets"]) if opts["budgets"] else None, enforce_budgets=opts["enforce_budgets"],
+        idempotency_ttl_s=opts["idempotency_ttl_s"], max_entry_bytes=opts["max_entry_bytes"],
+        max_tokens_limit=opts["max_tokens_limit"],
     )
     return Worker(config).run()
 

@@ -136,6 +136,13 @@ WORKER_OPTIONS = [
     Option("flush_interval_s", float, 0.5, "...or once the oldest pending row is this old.", metavar="S"),
     Option("drain_timeout_s", float, 30.0, "On SIGTERM, finish running requests for at most this long, "
            "then hand the rest back.", metavar="S"),
+    Option("idempotency_ttl_s", float, 86_400.0, "Remember each request (job_id, id) this long, so that a "
+           "producer's second copy is computed once, or refused if its content differs (0 = off).",
+           metavar="S"),
+    Option("max_entry_bytes", int, 1 << 20, "Largest stream entry accepted; a larger one ends as an error.",
+           metavar="N"),
+    Option("max_tokens_limit", _optional_int, None, "Largest max_tokens accepted; a larger request ends as an "
+           "error (default: bounded only by the context length).", metavar="N"),
     Option("budgets", str, None, "TOML file of per-tenant budgets (period, default_usd, [tenants]); exports "
            "budget and spend metrics.", metavar="FILE"),
     Option("enforce_budgets", bool, False, "Refuse new requests of a tenant whose budget is spent: they end "

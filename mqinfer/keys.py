@@ -5,6 +5,8 @@ The braces are Redis Cluster hash tags: a request stream and its dead letters sh
 
 from __future__ import annotations
 
+import hashlib
+
 GROUP = "workers"
 REPLY_PREFIX = "mqinfer:reply:"
 SCHEMA_VERSION = "1"
@@ -31,3 +33,21 @@ def job_results_stream(job_id: str) -> str:
 def job_done_set(stream: str, job_id: str) -> str:
     """Ids of a job's requests that have a durable row (`mqinfer run` counts these for progress)."""
     return f"mqinfer:{{{stream}}}:done:{job_id}"
+
+
+def idempotency_key(stream: str, job_id: str | None, request_id: str) -> str:
+    """A request's idempotency record: the first stream entry that carried it, its content hash and
+    whether its row is written. The name hashes (job_id, id), so no id can spell another's key."""
+    digest = hashlib.sha256(f"{job_id or ''}\x00{request_id}".encode()).hexdigest()[:40]
+    return f"mqinfer:{{{stream}}}:idem:{digest}"
+
+
+def inflight_hash(stream: str) -> str:
+    """Hash of entry id -> [job_id, id, tenant, request_type] for entries read and not yet acked, so
+    that a request whose entry is trimmed from the stream while pending can still end with a row."""
+    return f"mqinfer:{{{stream}}}:inflight"
+
+
+def gap_marker(stream: str, last_delivered_id: str) -> str:
+    """Taken (SET NX) by the one worker that reports entries trimmed before delivery after this id."""
+    return f"mqinfer:{{{stream}}}:gap:{last_delivered_id}"

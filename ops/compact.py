@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from mqinfer import faults
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA
 from mqinfer.workers.sink import COSTS_DIR, PARQUET_COMPRESSION, RESULTS_DIR, fsync_dir, part_files
 
@@ -76,13 +77,14 @@ def compact(out_dir: str | os.PathLike[str], *, fault: FaultHook | None = None) 
 
     ``fault`` is for crash tests only: it is called with the name of each step
     (``temp_written``, ``journal_written``, ``rename:<i>``, ``delete:<i>``, and ``recover:...``
-    during recovery) and may raise to simulate a crash there.
+    during recovery) and may raise to simulate a crash there. Without one, each step is the
+    named fault point ``compact.<step>`` of :mod:`mqinfer.faults` (off unless a test arms it).
     """
     out = Path(out_dir)
     stats = CompactStats()
     if not out.is_dir():
         return stats
-    step = fault or (lambda name: None)
+    step = fault or _fault_points()
     with _locked(out / LOCK_NAME):
         stats.recovered = _recover(out, step)
         run = uuid.uuid4().hex[:8]
@@ -103,6 +105,12 @@ def compact(out_dir: str | os.PathLike[str], *, fault: FaultHook | None = None) 
         step("journal_written")
         _apply(out, plan, step, prefix="")
     return stats
+
+
+def _fault_points() -> FaultHook:
+    if not faults.enabled():
+        return lambda name: None
+    return lambda name: faults.hit(f"compact.{name}")
 
 
 # -- locking, journal, recovery -----------------------------------------------------------------

@@ -42,6 +42,11 @@ Names (``_total`` is added to counters by the client library):
 ``mqinfer_tenant_budget_usd``               gauge      a tenant's budget (with ``--budgets``)
 ``mqinfer_tenant_spend_usd``                gauge      its fleet-wide spend this budget period
 ``mqinfer_result_rows_written_total``       counter    result rows written durably
+``mqinfer_duplicate_requests_total``        counter    entries repeating a taken request, by
+                                                       ``outcome``: same (acked once), conflict
+``mqinfer_stream_entries_lost_total``       counter    entries trimmed before their row, by
+                                                       ``state``: pending, undelivered
+``mqinfer_stream_entries_trimmed_in_flight_total``  counter  trimmed while running here (finished)
 ``mqinfer_process_*``                       various    resident memory, CPU seconds, open fds
 ==========================================  =========  ======================================
 """
@@ -121,6 +126,24 @@ class WorkerMetrics:
             "mqinfer_redeliveries", "Entries this worker claimed from another consumer.", registry=r
         )
         self.rows_written = Counter("mqinfer_result_rows_written", "Result rows written durably.", registry=r)
+        duplicates = Counter(
+            "mqinfer_duplicate_requests",
+            "Entries repeating a request (same job_id and id) another entry carries: `same` content is acked "
+            "without computing it again, `conflict` (different content) goes to the dead letters.",
+            ["outcome"], registry=r,
+        )
+        self.duplicates = {outcome: duplicates.labels(outcome) for outcome in ("same", "conflict")}
+        lost = Counter(
+            "mqinfer_stream_entries_lost",
+            "Stream entries removed (XTRIM, MAXLEN) before their request had a row: `pending` ones (read by a "
+            "worker that died) and `undelivered` ones (never read).", ["state"], registry=r,
+        )
+        self.lost_entries = {state: lost.labels(state) for state in ("pending", "undelivered")}
+        self.trimmed_in_flight = Counter(
+            "mqinfer_stream_entries_trimmed_in_flight",
+            "Entries removed from the stream while this worker ran their request (finished from memory).",
+            registry=r,
+        )
         self._cost = Counter(
             "mqinfer_cost_usd", f"Billed cost in USD by tenant (at most {max_tenant_labels} tenants by name, the "
             f"rest as {OTHER_TENANT!r}).", ["tenant"], registry=r,

@@ -17,6 +17,7 @@ MAX_DELIVERIES_EXCEEDED = "max_deliveries_exceeded"
 KV_CACHE_TOO_SMALL = "kv_cache_too_small"
 INTERNAL_ERROR = "internal_error"
 LOST = "lost"
+DUPLICATE_ID = "duplicate_id"
 BUDGET_EXCEEDED = "budget_exceeded"
 
 ALL_CODES = frozenset(
@@ -32,6 +33,7 @@ ALL_CODES = frozenset(
         KV_CACHE_TOO_SMALL,
         INTERNAL_ERROR,
         LOST,
+        DUPLICATE_ID,
         BUDGET_EXCEEDED,
     }
 )

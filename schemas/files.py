@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Literal
 
 from mqinfer.schemas import errors
 from mqinfer.schemas.errors import RequestError
-from mqinfer.schemas.request import Request, decode_request, request_from_obj
+from mqinfer.schemas.request import Request, decode_request, request_from_obj, usable_id
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson")
 PARQUET_SUFFIXES = (".parquet", ".pq")
@@ -102,12 +102,50 @@ def _iter_parquet(parquet: Any) -> Iterator[InputItem]:
     with parquet:
         row_no = 0
         for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-            for row in batch.to_pylist():
+            for row in batch_rows(batch):
                 row_no += 1
+                if isinstance(row, RequestError):
+                    yield _item(row_no, error=row)
+                    continue
                 try:
                     yield _item(row_no, request=request_from_obj(clean_parquet_row(row)))
                 except RequestError as exc:
                     yield _item(row_no, error=exc)
+
+
+def batch_rows(batch: Any) -> list[dict[str, Any] | RequestError]:
+    """A Parquet batch as Python rows; a row Python cannot hold (a timestamp past year 9999, say)
+    becomes a RequestError naming the column, instead of failing the whole file."""
+    import pyarrow as pa
+
+    unreadable = (OverflowError, ValueError, pa.ArrowException)
+    try:
+        return batch.to_pylist()
+    except unreadable:
+        pass
+    rows: list[dict[str, Any] | RequestError] = []
+    for i in range(batch.num_rows):
+        try:
+            rows.append(batch.slice(i, 1).to_pylist()[0])
+            continue
+        except unreadable:
+            pass
+        bad = []
+        for name, column in zip(batch.schema.names, batch.columns):
+            try:
+                column[i].as_py()
+            except unreadable as exc:
+                bad.append((name, exc))
+        request_id = None
+        if "id" in batch.schema.names:
+            try:
+                request_id = usable_id(batch.column("id")[i].as_py())
+            except unreadable:
+                pass
+        what = "; ".join(f"{name}: {exc}" for name, exc in bad) or "cannot be read"
+        where = f" - at `$.{bad[0][0]}`" if bad else ""
+        rows.append(RequestError(errors.INVALID_REQUEST, f"value cannot be read: {what}{where}", request_id))
+    return rows
 
 
 def clean_parquet_row(row: dict[str, Any]) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mqinfer import faults
 from mqinfer.schemas.rows import (
     COST_SCHEMA,
     RESULT_SCHEMA,
@@ -109,7 +110,8 @@ class DatasetWriter:
     """Writes rows of one dataset (``schema``) under ``root`` as atomically published part files.
 
     ``before_rename`` is a fault-injection hook for tests: it is called with the temp file's path
-    after the data is fsynced and before the rename that publishes it.
+    after the data is fsynced and before the rename that publishes it. The named fault point
+    ``sink.<dataset folder>.before_rename`` (:mod:`mqinfer.faults`) is reached there too.
     """
 
     def __init__(
@@ -125,6 +127,7 @@ class DatasetWriter:
         self.worker = worker
         self._name = safe_name(worker)
         self._before_rename = before_rename
+        self._fault_point = f"sink.{self.root.name}.before_rename"
         self._last_ms = 0
         self._seq = 0
 
@@ -152,6 +155,7 @@ class DatasetWriter:
             os.fsync(f.fileno())
             if self._before_rename is not None:
                 self._before_rename(temp)
+            faults.hit(self._fault_point)
             final = folder / self._next_name()
             while final.exists():  # only if two writers share a worker name
                 final = folder / self._next_name()

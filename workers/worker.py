@@ -7,12 +7,22 @@ row and a cost row, write them durably, and only then ``XACK`` (and ``XDEL``) th
 While a request runs its entry is re-claimed by this worker (``XCLAIM ... JUSTID``) so its idle
 time stays low and only a dead worker's entries are taken over. SIGTERM drains: no new reads,
 finish what runs within ``drain_timeout_s``, hand the rest back, flush, ack, exit 0.
+
+Duplicates from producers: each accepted request (``job_id``, ``id``) gets an idempotency record
+(first entry id, content hash, whether it was computed) with a time to live, taken atomically by
+a script. While the first entry is live or computed, a second entry with the same content is
+acked without computing it again and one with different content is refused to the dead letters;
+once the first is gone without a result (lost, cancelled, failed), a new copy takes over. Entries trimmed from the stream are noticed: those this worker runs are
+finished from memory, a dead worker's pending ones end with a ``lost`` error row when the
+in-flight hash still names their request, and undelivered ones are counted and logged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -36,7 +46,7 @@ from mqinfer.schemas import errors
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request, to_sampling_kwargs
 from mqinfer.schemas.rows import CostRow, ResultRow, error_result_row
-from mqinfer.schemas.stream import decode_entry
+from mqinfer.schemas.stream import MAX_ENTRY_BYTES, decode_entry, encode_entry
 from mqinfer.server import redact
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time, wasted_work_row
 from mqinfer.workers.engine import EngineConfig, EngineInputError, LLMEngine
@@ -49,6 +59,37 @@ REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, r
               *CLUSTER_TRANSIENT)
 
 HANDBACK_CONSUMER = "mqinfer-handback"
+# Deterministic (sorted map keys), so equal requests hash equal however the producer ordered them.
+_CONTENT_ENCODER = msgspec.msgpack.Encoder(order="deterministic")
+
+# Takes a request's idempotency record for an entry, atomically. KEYS: record, in-flight hash,
+# request stream. ARGV: entry id, content hash, ttl seconds, in-flight value. The record holds
+# "<entry id> <content hash> <run|done>"; `done` once the request has its result (a row that
+# finished `stop` or `length`). Returns {outcome, first entry id}; outcome is `new`,
+# `redelivery` (the same entry again), `takeover` (the first entry is gone without a result:
+# lost, cancelled, expired or failed, so the request may be sent again), `same` (a duplicate of a
+# live or computed request) or `conflict` (different content than a live or computed one).
+_CLAIM_SCRIPT = """
+local cur = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ' ' .. ARGV[2] .. ' run'
+if cur then
+  local entry, digest, state = string.match(cur, '^(%S+) (%S+) (%S+)$')
+  if entry == ARGV[1] then
+    redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+    return {'redelivery', entry}
+  end
+  if state == 'done' or #redis.call('XRANGE', KEYS[3], entry, entry) > 0 then
+    if digest ~= ARGV[2] then return {'conflict', entry} end
+    return {'same', entry}
+  end
+  redis.call('SET', KEYS[1], mine, 'EX', ARGV[3])
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+  return {'takeover', entry}
+end
+redis.call('SET', KEYS[1], mine, 'EX', ARGV[3])
+redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
+return {'new', ''}
+"""
 # A consumer that tried to read this recently is a live worker (a blocked XREADGROUP counts).
 LIVE_CONSUMER_MS = 10_000
 CANCELLED_JOB_STATUSES = ("cancelling", "cancelled")
@@ -87,6 +128,11 @@ class WorkerConfig:
     # Per-tenant budgets (ops/budgets.py); with enforce_budgets a spent tenant's requests are refused.
     budgets: Path | None = None
     enforce_budgets: bool = False
+    # 0: no idempotency records (a producer's duplicate is computed again).
+    idempotency_ttl_s: float = 86_400.0
+    max_entry_bytes: int = MAX_ENTRY_BYTES
+    # None: max_tokens is bounded only by the context length.
+    max_tokens_limit: int | None = None
 
     def __post_init__(self) -> None:
         auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"
@@ -103,6 +149,9 @@ class WorkerConfig:
             (self.flush_interval_s >= 0, "--flush-interval-s must be >= 0"),
             (bool(self.stream) and "}" not in self.stream, f"invalid --stream {self.stream!r}"),
             (self.budgets is not None or not self.enforce_budgets, "--enforce-budgets needs --budgets FILE"),
+            (self.idempotency_ttl_s >= 0, "--idempotency-ttl-s must be >= 0"),
+            (self.max_entry_bytes >= 1024, f"--max-entry-bytes must be >= 1024, got {self.max_entry_bytes}"),
+            (self.max_tokens_limit is None or self.max_tokens_limit >= 1, "--max-tokens-limit must be >= 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -166,6 +215,7 @@ class Worker:
         self.consumer = config.consumer or default_consumer_name()
         self.stream_key = keys.request_stream(config.stream)
         self.dead_key = keys.dead_letter_stream(config.stream)
+        self.inflight_key = keys.inflight_hash(config.stream)
         self.redis = connect_redis(config.redis_url, cluster=config.redis_cluster)
         self.metrics = WorkerMetrics()
         self.batcher = DynamicBatcher(max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
@@ -197,6 +247,12 @@ class Worker:
         self._last_keepalive = 0.0
         self._last_activity = self.started
         self._disowned: set[str] = set()
+        # Entries trimmed from the stream while running here: finished from memory, never kept fresh.
+        self._detached: set[str] = set()
+        # entry id -> (idempotency record key, content hash) of requests this worker took.
+        self._idem: dict[str, tuple[str, str]] = {}
+        self._claim = self.redis.register_script(_CLAIM_SCRIPT)
+        self._gap_reported: str | None = None
         self._redis_retry_at = 0.0
         self._redis_backoff = 0.0
 
@@ -409,6 +465,7 @@ class Worker:
             return
         if now - self._last_autoclaim >= min(self.config.claim_idle_ms / 2000.0, 5.0):
             self._last_autoclaim = now
+            self._check_undelivered_loss()
             room -= self._autoclaim(room)
             if room <= 0:
                 return
@@ -427,6 +484,10 @@ class Worker:
         for _key, entries in response or []:
             for entry_id, fields in entries:
                 entry_id = _s(entry_id)
+                if entry_id in self.inflight:
+                    # Delivered again while running here (a group rewound with XGROUP SETID, a
+                    # server restarted from an append-only file that lost its last second).
+                    continue
                 self._accept(entry_id, fields, attempt=1)
                 new.append(entry_id)
         if new:
@@ -464,8 +525,16 @@ class Worker:
         self._autoclaim_cursor = _s(result[0]) if result else "0-0"
         entries = result[1] if len(result) > 1 else []
         deleted = result[2] if len(result) > 2 else []
+        written = {e for e, _, _, _ in self.pending_acks} if deleted else set()
         for entry_id in deleted:  # pending, but trimmed from the stream: its content is gone
-            self._ack_lost(_s(entry_id))
+            entry_id = _s(entry_id)
+            if entry_id in written:
+                continue  # its row is written, only the ack is to come
+            if entry_id in self.inflight:  # running here: the scan dropped it from our pending list
+                if entry_id not in self._detached and entry_id not in self._disowned:
+                    self._sort_out_gone([entry_id], pending_elsewhere=[])
+                continue
+            self._ack_lost(entry_id)
         for entry_id, fields in entries:
             entry_id = _s(entry_id)
             if entry_id in self.inflight:
@@ -475,8 +544,80 @@ class Worker:
         return len(entries)
 
     def _ack_lost(self, entry_id: str) -> None:
-        log.warning("entry %s was pending but is no longer in the stream (trimmed): its request is lost", entry_id)
-        self.redis.xack(self.stream_key, self.config.group, entry_id)
+        """A pending entry whose content was removed from the stream (trimmed) before it had a row.
+
+        If the in-flight hash names its request, that request ends with a ``lost`` error row, unless
+        a newer entry carries it (the idempotency record moved on), its row is written already, or a
+        registered bulk job sends it again itself; without a name, a dead letter keeps the entry id.
+        """
+        self.metrics.lost_entries["pending"].inc()
+        raw = self.redis.hget(self.inflight_key, entry_id)
+        known = None
+        try:
+            known = json.loads(raw) if raw is not None else None
+        except ValueError:
+            pass
+        if not (isinstance(known, list) and len(known) == 4 and isinstance(known[1], str)):
+            log.warning("entry %s was pending but is no longer in the stream (trimmed): its request is lost "
+                        "and its id unknown", entry_id)
+            self._dead_letter(entry_id, {}, RequestError(
+                errors.LOST, "the entry was removed from the stream (trimmed) while pending; its content is gone"))
+            return
+        job_id, request_id, tenant, request_type = known
+        log.warning("entry %s (request %r, job %r) was pending but is no longer in the stream (trimmed): "
+                    "its request is lost", entry_id, request_id, job_id)
+        record = self.redis.get(keys.idempotency_key(self.config.stream, job_id, request_id))
+        if record is not None and (_s(record).split(" ", 1)[0] != entry_id or _s(record).endswith(" done")):
+            self.pending_acks.append((entry_id, None, "", None))
+            return
+        if self._job_status(job_id) is not None:  # `mqinfer jobs` sends its lost requests again
+            self.pending_acks.append((entry_id, None, "", None))
+            return
+        self._error_row(
+            entry_id, request_id, job_id, errors.LOST,
+            "the stream entry was removed (trimmed) while pending, before the request finished; send it again",
+            attempt=self._delivery_count(entry_id), enqueued_at=entry_time(entry_id),
+            # Stands in for the request whose content is gone: only its labels are read.
+            request=Request(id=request_id, prompt="", tenant=tenant, request_type=request_type),
+        )
+
+    def _check_undelivered_loss(self) -> None:
+        """Notice entries removed from the stream before the group read them (XTRIM below the backlog).
+
+        Workers delete only entries they acked, so when no entry older than the group's last
+        delivered one is left, entries added minus entries read minus entries left is how many
+        were removed unread. One worker reports each gap (a marker key taken with NX).
+        """
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.xinfo_stream(self.stream_key)
+        pipe.xinfo_groups(self.stream_key)
+        try:
+            stream, groups = pipe.execute()
+        except redis.exceptions.ResponseError:
+            return  # no stream yet
+        group = next((g for g in groups if _s(g.get("name")) == self.config.group), None)
+        read, added = (group or {}).get("entries-read"), stream.get("entries-added")
+        if group is None or read is None or added is None:
+            return  # an old server, or a counter the server cannot vouch for
+        last = _s(group["last-delivered-id"])
+        first = stream.get("recorded-first-entry-id")
+        length = int(stream.get("length", 0))
+        if length and first is not None and _id_key(_s(first)) <= _id_key(last):
+            return  # pending entries are left at the head: a trim cannot have passed them
+        missing = int(added) - int(read) - length
+        if missing <= 0 or self._gap_reported == last:
+            return
+        self._gap_reported = last
+        if not self.redis.set(keys.gap_marker(self.config.stream, last), self.consumer, nx=True, ex=7 * 24 * 3600):
+            return  # another worker reported this gap
+        self.metrics.lost_entries["undelivered"].inc(missing)
+        log.error("%d entries after %s were removed from %s before any worker read them (XTRIM or MAXLEN "
+                  "below the backlog?): their requests are lost and their ids unknown", missing, last,
+                  self.stream_key)
+        self.redis.xadd(self.dead_key, {
+            "entry_id": last, "error_code": errors.LOST, "count": missing, "worker": self.consumer,
+            "error": f"{missing} entries after {last} were removed from the stream before any worker read them",
+        }, maxlen=100_000, approximate=True)
 
     def _accept(self, entry_id: str, fields: dict, attempt: int, redelivered: bool = False) -> None:
         """Decode and validate one entry; a bad one becomes an error row or a dead letter.
@@ -488,13 +629,15 @@ class Worker:
         enqueued_at = entry_time(entry_id)
         self._last_activity = now
         try:
-            request = decode_entry(fields)
+            request = decode_entry(fields, max_entry_bytes=self.config.max_entry_bytes)
         except RequestError as exc:
             if exc.request_id is None:
                 self._dead_letter(entry_id, fields, exc)
             else:
                 self._error_row(entry_id, exc.request_id, _recover_job_id(fields), exc.code, exc.message,
                                 attempt=attempt, enqueued_at=enqueued_at)
+            return
+        if not self._claim_request(entry_id, request, fields):
             return
         if redelivered and request.reply_to is not None:
             self.replies.restart(request.reply_to, request.id, request.job_id, attempt)
@@ -527,6 +670,10 @@ class Worker:
             messages = (
                 [{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None
             )
+            limit = self.config.max_tokens_limit
+            if limit is not None and request.max_tokens > limit:
+                raise ValueError(f"max_tokens {request.max_tokens} is over this worker's limit of {limit} "
+                                 "(--max-tokens-limit) - at `$.max_tokens`")
             prompt_ids = self.engine.encode_prompt(request.prompt, request.prompt_token_ids, messages)
             sampling = SamplingParams(**to_sampling_kwargs(request))
         except EngineInputError as exc:
@@ -541,6 +688,37 @@ class Worker:
             entry_id, request, attempt, enqueued_at, prompt_token_ids=prompt_ids, sampling=sampling
         )
         self.batcher.add(entry_id)
+
+    def _claim_request(self, entry_id: str, request: Request, fields: dict) -> bool:
+        """Take the request's idempotency record for this entry; False when the entry is done with
+        (a duplicate acked without computing, or a conflicting copy sent to the dead letters)."""
+        ttl = self.config.idempotency_ttl_s
+        if not ttl:
+            return True
+        record = keys.idempotency_key(self.config.stream, request.job_id, request.id)
+        digest = hashlib.sha256(_CONTENT_ENCODER.encode(request)).hexdigest()[:32]
+        known = json.dumps([request.job_id, request.id, request.tenant, request.request_type])
+        outcome, first = self._claim(keys=[record, self.inflight_key, self.stream_key],
+                                     args=[entry_id, digest, max(1, math.ceil(ttl)), known])
+        outcome, first = _s(outcome), _s(first)
+        if outcome in ("new", "redelivery", "takeover"):
+            if outcome == "takeover":
+                log.info("request %r (job %r): entry %s takes over from %s, which is gone without a row",
+                         request.id, request.job_id, entry_id, first)
+            self._idem[entry_id] = (record, digest)
+            return True
+        if outcome == "same":
+            self.metrics.duplicates["same"].inc()
+            log.info("entry %s repeats request %r (job %r) of entry %s: computed once", entry_id, request.id,
+                     request.job_id, first)
+            self.pending_acks.append((entry_id, None, "", None))
+            return False
+        self.metrics.duplicates["conflict"].inc()
+        self._dead_letter(entry_id, fields, RequestError(
+            errors.DUPLICATE_ID,
+            f"id {request.id!r} (job_id {request.job_id!r}) was already submitted with different content "
+            f"(entry {first}); a request is identified by (job_id, id) - at `$.id`", request.id))
+        return False
 
     def _dead_letter(self, entry_id: str, fields: dict, exc: RequestError) -> None:
         """No usable id: the entry goes to the dead-letter stream with the reason, then is acked."""
@@ -758,6 +936,13 @@ class Worker:
         charged = self.budget_guard.charge(pipe, ids) if self.budget_guard is not None else []
         pipe.xack(self.stream_key, self.config.group, *ids)
         pipe.xdel(self.stream_key, *ids)  # acked entries leave the stream; pending ones never do
+        pipe.hdel(self.inflight_key, *ids)
+        for entry_id, _, _, row in self.pending_acks:
+            idem = self._idem.get(entry_id)
+            if idem is not None and row is not None and row.finish_reason in ("stop", "length"):
+                # Computed: later copies are duplicates. A request that ended otherwise (an error,
+                # cancelled, expired) may be sent again and is then computed again.
+                pipe.set(idem[0], f"{entry_id} {idem[1]} done", xx=True, keepttl=True)
         for job_id, rids in done.items():
             key = keys.job_done_set(self.config.stream, job_id)
             pipe.sadd(key, *rids)
@@ -770,6 +955,8 @@ class Worker:
                 results_pipe.xadd(keys.job_results_stream(job_id),
                                   {"id": rid, "row": msgspec.json.encode(row), "cost_usd": repr(cost_usd)})
         pipe.execute()
+        for entry_id in ids:
+            self._idem.pop(entry_id, None)
         if results_pipe is not pipe:
             results_pipe.execute()
         if charged:
@@ -809,7 +996,8 @@ class Worker:
             return False
         self._last_keepalive = now
         # Finished entries whose rows wait for a flush stay ours until acked: keep them fresh too.
-        mine = [e for e in self.inflight if e not in self._disowned] + [a[0] for a in self.pending_acks]
+        mine = [e for e in self.inflight if e not in self._disowned and e not in self._detached]
+        mine += [a[0] for a in self.pending_acks if a[0] not in self._detached]
         if not mine:
             return True
         owned = set()
@@ -820,20 +1008,55 @@ class Worker:
                                                consumername=self.consumer):
                 owned.add(_s(p["message_id"]))
         still = [e for e in mine if e in owned]
-        lost = [e for e in mine if e not in owned]
         if still:
-            self.redis.xclaim(self.stream_key, self.config.group, self.consumer, 0, still, justid=True)
+            kept = {_s(e) for e in self.redis.xclaim(self.stream_key, self.config.group, self.consumer, 0, still,
+                                                     justid=True)}
+            # XCLAIM drops entries that are gone from the stream from our pending list.
+            self._sort_out_gone([e for e in still if e not in kept], pending_elsewhere=[])
             self._apply_cancels(still)
-        for entry_id in lost:
-            # Another worker took this entry while we were stalled: stop computing it.
-            log.warning("entry %s was claimed by another worker; dropping our copy", entry_id)
+        gone = [e for e in mine if e not in owned]
+        if gone:
+            pipe = self.redis.pipeline(transaction=False)
+            for entry_id in gone:
+                pipe.xpending_range(self.stream_key, self.config.group, entry_id, entry_id, 1)
+            owners = pipe.execute()
+            self._sort_out_gone(gone, pending_elsewhere=[e for e, o in zip(gone, owners) if o])
+        return True
+
+    def _sort_out_gone(self, entry_ids: list[str], *, pending_elsewhere: list[str]) -> None:
+        """Entries running here that are no longer pending under this worker: drop or keep our copy.
+
+        Pending under another consumer: it took the entry over while we were stalled, drop ours.
+        Pending nowhere: either that worker finished it (its idempotency record says ``done``),
+        or the entry was trimmed from the stream while it ran here; then nobody else can run it,
+        so we finish it from memory (without a record to tell, we finish it too: a duplicate row
+        is removed by compaction, a dropped one is lost). Entries already finished here keep their
+        buffered row either way.
+        """
+        entry_ids = [e for e in entry_ids if e in self.inflight]
+        if not entry_ids:
+            return
+        elsewhere = set(pending_elsewhere)
+        unsure = [e for e in entry_ids if e not in elsewhere and e in self._idem]
+        records = dict(zip(unsure, self.redis.mget([self._idem[e][0] for e in unsure]))) if unsure else {}
+        for entry_id in entry_ids:
+            record = records.get(entry_id)
+            done_elsewhere = record is not None and _s(record).endswith(" done")
+            if entry_id not in elsewhere and not done_elsewhere:
+                log.warning("entry %s was removed from the stream while running here; finishing it from memory",
+                            entry_id)
+                self.metrics.trimmed_in_flight.inc()
+                self._detached.add(entry_id)
+                continue
+            log.warning("entry %s was %s by another worker; dropping our copy", entry_id,
+                        "claimed" if entry_id in elsewhere else "finished")
+            self._idem.pop(entry_id, None)
             self._disowned.add(entry_id)
             if self.engine.scheduler.get_request(entry_id) is not None:
                 self.engine.cancel(entry_id)
             else:
                 self.inflight.pop(entry_id, None)
                 self._disowned.discard(entry_id)
-        return True
 
     def _apply_cancels(self, entry_ids: list[str]) -> None:
         """Requests their producer cancelled (``Client.cancel``) stop now and end ``cancelled``.
@@ -906,8 +1129,17 @@ class Worker:
         log.info("worker %s stopped", self.consumer)
 
     def _handback(self, entry_ids: list[str]) -> None:
-        """Make unfinished entries claimable at once by another worker, without counting a delivery."""
+        """Make unfinished entries claimable at once by another worker, without counting a delivery.
+
+        An entry trimmed from the stream while it ran here cannot be handed back: its request is
+        added again as a new entry, which takes over its idempotency record."""
         for entry_id in entry_ids:
+            self._idem.pop(entry_id, None)
+            if entry_id in self._detached:
+                new_id = self.redis.xadd(self.stream_key, encode_entry(self.inflight[entry_id].request))
+                log.warning("entry %s was trimmed while running here: its request is sent again as %s",
+                            entry_id, _s(new_id))
+                continue
             attempt = self.inflight[entry_id].attempt
             self.redis.xclaim(
                 self.stream_key, self.config.group, HANDBACK_CONSUMER, 0, [entry_id],
