@@ -124,8 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--plot", default=None, metavar="DIR", help="Also write PNG charts into DIR (needs matplotlib).")
     rc.set_defaults(_options=[], _required=())
     from mqinfer import jobs_cli
+    from mqinfer.loadgen.bench import add_bench_arguments
 
     jobs_cli.add_jobs_parser(sub)
+    bench = sub.add_parser("bench", help="Benchmark the whole pipeline (offline or online), optionally "
+                           "against transformers on the same checkpoint and requests.",
+                           description="Benchmark the whole pipeline (offline or online), optionally "
+                           "against transformers on the same checkpoint and requests. See BENCHMARKS.md.")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -141,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         from mqinfer import jobs_cli
 
         return jobs_cli.run(args)
+    if args.command == "bench":
+        from mqinfer.loadgen.bench import run_bench
+
+        setup_logging("info", "text")
+        return run_bench(args)
     try:
         config_path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
         file_values = load_config_file(config_path, args.command)
