@@ -25,7 +25,6 @@ from tests.faults.faultkit import (
     spawn,
     submit,
     wait_rows,
-    worker_supports,
 )
 from tests.helpers import rows, wait_until
 
@@ -150,23 +149,6 @@ def test_entries_trimmed_while_running_are_finished_from_memory(redis_url, redis
            note="4 running entries finished from memory; 3 undelivered counted and reported")
 
 
-@pytest.mark.skipif(worker_supports("idempotency_ttl_s"), reason="covered by the trim tests above")
-def test_trimmed_pending_entry_of_a_dead_worker_is_at_least_logged(redis_url, redis_client, tmp_path):
-    """What the worker does without the in-flight hash: the loss is acked and logged."""
-    submit(redis_url, requests("trim-log", 2, 30))
-    out = tmp_path / "out"
-    a = spawn(redis_url, out, "A", "--claim-idle-ms", "1000", faults="worker.after_step=kill@2")
-    a.wait()
-    assert killed(a)
-    assert len(pending_ids(redis_client, "A")) == 2
-    redis_client.xtrim(STREAM, maxlen=0, approximate=False)
-    b = spawn(redis_url, out, "B", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5")
-    assert b.wait() == 0, b.log()
-    assert b.log().count("was pending but is no longer in the stream (trimmed)") == 2
-    assert redis_client.xpending(STREAM, keys.GROUP)["pending"] == 0
-
-
-@needs_worker_patch
 def test_entries_delivered_again_while_running_are_not_run_twice(redis_url, redis_client, tmp_path):
     """A server restarted from an append-only file that lost its last second, or a group rewound
     with XGROUP SETID, delivers entries again that a live worker is running."""
