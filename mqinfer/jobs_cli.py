@@ -15,7 +15,9 @@ import os
 import sys
 import time
 
-from mqinfer.config import LOG_LEVEL, REDIS, STREAM, ConfigError, Option, add_options, load_config_file, resolve
+from mqinfer.config import (
+    LOG_LEVEL, REDIS, REDIS_CLUSTER, SHARDS, STREAM, ConfigError, Option, add_options, load_config_file, resolve,
+)
 
 OUT = Option("out", str, None, "Output folder: output.parquet (and output.jsonl / errors.jsonl for OpenAI "
              "Batch input) and the job's spool go here.", metavar="DIR")
@@ -30,9 +32,16 @@ LEASE_S = Option("lease_s", float, 10.0, "Lock lease of a running job task; a de
 SWEEP_INTERVAL_S = Option("sweep_interval_s", float, 2.0, "How often the worker looks for jobs whose task "
                           "chain stopped (a killed worker) and restarts them.", metavar="S")
 
-SUBMIT_OPTIONS = [REDIS, OUT, STREAM, DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE, LEASE_S, LOG_LEVEL]
-WORKER_OPTIONS = [REDIS, QUEUE, SWEEP_INTERVAL_S, LOG_LEVEL]
-READ_OPTIONS = [REDIS, LOG_LEVEL]
+JOBS_REDIS = Option("jobs_redis", str, None, "A plain Redis server for the rq queue and the job state, when the "
+                    "request streams live elsewhere: --redis is then the inference workers' server (a Redis "
+                    "Cluster seed with --redis-cluster; rq cannot run on a cluster). Default: --redis holds "
+                    "everything.", metavar="URL")
+
+SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE,
+                  LEASE_S, LOG_LEVEL]
+WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, LOG_LEVEL]
+READ_OPTIONS = [REDIS, JOBS_REDIS, LOG_LEVEL]
+CANCEL_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, LOG_LEVEL]
 
 _FINAL = ("completed", "failed", "cancelled", "expired")
 
@@ -73,18 +82,20 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                 cmd_worker, required=("redis",))
     p.add_argument("--name", default=None, help="Worker name (default: mqinfer-jobs-HOST-PID-random).")
     p.add_argument("--burst", action="store_true", help="Exit once the queue is empty.")
-    p = command("status", "Show a job: status, counts, tokens, cost so far, throughput, ETA.", READ_OPTIONS,
-                cmd_status, required=("redis",))
+    p = command("status", "Show a job: status, counts, tokens, cost so far, throughput, ETA (reads the jobs "
+                "server: --jobs-redis, else --redis).", READ_OPTIONS, cmd_status)
     p.add_argument("job_id", metavar="ID", help="Job id.")
     p.add_argument("--json", action="store_true", help="Print the status as JSON.")
     p.add_argument("--watch", action="store_true", help="Refresh until the job ends (a progress bar on a "
                    "terminal); exit 0 if it completed, 1 otherwise.")
     p.add_argument("--interval", type=float, default=1.0, help="Seconds between refreshes (default: 1).")
-    p = command("list", "List jobs, newest first.", READ_OPTIONS, cmd_list, required=("redis",))
+    p = command("list", "List jobs, newest first (on --jobs-redis, else --redis).", READ_OPTIONS, cmd_list)
     p.add_argument("--limit", type=int, default=50, help="At most this many (default: 50).")
     p.add_argument("--json", action="store_true", help="Print a JSON array.")
     p = command("cancel", "Cancel a job: requests not started end as cancelled; rows already finished are "
-                "kept in its output.", READ_OPTIONS, cmd_cancel, required=("redis",))
+                "kept in its output. Needs the jobs server (--jobs-redis, else --redis); with --jobs-redis, "
+                "also giving --redis lets the inference workers stop its running requests at once.",
+                CANCEL_OPTIONS, cmd_cancel)
     p.add_argument("job_id", metavar="ID", help="Job id.")
 
 
@@ -94,9 +105,42 @@ def _options(args) -> dict:
 
 
 def _client(opts: dict):
+    """The jobs server: job state and the rq queue (--jobs-redis, else --redis)."""
     from mqinfer.server import connect
 
-    return connect(opts["redis"])
+    url = opts.get("jobs_redis") or opts.get("redis")
+    if not url:
+        raise ConfigError("give --jobs-redis (or --redis) URL, or set MQINFER_JOBS_REDIS / MQINFER_REDIS")
+    if not opts.get("jobs_redis") and opts.get("redis_cluster"):
+        raise ConfigError("rq cannot run on a Redis Cluster: with --redis-cluster, give --jobs-redis URL, a plain "
+                          "Redis server for the job queue and state")
+    client = connect(url)
+    if opts.get("jobs_redis"):
+        import redis
+
+        try:
+            clustered = int(client.info("cluster").get("cluster_enabled", 0))
+        except redis.exceptions.ResponseError:  # a server without the cluster section is not a cluster
+            clustered = 0
+        if clustered:
+            raise ConfigError("--jobs-redis must be a plain Redis server, not a cluster node (rq cannot run on a "
+                              "cluster)")
+    return client
+
+
+def _data_client(opts: dict, *, needed: bool = True):
+    """The inference workers' server (--redis) when --jobs-redis names another one, else None."""
+    from mqinfer.cluster import connect_redis
+
+    jobs_url, url = opts.get("jobs_redis"), opts.get("redis")
+    if not jobs_url or url == jobs_url:
+        return None
+    if not url:
+        if needed:
+            raise ConfigError("with --jobs-redis, also give --redis: the server (or cluster seed, with "
+                              "--redis-cluster) of the request streams")
+        return None
+    return connect_redis(url, cluster=bool(opts.get("redis_cluster")))
 
 
 # -- handlers --------------------------------------------------------------------------------
@@ -107,7 +151,7 @@ def cmd_submit(args) -> int:
     result = submit_job(
         _client(opts), args.input, opts["out"], stream=opts["stream"], deadline=parse_deadline(opts["deadline"]),
         max_in_flight=opts["max_in_flight"], chunk_size=opts["chunk_size"], queue_name=opts["queue"],
-        lease_s=opts["lease_s"],
+        lease_s=opts["lease_s"], shards=opts["shards"], data=_data_client(opts),
     )
     if args.json:
         print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))
@@ -124,7 +168,8 @@ def cmd_worker(args) -> int:
 
     opts = _options(args)
     return run_worker(_client(opts), queue_name=opts["queue"], name=args.name, burst=args.burst,
-                      sweep_interval_s=opts["sweep_interval_s"], logging_level=opts["log_level"])
+                      sweep_interval_s=opts["sweep_interval_s"], logging_level=opts["log_level"],
+                      data=_data_client(opts))
 
 
 def cmd_status(args) -> int:
@@ -179,7 +224,7 @@ def cmd_cancel(args) -> int:
     from mqinfer.ops.jobs import cancel_job
 
     opts = _options(args)
-    status = cancel_job(_client(opts), args.job_id)
+    status = cancel_job(_client(opts), args.job_id, data=_data_client(opts, needed=False))
     if status == "cancelling":
         print(f"job {args.job_id}: cancelling (requests not started end as cancelled; finished rows are kept)")
         return 0

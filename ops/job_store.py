@@ -14,6 +14,21 @@ task's token before it changes anything, so a task that lost its lease (its proc
 sweeper started a new chain) can no longer change the job. Feeding (``XADD`` + in-flight entry +
 cursor) and collecting (in-flight removal + counters + cursor + parts list) are each one script,
 so a crash leaves either all of a step or none of it.
+
+**Two servers** (``--jobs-redis``). rq does not run on Redis Cluster, so a fleet whose request
+streams live on a cluster keeps its job state and rq queue on a separate plain server. Then the
+job's hash, lock, in-flight map and parts list live on the *jobs* server, and its request streams,
+done sets and result stream on the *data* server (the inference workers' ``--redis``). One script
+cannot span two servers, so feeding becomes three ordered steps: (1) a fenced script notes the
+requests in flight with no entry id yet (``"- <locator>"``) and moves the feed cursor, (2) the
+entries are added to the data server's streams, (3) a fenced script records their entry ids. A
+crash after (1) leaves requests in flight without an entry; the periodic reconcile of the task
+finds them (an in-flight request with no entry and no row) and sends them. A crash after (2)
+leaves entries whose ids were never recorded; if a later reconcile sends them again, the worker's
+idempotency record turns the second copy into a duplicate, not a second computation. Collecting
+commits on the jobs server first and trims the result stream after. The inference workers learn a
+job's status (to stop a cancelled job's requests) from a small mirror hash under the same key
+name on the data server, written at registration, cancel and the end of the job.
 """
 
 from __future__ import annotations
@@ -31,6 +46,7 @@ QUEUE_NAME = "mqinfer-jobs"
 JOBS_INDEX = "mqinfer:jobs"  # sorted set: job id -> created_at, for `jobs list`
 ACTIVE_JOBS = "mqinfer:jobs:active"  # set of jobs that are not in a final state, for the sweeper
 SWEEP_LOCK = "mqinfer:jobs:sweep"
+MIRROR_TTL_S = 7 * 24 * 3600  # how long a finished job's status mirror stays on the data server
 
 VALIDATING = "validating"
 FAILED = "failed"
@@ -50,7 +66,7 @@ INT_FIELDS = frozenset({
     "max_in_flight", "chunk_size", "val_parts", "total", "invalid", "duplicates", "validated",
     "feed_part", "feed_offset", "fed", "refed", "skipped", "collected", "completed", "failed",
     "cancelled", "expired", "prompt_tokens", "output_tokens", "cost_rows", "dup_rows", "task_errors",
-    "row_parts", "resumed_rows", "output_rows",
+    "row_parts", "resumed_rows", "output_rows", "shards",
 })
 
 
@@ -142,13 +158,14 @@ end
 return {1, status}
 """
 
-# KEYS: hash, lock, inflight, request stream. ARGV: token, feed_part, feed_offset, skipped,
-# counter name, then (id, locator, payload) triples. Returns how many were added, -1 if the lock is lost.
+# KEYS: hash, lock, inflight, then the request streams (shards). ARGV: token, feed_part,
+# feed_offset, skipped, counter name, then (id, locator, payload, stream index from 0) quadruples.
+# Returns how many were added, -1 if the lock is lost.
 _FEED = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local n = 0
-for i = 6, #ARGV, 3 do
-  local eid = redis.call('XADD', KEYS[4], '*', 'r', ARGV[i + 2], 'v', '1')
+for i = 6, #ARGV, 4 do
+  local eid = redis.call('XADD', KEYS[4 + tonumber(ARGV[i + 3])], '*', 'r', ARGV[i + 2], 'v', '1')
   redis.call('HSET', KEYS[3], ARGV[i], eid .. ' ' .. ARGV[i + 1])
   n = n + 1
 end
@@ -158,7 +175,33 @@ redis.call('HINCRBY', KEYS[1], 'skipped', ARGV[4])
 return n
 """
 
-# KEYS: hash, lock, inflight, parts, results stream. ARGV: token, cursor, part name ('' = none),
+# Two servers, step 1. KEYS: hash, lock, inflight. ARGV: token, feed_part, feed_offset, skipped,
+# counter name, then (id, locator) pairs: noted in flight without an entry id ('-').
+_FEED_PLAN = """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
+local n = 0
+for i = 6, #ARGV, 2 do
+  redis.call('HSET', KEYS[3], ARGV[i], '- ' .. ARGV[i + 1])
+  n = n + 1
+end
+if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'feed_part', ARGV[2], 'feed_offset', ARGV[3]) end
+redis.call('HINCRBY', KEYS[1], ARGV[5], n)
+redis.call('HINCRBY', KEYS[1], 'skipped', ARGV[4])
+return n
+"""
+
+# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator>") pairs;
+# a request no longer in flight is left alone.
+_FEED_IDS = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+for i = 2, #ARGV, 2 do
+  if redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 1]) end
+end
+return 1
+"""
+
+# KEYS: hash, lock, inflight, parts[, results stream: trimmed up to the cursor when given].
+# ARGV: token, cursor, part name ('' = none),
 # then (id, counter, prompt_tokens, output_tokens, cost_usd or '') quintuples.
 # A row counts only if its id was in flight: later copies of a row (a request computed twice)
 # are kept in the spool but counted once, as dup_rows.
@@ -185,7 +228,7 @@ if ARGV[3] ~= '' then
   redis.call('RPUSH', KEYS[4], ARGV[3])
   redis.call('HINCRBY', KEYS[1], 'row_parts', 1)
 end
-redis.call('XTRIM', KEYS[5], 'MINID', ARGV[2])
+if KEYS[5] then redis.call('XTRIM', KEYS[5], 'MINID', ARGV[2]) end
 return counted
 """
 
@@ -227,6 +270,7 @@ class FeedItem:
     id: str
     locator: str
     payload: bytes
+    shard: int = 0  # index into the stream keys given to commit_feed
 
 
 @dataclass(frozen=True)
@@ -241,10 +285,16 @@ class CollectedRow:
 
 
 class JobStore:
-    """The Redis side of one job. ``client`` must not decode responses (rq needs bytes too)."""
+    """The Redis side of one job. ``client`` must not decode responses (rq needs bytes too).
 
-    def __init__(self, client: redis.Redis, job_id: str) -> None:
+    ``client`` is the jobs server (hash, lock, in-flight map, parts, rq queue); ``data`` is the
+    server or cluster of the request streams and the result stream, when it is another one.
+    """
+
+    def __init__(self, client: redis.Redis, job_id: str, *, data=None) -> None:
         self.redis = client
+        self.data = client if data is None else data
+        self.split = self.data is not client
         self.job_id = job_id
         self.hash_key = keys.job_key(job_id)
         self.lock_key = lock_key(job_id)
@@ -253,7 +303,7 @@ class JobStore:
         self.results_key = keys.job_results_stream(job_id)
         self._scripts = {name: client.register_script(src) for name, src in (
             ("acquire", _ACQUIRE), ("refresh", _REFRESH), ("release", _RELEASE), ("update", _UPDATE),
-            ("feed", _FEED), ("collect", _COLLECT), ("cancel", _CANCEL), ("rekick", _REKICK),
+            ("feed", _FEED), ("feed_plan", _FEED_PLAN), ("feed_ids", _FEED_IDS), ("collect", _COLLECT), ("cancel", _CANCEL), ("rekick", _REKICK),
             ("next_task", _NEXT_TASK),
         )}
 
@@ -288,8 +338,13 @@ class JobStore:
     # -- registration (no lock: the job does not run yet) ---------------------------------------
     def register(self, fields: dict[str, object], *, parts: Sequence[str] = ()) -> None:
         """Create the job's hash, index entries and adopted spool parts in one transaction."""
+        if self.split:
+            self.data.delete(self.results_key)
+            self.mirror(str(fields["status"]))
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.hash_key, self.inflight_key, self.parts_key, self.results_key, self.lock_key)
+        pipe.delete(self.hash_key, self.inflight_key, self.parts_key, self.lock_key)
+        if not self.split:
+            pipe.delete(self.results_key)
         pipe.hset(self.hash_key, mapping={k: str(v) for k, v in fields.items()})
         if parts:
             pipe.rpush(self.parts_key, *parts)
@@ -297,9 +352,22 @@ class JobStore:
         pipe.sadd(ACTIVE_JOBS, self.job_id)
         pipe.execute()
 
+    def mirror(self, status: str) -> None:
+        """Two servers: the job's status where the inference workers look for it (the data server)."""
+        pipe = self.data.pipeline(transaction=False)
+        pipe.hset(self.hash_key, mapping={"status": status, "mirror": "1"})
+        if status in FINAL_STATUSES:
+            pipe.expire(self.hash_key, MIRROR_TTL_S)
+        else:
+            pipe.persist(self.hash_key)
+        pipe.execute()
+
     def cancel(self, now: float | None = None) -> str:
         """Ask for cancellation; returns the status the job had (``''`` when there is no such job)."""
-        return _s(self._scripts["cancel"](keys=[self.hash_key], args=[now or time.time()]))
+        before = _s(self._scripts["cancel"](keys=[self.hash_key], args=[now or time.time()]))
+        if self.split and before in (VALIDATING, IN_PROGRESS, CANCELLING):
+            self.mirror(CANCELLING)
+        return before
 
     # -- the lock ----------------------------------------------------------------------------
     def acquire(self, chain: str, token: str, lease_s: float) -> str:
@@ -343,16 +411,38 @@ class JobStore:
             raise StatusChanged(status)
         return status
 
-    def commit_feed(self, token: str, stream_key: str, items: Sequence[FeedItem], *, feed_part: int | None,
-                    feed_offset: int | None, skipped: int = 0, counter: str = "fed") -> int:
-        """Add ``items`` to the request stream, note them in flight and move the feed cursor, at once."""
-        args: list[object] = [token, "" if feed_part is None else feed_part,
+    def commit_feed(self, token: str, stream_keys: Sequence[str], items: Sequence[FeedItem], *,
+                    feed_part: int | None, feed_offset: int | None, skipped: int = 0, counter: str = "fed") -> int:
+        """Add ``items`` to the request streams (``item.shard`` indexes ``stream_keys``), note them in
+        flight and move the feed cursor: at once on one server, in three ordered steps on two."""
+        head: list[object] = [token, "" if feed_part is None else feed_part,
                               "" if feed_offset is None else feed_offset, skipped, counter]
+        if not self.split:
+            args = list(head)
+            for item in items:
+                args += [item.id, item.locator, item.payload, item.shard]
+            n = int(self._scripts["feed"](keys=[self.hash_key, self.lock_key, self.inflight_key, *stream_keys],
+                                          args=args))
+            if n < 0:
+                raise LockLost(f"job {self.job_id}: lease lost before feeding")
+            return n
+        args = list(head)
         for item in items:
-            args += [item.id, item.locator, item.payload]
-        n = int(self._scripts["feed"](keys=[self.hash_key, self.lock_key, self.inflight_key, stream_key], args=args))
+            args += [item.id, item.locator]
+        n = int(self._scripts["feed_plan"](keys=[self.hash_key, self.lock_key, self.inflight_key], args=args))
         if n < 0:
             raise LockLost(f"job {self.job_id}: lease lost before feeding")
+        if not items:
+            return 0
+        pipe = self.data.pipeline(transaction=False)
+        for item in items:
+            pipe.xadd(stream_keys[item.shard], {"r": item.payload, "v": "1"})
+        entry_ids = pipe.execute()
+        args = [token]
+        for item, entry_id in zip(items, entry_ids):
+            args += [item.id, f"{_s(entry_id)} {item.locator}"]
+        if int(self._scripts["feed_ids"](keys=[self.lock_key, self.inflight_key], args=args)) < 0:
+            raise LockLost(f"job {self.job_id}: lease lost while feeding (the entries were sent)")
         return n
 
     def commit_collect(self, token: str, cursor: str, part_name: str | None, rows: Iterable[CollectedRow]) -> int:
@@ -361,10 +451,14 @@ class JobStore:
         for row in rows:
             args += [row.id, row.counter, row.prompt_tokens, row.output_tokens,
                      "" if row.cost_usd is None else repr(float(row.cost_usd))]
-        n = int(self._scripts["collect"](
-            keys=[self.hash_key, self.lock_key, self.inflight_key, self.parts_key, self.results_key], args=args))
+        job_keys = [self.hash_key, self.lock_key, self.inflight_key, self.parts_key]
+        if not self.split:
+            job_keys.append(self.results_key)
+        n = int(self._scripts["collect"](keys=job_keys, args=args))
         if n < 0:
             raise LockLost(f"job {self.job_id}: lease lost before the collected rows were committed")
+        if self.split:
+            self.data.xtrim(self.results_key, minid=cursor)
         return n
 
     def finish(self, token: str, fields: dict[str, object], *, expect_status: str | None) -> None:
@@ -373,8 +467,13 @@ class JobStore:
         self.update(token, fields, expect_status=expect_status)
         pipe = self.redis.pipeline(transaction=False)
         pipe.srem(ACTIVE_JOBS, self.job_id)
-        pipe.delete(self.inflight_key, self.results_key)
+        pipe.delete(self.inflight_key)
+        if not self.split:
+            pipe.delete(self.results_key)
         pipe.execute()
+        if self.split:
+            self.data.delete(self.results_key)
+            self.mirror(str(fields.get("status") or self.status()))
 
 
 def _ms(seconds: float) -> int:

@@ -38,6 +38,7 @@ from rq import Queue, get_current_job
 from rq.serializers import JSONSerializer
 
 from mqinfer import keys
+from mqinfer.cluster import CLUSTER_TRANSIENT, shard_index, shard_streams
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
 from mqinfer.ops.job_output import compose_output
 from mqinfer.ops.job_spool import Spool
@@ -81,12 +82,23 @@ def _entry_time(entry_id: str) -> float:
 
 
 # -- the task --------------------------------------------------------------------------------
+# The data server (request streams, result streams) of this `mqinfer jobs worker`, when it is not
+# the rq server (--jobs-redis). Set once in the worker process; rq's forked work horses inherit it.
+_data_client = None
+
+
+def set_data_client(client) -> None:
+    """Use ``client`` (a server or a cluster) for the request and result streams of two-server jobs."""
+    global _data_client
+    _data_client = client
+
+
 def advance(job_id: str, chain: str) -> str:
     """The rq task: advance bulk job ``job_id`` if ``chain`` is still its live chain."""
     current = get_current_job()
     if current is None:
         raise RuntimeError("advance() runs as an rq task; start `mqinfer jobs worker` to run bulk jobs")
-    return run_task(current.connection, job_id, chain, queue_name=current.origin or QUEUE_NAME)
+    return run_task(current.connection, job_id, chain, queue_name=current.origin or QUEUE_NAME, data=_data_client)
 
 
 def enqueue_task(client: redis.Redis, queue_name: str, job_id: str, chain: str, task_id: str) -> None:
@@ -126,10 +138,17 @@ class LeaseKeeper:
 
 
 def run_task(client: redis.Redis, job_id: str, chain: str, *, queue_name: str = QUEUE_NAME,
-             budget_s: float | None = None) -> str:
+             budget_s: float | None = None, data=None) -> str:
     """One step of a job: take its lock, work for up to ``budget_s`` (default TASK_BUDGET_S),
-    enqueue the next step."""
-    store = JobStore(client, job_id)
+    enqueue the next step. ``data`` is the server of the request streams when the job was
+    submitted with a separate jobs server (``--jobs-redis``)."""
+    separate = client.hget(keys.job_key(job_id), "data") == b"separate"
+    if separate and data is None:
+        raise RuntimeError(
+            f"job {job_id} was submitted with --jobs-redis: its requests go to another Redis than the job "
+            "queue; start `mqinfer jobs worker --jobs-redis JOBS_URL --redis DATA_URL` (plus --redis-cluster "
+            "for a cluster) to run it")
+    store = JobStore(client, job_id, data=data if separate else None)
     lease_raw = client.hget(store.hash_key, "lease_s")
     lease_s = float(lease_raw) if lease_raw else DEFAULT_LEASE_S
     token = uuid.uuid4().hex
@@ -165,7 +184,9 @@ def run_task(client: redis.Redis, job_id: str, chain: str, *, queue_name: str = 
 
 
 def _record_task_error(store: JobStore, token: str, exc: Exception) -> None:
-    """Note a failed step; after MAX_TASK_ERRORS in a row the job fails.
+    """Note a failed step; after MAX_TASK_ERRORS in a row the job fails, unless the failure is a
+    server that cannot be reached (a restart, a cluster failover): that is retried with backoff for
+    as long as it lasts.
 
     The chain stops here; the sweeper of `mqinfer jobs worker` starts a new one once the job's
     last sign of life is older than its grace time. That sign is set into the future, doubling
@@ -177,7 +198,9 @@ def _record_task_error(store: JobStore, token: str, exc: Exception) -> None:
         errors = int(store.redis.hget(store.hash_key, "task_errors") or 0) + 1
         store.update(token, {"last_task_error": message, "beat": time.time() + min(60.0, 2.0 ** errors)},
                      incr={"task_errors": 1})
-        if errors >= MAX_TASK_ERRORS:
+        transient = isinstance(exc, (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+                                     *CLUSTER_TRANSIENT))
+        if errors >= MAX_TASK_ERRORS and not transient:
             store.finish(token, {"status": FAILED, "failed_at": time.time(),
                                  "error": f"orchestration failed {errors} times in a row; last: {message}"},
                          expect_status=None)
@@ -193,7 +216,8 @@ class JobRun:
                  clock=time.time) -> None:
         self.store = store
         self.token = token
-        self.redis = store.redis
+        self.redis = store.redis  # the jobs server: job state and the rq queue
+        self.data = store.data    # the request and result streams (the same server, or another)
         self.clock = clock
         self.queue_key = Queue(queue_name, connection=store.redis, serializer=JSONSerializer).key
         self.ends_at = time.monotonic() + budget_s
@@ -201,12 +225,14 @@ class JobRun:
         self.job_id = store.job_id
         self.spool = Spool(str(self.job["out"]))
         stream = str(self.job["stream"])
-        self.stream_key = keys.request_stream(stream)
-        self.done_key = keys.job_done_set(stream, self.job_id)
+        self.shards = int(self.job.get("shards") or 1)
+        streams = shard_streams(stream, self.shards)
+        self.stream_keys = [keys.request_stream(s) for s in streams]
+        self.done_keys = [keys.job_done_set(s, self.job_id) for s in streams]
         self.deadline = float(self.job["deadline"]) if self.job.get("deadline") else None
         self._index_parts: dict[int, tuple[list, list, list]] = {}
         self._dup_lines: set[int] | None = None
-        self._group_ready = False
+        self._groups_ready = False
         self._pending_rows = 0
         self._last_row_id: str | None = None
         self._oldest_pending: float | None = None
@@ -338,6 +364,10 @@ class JobRun:
         return int(self.job.get("feed_part") or 0) >= int(self.job.get("val_parts") or 0)
 
     def work(self) -> bool:
+        if self.job["status"] == CANCELLING and self.store.split:
+            # The inference workers read the status on the data server; `jobs cancel` may have
+            # been run without it (only the jobs server given).
+            self.store.mirror(CANCELLING)
         if self.job["status"] == CANCELLING and not int(self.job.get("validated") or 0):
             self.store.finish(self.token, {"status": CANCELLED, "cancelled_at": self.clock(),
                                            "error": "cancelled before its input was validated; nothing ran"},
@@ -376,7 +406,7 @@ class JobRun:
             wait = min(wait, self._oldest_pending + PART_MAX_AGE_S - self.clock() + 0.01)
         if wait > 0.01:
             last = self._last_row_id or str(self.job.get("cursor") or "") or "0-0"
-            self.redis.xread({self.store.results_key: last}, count=1, block=max(1, int(wait * 1000)))
+            self.data.xread({self.store.results_key: last}, count=1, block=max(1, int(wait * 1000)))
         return queued == 0
 
     def _index_part(self, part: int) -> tuple[list, list, list]:
@@ -393,14 +423,32 @@ class JobRun:
         return self._dup_lines
 
     def _ensure_group(self) -> None:
-        if self._group_ready:
+        if self._groups_ready:
             return
-        try:
-            self.redis.xgroup_create(self.stream_key, keys.GROUP, id="0", mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        self._group_ready = True
+        for stream_key in self.stream_keys:
+            try:
+                self.data.xgroup_create(stream_key, keys.GROUP, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+        self._groups_ready = True
+
+    def _shard(self, request_id: str) -> int:
+        return shard_index(request_id, self.job_id, self.shards)
+
+    def _done(self, ids: list[str]) -> list[bool]:
+        """Whether each request already has a durable row (its id is in its shard's done set)."""
+        if self.shards == 1:
+            return [bool(d) for d in self.data.smismember(self.done_keys[0], ids)]
+        by_shard: dict[int, list[int]] = {}
+        for i, rid in enumerate(ids):
+            by_shard.setdefault(self._shard(rid), []).append(i)
+        out = [False] * len(ids)
+        for shard, positions in by_shard.items():
+            found = self.data.smismember(self.done_keys[shard], [ids[i] for i in positions])
+            for i, d in zip(positions, found):
+                out[i] = bool(d)
+        return out
 
     def feed(self) -> bool:
         if self._feed_done():
@@ -417,24 +465,24 @@ class JobRun:
         i = offset
         while i < len(lines) and len(items) < want:
             if payloads[i] is not None and lines[i] not in dups:
-                items.append(FeedItem(ids[i], f"{part}:{i}", payloads[i]))
+                items.append(FeedItem(ids[i], f"{part}:{i}", payloads[i], self._shard(ids[i])))
             i += 1
         next_part, next_offset = (part + 1, 0) if i >= len(lines) else (part, i)
         skipped = 0
         if items:
-            done = self.redis.smismember(self.done_key, [item.id for item in items])
+            done = self._done([item.id for item in items])
             if any(done):
                 skipped = sum(1 for d in done if d)
                 items = [item for item, d in zip(items, done) if not d]
             self._ensure_group()
-        self.store.commit_feed(self.token, self.stream_key, items, feed_part=next_part, feed_offset=next_offset,
+        self.store.commit_feed(self.token, self.stream_keys, items, feed_part=next_part, feed_offset=next_offset,
                                skipped=skipped)
         self.reload()
         return True
 
     def collect(self, *, force: bool) -> bool:
         cursor = str(self.job.get("cursor") or "")
-        entries = self.redis.xrange(self.store.results_key, min=f"({cursor}" if cursor else "-", max="+",
+        entries = self.data.xrange(self.store.results_key, min=f"({cursor}" if cursor else "-", max="+",
                                     count=COLLECT_MAX_ROWS)
         self._pending_rows = len(entries)
         if not entries:
@@ -485,26 +533,28 @@ class JobRun:
         in_flight = self.store.inflight()
         lost: list[FeedItem] = []
         if in_flight:
-            rids = list(in_flight)
-            pipe = self.redis.pipeline(transaction=False)
+            # '-': noted in flight by a two-server feed that never recorded the entry (it may
+            # never have been sent): treated as gone unless the request has a row.
+            rids = [rid for rid in in_flight if in_flight[rid][0] != "-"]
+            gone = [rid for rid in in_flight if in_flight[rid][0] == "-"]
+            pipe = self.data.pipeline(transaction=False)
             for rid in rids:
                 entry_id = in_flight[rid][0]
-                pipe.xrange(self.stream_key, min=entry_id, max=entry_id, count=1)
-            gone = [rid for rid, found in zip(rids, pipe.execute()) if not found]
+                pipe.xrange(self.stream_keys[self._shard(rid)], min=entry_id, max=entry_id, count=1)
+            gone += [rid for rid, found in zip(rids, pipe.execute() if rids else []) if not found]
             if gone:
-                done = self.redis.smismember(self.done_key, gone)
-                for rid, d in zip(gone, done):
+                for rid, d in zip(gone, self._done(gone)):
                     if d:
                         continue
                     part, _, offset = in_flight[rid][1].partition(":")
                     _, ids, payloads = self._index_part(int(part))
                     if ids[int(offset)] == rid:
-                        lost.append(FeedItem(rid, in_flight[rid][1], payloads[int(offset)]))
+                        lost.append(FeedItem(rid, in_flight[rid][1], payloads[int(offset)], self._shard(rid)))
         if lost:
             log.warning("job %s: %d requests in flight lost their stream entry; sending them again",
                         self.job_id, len(lost))
             self._ensure_group()
-            self.store.commit_feed(self.token, self.stream_key, lost, feed_part=None, feed_offset=None,
+            self.store.commit_feed(self.token, self.stream_keys, lost, feed_part=None, feed_offset=None,
                                    counter="refed")
         self.store.update(self.token, {"reconciled_at": now})
         self.reload()

@@ -35,13 +35,14 @@ from rq import Queue, Worker
 from rq.serializers import JSONSerializer
 
 from mqinfer import keys
+from mqinfer.cluster import shard_index, shard_streams
 from mqinfer.ops.job_output import ERRORS_JSONL, OUTPUT_JSONL, OUTPUT_PARQUET
 from mqinfer.ops.job_spool import Spool
 from mqinfer.ops.job_store import (
     ACTIVE_JOBS, CANCELLED, CANCELLING, COMPLETED, EXPIRED, FINAL_STATUSES, IN_PROGRESS, JOBS_INDEX,
     QUEUE_NAME, SWEEP_LOCK, VALIDATING, JobNotFound, JobStore, decode_hash,
 )
-from mqinfer.ops.job_tasks import DEFAULT_LEASE_S, enqueue_task, new_task_id
+from mqinfer.ops.job_tasks import DEFAULT_LEASE_S, enqueue_task, new_task_id, set_data_client
 from mqinfer.schemas.files import input_format
 
 log = logging.getLogger("mqinfer.jobs")
@@ -96,8 +97,14 @@ def new_job_id() -> str:
 def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
                stream: str = "requests", deadline: float | None = None,
                max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, chunk_size: int = DEFAULT_CHUNK_SIZE,
-               queue_name: str = QUEUE_NAME, lease_s: float = DEFAULT_LEASE_S) -> SubmitResult:
-    """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task."""
+               queue_name: str = QUEUE_NAME, lease_s: float = DEFAULT_LEASE_S, shards: int = 1,
+               data=None) -> SubmitResult:
+    """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task.
+
+    ``client`` holds the job and the rq queue. ``data`` is the server (or cluster) of the request
+    streams when it is another one (``--jobs-redis``); ``shards`` spreads the job's requests over
+    the streams ``S-0 .. S-{N-1}`` as ``mqinfer worker --shards`` reads them.
+    """
     if max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
     if chunk_size < 1:
@@ -106,6 +113,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         raise ValueError(f"--lease-s must be >= 0.5, got {lease_s}")
     if not stream or "}" in stream or "{" in stream:
         raise ValueError(f"invalid --stream {stream!r}")
+    streams = shard_streams(stream, shards)
     now = time.time()
     if deadline is not None and deadline <= now:
         raise ValueError(f"--deadline is {now - deadline:.0f}s in the past")
@@ -121,7 +129,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     manifest = spool.read_manifest()
     if manifest is not None:
         job_id = str(manifest.get("job_id") or "")
-        store = JobStore(client, job_id)
+        store = JobStore(client, job_id, data=data)
         if not job_id:
             raise JobConflict(f"{spool.manifest_path} names no job; remove it or choose another --out")
         if store.exists():
@@ -134,7 +142,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         spool.clean()
         spool.reset_index()
         parts = spool.existing_rows_parts()
-        adopted = _adopt_rows(client, spool, parts, keys.job_done_set(stream, job_id))
+        adopted = _adopt_rows(client if data is None else data, spool, parts, job_id, streams)
         log.info("job %s resumes in %s: %d rows already collected", job_id, out, adopted)
     else:
         job_id = new_job_id()
@@ -142,10 +150,10 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
 
     chain = uuid.uuid4().hex
     task_id = new_task_id(job_id)
-    store = JobStore(client, job_id)
+    store = JobStore(client, job_id, data=data)
     store.register({
         "id": job_id, "status": VALIDATING, "input": str(source), "input_format": fmt, "out": str(out),
-        "stream": stream, "queue": queue_name, "deadline": "" if deadline is None else repr(float(deadline)),
+        "stream": stream, "shards": shards, "data": "separate" if store.split else "same", "queue": queue_name, "deadline": "" if deadline is None else repr(float(deadline)),
         "max_in_flight": max_in_flight, "chunk_size": chunk_size, "lease_s": repr(float(lease_s)),
         "created_at": repr(now), "chain": chain, "task": task_id, "beat": repr(now), "total": 0, "invalid": 0,
         "val_parts": 0, "fed": 0, "skipped": 0, "collected": 0, "row_parts": len(parts),
@@ -155,20 +163,30 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     return SubmitResult(job_id, resumed, adopted)
 
 
-def _adopt_rows(client: redis.Redis, spool: Spool, parts: list[str], done_key: str) -> int:
-    """Mark the ids of rows already in the spool as done, so feeding skips their requests."""
+def _adopt_rows(client, spool: Spool, parts: list[str], job_id: str, streams: list[str]) -> int:
+    """Mark the ids of rows already in the spool as done (in the done set of each request's shard),
+    so feeding skips their requests."""
     if not parts:
         return 0
     ids = pc.unique(spool.read_rows(parts, ["id"])["id"]).to_pylist()
-    for start in range(0, len(ids), _ADOPT_BATCH):
-        client.sadd(done_key, *ids[start:start + _ADOPT_BATCH])
-    client.expire(done_key, 7 * 24 * 3600)
+    by_shard: dict[int, list[str]] = {}
+    for rid in ids:
+        by_shard.setdefault(shard_index(rid, job_id, len(streams)), []).append(rid)
+    for shard, shard_ids in by_shard.items():
+        done_key = keys.job_done_set(streams[shard], job_id)
+        for start in range(0, len(shard_ids), _ADOPT_BATCH):
+            client.sadd(done_key, *shard_ids[start:start + _ADOPT_BATCH])
+        client.expire(done_key, 7 * 24 * 3600)
     return len(ids)
 
 
-def cancel_job(client: redis.Redis, job_id: str) -> str:
-    """Ask a job to stop; returns its status after the call (``cancelling`` when it will stop)."""
-    before = JobStore(client, job_id).cancel()
+def cancel_job(client: redis.Redis, job_id: str, *, data=None) -> str:
+    """Ask a job to stop; returns its status after the call (``cancelling`` when it will stop).
+
+    With two servers, ``data`` lets the inference workers see the cancel at once; without it they
+    see it when the job's next task runs (within seconds)."""
+    separate = client.hget(keys.job_key(job_id), "data") == b"separate"
+    before = JobStore(client, job_id, data=data if separate else None).cancel()
     if not before:
         raise JobNotFound(f"no job {job_id!r} on this Redis (see `mqinfer jobs list`)")
     return CANCELLING if before in (VALIDATING, IN_PROGRESS) else before
@@ -336,8 +354,13 @@ class JobsWorker(Worker):
 
 
 def run_worker(client: redis.Redis, *, queue_name: str = QUEUE_NAME, name: str | None = None,
-               burst: bool = False, sweep_interval_s: float = 2.0, logging_level: str = "INFO") -> int:
-    """Run :class:`JobsWorker` until it is stopped (SIGTERM / Ctrl-C finish the current task first)."""
+               burst: bool = False, sweep_interval_s: float = 2.0, logging_level: str = "INFO",
+               data=None) -> int:
+    """Run :class:`JobsWorker` until it is stopped (SIGTERM / Ctrl-C finish the current task first).
+
+    ``data``: the server or cluster of the request streams of jobs submitted with a separate jobs
+    server (``--jobs-redis``); ``client`` is that jobs server."""
+    set_data_client(data)
     worker = JobsWorker(client, queue_name=queue_name, name=name, sweep_interval_s=sweep_interval_s)
     worker.work(burst=burst, logging_level=logging_level.upper())
     return 0

@@ -3,19 +3,23 @@ client across slots, and a whole `mqinfer run` job across the cluster through a 
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import threading
 import time
 
+import pyarrow.parquet as pq
 import pytest
 import redis
 
-from mqinfer import config as mqinfer_config
 from mqinfer import keys
 from mqinfer.client import Client, ReplyWriter, cancel_key, cancel_member
 from mqinfer.cluster import LocalCluster, connect_redis, shard_index, shard_streams
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import decode_entry
+from mqinfer.ops.jobs import job_info
+from mqinfer.server import EmbeddedServer
 from tests.helpers import mqinfer_cmd, rows, wait_until, write_jsonl
 
 
@@ -72,8 +76,6 @@ def test_client_submits_across_slots_and_reads_replies(cluster):
         direct.close()
 
 
-@pytest.mark.skipif(not hasattr(mqinfer_config, "REDIS_CLUSTER"),
-                    reason="needs the CLI change of scale-cli.diff / scale-config.diff (--redis-cluster, --shards)")
 def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path):
     n = 36
     src = write_jsonl(tmp_path / "in.jsonl", [
@@ -112,3 +114,69 @@ def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path)
     for s in shard_streams("job", 3):
         assert direct.xlen(keys.request_stream(s)) == 0
     direct.close()
+
+
+def test_a_bulk_job_with_its_queue_on_a_plain_server_runs_across_the_cluster_through_a_node_restart(
+        cluster, tmp_path):
+    """`mqinfer jobs` beside a cluster: rq and the job state on a plain server (--jobs-redis), the
+    requests on three shards of the cluster, one inference worker per shard, a node restarted mid-job."""
+    n = 30
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": f"b{i}", "prompt_token_ids": [256] + [66 + i % 20] * 3, "max_tokens": 24, "ignore_eos": True,
+         "temperature": 0.0} for i in range(n)])
+    jobs_server = EmbeddedServer(tmp_path / "jobs-redis", appendonly=False).start()
+    planes = ["--jobs-redis", jobs_server.url, "--redis", cluster.url, "--redis-cluster"]
+    env = dict(os.environ, MQINFER_LOG_LEVEL="warning", OMP_NUM_THREADS="1")
+    procs: list[subprocess.Popen] = []
+
+    def spawn(args, log):
+        with open(tmp_path / log, "ab") as f:
+            procs.append(subprocess.Popen(mqinfer_cmd(*args), env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                          stderr=subprocess.STDOUT))
+
+    jobs = jobs_server.client()
+    try:
+        for i in range(3):
+            spawn(["worker", "--redis", cluster.url, "--redis-cluster", "--stream", f"bulk-{i}",
+                   "--out", str(tmp_path / f"w{i}"), "--num-threads", "1", "--max-num-seqs", "4",
+                   "--num-kv-blocks", "256", "--flush-interval-s", "0.1", "--claim-idle-ms", "2000"], f"w{i}.log")
+        spawn(["jobs", "worker", *planes, "--sweep-interval-s", "0.5"], "rq.log")
+        submitted = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "out"), *planes,
+                                               "--stream", "bulk", "--shards", "3", "--max-in-flight", "12",
+                                               "--json"), capture_output=True, text=True, timeout=60, env=env)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = json.loads(submitted.stdout)["job_id"]
+        wait_until(lambda: job_info(jobs, job_id)["counts"]["completed"] >= 5, timeout=180, interval=0.2,
+                   what="the job under way")
+        victim = cluster.node_for_key(keys.request_stream("bulk-1"))
+        cluster.restart_node(victim, down_s=1.0)
+        def ended():
+            info = job_info(jobs, job_id)
+            return info if info["status"] in ("completed", "failed") else None
+
+        info = wait_until(ended, timeout=300, interval=0.3, what="the job to end")
+        assert info["status"] == "completed", (info, (tmp_path / "rq.log").read_text()[-3000:])
+        assert info["counts"]["completed"] == n
+        out = pq.read_table(tmp_path / "out" / "output.parquet").to_pylist()
+        assert [r["id"] for r in out] == [f"b{i}" for i in range(n)]
+        assert all(r["output_tokens"] == 24 and r["finish_reason"] == "length" for r in out)
+        assert len({r["worker"] for r in out}) == 3  # every shard's worker computed some of it
+        # Nothing of the job's orchestration on the cluster but its streams and the status mirror.
+        direct = cluster.client()
+        assert direct.hget(keys.job_key(job_id), "status") == b"completed"
+        assert not direct.exists(keys.job_results_stream(job_id))
+        for s in shard_streams("bulk", 3):
+            assert direct.xlen(keys.request_stream(s)) == 0
+        direct.close()
+        assert jobs.exists(keys.job_key(job_id)) and not jobs.exists(keys.request_stream("bulk-0"))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        jobs.close()
+        jobs_server.stop()

@@ -137,7 +137,7 @@ def test_feed_and_collect_commits_count_each_request_once(redis_client):
     assert store.acquire("c1", "t", 5) == "ok"
     stream = keys.request_stream("unit")
     items = [FeedItem(f"r{i}", f"0:{i}", encode_request(Request(id=f"r{i}", prompt="p"))) for i in range(3)]
-    assert store.commit_feed("t", stream, items, feed_part=0, feed_offset=3, skipped=1) == 3
+    assert store.commit_feed("t", [stream], items, feed_part=0, feed_offset=3, skipped=1) == 3
     assert redis_client.xlen(stream) == 3
     in_flight = store.inflight()
     assert set(in_flight) == {"r0", "r1", "r2"}
@@ -158,7 +158,7 @@ def test_feed_and_collect_commits_count_each_request_once(redis_client):
     assert redis_client.xlen(store.results_key) == 1  # trimmed up to the cursor
     redis_client.delete(store.lock_key)
     with pytest.raises(LockLost):
-        store.commit_feed("t", stream, items[:1], feed_part=0, feed_offset=4)
+        store.commit_feed("t", [stream], items[:1], feed_part=0, feed_offset=4)
     assert redis_client.xlen(stream) == 3  # nothing was added without the lock
 
 

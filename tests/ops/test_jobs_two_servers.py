@@ -1,0 +1,225 @@
+"""Bulk jobs with a separate jobs server (``--jobs-redis``): job state and the rq queue on one
+server, request streams (sharded) and result streams on another, driven in this process by
+running the rq task directly, including a crash between the two halves of a feed."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import msgspec
+import pyarrow.parquet as pq
+import pytest
+import redis
+
+from mqinfer import keys
+from mqinfer.cluster import shard_index, shard_streams
+from mqinfer.ops.job_store import JobStore
+from mqinfer.ops.job_tasks import run_task
+from mqinfer.ops.jobs import cancel_job, job_info, submit_job
+from mqinfer.schemas.request import Request
+from mqinfer.schemas.rows import ResultRow
+from mqinfer.server import EmbeddedServer
+from tests.helpers import mqinfer_cmd, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def data_server(tmp_path_factory):
+    server = EmbeddedServer(tmp_path_factory.mktemp("data-redis"), appendonly=False).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def planes(redis_client, data_server):
+    data = data_server.client()
+    data.flushall()
+    yield redis_client, data
+    data.close()
+
+
+def _chain(jobs, job_id: str) -> str:
+    return jobs.hget(keys.job_key(job_id), "chain").decode()
+
+
+def _step(jobs, data, job_id: str, budget_s: float = 0.2) -> None:
+    run_task(jobs, job_id, _chain(jobs, job_id), budget_s=budget_s, data=data)
+
+
+def _entries(data, stream: str, shards: int) -> dict[str, tuple[int, str, Request]]:
+    """Request id -> (shard, entry id, request) of every entry in the data server's shard streams."""
+    out = {}
+    for shard, name in enumerate(shard_streams(stream, shards)):
+        for entry_id, fields in data.xrange(keys.request_stream(name)):
+            req = msgspec.msgpack.decode(fields[b"r"], type=Request)
+            out[req.id] = (shard, entry_id.decode(), req)
+    return out
+
+
+def _answer(data, stream: str, shards: int, job_id: str, entries) -> None:
+    """Do what an inference worker does when it acks: done set of the shard, row on the result stream."""
+    for rid, (shard, entry_id, req) in entries.items():
+        name = shard_streams(stream, shards)[shard]
+        row = ResultRow(job_id=job_id, id=rid, model="tiny", finish_reason="length", prompt_tokens=2,
+                        output_tokens=3, output_token_ids=[1, 2, 3], text="abc", finished_at=time.time(),
+                        worker="w")
+        data.sadd(keys.job_done_set(name, job_id), rid)
+        data.xdel(keys.request_stream(name), entry_id)
+        data.xadd(keys.job_results_stream(job_id), {"id": rid, "row": msgspec.json.encode(row), "cost_usd": "0.5"})
+
+
+def _drive(jobs, data, job_id, stream, shards, until, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while JobStore(jobs, job_id).status() not in until:
+        assert time.monotonic() < deadline, f"job stuck in {JobStore(jobs, job_id).status()}"
+        _step(jobs, data, job_id)
+        _answer(data, stream, shards, job_id, _entries(data, stream, shards))
+    return job_info(jobs, job_id)
+
+
+def test_a_job_runs_with_its_state_on_one_server_and_its_streams_sharded_on_another(planes, tmp_path):
+    jobs, data = planes
+    n = 40
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(n)])
+    res = submit_job(jobs, src, tmp_path / "out", stream="two", shards=3, max_in_flight=16, chunk_size=8, data=data)
+    job_key = keys.job_key(res.job_id)
+    assert jobs.hget(job_key, "data") == b"separate" and jobs.hget(job_key, "shards") == b"3"
+    assert data.hgetall(job_key) == {b"status": b"validating", b"mirror": b"1"}  # what the workers read
+
+    # Validate, then feed once: the requests go to the data server, each to its shard; nothing on
+    # the jobs server but the job's own state.
+    for _ in range(10):
+        _step(jobs, data, res.job_id)
+        if data.exists(*[keys.request_stream(s) for s in shard_streams("two", 3)]):
+            break
+    sent = _entries(data, "two", 3)
+    assert 0 < len(sent) <= 16
+    for rid, (shard, _, req) in sent.items():
+        assert shard == shard_index(rid, res.job_id, 3) and req.job_id == res.job_id
+    assert not any(jobs.exists(keys.request_stream(s)) for s in shard_streams("two", 3))
+    in_flight = JobStore(jobs, res.job_id).inflight()
+    assert set(in_flight) == set(sent)
+    assert all(in_flight[rid][0] == entry_id for rid, (_, entry_id, _) in sent.items())  # ids recorded
+    assert {g["name"] for s in shard_streams("two", 3)
+            for g in data.xinfo_groups(keys.request_stream(s))} == {keys.GROUP.encode()}
+
+    info = _drive(jobs, data, res.job_id, "two", 3, until=("completed",))
+    assert info["counts"]["completed"] == n and info["counts"]["in_flight"] == 0
+    assert info["cost_usd"] == pytest.approx(0.5 * n)
+    out = pq.read_table(tmp_path / "out" / "output.parquet").to_pylist()
+    assert [r["id"] for r in out] == [f"r{i}" for i in range(n)]  # input order
+    # The end of the job: its mirror says so (and expires), its result stream is gone.
+    assert data.hget(job_key, "status") == b"completed" and 0 < data.ttl(job_key)
+    assert not data.exists(keys.job_results_stream(res.job_id))
+    assert not jobs.exists(keys.job_results_stream(res.job_id))
+
+
+class _DataLostAfterThePlan:
+    """The data server, except that the first pipeline (a feed's XADDs) never reaches it."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+        self.failed = False
+
+    def pipeline(self, *args, **kwargs):
+        pipe = self.real.pipeline(*args, **kwargs)
+        if not self.failed:
+            self.failed = True
+
+            def lost(*_a, **_k):
+                raise redis.exceptions.ConnectionError("injected: the data server went away mid-feed")
+
+            pipe.execute = lost
+        return pipe
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_a_feed_cut_between_the_two_servers_is_sent_again_by_the_reconcile(planes, tmp_path):
+    jobs, data = planes
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "x"} for i in range(5)])
+    res = submit_job(jobs, src, tmp_path / "out", stream="cut", max_in_flight=5, data=data)
+    store = JobStore(jobs, res.job_id)
+    flaky = _DataLostAfterThePlan(data)
+    with pytest.raises(redis.exceptions.ConnectionError, match="injected"):  # validates, then feeds
+        run_task(jobs, res.job_id, _chain(jobs, res.job_id), budget_s=5.0, data=flaky)
+    assert store.status() == "in_progress"
+    # Noted in flight with no entry id, and nothing in the stream: the feed cursor moved past them.
+    in_flight = store.inflight()
+    assert sorted(in_flight) == [f"r{i}" for i in range(5)] and {v[0] for v in in_flight.values()} == {"-"}
+    assert data.xlen(keys.request_stream("cut")) == 0
+    assert "ConnectionError" in job_info(jobs, res.job_id)["last_task_error"]
+
+    _step(jobs, data, res.job_id)  # within the reconcile interval: nothing is sent yet
+    assert data.xlen(keys.request_stream("cut")) == 0
+    jobs.hset(keys.job_key(res.job_id), "reconciled_at", "1")  # the interval has passed
+    _step(jobs, data, res.job_id)
+    sent = _entries(data, "cut", 1)
+    assert sorted(sent) == [f"r{i}" for i in range(5)]
+    assert jobs.hget(keys.job_key(res.job_id), "refed") == b"5"
+    assert {v[0] for v in store.inflight().values()} == {entry_id for _, entry_id, _ in sent.values()}
+    info = _drive(jobs, data, res.job_id, "cut", 1, until=("completed",))
+    assert info["counts"]["completed"] == 5
+
+
+def test_cancel_reaches_the_workers_through_the_mirror(planes, tmp_path):
+    jobs, data = planes
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "x"} for i in range(4)])
+    res = submit_job(jobs, src, tmp_path / "out", stream="cx", data=data)
+    job_key = keys.job_key(res.job_id)
+    # `jobs cancel` with only the jobs server: the job's next task tells the workers.
+    assert cancel_job(jobs, res.job_id) == "cancelling"
+    assert data.hget(job_key, "status") == b"validating"
+    _step(jobs, data, res.job_id)
+    assert jobs.hget(job_key, "status") == b"cancelled"
+    assert data.hget(job_key, "status") == b"cancelled"
+    # With the data server given, the workers see `cancelling` at once.
+    res2 = submit_job(jobs, src, tmp_path / "out2", stream="cx", data=data)
+    assert cancel_job(jobs, res2.job_id, data=data) == "cancelling"
+    assert data.hget(keys.job_key(res2.job_id), "status") == b"cancelling"
+
+
+def test_a_worker_without_the_data_server_refuses_a_two_server_job(planes, tmp_path):
+    jobs, data = planes
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    res = submit_job(jobs, src, tmp_path / "out", stream="nod", data=data)
+    with pytest.raises(RuntimeError, match="--jobs-redis"):
+        run_task(jobs, res.job_id, _chain(jobs, res.job_id))
+
+
+def test_cli_needs_a_plain_jobs_server_beside_a_cluster(redis_url, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
+    common = dict(capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"), "--redis", redis_url,
+                                      "--redis-cluster"), **common)
+    assert proc.returncode == 2 and "rq cannot run on a Redis Cluster" in proc.stderr
+    proc = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"),
+                                      "--jobs-redis", redis_url), **common)
+    assert proc.returncode == 2 and "--redis is required" in proc.stderr
+    proc = subprocess.run(mqinfer_cmd("jobs", "list"), **common)
+    assert proc.returncode == 2 and "--jobs-redis (or --redis)" in proc.stderr
+    proc = subprocess.run(mqinfer_cmd("jobs", "submit", "--help"), **common)
+    assert proc.returncode == 0 and "--jobs-redis" in proc.stdout and "--shards" in proc.stdout
+
+
+class _Unreachable:
+    """A data server that is down (a restart, a failover): every call fails to connect."""
+
+    def __getattr__(self, name):
+        def down(*_a, **_k):
+            raise redis.exceptions.ConnectionError("injected: connection refused")
+        return down
+
+
+def test_an_unreachable_data_server_is_waited_out_not_failed(planes, tmp_path):
+    jobs, data = planes
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "x"} for i in range(3)])
+    res = submit_job(jobs, src, tmp_path / "out", stream="down", data=data)
+    _step(jobs, data, res.job_id, budget_s=0.05)  # validates (the spool, no data server needed)
+    for _ in range(7):  # more than the failures that end a job for any other reason
+        with pytest.raises(redis.exceptions.ConnectionError):
+            run_task(jobs, res.job_id, _chain(jobs, res.job_id), budget_s=0.2, data=_Unreachable())
+    info = job_info(jobs, res.job_id)
+    assert info["status"] == "in_progress" and "connection refused" in info["last_task_error"]
+    assert _drive(jobs, data, res.job_id, "down", 1, until=("completed",))["counts"]["completed"] == 3
