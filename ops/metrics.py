@@ -148,6 +148,16 @@ class WorkerMetrics:
             "mqinfer_cost_usd", f"Billed cost in USD by tenant (at most {max_tenant_labels} tenants by name, the "
             f"rest as {OTHER_TENANT!r}).", ["tenant"], registry=r,
         )
+        self.busy_seconds = Counter(
+            "mqinfer_worker_busy_seconds", "Wall seconds the worker loop spent working (holding requests or "
+            "rows), not waiting for entries.", registry=r,
+        )
+        phases = Counter(
+            "mqinfer_engine_phase_seconds", "Seconds of engine steps by phase (schedule, prepare, forward, sample, "
+            "postprocess); busy time less these is ingest, sinks, acks and replies.", ["phase"], registry=r,
+        )
+        self.engine_phase_seconds = {p: phases.labels(p) for p in ("schedule", "prepare", "forward", "sample",
+                                                                    "postprocess")}
         self.max_tenant_labels = max_tenant_labels
         self._tenant_cost: dict[str, Any] = {}
         ProcessCollector(namespace="mqinfer", registry=r)

@@ -246,6 +246,10 @@ class Worker:
         self._autoclaim_cursor = "0-0"
         self._last_keepalive = 0.0
         self._last_activity = self.started
+        # Busy-time accounting (perf_counter seconds): the loop's working time, less blocking reads.
+        self.busy_s = 0.0
+        self._blocked_s = 0.0
+        self._phases_seen: dict[str, float] = {}
         self._disowned: set[str] = set()
         # Entries trimmed from the stream while running here: finished from memory, never kept fresh.
         self._detached: set[str] = set()
@@ -360,7 +364,29 @@ class Worker:
             return 3
         return 0
 
+    def _holds_work(self) -> bool:
+        return bool(self.inflight or self.pending_acks or self.sinks.pending or len(self.batcher))
+
     def _iteration(self) -> None:
+        t0, blocked0 = time.perf_counter(), self._blocked_s
+        worked = self._holds_work()
+        self._iteration_body()
+        if worked or self._holds_work():
+            busy = max(0.0, time.perf_counter() - t0 - (self._blocked_s - blocked0))
+            self.busy_s += busy
+            self.metrics.busy_seconds.inc(busy)
+
+    def busy_summary(self) -> dict:
+        """Where the worker's busy time went: the engine's phases and everything else (ingest, sinks,
+        acks, replies, keepalive), and the share of busy time outside the model's forward pass."""
+        phases = {k: round(v, 4) for k, v in self.engine.phase_seconds.items()}
+        forward = self.engine.phase_seconds.get("forward", 0.0)
+        busy = self.busy_s
+        return {"busy_s": round(busy, 4), "phases_s": phases,
+                "other_s": round(max(0.0, busy - sum(self.engine.phase_seconds.values())), 4),
+                "outside_forward_share": round(1.0 - forward / busy, 4) if busy > 0 else None}
+
+    def _iteration_body(self) -> None:
         now = self.clock()
         if not self.engine.has_unfinished():
             self.meter.idle_until(now)  # keeps the batch idle ratio current while nothing runs
@@ -471,6 +497,7 @@ class Worker:
                 return
         room = self._fair_share(room)
         block = self._block_ms()
+        t_read = time.perf_counter()
         try:
             response = self.redis.xreadgroup(
                 self.config.group, self.consumer, {self.stream_key: ">"}, count=room, block=block
@@ -480,6 +507,9 @@ class Worker:
                 self._ensure_group()
                 return
             raise
+        finally:
+            if block is not None:  # waiting for entries is not work
+                self._blocked_s += time.perf_counter() - t_read
         new = []
         for _key, entries in response or []:
             for entry_id, fields in entries:
@@ -767,6 +797,12 @@ class Worker:
         held = kv_block_shares(scheduler.kv_cache_manager, (w.request_id for w in result.work))
         self.meter.step(result.end, result.work, held)
         self.metrics.record_step(result, scheduler)
+        seen = self._phases_seen
+        for phase, total in self.engine.phase_seconds.items():
+            counter = self.metrics.engine_phase_seconds.get(phase)
+            if counter is not None and total > seen.get(phase, 0.0):
+                counter.inc(total - seen.get(phase, 0.0))
+                seen[phase] = total
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %s", json.dumps({
                 "requests": len(result.work), "tokens": sum(w.num_tokens for w in result.work),
@@ -1126,7 +1162,7 @@ class Worker:
             log.warning("%d durable rows stay unacked (redis unavailable): they will be redelivered and "
                         "deduplicated by compaction", len(self.pending_acks))
         self.metrics.close()
-        log.info("worker %s stopped", self.consumer)
+        log.info("worker %s stopped; busy time %s", self.consumer, json.dumps(self.busy_summary()))
 
     def _handback(self, entry_ids: list[str]) -> None:
         """Make unfinished entries claimable at once by another worker, without counting a delivery.

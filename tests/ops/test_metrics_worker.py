@@ -40,7 +40,8 @@ NAMES = [
     "mqinfer_batch_idle_ratio", "mqinfer_device_seconds_total", "mqinfer_queueing_delay_seconds",
     "mqinfer_memory_utilization_ratio", "mqinfer_stream_lag", "mqinfer_stream_pending",
     "mqinfer_dead_letters_total", "mqinfer_redeliveries_total", "mqinfer_tenant_budget_usd",
-    "mqinfer_tenant_spend_usd", "mqinfer_process_resident_memory_bytes",
+    "mqinfer_tenant_spend_usd", "mqinfer_process_resident_memory_bytes", "mqinfer_worker_busy_seconds_total",
+    'mqinfer_engine_phase_seconds_total{phase="forward"}',
 ]
 
 
@@ -193,6 +194,12 @@ def test_every_metric_is_exported_and_moves(redis_url, redis_client, tmp_path):
     assert m1['mqinfer_tenant_spend_usd{tenant="acme"}'] == pytest.approx(
         sum(c["cost_usd"] for c in costs if c["tenant"] == "acme"))
     assert delta('mqinfer_device_seconds_total{state="busy"}') > 0
+    # Busy time and where it went: every engine phase lies inside busy time, the forward pass in it.
+    busy = delta("mqinfer_worker_busy_seconds_total")
+    phases = {p: delta(f'mqinfer_engine_phase_seconds_total{{phase="{p}"}}')
+              for p in ("schedule", "prepare", "forward", "sample", "postprocess")}
+    assert busy > 0 and phases["forward"] > 0 and phases["schedule"] > 0
+    assert sum(phases.values()) <= busy * 1.01
     assert delta('mqinfer_device_seconds_total{state="idle"}') > 0
     assert 0 < m1["mqinfer_batch_idle_ratio"] < 1
     assert m1["mqinfer_num_requests_running"] == 0 and m1["mqinfer_num_requests_waiting"] == 0
