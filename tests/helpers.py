@@ -63,3 +63,16 @@ def write_jsonl(path: Path, items) -> Path:
             f.write(item if isinstance(item, str) else json.dumps(item))
             f.write("\n")
     return path
+
+
+def stop_processes(*procs: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGTERM every process still running, then wait for each (SIGKILL after ``timeout``)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

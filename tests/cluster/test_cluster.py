@@ -20,7 +20,7 @@ from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import decode_entry
 from mqinfer.ops.jobs import job_info
 from mqinfer.server import EmbeddedServer
-from tests.helpers import mqinfer_cmd, rows, wait_until, write_jsonl
+from tests.helpers import mqinfer_cmd, rows, stop_processes, wait_until, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -170,13 +170,6 @@ def test_a_bulk_job_with_its_queue_on_a_plain_server_runs_across_the_cluster_thr
         direct.close()
         assert jobs.exists(keys.job_key(job_id)) and not jobs.exists(keys.request_stream("bulk-0"))
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(*procs)
         jobs.close()
         jobs_server.stop()

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mqinfer.ops.jobs import job_info, parse_deadline, submit_job
-from tests.helpers import mqinfer_cmd, wait_until, write_jsonl
+from tests.helpers import mqinfer_cmd, stop_processes, wait_until, write_jsonl
 
 FINAL = ("completed", "failed", "cancelled", "expired")
 WORKER_FLAGS = ("--num-kv-blocks", "512", "--claim-idle-ms", "1000", "--max-wait-ms", "5",
@@ -58,16 +58,7 @@ def start_rq(url: str, log: Path, *extra: str) -> subprocess.Popen:
     return start([*JOBS, "worker", "--redis", url, "--sweep-interval-s", "0.5", *extra], log)
 
 
-def stop(*procs: subprocess.Popen) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+stop = stop_processes
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -19,11 +19,8 @@ NUM_NEW = 10
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    pass
 
 
 @pytest.fixture(scope="module")
