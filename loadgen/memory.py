@@ -1,0 +1,636 @@
+"""KV-cache memory report (issue 4, item 4): KV waste by block size, and concurrent sequences in a
+fixed KV budget against contiguous allocators.
+
+Owns the command::
+
+    python -m mqinfer.loadgen.memory [--kv-budget 16384] [--block-sizes 8,16,32] [--json FILE]
+
+**Paged (measured).** The real ``Scheduler`` with its real ``KVCacheManager`` and ``BlockPool``
+runs the workload (all requests queued at once, in workload order) in a KV cache of
+``--kv-budget`` token slots (``budget // block_size`` blocks). No model runs: after each
+``schedule()`` this module plays the model's part and hands ``update_from_output()`` one sampled
+token per request that needs one. That changes nothing the allocator sees: the workload's
+requests use ``ignore_eos``, so each one's length is fixed by ``max_tokens``, and allocation
+depends only on token counts (and, with ``--prefix-caching``, on prompt tokens, which are real).
+``--engine`` cross-checks this by running the real ``LLMEngine`` (``--model tiny`` or a
+checkpoint) on the same requests and comparing every step's figures.
+
+**One step's figures** are read right after ``schedule()``, that is, the cache as the step's
+forward pass finds and fills it: every running request is in ``SchedulerOutput.scheduled``;
+*allocated slots* = distinct blocks those requests hold x block size (checked against the
+pool's own count of used blocks); *tokens held* = for each request, its computed tokens plus
+the ones scheduled this step (their KV is written by this step's forward pass). A block shared
+through the prefix cache counts once. **KV waste** of a step = 1 - held / allocated.
+
+**Saturation.** A step is *saturated* when, after ``schedule()``, requests are waiting, fewer
+than ``max_num_seqs`` run, and the step's token budget is not used up. The scheduler's admission
+loop stops for exactly three reasons (no budget left, ``max_num_seqs`` reached, no room in the
+KV cache), so this rule picks the steps where a waiting request was refused for lack of KV
+blocks (a preempted request counts as waiting). Averages and maxima are over saturated steps;
+waste is the mean of the per-step ratios.
+
+**Unavoidable waste** of a step = the slots that the last partial block of each running
+sequence leaves empty, over the least slots that hold the step's tokens in blocks of that size
+(tokens held + those empty slots; without sharing, sum(ceil(tokens / block_size) x block_size)):
+the least any allocator with that block size could waste.
+The *estimate* column is the usual rule of thumb, (block_size - 1) / 2 empty slots per sequence.
+
+**Contiguous (simulated).** The same requests, in the same order, against an allocator that
+gives each request one contiguous region of the same budget when it is admitted and takes it
+back when the request finishes: (a) ``max_model_len`` slots per request (what static batching
+with a preallocated cache reserves), (b) exactly ``prompt + max_tokens`` slots. Admission is
+first come, first served, head of line (a request that does not fit stops admission, like the
+paged scheduler), capped at ``max_num_seqs``. Placement is *first fit* in a linear address
+space, so freed regions can leave holes too small for the next request (external
+fragmentation); (b) is also reported under the *sum* rule (admit while the sum of reservations
+is <= the budget, as if regions could be moved for free), an upper bound for any contiguous
+allocator. A request holds its region for one step per output token (its prompt in the first),
+the way the paged run advances; no token budget limits the contiguous runs, which only favours
+them. Their saturated steps are those where the head of the queue did not fit.
+
+Prefix caching is off unless ``--prefix-caching`` is given (then the shared-prefix workload is the
+interesting one: ``--workload shared-prefix``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import datetime as _dt
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mqinfer.loadgen.checkpoint import STANDARD_CONFIG
+from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, workload_stats
+from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.scheduler.output import SchedulerOutput
+from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.scheduler import Scheduler
+
+DEFAULT_KV_BUDGET = 16384
+DEFAULT_BLOCK_SIZES = (8, 16, 32)
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+FITS = ("first-fit", "sum")
+# The issue's goal: at least this many times the concurrent sequences of the max-length allocator.
+GOAL_CONCURRENCY_RATIO = 4.0
+
+
+# -- per-step samples -------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One step's KV figures (see the module docstring for when and how they are read)."""
+
+    allocated_slots: int
+    held_tokens: int
+    # The least slots that hold these tokens in blocks of this size: held tokens plus the empty
+    # tail of each sequence's last partial block (a partial block is never shared).
+    min_slots: int
+    num_running: int
+    saturated: bool
+    # Tokens of the running sequences, each counting its own: more than held_tokens only when
+    # prefix-cache blocks are shared.
+    sequence_tokens: int
+
+    @property
+    def waste(self) -> float:
+        return 1.0 - self.held_tokens / self.allocated_slots if self.allocated_slots else 0.0
+
+    @property
+    def unavoidable_waste(self) -> float:
+        return 1.0 - self.held_tokens / self.min_slots if self.min_slots else 0.0
+
+
+def observe_step(scheduler: Scheduler, out: SchedulerOutput) -> StepSample:
+    """The cache as this step's forward pass sees it, from public state only. Call after ``schedule()``."""
+    kv = scheduler.kv_cache_manager
+    bs = kv.block_size
+    config = scheduler.config
+    scheduled = out.scheduled
+    if len(scheduled) != scheduler.num_running:
+        raise RuntimeError(f"{len(scheduled)} requests scheduled but {scheduler.num_running} running: "
+                           "every running request should get tokens every step")
+    tail = 0  # empty slots in the sequences' last partial blocks
+    seq_tokens = 0
+    if kv.enable_prefix_caching:
+        # Shared blocks count once. Only full blocks are ever shared, so every owner of a block
+        # agrees on how many tokens it holds.
+        fill: dict[int, int] = {}
+        for sr in scheduled:
+            request = sr.request
+            n = request.num_computed_tokens + sr.num_new_tokens
+            seq_tokens += n
+            tail += -n % bs
+            for i, block_id in enumerate(request.block_ids):
+                fill[block_id] = min(bs, max(0, n - i * bs))
+        allocated = len(fill) * bs
+        held = sum(fill.values())
+    else:
+        allocated = 0
+        for sr in scheduled:
+            request = sr.request
+            n = request.num_computed_tokens + sr.num_new_tokens
+            seq_tokens += n
+            tail += -n % bs
+            allocated += len(request.block_ids) * bs
+        held = seq_tokens
+    used = (kv.num_blocks - kv.num_free_blocks) * bs
+    if allocated != used:
+        raise RuntimeError(f"running requests hold {allocated} slots but the block pool has {used} in use")
+    saturated = (
+        scheduler.num_waiting > 0
+        and scheduler.num_running < config.max_num_seqs
+        and out.num_batched_tokens < config.max_num_batched_tokens
+    )
+    return StepSample(allocated, held, held + tail, len(scheduled), saturated, seq_tokens)
+
+
+class StepRecorder:
+    """Wraps one scheduler's ``schedule`` (on the instance) so that every step is observed.
+
+    The same recorder serves the simulated run and the real engine, so both are measured by the
+    same code at the same point of the step.
+    """
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.samples: list[StepSample] = []
+        inner = scheduler.schedule
+
+        def schedule() -> SchedulerOutput:
+            out = inner()
+            self.samples.append(observe_step(scheduler, out))
+            return out
+
+        scheduler.schedule = schedule  # type: ignore[method-assign]
+
+
+# -- the paged run ----------------------------------------------------------------------------
+@dataclass
+class PagedRun:
+    block_size: int
+    num_kv_blocks: int
+    samples: list[StepSample]
+    num_preemptions: int
+    num_recomputed_tokens: int
+
+
+def _scheduler_config(block_size: int, kv_budget: int, max_model_len: int, max_num_seqs: int,
+                      max_num_batched_tokens: int, prefix_caching: bool) -> SchedulerConfig:
+    return SchedulerConfig(
+        block_size=block_size, num_kv_blocks=kv_budget // block_size,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len, enable_prefix_caching=prefix_caching,
+    )
+
+
+def run_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_budget: int, *, max_model_len: int,
+              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+              max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+              prefix_caching: bool = False, seed: int = 0, vocab_size: int = 32000) -> PagedRun:
+    """The real scheduler over ``requests`` with sampled tokens fed in place of a model."""
+    config = _scheduler_config(block_size, kv_budget, max_model_len, max_num_seqs, max_num_batched_tokens,
+                               prefix_caching)
+    scheduler = Scheduler(config, clock=lambda: 0.0)
+    recorder = StepRecorder(scheduler)
+    engine_requests = []
+    for r in requests:
+        request = Request(
+            request_id=r["id"], prompt_token_ids=list(r["prompt_token_ids"]),
+            sampling=SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True),
+            max_model_len=max_model_len,
+        )
+        scheduler.add_request(request)
+        engine_requests.append(request)
+    rng = random.Random(seed)
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        for request in out.finished:
+            raise RuntimeError(f"request {request.request_id} ended inside schedule(): "
+                               f"{request.status.name} {request.error or ''}".strip())
+        if not out.scheduled:
+            raise RuntimeError("the scheduler scheduled nothing while requests remain: the KV budget is too small")
+        tokens = [rng.randrange(MIN_TOKEN_ID, vocab_size) if sr.needs_sample else None for sr in out.scheduled]
+        scheduler.update_from_output(out, tokens)
+    for request in engine_requests:
+        if request.num_output_tokens != request.sampling.max_tokens:
+            raise RuntimeError(f"request {request.request_id} generated {request.num_output_tokens} tokens, "
+                               f"not its max_tokens {request.sampling.max_tokens}")
+    return PagedRun(block_size, config.num_kv_blocks, recorder.samples, scheduler.num_preemptions_total,
+                    sum(r.num_recompute_tokens for r in engine_requests))
+
+
+def run_engine_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_budget: int, *, model: str,
+                     max_model_len: int, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                     prefix_caching: bool = False, num_threads: int | None = None) -> PagedRun:
+    """The same figures from the real engine (model forward passes, real sampling) on ``requests``."""
+    from mqinfer.workers.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(
+        model=model, device="cpu", block_size=block_size, num_kv_blocks=kv_budget // block_size,
+        max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+        enable_prefix_caching=prefix_caching, num_threads=num_threads,
+    ))
+    scheduler = engine.scheduler
+    recorder = StepRecorder(scheduler)
+    generated: dict[str, int] = {}
+    for r in requests:
+        sampling = SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True)
+        # Arrival 0 for all, as in the simulated run: the scheduling order is the workload order.
+        engine.add_request(r["id"], list(r["prompt_token_ids"]), sampling, arrival_time=0.0)
+    while engine.has_unfinished():
+        for o in engine.step().outputs:
+            if o.finished:
+                generated[o.request_id] = len(o.output_token_ids)
+    for r in requests:
+        if generated.get(r["id"]) != int(r["max_tokens"]):
+            raise RuntimeError(f"the engine generated {generated.get(r['id'])} tokens for {r['id']}, "
+                               f"not its max_tokens {r['max_tokens']}")
+    return PagedRun(block_size, engine.scheduler_config.num_kv_blocks, recorder.samples,
+                    scheduler.num_preemptions_total, 0)
+
+
+# -- the contiguous allocators ----------------------------------------------------------------
+@dataclass
+class ContiguousRun:
+    name: str
+    fit: str
+    samples: list[StepSample]
+    # Set when a single reservation is larger than the whole budget: nothing can ever run.
+    never_fits: bool = False
+
+
+def simulate_contiguous(requests: Sequence[dict[str, Any]], kv_budget: int, reservation: Callable[[int, int], int],
+                        *, fit: str = "first-fit", max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                        name: str = "") -> ContiguousRun:
+    """FIFO admission of one contiguous region per request (``reservation(prompt, max_tokens)`` slots).
+
+    Every step each admitted request computes one more token (its whole prompt and the first
+    output in its first step) and holds its region until its last output token. ``min_slots``
+    of a sample is the reserved total (there are no blocks).
+    """
+    if fit not in FITS:
+        raise ValueError(f"fit must be one of {', '.join(FITS)}, got {fit!r}")
+    shapes = [(len(r["prompt_token_ids"]), int(r["max_tokens"])) for r in requests]
+    sizes = [reservation(p, o) for p, o in shapes]
+    for (p, o), size in zip(shapes, sizes):
+        if size < p + o - 1:
+            raise ValueError(f"a reservation of {size} slots cannot hold a request of {p} + {o} tokens")
+    if max(sizes) > kv_budget:
+        return ContiguousRun(name, fit, [], never_fits=True)
+    # Placed regions as (start, end, request index), sorted by start for first fit.
+    regions: list[tuple[int, int, int]] = []
+    active: dict[int, int] = {}  # index -> output tokens produced so far
+    reserved = 0
+    head = 0
+    samples: list[StepSample] = []
+    while head < len(requests) or active:
+        blocked = False
+        while head < len(requests) and len(active) < max_num_seqs:
+            size = sizes[head]
+            if fit == "sum":
+                if reserved + size > kv_budget:
+                    blocked = True
+                    break
+                start = 0  # no addresses under the sum rule
+            else:
+                start = _first_fit(regions, size, kv_budget)
+                if start is None:
+                    blocked = True
+                    break
+            bisect.insort(regions, (start, start + size, head))
+            active[head] = 0
+            reserved += size
+            head += 1
+        held = 0
+        for i, done in active.items():
+            held += shapes[i][0] + done  # prompt + outputs before this step's: this step's KV
+        samples.append(StepSample(reserved, held, reserved, len(active), blocked, held))
+        finished = []
+        for i in active:
+            active[i] += 1
+            if active[i] == shapes[i][1]:
+                finished.append(i)
+        for i in finished:
+            del active[i]
+            reserved -= sizes[i]
+        if finished:
+            gone = set(finished)
+            regions = [reg for reg in regions if reg[2] not in gone]
+    return ContiguousRun(name, fit, samples)
+
+
+def _first_fit(regions: list[tuple[int, int, int]], size: int, capacity: int) -> int | None:
+    """Lowest start of a free range of ``size`` slots among sorted ``regions``, or None."""
+    pos = 0
+    for start, end, _ in regions:
+        if start - pos >= size:
+            return pos
+        pos = end
+    return pos if capacity - pos >= size else None
+
+
+# -- summaries --------------------------------------------------------------------------------
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize_samples(samples: Sequence[StepSample], kv_budget: int, block_size: int | None) -> dict[str, Any]:
+    sat = [s for s in samples if s.saturated]
+    out: dict[str, Any] = {
+        "steps": len(samples),
+        "saturated_steps": len(sat),
+        "kv_waste": _mean([s.waste for s in sat]),
+        "kv_waste_max": max((s.waste for s in sat), default=None),
+        "kv_usage": _mean([s.allocated_slots / kv_budget for s in sat]),
+        "concurrent_mean": _mean([s.num_running for s in sat]),
+        "concurrent_max": max((s.num_running for s in sat), default=None),
+        "concurrent_max_all_steps": max((s.num_running for s in samples), default=0),
+    }
+    if block_size is not None:
+        out["unavoidable_waste"] = _mean([s.unavoidable_waste for s in sat])
+        # Rule of thumb: (bs - 1) / 2 empty slots per sequence, against what the sequences hold.
+        half = (block_size - 1) / 2
+        out["estimate_waste"] = _mean([s.num_running * half / (s.held_tokens + s.num_running * half)
+                                       for s in sat if s.num_running])
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def memory_report(requests: Sequence[dict[str, Any]], *, kv_budget: int = DEFAULT_KV_BUDGET,
+                  block_sizes: Sequence[int] = DEFAULT_BLOCK_SIZES, max_model_len: int,
+                  max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                  max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = False,
+                  seed: int = 0, vocab_size: int = 32000, engine_model: str | None = None,
+                  num_threads: int | None = None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every figure of the report, as plain data (what ``--json`` writes)."""
+    for r in requests:
+        need = len(r["prompt_token_ids"]) + int(r["max_tokens"])
+        if need > max_model_len:
+            raise ValueError(f"request {r['id']} needs {need} tokens, more than max_model_len {max_model_len}")
+    say = progress or (lambda _m: None)
+    contiguous: dict[str, dict[str, Any]] = {}
+    plans = (
+        ("max_len", "first-fit", lambda p, o: max_model_len),
+        ("exact", "first-fit", lambda p, o: p + o),
+        ("exact_sum", "sum", lambda p, o: p + o),
+    )
+    for name, fit, reserve in plans:
+        t = time.perf_counter()
+        run = simulate_contiguous(requests, kv_budget, reserve, fit=fit, max_num_seqs=max_num_seqs, name=name)
+        summary = summarize_samples(run.samples, kv_budget, None)
+        summary.update(fit=fit, never_fits=run.never_fits,
+                       reserves="max_model_len" if name == "max_len" else "prompt + max_tokens")
+        contiguous[name] = summary
+        say(f"contiguous {name} ({fit}): {summary['steps']} steps in {time.perf_counter() - t:.2f}s")
+
+    paged = []
+    for bs in block_sizes:
+        t = time.perf_counter()
+        run = run_paged(requests, bs, kv_budget, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching, seed=seed,
+                        vocab_size=vocab_size)
+        summary = {"block_size": bs, "num_kv_blocks": run.num_kv_blocks, "kv_slots": run.num_kv_blocks * bs,
+                   **summarize_samples(run.samples, run.num_kv_blocks * bs, bs),
+                   "preemptions": run.num_preemptions, "recomputed_tokens": run.num_recomputed_tokens}
+        mean = summary["concurrent_mean"]
+        summary["ratio_vs_max_len"] = _ratio(mean, contiguous["max_len"]["concurrent_mean"])
+        summary["ratio_vs_exact"] = _ratio(mean, contiguous["exact"]["concurrent_mean"])
+        summary["ratio_vs_exact_sum"] = _ratio(mean, contiguous["exact_sum"]["concurrent_mean"])
+        waste, floor = summary["kv_waste"], summary["unavoidable_waste"]
+        summary["goal_waste_met"] = None if waste is None else waste <= floor + 1e-9
+        ratio = summary["ratio_vs_max_len"]
+        summary["goal_concurrency_met"] = None if ratio is None else ratio >= GOAL_CONCURRENCY_RATIO
+        say(f"paged block size {bs}: {summary['steps']} steps in {time.perf_counter() - t:.2f}s")
+        if engine_model is not None:
+            t = time.perf_counter()
+            eng = run_engine_paged(requests, bs, kv_budget, model=engine_model, max_model_len=max_model_len,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   prefix_caching=prefix_caching, num_threads=num_threads)
+            esum = summarize_samples(eng.samples, eng.num_kv_blocks * bs, bs)
+            summary["engine"] = {
+                "model": engine_model, "steps": esum["steps"], "saturated_steps": esum["saturated_steps"],
+                "kv_waste": esum["kv_waste"], "concurrent_mean": esum["concurrent_mean"],
+                "preemptions": eng.num_preemptions,
+                "identical_to_simulation": eng.samples == run.samples,
+            }
+            say(f"engine block size {bs}: {esum['steps']} steps in {time.perf_counter() - t:.1f}s, "
+                f"identical to the simulation: {eng.samples == run.samples}")
+        paged.append(summary)
+
+    stats = workload_stats(requests)
+    return {
+        "workload": {"num_requests": stats.num_requests, "prompt_tokens": stats.prompt_tokens,
+                     "output_tokens": stats.output_tokens, "max_prompt_len": stats.max_prompt_len,
+                     "max_output_len": stats.max_output_len},
+        "kv_budget_tokens": kv_budget,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "prefix_caching": prefix_caching,
+        "saturation_rule": "after schedule(): requests waiting, running < max_num_seqs, and the step's token "
+                           "budget not used up (admission stopped for lack of KV blocks); contiguous: the head "
+                           "of the queue did not fit",
+        "paged": paged,
+        "contiguous": contiguous,
+    }
+
+
+# -- output -----------------------------------------------------------------------------------
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2%}"
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, fmt)
+
+
+def _times(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
+
+
+def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = None) -> str:
+    w = report["workload"]
+    budget = report["kv_budget_tokens"]
+    mem = f" ({budget * kv_bytes_per_token / 2**20:.1f} MiB of KV for the standard checkpoint)" \
+        if kv_bytes_per_token else ""
+    lines = [
+        f"KV budget {budget:,} token slots{mem}; workload {w['num_requests']} requests, "
+        f"{w['prompt_tokens']:,} prompt + {w['output_tokens']:,} output tokens "
+        f"({w['prompt_tokens'] + w['output_tokens']:,} slots to hold them all at once); "
+        f"max_model_len {report['max_model_len']}; max_num_seqs {report['max_num_seqs']}, "
+        f"max_num_batched_tokens {report['max_num_batched_tokens']}; prefix caching "
+        f"{'on' if report['prefix_caching'] else 'off'}.",
+        f"Saturated step: {report['saturation_rule']}. Means are over saturated steps.",
+        "",
+        "| block size | steps (saturated) | KV waste | unavoidable (last partial block) | estimate (bs-1)/2 per seq "
+        "| KV in use | concurrent seqs mean / max | vs max-len contiguous | vs exact contiguous (first fit) "
+        "| vs exact (sum bound) | preemptions |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in report["paged"]:
+        lines.append(
+            f"| {p['block_size']} | {p['steps']} ({p['saturated_steps']}) | {_pct(p['kv_waste'])} "
+            f"| {_pct(p['unavoidable_waste'])} | {_pct(p['estimate_waste'])} | {_pct(p['kv_usage'])} "
+            f"| {_num(p['concurrent_mean'])} / {_num(p['concurrent_max'], 'd')} | {_times(p['ratio_vs_max_len'])} "
+            f"| {_times(p['ratio_vs_exact'])} | {_times(p['ratio_vs_exact_sum'])} | {p['preemptions']} |"
+        )
+    lines += [
+        "",
+        "| contiguous allocator | reserves per request | placement | steps (saturated) | concurrent seqs mean / max "
+        "| reserved slots holding no token |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    labels = {"max_len": f"max length ({report['max_model_len']})", "exact": "exact", "exact_sum": "exact"}
+    for name, c in report["contiguous"].items():
+        placement = "first fit" if c["fit"] == "first-fit" else "sum of reservations <= budget"
+        if c["never_fits"]:
+            lines.append(f"| {labels[name]} | {c['reserves']} | {placement} | - | 0 (one reservation exceeds "
+                         "the budget) | - |")
+            continue
+        lines.append(
+            f"| {labels[name]} | {c['reserves']} | {placement} | {c['steps']} ({c['saturated_steps']}) "
+            f"| {_num(c['concurrent_mean'])} / {_num(c['concurrent_max'], 'd')} | {_pct(c['kv_waste'])} |"
+        )
+    engine_rows = [p for p in report["paged"] if "engine" in p]
+    if engine_rows:
+        lines.append("")
+        for p in engine_rows:
+            e = p["engine"]
+            lines.append(
+                f"Engine cross-check, block size {p['block_size']} ({e['model']}): {e['steps']} steps "
+                f"({e['saturated_steps']} saturated), KV waste {_pct(e['kv_waste'])}, concurrent mean "
+                f"{_num(e['concurrent_mean'])}; every step identical to the simulation: "
+                f"{'yes' if e['identical_to_simulation'] else 'NO'}."
+            )
+    lines.append("")
+    for p in report["paged"]:
+        waste = {True: "met", False: "not met", None: "n/a (never saturated)"}[p["goal_waste_met"]]
+        conc = {True: "met", False: "not met", None: "n/a"}[p["goal_concurrency_met"]]
+        lines.append(
+            f"Goals at block size {p['block_size']}: KV waste {_pct(p['kv_waste'])} <= unavoidable "
+            f"{_pct(p['unavoidable_waste'])}: {waste}; concurrency {_times(p['ratio_vs_max_len'])} the "
+            f"max-length contiguous allocator (goal >= {GOAL_CONCURRENCY_RATIO:g}x): {conc}."
+        )
+    return "\n".join(lines)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _kv_bytes_per_token(config: dict[str, Any]) -> int:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mqinfer.loadgen.memory",
+        description="KV-cache memory report: KV waste at saturation for several block sizes, and concurrent "
+                    "sequences in a fixed KV budget for the paged scheduler against contiguous allocators that "
+                    "reserve max_model_len or exactly prompt + max_tokens per request. Drives the real "
+                    "scheduler and KV cache manager with sampled tokens (no model needed: ignore_eos fixes "
+                    "every length); --engine cross-checks with the real engine.",
+        epilog="Prints markdown tables on stdout, progress on stderr; --json writes every figure.",
+    )
+    parser.add_argument("--kv-budget", type=int, default=DEFAULT_KV_BUDGET,
+                        help=f"KV cache size in token slots, the same for every allocator (default: "
+                             f"{DEFAULT_KV_BUDGET}; the standard workload needs about 55,000 to hold every request "
+                             "at once). Paged runs get budget // block size blocks.")
+    parser.add_argument("--block-sizes", type=_int_list, default=list(DEFAULT_BLOCK_SIZES),
+                        help="Comma-separated block sizes (default: 8,16,32).")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="What the max-length contiguous allocator reserves per request (default: the standard "
+                             f"checkpoint's max_position_embeddings, {STANDARD_CONFIG['max_position_embeddings']}).")
+    parser.add_argument("--workload", choices=WORKLOADS, default="standard", help="Workload (default: standard).")
+    parser.add_argument("--num-requests", type=int, default=256, help="Requests (default: 256).")
+    parser.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
+    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
+                        help=f"Running sequences at most, for every allocator (default: {DEFAULT_MAX_NUM_SEQS}, so "
+                             "that the KV budget is the limit).")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                        help="The paged scheduler's token budget per step "
+                             f"(default: {DEFAULT_MAX_NUM_BATCHED_TOKENS}).")
+    parser.add_argument("--prefix-caching", action="store_true",
+                        help="Turn the prefix cache on (shared blocks count once); try --workload shared-prefix.")
+    parser.add_argument("--engine", action="store_true",
+                        help="Also run the real LLMEngine per block size and check that every step's figures "
+                             "match the simulation (slow with the standard checkpoint).")
+    parser.add_argument("--model", default="tiny",
+                        help="Model for --engine: tiny (default) or a checkpoint folder; 'standard' builds or reuses "
+                             "the standard checkpoint.")
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads for --engine.")
+    parser.add_argument("--json", metavar="FILE", default=None, help="Write every figure to FILE as JSON.")
+    args = parser.parse_args(argv)
+
+    max_model_len = args.max_model_len or int(STANDARD_CONFIG["max_position_embeddings"])
+    if args.num_requests < 1:
+        parser.error("--num-requests must be at least 1")
+    if max_model_len < 2:
+        parser.error("--max-model-len must be at least 2")
+    if args.max_num_seqs < 1 or args.max_num_batched_tokens < args.max_num_seqs:
+        parser.error("--max-num-seqs must be >= 1 and --max-num-batched-tokens >= --max-num-seqs")
+    if args.kv_budget < max(args.block_sizes):
+        parser.error(f"--kv-budget must hold at least one block of the largest block size ({max(args.block_sizes)})")
+
+    vocab_size = int(STANDARD_CONFIG["vocab_size"])
+    engine_model = None
+    if args.engine:
+        if args.model == "standard":
+            from mqinfer.loadgen.checkpoint import make_standard_checkpoint
+
+            engine_model = str(make_standard_checkpoint())
+        else:
+            engine_model = args.model
+        if engine_model == "tiny":
+            from mqinfer.workers.loader import TINY_BOS
+
+            vocab_size = TINY_BOS  # the tiny model's byte ids, below its special tokens
+        else:
+            from mqinfer.loadgen.checkpoint import read_config
+
+            vocab_size = int(read_config(engine_model)["vocab_size"])
+    # Lengths are drawn before tokens, so the vocabulary changes token ids but never lengths.
+    requests = make_workload(args.workload, n=args.num_requests, seed=args.seed, vocab_size=vocab_size)
+    try:
+        report = memory_report(
+            requests, kv_budget=args.kv_budget, block_sizes=args.block_sizes, max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+            prefix_caching=args.prefix_caching, seed=args.seed, vocab_size=vocab_size, engine_model=engine_model,
+            num_threads=args.num_threads,
+            progress=lambda m: print(f"[memory {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
+        )
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report["workload"].update(name=args.workload, seed=args.seed)
+    given = sys.argv[1:] if argv is None else argv
+    report["command"] = " ".join(["python -m mqinfer.loadgen.memory", *given])
+    report["date_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    kv_bytes = _kv_bytes_per_token(STANDARD_CONFIG)
+    report["kv_bytes_per_token_standard_checkpoint"] = kv_bytes
+    print(format_markdown(report, kv_bytes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
