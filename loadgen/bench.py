@@ -10,7 +10,14 @@ requests, then prints throughput, latency percentiles and the ratios between sys
   the requests asked for over first started -> last finished, read back from the result rows.
 - online: workers start first (and are warmed with one request); requests then arrive as a
   Poisson process at ``--rate`` per second (several comma-separated rates make a sweep), and
-  TTFT / TPOT / e2e are measured from each entry's enqueue time.
+  TTFT / TPOT / e2e are measured from each entry's enqueue time. ``--rate half`` first runs the
+  offline mode on the same requests (its own workers, so that no prefix cache carries over) and
+  then offers half its measured request throughput. Every online point is checked against issue
+  4's goal, p99 TTFT <= max wait + 3 engine steps (``TtftBudget``): the max wait is the workers'
+  ``--max-wait-ms`` (for ``auto``, the adaptive batcher's upper bound), and an engine step is the
+  point's own TPOT p50, the time one decode step takes for a running request, measured under that
+  load (it includes the prefill chunks batched into the same steps). ``--compare-wait 10,auto``
+  runs the online rates once per wait setting, each with fresh workers, for issue 8's comparison.
 
 ``add_bench_arguments(parser)`` and ``run_bench(args) -> int`` are for the ``mqinfer`` CLI;
 ``python -m mqinfer.loadgen.bench`` runs the same thing. Progress goes to stderr, the report
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import signal
@@ -38,14 +46,19 @@ from mqinfer.loadgen.metrics import (
     Percentiles,
     RequestTiming,
     RunSummary,
+    TtftBudget,
     summarize,
     timings_from_results,
     token_agreement,
+    ttft_budget,
 )
-from mqinfer.loadgen.workload import WORKLOADS, make_workload, workload_stats
+from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, workload_stats
 
 STREAM = "bench"
 BENCH_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+HALF = "half"  # --rate: half the throughput of an offline run of the same requests
+AUTO = "auto"  # --max-wait-ms: the adaptive batcher
+BUDGET_STEPS = 3  # issue 4: p99 TTFT <= max wait + 3 engine steps
 
 
 def _log(message: str) -> None:
@@ -62,13 +75,50 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-def _rate_list(text: str) -> list[float]:
+def _rate_list(text: str) -> list[float | str]:
+    """Requests per second, or `half` (derived from an offline run first)."""
+    values: list[float | str] = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        if item.lower() == HALF:
+            if HALF not in values:
+                values.append(HALF)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated request rates or `half`, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"request rates must be > 0, got {text!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated request rates or `half`, got {text!r}")
+    return values
+
+
+def _wait_ms(text: str) -> float | str:
+    """Milliseconds >= 0, or `auto`."""
+    if text.strip().lower() == AUTO:
+        return AUTO
     try:
-        values = [float(v) for v in text.split(",") if v.strip()]
+        value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated request rates, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"request rates must be > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected milliseconds or auto, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a wait must be >= 0 ms, got {text!r}")
+    return value
+
+
+def _wait_list(text: str) -> list[float | str]:
+    values: list[float | str] = []
+    for item in (v for v in text.split(",") if v.strip()):
+        value = _wait_ms(item)
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated waits (milliseconds or auto), got {text!r}")
     return values
 
 
@@ -111,7 +161,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="offline: submit everything at once; online: Poisson arrivals at --rate (default: offline).")
     g.add_argument("--rate", type=_rate_list, default=None, metavar="R[,R...]",
                    help="Online mode: requests per second; several values run a sweep (latency against offered "
-                        "load).")
+                        "load). `half` runs the offline mode first and offers half its measured request rate "
+                        "(issue 4's latency goal), e.g. --rate half or --rate 2,half.")
+    g.add_argument("--compare-wait", type=_wait_list, default=None, metavar="W[,W...]",
+                   help="Online mode: run the rates once per batcher wait (milliseconds or auto, e.g. 10,auto), "
+                        "each with fresh workers, and print p99/p50 TTFT and throughput side by side.")
     g.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="Worker processes (default: 1).")
     g.add_argument("--out", default=None, metavar="DIR",
                    help="Keep the workers' output (results/, costs/, logs) here (default: a temporary folder, "
@@ -150,8 +204,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-batch", "N", "Dual-threshold batcher: batch size threshold."),
     ):
         g.add_argument(flag, type=_positive_int, default=None, metavar=meta, help=f"{text} (default: the worker's).")
-    g.add_argument("--max-wait-ms", type=float, default=None, metavar="T",
-                   help="Dual-threshold batcher: wait threshold (default: the worker's).")
+    g.add_argument("--max-wait-ms", type=_wait_ms, default=None, metavar="T",
+                   help="Dual-threshold batcher: wait threshold in milliseconds, or auto (default: the worker's).")
 
 
 # ------------------------------------------------------------------------------------ model
@@ -311,6 +365,76 @@ class OnlinePoint:
     summary: RunSummary
     submit_lag_p99_s: float  # how late the submitter was against the Poisson schedule
     timings: list[RequestTiming] = field(repr=False, default_factory=list)
+    max_wait_ms: float | str | None = None  # the workers' batcher wait (ms or "auto"); None: unknown
+    budget: TtftBudget | None = None  # issue 4's goal; None without a TTFT or a step to measure it by
+
+
+def worker_wait_setting(value: float | str | None) -> float | str:
+    """The batcher wait a worker uses when started with ``--max-wait-ms value`` (None: the flag
+    left out, so the worker's environment or default decides)."""
+    if value is not None:
+        return value
+    from mqinfer.config import WORKER_OPTIONS
+
+    option = next(o for o in WORKER_OPTIONS if o.name == "max_wait_ms")
+    if option.env in os.environ:  # the workers inherit the bench's environment
+        return option.convert(os.environ[option.env], f"environment {option.env}")
+    return option.default
+
+
+def wait_budget_s(setting: float | str) -> tuple[float, str]:
+    """The wait counted in the TTFT budget (seconds) and how it was chosen. For ``auto`` that is
+    the upper bound the adaptive batcher may choose: the worker builds its ``AdaptiveWait`` with
+    the default bounds."""
+    if setting == AUTO:
+        from mqinfer.scheduler.batcher import AdaptiveWait
+
+        bound = AdaptiveWait().max_wait_s
+        return bound, f"{bound * 1000:g} [auto: the adaptive batcher's upper bound]"
+    return float(setting) / 1000.0, f"{float(setting):g}"
+
+
+def point_budget(summary: RunSummary, setting: float | str) -> TtftBudget | None:
+    """Issue 4's goal for one online point: its p99 TTFT against the max wait plus three engine
+    steps, a step being the point's TPOT p50 (one decode step of a running request, measured under
+    the same load). None when no request produced a first token or a second one."""
+    if summary.ttft is None or summary.tpot is None:
+        return None
+    return ttft_budget(summary.ttft.p99, wait_budget_s(setting)[0], summary.tpot.p50, BUDGET_STEPS)
+
+
+def request_rate(summary: RunSummary) -> float:
+    """A run's request throughput: requests finished without error / span (0 when none)."""
+    done = summary.num_requests - summary.num_errors
+    return done / summary.span_s if done > 0 and summary.span_s > 0 else 0.0
+
+
+def half_rate(offline: RunSummary) -> float:
+    """Half an offline run's request throughput, to 3 significant digits."""
+    rate = request_rate(offline)
+    if rate <= 0:
+        raise RuntimeError("--rate half: the offline run measured no throughput to take half of")
+    return float(f"{rate / 2:.3g}")
+
+
+def unshared_prompts(requests: list[dict[str, Any]], salt: int, vocab_size: int) -> list[dict[str, Any]]:
+    """The requests with each prompt's first token id shifted by ``salt`` within the prompt ids.
+
+    Prefix-cache block hashes are chained from the first block, so the points of a sweep on the
+    same workers, each with its own salt, share no cached prompt blocks (without this, every point
+    after the first found about 95% of its prompt tokens cached, and its TTFT was flattered),
+    while the requests of one point still share what they shared before (a shared prefix).
+    Salt 0 returns the requests unchanged.
+    """
+    span = vocab_size - MIN_TOKEN_ID
+    if salt % span == 0:
+        return requests
+    out = []
+    for r in requests:
+        ids = list(r["prompt_token_ids"])
+        ids[0] = MIN_TOKEN_ID + (ids[0] - MIN_TOKEN_ID + salt) % span
+        out.append({**r, "prompt_token_ids": ids})
+    return out
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -344,48 +468,52 @@ class EngineRun:
     online: list[OnlinePoint]
     timings: list[RequestTiming]  # offline only
     outputs: dict[str, list[int]]  # offline only
+    half_rate: float | None = None  # the rate `--rate half` stood for
 
 
-def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], scratch: Path
-               ) -> EngineRun:
-    """One offline run, or the online sweep, through the real pipeline."""
-    from mqinfer.client import Producer
-    from mqinfer.server import EmbeddedServer
+def _with_wait(args: argparse.Namespace, max_wait_ms: float | str | None) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "max_wait_ms": max_wait_ms})
 
-    out = Path(args.out).resolve() if args.out else scratch / "out"
-    out.mkdir(parents=True, exist_ok=True)
-    server = EmbeddedServer(scratch / "redis", unix_socket=True, appendonly=False).start()
-    pool = WorkerPool(worker_argv(args, spec.arg, server.url, out), args.workers, out / "logs")
-    producer = Producer(server.url, stream=STREAM)
-    tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+
+def _run_offline(args: argparse.Namespace, requests: list[dict[str, Any]], producer, pool: WorkerPool, out: Path,
+                 job_id: str) -> tuple[list[RequestTiming], dict[str, list[int]]]:
+    """Every request submitted, then the workers started; stopped when all are done."""
     try:
-        if args.mode == "offline":
-            job_id = f"bench-{tag}"
-            producer.submit_many(requests, job_id=job_id)
-            _log(f"mqinfer offline: {len(requests)} requests submitted; starting {args.workers} worker(s)")
-            pool.start()
-            _wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, "mqinfer offline")
-            pool.stop()
-            timings, outputs = read_results(out, job_id, requests)
-            return EngineRun(summarize(timings), [], timings, outputs)
+        producer.submit_many(requests, job_id=job_id)
+        _log(f"mqinfer offline: {len(requests)} requests submitted; starting {args.workers} worker(s)")
+        pool.start()
+        _wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, "mqinfer offline")
+    finally:
+        pool.stop()
+    return read_results(out, job_id, requests)
 
+
+def _run_online(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], url: str, producer,
+                pool: WorkerPool, out: Path, tag: str, rates: list[float], setting: float | str) -> list[OnlinePoint]:
+    """Warm the workers with one request, then one Poisson run per rate (prompts salted per rate:
+    ``unshared_prompts``); the workers are stopped at the end."""
+    from mqinfer.client import Producer
+
+    try:
         pool.start()
         # Reversed, so that it shares no cached prefix blocks with the measured requests.
         warm = {"id": "warmup", "prompt_token_ids": requests[0]["prompt_token_ids"][::-1], "max_tokens": 8,
                 "ignore_eos": True, "temperature": 0.0}
         warm_job = f"bench-warmup-{tag}"
         producer.submit(warm, job_id=warm_job)
-        _log(f"mqinfer online: starting {args.workers} worker(s), waiting for a warm-up request")
+        _log(f"mqinfer online: starting {args.workers} worker(s) (max wait {wait_label(setting)}), "
+             "waiting for a warm-up request")
         _wait_done(producer.redis, warm_job, 1, pool, args.timeout_s, "warm-up")
         points = []
-        for k, rate in enumerate(args.rate):
+        for k, rate in enumerate(rates):
             job_id = f"bench-{tag}-r{k}"
             arrivals = poisson_arrivals(len(requests), rate, args.seed + k)
             lags: list[float] = []
             errors: list[BaseException] = []
-            submitter = Producer(server.url, stream=STREAM)
+            submitter = Producer(url, stream=STREAM)
             thread = threading.Thread(target=_submit_on_schedule, name="bench-submitter",
-                                      args=(submitter, requests, arrivals, job_id, lags, errors), daemon=True)
+                                      args=(submitter, unshared_prompts(requests, k, spec.vocab_size), arrivals,
+                                            job_id, lags, errors), daemon=True)
             _log(f"mqinfer online: {len(requests)} requests at {rate:g} req/s (about {arrivals[-1]:.0f}s of arrivals)")
             thread.start()
             try:
@@ -398,12 +526,53 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
             # Rows are durable before their id joins the done set, so they can be read while workers run.
             timings, _ = read_results(out, job_id, requests)
             lag = sorted(lags)
-            points.append(OnlinePoint(rate, summarize(timings), lag[int(0.99 * (len(lag) - 1))] if lag else 0.0,
-                                      timings))
-        pool.stop()
-        return EngineRun(None, points, [], {})
+            summary = summarize(timings)
+            points.append(OnlinePoint(rate, summary, lag[int(0.99 * (len(lag) - 1))] if lag else 0.0, timings,
+                                      setting, point_budget(summary, setting)))
+        return points
     finally:
         pool.stop()
+
+
+def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], scratch: Path
+               ) -> EngineRun:
+    """One offline run, or the online sweep (after an offline run for `--rate half`; once per
+    `--compare-wait` setting), through the real pipeline."""
+    from mqinfer.client import Producer
+    from mqinfer.server import EmbeddedServer
+
+    out = Path(args.out).resolve() if args.out else scratch / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    server = EmbeddedServer(scratch / "redis", unix_socket=True, appendonly=False).start()
+    producer = Producer(server.url, stream=STREAM)
+    tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    waits = args.compare_wait or [args.max_wait_ms]
+
+    def pool(wait: float | str | None, log_dir: Path) -> WorkerPool:
+        return WorkerPool(worker_argv(_with_wait(args, wait), spec.arg, server.url, out), args.workers, log_dir)
+
+    try:
+        if args.mode == "offline":
+            timings, outputs = _run_offline(args, requests, producer, pool(waits[0], out / "logs"), out, f"bench-{tag}")
+            return EngineRun(summarize(timings), [], timings, outputs)
+        offline, timings, outputs, half = None, [], {}, None
+        if HALF in args.rate:
+            # Its own workers, stopped before the online runs: they start with an empty prefix cache.
+            timings, outputs = _run_offline(args, requests, producer, pool(waits[0], out / "logs" / "offline"), out,
+                                            f"bench-{tag}")
+            offline = summarize(timings)
+            half = half_rate(offline)
+            _log(f"--rate half: offline {offline.num_requests - offline.num_errors} requests over "
+                 f"{offline.span_s:.2f}s = {request_rate(offline):.3g} req/s; online at {half:g} req/s")
+        rates = [half if r == HALF else r for r in args.rate]
+        points: list[OnlinePoint] = []
+        for w, wait in enumerate(waits):
+            setting = worker_wait_setting(wait)
+            log_dir = out / "logs" if len(waits) == 1 else out / "logs" / f"wait-{setting}"
+            points += _run_online(args, spec, requests, server.url, producer, pool(wait, log_dir), out, f"{tag}-w{w}",
+                                  rates, setting)
+        return EngineRun(offline, points, timings, outputs, half)
+    finally:
         producer.redis.close()
         server.stop()
 
@@ -416,12 +585,49 @@ def _fmt_pct(p: Percentiles | None, scale: float = 1.0, digits: int = 3) -> str:
 
 
 def format_table(rows: list[tuple[str, RunSummary]]) -> str:
-    head = (f"{'system':<22} {'tok/s':>9} {'span s':>8} {'reqs':>5} {'err':>4}  "
+    w = max([22] + [len(name) for name, _ in rows])
+    head = (f"{'system':<{w}} {'tok/s':>9} {'span s':>8} {'reqs':>5} {'err':>4}  "
             f"{'TTFT s p50/p90/p99':<22} {'TPOT ms p50/p90/p99':<22} {'e2e s p50/p90/p99':<22}")
     lines = [head, "-" * len(head)]
     for name, s in rows:
-        lines.append(f"{name:<22} {s.throughput:>9.1f} {s.span_s:>8.2f} {s.num_requests:>5d} {s.num_errors:>4d}  "
+        lines.append(f"{name:<{w}} {s.throughput:>9.1f} {s.span_s:>8.2f} {s.num_requests:>5d} {s.num_errors:>4d}  "
                      f"{_fmt_pct(s.ttft):<22} {_fmt_pct(s.tpot, 1000.0):<22} {_fmt_pct(s.e2e):<22}")
+    return "\n".join(lines)
+
+
+def wait_label(setting: float | str | None) -> str:
+    if setting is None:
+        return "?"
+    return AUTO if setting == AUTO else f"{float(setting):g} ms"
+
+
+def point_name(point: OnlinePoint, with_wait: bool) -> str:
+    name = f"mqinfer @{point.rate:g} req/s"
+    return f"{name} wait {wait_label(point.max_wait_ms)}" if with_wait else name
+
+
+def budget_line(point: OnlinePoint) -> str:
+    """'p99 TTFT X ms vs budget Y ms (max_wait W + 3 x step S): met|not met', in milliseconds."""
+    b = point.budget
+    if b is None:
+        return "no p99 TTFT or engine step measured (no request with two or more tokens)"
+    wait_text = wait_budget_s(point.max_wait_ms)[1] if point.max_wait_ms is not None else f"{b.max_wait_s * 1000:g}"
+    return (f"p99 TTFT {b.ttft_p99_s * 1000:.1f} ms vs budget {b.budget_s * 1000:.1f} ms (max_wait {wait_text} + "
+            f"{b.steps} x step {b.step_s * 1000:.1f}, step = TPOT p50): {'met' if b.met else 'not met'}")
+
+
+def format_wait_table(points: list[OnlinePoint]) -> str:
+    """One row per offered rate and wait setting, rates ascending."""
+    head = (f"{'req/s':>7} {'wait':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'tok/s':>9} "
+            f"{'budget ms':>10} {'goal':>8}")
+    lines = [head, "-" * len(head)]
+    for p in sorted(points, key=lambda q: q.rate):  # stable: settings keep their order within a rate
+        ttft = p.summary.ttft
+        p50, p99 = (f"{ttft.p50 * 1000:.1f}", f"{ttft.p99 * 1000:.1f}") if ttft else ("-", "-")
+        budget = f"{p.budget.budget_s * 1000:.1f}" if p.budget else "-"
+        goal = ("met" if p.budget.met else "not met") if p.budget else "-"
+        lines.append(f"{p.rate:>7g} {wait_label(p.max_wait_ms):>8} {p50:>12} {p99:>12} {p.summary.throughput:>9.1f} "
+                     f"{budget:>10} {goal:>8}")
     return "\n".join(lines)
 
 
@@ -441,7 +647,9 @@ def _check_plotting(plot_dir: str | None) -> str | None:
 
 
 def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[OnlinePoint]) -> list[Path]:
-    """throughput.png (one bar per system) and, for online sweeps, latency.png (against offered load)."""
+    """throughput.png (one bar per system) and, for online sweeps, latency.png (against offered load)
+    or, when the points ran with several batcher waits, ttft-by-wait.png (p99 TTFT and throughput
+    against offered load, one line per wait)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display needed
@@ -464,7 +672,28 @@ def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[O
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
-    if online:
+    by_wait: dict[str, list[OnlinePoint]] = {}
+    for p in online:
+        by_wait.setdefault(wait_label(p.max_wait_ms), []).append(p)
+    if len(by_wait) > 1:
+        fig, (ax_ttft, ax_tput) = plt.subplots(1, 2, figsize=(11, 4))
+        for label, points in by_wait.items():
+            points = sorted(points, key=lambda q: q.rate)
+            rates = [p.rate for p in points]
+            ax_ttft.plot(rates, [p.summary.ttft.p99 * 1000 if p.summary.ttft else float("nan") for p in points],
+                         marker="o", label=f"wait {label}")
+            ax_tput.plot(rates, [p.summary.throughput for p in points], marker="o", label=f"wait {label}")
+        for ax, title in ((ax_ttft, "p99 time to first token (ms)"), (ax_tput, "requested output tokens / s")):
+            ax.set_xlabel("offered load (requests / s)")
+            ax.set_title(title)
+            ax.legend()
+        fig.tight_layout()
+        path = plot_dir / "ttft-by-wait.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    elif online:
+        online = sorted(online, key=lambda q: q.rate)
         fig, axes = plt.subplots(1, 3, figsize=(13, 4))
         rates = [p.rate for p in online]
         for ax, metric, title, scale in ((axes[0], "ttft", "time to first token (s)", 1.0),
@@ -483,6 +712,13 @@ def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[O
         plt.close(fig)
         written.append(path)
     return written
+
+
+def _budget_dict(point: OnlinePoint) -> dict[str, Any] | None:
+    if point.budget is None:
+        return None
+    wait_source = wait_budget_s(point.max_wait_ms)[1] if point.max_wait_ms is not None else None
+    return {**asdict(point.budget), "max_wait_source": wait_source, "step_source": "tpot_p50"}
 
 
 def _cuda_available() -> bool:
@@ -530,6 +766,10 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--mode online needs --rate R (requests per second; several comma-separated for a sweep)"
     if args.mode == "offline" and args.rate:
         return "--rate applies to --mode online only"
+    if args.compare_wait and args.mode != "online":
+        return "--compare-wait applies to --mode online only"
+    if args.compare_wait and args.max_wait_ms is not None:
+        return "--compare-wait sets each run's wait; leave out --max-wait-ms"
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -609,14 +849,19 @@ def _run(args: argparse.Namespace) -> int:
         if not args.skip_engine:
             run = run_engine(args, spec, requests, scratch)
             ours, online, our_outputs = run.offline, run.online, run.outputs
+            if run.half_rate is not None:
+                report["rate_half"] = {"offline_req_s": request_rate(run.offline), "rate": run.half_rate}
+            if args.compare_wait:
+                report["compare_wait"] = args.compare_wait
             if online:
-                report["online"] = [{"rate": p.rate, "summary": p.summary.to_dict(),
-                                     "submit_lag_p99_s": p.submit_lag_p99_s,
+                report["online"] = [{"rate": p.rate, "max_wait_ms": p.max_wait_ms, "summary": p.summary.to_dict(),
+                                     "budget": _budget_dict(p), "submit_lag_p99_s": p.submit_lag_p99_s,
                                      "requests": [asdict(t) for t in p.timings]} for p in online]
-            for p in online:
-                done(f"mqinfer @{p.rate:g} req/s", p.summary, {"summary": p.summary.to_dict()})
             if ours is not None:
                 done("mqinfer offline", ours, {"summary": ours.to_dict(), "requests": [asdict(t) for t in run.timings]})
+            for p in online:
+                done(point_name(p, bool(args.compare_wait)), p.summary,
+                     {"summary": p.summary.to_dict(), "budget": _budget_dict(p)})
         static_best = continuous = None
         if args.compare == "hf":
             from mqinfer.loadgen import hf_baseline
@@ -661,6 +906,13 @@ def _run(args: argparse.Namespace) -> int:
           f"{' '.join(f for f in machine.get('flags', []) if f.startswith(('amx', 'avx512_bf16'))) or 'no bf16 units'}"
           f"; load average at start {machine['load_average'][0]:.2f}")
     print(format_table(table_rows))
+    if "rate_half" in report:
+        half = report["rate_half"]
+        print(f"--rate half: offline throughput {half['offline_req_s']:.3g} req/s, so online at {half['rate']:g} req/s")
+    for p in online:
+        print(f"{point_name(p, bool(args.compare_wait))}: {budget_line(p)}")
+    if args.compare_wait:
+        print(format_wait_table(online))
     ratios: dict[str, float] = {}
     if ours is not None and static_best is not None:
         ratios["vs_hf_static_best"] = ours.throughput / static_best.throughput if static_best.throughput else 0.0

@@ -13,6 +13,10 @@ baselines are compared on the same terms:
 
 Error rows count as errors, not as tokens or latencies. ``timings_from_results`` reads the rows
 of a results dataset (a ``pyarrow.Table``) written by the workers.
+
+``ttft_budget`` is issue 4's online latency goal: p99 TTFT at most the batcher's wait plus three
+engine steps (roughly: the batcher's threshold, the step already running when the request
+arrives, its own prefill step, and one more for a prefill split over two steps).
 """
 
 from __future__ import annotations
@@ -79,6 +83,29 @@ class RunSummary:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class TtftBudget:
+    """The online latency goal for one run: ``ttft_p99_s <= max_wait_s + steps * step_s``."""
+
+    ttft_p99_s: float
+    max_wait_s: float  # the batcher's wait threshold (for an adaptive wait, its upper bound)
+    step_s: float  # one engine step, as measured in the same run
+    steps: int
+    budget_s: float
+    met: bool
+
+
+def ttft_budget(ttft_p99_s: float, max_wait_s: float, step_s: float, steps: int = 3) -> TtftBudget:
+    """Whether a p99 TTFT is within ``max_wait_s + steps * step_s`` (all in seconds)."""
+    for name, value in (("ttft_p99_s", ttft_p99_s), ("max_wait_s", max_wait_s), ("step_s", step_s)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+    if not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps must be an integer >= 0, got {steps!r}")
+    budget = max_wait_s + steps * step_s
+    return TtftBudget(ttft_p99_s, max_wait_s, step_s, steps, budget, ttft_p99_s <= budget)
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

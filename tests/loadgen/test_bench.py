@@ -49,8 +49,65 @@ def test_defaults_and_pass_through_flags():
         parse("--hf-batch-sizes", "16,x")
 
 
+def test_rate_half_and_wait_settings_parse(monkeypatch):
+    args = parse("--mode", "online", "--rate", "2,half,HALF", "--compare-wait", "20,auto,20", "--max-wait-ms", "auto")
+    assert args.rate == [2.0, "half"] and args.compare_wait == [20.0, "auto"] and args.max_wait_ms == "auto"
+    assert parse("--rate", "half").rate == ["half"]
+    for argv in (["--rate", "halve"], ["--rate", "inf"], ["--compare-wait", "-1"], ["--max-wait-ms", "soon"]):
+        with pytest.raises(SystemExit):
+            parse(*argv)
+    # Left out, the workers' wait is their environment's or their default (10 ms).
+    monkeypatch.delenv("MQINFER_MAX_WAIT_MS", raising=False)
+    assert bench.worker_wait_setting(None) == 10.0 and bench.worker_wait_setting("auto") == "auto"
+    monkeypatch.setenv("MQINFER_MAX_WAIT_MS", "auto")
+    assert bench.worker_wait_setting(None) == "auto"
+
+
+def test_budget_of_an_online_point_from_hand_made_rows():
+    # TTFT 0.05, 0.06, 0.20 s; TPOT (finished - first) / (tokens - 1) = 0.02, 0.03, 0.04 s: p50 0.03.
+    rows = [{"id": i, "finish_reason": "length", "prompt_tokens": 5, "output_tokens": 11, "enqueued_at": 0.0,
+             "started_at": 0.01, "first_token_at": ttft, "finished_at": ttft + 10 * tpot}
+            for i, ttft, tpot in (("a", 0.05, 0.02), ("b", 0.06, 0.03), ("c", 0.20, 0.04))]
+    s = summarize(timings_from_rows(rows, {"a": 11, "b": 11, "c": 11}))
+    p99 = 0.06 + 0.98 * (0.20 - 0.06)
+    fixed = bench.point_budget(s, 150.0)
+    assert fixed.step_s == pytest.approx(0.03) and fixed.max_wait_s == pytest.approx(0.15)
+    assert fixed.budget_s == pytest.approx(0.15 + 3 * 0.03) and fixed.ttft_p99_s == pytest.approx(p99) and fixed.met
+    tight = bench.point_budget(s, 10.0)
+    assert tight.budget_s == pytest.approx(0.01 + 0.09) and not tight.met
+    # auto: the most the adaptive batcher may wait (its default upper bound, 50 ms).
+    auto = bench.point_budget(s, "auto")
+    assert auto.max_wait_s == pytest.approx(0.05) and auto.budget_s == pytest.approx(0.14) and not auto.met
+    point = bench.OnlinePoint(6.0, s, 0.0, max_wait_ms="auto", budget=auto)
+    line = bench.budget_line(point)
+    assert line.startswith(f"p99 TTFT {p99 * 1000:.1f} ms vs budget 140.0 ms (max_wait 50 [auto")
+    assert "+ 3 x step 30.0" in line and line.endswith(": not met")
+    line = bench.budget_line(bench.OnlinePoint(6.0, s, 0.0, max_wait_ms=150.0, budget=fixed))
+    assert "vs budget 240.0 ms (max_wait 150 + 3 x step 30.0" in line and line.endswith(": met")
+    # One token each: no step measured, no budget.
+    one = [{**r, "output_tokens": 1, "finished_at": r["first_token_at"]} for r in rows]
+    assert bench.point_budget(summarize(timings_from_rows(one, {"a": 1, "b": 1, "c": 1})), 10.0) is None
+    # --rate half: half of the requests finished without error per second of span (0.01 .. 0.6 s).
+    assert bench.half_rate(s) == pytest.approx(float(f"{3 / (0.6 - 0.01) / 2:.3g}"))
+
+
+def test_each_rate_of_a_sweep_gets_its_own_first_prompt_token():
+    requests = uniform_workload(4, prompt_len=(8, 16), output_len=(2, 4), vocab_size=256, seed=1)
+    assert bench.unshared_prompts(requests, 0, 256) is requests
+    salted = [bench.unshared_prompts(requests, k, 256) for k in (1, 2)]
+    for version in salted:
+        for r, s in zip(requests, version):
+            assert s["prompt_token_ids"][1:] == r["prompt_token_ids"][1:] and s["id"] == r["id"]
+            assert 3 <= s["prompt_token_ids"][0] < 256
+    firsts = [[r["prompt_token_ids"][0] for r in v] for v in (requests, *salted)]
+    assert all(a != b != c != a for a, b, c in zip(*firsts))
+    assert requests[0]["prompt_token_ids"][0] != salted[0][0]["prompt_token_ids"][0]  # the input is not changed
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--mode", "online"], "needs --rate"),
+    (["--compare-wait", "10,auto"], "online only"),
+    (["--mode", "online", "--rate", "2", "--compare-wait", "10,auto", "--max-wait-ms", "5"], "leave out"),
     (["--rate", "2"], "online only"),
     (["--skip-engine"], "nothing to run"),
     (["--output-len", "4,8"], "fixed lengths"),
@@ -147,3 +204,59 @@ def test_online_bench_with_the_tiny_model(tmp_path, capsys):
     enq = sorted(r["enqueued_at"] for r in point["requests"])
     assert enq[-1] - enq[0] > 0.01  # arrivals were spread out, not submitted at once
     assert "mqinfer @40 req/s" in captured.out
+
+
+@needs_worker
+def test_online_at_half_the_offline_throughput(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--mode", "online", "--rate", "half", "--num-requests", "8",
+                       "--workload", "uniform", "--prompt-len", "8,48", "--output-len", "4,16",
+                       "--max-wait-ms", "5", "--matrix-size", "128", "--json", str(out_json), "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    offline = report["systems"]["mqinfer offline"]["summary"]
+    assert offline["num_requests"] == 8 and offline["num_errors"] == 0
+    assert report["rate_half"]["offline_req_s"] == pytest.approx(8 / offline["span_s"])
+    assert report["rate_half"]["rate"] == pytest.approx(8 / offline["span_s"] / 2, rel=0.005)
+    [point] = report["online"]
+    assert point["rate"] == report["rate_half"]["rate"] and point["max_wait_ms"] == 5.0
+    s, b = point["summary"], point["budget"]
+    assert s["num_requests"] == 8 and s["num_errors"] == 0
+    assert b["ttft_p99_s"] == s["ttft"]["p99"] and b["step_s"] == s["tpot"]["p50"] and b["max_wait_s"] == 0.005
+    assert b["budget_s"] == pytest.approx(0.005 + 3 * s["tpot"]["p50"]) and b["met"] == (b["ttft_p99_s"] <= b["budget_s"])
+    assert f"online at {point['rate']:g} req/s" in captured.out
+    assert f"p99 TTFT {b['ttft_p99_s'] * 1000:.1f} ms vs budget {b['budget_s'] * 1000:.1f} ms (max_wait 5 + 3 x step" \
+        in captured.out
+
+
+@needs_worker
+def test_compare_wait_runs_the_rates_once_per_setting(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    argv = ["--model", "tiny", "--mode", "online", "--rate", "40", "--compare-wait", "20,auto", "--num-requests", "6",
+            "--workload", "uniform", "--prompt-len", "8,32", "--output-len", "4,12", "--matrix-size", "128",
+            "--json", str(out_json), "--idle-exit-s", "30"]
+    plots = None
+    try:
+        import matplotlib  # noqa: F401
+        plots = tmp_path / "plots"
+        argv += ["--plot", str(plots)]
+    except ImportError:
+        pass
+    code = bench.main(argv)
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    assert report["compare_wait"] == [20.0, "auto"]
+    points = {p["max_wait_ms"]: p for p in report["online"]}
+    assert set(points) == {20.0, "auto"} and all(p["rate"] == 40.0 for p in points.values())
+    assert points[20.0]["budget"]["max_wait_s"] == 0.02 and points["auto"]["budget"]["max_wait_s"] == 0.05
+    for p in points.values():
+        assert p["summary"]["num_requests"] == 6 and p["summary"]["num_errors"] == 0
+    table = captured.out[captured.out.index("TTFT p50 ms"):].splitlines()
+    rows = [line.split() for line in table[2:4]]
+    assert rows[0][:3] == ["40", "20", "ms"] and rows[1][:2] == ["40", "auto"]
+    assert float(rows[1][3]) == pytest.approx(points["auto"]["summary"]["ttft"]["p99"] * 1000, abs=0.05)
+    assert "mqinfer @40 req/s wait auto" in captured.out and "mqinfer @40 req/s wait 20 ms" in captured.out
+    if plots is not None:
+        assert (plots / "ttft-by-wait.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

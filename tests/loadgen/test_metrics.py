@@ -20,6 +20,7 @@ from mqinfer.loadgen.metrics import (
     timings_from_results,
     timings_from_rows,
     token_agreement,
+    ttft_budget,
 )
 
 T0 = 1_800_000_000.0
@@ -126,3 +127,18 @@ def test_token_agreement():
     assert g.first_token == pytest.approx(2 / 3) and g.identical == pytest.approx(1 / 3)
     assert g.common_prefix == pytest.approx((0.5 + 1.0 + 0.0) / 3)
     assert token_agreement({"x": [1]}, {"y": [1]}) is None
+
+
+def test_ttft_budget_is_max_wait_plus_three_steps():
+    b = ttft_budget(0.080, max_wait_s=0.010, step_s=0.025)
+    assert b.steps == 3 and b.budget_s == pytest.approx(0.085) and b.met
+    assert not ttft_budget(0.090, 0.010, 0.025).met
+    assert ttft_budget(0.085, 0.010, 0.025).met  # at most: the budget itself passes
+    assert ttft_budget(0.3, 0.05, 0.1, steps=2).budget_s == pytest.approx(0.25)
+    for bad in (-0.001, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            ttft_budget(0.1, bad, 0.01)
+        with pytest.raises(ValueError):
+            ttft_budget(bad, 0.01, 0.01)
+    with pytest.raises(ValueError):
+        ttft_budget(0.1, 0.01, 0.01, steps=-1)
