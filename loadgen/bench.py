@@ -260,6 +260,25 @@ def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: P
     return argv
 
 
+BUSY_MARKER = "busy time "
+
+
+def overhead_share(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Issue 4's overhead: the share of the workers' busy time outside the model's forward pass,
+    with the time by phase (engine phases plus ``other``: ingest, batcher, sinks, acks, replies)."""
+    busy = sum(float(s.get("busy_s") or 0.0) for s in summaries)
+    if busy <= 0:
+        return None
+    phases: dict[str, float] = {}
+    for s in summaries:
+        for name, value in (s.get("phases_s") or {}).items():
+            phases[name] = phases.get(name, 0.0) + float(value)
+        phases["other"] = phases.get("other", 0.0) + float(s.get("other_s") or 0.0)
+    forward = phases.get("forward", 0.0)
+    return {"workers": len(summaries), "busy_s": busy, "phases_s": phases,
+            "outside_forward_share": 1.0 - forward / busy}
+
+
 class WorkerPool:
     """``mqinfer worker`` processes, their logs in files (shown when one fails)."""
 
@@ -273,7 +292,7 @@ class WorkerPool:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        env.setdefault("MQINFER_LOG_LEVEL", "warning")
+        env.setdefault("MQINFER_LOG_LEVEL", "info")  # info: the busy-time line a worker logs at exit
         for i in range(self.count):
             log = open(self.log_dir / f"worker-{i}.log", "wb")
             self._logs.append(log)
@@ -293,6 +312,24 @@ class WorkerPool:
             return path.read_text(errors="replace")[-chars:]
         except OSError:
             return "(no log)"
+
+    def busy_summaries(self) -> list[dict[str, Any]]:
+        """The busy-time summary each stopped worker logged (``worker ... stopped; busy time {...}``)."""
+        found = []
+        for i in range(self.count):
+            try:
+                text = (self.log_dir / f"worker-{i}.log").read_text(errors="replace")
+            except OSError:
+                continue
+            for line in reversed(text.splitlines()):
+                marker = line.find(BUSY_MARKER)
+                if marker >= 0:
+                    try:
+                        found.append(json.loads(line[marker + len(BUSY_MARKER):]))
+                    except ValueError:
+                        pass
+                    break
+        return found
 
     def stop(self, timeout_s: float = 60.0) -> None:
         for p in self.procs:
@@ -469,6 +506,7 @@ class EngineRun:
     timings: list[RequestTiming]  # offline only
     outputs: dict[str, list[int]]  # offline only
     half_rate: float | None = None  # the rate `--rate half` stood for
+    overhead: dict[str, Any] | None = None  # offline only: see overhead_share
 
 
 def _with_wait(args: argparse.Namespace, max_wait_ms: float | str | None) -> argparse.Namespace:
@@ -477,7 +515,8 @@ def _with_wait(args: argparse.Namespace, max_wait_ms: float | str | None) -> arg
 
 def _run_offline(args: argparse.Namespace, requests: list[dict[str, Any]], producer, pool: WorkerPool, out: Path,
                  job_id: str) -> tuple[list[RequestTiming], dict[str, list[int]]]:
-    """Every request submitted, then the workers started; stopped when all are done."""
+    """Every request submitted, then the workers started; stopped when all are done (their busy
+    time summaries are then in ``pool.busy_summaries()``)."""
     try:
         producer.submit_many(requests, job_id=job_id)
         _log(f"mqinfer offline: {len(requests)} requests submitted; starting {args.workers} worker(s)")
@@ -553,8 +592,10 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
 
     try:
         if args.mode == "offline":
-            timings, outputs = _run_offline(args, requests, producer, pool(waits[0], out / "logs"), out, f"bench-{tag}")
-            return EngineRun(summarize(timings), [], timings, outputs)
+            workers = pool(waits[0], out / "logs")
+            timings, outputs = _run_offline(args, requests, producer, workers, out, f"bench-{tag}")
+            return EngineRun(summarize(timings), [], timings, outputs,
+                             overhead=overhead_share(workers.busy_summaries()))
         offline, timings, outputs, half = None, [], {}, None
         if HALF in args.rate:
             # Its own workers, stopped before the online runs: they start with an empty prefix cache.
@@ -849,6 +890,8 @@ def _run(args: argparse.Namespace) -> int:
         if not args.skip_engine:
             run = run_engine(args, spec, requests, scratch)
             ours, online, our_outputs = run.offline, run.online, run.outputs
+            if run.overhead is not None:
+                report["overhead"] = run.overhead
             if run.half_rate is not None:
                 report["rate_half"] = {"offline_req_s": request_rate(run.offline), "rate": run.half_rate}
             if args.compare_wait:
@@ -906,6 +949,11 @@ def _run(args: argparse.Namespace) -> int:
           f"{' '.join(f for f in machine.get('flags', []) if f.startswith(('amx', 'avx512_bf16'))) or 'no bf16 units'}"
           f"; load average at start {machine['load_average'][0]:.2f}")
     print(format_table(table_rows))
+    if "overhead" in report:
+        o = report["overhead"]
+        parts = ", ".join(f"{k} {v:.2f}s" for k, v in o["phases_s"].items())
+        print(f"overhead: {o['outside_forward_share']:.1%} of the workers' busy time ({o['busy_s']:.2f}s) is outside "
+              f"the forward pass ({parts})")
     if "rate_half" in report:
         half = report["rate_half"]
         print(f"--rate half: offline throughput {half['offline_req_s']:.3g} req/s, so online at {half['rate']:g} req/s")

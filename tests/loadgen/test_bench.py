@@ -183,6 +183,12 @@ def test_offline_bench_with_the_tiny_model_through_real_workers(tmp_path, capsys
     assert report["agreement_vs_hf_static"]["compared"] == 8
     assert report["agreement_vs_hf_static"]["first_token"] >= 0.75
     assert report["compute_ceiling_tok_s"] > 0
+    # Overhead from the worker's own busy-time line: forward plus the rest add up to busy time.
+    overhead = report["overhead"]
+    assert overhead["workers"] == 1 and overhead["busy_s"] > 0
+    assert sum(overhead["phases_s"].values()) == pytest.approx(overhead["busy_s"], rel=0.02)
+    assert 0 < overhead["outside_forward_share"] < 1
+    assert "of the workers' busy time" in captured.out
     assert "mqinfer offline" in captured.out and "hf-static@8" in captured.out and "x" in captured.out
     assert (tmp_path / "out" / "results").is_dir()  # --out keeps the workers' datasets
 
