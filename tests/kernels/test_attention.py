@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from mqinfer.kernels.attention import (
     build_attention_metadata,
     native_attention_available,
+    native_softmax_selftest,
     paged_attention,
     reference_paged_attention,
     store_kv,
@@ -160,6 +161,36 @@ def test_native_kernel_bfloat16_close_to_reference(head_dim):
                              backend="native", head_dim=head_dim)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
+@needs_native
+@pytest.mark.parametrize("block_size", [8, 16, 24, 48])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_native_avx512_kernel_any_block_size(block_size, head_dim):
+    # The AVX-512 versions score keys 16 at a time within a block and one at a time for the
+    # rest: blocks of 8 (never 16), 24 (16 + 8) and 48 (three 16s), with partial last blocks.
+    query_lens = [1, 1, 9, 1, 30]
+    seq_lens = [1, 17, 40, 95, 130]
+    out, ref, *_ = _run_case(query_lens, seq_lens, block_size, 4, seed=block_size, backend="native",
+                             head_dim=head_dim)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_native_vectorised_softmax_pieces_match_the_scalar_ones():
+    # The AVX-512 kernels take exponentials 16 at a time and sum 16 score vectors across
+    # lanes at once; both must give exactly the bits of the one-at-a-time code (so the kernel's
+    # results did not change when they were vectorised).
+    torch.manual_seed(0)
+    edges = torch.tensor([0.0, -0.0, -87.0, -87.00001, -86.99999, -87.5, -1e-30, -1e-45, -200.0,
+                          float("-inf"), float("nan"), -0.5, -1.0, -2.0, -40.0, -86.0] * 16)
+    x = torch.cat([-torch.rand(4096) * 100, -torch.rand(4096) * 1e-3, edges, torch.randn(2048) * 50])
+    pieces = native_softmax_selftest(x)
+    if pieces is None:
+        pytest.skip("the native kernel has no AVX-512 version on this machine")
+    exp_one, exp_16, sum_one, sum_16 = pieces
+    assert torch.equal(exp_one.view(torch.int32), exp_16.view(torch.int32))
+    assert torch.equal(sum_one.view(torch.int32), sum_16.view(torch.int32))
 
 
 @needs_native

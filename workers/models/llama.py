@@ -12,6 +12,11 @@ the LM head on only the rows that sample.
 Numerics follow the reference implementation where it matters for exact agreement: RMSNorm
 in float32 then cast back before the weight, rotary tables in float32 cast to the activation
 dtype, residual adds in the activation dtype.
+
+On CPU the elementwise steps run as fused native kernels (``kernels/cpu_ops.py``): each
+residual add inside the RMSNorm that follows it, SiLU * up in one pass, and rotary written
+straight into the KV cache. They round exactly where the PyTorch ops do, so the results are
+the same bit for bit (``MQINFER_CPU_OPS=torch`` runs the PyTorch ops instead).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mqinfer.kernels import cpu_ops
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
 
@@ -130,6 +136,22 @@ class RotaryEmbedding(nn.Module):
         return cos[:, None, :], sin[:, None, :]
 
 
+class RotaryInputs:
+    """One step's rotary inputs, shared by every layer: the float32 tables and the positions
+    for the native kernel, and the per-token cos/sin (``[T, 1, D]`` in the activation dtype)
+    that the PyTorch path needs, built on first use only."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
+        self.rotary, self.positions, self.dtype = rotary, positions, dtype
+        self._per_token: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._per_token is None:
+            self._per_token = self.rotary(self.positions, self.dtype)
+        return self._per_token
+
+
 def _attention_kernels(device) -> tuple:
     """(store_kv, paged_attention) for a device: the Triton kernels on a CUDA device when
     triton imports, else the PyTorch path (same arguments, same results)."""
@@ -168,8 +190,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: RotaryInputs,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
@@ -177,13 +198,23 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(hq + hkv) * d, hkv * d], dim=-1)
-        qk = qk.reshape(num_tokens, hq + hkv, d)
+        qk = qk.view(num_tokens, hq + hkv, d)
+        v = v.view(num_tokens, hkv, d)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-        # q and k rotate together: one elementwise pass instead of two.
-        qk = qk * cos + _rotate_half(qk) * sin
-        q, k = qk[:, :hq], qk[:, hq:]
-        self.store_kv(k, v.view(num_tokens, hkv, d), k_cache, v_cache, metadata.slot_mapping)
+        if self.store_kv is store_kv and cpu_ops.native_for(qk, k_cache):
+            # CPU: one native pass rotates q in place and writes the rotated k and v straight
+            # into their cache slots (the PyTorch fallback inside does what the lines below do).
+            q = cpu_ops.rotary_store_kv(
+                qk, v, hq, rope.rotary.cos, rope.rotary.sin, rope.positions, k_cache, v_cache,
+                metadata.slot_mapping, trusted=True,
+            )
+        else:
+            cos, sin = rope.cos_sin
+            # q and k rotate together: one elementwise pass instead of two.
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k = qk[:, :hq], qk[:, hq:]
+            self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = self.paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, hq * d))
 
@@ -198,8 +229,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -210,8 +240,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, h, cos, sin, k_cache, v_cache, metadata) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_cache, v_cache, metadata)
+    def forward(self, h, rope, k_cache, v_cache, metadata) -> torch.Tensor:
+        """The layer on its own (reference order); the model's forward runs the same
+        arithmetic with each residual add fused into the following RMSNorm."""
+        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, metadata)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -278,10 +310,32 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, h.dtype)
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, k_cache, v_cache, attn_metadata)
-        return self.model.norm(h)
+        rope = RotaryInputs(self.rotary, positions, h.dtype)
+        if h.device.type == "cpu" and positions.numel():
+            self._check_step_indices(positions, attn_metadata.slot_mapping, kv_caches[0][0] if kv_caches else None)
+        layers = self.model.layers
+        # Each residual add runs inside the RMSNorm that follows it (one pass over the rows
+        # instead of two): h is the residual stream, x the normalised input of the next block.
+        h, x = self._add_norm(h, None, layers[0].input_layernorm if len(layers) else self.model.norm)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
+            a = layer.self_attn(x, rope, k_cache, v_cache, attn_metadata)
+            h, x = self._add_norm(h, a, layer.post_attention_layernorm)
+            m = layer.mlp(x)
+            h, x = self._add_norm(h, m, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
+        return x
+
+    @staticmethod
+    def _add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_ops.add_rms_norm(h, delta, norm.weight, norm.eps)
+
+    def _check_step_indices(self, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache) -> None:
+        """Once per step, the indices the native rotary kernel trusts in every layer."""
+        if int(positions.min()) < 0 or int(positions.max()) >= self.rotary.max_len:
+            raise ValueError(f"positions fall outside the rotary table (0..{self.rotary.max_len - 1})")
+        if k_cache is not None:
+            num_slots = k_cache.shape[0] * k_cache.shape[1]
+            if int(slot_mapping.min()) < 0 or int(slot_mapping.max()) >= num_slots:
+                raise ValueError(f"slot mapping names slots outside the KV cache (0..{num_slots - 1})")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LM head on the rows that sample: ``[B, hidden] -> [B, vocab]`` (model dtype)."""

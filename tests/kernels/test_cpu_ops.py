@@ -1,0 +1,192 @@
+"""The native fused CPU ops (kernels/cpu_ops.py), held bit for bit to their PyTorch references
+in float32 and bfloat16, at odd sizes, on strided views, with edge values and several threads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mqinfer.kernels import cpu_ops
+from mqinfer.kernels.cpu_ops import (
+    add_rms_norm,
+    cpu_ops_available,
+    greedy_argmax,
+    reference_add_rms_norm,
+    reference_greedy_argmax,
+    reference_rotary_store_kv,
+    reference_silu_mul,
+    rotary_store_kv,
+    silu_mul,
+)
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="no C compiler for the native CPU ops")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit (so the sign of zero counts), NaN where the other is NaN (payloads
+    are not compared: PyTorch's own conversions do not agree on them)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan = a.isnan()
+    if not torch.equal(nan, b.isnan()):
+        return False
+    view = {torch.float32: torch.int32, torch.bfloat16: torch.int16}[a.dtype]
+    return torch.equal(a[~nan].view(view), b[~nan].view(view))
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield lambda n: torch.set_num_threads(n)
+    torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ greedy argmax
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cols", [1, 5, 15, 16, 17, 33, 1000, 32003])
+def test_argmax_matches_max_indices(dtype, cols):
+    torch.manual_seed(cols)
+    logits = (torch.randn(37, cols) * 4).to(dtype)  # bfloat16 rounding makes ties common
+    assert torch.equal(greedy_argmax(logits), reference_greedy_argmax(logits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_ties_nan_and_infinities(dtype):
+    cols = 100
+    rows = torch.zeros(7, cols)
+    rows[0, [3, 40, 99]] = 5.0  # ties: the first
+    rows[1, 57] = float("nan")  # a NaN is the maximum (torch's rule)
+    rows[2, [20, 90]] = float("nan")  # the first NaN
+    rows[2, 10] = float("inf")
+    rows[3] = float("-inf")  # all -inf: index 0
+    rows[4, 98:] = float("inf")  # in the scalar tail
+    rows[5, 99] = float("nan")  # NaN in the tail only
+    rows[6, 0] = -0.0
+    rows[6, 1:] = -1.0
+    x = rows.to(dtype)
+    got = greedy_argmax(x)
+    assert torch.equal(got, reference_greedy_argmax(x))
+    assert got.tolist() == [3, 57, 20, 0, 98, 99, 0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_strided_rows_and_threads(dtype, threads):
+    torch.manual_seed(1)
+    wide = torch.randn(300, 5000).to(dtype)
+    view = wide[:, 7:4007]  # row stride 5000, 4000 columns
+    threads(1)
+    one = greedy_argmax(view)
+    threads(3)
+    three = greedy_argmax(view)
+    assert torch.equal(one, reference_greedy_argmax(view)) and torch.equal(one, three)
+
+
+def test_argmax_falls_back_for_other_dtypes_and_empty():
+    x = torch.randn(4, 9).half()
+    assert torch.equal(greedy_argmax(x), reference_greedy_argmax(x))
+    assert greedy_argmax(torch.empty(0, 9)).shape == (0,)
+
+
+# ------------------------------------------------------------------ residual add + RMSNorm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [1, 3, 7, 8, 15, 17, 64, 100, 512, 513, 1000, 4101])
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rms_norm_bit_for_bit(dtype, hidden, with_delta):
+    torch.manual_seed(hidden)
+    residual = (torch.randn(19, hidden) * 3).to(dtype)
+    delta = torch.randn(19, hidden).to(dtype) if with_delta else None
+    weight = torch.empty(hidden).uniform_(0.5, 1.5).to(dtype)
+    ref_sum, ref_out = reference_add_rms_norm(residual, delta, weight, 1e-6)
+    new_sum, out = add_rms_norm(residual.clone(), delta, weight, 1e-6)
+    assert _same_bits(new_sum, ref_sum)
+    assert _same_bits(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_a_strided_residual_in_place(dtype, threads):
+    torch.manual_seed(0)
+    big = torch.randn(400, 600).to(dtype)
+    delta_big = torch.randn(400, 700).to(dtype)
+    weight = torch.empty(512).uniform_(0.5, 1.5).to(dtype)
+    ref_sum, ref_out = reference_add_rms_norm(big[:, 10:522], delta_big[:, 100:612], weight, 1e-5)
+    threads(3)
+    residual = big.clone()[:, 10:522]
+    new_sum, out = add_rms_norm(residual, delta_big[:, 100:612], weight, 1e-5)
+    assert new_sum.data_ptr() == residual.data_ptr()  # the sum went into the residual itself
+    assert _same_bits(new_sum, ref_sum) and _same_bits(out, ref_out)
+
+
+# ------------------------------------------------------------------ SwiGLU
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1, 7, 16, 17, 31, 33, 63, 65, 100, 1408, 2000])
+def test_silu_mul_bit_for_bit(dtype, inter):
+    torch.manual_seed(inter)
+    scales = torch.tensor([0.01, 1.0, 5.0, 30.0, 120.0])[torch.randint(0, 5, (41, 1))]
+    gate_up = (torch.randn(41, 2 * inter) * scales).to(dtype)
+    assert _same_bits(silu_mul(gate_up), reference_silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_edge_values_and_strided_rows(dtype):
+    edges = [-200.0, -104.5, -100.0, -88.8, -88.72283935546875, -87.5, -0.0, 0.0, 1e-30, 87.0,
+             88.8, 104.5, 200.0, float("inf"), float("-inf"), float("nan")]
+    gate = torch.tensor(edges * 8).view(2, 64)  # 64 per row: the vector path and the tail
+    up = torch.linspace(-2, 2, 128).view(2, 64)
+    wide = torch.cat([gate, up, torch.ones(2, 10)], dim=1).to(dtype)
+    gate_up = wide[:, :128]  # rows strided by 138
+    assert _same_bits(silu_mul(gate_up), reference_silu_mul(gate_up))
+
+
+# ------------------------------------------------------------------ rotary + KV store
+def _rope_tables(max_len, head_dim):
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(max_len).float()[:, None] * inv[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 8, 2, 64), (37, 3, 1, 6), (19, 32, 8, 128), (1, 1, 1, 2)])
+def test_rotary_store_kv_bit_for_bit(dtype, shape, threads):
+    num_tokens, hq, hkv, d = shape
+    torch.manual_seed(num_tokens)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d).to(dtype)  # the fused projection's output
+    qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
+    cos, sin = _rope_tables(300, d)
+    positions = torch.randint(0, 300, (num_tokens,))
+    num_blocks, block_size = 9, 16
+    slots = torch.randperm(num_blocks * block_size)[:num_tokens]
+    k_ref = torch.zeros(num_blocks, block_size, hkv, d, dtype=dtype)
+    v_ref = torch.zeros_like(k_ref)
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    q_ref = reference_rotary_store_kv(qk.clone(), v.clone(), hq, cos, sin, positions, k_ref, v_ref, slots)
+    threads(2)
+    q_got = rotary_store_kv(qk, v, hq, cos, sin, positions, k_got, v_got, slots)
+    assert q_got.data_ptr() == qkv.data_ptr()  # q rotated in place
+    assert _same_bits(q_got, q_ref)
+    assert _same_bits(k_got, k_ref) and _same_bits(v_got, v_ref)  # untouched slots stay zero
+
+
+def test_rotary_store_kv_checks_untrusted_indices():
+    qk, v = torch.randn(2, 3, 4), torch.randn(2, 1, 4)
+    cos, sin = _rope_tables(10, 4)
+    caches = torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)
+    with pytest.raises(ValueError, match="rotary table"):
+        rotary_store_kv(qk, v, 2, cos, sin, torch.tensor([0, 10]), *caches, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="outside the cache"):
+        rotary_store_kv(qk, v, 2, cos, sin, torch.tensor([0, 1]), *caches, torch.tensor([0, 8]))
+
+
+# ------------------------------------------------------------------ switches
+def test_env_switch_forces_the_pytorch_path(monkeypatch):
+    monkeypatch.setenv("MQINFER_CPU_OPS", "torch")
+    assert not cpu_ops_available()
+    assert not cpu_ops.native_for(torch.zeros(2))
+    x = torch.randn(3, 40)
+    assert torch.equal(greedy_argmax(x), reference_greedy_argmax(x))
+    monkeypatch.setenv("MQINFER_CPU_OPS", "sometimes")
+    with pytest.raises(ValueError, match="MQINFER_CPU_OPS"):
+        cpu_ops_available()
