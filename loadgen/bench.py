@@ -202,6 +202,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         ("--num-kv-blocks", "K", "KV cache blocks."),
         ("--block-size", "B", "Tokens per KV cache block."),
         ("--max-batch", "N", "Dual-threshold batcher: batch size threshold."),
+        ("--num-threads", "N", "CPU threads of each worker's model (with --workers N on N cores: 1)."),
     ):
         g.add_argument(flag, type=_positive_int, default=None, metavar=meta, help=f"{text} (default: the worker's).")
     g.add_argument("--max-wait-ms", type=_wait_ms, default=None, metavar="T",
@@ -253,7 +254,7 @@ def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: P
             "--stream", STREAM, "--model", model_arg, "--dtype", args.dtype, "--device", args.device,
             "--idle-exit-s", str(args.idle_exit_s)]
     for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_batch",
-                 "max_wait_ms"):
+                 "max_wait_ms", "num_threads"):
         value = getattr(args, name)
         if value is not None:
             argv += ["--" + name.replace("_", "-"), str(value)]
@@ -868,7 +869,8 @@ def _run(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "workers": args.workers,
         "engine_flags": {k: getattr(args, k) for k in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
-                                                       "num_kv_blocks", "block_size", "max_batch", "max_wait_ms")},
+                                                       "num_kv_blocks", "block_size", "max_batch", "max_wait_ms",
+                                                       "num_threads")},
         "matrix_rate_before": asdict(rate_before),
         "flops": {**asdict(flops), "total": flops.total, "params_convention": flops.params_convention},
         "systems": {},

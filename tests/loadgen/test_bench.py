@@ -34,13 +34,13 @@ def test_defaults_and_pass_through_flags():
     args = parse()
     assert (args.workload, args.num_requests, args.seed, args.mode, args.workers) == ("standard", 256, 0, "offline", 1)
     assert args.hf_batch_sizes == [16, 64, 256] and args.dtype == "bfloat16" and args.model is None
-    args = parse("--max-num-seqs", "32", "--block-size", "8", "--max-wait-ms", "2.5", "--dtype", "float32",
+    args = parse("--max-num-seqs", "32", "--block-size", "8", "--num-threads", "1", "--max-wait-ms", "2.5", "--dtype", "float32",
                  "--rate", "1,2.5", "--hf-batch-sizes", "8,32")
     assert args.rate == [1.0, 2.5] and args.hf_batch_sizes == [8, 32]
     argv = bench.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", bench.Path("/tmp/out"))
     assert argv[1:4] == ["-m", "mqinfer", "worker"]
     pairs = dict(zip(argv[4::2], argv[5::2]))
-    assert pairs["--max-num-seqs"] == "32" and pairs["--block-size"] == "8" and pairs["--max-wait-ms"] == "2.5"
+    assert pairs["--num-threads"] == "1" and pairs["--max-num-seqs"] == "32" and pairs["--block-size"] == "8" and pairs["--max-wait-ms"] == "2.5"
     assert pairs["--dtype"] == "float32" and pairs["--model"] == "tiny" and pairs["--stream"] == bench.STREAM
     assert "--num-kv-blocks" not in pairs  # unset flags keep the worker's defaults
     with pytest.raises(SystemExit):
