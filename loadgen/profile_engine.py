@@ -107,6 +107,28 @@ def _agreement(a: dict[str, list[int]], b: dict[str, list[int]]) -> str:
     return str(agreement)
 
 
+def prefill_latency(engine, prompt_len: int, repeats: int = 5) -> float:
+    """Median seconds for one request alone to get its first token (its prefill step), on an
+    otherwise idle engine: the least time to first token a prompt this long can have."""
+    import statistics
+
+    from mqinfer.scheduler.request import SamplingParams
+
+    vocab = engine.info.vocab_size
+
+    def once(k: int) -> float:
+        ids = [3 + (i * 7919 + k * 104729) % (vocab - 3) for i in range(prompt_len)]  # no shared prefix
+        engine.add_request(f"prefill-{prompt_len}-{k}", ids, SamplingParams(max_tokens=1, temperature=0.0,
+                                                                          ignore_eos=True))
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        return time.perf_counter() - t
+
+    once(-1)  # warm
+    return statistics.median(once(k) for k in range(repeats))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.profile_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64, help="Requests of the standard workload (default: 64).")
@@ -124,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-profile", action="store_true",
                         help="Also profile the engine's steps with torch.profiler and print the top operators.")
     parser.add_argument("--top", type=int, default=20, help="Rows of the torch.profiler table (default: 20).")
+    parser.add_argument("--prefill-latency", default=None, metavar="L[,L...]",
+                        help="Only time one request alone per prompt length (its prefill step: the least time to "
+                             "first token such a prompt can have), e.g. 16,136,256; then exit.")
     args = parser.parse_args(argv)
     if args.num_requests < 1 or args.repeat < 1:
         parser.error("--num-requests and --repeat must be at least 1")
@@ -142,6 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     t = time.perf_counter()
     engine = build_engine(model, args)
     _log(f"engine ready in {time.perf_counter() - t:.1f}s ({torch.get_num_threads()} threads)")
+    if args.prefill_latency:
+        try:
+            lengths = [int(x) for x in args.prefill_latency.split(",")]
+        except ValueError:
+            parser.error(f"--prefill-latency takes comma-separated prompt lengths, got {args.prefill_latency!r}")
+        for n in lengths:
+            print(f"prompt of {n} tokens alone: first token after {prefill_latency(engine, n) * 1000:.1f} ms "
+                  f"(median of 5, {torch.get_num_threads()} threads)")
+        return 0
     warm = [dict(r, id=f"warm-{r['id']}", max_tokens=4) for r in requests[:8]]
     run_engine(engine, warm)
 

@@ -55,3 +55,15 @@ def test_main_prints_phases_and_the_ratio_to_transformers(small_checkpoint, caps
     # float32 greedy on the same checkpoint: the same tokens as transformers.
     assert "identical=1.0" in out
     assert "Self CPU time total" in out  # the torch.profiler table
+
+
+def test_prefill_latency_times_one_request_alone(small_checkpoint, capsys):
+    code = main(["--model", small_checkpoint, "--dtype", "float32", "--num-threads", "1", "--num-requests", "1",
+                 "--prefill-latency", "4,40"])
+    out = capsys.readouterr().out
+    assert code == 0
+    lines = [line for line in out.splitlines() if line.startswith("prompt of")]
+    assert [line.split()[2] for line in lines] == ["4", "40"]
+    assert all(float(line.split("after ")[1].split(" ms")[0]) > 0 for line in lines)
+    with pytest.raises(SystemExit):
+        main(["--model", small_checkpoint, "--prefill-latency", "4,x"])
