@@ -52,7 +52,7 @@ from mqinfer.loadgen.metrics import (
     token_agreement,
     ttft_budget,
 )
-from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, workload_stats
+from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, positive_int_list, workload_stats
 
 STREAM = "bench"
 BENCH_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -63,16 +63,6 @@ BUDGET_STEPS = 3  # issue 4: p99 TTFT <= max wait + 3 engine steps
 
 def _log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def _rate_list(text: str) -> list[float | str]:
@@ -123,7 +113,7 @@ def _wait_list(text: str) -> list[float | str]:
 
 
 def _length_range(text: str) -> tuple[int, int]:
-    values = _int_list(text)
+    values = positive_int_list(text)
     if len(values) != 2 or values[0] > values[1]:
         raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
     return values[0], values[1]
@@ -181,7 +171,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", choices=("hf",), default=None,
                    help="Also run transformers on the same checkpoint and requests: static batching at "
                         "--hf-batch-sizes (the best counts) and its continuous batching.")
-    g.add_argument("--hf-batch-sizes", type=_int_list, default=[16, 64, 256], metavar="B[,B...]",
+    g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
     g.add_argument("--hf-max-batch-tokens", type=_positive_int, default=None, metavar="T",
                    help="Tokens per step of transformers' continuous batching (default: its own choice).")

@@ -66,7 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqinfer.loadgen.checkpoint import STANDARD_CONFIG
-from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, workload_stats
+from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, positive_int_list, workload_stats
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, SamplingParams
@@ -523,16 +523,6 @@ def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = Non
     return "\n".join(lines)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _kv_bytes_per_token(config: dict[str, Any]) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2  # K and V, bf16
@@ -552,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"KV cache size in token slots, the same for every allocator (default: "
                              f"{DEFAULT_KV_BUDGET}; the standard workload needs about 55,000 to hold every request "
                              "at once). Paged runs get budget // block size blocks.")
-    parser.add_argument("--block-sizes", type=_int_list, default=list(DEFAULT_BLOCK_SIZES),
+    parser.add_argument("--block-sizes", type=positive_int_list, default=list(DEFAULT_BLOCK_SIZES),
                         help="Comma-separated block sizes (default: 8,16,32).")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="What the max-length contiguous allocator reserves per request (default: the standard "

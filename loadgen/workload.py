@@ -9,6 +9,7 @@ same requests (numpy's PCG64 generator); no torch here.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -181,3 +182,14 @@ def workload_stats(requests: Sequence[dict[str, Any]]) -> WorkloadStats:
     p = [len(r["prompt_token_ids"]) for r in requests]
     o = [int(r["max_tokens"]) for r in requests]
     return WorkloadStats(len(requests), sum(p), sum(o), max(p), max(o))
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers (``16,64,256``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
