@@ -52,7 +52,9 @@ from mqinfer.loadgen.metrics import (
     token_agreement,
     ttft_budget,
 )
-from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, positive_int_list, workload_stats
+from mqinfer.loadgen.workload import (
+    MIN_TOKEN_ID, WORKLOADS, make_workload, positive_int, positive_int_list, workload_stats,
+)
 
 STREAM = "bench"
 BENCH_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -119,23 +121,13 @@ def _length_range(text: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench` flags, on ``parser`` (a subcommand parser of the mqinfer CLI, or our own)."""
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="standard",
                    help="Length distribution of the requests (default: standard = issue 4's: prompts uniform "
                         "16..256 tokens, outputs uniform 16..128).")
-    g.add_argument("--num-requests", type=_positive_int, default=256, metavar="N", help="Requests (default: 256).")
+    g.add_argument("--num-requests", type=positive_int, default=256, metavar="N", help="Requests (default: 256).")
     g.add_argument("--prompt-len", type=_length_range, default=None, metavar="LO,HI",
                    help="Prompt lengths: the uniform range or the log-normal bounds (not for standard).")
     g.add_argument("--output-len", type=_length_range, default=None, metavar="LO,HI",
@@ -156,7 +148,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-wait", type=_wait_list, default=None, metavar="W[,W...]",
                    help="Online mode: run the rates once per batcher wait (milliseconds or auto, e.g. 10,auto), "
                         "each with fresh workers, and print p99/p50 TTFT and throughput side by side.")
-    g.add_argument("--workers", type=_positive_int, default=1, metavar="N", help="Worker processes (default: 1).")
+    g.add_argument("--workers", type=positive_int, default=1, metavar="N", help="Worker processes (default: 1).")
     g.add_argument("--out", default=None, metavar="DIR",
                    help="Keep the workers' output (results/, costs/, logs) here (default: a temporary folder, "
                         "removed afterwards).")
@@ -173,9 +165,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "--hf-batch-sizes (the best counts) and its continuous batching.")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
-    g.add_argument("--hf-max-batch-tokens", type=_positive_int, default=None, metavar="T",
+    g.add_argument("--hf-max-batch-tokens", type=positive_int, default=None, metavar="T",
                    help="Tokens per step of transformers' continuous batching (default: its own choice).")
-    g.add_argument("--matrix-size", type=_positive_int, default=2048, metavar="N",
+    g.add_argument("--matrix-size", type=positive_int, default=2048, metavar="N",
                    help="Side of the square matmul that measures the matrix rate (default: 2048).")
     g.add_argument("--plot", default=None, metavar="DIR", help="Write PNG charts here (needs matplotlib).")
     g.add_argument("--json", default=None, metavar="FILE", help="Write every figure of the run as JSON.")
@@ -194,7 +186,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
         ("--max-batch", "N", "Dual-threshold batcher: batch size threshold."),
         ("--num-threads", "N", "CPU threads of each worker's model (with --workers N on N cores: 1)."),
     ):
-        g.add_argument(flag, type=_positive_int, default=None, metavar=meta, help=f"{text} (default: the worker's).")
+        g.add_argument(flag, type=positive_int, default=None, metavar=meta, help=f"{text} (default: the worker's).")
     g.add_argument("--max-wait-ms", type=_wait_ms, default=None, metavar="T",
                    help="Dual-threshold batcher: wait threshold in milliseconds, or auto (default: the worker's).")
 
@@ -678,6 +670,16 @@ def _check_plotting(plot_dir: str | None) -> str | None:
     return None
 
 
+def _save(fig, path: Path) -> Path:
+    """Lay out, write and close one chart."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[OnlinePoint]) -> list[Path]:
     """throughput.png (one bar per system) and, for online sweeps, latency.png (against offered load)
     or, when the points ran with several batcher waits, ttft-by-wait.png (p99 TTFT and throughput
@@ -699,11 +701,7 @@ def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[O
         ax.set_ylabel("requested output tokens / s")
         ax.set_title("Throughput by system")
         ax.tick_params(axis="x", labelrotation=20)
-        fig.tight_layout()
-        path = plot_dir / "throughput.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, plot_dir / "throughput.png"))
     by_wait: dict[str, list[OnlinePoint]] = {}
     for p in online:
         by_wait.setdefault(wait_label(p.max_wait_ms), []).append(p)
@@ -719,11 +717,7 @@ def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[O
             ax.set_xlabel("offered load (requests / s)")
             ax.set_title(title)
             ax.legend()
-        fig.tight_layout()
-        path = plot_dir / "ttft-by-wait.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, plot_dir / "ttft-by-wait.png"))
     elif online:
         online = sorted(online, key=lambda q: q.rate)
         fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -738,11 +732,7 @@ def write_plots(plot_dir: Path, systems: list[tuple[str, float]], online: list[O
             ax.set_xlabel("offered load (requests / s)")
             ax.set_title(title)
             ax.legend()
-        fig.tight_layout()
-        path = plot_dir / "latency.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, plot_dir / "latency.png"))
     return written
 
 

@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mqinfer.loadgen.workload import positive_int
+
 FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 DTYPES = ("float32", "bfloat16")
 NEAR_TIE_RTOL = 1e-4
@@ -246,16 +248,6 @@ def format_table(rows: Sequence[Figures]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
 def _choices(allowed: Sequence[str]):
     def parse(text: str) -> list[str]:
         items = [t.strip() for t in text.split(",") if t.strip()]
@@ -268,12 +260,12 @@ def _choices(allowed: Sequence[str]):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.equivalence", description=__doc__.split("\n")[0])
-    parser.add_argument("--prompts", type=_positive_int, default=64, help="prompts per family (64)")
-    parser.add_argument("--max-tokens", type=_positive_int, default=32, help="tokens generated per prompt (32)")
+    parser.add_argument("--prompts", type=positive_int, default=64, help="prompts per family (64)")
+    parser.add_argument("--max-tokens", type=positive_int, default=32, help="tokens generated per prompt (32)")
     parser.add_argument("--families", type=_choices(FAMILIES), default=list(FAMILIES))
     parser.add_argument("--dtypes", type=_choices(DTYPES), default=list(DTYPES))
     parser.add_argument("--seed", type=int, default=0, help="weights and prompts seed (0)")
-    parser.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
 
     import torch

@@ -184,6 +184,17 @@ def workload_stats(requests: Sequence[dict[str, Any]]) -> WorkloadStats:
     return WorkloadStats(len(requests), sum(p), sum(o), max(p), max(o))
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: comma-separated positive integers (``16,64,256``)."""
     try:
