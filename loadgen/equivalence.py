@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mqinfer.loadgen.workload import positive_int
+from mqinfer.loadgen.bench_options import positive_int
 
 FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 DTYPES = ("float32", "bfloat16")

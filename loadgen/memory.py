@@ -66,7 +66,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqinfer.loadgen.checkpoint import STANDARD_CONFIG
-from mqinfer.loadgen.workload import MIN_TOKEN_ID, WORKLOADS, make_workload, positive_int_list, workload_stats
+from mqinfer.loadgen.bench_options import WORKLOADS, positive_int_list
+from mqinfer.loadgen.workload import MIN_TOKEN_ID, make_workload, workload_stats
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, SamplingParams

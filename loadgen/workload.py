@@ -9,7 +9,6 @@ same requests (numpy's PCG64 generator); no torch here.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 # Ids below this are left out of prompts: Llama-style vocabularies keep unk/bos/eos at 0..2.
 MIN_TOKEN_ID = 3
 
-WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix")
+from mqinfer.loadgen.bench_options import WORKLOADS
 
 
 @dataclass(frozen=True)
@@ -184,23 +183,3 @@ def workload_stats(requests: Sequence[dict[str, Any]]) -> WorkloadStats:
     return WorkloadStats(len(requests), sum(p), sum(o), max(p), max(o))
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def positive_int_list(text: str) -> list[int]:
-    """argparse type: comma-separated positive integers (``16,64,256``)."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--plot", default=None, metavar="DIR", help="Also write PNG charts into DIR (needs matplotlib).")
     rc.set_defaults(_options=[], _required=())
     from mqinfer import jobs_cli
-    from mqinfer.loadgen.bench import add_bench_arguments
+    from mqinfer.loadgen.bench_options import add_bench_arguments
 
     jobs_cli.add_jobs_parser(sub)
     bench = sub.add_parser("bench", help="Benchmark the whole pipeline (offline or online), optionally "

@@ -1,0 +1,160 @@
+"""The flags of `mqinfer bench` and the argparse types the load generators share.
+
+Kept apart from the benchmark itself so that building the `mqinfer` command line imports nothing
+heavy (no numpy, no torch): `mqinfer --help` works on a producer-only install.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+HALF = "half"  # --rate: half the throughput of an offline run of the same requests
+AUTO = "auto"  # --max-wait-ms: the adaptive batcher
+WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix")
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers (``16,64,256``)."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _rate_list(text: str) -> list[float | str]:
+    """Requests per second, or `half` (derived from an offline run first)."""
+    values: list[float | str] = []
+    for item in (v.strip() for v in text.split(",")):
+        if not item:
+            continue
+        if item.lower() == HALF:
+            if HALF not in values:
+                values.append(HALF)
+            continue
+        try:
+            value = float(item)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated request rates or `half`, "
+                                             f"got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"request rates must be > 0, got {text!r}")
+        values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated request rates or `half`, got {text!r}")
+    return values
+
+
+def _wait_ms(text: str) -> float | str:
+    """Milliseconds >= 0, or `auto`."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds or auto, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"a wait must be >= 0 ms, got {text!r}")
+    return value
+
+
+def _wait_list(text: str) -> list[float | str]:
+    values: list[float | str] = []
+    for item in (v for v in text.split(",") if v.strip()):
+        value = _wait_ms(item)
+        if value not in values:
+            values.append(value)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated waits (milliseconds or auto), got {text!r}")
+    return values
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    values = positive_int_list(text)
+    if len(values) != 2 or values[0] > values[1]:
+        raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
+    return values[0], values[1]
+
+
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `bench` flags, on ``parser`` (a subcommand parser of the mqinfer CLI, or our own)."""
+    g = parser.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="standard",
+                   help="Length distribution of the requests (default: standard = issue 4's: prompts uniform "
+                        "16..256 tokens, outputs uniform 16..128).")
+    g.add_argument("--num-requests", type=positive_int, default=256, metavar="N", help="Requests (default: 256).")
+    g.add_argument("--prompt-len", type=_length_range, default=None, metavar="LO,HI",
+                   help="Prompt lengths: the uniform range or the log-normal bounds (not for standard).")
+    g.add_argument("--output-len", type=_length_range, default=None, metavar="LO,HI",
+                   help="Output lengths (max_tokens): the uniform range or the log-normal bounds (not for "
+                        "standard).")
+    g.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
+    g.add_argument("--model", default=None, metavar="M",
+                   help="Checkpoint folder, or `tiny` (default: the standard benchmark checkpoint, created once "
+                        "under ~/.cache/mqinfer/standard-llama).")
+
+    g = parser.add_argument_group("run")
+    g.add_argument("--mode", choices=("offline", "online"), default="offline",
+                   help="offline: submit everything at once; online: Poisson arrivals at --rate (default: offline).")
+    g.add_argument("--rate", type=_rate_list, default=None, metavar="R[,R...]",
+                   help="Online mode: requests per second; several values run a sweep (latency against offered "
+                        "load). `half` runs the offline mode first and offers half its measured request rate "
+                        "(issue 4's latency goal), e.g. --rate half or --rate 2,half.")
+    g.add_argument("--compare-wait", type=_wait_list, default=None, metavar="W[,W...]",
+                   help="Online mode: run the rates once per batcher wait (milliseconds or auto, e.g. 10,auto), "
+                        "each with fresh workers, and print p99/p50 TTFT and throughput side by side.")
+    g.add_argument("--workers", type=positive_int, default=1, metavar="N", help="Worker processes (default: 1).")
+    g.add_argument("--out", default=None, metavar="DIR",
+                   help="Keep the workers' output (results/, costs/, logs) here (default: a temporary folder, "
+                        "removed afterwards).")
+    g.add_argument("--timeout-s", type=float, default=3600.0, metavar="S",
+                   help="Give up on a run after this long (default: 3600).")
+    g.add_argument("--idle-exit-s", type=float, default=120.0, metavar="S",
+                   help="Passed to the workers, so that none outlives an interrupted bench (default: 120).")
+    g.add_argument("--skip-engine", action="store_true",
+                   help="Run only the --compare baselines and the matrix rate, not mqinfer.")
+
+    g = parser.add_argument_group("comparison and output")
+    g.add_argument("--compare", choices=("hf",), default=None,
+                   help="Also run transformers on the same checkpoint and requests: static batching at "
+                        "--hf-batch-sizes (the best counts) and its continuous batching.")
+    g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
+                   help="Static batch sizes for --compare hf (default: 16,64,256).")
+    g.add_argument("--hf-max-batch-tokens", type=positive_int, default=None, metavar="T",
+                   help="Tokens per step of transformers' continuous batching (default: its own choice).")
+    g.add_argument("--matrix-size", type=positive_int, default=2048, metavar="N",
+                   help="Side of the square matmul that measures the matrix rate (default: 2048).")
+    g.add_argument("--plot", default=None, metavar="DIR", help="Write PNG charts here (needs matplotlib).")
+    g.add_argument("--json", default=None, metavar="FILE", help="Write every figure of the run as JSON.")
+
+    g = parser.add_argument_group("engine flags passed to the workers")
+    g.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="Weights and activations, for mqinfer and transformers alike (default: bfloat16).")
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="Where the workers run the model; transformers runs on cuda when this is cuda "
+                        "(default: auto).")
+    for flag, meta, text in (
+        ("--max-num-seqs", "S", "Requests running at once, at most."),
+        ("--max-num-batched-tokens", "T", "Token budget of one engine step."),
+        ("--num-kv-blocks", "K", "KV cache blocks."),
+        ("--block-size", "B", "Tokens per KV cache block."),
+        ("--max-batch", "N", "Dual-threshold batcher: batch size threshold."),
+        ("--num-threads", "N", "CPU threads of each worker's model (with --workers N on N cores: 1)."),
+    ):
+        g.add_argument(flag, type=positive_int, default=None, metavar=meta, help=f"{text} (default: the worker's).")
+    g.add_argument("--max-wait-ms", type=_wait_ms, default=None, metavar="T",
+                   help="Dual-threshold batcher: wait threshold in milliseconds, or auto (default: the worker's).")
