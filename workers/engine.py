@@ -184,18 +184,41 @@ def _physical_memory() -> int:
         return 8 << 30
 
 
+def _max_usable_blocks(config: EngineConfig, max_model_len: int) -> int:
+    """The most KV blocks the engine can ever hold at once: ``max_num_seqs`` requests, each at most
+    ``max_model_len`` tokens (rounded up to whole blocks). A bigger cache is never used."""
+    return -(-max_model_len // config.block_size) * config.max_num_seqs
+
+
 def _default_num_kv_blocks(info: ModelInfo, device: torch.device, config: EngineConfig,
-                           max_model_len: int) -> int:
+                           max_model_len: int) -> tuple[int, str]:
+    """The KV cache size when ``num_kv_blocks`` is not given, and why (for the log).
+
+    As many blocks as can be used (:func:`_max_usable_blocks`), within a share of memory; never
+    fewer than one full-length sequence needs (plus one block), so every prompt can run.
+    """
     block_bytes = info.kv_bytes_per_token * config.block_size
-    wanted = -(-config.max_num_seqs * max_model_len // config.block_size)
+    usable = _max_usable_blocks(config, max_model_len)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * _CUDA_KV_MEMORY_SHARE) - _CUDA_ACTIVATION_RESERVE
+        where = (f"{_CUDA_KV_MEMORY_SHARE:.0%} of the {free / 2**30:.1f} GiB free on {device} less "
+                 f"{_CUDA_ACTIVATION_RESERVE / 2**30:.0f} GiB for activations")
     else:
-        budget = min(int(_physical_memory() * _CPU_KV_MEMORY_SHARE), _CPU_KV_MAX_BYTES)
-    # Always room for at least one full-length sequence.
+        physical = _physical_memory()
+        budget = min(int(physical * _CPU_KV_MEMORY_SHARE), _CPU_KV_MAX_BYTES)
+        where = (f"{_CPU_KV_MEMORY_SHARE:.0%} of {physical / 2**30:.1f} GiB of memory, at most "
+                 f"{_CPU_KV_MAX_BYTES / 2**30:.0f} GiB")
+    affordable = max(0, budget) // block_bytes
     floor = -(-max_model_len // config.block_size) + 1
-    return max(floor, min(wanted, budget // block_bytes))
+    usable_why = (f"max_num_seqs {config.max_num_seqs} x {-(-max_model_len // config.block_size)} blocks "
+                  f"for max_model_len {max_model_len}")
+    budget_why = f"memory budget {max(0, budget) / 2**20:.1f} MiB ({where})"
+    if usable <= affordable:
+        return max(usable, floor), f"{usable_why}, within the {budget_why}"
+    if affordable >= floor:
+        return affordable, f"the {budget_why}; {usable_why} would need {usable}"
+    return floor, f"one full-length sequence ({max_model_len} tokens) plus a block; the {budget_why} holds fewer"
 
 
 class LLMEngine:
@@ -222,16 +245,30 @@ class LLMEngine:
                 f"does not implement; set max_model_len <= {info.sliding_window}"
             )
         self.max_model_len = max_len
-        num_blocks = config.num_kv_blocks or _default_num_kv_blocks(info, self.device, config, max_len)
+        block_bytes = info.kv_bytes_per_token * config.block_size
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            num_blocks, why = _default_num_kv_blocks(info, self.device, config, max_len)
+            log.info("KV cache sized automatically: %d blocks x %d tokens (%.1f MiB): %s", num_blocks,
+                     config.block_size, num_blocks * block_bytes / 2**20, why)
         num_swap_blocks = 0
         if config.preemption_mode == "swap":
-            block_bytes = info.kv_bytes_per_token * config.block_size
             num_swap_blocks = num_swap_blocks_for(int(config.swap_space_gib * 2**30), block_bytes)
             if num_swap_blocks == 0:
                 raise ValueError(
                     f"swap_space_gib {config.swap_space_gib} holds no KV block ({block_bytes} bytes for "
                     f"{config.block_size} tokens of {info.name}); give more swap space or use recompute"
                 )
+            # Swapped-out blocks belong to requests the engine holds, and a worker gives it at most
+            # max_num_seqs of them: host memory past their full contexts would never be used (were
+            # the pool ever full, preemption falls back to recompute).
+            usable = _max_usable_blocks(config, max_len)
+            if num_swap_blocks > usable:
+                log.info("swap space: %d blocks (%.1f MiB) of the %g GiB given: max_num_seqs %d requests of "
+                         "max_model_len %d never hold more", usable, usable * block_bytes / 2**20,
+                         config.swap_space_gib, config.max_num_seqs, max_len)
+                num_swap_blocks = usable
         self.scheduler_config = SchedulerConfig(
             block_size=config.block_size,
             num_kv_blocks=num_blocks,
