@@ -52,6 +52,7 @@ from mqinfer.loadgen.metrics import (
     ttft_budget,
 )
 from mqinfer.loadgen.bench_options import AUTO, HALF, add_bench_arguments
+from mqinfer.procs import mqinfer_command
 from mqinfer.loadgen.workload import MIN_TOKEN_ID, make_workload, workload_stats
 
 STREAM = "bench"
@@ -104,7 +105,7 @@ def hf_folder(spec: ModelSpec, scratch: Path) -> Path:
 
 # ---------------------------------------------------------------------------------- workers
 def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: Path) -> list[str]:
-    argv = [sys.executable, "-m", "mqinfer", "worker", "--redis", redis_url, "--out", str(out),
+    argv = [*mqinfer_command("worker"), "--redis", redis_url, "--out", str(out),
             "--stream", STREAM, "--model", model_arg, "--dtype", args.dtype, "--device", args.device,
             "--idle-exit-s", str(args.idle_exit_s)]
     for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_batch",

@@ -11,10 +11,8 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 from mqinfer import __version__
@@ -40,11 +38,13 @@ WORKERS = Option("workers", int, 1, "Worker processes to run.", metavar="N")
 FORMAT = Option("format", str, "msgpack", "Stream entry encoding.", choices=("msgpack", "json"))
 PORT = Option("port", int, 0, "TCP port on 127.0.0.1 (0 = pick a free one).", metavar="P")
 DATA_DIR = Option("dir", str, "mqinfer-redis", "Folder for the append-only file.", metavar="DIR")
+FRESH = Option("fresh", bool, False, "Start the job over: remove its result and cost rows from --out first "
+               "(without it, running the same command again resumes: only requests without a row are computed).")
 UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")
 
 COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
-RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, *ENGINE_OPTIONS,
+RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, FRESH, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
 SUBMIT_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
@@ -109,8 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="Output folder of a job or worker.")
     report = sub.add_parser("report", help="Reports over an output folder.", description="Reports over an output folder.")
     rsub = report.add_subparsers(dest="report", metavar="REPORT")
-    rc = rsub.add_parser("costs", help="Cost by tenant, model, request type, job or worker.",
-                         description="Cost by tenant, model, request type, job or worker.")
+    rc = rsub.add_parser(
+        "costs", help="Cost by tenant, model, request type, job or worker.",
+        description="Cost by tenant, model, request type, job or worker. Under the groups, in every format: "
+        "`billed` (the request rows, what the groups add up to), `overhead` (startup + idle rows), "
+        "`duplicate` (cost rows of results that compaction discarded) and `TOTAL` (every row: the three "
+        "added up); only `billed` is charged to a tenant. Run it after `mqinfer compact DIR`: before, "
+        "a retried request's rows each count as a request, and a warning on stderr says how many.",
+    )
     rc.add_argument("dir", metavar="DIR", help="Output folder (with costs/).")
     rc.add_argument("--by", default="tenant",
                     help="Comma-separated group keys: tenant, model, request_type, job_id, worker (default: tenant).")
@@ -135,6 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def config_keys(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
+    """(every flag name of every command, every command name): what a config file may hold."""
+    flags: set[str] = {"config"}
+    commands: set[str] = set()
+
+    def walk(p: argparse.ArgumentParser) -> None:
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    commands.add(name)
+                    walk(sub)
+            elif action.option_strings:
+                flags.add(action.dest)
+
+    walk(parser)
+    return flags, commands
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -146,15 +170,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "jobs":
         from mqinfer import jobs_cli
 
+        args._config_known = config_keys(parser)
         return jobs_cli.run(args)
     if args.command == "bench":
         from mqinfer.loadgen.bench import run_bench
 
         setup_logging("info", "text")
         return run_bench(args)
+    args._config_known = config_keys(parser)
     try:
         config_path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
-        file_values = load_config_file(config_path, args.command)
+        file_values = load_config_file(config_path, args.command, args._config_known)
         opts = resolve(args, args._options, file_values, args._required)
     except ConfigError as exc:
         print(f"mqinfer {args.command}: error: {exc}", file=sys.stderr)
@@ -164,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         "run": cmd_run, "worker": cmd_worker, "submit": cmd_submit, "redis": cmd_redis,
         "compact": cmd_compact, "report": cmd_report,
     }[args.command]
+    import redis
+
     try:
         return handler(args, opts)
     except KeyboardInterrupt:
@@ -172,6 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as exc:
         print(f"mqinfer {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+        print(f"mqinfer {args.command}: error: {redis_problem(exc, opts.get('redis'))}", file=sys.stderr)
+        return 2
+
+
+def redis_problem(exc: Exception, url: str | None) -> str:
+    """One line for a Redis server that cannot be used: which server, and why."""
+    import redis
+
+    from mqinfer.server import redact
+
+    where = redact(url) if url else "the Redis server"
+    if isinstance(exc, redis.exceptions.AuthenticationError) or "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):
+        return f"cannot authenticate to {where}: {exc} (check the password in the URL)"
+    return f"cannot reach {where}: {exc}"
 
 
 # -- worker ----------------------------------------------------------------------------------
@@ -188,12 +231,13 @@ def engine_config(opts: dict):
     )
 
 
-def cmd_worker(args, opts: dict) -> int:
-    from mqinfer.workers.worker import Worker, WorkerConfig
+def worker_config(opts: dict, *, redis_url: str, out: Path):
+    """The worker's configuration from resolved flags; ValueError names a bad flag."""
+    from mqinfer.workers.worker import WorkerConfig
 
-    config = WorkerConfig(
-        redis_url=opts["redis"], out_dir=Path(opts["out"]), engine=engine_config(opts), stream=opts["stream"],
-        group=opts["group"], consumer=opts["consumer"], max_batch=opts["max_batch"],
+    return WorkerConfig(
+        redis_url=redis_url, out_dir=out, engine=engine_config(opts), stream=opts["stream"],
+        group=opts["group"], consumer=opts.get("consumer"), max_batch=opts["max_batch"],
         max_wait_ms=opts["max_wait_ms"], claim_idle_ms=opts["claim_idle_ms"],
         max_deliveries=opts["max_deliveries"], idle_exit_s=opts["idle_exit_s"],
         metrics_port=opts["metrics_port"], metrics_host=opts["metrics_host"],
@@ -204,7 +248,12 @@ def cmd_worker(args, opts: dict) -> int:
         idempotency_ttl_s=opts["idempotency_ttl_s"], max_entry_bytes=opts["max_entry_bytes"],
         max_tokens_limit=opts["max_tokens_limit"],
     )
-    return Worker(config).run()
+
+
+def cmd_worker(args, opts: dict) -> int:
+    from mqinfer.workers.worker import Worker
+
+    return Worker(worker_config(opts, redis_url=opts["redis"], out=Path(opts["out"]))).run()
 
 
 # -- submit ----------------------------------------------------------------------------------
@@ -271,7 +320,7 @@ def cmd_submit(args, opts: dict) -> int:
 
 # -- redis -----------------------------------------------------------------------------------
 def cmd_redis(args, opts: dict) -> int:
-    from mqinfer.server import EmbeddedServer
+    from mqinfer.server import EmbeddedServer, ServerError
 
     server = EmbeddedServer(opts["dir"], port=opts["port"] or None, unix_socket=opts["unix_socket"])
     stop = False
@@ -282,12 +331,21 @@ def cmd_redis(args, opts: dict) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    server.start()
+    try:
+        server.start()
+    except ServerError as exc:
+        print(f"mqinfer redis: error: {exc}", file=sys.stderr)
+        return 1
     print(server.url, flush=True)
     print(f"embedded server running (data in {server.data_dir}); Ctrl-C to stop", file=sys.stderr, flush=True)
     try:
-        while not stop and server.process is not None and server.process.poll() is None:
+        while not stop and server.process.poll() is None:
             time.sleep(0.2)
+        # The server runs in its own session: a terminal's Ctrl-C never reaches it, so any exit
+        # before our stop() is the server dying on its own.
+        if server.process.poll() is not None:
+            print(f"mqinfer redis: error: {server.exit_message()}", file=sys.stderr)
+            return 1
     finally:
         server.stop()
     return 0
@@ -322,12 +380,19 @@ def _parse_time(text: str | None) -> float | None:
 
 def cmd_report(args, opts: dict) -> int:
     from mqinfer.ops.budgets import load_budgets
-    from mqinfer.ops.report import cost_report, plot, render
+    from mqinfer.ops.report import cost_report, plot, render, uncompacted_warning
 
     by = [b.strip() for b in args.by.split(",") if b.strip()]
-    budgets = load_budgets(args.budgets) if args.budgets else None
-    report = cost_report(Path(args.dir), by=by, since=_parse_time(args.since), until=_parse_time(args.until),
-                         top=args.top, budgets=budgets)
+    try:
+        budgets = load_budgets(args.budgets) if args.budgets else None
+        report = cost_report(Path(args.dir), by=by, since=_parse_time(args.since), until=_parse_time(args.until),
+                             top=args.top, budgets=budgets)
+    except (ValueError, OSError) as exc:
+        print(f"mqinfer report costs: error: {exc}", file=sys.stderr)
+        return 2
+    warning = uncompacted_warning(report, args.dir)
+    if warning:
+        print(f"mqinfer report costs: {warning}", file=sys.stderr)
     print(render(report, args.format), end="")
     if args.plot:
         try:
@@ -340,207 +405,7 @@ def cmd_report(args, opts: dict) -> int:
 
 
 # -- run -------------------------------------------------------------------------------------
-def _worker_argv(opts: dict, redis_url: str, index: int = 0, stream: str | None = None) -> list[str]:
-    argv = [sys.executable, "-m", "mqinfer", "worker", "--redis", redis_url, "--out", str(opts["out"]),
-            "--stream", stream or opts["stream"]]
-    for opt in [*ENGINE_OPTIONS, *WORKER_OPTIONS, LOG_FORMAT]:
-        if opt.name == "consumer":
-            continue
-        value = opts.get(opt.name)
-        if value is None:
-            continue
-        if opt.name == "metrics_port" and value:
-            value += index  # each worker of `run --workers N` serves on its own port: P, P+1, ...
-        if opt.type is bool:
-            if value:
-                argv.append(opt.flag)
-            continue
-        argv += [opt.flag, str(value)]
-    return argv
-
-
-class _Progress:
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.start = time.monotonic()
-        self.tty = sys.stderr.isatty()
-        self._last = 0.0
-
-    def show(self, done: int, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last < (0.5 if self.tty else 10.0):
-            return
-        self._last = now
-        elapsed = now - self.start
-        rate = done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - done) / rate if rate > 0 else float("nan")
-        pct = 100.0 * done / self.total if self.total else 100.0
-        line = f"{done}/{self.total} requests ({pct:5.1f}%), {rate:.1f} req/s, elapsed {elapsed:.0f}s"
-        if done < self.total and rate > 0:
-            line += f", eta {eta:.0f}s"
-        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            print(file=sys.stderr)
-
-
 def cmd_run(args, opts: dict) -> int:
-    from mqinfer.client import Producer
-    from mqinfer.cluster import connect_redis, shard_streams
-    from mqinfer.ops.compact import compact
-    from mqinfer.schemas.rows import CostRow, error_result_row
-    from mqinfer.server import EmbeddedServer
-    from mqinfer.workers.sink import Sinks
-    from mqinfer import keys
+    from mqinfer.run import cmd_run as run
 
-    if opts["workers"] < 1:
-        raise ConfigError("--workers must be >= 1")
-    if opts["shards"] < 1:
-        raise ConfigError("--shards must be >= 1")
-    if opts["workers"] < opts["shards"]:
-        raise ConfigError(f"--workers ({opts['workers']}) must be at least --shards ({opts['shards']}): "
-                          "each shard's stream is read by its own workers")
-    if opts["redis_cluster"] and not opts["redis"]:
-        raise ConfigError("--redis-cluster needs --redis URL of a cluster node (the embedded server is not a cluster)")
-    streams = shard_streams(opts["stream"], opts["shards"])
-    out = Path(opts["out"])
-    job_id = opts["job_id"] or f"run-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    requests, invalid, duplicates = read_input(args.input, job_id)
-    for message in duplicates:
-        print(message, file=sys.stderr)
-    out.mkdir(parents=True, exist_ok=True)
-
-    # Lines that failed validation still get their error row, written here.
-    if invalid:
-        now = time.time()
-        model_name = "tiny" if opts["model"] == "tiny" else Path(opts["model"]).name
-        sinks = Sinks(out, "submit")
-        for item in invalid:
-            rid = item.error.request_id or f"line:{item.line}"
-            row = error_result_row(rid, job_id, item.error.code, f"line {item.line}: {item.error.message}",
-                                   model=model_name, worker="submit", attempt=0, enqueued_at=now,
-                                   finished_at=now)
-            sinks.add(row, CostRow(kind="request", job_id=job_id, id=rid, tenant=row.tenant, model=row.model,
-                                   request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0,
-                                   output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=0.0,
-                                   recomputed_s=0.0, kv_block_s=0.0, cost_usd=0.0,
-                                   price_per_device_hour=opts["price_per_device_hour"], worker="submit",
-                                   finished_at=now))
-        sinks.flush()
-        print(f"{len(invalid)} invalid lines got error rows (first: line {invalid[0].line}: "
-              f"{invalid[0].error.message})", file=sys.stderr)
-
-    server = None
-    workers: list[subprocess.Popen] = []
-    started = time.time()
-    try:
-        redis_url = opts["redis"]
-        if not redis_url:
-            server = EmbeddedServer(out / ".mqinfer" / "redis", unix_socket=True).start()
-            redis_url = server.url
-        counter = connect_redis(redis_url, cluster=opts["redis_cluster"])
-        env = dict(os.environ)
-        env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
-        # Worker i reads shard i mod N: every shard has workers, and they share it fairly. They
-        # start first: requests submitted while one worker is up and the others still load their
-        # model would all go to the first.
-        workers = [subprocess.Popen(_worker_argv(opts, redis_url, i, streams[i % len(streams)]), env=env,
-                                    stdin=subprocess.DEVNULL) for i in range(opts["workers"])]
-        _wait_for_workers(counter, [keys.request_stream(s) for s in streams], opts["group"], workers)
-        if len(streams) > 1 or opts["redis_cluster"]:
-            _submit_sharded(opts, redis_url, requests)
-        else:
-            Producer(stream=opts["stream"], client=counter).submit_many(requests)
-        print(f"job {job_id}: submitted {len(requests)} requests", file=sys.stderr, flush=True)
-        done_keys = [keys.job_done_set(s, job_id) for s in streams]
-        progress = _Progress(len(requests))
-        done = 0
-        while done < len(requests):
-            done = _count_done(counter, done_keys, done)
-            progress.show(done)
-            alive = [w for w in workers if w.poll() is None]
-            if not alive and done < len(requests):
-                codes = ", ".join(str(w.returncode) for w in workers)
-                progress.close()
-                print(f"mqinfer run: error: every worker exited (codes {codes}) with {len(requests) - done} "
-                      "requests unfinished; rerun with --log-level info to see why", file=sys.stderr)
-                return 1
-            time.sleep(0.1)
-        progress.show(done, force=True)
-        progress.close()
-    finally:
-        _stop_workers(workers)
-        if server is not None:
-            server.stop()
-    compact(out)
-    return _summary(out, job_id, len(requests) + len(invalid), time.time() - started, opts)
-
-
-def _wait_for_workers(client, stream_keys: list[str], group: str, workers: list[subprocess.Popen],
-                      timeout_s: float = 120.0) -> None:
-    """Until every worker reads its stream (it joined the consumer group), one exited, or timeout."""
-    import redis
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and all(w.poll() is None for w in workers):
-        joined = 0
-        for key in stream_keys:
-            try:
-                joined += len(client.xinfo_consumers(key, group))
-            except redis.exceptions.RedisError:  # no stream or group yet
-                pass
-        if joined >= len(workers):
-            return
-        time.sleep(0.1)
-
-
-def _count_done(client, done_keys: list[str], previous: int) -> int:
-    """Requests with a durable row, over every shard (one key per slot: no multi-key command)."""
-    import redis
-
-    from mqinfer.cluster import CLUSTER_TRANSIENT
-
-    pipe = client.pipeline(transaction=False)
-    for key in done_keys:
-        pipe.scard(key)
-    try:
-        return sum(pipe.execute())
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, *CLUSTER_TRANSIENT):
-        return previous  # a node is restarting: count again next time
-
-
-def _stop_workers(workers: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
-    for w in workers:
-        if w.poll() is None:
-            w.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for w in workers:
-        try:
-            w.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            w.kill()
-            w.wait()
-
-
-def _summary(out: Path, job_id: str, expected: int, wall_s: float, opts: dict) -> int:
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
-    results = ds.dataset(out / "results", format="parquet", partitioning="hive").to_table(
-        filter=pc.field("job_id") == job_id, columns=["id", "finish_reason", "prompt_tokens", "output_tokens"])
-    costs = ds.dataset(out / "costs", format="parquet", partitioning="hive").to_table(
-        filter=(pc.field("job_id") == job_id) & (pc.field("kind") == "request"), columns=["cost_usd", "kind"])
-    n = results.num_rows
-    errors = pc.sum(pc.equal(results["finish_reason"], "error")).as_py() or 0
-    prompt = pc.sum(results["prompt_tokens"]).as_py() or 0
-    output = pc.sum(results["output_tokens"]).as_py() or 0
-    cost = pc.sum(costs["cost_usd"]).as_py() or 0.0
-    print(f"job {job_id}: {n} requests: {n - errors} ok, {errors} error")
-    print(f"tokens: {prompt} prompt, {output} output; {output / wall_s:.1f} output tokens/s over {wall_s:.1f}s")
-    print(f"cost: ${cost:.6f} of requests at ${opts['price_per_device_hour']}/device-hour")
-    print(f"results: {out / 'results'}  costs: {out / 'costs'}")
-    if n != expected:
-        print(f"mqinfer run: error: expected {expected} result rows, found {n}", file=sys.stderr)
-        return 1
-    return 0
+    return run(args, opts)

@@ -90,7 +90,8 @@ SHARDS = Option("shards", int, 1, "Spread requests over N streams S-0..S-{N-1} b
                 "read by its own workers (`run` gives worker i shard i mod N); for Redis Cluster, where one "
                 "stream lives in one slot.", metavar="N")
 JOB_ID = Option("job_id", str, None, "Job id stamped on every request (default: requests keep their own "
-                "job_id; `run` generates one).", metavar="ID")
+                "job_id; `run` derives one from the input file's content, so running it again resumes).",
+                metavar="ID")
 
 ENGINE_OPTIONS = [
     Option("model", str, "tiny", "`tiny` (built-in smoke-test model) or a local Hugging Face checkpoint folder.",
@@ -169,7 +170,13 @@ def add_options(parser: argparse.ArgumentParser, options: list[Option], *, requi
                                 metavar=opt.metavar or opt.name.upper(), choices=None)
 
 
-def load_config_file(path: str | os.PathLike | None, command: str) -> dict[str, Any]:
+def load_config_file(path: str | os.PathLike | None, command: str,
+                     known: tuple[set[str], set[str]] | None = None) -> dict[str, Any]:
+    """The settings of a TOML config file that apply to ``command``.
+
+    ``known`` = (every flag name of every command, every command name): a key or table that no
+    command knows is an error naming it, so a misspelt setting is never silently ignored.
+    """
     if not path:
         return {}
     p = Path(path)
@@ -179,6 +186,8 @@ def load_config_file(path: str | os.PathLike | None, command: str) -> dict[str, 
         raise ConfigError(f"--config: no such file: {p}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config {p}: not valid TOML: {exc}") from None
+    if known is not None:
+        _check_keys(p, data, *known)
     values = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
     section = data.get(command)
     if isinstance(section, dict):
@@ -186,10 +195,24 @@ def load_config_file(path: str | os.PathLike | None, command: str) -> dict[str, 
     return values
 
 
+def _check_keys(path: Path, data: dict[str, Any], flags: set[str], commands: set[str]) -> None:
+    problems = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            if key not in commands:
+                problems.append(f"[{key}] is not a command (tables: {', '.join(sorted(commands))})")
+                continue
+            problems += [f"{key}.{k} is not a flag of any command" for k in value
+                         if k.replace("-", "_") not in flags]
+        elif key.replace("-", "_") not in flags:
+            problems.append(f"{key} is not a flag of any command")
+    if problems:
+        raise ConfigError(f"--config {path}: " + "; ".join(problems))
+
+
 def resolve(args: argparse.Namespace, options: list[Option], file_values: dict[str, Any],
             required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Final value of each option: command line > environment > config file > default."""
-    known = {o.name for o in options}
     resolved: dict[str, Any] = {}
     for opt in options:
         if hasattr(args, opt.name):
@@ -205,8 +228,4 @@ def resolve(args: argparse.Namespace, options: list[Option], file_values: dict[s
         if resolved.get(name) in (None, ""):
             opt = next(o for o in options if o.name == name)
             raise ConfigError(f"{opt.flag} is required (or set {opt.env})")
-    unknown = sorted(set(file_values) - known - {"config"})
-    if unknown:
-        # Settings for other commands may share a file; only flag keys no command knows.
-        resolved["_unknown_config_keys"] = unknown
     return resolved

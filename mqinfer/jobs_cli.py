@@ -101,7 +101,8 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
 
 def _options(args) -> dict:
     path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
-    return resolve(args, args._options, load_config_file(path, "jobs"), args._required)
+    known = getattr(args, "_config_known", None)
+    return resolve(args, args._options, load_config_file(path, "jobs", known), args._required)
 
 
 def _client(opts: dict):

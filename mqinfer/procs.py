@@ -41,3 +41,12 @@ def die_with_parent(sig: int = signal.SIGTERM):
             os.kill(os.getpid(), sig)
 
     return preexec
+
+
+def mqinfer_command(*args: str) -> list[str]:
+    """The argv that runs ``mqinfer ARGS`` with this interpreter.
+
+    ``-P`` keeps the current folder off the import path, so a folder named ``mqinfer`` where the
+    user stands (a clone, run from its parent) cannot hide the installed package.
+    """
+    return [sys.executable, "-P", "-m", "mqinfer", *args]

@@ -107,6 +107,42 @@ def compact(out_dir: str | os.PathLike[str], *, fault: FaultHook | None = None) 
     return stats
 
 
+def drop_job(out_dir: str | os.PathLike[str], job_id: str) -> tuple[int, int]:
+    """Remove every result and cost row of ``job_id`` from ``out_dir`` (``mqinfer run --fresh``).
+
+    Uses the same crash-safe journal as :func:`compact`; returns (result rows, cost rows) removed.
+    """
+    out = Path(out_dir)
+    if not out.is_dir():
+        return 0, 0
+    step = _fault_points()
+    removed = {RESULTS_DIR: 0, COSTS_DIR: 0}
+    with _locked(out / LOCK_NAME):
+        _recover(out, step)
+        writer = _TempWriter(uuid.uuid4().hex[:8])
+        for dataset, schema in ((RESULTS_DIR, RESULT_SCHEMA), (COSTS_DIR, COST_SCHEMA)):
+            for path in part_files(out / dataset):
+                table = _read(path, schema)
+                mine = pc.fill_null(pc.equal(table["job_id"], job_id), False)
+                count = pc.sum(mine).as_py() or 0
+                if not count:
+                    continue
+                removed[dataset] += count
+                writer.deletes.append(path)
+                keep = table.filter(pc.invert(mine))
+                if keep.num_rows:
+                    temp, parquet = writer.start(path.parent, schema)
+                    parquet.write_table(keep)
+                    writer.finish(temp, parquet)
+        plan = writer.plan()
+        if plan.deletes:
+            for folder in {temp.parent for temp, _ in plan.renames}:
+                fsync_dir(folder)
+            _write_journal(out, plan)
+            _apply(out, plan, step, prefix="")
+    return removed[RESULTS_DIR], removed[COSTS_DIR]
+
+
 def _fault_points() -> FaultHook:
     if not faults.enabled():
         return lambda name: None

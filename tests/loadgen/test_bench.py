@@ -38,8 +38,8 @@ def test_defaults_and_pass_through_flags():
                  "--rate", "1,2.5", "--hf-batch-sizes", "8,32")
     assert args.rate == [1.0, 2.5] and args.hf_batch_sizes == [8, 32]
     argv = bench.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", bench.Path("/tmp/out"))
-    assert argv[1:4] == ["-m", "mqinfer", "worker"]
-    pairs = dict(zip(argv[4::2], argv[5::2]))
+    assert argv[1:5] == ["-P", "-m", "mqinfer", "worker"]  # -P: a folder named mqinfer in the cwd is not imported
+    pairs = dict(zip(argv[5::2], argv[6::2]))
     assert pairs["--num-threads"] == "1" and pairs["--max-num-seqs"] == "32" and pairs["--block-size"] == "8" and pairs["--max-wait-ms"] == "2.5"
     assert pairs["--dtype"] == "float32" and pairs["--model"] == "tiny" and pairs["--stream"] == bench.STREAM
     assert "--num-kv-blocks" not in pairs  # unset flags keep the worker's defaults

@@ -1,0 +1,434 @@
+"""`mqinfer run`: a whole bulk job in one command, safe to run again.
+
+The job id derives from the input file's bytes, so running the same command again resumes the
+same job: requests that already have a result row in ``OUT/results`` are not sent again, and a
+finished job computes nothing. ``--fresh`` removes the job's rows and starts over; ``--job-id``
+names the job explicitly. One run holds an output folder at a time (``mqinfer.runlock``), and
+its embedded server and workers die with it (``mqinfer.procs``).
+
+The results dataset is the record of what is done: a row is durable before its stream entry is
+acked, so a run cut anywhere (Ctrl-C, kill -9, a crash) leaves rows for exactly the requests
+whose work is kept, and the next run sends only the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, WORKER_OPTIONS, ConfigError
+from mqinfer.procs import die_with_parent, mqinfer_command
+
+STATE_DIR = ".mqinfer"
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM while the job ran."""
+
+
+def input_job_id(path: Path) -> str:
+    """The default job id: a hash of the input file's bytes, so a re-run finds its own rows."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return f"run-{digest.hexdigest()[:16]}"
+
+
+def check_run_flags(opts: dict) -> None:
+    """Every flag checked before anything is locked, written or submitted."""
+    if opts["workers"] < 1:
+        raise ConfigError("--workers must be >= 1")
+    if opts["shards"] < 1:
+        raise ConfigError("--shards must be >= 1")
+    if opts["workers"] < opts["shards"]:
+        raise ConfigError(f"--workers ({opts['workers']}) must be at least --shards ({opts['shards']}): "
+                          "each shard's stream is read by its own workers")
+    if opts["redis_cluster"] and not opts["redis"]:
+        raise ConfigError("--redis-cluster needs --redis URL of a cluster node (the embedded server is not a cluster)")
+    from mqinfer.cli import worker_config
+
+    worker_config(opts, redis_url=opts["redis"] or "unix:///unused", out=Path(opts["out"]))
+
+
+def model_label(model: str) -> str:
+    return "tiny" if model == "tiny" else Path(model).name
+
+
+# -- state kept beside the results ------------------------------------------------------------
+def _manifest_path(out: Path, job_id: str) -> Path:
+    return out / STATE_DIR / "jobs" / f"{job_id}.json"
+
+
+def check_manifest(out: Path, job_id: str, model: str, fresh: bool) -> None:
+    """Refuse to resume a job with another model: its finished rows would be mixed with new ones."""
+    path = _manifest_path(out, job_id)
+    if fresh or not path.is_file():
+        return
+    try:
+        before = json.loads(path.read_text()).get("model")
+    except (OSError, ValueError):
+        return
+    if before and before != model:
+        raise ConfigError(f"{out} already holds job {job_id} computed with --model {before}; pass --fresh to "
+                          f"compute it again with {model}, or use another --out")
+
+
+def write_manifest(out: Path, job_id: str, input_path: Path, model: str, total: int) -> None:
+    path = _manifest_path(out, job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"job_id": job_id, "input": str(input_path.resolve()), "model": model, "requests": total}
+    temp = path.with_suffix(".tmp")
+    temp.write_text(json.dumps(doc))
+    os.replace(temp, path)
+
+
+def ids_with_rows(out: Path, job_id: str) -> set[str]:
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    root = out / "results"
+    if not root.is_dir():
+        return set()
+    table = ds.dataset(root, format="parquet", partitioning="hive").to_table(
+        filter=pc.field("job_id") == job_id, columns=["id"])
+    return set(table["id"].to_pylist())
+
+
+# -- the run ------------------------------------------------------------------------------------
+def cmd_run(args, opts: dict) -> int:
+    from mqinfer.runlock import RunLock, RunLockError
+
+    check_run_flags(opts)
+    input_path = Path(args.input)
+    if not input_path.is_file():
+        raise FileNotFoundError(f"no such input file: {input_path}")
+    out = Path(opts["out"]).resolve()
+    job_id = opts["job_id"] or input_job_id(input_path)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out)
+    try:
+        stopped = lock.acquire()
+    except RunLockError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        if stopped:
+            print(f"stopped {len(stopped)} leftover processes of an earlier run on {out} "
+                  f"(pids {', '.join(map(str, stopped))})", file=sys.stderr)
+        return _run_locked(input_path, out, job_id, opts, lock)
+    finally:
+        lock.release()
+
+
+def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> int:
+    from mqinfer.cli import read_input
+    from mqinfer.ops.compact import compact, drop_job
+
+    model = model_label(opts["model"])
+    check_manifest(out, job_id, model, opts["fresh"])
+    if opts["fresh"]:
+        results, costs = drop_job(out, job_id)
+        if results or costs:
+            print(f"--fresh: removed {results} result rows and {costs} cost rows of job {job_id}", file=sys.stderr)
+    requests, invalid, duplicates = read_input(str(input_path), job_id)
+    for message in duplicates:
+        print(message, file=sys.stderr)
+    invalid_ids = {item.error.request_id or f"line:{item.line}" for item in invalid}
+    total = len({r.id for r in requests} | invalid_ids)
+    write_manifest(out, job_id, input_path, model, total)
+    done_before = ids_with_rows(out, job_id)
+    started = time.time()
+    _write_invalid_rows(out, job_id, [i for i in invalid
+                                      if (i.error.request_id or f"line:{i.line}") not in done_before], opts)
+    todo = [r for r in requests if r.id not in done_before]
+    if done_before and todo:
+        print(f"job {job_id}: resuming: {len(requests) - len(todo)} of {len(requests)} requests already have "
+              f"rows in {out / 'results'}", file=sys.stderr, flush=True)
+    if todo:
+        status = _compute(todo, requests, done_before, out, job_id, opts, lock)
+    else:
+        status = 0
+        if requests and done_before:
+            print(f"job {job_id}: every request already has a row: nothing to compute "
+                  "(--fresh starts over)", file=sys.stderr)
+    compact(out)
+    if status == 130:
+        print(f"mqinfer run: interrupted; run the same command again to resume job {job_id}", file=sys.stderr)
+        _summary(out, job_id, total, started, opts, complete=False)
+        return 130
+    if status != 0:
+        return status
+    return _summary(out, job_id, total, started, opts)
+
+
+def _write_invalid_rows(out: Path, job_id: str, invalid: list, opts: dict) -> None:
+    """Lines that failed validation get their error row here, once per job."""
+    if not invalid:
+        return
+    from mqinfer.schemas.rows import CostRow, error_result_row
+    from mqinfer.workers.sink import Sinks
+
+    now = time.time()
+    model = model_label(opts["model"])
+    sinks = Sinks(out, "submit")
+    for item in invalid:
+        rid = item.error.request_id or f"line:{item.line}"
+        row = error_result_row(rid, job_id, item.error.code, f"line {item.line}: {item.error.message}",
+                               model=model, worker="submit", attempt=0, enqueued_at=now, finished_at=now)
+        sinks.add(row, CostRow(kind="request", job_id=job_id, id=rid, tenant=row.tenant, model=row.model,
+                               request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0,
+                               output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=0.0,
+                               recomputed_s=0.0, kv_block_s=0.0, cost_usd=0.0,
+                               price_per_device_hour=opts["price_per_device_hour"], worker="submit",
+                               finished_at=now))
+    sinks.flush()
+    print(f"{len(invalid)} invalid lines got error rows (first: line {invalid[0].line}: "
+          f"{invalid[0].error.message})", file=sys.stderr)
+
+
+class _Signals:
+    """Ctrl-C and SIGTERM stop the job in order: the first asks the workers to finish and write what
+    they hold; later ones only say that this is under way (rows already written are never redone)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.armed = True  # off once the run is stopping anyway: a signal then only says so
+        self._previous = {}
+
+    def __enter__(self) -> "_Signals":
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.count += 1
+        if self.count == 1 and self.armed:
+            raise Interrupted()
+        print("\nmqinfer run: still stopping: workers are writing and acknowledging what they finished",
+              file=sys.stderr, flush=True)
+
+
+def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts: dict, lock) -> int:
+    from mqinfer import keys
+    from mqinfer.client import Producer
+    from mqinfer.cluster import connect_redis, shard_index, shard_streams
+    from mqinfer.server import EmbeddedServer
+
+    streams = shard_streams(opts["stream"], opts["shards"])
+    server = None
+    workers: list[subprocess.Popen] = []
+    with _Signals() as signals:
+        try:
+            redis_url = opts["redis"]
+            if not redis_url:
+                server = EmbeddedServer(out / STATE_DIR / "redis", unix_socket=True).start()
+                redis_url = server.url
+            client = connect_redis(redis_url, cluster=opts["redis_cluster"])
+            if server is not None:
+                # The server is this run's alone (the folder is locked): what an earlier, killed run
+                # left in it is superseded by the rows on disk.
+                client.flushall()
+            done_keys = [keys.job_done_set(s, job_id) for s in streams]
+            _mark_done(client, done_keys, [r for r in requests if r.id in done_before], len(streams), shard_index)
+            env = dict(os.environ, MQINFER_REDIS=redis_url)
+            env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
+            # Worker i reads shard i mod N. They start before anything is submitted: requests sent
+            # while one worker is up and the others still load their model would all go to the first.
+            workers = [
+                subprocess.Popen(worker_argv(opts, out, i, streams[i % len(streams)]), env=env,
+                                 stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True,
+                                 preexec_fn=die_with_parent())
+                for i in range(opts["workers"])
+            ]
+            lock.add_children([w.pid for w in workers])
+            _wait_for_workers(client, [keys.request_stream(s) for s in streams], opts["group"], workers)
+            if len(streams) > 1 or opts["redis_cluster"]:
+                from mqinfer.cli import _submit_sharded
+
+                _submit_sharded(opts, redis_url, todo)
+            else:
+                Producer(stream=opts["stream"], client=client).submit_many(todo)
+            print(f"job {job_id}: submitted {len(todo)} requests", file=sys.stderr, flush=True)
+            return _wait_done(client, done_keys, len(requests), workers)
+        except Interrupted:
+            print("\nmqinfer run: stopping: workers finish what they run and write it "
+                  f"(up to --drain-timeout-s {opts['drain_timeout_s']:g}s)", file=sys.stderr, flush=True)
+            return 130
+        finally:
+            signals.armed = False
+            _stop_workers(workers, timeout_s=opts["drain_timeout_s"] + 30.0)
+            if server is not None:
+                server.stop()
+
+
+def worker_argv(opts: dict, out: Path, index: int, stream: str) -> list[str]:
+    """A worker's command line. The Redis URL, which may hold a password, goes through the
+    environment (MQINFER_REDIS), not argv, where `ps` would show it."""
+    argv = [*mqinfer_command("worker"), "--out", str(out), "--stream", stream]
+    for opt in [*ENGINE_OPTIONS, *WORKER_OPTIONS, LOG_FORMAT]:
+        if opt.name == "consumer":
+            continue
+        value = opts.get(opt.name)
+        if value is None:
+            continue
+        if opt.name == "metrics_port" and value:
+            value += index  # each worker of `run --workers N` serves on its own port: P, P+1, ...
+        if opt.type is bool:
+            if value:
+                argv.append(opt.flag)
+            continue
+        argv += [opt.flag, str(value)]
+    return argv
+
+
+def _mark_done(client, done_keys: list[str], requests, shards: int, shard_index) -> None:
+    """Count the requests finished by earlier runs as done, each in its own shard's set."""
+    by_key: dict[str, list[str]] = {}
+    for r in requests:
+        by_key.setdefault(done_keys[shard_index(r.id, r.job_id, shards)], []).append(r.id)
+    for key, ids in by_key.items():
+        for i in range(0, len(ids), 10_000):
+            client.sadd(key, *ids[i:i + 10_000])
+
+
+def _wait_done(client, done_keys: list[str], total: int, workers: list[subprocess.Popen]) -> int:
+    progress = _Progress(total)
+    done = 0
+    while True:
+        done = _count_done(client, done_keys, done)
+        progress.show(done)
+        if done >= total:
+            progress.show(done, force=True)
+            progress.close()
+            return 0
+        if not any(w.poll() is None for w in workers):
+            codes = ", ".join(str(w.returncode) for w in workers)
+            progress.close()
+            print(f"mqinfer run: error: every worker exited (codes {codes}) with {total - done} requests "
+                  "unfinished; the workers' messages are above. Run the same command again to resume.",
+                  file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+
+
+class _Progress:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.start = time.monotonic()
+        self.tty = sys.stderr.isatty()
+        self._last = 0.0
+
+    def show(self, done: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last < (0.5 if self.tty else 10.0):
+            return
+        self._last = now
+        elapsed = now - self.start
+        rate = done / elapsed if elapsed > 0 else 0.0
+        pct = 100.0 * done / self.total if self.total else 100.0
+        line = f"{done}/{self.total} requests ({pct:5.1f}%), elapsed {elapsed:.0f}s"
+        if 0 < done < self.total:
+            line += f", eta {(self.total - done) / rate:.0f}s"
+        print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+def _wait_for_workers(client, stream_keys: list[str], group: str, workers: list[subprocess.Popen],
+                      timeout_s: float = 120.0) -> None:
+    """Until every worker reads its stream (it joined the consumer group), one exited, or timeout."""
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and all(w.poll() is None for w in workers):
+        joined = 0
+        for key in stream_keys:
+            try:
+                joined += len(client.xinfo_consumers(key, group))
+            except redis.exceptions.RedisError:  # no stream or group yet
+                pass
+        if joined >= len(workers):
+            return
+        time.sleep(0.1)
+
+
+def _count_done(client, done_keys: list[str], previous: int) -> int:
+    """Requests with a durable row, over every shard (one key per slot: no multi-key command)."""
+    import redis
+
+    from mqinfer.cluster import CLUSTER_TRANSIENT
+
+    pipe = client.pipeline(transaction=False)
+    for key in done_keys:
+        pipe.scard(key)
+    try:
+        return sum(pipe.execute())
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, *CLUSTER_TRANSIENT):
+        return previous  # a node is restarting: count again next time
+
+
+def _stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
+    for w in workers:
+        if w.poll() is None:
+            w.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for w in workers:
+        try:
+            w.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.kill()
+            w.wait()
+
+
+# -- the summary --------------------------------------------------------------------------------
+def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, complete: bool = True) -> int:
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    columns = ["id", "finish_reason", "error_code", "prompt_tokens", "output_tokens", "finished_at"]
+    rows: list[dict] = []
+    if (out / "results").is_dir():
+        rows = ds.dataset(out / "results", format="parquet", partitioning="hive").to_table(
+            filter=pc.field("job_id") == job_id, columns=columns).to_pylist()
+    cost = 0.0
+    if (out / "costs").is_dir():
+        costs = ds.dataset(out / "costs", format="parquet", partitioning="hive").to_table(
+            filter=(pc.field("job_id") == job_id) & (pc.field("kind") == "request"), columns=["cost_usd"])
+        cost = pc.sum(costs["cost_usd"]).as_py() or 0.0
+    n = len(rows)
+    reasons = Counter(r["finish_reason"] for r in rows)
+    codes = Counter(r["error_code"] for r in rows if r["finish_reason"] == "error")
+    parts = [f"{count} {reason}" for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]
+    text = ", ".join(parts) if parts else "none"
+    if codes:
+        text += " (" + ", ".join(f"{code or 'unknown'} {count}" for code, count in sorted(codes.items())) + ")"
+    print(f"job {job_id}: {n} of {expected} requests have rows: {text}")
+    mine = [r for r in rows if r["finished_at"] is not None and r["finished_at"].timestamp() >= started]
+    wall = max(time.time() - started, 1e-9)
+    prompt = sum(r["prompt_tokens"] for r in mine)
+    output = sum(r["output_tokens"] for r in mine)
+    earlier = f" ({n - len(mine)} rows from earlier runs)" if n - len(mine) else ""
+    if mine:
+        print(f"this run: {len(mine)} requests{earlier}; tokens: {prompt} prompt, {output} output; "
+              f"{output / wall:.1f} output tokens/s over {wall:.1f}s")
+    else:
+        print(f"this run: nothing computed{earlier}")
+    print(f"cost: ${cost:.6f} of requests at ${opts['price_per_device_hour']}/device-hour")
+    print(f"results: {out / 'results'}  costs: {out / 'costs'}")
+    if complete and n != expected:
+        print(f"mqinfer run: error: expected {expected} result rows, found {n}", file=sys.stderr)
+        return 1
+    return 0
