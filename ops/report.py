@@ -8,16 +8,20 @@ PNG charts when matplotlib is installed.
   rows only: requests, prompt (input) and output tokens, device seconds and their prefill /
   decode / recomputed split, KV block-seconds, dollars, and dollars per million tokens: all
   tokens, input tokens (the prefill share of the cost) and output tokens (the decode share).
-* **Totals** add every row, and each kind's (request, idle, startup, duplicate) share of all
-  device time: ``idle``, ``startup`` and ``duplicate`` rows bill nobody, and the report shows
-  how much of the fleet's time went to no one.
+* **Totals**, the same lines in every format: ``billed`` (the ``request`` rows, what the groups
+  add up to), ``overhead`` (the ``startup`` and ``idle`` rows), ``duplicate`` (cost rows of
+  results that compaction discarded) and ``TOTAL`` (every row: the three lines added up). Only
+  ``billed`` is charged to anyone; the others are the fleet's time that went to no one. Each
+  kind's share of all device time is listed too.
 * **The most expensive requests**, and **a series per hour** (of ``finished_at``; an idle row
   counts in the hour it was written, though it may cover time before it).
 * **Budgets** (``ops/budgets.py``): each budgeted tenant's spend in the window, per budget
   period, and whether it reached its budget; groups keyed by tenant are marked.
 
 Read the dataset after ``mqinfer compact``: before it, a retried request's cost rows are all
-still ``request``. Needs pyarrow only (matplotlib for charts), no torch.
+still ``request`` and the report counts each of them as a request. The report counts the
+requests with more than one ``request`` row (:func:`uncompacted_warning` words it) instead of
+guessing which row to keep. Needs pyarrow only (matplotlib for charts), no torch.
 """
 
 from __future__ import annotations
@@ -80,7 +84,24 @@ class GroupCost:
 
 
 @dataclass
+class Spend:
+    """Device seconds and dollars of some cost rows."""
+
+    device_s: float = 0.0
+    cost_usd: float = 0.0
+
+
+def _no_requests() -> GroupCost:
+    return GroupCost(key={}, requests=0, prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0, device_s=0.0,
+                     cost_usd=0.0, usd_per_1m_tokens=None)
+
+
+@dataclass
 class Totals:
+    """The whole window: ``device_s`` and ``cost_usd`` (the TOTAL line) are every row's,
+    and equal ``billed`` + ``overhead`` + ``duplicate``."""
+
+    # The billed requests' counts, tokens and prices per token: the same as in ``billed``.
     requests: int = 0
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -88,9 +109,15 @@ class Totals:
     usd_per_1m_tokens: float | None = None
     usd_per_1m_input_tokens: float | None = None
     usd_per_1m_output_tokens: float | None = None
-    # Device seconds and dollars of every row, and per kind (request, idle, startup, duplicate).
+    # Device seconds and dollars of every row.
     device_s: float = 0.0
     cost_usd: float = 0.0
+    # The ``request`` rows summed like a group (key {}): what the groups add up to.
+    billed: GroupCost = field(default_factory=_no_requests)
+    # ``startup`` + ``idle`` rows, and ``duplicate`` rows: time that bills nobody.
+    overhead: Spend = field(default_factory=Spend)
+    duplicate: Spend = field(default_factory=Spend)
+    # Per kind (request, idle, startup, duplicate).
     device_s_by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_KINDS, 0.0))
     cost_usd_by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_KINDS, 0.0))
     # Each kind's fraction of all device seconds (0 when there are none).
@@ -138,6 +165,10 @@ class Report:
     hourly: list[HourCost] = field(default_factory=list)
     # None when no budgets were given.
     budgets: list[BudgetStatus] | None = None
+    # Requests (job_id, id) with more than one ``request`` cost row in the window, and how many
+    # rows beyond one each they have: both 0 after ``mqinfer compact``.
+    requests_counted_more_than_once: int = 0
+    extra_request_rows: int = 0
 
 
 def _per_million(cost: float, tokens: int) -> float | None:
@@ -169,7 +200,12 @@ def cost_report(
         raise ValueError(f"top must be >= 0, got {top}")
     if since is not None and until is not None and until <= since:
         raise ValueError(f"empty time window: until ({until}) must be after since ({since})")
-    table = _with_input_cost(_read_costs(Path(out_dir), since, until))
+    out = Path(out_dir)
+    if not out.is_dir():
+        raise FileNotFoundError(f"no such output folder: {out}")
+    if not (out / COSTS_DIR).is_dir():
+        raise FileNotFoundError(f"no {COSTS_DIR}/ dataset in {out}")
+    table = _with_input_cost(_read_costs(out, since, until))
 
     totals = Totals()
     if table.num_rows:
@@ -181,19 +217,23 @@ def cost_report(
     totals.cost_usd = sum(totals.cost_usd_by_kind.values())
     if totals.device_s > 0:
         totals.device_share_by_kind = {k: v / totals.device_s for k, v in totals.device_s_by_kind.items()}
+    totals.overhead = Spend(
+        device_s=totals.device_s_by_kind["startup"] + totals.device_s_by_kind["idle"],
+        cost_usd=totals.cost_usd_by_kind["startup"] + totals.cost_usd_by_kind["idle"],
+    )
+    totals.duplicate = Spend(device_s=totals.device_s_by_kind["duplicate"],
+                             cost_usd=totals.cost_usd_by_kind["duplicate"])
 
     billed = table.filter(pc.equal(table["kind"], "request"))
     groups = [_group(key_row, by) for key_row in _aggregate(billed, by)]
     groups.sort(key=lambda g: (-g.cost_usd, [(v is None, v or "") for v in g.key.values()]))
-    totals.requests = sum(g.requests for g in groups)
-    totals.prompt_tokens = sum(g.prompt_tokens for g in groups)
-    totals.cached_prompt_tokens = sum(g.cached_prompt_tokens for g in groups)
-    totals.output_tokens = sum(g.output_tokens for g in groups)
-    billed_usd = totals.cost_usd_by_kind["request"]
-    input_usd = pc.sum(billed["input_usd"]).as_py() or 0.0
-    totals.usd_per_1m_tokens = _per_million(billed_usd, totals.prompt_tokens + totals.output_tokens)
-    totals.usd_per_1m_input_tokens = _per_million(input_usd, totals.prompt_tokens)
-    totals.usd_per_1m_output_tokens = _per_million(billed_usd - input_usd, totals.output_tokens)
+    b = totals.billed = _billed_sum(billed)
+    totals.requests, totals.prompt_tokens = b.requests, b.prompt_tokens
+    totals.cached_prompt_tokens, totals.output_tokens = b.cached_prompt_tokens, b.output_tokens
+    totals.usd_per_1m_tokens = b.usd_per_1m_tokens
+    totals.usd_per_1m_input_tokens = b.usd_per_1m_input_tokens
+    totals.usd_per_1m_output_tokens = b.usd_per_1m_output_tokens
+    counted_twice, extra_rows = _repeated_requests(billed)
 
     statuses = None
     if budgets is not None:
@@ -203,7 +243,18 @@ def cost_report(
             for g in groups:
                 g.over_budget = over.get(g.key["tenant"] or "default")
     return Report(by=by, since=since, until=until, groups=groups, totals=totals,
-                  top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses)
+                  top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
+                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows)
+
+
+def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str]) -> str | None:
+    """One line for stderr when some request has several ``request`` cost rows; else None."""
+    n = report.requests_counted_more_than_once
+    if not n:
+        return None
+    return (f"warning: {n} request{'s are' if n != 1 else ' is'} counted more than once "
+            f"({report.extra_request_rows} extra `request` cost row{'s' if report.extra_request_rows != 1 else ''}): "
+            f"{out_dir} has not been compacted; run `mqinfer compact {out_dir}` first")
 
 
 def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table:
@@ -234,6 +285,26 @@ def _aggregate(billed: pa.Table, by: list[str]) -> list[dict]:
     return billed.group_by(by, use_threads=False).aggregate(
         [("kind", "count")] + [(name, "sum") for name in _SUMMED]
     ).to_pylist()
+
+
+def _billed_sum(billed: pa.Table) -> GroupCost:
+    """Every ``request`` row summed as one group with no key."""
+    row = {f"{name}_sum": pc.sum(billed[name], min_count=0).as_py() for name in _SUMMED}
+    return _group(row | {"kind_count": billed.num_rows}, [])
+
+
+def _repeated_requests(billed: pa.Table) -> tuple[int, int]:
+    """How many (job_id, id) have more than one ``request`` row, and their rows beyond the first.
+
+    Before compaction every attempt of a retried request still bills as ``request``; after it
+    at most one row per request does.
+    """
+    keyed = billed.filter(pc.is_valid(billed["id"]))
+    if not keyed.num_rows:
+        return 0, 0
+    counts = keyed.group_by(["job_id", "id"], use_threads=False).aggregate([("kind", "count")])["kind_count"]
+    repeated = counts.filter(pc.greater(counts, 1))
+    return len(repeated), (pc.sum(repeated).as_py() or 0) - len(repeated)
 
 
 def _group(row: dict, by: list[str]) -> GroupCost:
@@ -322,8 +393,24 @@ def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str]
 # -- rendering ------------------------------------------------------------------------------
 
 
+# The summary lines under the groups, the same in every format: (CSV ``row`` value, table label).
+# ``billed`` has every group field; the others only device_s and cost_usd.
+SUMMARY_LINES = (
+    ("billed", "billed (requests)"),
+    ("overhead", "overhead (startup + idle)"),
+    ("duplicate", "duplicate (not billed)"),
+    ("total", "TOTAL (every row)"),
+)
+
+
+def _summary(totals: Totals) -> dict[str, GroupCost | Spend]:
+    return {"billed": totals.billed, "overhead": totals.overhead, "duplicate": totals.duplicate,
+            "total": Spend(device_s=totals.device_s, cost_usd=totals.cost_usd)}
+
+
 def render(report: Report, fmt: Literal["table", "csv", "json"] = "table") -> str:
-    """The report as aligned text tables, CSV (one line per group) or JSON (everything)."""
+    """The report as aligned text tables, CSV (the groups, then the summary lines) or JSON
+    (everything)."""
     if fmt == "json":
         return json.dumps(dataclasses.asdict(report), indent=2) + "\n"
     if fmt == "csv":
@@ -337,14 +424,21 @@ def _render_csv(report: Report) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     budget_column = ["over_budget"] if report.budgets is not None and "tenant" in report.by else []
-    w.writerow(report.by + list(_GROUP_FIELDS) + budget_column)
+    # ``row`` tells the groups (``group``) from the summary lines (SUMMARY_LINES).
+    w.writerow(["row"] + report.by + list(_GROUP_FIELDS) + budget_column)
     for g in report.groups:
         extra = ["" if g.over_budget is None else str(g.over_budget).lower()] if budget_column else []
         w.writerow(
-            ["" if g.key[k] is None else g.key[k] for k in report.by]
-            + ["" if getattr(g, m) is None else getattr(g, m) for m in _GROUP_FIELDS]
+            ["group"] + ["" if g.key[k] is None else g.key[k] for k in report.by]
+            + ["" if getattr(g, m, None) is None else getattr(g, m) for m in _GROUP_FIELDS]
             + extra
         )
+    summary = _summary(report.totals)
+    for name, _ in SUMMARY_LINES:
+        line = summary[name]
+        w.writerow([name] + [""] * len(report.by)
+                   + ["" if getattr(line, m, None) is None else getattr(line, m) for m in _GROUP_FIELDS]
+                   + [""] * len(budget_column))
     return buf.getvalue()
 
 
@@ -361,8 +455,8 @@ def _fmt_number(name: str, value: Any) -> str:
 
 
 def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
-             footer: list[str] | None = None) -> list[str]:
-    every = rows + ([footer] if footer else [])
+             footer: list[list[str]] | None = None) -> list[str]:
+    every = rows + (footer or [])
     widths = [max(len(h), *(len(r[i]) for r in every)) if every else len(h) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
@@ -371,7 +465,7 @@ def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
     rule = line(["-" * w for w in widths])
     out = [line(headers), rule] + [line(r) for r in rows]
     if footer:
-        out += [rule, line(footer)]
+        out += [rule] + [line(r) for r in footer]
     return out
 
 
@@ -385,17 +479,14 @@ def _render_table(report: Report) -> str:
         rows.append(["(none)" if g.key[k] is None else str(g.key[k]) for k in report.by]
                     + [_fmt_number(m, getattr(g, m)) for m in _TABLE_FIELDS] + mark)
     t = report.totals
-    total_values = {
-        "requests": t.requests, "prompt_tokens": t.prompt_tokens, "cached_prompt_tokens": t.cached_prompt_tokens,
-        "output_tokens": t.output_tokens, "device_s": t.device_s_by_kind["request"],
-        "cost_usd": t.cost_usd_by_kind["request"], "usd_per_1m_tokens": t.usd_per_1m_tokens,
-        "usd_per_1m_input_tokens": t.usd_per_1m_input_tokens, "usd_per_1m_output_tokens": t.usd_per_1m_output_tokens,
-    }
-    footer = (["TOTAL"] + [""] * (len(report.by) - 1) + [_fmt_number(m, total_values[m]) for m in _TABLE_FIELDS]
-              + ([""] if budget_column else []))
+    summary = _summary(t)
+    footer = [[label] + [""] * (len(report.by) - 1)
+              + [_fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else ""
+                 for m in _TABLE_FIELDS]
+              + ([""] if budget_column else []) for name, label in SUMMARY_LINES]
     out = _aligned(headers, rows, numeric, footer)
 
-    out += ["", f"device time: {t.device_s:.3f} s, cost {t.cost_usd:.6f} USD"]
+    out += ["", "device time by kind (share of the TOTAL):"]
     for kind in COST_KINDS:
         out.append(
             f"  {kind:<10} {t.device_s_by_kind[kind]:>12.3f} s  {100 * t.device_share_by_kind[kind]:6.2f}%"

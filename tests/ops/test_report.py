@@ -57,6 +57,16 @@ def test_groups_and_totals_equal_the_rows(out):
     assert sum(t.device_share_by_kind.values()) == pytest.approx(1.0)
     assert (t.requests, t.prompt_tokens, t.cached_prompt_tokens, t.output_tokens) == (4, 160, 40, 50)
     assert t.usd_per_1m_tokens == pytest.approx(4.5 * 2 / 3600 / 210 * 1e6)
+    # The summary lines: billed (request rows, the groups' sum), overhead, duplicate; TOTAL is all three.
+    b = t.billed
+    assert (b.key, b.requests, b.prompt_tokens, b.cached_prompt_tokens, b.output_tokens) == ({}, 4, 160, 40, 50)
+    assert b.device_s == pytest.approx(4.5) and b.cost_usd == pytest.approx(sum(g.cost_usd for g in report.groups))
+    assert b.usd_per_1m_tokens == t.usd_per_1m_tokens
+    assert t.overhead.device_s == pytest.approx(14.0) and t.overhead.cost_usd == pytest.approx(14.0 * 2 / 3600)
+    assert t.duplicate.device_s == pytest.approx(2.0) and t.duplicate.cost_usd == pytest.approx(2.0 * 2 / 3600)
+    assert t.device_s == pytest.approx(b.device_s + t.overhead.device_s + t.duplicate.device_s)
+    assert t.cost_usd == pytest.approx(b.cost_usd + t.overhead.cost_usd + t.duplicate.cost_usd)
+    assert report.requests_counted_more_than_once == 0 and report.extra_request_rows == 0
 
 
 def test_group_by_several_keys_and_nulls(out):
@@ -88,10 +98,17 @@ def test_bad_group_keys(out):
 def test_render_formats(out):
     report = cost_report(out, by=["tenant", "job_id"])
     parsed = list(csv.DictReader(io.StringIO(render(report, "csv"))))
-    assert [(r["tenant"], r["job_id"], int(r["requests"]), float(r["device_s"])) for r in parsed] == [
+    groups = [r for r in parsed if r["row"] == "group"]
+    assert [(r["tenant"], r["job_id"], int(r["requests"]), float(r["device_s"])) for r in groups] == [
         (g.key["tenant"], g.key["job_id"] or "", g.requests, g.device_s) for g in report.groups
     ]
-    assert parsed[-1]["usd_per_1m_tokens"] == ""  # beta without a job: no tokens
+    assert groups[-1]["usd_per_1m_tokens"] == ""  # beta without a job: no tokens
+    summary = {r["row"]: r for r in parsed[len(groups):]}
+    assert list(summary) == ["billed", "overhead", "duplicate", "total"]
+    assert int(summary["billed"]["requests"]) == 4 and float(summary["billed"]["device_s"]) == pytest.approx(4.5)
+    assert summary["overhead"]["requests"] == "" and float(summary["overhead"]["device_s"]) == pytest.approx(14.0)
+    assert float(summary["total"]["device_s"]) == pytest.approx(20.5)
+    assert {summary[k]["tenant"] for k in summary} == {""}
     assert json.loads(render(report, "json")) == json.loads(json.dumps(dataclasses.asdict(report)))
     table = render(report, "table")
     assert table.splitlines()[0].split() == ["tenant", "job_id", "requests", "prompt_tokens",
@@ -105,6 +122,19 @@ def test_render_formats(out):
 
 
 def test_empty_dataset(tmp_path):
+    (tmp_path / "costs").mkdir()
     report = cost_report(tmp_path)
     assert report.groups == [] and report.totals.device_s == 0 and report.totals.usd_per_1m_tokens is None
-    assert "TOTAL" in render(report) and render(report, "csv").count("\n") == 1
+    assert report.totals.billed.requests == 0 and report.totals.billed.cost_usd == 0
+    assert "TOTAL" in render(report)
+    # The header and the four summary lines, all zero.
+    lines = list(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert [r["row"] for r in lines] == ["billed", "overhead", "duplicate", "total"]
+    assert {float(r["device_s"]) for r in lines} == {0.0}
+
+
+def test_missing_folder_or_dataset(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such output folder"):
+        cost_report(tmp_path / "missing")
+    with pytest.raises(FileNotFoundError, match="no costs/ dataset in"):
+        cost_report(tmp_path)
