@@ -193,7 +193,11 @@ def test_kill_9_of_the_wrapper_stops_the_server_and_a_restart_serves_its_data(tm
 
     first.send_signal(signal.SIGKILL)
     first.wait(timeout=10)
-    wait_until(lambda: not _running(server_pid), timeout=5, what="the server to stop with its owner")
+    try:
+        wait_until(lambda: not _running(server_pid), timeout=5, what="the server to stop with its owner")
+    except AssertionError:
+        os.kill(server_pid, signal.SIGKILL)  # leave no orphan behind when this fails
+        raise
 
     second = wrappers.start(data)
     assert wrappers.url(second) == url
