@@ -37,7 +37,8 @@ OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datas
 WORKERS = Option("workers", int, 1, "Worker processes to run.", metavar="N")
 FORMAT = Option("format", str, "msgpack", "Stream entry encoding.", choices=("msgpack", "json"))
 PORT = Option("port", int, 0, "TCP port on 127.0.0.1 (0 = pick a free one).", metavar="P")
-DATA_DIR = Option("dir", str, "mqinfer-redis", "Folder for the append-only file.", metavar="DIR")
+DATA_DIR = Option("dir", str, "mqinfer-redis", "Data folder: the append-only file, and the password and port kept "
+                  "across restarts (one server per folder).", metavar="DIR")
 FRESH = Option("fresh", bool, False, "Start the job over: remove its result and cost rows from --out first "
                "(without it, running the same command again resumes: only requests without a row are computed).")
 UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")

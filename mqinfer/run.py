@@ -90,16 +90,24 @@ def write_manifest(out: Path, job_id: str, input_path: Path, model: str, total: 
     os.replace(temp, path)
 
 
-def ids_with_rows(out: Path, job_id: str) -> set[str]:
+def _job_rows(root: Path, job_id: str, columns: list[str], kind: str | None = None) -> list[dict]:
+    """The rows of ``job_id`` (of cost ``kind``) in a results or costs dataset; none if it is empty."""
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
-    root = out / "results"
     if not root.is_dir():
-        return set()
-    table = ds.dataset(root, format="parquet", partitioning="hive").to_table(
-        filter=pc.field("job_id") == job_id, columns=["id"])
-    return set(table["id"].to_pylist())
+        return []
+    dataset = ds.dataset(root, format="parquet", partitioning="hive")
+    if not dataset.files:
+        return []
+    where = pc.field("job_id") == job_id
+    if kind is not None:
+        where = where & (pc.field("kind") == kind)
+    return dataset.to_table(filter=where, columns=columns).to_pylist()
+
+
+def ids_with_rows(out: Path, job_id: str) -> set[str]:
+    return {r["id"] for r in _job_rows(out / "results", job_id, ["id"])}
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -223,7 +231,7 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
     from mqinfer import keys
     from mqinfer.client import Producer
     from mqinfer.cluster import connect_redis, shard_index, shard_streams
-    from mqinfer.server import EmbeddedServer
+    from mqinfer.server import EmbeddedServer, ServerError
 
     streams = shard_streams(opts["stream"], opts["shards"])
     server = None
@@ -232,7 +240,10 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
         try:
             redis_url = opts["redis"]
             if not redis_url:
-                server = EmbeddedServer(out / STATE_DIR / "redis", unix_socket=True).start()
+                try:
+                    server = EmbeddedServer(out / STATE_DIR / "redis", unix_socket=True).start()
+                except ServerError as exc:
+                    raise ConfigError(f"cannot start the embedded server: {exc}") from None
                 redis_url = server.url
             client = connect_redis(redis_url, cluster=opts["redis_cluster"])
             if server is not None:
@@ -395,26 +406,19 @@ def _stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
 
 # -- the summary --------------------------------------------------------------------------------
 def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, complete: bool = True) -> int:
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
     columns = ["id", "finish_reason", "error_code", "prompt_tokens", "output_tokens", "finished_at"]
-    rows: list[dict] = []
-    if (out / "results").is_dir():
-        rows = ds.dataset(out / "results", format="parquet", partitioning="hive").to_table(
-            filter=pc.field("job_id") == job_id, columns=columns).to_pylist()
-    cost = 0.0
-    if (out / "costs").is_dir():
-        costs = ds.dataset(out / "costs", format="parquet", partitioning="hive").to_table(
-            filter=(pc.field("job_id") == job_id) & (pc.field("kind") == "request"), columns=["cost_usd"])
-        cost = pc.sum(costs["cost_usd"]).as_py() or 0.0
+    rows = _job_rows(out / "results", job_id, columns)
+    cost = sum(r["cost_usd"] for r in _job_rows(out / "costs", job_id, ["cost_usd"], kind="request"))
     n = len(rows)
     reasons = Counter(r["finish_reason"] for r in rows)
     codes = Counter(r["error_code"] for r in rows if r["finish_reason"] == "error")
-    parts = [f"{count} {reason}" for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))]
+    parts = []
+    for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        part = f"{count} {reason}"
+        if reason == "error":
+            part += " (" + ", ".join(f"{code or 'unknown'} {c}" for code, c in sorted(codes.items())) + ")"
+        parts.append(part)
     text = ", ".join(parts) if parts else "none"
-    if codes:
-        text += " (" + ", ".join(f"{code or 'unknown'} {count}" for code, count in sorted(codes.items())) + ")"
     print(f"job {job_id}: {n} of {expected} requests have rows: {text}")
     mine = [r for r in rows if r["finished_at"] is not None and r["finished_at"].timestamp() >= started]
     wall = max(time.time() - started, 1e-9)

@@ -132,7 +132,8 @@ def test_run_one_command_on_200_mixed_lines(tmp_path):
     assert len(results) == len(by_id) == 200  # one row per line, after compaction
     errors = {k: r for k, r in by_id.items() if r["finish_reason"] == "error"}
     assert len(errors) == 20
-    assert f"200 requests: 180 ok, 20 error" in proc.stdout
+    summary = proc.stdout.splitlines()[0]
+    assert "200 of 200 requests have rows: " in summary and "20 error (" in summary
     # Malformed lines and lines without an id are known by their line number.
     assert by_id["line:4"]["error_code"] == "invalid_json"
     assert by_id["line:24"]["error_code"] == "invalid_request" and "id" in by_id["line:24"]["error"]
