@@ -1,0 +1,208 @@
+"""`mqinfer run` as a user runs it, with real processes: re-runs resume, Ctrl-C and kill -9 lose and
+double nothing, one run per output folder, no process outlives its run, and clear one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import rows, wait_until, write_jsonl
+
+LOCK = Path(".mqinfer") / "run.lock"
+
+
+def run_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "mqinfer", "run", *args]
+
+
+def env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1")
+
+
+def requests(n: int, max_tokens: int, prefix: str = "r") -> list[dict]:
+    return [{"id": f"{prefix}{i}", "prompt_token_ids": [5 + i % 50, 6, 7, 8], "max_tokens": max_tokens,
+             "temperature": 0, "ignore_eos": True} for i in range(n)]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def lock_info(out: Path) -> dict:
+    try:
+        return json.loads((out / LOCK).read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def server_pid(out: Path) -> int | None:
+    """The embedded server's pid, found by its data folder on its command line."""
+    data = str(out / ".mqinfer" / "redis")
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if data.encode() in argv and any(b"server" in a for a in argv[:1]):
+                return int(entry.name)
+    return None
+
+
+def check_once(out: Path, ids: list[str]) -> None:
+    """Exactly one result row and one billed computation (request cost row) per request."""
+    results = rows(out / "results")
+    assert sorted(r["id"] for r in results) == sorted(ids)
+    billed = Counter(c["id"] for c in rows(out / "costs") if c["kind"] == "request")
+    assert billed == Counter(ids), {k: v for k, v in billed.items() if v != 1}
+
+
+def test_rerun_after_kill_9_resumes_and_leaves_no_process(tmp_path):
+    items = requests(40, 120)
+    src = write_jsonl(tmp_path / "job.jsonl", items)
+    out = tmp_path / "out"
+    args = run_cmd(str(src), "--out", str(out), "--max-num-seqs", "4", "--flush-rows", "1")
+    proc = subprocess.Popen(args, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(rows(out / "results")) >= 8, timeout=180, what="the first rows")
+        children = lock_info(out)["children"]
+        server = server_pid(out)
+        assert children and server
+        # The Redis password is not on any command line `ps` shows.
+        for pid in [*children, server]:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert b"unix://:" not in cmdline and b"redis://:" not in cmdline
+        proc.kill()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Its server and workers notice their parent died.
+    wait_until(lambda: not any(alive(p) for p in [*children, server]), timeout=60,
+               what="the killed run's workers and server to exit")
+    first = len(rows(out / "results"))
+    assert 8 <= first < 40
+
+    again = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "resuming" in again.stderr
+    assert "40 of 40 requests have rows: 40 length" in again.stdout
+    check_once(out, [r["id"] for r in items])
+    assert len({r["job_id"] for r in rows(out / "results")}) == 1
+
+    # Complete: a third run computes nothing and says so.
+    third = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0, third.stderr
+    assert "nothing to compute" in third.stderr and "this run: nothing computed" in third.stdout
+    check_once(out, [r["id"] for r in items])
+    assert not any(alive(p) for p in lock_info(out)["children"])
+
+    # --fresh starts over: the same requests, computed once more, billed once.
+    fresh = subprocess.run([*args, "--fresh"], env=env(), capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0, fresh.stderr
+    assert "removed 40 result rows" in fresh.stderr
+    check_once(out, [r["id"] for r in items])
+
+
+def test_one_run_per_folder_and_double_ctrl_c(tmp_path):
+    items = requests(30, 150)
+    src = write_jsonl(tmp_path / "job.jsonl", items)
+    out = tmp_path / "out"
+    args = run_cmd(str(src), "--out", str(out), "--max-num-seqs", "4", "--flush-rows", "1")
+    first = subprocess.Popen(args, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(rows(out / "results")) >= 2, timeout=180, what="the first rows")
+        second = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 2
+        assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
+        # Two Ctrl-Cs: the run still waits for its workers to write and acknowledge what they finished.
+        first.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+        first.send_signal(signal.SIGINT)
+        _, err = first.communicate(timeout=120)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == 130, err
+    assert "still stopping" in err and "run the same command again" in err
+    assert not any(alive(p) for p in lock_info(out)["children"])
+    assert server_pid(out) is None
+    done = len(rows(out / "results"))
+    assert 2 <= done < 30
+
+    resumed = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"({done} rows from earlier runs)" in resumed.stdout
+    check_once(out, [r["id"] for r in items])
+
+
+def test_small_first_contact_errors(tmp_path):
+    out = tmp_path / "out"
+    # An empty input is a job of 0 requests.
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    proc = subprocess.run(run_cmd(str(empty), "--out", str(out)), env=env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "0 of 0 requests have rows" in proc.stdout
+
+    src = write_jsonl(tmp_path / "job.jsonl", requests(3, 2))
+    # A bad flag fails before anything is submitted or written.
+    proc = subprocess.run(run_cmd(str(src), "--out", str(tmp_path / "o2"), "--max-batch", "0"), env=env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--max-batch must be >= 1" in proc.stderr
+    assert not (tmp_path / "o2" / "results").exists()
+    # A misspelt config key is named, not ignored.
+    cfg = tmp_path / "mq.toml"
+    cfg.write_text("max_bacth = 8\n[worker]\nblock-size = 32\n")
+    proc = subprocess.run(run_cmd(str(src), "--out", str(out), "--config", str(cfg)), env=env(),
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "max_bacth is not a flag of any command" in proc.stderr
+    assert "block-size" not in proc.stderr  # a known key of another command's table is fine
+    # A wrong password is one line, not a traceback, and is not retried.
+    from mqinfer.server import EmbeddedServer
+
+    with EmbeddedServer(tmp_path / "redis", appendonly=False) as server:
+        wrong = server.url.replace(server.password, "not-the-password")
+        start = time.monotonic()
+        proc = subprocess.run([sys.executable, "-m", "mqinfer", "submit", str(src), "--redis", wrong],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and time.monotonic() - start < 30
+        assert "cannot authenticate" in proc.stderr and "Traceback" not in proc.stderr
+        assert "not-the-password" not in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_run_from_a_folder_holding_a_folder_named_mqinfer_and_expired_rows(tmp_path):
+    # `python -m` would put the current folder first on the import path, where an unrelated
+    # `mqinfer/` folder (a clone, run from its parent) would hide the installed package.
+    (tmp_path / "mqinfer").mkdir()
+    items = [{"id": "ok", "prompt": "hello", "max_tokens": 3, "temperature": 0},
+             {"id": "late", "prompt": "hello", "max_tokens": 3, "deadline": 1.0},
+             {"id": "bad", "prompt": "x", "max_tokens": -1}]
+    src = write_jsonl(tmp_path / "job.jsonl", items)
+    console_script = Path(sys.executable).with_name("mqinfer")  # what a user types: the installed command
+    assert console_script.exists()
+    proc = subprocess.run([str(console_script), "run", "job.jsonl", "--out", "out"], cwd=tmp_path, env=env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    reasons = {r["id"]: r["finish_reason"] for r in rows(tmp_path / "out" / "results")}
+    assert reasons == {"ok": "length", "late": "expired", "bad": "error"}
+    # Each finish reason is counted as the rows say, not folded into "ok".
+    assert "3 of 3 requests have rows: " in proc.stdout
+    line = proc.stdout.splitlines()[0]
+    assert "1 length" in line and "1 expired" in line and "1 error (invalid_request 1)" in line
