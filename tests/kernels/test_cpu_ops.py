@@ -121,11 +121,17 @@ def test_add_rms_norm_updates_a_strided_residual_in_place(dtype, threads):
 # ------------------------------------------------------------------ SwiGLU
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [1, 7, 16, 17, 31, 33, 63, 65, 100, 1408, 2000])
-def test_silu_mul_bit_for_bit(dtype, inter):
+def test_silu_mul_bit_for_bit(dtype, inter, threads):
     torch.manual_seed(inter)
     scales = torch.tensor([0.01, 1.0, 5.0, 30.0, 120.0])[torch.randint(0, 5, (41, 1))]
     gate_up = (torch.randn(41, 2 * inter) * scales).to(dtype)
-    assert _same_bits(silu_mul(gate_up), reference_silu_mul(gate_up))
+    # The reference on one thread: PyTorch on several cuts its work at arbitrary elements, and
+    # the few values next to a cut inside a row take its scalar exponential instead of the
+    # vectorised one. The kernel computes every row as one-thread PyTorch does.
+    threads(1)
+    expected = reference_silu_mul(gate_up)
+    threads(3)
+    assert _same_bits(silu_mul(gate_up), expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

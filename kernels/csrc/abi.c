@@ -1,0 +1,56 @@
+/* The argument records' layouts as this compiler lays them out, for the loader to check its
+   ctypes mirrors against: size, number of fields, then each field's offset and size in
+   order. */
+#include <stddef.h>
+
+#include "mqinfer_native.h"
+
+#define AT(T, f) (int64_t)offsetof(T, f), (int64_t)sizeof(((T *)0)->f)
+
+const int64_t mqinfer_layout_attention_args[] = {
+    sizeof(mqinfer_attention_args), 17,
+    AT(mqinfer_attention_args, q), AT(mqinfer_attention_args, k_cache),
+    AT(mqinfer_attention_args, v_cache), AT(mqinfer_attention_args, out),
+    AT(mqinfer_attention_args, block_tables), AT(mqinfer_attention_args, seq_of_token),
+    AT(mqinfer_attention_args, positions), AT(mqinfer_attention_args, num_tokens),
+    AT(mqinfer_attention_args, q_token_stride), AT(mqinfer_attention_args, num_heads),
+    AT(mqinfer_attention_args, num_kv_heads), AT(mqinfer_attention_args, head_dim),
+    AT(mqinfer_attention_args, block_size), AT(mqinfer_attention_args, max_blocks),
+    AT(mqinfer_attention_args, max_len), AT(mqinfer_attention_args, scale),
+    AT(mqinfer_attention_args, is_bf16),
+};
+
+const int64_t mqinfer_layout_argmax_args[] = {
+    sizeof(mqinfer_argmax_args), 6,
+    AT(mqinfer_argmax_args, x), AT(mqinfer_argmax_args, out), AT(mqinfer_argmax_args, rows),
+    AT(mqinfer_argmax_args, cols), AT(mqinfer_argmax_args, row_stride),
+    AT(mqinfer_argmax_args, is_bf16),
+};
+
+const int64_t mqinfer_layout_rms_norm_args[] = {
+    sizeof(mqinfer_rms_norm_args), 10,
+    AT(mqinfer_rms_norm_args, residual), AT(mqinfer_rms_norm_args, delta),
+    AT(mqinfer_rms_norm_args, weight), AT(mqinfer_rms_norm_args, out),
+    AT(mqinfer_rms_norm_args, rows), AT(mqinfer_rms_norm_args, hidden),
+    AT(mqinfer_rms_norm_args, residual_stride), AT(mqinfer_rms_norm_args, delta_stride),
+    AT(mqinfer_rms_norm_args, eps), AT(mqinfer_rms_norm_args, is_bf16),
+};
+
+const int64_t mqinfer_layout_silu_mul_args[] = {
+    sizeof(mqinfer_silu_mul_args), 7,
+    AT(mqinfer_silu_mul_args, gate_up), AT(mqinfer_silu_mul_args, out),
+    AT(mqinfer_silu_mul_args, rows), AT(mqinfer_silu_mul_args, inter),
+    AT(mqinfer_silu_mul_args, stride), AT(mqinfer_silu_mul_args, vector_chunk),
+    AT(mqinfer_silu_mul_args, is_bf16),
+};
+
+const int64_t mqinfer_layout_rotary_args[] = {
+    sizeof(mqinfer_rotary_args), 15,
+    AT(mqinfer_rotary_args, qk), AT(mqinfer_rotary_args, v), AT(mqinfer_rotary_args, k_cache),
+    AT(mqinfer_rotary_args, v_cache), AT(mqinfer_rotary_args, cos), AT(mqinfer_rotary_args, sin),
+    AT(mqinfer_rotary_args, positions), AT(mqinfer_rotary_args, slots),
+    AT(mqinfer_rotary_args, rows), AT(mqinfer_rotary_args, qk_stride),
+    AT(mqinfer_rotary_args, v_stride), AT(mqinfer_rotary_args, num_q_heads),
+    AT(mqinfer_rotary_args, num_kv_heads), AT(mqinfer_rotary_args, head_dim),
+    AT(mqinfer_rotary_args, is_bf16),
+};

@@ -1,0 +1,404 @@
+
+/* Fused elementwise kernels of the decoder and the greedy argmax, row-parallel. Numerics
+   follow PyTorch's CPU path rounding step by rounding step (see kernels/cpu_ops.py): every
+   intermediate PyTorch rounds to the activation dtype is rounded here too, and the only fused
+   multiply-adds are the fmaf calls and FMA intrinsics written out below. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "mqinfer_native.h"
+#include "native_common.h"
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+/* Round to nearest even, NaN to the canonical quiet NaN: what c10::BFloat16 does. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : rounded;
+}
+static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+#define LD_F32(p, i) (((const float *)(p))[i])
+#define ST_F32(p, i, v) (((float *)(p))[i] = (v))
+#define RD_F32(v) (v)
+#define LD_BF16(p, i) bf16_to_float(((const uint16_t *)(p))[i])
+#define ST_BF16(p, i, v) (((uint16_t *)(p))[i] = float_to_bf16(v))
+#define RD_BF16(v) round_bf16(v)
+
+/* ------------------------------------------------------------------ row-parallel calls */
+/* A kernel's work on rows begin..end-1; returns 0, or -1 when it ran out of memory. */
+typedef int (*range_fn)(const void *args, int64_t begin, int64_t end);
+typedef struct { range_fn fn; const void *args; int64_t rows; } rows_call;
+
+static int rows_part(const void *ctx, int part, int num_parts) {
+    const rows_call *call = (const rows_call *)ctx;
+    return call->fn(call->args, call->rows * part / num_parts, call->rows * (part + 1) / num_parts);
+}
+
+/* fn over rows 0..rows-1, cut into up to num_threads runs of equal length. */
+static int parallel_rows(range_fn fn, const void *args, int64_t rows, int num_threads) {
+    if (rows <= 0) return 0;
+    int64_t parts = num_threads < 1 ? 1 : num_threads;
+    if (parts > rows) parts = rows;
+    const rows_call call = {fn, args, rows};
+    return mq_parallel(rows_part, &call, (int)parts, num_threads);
+}
+
+/* ------------------------------------------------------------------ greedy argmax */
+static int64_t argmax_row_scalar(const void *x, int64_t cols, int is_bf16) {
+    int64_t best_i = 0;
+    float best = is_bf16 ? LD_BF16(x, 0) : LD_F32(x, 0);
+    if (best != best) return 0;
+    for (int64_t i = 1; i < cols; i++) {
+        const float v = is_bf16 ? LD_BF16(x, i) : LD_F32(x, i);
+        if (v != v) return i;  /* torch: the first NaN is the maximum */
+        if (v > best) { best = v; best_i = i; }
+    }
+    return best_i;
+}
+
+#ifdef __AVX512F__
+static inline __m512 load16(const void *x, int64_t i, int is_bf16) {
+    if (is_bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)x + i);
+}
+
+/* One pass: per lane the first index of its maximum, then the smallest index among the lanes
+   holding the overall maximum; NaN anywhere sends the row to the scalar loop. */
+static int64_t argmax_row(const void *x, int64_t cols, int is_bf16) {
+    if (cols < 16 || cols >= ((int64_t)1 << 31)) return argmax_row_scalar(x, cols, is_bf16);
+    const int64_t body = cols & ~(int64_t)15;
+    __m512 best = load16(x, 0, is_bf16);
+    __mmask16 nan = _mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i best_idx = idx;
+    for (int64_t i = 16; i < body; i += 16) {
+        const __m512 v = load16(x, i, is_bf16);
+        idx = _mm512_add_epi32(idx, step);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        best = _mm512_mask_mov_ps(best, gt, v);
+        best_idx = _mm512_mask_mov_epi32(best_idx, gt, idx);
+    }
+    if (nan) return argmax_row_scalar(x, cols, is_bf16);
+    float m = _mm512_reduce_max_ps(best);
+    const __mmask16 at_max = _mm512_cmp_ps_mask(best, _mm512_set1_ps(m), _CMP_EQ_OQ);
+    int64_t best_i = _mm512_mask_reduce_min_epi32(at_max, best_idx);
+    for (int64_t i = body; i < cols; i++) {
+        const float v = is_bf16 ? LD_BF16(x, i) : LD_F32(x, i);
+        if (v != v) return argmax_row_scalar(x, cols, is_bf16);
+        if (v > m) { m = v; best_i = i; }
+    }
+    return best_i;
+}
+#else
+#define argmax_row argmax_row_scalar
+#endif
+
+static int argmax_range(const void *p, int64_t begin, int64_t end) {
+    const mqinfer_argmax_args *a = (const mqinfer_argmax_args *)p;
+    const int64_t elem = a->is_bf16 ? 2 : 4;
+    for (int64_t r = begin; r < end; r++)
+        a->out[r] = argmax_row((const char *)a->x + r * a->row_stride * elem, a->cols, a->is_bf16);
+    return 0;
+}
+
+void mqinfer_argmax(const mqinfer_argmax_args *args, int num_threads) {
+    parallel_rows(argmax_range, args, args->rows, num_threads);
+}
+
+/* ------------------------------------------------------------------ typed helpers */
+#define LD_f32(p, i) ((p)[i])
+#define ST_f32(p, i, v) ((p)[i] = (v))
+#define RD_f32(v) (v)
+#define LD_bf16(p, i) bf16_to_float((p)[i])
+#define ST_bf16(p, i, v) ((p)[i] = float_to_bf16(v))
+#define RD_bf16(v) round_bf16(v)
+typedef float T_f32;
+typedef uint16_t T_bf16;
+
+/* ------------------------------------------------------------------ residual add + RMSNorm */
+/* Sum of squares in the order of PyTorch's sum over a contiguous float row (SumKernel's
+   cascade_sum, which this PyTorch runs on 8-float vectors): four interleaved vector
+   accumulators with a cascade every 16 steps, leftover vectors into the first, the four folded
+   together, then the scalar tail and the 8 lanes added one by one; rows shorter than a vector
+   use four interleaved scalars. x.pow(2).mean(-1) then agrees with PyTorch bit for bit. */
+#define SUM_LANES 8
+static float sum_squares(const float *x, int64_t n) {
+    if (n < SUM_LANES) {
+        float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int64_t i = 0;
+        for (; i + 4 <= n; i += 4)
+            for (int k = 0; k < 4; k++) { const float s = x[i + k] * x[i + k]; p[k] += s; }
+        for (; i < n; i++) { const float s = x[i] * x[i]; p[0] += s; }
+        return ((p[0] + p[1]) + p[2]) + p[3];
+    }
+    const int64_t vec_size = n / SUM_LANES, size_ilp = vec_size / 4;
+    float acc[4][4][SUM_LANES];
+    memset(acc, 0, sizeof(acc));
+    const int64_t step = 16, mask = step - 1, power = 4;
+    int64_t i = 0;
+    for (; i + step <= size_ilp;) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < SUM_LANES; l++) {
+                    const float v = x[(i * 4 + k) * SUM_LANES + l];
+                    const float s = v * v;
+                    acc[0][k][l] += s;
+                }
+        for (int lev = 1; lev < 4; lev++) {
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < SUM_LANES; l++) {
+                    acc[lev][k][l] += acc[lev - 1][k][l];
+                    acc[lev - 1][k][l] = 0.0f;
+                }
+            if ((i & (mask << (lev * power))) != 0) break;
+        }
+    }
+    for (; i < size_ilp; i++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < SUM_LANES; l++) {
+                const float v = x[(i * 4 + k) * SUM_LANES + l];
+                const float s = v * v;
+                acc[0][k][l] += s;
+            }
+    for (int lev = 1; lev < 4; lev++)
+        for (int k = 0; k < 4; k++)
+            for (int l = 0; l < SUM_LANES; l++) acc[0][k][l] += acc[lev][k][l];
+    for (int64_t v = size_ilp * 4; v < vec_size; v++)
+        for (int l = 0; l < SUM_LANES; l++) {
+            const float e = x[v * SUM_LANES + l];
+            const float s = e * e;
+            acc[0][0][l] += s;
+        }
+    for (int k = 1; k < 4; k++)
+        for (int l = 0; l < SUM_LANES; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int64_t e = vec_size * SUM_LANES; e < n; e++) { const float s = x[e] * x[e]; total += s; }
+    for (int l = 0; l < SUM_LANES; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* residual <- residual + delta (when delta is given), out <- rms_norm(residual) * weight, with
+   PyTorch's roundings: the sum rounded to T, the normalised row rounded to T before the
+   weight multiplies it, the product rounded to T. */
+#define DEFINE_ADD_RMS_NORM(TY)                                                              \
+static int add_rms_norm_##TY(const void *p, int64_t begin, int64_t end) {                    \
+    const mqinfer_rms_norm_args *a = (const mqinfer_rms_norm_args *)p;                       \
+    const int64_t H = a->hidden;                                                             \
+    float *buf = (float *)malloc(sizeof(float) * 2 * H);                                     \
+    if (!buf) return -1;                                                                     \
+    float *w = buf + H;                                                                      \
+    const T_##TY *weight = (const T_##TY *)a->weight;                                        \
+    for (int64_t i = 0; i < H; i++) w[i] = LD_##TY(weight, i);                               \
+    for (int64_t t = begin; t < end; t++) {                                                  \
+        T_##TY *res = (T_##TY *)a->residual + t * a->residual_stride;                        \
+        T_##TY *o = (T_##TY *)a->out + t * H;                                                \
+        if (a->delta) {                                                                      \
+            const T_##TY *d = (const T_##TY *)a->delta + t * a->delta_stride;                \
+            for (int64_t i = 0; i < H; i++) {                                                \
+                const float h = RD_##TY(LD_##TY(res, i) + LD_##TY(d, i));                    \
+                buf[i] = h;                                                                  \
+                ST_##TY(res, i, h);                                                          \
+            }                                                                                \
+        } else {                                                                             \
+            for (int64_t i = 0; i < H; i++) buf[i] = LD_##TY(res, i);                        \
+        }                                                                                    \
+        const float var = sum_squares(buf, H) / (float)H;                                    \
+        const float r = 1.0f / sqrtf(var + a->eps);                                          \
+        for (int64_t i = 0; i < H; i++) {                                                    \
+            const float y = RD_##TY(buf[i] * r);                                             \
+            ST_##TY(o, i, w[i] * y);                                                         \
+        }                                                                                    \
+    }                                                                                        \
+    free(buf);                                                                               \
+    return 0;                                                                                \
+}
+DEFINE_ADD_RMS_NORM(f32)
+DEFINE_ADD_RMS_NORM(bf16)
+
+int mqinfer_add_rms_norm(const mqinfer_rms_norm_args *args, int num_threads) {
+    return parallel_rows(args->is_bf16 ? add_rms_norm_bf16 : add_rms_norm_f32, args, args->rows,
+                         num_threads) ? -1 : 0;
+}
+
+/* ------------------------------------------------------------------ SiLU(gate) * up */
+/* e^x as PyTorch's vectorised SiLU computes it (SLEEF's expf_u10: reduction by ln 2 in two
+   fused multiply-adds, a degree-6 polynomial in fused multiply-adds, scaling by 2^q in two
+   halves), so that silu agrees with F.silu bit for bit. */
+static inline float pow2i_f32(int32_t q) {
+    const uint32_t bits = (uint32_t)(q + 127) << 23; float f; memcpy(&f, &bits, 4); return f;
+}
+static inline float exp_f32(float d) {
+    const float x = d < -104.0f ? -104.0f : (d > 104.0f ? 104.0f : d);
+    const float q = rintf(x * 1.442695040888963407359924681001892137f);
+    float s = fmaf(q, -0.693145751953125f, x);
+    s = fmaf(q, -1.428606765330187045e-06f, s);
+    float u = 0.000198527617612853646278381f;
+    u = fmaf(u, s, 0.00139304355252534151077271f);
+    u = fmaf(u, s, 0.00833336077630519866943359f);
+    u = fmaf(u, s, 0.0416664853692054748535156f);
+    u = fmaf(u, s, 0.166666671633720397949219f);
+    u = fmaf(u, s, 0.5f);
+    u = 1.0f + fmaf(s * s, u, s);
+    const int32_t qi = (int32_t)q, half = qi >> 1;
+    u = u * pow2i_f32(half) * pow2i_f32(qi - half);
+    if (d < -104.0f) u = 0.0f;
+    if (d > 104.0f) u = INFINITY;
+    return u;
+}
+
+#ifdef __AVX512F__
+/* 16-lane versions of the helpers above, the same operations in the same order (so a row's
+   vector body and its scalar tail agree bit for bit). */
+static inline __m512 load_f32x16(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512i bf16_bits16(__m512 v) {  /* round to nearest even, in the low 16 bits */
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+static inline void store_bf16x16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+static inline void store_f32x16(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 keep_f32x16(__m512 v) { return v; }
+#define LDV_f32(p) load_f32x16(p)
+#define STV_f32(p, v) store_f32x16(p, v)
+#define RDV_f32(v) keep_f32x16(v)
+#define LDV_bf16(p) load_bf16x16(p)
+#define STV_bf16(p, v) store_bf16x16(p, v)
+#define RDV_bf16(v) round_bf16x16(v)
+
+static inline __m512 pow2i_f32x16(__m512i q) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(127)), 23));
+}
+static inline __m512 exp_f32x16(__m512 d) {
+    const __m512 lo = _mm512_set1_ps(-104.0f), hi = _mm512_set1_ps(104.0f);
+    const __mmask16 under = _mm512_cmp_ps_mask(d, lo, _CMP_LT_OQ);
+    const __mmask16 over = _mm512_cmp_ps_mask(d, hi, _CMP_GT_OQ);
+    const __m512 x = _mm512_mask_mov_ps(_mm512_mask_mov_ps(d, under, lo), over, hi);
+    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), x);
+    s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
+    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
+    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
+    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
+    const __m512i qi = _mm512_cvtps_epi32(q), half = _mm512_srai_epi32(qi, 1);
+    u = _mm512_mul_ps(_mm512_mul_ps(u, pow2i_f32x16(half)), pow2i_f32x16(_mm512_sub_epi32(qi, half)));
+    u = _mm512_mask_mov_ps(u, under, _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(u, over, _mm512_set1_ps(INFINITY));
+}
+#define SILU_MUL_BODY(TY, g, u, o, I, i)                                                     \
+    for (; i + 16 <= I; i += 16) {                                                           \
+        const __m512 x = LDV_##TY(g + i);                                                    \
+        const __m512 e = exp_f32x16(_mm512_xor_ps(x, _mm512_set1_ps(-0.0f)));                  \
+        const __m512 s = RDV_##TY(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e))); \
+        STV_##TY(o + i, _mm512_mul_ps(s, LDV_##TY(u + i)));                                  \
+    }
+#else
+#define SILU_MUL_BODY(TY, g, u, o, I, i)
+#endif
+
+/* PyTorch runs SiLU's vector code on whole pairs of vectors of each row (vector_chunk values:
+   with AVX-512, 32 float or 64 bfloat16; with AVX2, half that) and std::exp on the rest; so
+   do we. */
+#define DEFINE_SILU_MUL(TY)                                                                  \
+static int silu_mul_##TY(const void *p, int64_t begin, int64_t end) {                        \
+    const mqinfer_silu_mul_args *a = (const mqinfer_silu_mul_args *)p;                       \
+    const int64_t I = a->inter, chunk = a->vector_chunk;                                     \
+    const int64_t body = chunk > 0 ? I / chunk * chunk : 0;                                  \
+    for (int64_t t = begin; t < end; t++) {                                                  \
+        const T_##TY *g = (const T_##TY *)a->gate_up + t * a->stride;                        \
+        const T_##TY *u = g + I;                                                             \
+        T_##TY *o = (T_##TY *)a->out + t * I;                                                \
+        int64_t i = 0;                                                                       \
+        SILU_MUL_BODY(TY, g, u, o, body, i)                                                  \
+        for (; i < body; i++) {                                                              \
+            const float x = LD_##TY(g, i);                                                   \
+            const float s = RD_##TY(x / (1.0f + exp_f32(-x)));                               \
+            ST_##TY(o, i, s * LD_##TY(u, i));                                                \
+        }                                                                                    \
+        for (; i < I; i++) {                                                                 \
+            const float x = LD_##TY(g, i);                                                   \
+            const float s = RD_##TY(x / (1.0f + expf(-x)));                                  \
+            ST_##TY(o, i, s * LD_##TY(u, i));                                                \
+        }                                                                                    \
+    }                                                                                        \
+    return 0;                                                                                \
+}
+DEFINE_SILU_MUL(f32)
+DEFINE_SILU_MUL(bf16)
+
+void mqinfer_silu_mul(const mqinfer_silu_mul_args *args, int num_threads) {
+    parallel_rows(args->is_bf16 ? silu_mul_bf16 : silu_mul_f32, args, args->rows, num_threads);
+}
+
+/* ------------------------------------------------------------------ rotary + KV store */
+/* x*cos + rotate_half(x)*sin with each product and the sum rounded to T (PyTorch's order);
+   q heads are rotated in place, k heads go to their cache slot, v is copied to its slot. */
+#define DEFINE_ROTARY(TY)                                                                    \
+static int rotary_##TY(const void *p, int64_t begin, int64_t end) {                          \
+    const mqinfer_rotary_args *a = (const mqinfer_rotary_args *)p;                           \
+    const int64_t D = a->head_dim, half = D / 2, hq = a->num_q_heads, hkv = a->num_kv_heads; \
+    float *buf = (float *)malloc(sizeof(float) * 3 * D);                                     \
+    if (!buf) return -1;                                                                     \
+    float *c = buf, *s = buf + D, *x = buf + 2 * D;                                          \
+    for (int64_t t = begin; t < end; t++) {                                                  \
+        const int64_t pos = a->positions[t], slot = a->slots[t];                             \
+        for (int64_t d = 0; d < D; d++) {                                                    \
+            c[d] = RD_##TY(a->cos[pos * D + d]);                                             \
+            s[d] = RD_##TY(a->sin[pos * D + d]);                                             \
+        }                                                                                    \
+        for (int64_t h = 0; h < hq + hkv; h++) {                                             \
+            T_##TY *src = (T_##TY *)a->qk + t * a->qk_stride + h * D;                        \
+            T_##TY *dst = h < hq ? src : (T_##TY *)a->k_cache + (slot * hkv + h - hq) * D;   \
+            for (int64_t d = 0; d < D; d++) x[d] = LD_##TY(src, d);                          \
+            for (int64_t d = 0; d < half; d++) {                                             \
+                const float xc = RD_##TY(x[d] * c[d]);                                       \
+                const float rs = RD_##TY(-x[d + half] * s[d]);                               \
+                ST_##TY(dst, d, xc + rs);                                                    \
+            }                                                                                \
+            for (int64_t d = half; d < D; d++) {                                             \
+                const float xc = RD_##TY(x[d] * c[d]);                                       \
+                const float rs = RD_##TY(x[d - half] * s[d]);                                \
+                ST_##TY(dst, d, xc + rs);                                                    \
+            }                                                                                \
+        }                                                                                    \
+        memcpy((T_##TY *)a->v_cache + slot * hkv * D, (const T_##TY *)a->v + t * a->v_stride, \
+               sizeof(T_##TY) * hkv * D);                                                    \
+    }                                                                                        \
+    free(buf);                                                                               \
+    return 0;                                                                                \
+}
+DEFINE_ROTARY(f32)
+DEFINE_ROTARY(bf16)
+
+int mqinfer_rotary_store_kv(const mqinfer_rotary_args *args, int num_threads) {
+    return parallel_rows(args->is_bf16 ? rotary_bf16 : rotary_f32, args, args->rows,
+                         num_threads) ? -1 : 0;
+}

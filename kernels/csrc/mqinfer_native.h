@@ -1,0 +1,155 @@
+/* The native CPU kernels' interface: every function the shared library exports, and the
+   argument records they take. kernels/native.py builds the library from the .c files beside
+   this header, declares each function's ctypes signature and mirrors each record as a
+   ctypes.Structure; it checks the records' layouts (mqinfer_layout_*, abi.c) when it loads
+   the library, so a field added here and not there fails loudly instead of reading
+   garbage.
+
+   Floating point rule, one for every source: the library is built with -ffp-contract=off, so
+   the compiler never fuses a multiply and an add. A fused multiply-add happens only where the
+   source writes one: fmaf(), the MUL_ADD macro of native_common.h, or an FMA intrinsic. The
+   bit-exact kernels depend on it (they reproduce PyTorch's roundings one by one), and the
+   attention kernel's vectorised exponential agrees bit for bit with its scalar one because
+   both write the same fused operations out.
+
+   Conventions: tensors are passed as raw data pointers with element strides; is_bf16 selects
+   bfloat16 (else float32) for every activation tensor of a call; num_threads is the caller's
+   thread budget (torch.get_num_threads(), or 1 for small work), served by one persistent
+   thread pool (thread_pool.c). Functions that allocate return 0, or -1 when memory ran out
+   (the caller raises; nothing half-written is used). */
+#ifndef MQINFER_NATIVE_H
+#define MQINFER_NATIVE_H
+
+#include <stdint.h>
+
+/* ------------------------------------------------------------------ paged attention */
+/* Causal attention of packed queries over a paged KV cache.
+   q [num_tokens, num_heads, head_dim] (token stride q_token_stride, heads contiguous);
+   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim], contiguous;
+   out [num_tokens, num_heads, head_dim], contiguous;
+   block_tables [num_seqs, max_blocks]; seq_of_token, positions [num_tokens].
+   Token t attends to positions 0..positions[t] of sequence seq_of_token[t]; max_len bounds
+   positions[t] + 1. Indices are trusted: the caller checks them. */
+typedef struct {
+    const void *q;
+    const void *k_cache;
+    const void *v_cache;
+    void *out;
+    const int64_t *block_tables;
+    const int64_t *seq_of_token;
+    const int64_t *positions;
+    int64_t num_tokens;
+    int64_t q_token_stride;
+    int64_t num_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int64_t block_size;
+    int64_t max_blocks;
+    int64_t max_len;
+    float scale;
+    int32_t is_bf16;
+} mqinfer_attention_args;
+
+int mqinfer_paged_attention(const mqinfer_attention_args *args, int num_threads);
+
+/* Tests only: the attention kernel's vectorised softmax pieces against their one-at-a-time
+   versions. x holds n floats, n a multiple of 256; writes e^x one at a time and 16 at a time,
+   and lane sums one vector at a time and 16 vectors at a time (n / 16 each). Returns 1, or 0
+   (writing nothing) where the library has no AVX-512 version to compare. */
+int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_16,
+                               float *sum_one, float *sum_16);
+
+/* ------------------------------------------------------------------ greedy argmax */
+/* out[r] = first index of row r's maximum (the first NaN if the row has one).
+   x [rows, cols], row stride row_stride elements, unit column stride. */
+typedef struct {
+    const void *x;
+    int64_t *out;
+    int64_t rows;
+    int64_t cols;
+    int64_t row_stride;
+    int32_t is_bf16;
+} mqinfer_argmax_args;
+
+void mqinfer_argmax(const mqinfer_argmax_args *args, int num_threads);
+
+/* ------------------------------------------------------------------ residual add + RMSNorm */
+/* residual <- residual + delta (delta NULL: no add), out <- rms_norm(residual) * weight.
+   residual, delta [rows, hidden] with row strides; weight [hidden]; out [rows, hidden],
+   contiguous. */
+typedef struct {
+    void *residual;
+    const void *delta;
+    const void *weight;
+    void *out;
+    int64_t rows;
+    int64_t hidden;
+    int64_t residual_stride;
+    int64_t delta_stride;
+    float eps;
+    int32_t is_bf16;
+} mqinfer_rms_norm_args;
+
+int mqinfer_add_rms_norm(const mqinfer_rms_norm_args *args, int num_threads);
+
+/* ------------------------------------------------------------------ SiLU(gate) * up */
+/* out <- silu(gate) * up, gate_up [rows, 2 * inter] (gate first, row stride stride),
+   out [rows, inter] contiguous. vector_chunk: how many leading elements of each row PyTorch's
+   SiLU takes through its vectorised exponential, in whole chunks of this many (0: none, every
+   element through std::exp). The caller derives it from PyTorch's CPU capability. */
+typedef struct {
+    const void *gate_up;
+    void *out;
+    int64_t rows;
+    int64_t inter;
+    int64_t stride;
+    int64_t vector_chunk;
+    int32_t is_bf16;
+} mqinfer_silu_mul_args;
+
+void mqinfer_silu_mul(const mqinfer_silu_mul_args *args, int num_threads);
+
+/* ------------------------------------------------------------------ rotary + KV store */
+/* Rotary embedding of qk [rows, num_q_heads + num_kv_heads, head_dim] (token stride
+   qk_stride) at positions, from float32 cos / sin tables [*, head_dim]: q heads rotated in
+   place, k heads written to k_cache slot slots[t], v [rows, num_kv_heads, head_dim] (token
+   stride v_stride) copied to v_cache slot slots[t]. Caches [num_slots, num_kv_heads,
+   head_dim], contiguous. Indices are trusted: the caller checks them. */
+typedef struct {
+    void *qk;
+    const void *v;
+    void *k_cache;
+    void *v_cache;
+    const float *cos;
+    const float *sin;
+    const int64_t *positions;
+    const int64_t *slots;
+    int64_t rows;
+    int64_t qk_stride;
+    int64_t v_stride;
+    int64_t num_q_heads;
+    int64_t num_kv_heads;
+    int64_t head_dim;
+    int32_t is_bf16;
+} mqinfer_rotary_args;
+
+int mqinfer_rotary_store_kv(const mqinfer_rotary_args *args, int num_threads);
+
+/* ------------------------------------------------------------------ thread pool */
+/* How many times the pool has (re)started its worker threads in this process, and how many
+   workers it holds now (tests and diagnostics: the pool is started once per thread count,
+   not once per call). */
+int64_t mqinfer_pool_starts(void);
+int mqinfer_pool_workers(void);
+
+/* ------------------------------------------------------------------ record layouts */
+/* For each argument record mqinfer_X: mqinfer_layout_X holds its size, its number of fields,
+   then the offset and size of every field in declaration order (abi.c). The loader compares them with
+   its ctypes mirrors when it loads the library. */
+extern const int64_t mqinfer_layout_attention_args[];
+extern const int64_t mqinfer_layout_argmax_args[];
+extern const int64_t mqinfer_layout_rms_norm_args[];
+extern const int64_t mqinfer_layout_silu_mul_args[];
+extern const int64_t mqinfer_layout_rotary_args[];
+
+#endif

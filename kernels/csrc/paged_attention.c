@@ -1,0 +1,374 @@
+/* Paged attention on CPU: reads the paged KV cache in place, one (query token, KV head) at a
+   time, with no gather, no padding and float32 accumulation; the KV head's g query heads share
+   every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 4 query
+   heads per KV head), the portable loops for every other shape and CPU.
+
+   Work is cut into runs of consecutive tokens of about equal cost (a token's cost grows with
+   its context), one run per thread; each token is computed by one thread in one fixed order,
+   so results do not depend on the thread count. */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "mqinfer_native.h"
+#include "native_common.h"
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Attention weights are rounded to the cache dtype before they multiply V, as PyTorch's own
+   CPU attention does for reduced precision: bfloat16 results then agree with it (and so with
+   transformers) down to near-ties. */
+static inline float keep_f32(float x) { return x; }
+static inline float round_to_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+#define LOG2E 1.44269504088896341f
+#define LN2 0.69314718055994531f
+
+/* e^x for x <= 0 (softmax after subtracting the max), relative error about 2e-7: plain
+   arithmetic that the compiler vectorises, unlike a call to expf. The reduction
+   (x * log2e + 0.5, x * log2e - n) and every polynomial step are multiply-adds, fused where
+   the CPU has the instruction (the AVX-512 version, exp_nonpositive16, fuses the same ones).
+   At and below the clamp (and for NaN) the result is EXP_AT_CLAMP: the same arithmetic at
+   -87 without fused operations, the constant this kernel has always returned there. */
+#define EXP_AT_CLAMP 0x1.666d4p-126f
+static inline float exp_nonpositive(float x) {
+    if (!(x > -87.0f)) return EXP_AT_CLAMP;
+    const float n = floorf(MUL_ADD(x, LOG2E, 0.5f));
+    const float f = MUL_ADD(x, LOG2E, -n) * LN2;  /* |f| <= ln2 / 2 */
+    float p = 1.0f / 720.0f;
+    p = MUL_ADD(p, f, 1.0f / 120.0f);
+    p = MUL_ADD(p, f, 1.0f / 24.0f);
+    p = MUL_ADD(p, f, 1.0f / 6.0f);
+    p = MUL_ADD(p, f, 0.5f);
+    p = MUL_ADD(p, f, 1.0f);
+    p = MUL_ADD(p, f, 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* The portable version, for any head size and grouping: tokens token_begin..token_end - 1.
+   A score's dot product is a chain of separate multiplies and adds (a chain of fused ones
+   waits on the multiply-add's longer latency at every step); the weighted sum of V rows, one
+   independent multiply-add per element, is fused. */
+#define DEFINE_ATTEND(NAME, T, LOAD, STORE, ROUNDW)                                               \
+static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
+    const int64_t D = j->head_dim, hkv = j->num_kv_heads, g = j->num_heads / hkv, bs = j->block_size; \
+    float *scores = buf, *qf = scores + g * j->max_len, *acc = qf + g * D, *row = acc + g * D;    \
+    float *inv_sum = row + D;                                                                     \
+    const T *q = (const T *)j->q, *kc = (const T *)j->k_cache, *vc = (const T *)j->v_cache;      \
+    T *out = (T *)j->out;                                                                         \
+    for (int64_t t = token_begin; t < token_end; t++) {                                           \
+        const int64_t len = j->positions[t] + 1;                                                  \
+        const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;              \
+        for (int64_t h = 0; h < hkv; h++) {                                                       \
+            for (int64_t i = 0; i < g; i++)                                                       \
+                for (int64_t d = 0; d < D; d++)                                                   \
+                    qf[i * D + d] = LOAD(q[t * j->q_token_stride + (h * g + i) * D + d]) * j->scale; \
+            for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
+                const int64_t n = len - first < bs ? len - first : bs;                            \
+                const T *kb = kc + (table[blk] * bs * hkv + h) * D;                               \
+                for (int64_t o = 0; o < n; o++) {                                                 \
+                    const T *k = kb + o * hkv * D;                                                \
+                    for (int64_t d = 0; d < D; d++) row[d] = LOAD(k[d]);                          \
+                    for (int64_t i = 0; i < g; i++) {                                             \
+                        float s = 0.0f;                                                           \
+                        for (int64_t d = 0; d < D; d++) s += qf[i * D + d] * row[d];              \
+                        scores[i * len + first + o] = s;                                          \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t i = 0; i < g; i++) {                                                     \
+                float *s = scores + i * len, m = -FLT_MAX, sum = 0.0f;                            \
+                for (int64_t p = 0; p < len; p++) m = s[p] > m ? s[p] : m;                        \
+                for (int64_t p = 0; p < len; p++) { s[p] = exp_nonpositive(s[p] - m); sum += s[p]; } \
+                inv_sum[i] = 1.0f / sum;                                                          \
+                for (int64_t p = 0; p < len; p++) s[p] = ROUNDW(s[p]);                            \
+            }                                                                                     \
+            memset(acc, 0, sizeof(float) * g * D);                                                \
+            for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
+                const int64_t n = len - first < bs ? len - first : bs;                            \
+                const T *vb = vc + (table[blk] * bs * hkv + h) * D;                               \
+                for (int64_t o = 0; o < n; o++) {                                                 \
+                    const T *v = vb + o * hkv * D;                                                \
+                    for (int64_t d = 0; d < D; d++) row[d] = LOAD(v[d]);                          \
+                    for (int64_t i = 0; i < g; i++) {                                             \
+                        const float w = scores[i * len + first + o];                              \
+                        for (int64_t d = 0; d < D; d++) acc[i * D + d] = MUL_ADD(w, row[d], acc[i * D + d]); \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int64_t i = 0; i < g; i++)                                                       \
+                for (int64_t d = 0; d < D; d++)                                                   \
+                    out[(t * j->num_heads + h * g + i) * D + d] = STORE(acc[i * D + d] * inv_sum[i]); \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+#define LOAD_F32(x) (x)
+#define STORE_F32(x) (x)
+DEFINE_ATTEND(attend_f32, float, LOAD_F32, STORE_F32, keep_f32)
+DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_float, float_to_bf16, round_to_bf16)
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* Hand-vectorised versions for the common head shapes: one K/V row is D/16 registers, the
+   q rows and the output accumulators of the G query heads stay in registers for the whole
+   context. */
+static inline __m512 vload_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vstore_bf16(uint16_t *p, __m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+static inline void vstore_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 keep_f32x16(__m512 v) { return v; }
+/* round_to_bf16 on 16 lanes, the same integer arithmetic. */
+static inline __m512 round_to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
+}
+/* exp_nonpositive on 16 lanes: the scalar version's operations with the same multiply-adds
+   fused (x * log2e + 0.5, x * log2e - n and each polynomial step; AVX-512 implies FMA, so
+   the scalar MUL_ADDs are fused too), hence the same bits (mqinfer_attention_selftest lets
+   the tests check it). */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    /* At and below the clamp (and for NaN): the scalar version's constant. */
+    const __mmask16 inside = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
+    const __m512 at_clamp = _mm512_set1_ps(EXP_AT_CLAMP);
+    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_mul_ps(_mm512_fmsub_ps(x, log2e, n), _mm512_set1_ps(0.69314718055994531f));
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mask_mov_ps(at_clamp, inside, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
+}
+/* A block is one 4 KiB page for common shapes, and hardware prefetchers stop at page ends:
+   ask for the next block's rows (of this KV head) while this one is being read. */
+#define prefetch_rows(BASE, ROWS, STRIDE, D)                                                      \
+    do {                                                                                          \
+        for (int64_t r_ = 0; r_ < (ROWS); r_++)                                                   \
+            for (int64_t c_ = 0; c_ < (int64_t)((D) * sizeof(*(BASE))); c_ += 64)                 \
+                _mm_prefetch((const char *)((BASE) + r_ * (STRIDE)) + c_, _MM_HINT_T0);          \
+    } while (0)
+
+/* The horizontal sums of 16 vectors at once: lane r of the result is a[r]'s lanes added in
+   exactly the tree _mm512_reduce_add_ps uses (256-bit halves, then 128-bit quarters, then
+   pairs {0,1}+{2,3}, then the last two), so scores are bit for bit those of the one-at-a-time
+   reduction, at two shuffles per addition instead of a dependent chain per score. */
+static inline __m512 reduce16_add_ps(const __m512 *a) {
+    __m512 b[8], c[4], d[2];
+    for (int p = 0; p < 8; p++)
+        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    for (int p = 0; p < 4; p++)
+        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    for (int p = 0; p < 2; p++)
+        d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* e's lane 4k + m holds the sum of a[4m + k]. */
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
+}
+
+#define DEFINE_ATTEND_AVX512(NAME, T, VLOAD, VSTORE, ROUNDW, ROUNDW16, DV, GV)                              \
+static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
+    float inv_sum[GV];                                                                            \
+    enum { D = DV, G = GV, NV = DV / 16 };                                                        \
+    const int64_t hkv = j->num_kv_heads, bs = j->block_size;                                      \
+    float *scores = buf;                                                                          \
+    const T *q = (const T *)j->q, *kc = (const T *)j->k_cache, *vc = (const T *)j->v_cache;      \
+    T *out = (T *)j->out;                                                                         \
+    const __m512 scale = _mm512_set1_ps(j->scale);                                                \
+    for (int64_t t = token_begin; t < token_end; t++) {                                           \
+        const int64_t len = j->positions[t] + 1;                                                  \
+        const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;              \
+        for (int64_t h = 0; h < hkv; h++) {                                                       \
+            __m512 qv[G][NV];                                                                     \
+            for (int i = 0; i < G; i++)                                                           \
+                for (int v = 0; v < NV; v++)                                                      \
+                    qv[i][v] = _mm512_mul_ps(VLOAD(q + t * j->q_token_stride + (h * G + i) * D + 16 * v), scale); \
+            for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
+                const int64_t n = len - first < bs ? len - first : bs;                            \
+                const T *kb = kc + (table[blk] * bs * hkv + h) * D;                               \
+                if (first + bs < len) prefetch_rows(kc + (table[blk + 1] * bs * hkv + h) * D, bs, hkv * D, D); \
+                int64_t o = 0;                                                                    \
+                for (; o + 16 <= n; o += 16) {                                                    \
+                    /* 16 keys at a time: their partial dot products are summed across lanes  \
+                       together (reduce16_add_ps), the same additions as 16 reduce_add_ps. */ \
+                    __m512 part[G][16];                                                           \
+                    for (int r = 0; r < 16; r++) {                                                \
+                        __m512 kv[NV];                                                            \
+                        for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + (o + r) * hkv * D + 16 * v); \
+                        for (int i = 0; i < G; i++) {                                             \
+                            __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);                          \
+                            for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[i][v], kv[v], acc); \
+                            part[i][r] = acc;                                                     \
+                        }                                                                         \
+                    }                                                                             \
+                    for (int i = 0; i < G; i++)                                                   \
+                        _mm512_storeu_ps(scores + i * len + first + o, reduce16_add_ps(part[i]));  \
+                }                                                                                 \
+                for (; o < n; o++) {                                                              \
+                    __m512 kv[NV];                                                                \
+                    for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + o * hkv * D + 16 * v);        \
+                    for (int i = 0; i < G; i++) {                                                 \
+                        __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);                              \
+                        for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[i][v], kv[v], acc); \
+                        scores[i * len + first + o] = _mm512_reduce_add_ps(acc);                  \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            /* Softmax with the portable version's arithmetic: the max and the exponentials \
+               16 at a time (the same operations per element), each head's sum still added  \
+               in position order, the G heads' sums interleaved so their chains overlap. */  \
+            for (int i = 0; i < G; i++) {                                                         \
+                float *s = scores + i * len;                                                      \
+                __m512 mv = _mm512_set1_ps(-FLT_MAX);                                             \
+                int64_t p = 0;                                                                    \
+                for (; p + 16 <= len; p += 16) mv = _mm512_max_ps(_mm512_loadu_ps(s + p), mv);    \
+                float m = _mm512_reduce_max_ps(mv);                                               \
+                for (; p < len; p++) m = s[p] > m ? s[p] : m;                                     \
+                const __m512 mb = _mm512_set1_ps(m);                                              \
+                for (p = 0; p + 16 <= len; p += 16)                                               \
+                    _mm512_storeu_ps(s + p, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mb))); \
+                for (; p < len; p++) s[p] = exp_nonpositive(s[p] - m);                           \
+            }                                                                                     \
+            {                                                                                     \
+                float sum[G];                                                                     \
+                for (int i = 0; i < G; i++) sum[i] = 0.0f;                                        \
+                for (int64_t p = 0; p < len; p++)                                                 \
+                    for (int i = 0; i < G; i++) sum[i] += scores[i * len + p];                    \
+                for (int i = 0; i < G; i++) inv_sum[i] = 1.0f / sum[i];                           \
+            }                                                                                     \
+            for (int i = 0; i < G; i++) {                                                         \
+                float *s = scores + i * len;                                                      \
+                int64_t p = 0;                                                                    \
+                for (; p + 16 <= len; p += 16) _mm512_storeu_ps(s + p, ROUNDW16(_mm512_loadu_ps(s + p))); \
+                for (; p < len; p++) s[p] = ROUNDW(s[p]);                                         \
+            }                                                                                     \
+            __m512 acc[G][NV];                                                                    \
+            for (int i = 0; i < G; i++)                                                           \
+                for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();                     \
+            for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
+                const int64_t n = len - first < bs ? len - first : bs;                            \
+                const T *vb = vc + (table[blk] * bs * hkv + h) * D;                               \
+                if (first + bs < len) prefetch_rows(vc + (table[blk + 1] * bs * hkv + h) * D, bs, hkv * D, D); \
+                for (int64_t o = 0; o < n; o++) {                                                 \
+                    __m512 vv[NV];                                                                \
+                    for (int v = 0; v < NV; v++) vv[v] = VLOAD(vb + o * hkv * D + 16 * v);        \
+                    for (int i = 0; i < G; i++) {                                                 \
+                        const __m512 w = _mm512_set1_ps(scores[i * len + first + o]);            \
+                        for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(w, vv[v], acc[i][v]); \
+                    }                                                                             \
+                }                                                                                 \
+            }                                                                                     \
+            for (int i = 0; i < G; i++)                                                           \
+                for (int v = 0; v < NV; v++)                                                      \
+                    VSTORE(out + (t * j->num_heads + h * G + i) * D + 16 * v,                     \
+                           _mm512_mul_ps(acc[i][v], _mm512_set1_ps(inv_sum[i])));                 \
+        }                                                                                         \
+    }                                                                                             \
+}
+DEFINE_ATTEND_AVX512(attend_f32_64_4, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 64, 4)
+DEFINE_ATTEND_AVX512(attend_bf16_64_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 64, 4)
+DEFINE_ATTEND_AVX512(attend_f32_128_4, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 128, 4)
+DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 128, 4)
+#define HAVE_SPECIALISED 1
+#endif
+
+/* Tests only: the vectorised softmax pieces against their one-at-a-time originals, which the
+   portable kernel uses. x holds n floats, n a multiple of 256. Returns 0 (and writes nothing)
+   where there is no AVX-512 version to compare. */
+int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_16,
+                               float *sum_one, float *sum_16) {
+#ifdef HAVE_SPECIALISED
+    for (int64_t i = 0; i < n; i++) exp_one[i] = exp_nonpositive(x[i]);
+    for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(exp_16 + i, exp_nonpositive16(_mm512_loadu_ps(x + i)));
+    for (int64_t g = 0; g + 256 <= n; g += 256) {
+        __m512 v[16];
+        for (int r = 0; r < 16; r++) {
+            v[r] = _mm512_loadu_ps(x + g + 16 * r);
+            sum_one[g / 16 + r] = _mm512_reduce_add_ps(v[r]);
+        }
+        _mm512_storeu_ps(sum_16 + g / 16, reduce16_add_ps(v));
+    }
+    return 1;
+#else
+    (void)x; (void)n; (void)exp_one; (void)exp_16; (void)sum_one; (void)sum_16;
+    return 0;
+#endif
+}
+
+/* Parts of one call: part n computes tokens bounds[n]..bounds[n + 1] - 1. */
+#define MAX_PARTS 256
+typedef struct {
+    const mqinfer_attention_args *args;
+    int64_t bounds[MAX_PARTS + 1];
+} attention_call;
+
+static int attention_part(const void *ctx, int part, int num_parts) {
+    (void)num_parts;
+    const attention_call *call = (const attention_call *)ctx;
+    const mqinfer_attention_args *j = call->args;
+    const int64_t g = j->num_heads / j->num_kv_heads, D = j->head_dim;
+    const int64_t begin = call->bounds[part], end = call->bounds[part + 1];
+    float *buf = (float *)malloc(sizeof(float) * (g * j->max_len + 2 * g * D + D + g));
+    if (!buf) return -1;
+#ifdef HAVE_SPECIALISED
+    if (D == 64 && g == 4) {
+        if (j->is_bf16) attend_bf16_64_4(j, begin, end, buf); else attend_f32_64_4(j, begin, end, buf);
+    } else if (D == 128 && g == 4) {
+        if (j->is_bf16) attend_bf16_128_4(j, begin, end, buf); else attend_f32_128_4(j, begin, end, buf);
+    } else
+#endif
+    if (j->is_bf16) attend_bf16(j, begin, end, buf); else attend_f32(j, begin, end, buf);
+    free(buf);
+    return 0;
+}
+
+int mqinfer_paged_attention(const mqinfer_attention_args *args, int num_threads) {
+    const int64_t num_tokens = args->num_tokens, *positions = args->positions;
+    if (num_tokens <= 0) return 0;
+    int64_t parts = num_threads < 1 ? 1 : num_threads;
+    if (parts > MAX_PARTS) parts = MAX_PARTS;
+    if (parts > num_tokens) parts = num_tokens;
+    attention_call call;
+    call.args = args;
+    /* Runs of consecutive tokens of about equal work, a token weighing its context plus a
+       fixed cost. */
+    int64_t total = 0;
+    for (int64_t t = 0; t < num_tokens; t++) total += positions[t] + 8;
+    int64_t t = 0, done = 0;
+    call.bounds[0] = 0;
+    for (int64_t n = 0; n < parts; n++) {
+        const int64_t target = total * (n + 1) / parts;
+        while (t < num_tokens && (done < target || n == parts - 1)) { done += positions[t] + 8; t++; }
+        call.bounds[n + 1] = t;
+    }
+    return mq_parallel(attention_part, &call, (int)parts, num_threads) ? -1 : 0;
+}

@@ -1,0 +1,324 @@
+"""The native CPU kernels' loader: builds ``kernels/csrc/*.c`` into one shared library, caches
+it, loads it and gives every exported function a ctypes signature.
+
+Owns the compiler flags (``FLAGS``, the one place they are written), the cache of built
+libraries, the ctypes mirrors of the C argument records declared in
+``csrc/mqinfer_native.h`` (checked field by field against the layouts the library reports, so
+a record changed on one side only is an error at load time, not garbage at run time), and the
+``auto`` / ``native`` / ``torch`` switches of the kernels' callers.
+
+Build. The system C compiler (``$CC``, else ``cc``, else ``gcc``) compiles every source at
+once with ``-O3 -march=native`` and ``-ffp-contract=off``: the compiler never fuses a multiply
+and an add on its own, the sources write out every fused multiply-add they use (the header
+states the rule; the bit-exact tests depend on it). No ``-ffast-math``: loading a library
+built with it turns on flush-to-zero for the whole process. The library lands in the cache
+folder (``$MQINFER_CACHE_DIR/kernels``, else ``$XDG_CACHE_HOME/mqinfer/kernels``, else
+``~/.cache/mqinfer/kernels``) under a name keyed by a hash of the sources, the flags, the
+compiler and its version, and the CPU's features (``-march=native`` code runs only on a CPU
+with the same ones); a second process finds it there. When there is no compiler or the build
+fails, ``load()`` returns None and the callers run their PyTorch paths.
+
+Environment:
+
+``MQINFER_NATIVE_CFLAGS``
+    Extra compiler flags, appended to ``FLAGS`` (split like a shell command line). They are
+    part of the cache key, so such a build never replaces the normal one. ``.ci/native-checks``
+    uses it for ``-Werror`` and for a sanitizer build (``-fsanitize=address,undefined
+    -fno-omit-frame-pointer``); a library built with AddressSanitizer only loads into a
+    process that has the sanitizer runtime preloaded (``LD_PRELOAD=$(cc
+    -print-file-name=libasan.so)``).
+``MQINFER_CPU_ATTENTION``, ``MQINFER_CPU_OPS``
+    The switches of the attention kernel and of the fused ops (``switched_library``):
+    ``auto`` (default) uses the library when it builds, ``torch`` never uses it, ``native``
+    makes a library that cannot be built an error.
+``CC``
+    The C compiler.
+
+``python -m mqinfer.kernels.native`` builds (or finds) the library, loads it (checking its
+records) and prints its path; ``--no-load`` only builds (a sanitizer build cannot be loaded
+without its runtime preloaded). It exits with status 1 and the compiler's message when the
+build fails.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+FLAGS = (
+    "-O3", "-march=native", "-fPIC", "-shared", "-ffp-contract=off", "-Wall", "-Wextra",
+    "-Werror=implicit-function-declaration",
+)
+EXTRA_FLAGS_ENV = "MQINFER_NATIVE_CFLAGS"
+_MODES = ("auto", "native", "torch")
+
+_ptr, _i64, _i32, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+
+
+# ------------------------------------------------------------------ argument records
+# Mirrors of the records in csrc/mqinfer_native.h, field for field, in order. Tensor data
+# goes in as the integer from Tensor.data_ptr().
+class AttentionArgs(ctypes.Structure):
+    _fields_ = [
+        ("q", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("out", _ptr),
+        ("block_tables", _ptr), ("seq_of_token", _ptr), ("positions", _ptr),
+        ("num_tokens", _i64), ("q_token_stride", _i64), ("num_heads", _i64),
+        ("num_kv_heads", _i64), ("head_dim", _i64), ("block_size", _i64),
+        ("max_blocks", _i64), ("max_len", _i64), ("scale", _f32), ("is_bf16", _i32),
+    ]
+
+
+class ArgmaxArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("out", _ptr), ("rows", _i64), ("cols", _i64), ("row_stride", _i64),
+        ("is_bf16", _i32),
+    ]
+
+
+class RmsNormArgs(ctypes.Structure):
+    _fields_ = [
+        ("residual", _ptr), ("delta", _ptr), ("weight", _ptr), ("out", _ptr),
+        ("rows", _i64), ("hidden", _i64), ("residual_stride", _i64), ("delta_stride", _i64),
+        ("eps", _f32), ("is_bf16", _i32),
+    ]
+
+
+class SiluMulArgs(ctypes.Structure):
+    _fields_ = [
+        ("gate_up", _ptr), ("out", _ptr), ("rows", _i64), ("inter", _i64), ("stride", _i64),
+        ("vector_chunk", _i64), ("is_bf16", _i32),
+    ]
+
+
+class RotaryArgs(ctypes.Structure):
+    _fields_ = [
+        ("qk", _ptr), ("v", _ptr), ("k_cache", _ptr), ("v_cache", _ptr), ("cos", _ptr),
+        ("sin", _ptr), ("positions", _ptr), ("slots", _ptr), ("rows", _i64),
+        ("qk_stride", _i64), ("v_stride", _i64), ("num_q_heads", _i64),
+        ("num_kv_heads", _i64), ("head_dim", _i64), ("is_bf16", _i32),
+    ]
+
+
+# Record -> the name of its layout table in the library (abi.c).
+_RECORDS = {
+    AttentionArgs: "mqinfer_layout_attention_args",
+    ArgmaxArgs: "mqinfer_layout_argmax_args",
+    RmsNormArgs: "mqinfer_layout_rms_norm_args",
+    SiluMulArgs: "mqinfer_layout_silu_mul_args",
+    RotaryArgs: "mqinfer_layout_rotary_args",
+}
+
+# Exported function -> (result type, argument types).
+_SIGNATURES = {
+    "mqinfer_paged_attention": (ctypes.c_int, [ctypes.POINTER(AttentionArgs), ctypes.c_int]),
+    "mqinfer_attention_selftest": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
+    "mqinfer_argmax": (None, [ctypes.POINTER(ArgmaxArgs), ctypes.c_int]),
+    "mqinfer_add_rms_norm": (ctypes.c_int, [ctypes.POINTER(RmsNormArgs), ctypes.c_int]),
+    "mqinfer_silu_mul": (None, [ctypes.POINTER(SiluMulArgs), ctypes.c_int]),
+    "mqinfer_rotary_store_kv": (ctypes.c_int, [ctypes.POINTER(RotaryArgs), ctypes.c_int]),
+    "mqinfer_pool_starts": (_i64, []),
+    "mqinfer_pool_workers": (ctypes.c_int, []),
+}
+
+
+# ------------------------------------------------------------------ build and cache
+def cache_dir() -> Path:
+    explicit = os.environ.get("MQINFER_CACHE_DIR")
+    if explicit:
+        return Path(explicit) / "kernels"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "mqinfer" / "kernels"
+
+
+def build_flags() -> tuple[str, ...]:
+    """``FLAGS`` plus the ones ``$MQINFER_NATIVE_CFLAGS`` adds."""
+    return FLAGS + tuple(shlex.split(os.environ.get(EXTRA_FLAGS_ENV, "")))
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc) found")
+    return compiler
+
+
+def _compiler_version(compiler: str) -> str:
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    except OSError as exc:
+        raise RuntimeError(f"cannot run the C compiler {compiler!r}: {exc}") from exc
+    return result.stdout
+
+
+def _cpu_signature() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {flags}"
+
+
+def _sources() -> list[Path]:
+    return sorted(CSRC.glob("*.c"))
+
+
+def library_path(flags: tuple[str, ...] | None = None) -> Path:
+    """Where the library built with ``flags`` (default ``build_flags()``) is cached: the name
+    is keyed by the sources, the flags, the compiler and its version, and the CPU."""
+    flags = build_flags() if flags is None else flags
+    compiler = _compiler()
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".c", ".h"):
+            digest.update(f"{path.name}\0".encode() + path.read_bytes() + b"\0")
+    for part in (" ".join(flags), compiler, _compiler_version(compiler), _cpu_signature()):
+        digest.update(part.encode() + b"\0")
+    return cache_dir() / f"mqinfer_native_{digest.hexdigest()[:16]}.so"
+
+
+def build(flags: tuple[str, ...] | None = None) -> Path:
+    """Compile the sources (unless the cache has them) and return the library's path.
+
+    Raises RuntimeError with the compiler's message when there is no compiler or it fails."""
+    flags = build_flags() if flags is None else flags
+    library = library_path(flags)
+    if library.exists():
+        return library
+    compiler = _compiler()
+    sources = _sources()
+    if not sources:
+        raise RuntimeError(f"no C sources in {CSRC}")
+    folder = library.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        built = Path(tmp) / library.name
+        command = [compiler, *flags, "-I", str(CSRC), "-o", str(built), *map(str, sources),
+                   "-lm", "-lpthread"]
+        try:
+            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise RuntimeError(f"{compiler} could not run: {exc}") from exc
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-4000:]}")
+        os.replace(built, library)  # atomic: a concurrent builder's copy is as good
+    return library
+
+
+def _check_layouts(lib: ctypes.CDLL) -> None:
+    for record, table in _RECORDS.items():
+        fields = [name for name, _ in record._fields_]
+        header = (ctypes.c_int64 * 2).in_dll(lib, table)
+        reported = list((ctypes.c_int64 * (2 + 2 * header[1])).in_dll(lib, table))
+        expected = [ctypes.sizeof(record), len(fields)]
+        for f in fields:
+            expected += [getattr(record, f).offset, getattr(record, f).size]
+        if reported != expected:
+            raise RuntimeError(
+                f"{record.__name__} does not match its C record ({table}: size, fields, then "
+                f"offset and size of each: {reported} in the library, {expected} in Python)"
+            )
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    _check_layouts(lib)
+    return lib
+
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def load() -> ctypes.CDLL | None:
+    """The library, built and loaded on first call; None when it cannot be (the reason is
+    logged once and kept for ``build_error``)."""
+    lib = _state.get("lib", False)
+    if lib is not False:
+        return lib  # type: ignore[return-value]
+    with _lock:
+        if "lib" not in _state:
+            try:
+                _state["lib"] = _open(build())
+            except (OSError, RuntimeError) as exc:
+                _state["lib"] = None
+                _state["error"] = str(exc)
+                log.warning("native CPU kernels unavailable, using the PyTorch paths: %s", exc)
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def build_error() -> str | None:
+    """Why ``load()`` returned None (None when it has not, or has not been called)."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def switch_mode(variable: str) -> str:
+    """The value of a kernel switch (``auto`` when unset); a bad value is a ValueError."""
+    mode = os.environ.get(variable, "auto")
+    if mode not in _MODES:
+        raise ValueError(f"{variable} must be auto, native or torch, got {mode!r}")
+    return mode
+
+
+def switched_library(variable: str) -> ctypes.CDLL | None:
+    """The library for a caller whose switch is ``variable``: None when the switch says
+    ``torch`` or the library cannot be built; with ``native``, a library that cannot be built
+    is a RuntimeError."""
+    mode = switch_mode(variable)
+    if mode == "torch":
+        return None
+    lib = load()
+    if lib is None and mode == "native":
+        raise RuntimeError(
+            f"{variable}=native but the native CPU kernels could not be built: {build_error()}"
+        )
+    return lib
+
+
+def pool_starts() -> int:
+    """How many times this process's kernel thread pool has (re)started its workers."""
+    lib = load()
+    return 0 if lib is None else int(lib.mqinfer_pool_starts())
+
+
+def pool_workers() -> int:
+    """Worker threads the pool holds now (the calling thread is not counted)."""
+    lib = load()
+    return 0 if lib is None else int(lib.mqinfer_pool_workers())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args not in ([], ["--no-load"]):
+        print("usage: python -m mqinfer.kernels.native [--no-load]", file=sys.stderr)
+        return 2
+    try:
+        path = build()
+        if not args:
+            _open(path)
+    except (OSError, RuntimeError) as exc:
+        print(f"native CPU kernels: build failed: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
