@@ -19,7 +19,12 @@ Reply stream messages (stream entry fields; every message has ``id``, ``type``, 
   output position of the first token), one per engine step that produced tokens.
 - ``restart``: the request was redelivered to this worker: drop its partial output.
 - ``final``: ``row``, the result row as JSON, equal to the row in the results dataset. It is sent
-  once the row is durable, just before the request's stream entry is acked.
+  once the row is durable, just before the request's stream entry is acked. A request submitted
+  again (same ``job_id`` and ``id``; from this or another client) is not computed again: a copy
+  with the same content gets the first copy's row (once it is written, if it still runs); a copy
+  with different content gets an error row with ``error_code`` ``duplicate_id`` naming the id,
+  which is not in the results dataset (that keeps the first copy's row). Content is compared
+  without ``reply_to``, ``priority`` and ``deadline``.
 
 Cancelling adds ``[job_id, id]`` to the sorted set ``mqinfer:{S}:cancel`` with the server's time
 as score (so a request submitted again later is not cancelled by an old entry); workers check it

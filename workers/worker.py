@@ -12,9 +12,19 @@ Duplicates from producers: each accepted request (``job_id``, ``id``) gets an id
 (first entry id, content hash, whether it was computed) with a time to live, taken atomically by
 a script. While the first entry is live or computed, a second entry with the same content is
 acked without computing it again and one with different content is refused to the dead letters;
-once the first is gone without a result (lost, cancelled, failed), a new copy takes over. Entries trimmed from the stream are noticed: those this worker runs are
-finished from memory, a dead worker's pending ones end with a ``lost`` error row when the
-in-flight hash still names their request, and undelivered ones are counted and logged.
+content is compared without the fields that only say where and when to deliver (``reply_to``,
+``priority``, ``deadline``), so a retry from another client is the same request. A copy with a
+reply stream is answered there: with the first copy's final row (kept with the record when the
+first copy had a reply stream too), once that row is written if it still runs, or with a
+``duplicate_id`` error row (never written) if its content differs. Once the first is gone
+without a result (lost, cancelled, failed), a new copy takes over.
+
+Entries trimmed from the stream are noticed: those this worker runs are finished from memory, a
+dead worker's pending ones end with a ``lost`` error row when the in-flight hash still names
+their request, and undelivered ones are counted and logged.
+
+A request's log line (``finished ...``, or ``<reason> row ...``) is written once its row is
+durable, so the log never counts more finished requests than the results dataset holds.
 """
 
 from __future__ import annotations
@@ -58,17 +68,28 @@ log = logging.getLogger("mqinfer.worker")
 REDIS_DOWN = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError,
               *CLUSTER_TRANSIENT)
 
+# How long a starting worker waits for Redis to answer before it gives up.
+REDIS_STARTUP_WAIT_S = 60.0
+# Server replies that mean the credentials are wrong or missing: retrying cannot help.
+_AUTH_REPLIES = ("WRONGPASS", "NOAUTH", "invalid username-password pair", "invalid password")
+
 HANDBACK_CONSUMER = "mqinfer-handback"
 # Deterministic (sorted map keys), so equal requests hash equal however the producer ordered them.
 _CONTENT_ENCODER = msgspec.msgpack.Encoder(order="deterministic")
 
 # Takes a request's idempotency record for an entry, atomically. KEYS: record, in-flight hash,
-# request stream. ARGV: entry id, content hash, ttl seconds, in-flight value. The record holds
+# request stream, stored final row, waiting reply streams. ARGV: entry id, content hash, ttl
+# seconds, in-flight value, the entry's reply stream ('' for none). The record holds
 # "<entry id> <content hash> <run|done>"; `done` once the request has its result (a row that
-# finished `stop` or `length`). Returns {outcome, first entry id}; outcome is `new`,
-# `redelivery` (the same entry again), `takeover` (the first entry is gone without a result:
+# finished `stop` or `length`). Returns {outcome, first entry id, state, stored row}; outcome is
+# `new`, `redelivery` (the same entry again), `takeover` (the first entry is gone without a result:
 # lost, cancelled, expired or failed, so the request may be sent again), `same` (a duplicate of a
-# live or computed request) or `conflict` (different content than a live or computed one).
+# live or computed request) or `conflict` (different content than a live or computed one). A `same`
+# copy of a computed request gets the stored final row (if any) to answer with; one of a live
+# request adds its reply stream to the waiting ones (a JSON list, at most MAX_WAITERS), answered
+# when the first copy's row is written (_ack reads and clears them in one transaction with the
+# record's change to `done`). Only GET and SET touch the row and waiter keys: the worker's ACL
+# user may not DEL (ops/acl), so a stale key is cleared by letting it expire at once.
 _CLAIM_SCRIPT = """
 local cur = redis.call('GET', KEYS[1])
 local mine = ARGV[1] .. ' ' .. ARGV[2] .. ' run'
@@ -76,20 +97,74 @@ if cur then
   local entry, digest, state = string.match(cur, '^(%S+) (%S+) (%S+)$')
   if entry == ARGV[1] then
     redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
-    return {'redelivery', entry}
+    return {'redelivery', entry, state, ''}
   end
   if state == 'done' or #redis.call('XRANGE', KEYS[3], entry, entry) > 0 then
-    if digest ~= ARGV[2] then return {'conflict', entry} end
-    return {'same', entry}
+    if digest ~= ARGV[2] then return {'conflict', entry, state, ''} end
+    if state == 'done' then
+      return {'same', entry, state, redis.call('GET', KEYS[4]) or ''}
+    end
+    if ARGV[5] ~= '' then
+      local raw = redis.call('GET', KEYS[5])
+      local waiting = {}
+      if raw and raw ~= '' then waiting = cjson.decode(raw) end
+      if #waiting < tonumber(ARGV[6]) then
+        table.insert(waiting, ARGV[5])
+        redis.call('SET', KEYS[5], cjson.encode(waiting), 'EX', ARGV[3])
+      end
+    end
+    return {'same', entry, state, ''}
   end
   redis.call('SET', KEYS[1], mine, 'EX', ARGV[3])
   redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
-  return {'takeover', entry}
+  return {'takeover', entry, state, ''}
 end
 redis.call('SET', KEYS[1], mine, 'EX', ARGV[3])
+for i = 4, 5 do  -- left by an expired record of the same (job_id, id): not this request's
+  if redis.call('GET', KEYS[i]) then redis.call('SET', KEYS[i], '', 'PX', 1) end
+end
 redis.call('HSET', KEYS[2], ARGV[1], ARGV[4])
-return {'new', ''}
+return {'new', '', 'run', ''}
 """
+# Fields that say where, when or in what order to deliver a result, not what to compute: a copy
+# of a request that differs only in these is the same request (a retry from another client).
+_DELIVERY_FIELDS = {"reply_to": None, "priority": 0, "deadline": None}
+# Copies of one running request whose reply streams are remembered, at most.
+MAX_WAITERS = 100
+_ROW_ENCODER = msgspec.json.Encoder()
+_ROW_DECODER = msgspec.json.Decoder(ResultRow)
+
+
+def _final_row_key(record: str) -> str:
+    """The stored final row of a computed request (same hash tag as its record)."""
+    return record + ":row"
+
+
+def _waiters_key(record: str) -> str:
+    """Reply streams of copies that arrived while the first copy ran (same hash tag as its record)."""
+    return record + ":wait"
+
+
+def _waiting_reply_streams(raw) -> list[str]:
+    """The reply streams of a waiter key's value (a JSON list), each once, in order."""
+    if not raw:
+        return []
+    try:
+        streams = json.loads(raw)
+    except ValueError:
+        return []
+    if not isinstance(streams, list):
+        return []
+    return list(dict.fromkeys(s for s in streams if isinstance(s, str) and s.startswith(keys.REPLY_PREFIX)))
+
+
+def content_digest(request: Request) -> str:
+    """A request's content hash for the idempotency record: equal for copies that differ only in
+    delivery fields, however the producer ordered map keys."""
+    bare = msgspec.structs.replace(request, **_DELIVERY_FIELDS)
+    return hashlib.sha256(_CONTENT_ENCODER.encode(bare)).hexdigest()[:32]
+
+
 # A consumer that tried to read this recently is a live worker (a blocked XREADGROUP counts).
 LIVE_CONSUMER_MS = 10_000
 CANCELLED_JOB_STATUSES = ("cancelling", "cancelled")
@@ -98,6 +173,19 @@ FINAL_JOB_STATUSES = ("completed", "failed", "expired", "cancelled")
 
 class SinkError(RuntimeError):
     """Result rows could not be written durably; the worker must not ack them."""
+
+
+class StartupError(ValueError):
+    """The worker cannot start: Redis refuses its credentials or stays unreachable. The message is
+    one line naming the server (its password redacted); a ValueError, so that the command line
+    prints it as ``mqinfer worker: error: ...`` and exits non-zero, without a traceback."""
+
+
+def _is_auth_error(exc: Exception) -> bool:
+    if isinstance(exc, (redis.exceptions.AuthenticationError, redis.exceptions.AuthenticationWrongNumberOfArgsError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, redis.exceptions.ResponseError) and any(r in text for r in _AUTH_REPLIES)
 
 
 @dataclass(frozen=True)
@@ -230,6 +318,9 @@ class Worker:
         self.replies = ReplyWriter(self.consumer, maxlen=config.reply_maxlen, ttl_s=config.reply_ttl_s)
         # Final reply messages wait for their rows to be durable: (reply_to, row), sent by _ack.
         self.pending_finals: list[tuple[str, ResultRow]] = []
+        # Entries whose request has a reply stream: their final row is kept with the idempotency
+        # record when computed, to answer later copies of the request (a client's retry).
+        self._keep_final: set[str] = set()
         self.cancel_key = cancel_key(config.stream)
         self._cancels_allowed = True
         self.inflight: dict[str, InFlight] = {}
@@ -237,6 +328,9 @@ class Worker:
         self.pending_acks: list[tuple[str, str | None, str, ResultRow | None]] = []
         self._job_cache: dict[str, tuple[float, str | None]] = {}
         self._entry_cost: dict[str, float] = {}  # cost_usd of written rows, until acked
+        # Log lines of buffered rows ("finished ...", "error row ..."): logged once the row is durable,
+        # so the log never claims more finished requests than the results hold. (format, args, fields).
+        self._row_log: list[tuple[str, tuple, dict | None]] = []
         self.stopping = False
         self.engine: LLMEngine | None = None
         self.sinks: Sinks | None = None
@@ -320,19 +414,29 @@ class Worker:
         began = process_start_time() if self.clock is time.time else None
         return min(self.started, began) if began is not None else self.started
 
-    def _wait_for_redis(self, timeout_s: float = 60.0) -> None:
+    def _wait_for_redis(self, timeout_s: float | None = None) -> None:
+        """Wait (with backoff) for the server to answer; StartupError at once when it refuses our
+        credentials or permissions (waiting cannot fix those), or when it stays away ``timeout_s``."""
+        timeout_s = REDIS_STARTUP_WAIT_S if timeout_s is None else timeout_s
+        url = redact(self.config.redis_url)
         deadline = time.monotonic() + timeout_s
         delay = 0.1
         while True:
             try:
                 self._ensure_group()
                 return
-            except REDIS_DOWN as exc:
+            except redis.exceptions.RedisError as exc:
+                if _is_auth_error(exc):
+                    raise StartupError(f"cannot authenticate to {url}: {exc}") from None
+                if isinstance(exc, redis.exceptions.NoPermissionError):
+                    raise StartupError(f"the Redis user of {url} may not create the consumer group of "
+                                       f"{self.stream_key}: {exc}") from None
+                if not isinstance(exc, REDIS_DOWN):
+                    raise
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis at {redact(self.config.redis_url)} unreachable for "
-                                       f"{timeout_s:.0f}s: {exc}") from exc
-                log.warning("waiting for redis (%s)", exc)
-                time.sleep(delay)
+                    raise StartupError(f"cannot connect to {url} (tried for {timeout_s:g}s): {exc}") from None
+                log.warning("waiting for redis at %s (%s)", url, exc)
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic()) + 0.01))
                 delay = min(delay * 2, 5.0)
 
     def _ensure_group(self) -> None:
@@ -596,13 +700,16 @@ class Worker:
         job_id, request_id, tenant, request_type = known
         log.warning("entry %s (request %r, job %r) was pending but is no longer in the stream (trimmed): "
                     "its request is lost", entry_id, request_id, job_id)
-        record = self.redis.get(keys.idempotency_key(self.config.stream, job_id, request_id))
+        record_key = keys.idempotency_key(self.config.stream, job_id, request_id)
+        record = self.redis.get(record_key)
         if record is not None and (_s(record).split(" ", 1)[0] != entry_id or _s(record).endswith(" done")):
             self.pending_acks.append((entry_id, None, "", None))
             return
         if self._job_status(job_id) is not None:  # `mqinfer jobs` sends its lost requests again
             self.pending_acks.append((entry_id, None, "", None))
             return
+        if record is not None:  # the record is this entry's: copies waiting for it get the lost row
+            self._idem[entry_id] = (record_key, "")
         self._error_row(
             entry_id, request_id, job_id, errors.LOST,
             "the stream entry was removed (trimmed) while pending, before the request finished; send it again",
@@ -721,16 +828,22 @@ class Worker:
 
     def _claim_request(self, entry_id: str, request: Request, fields: dict) -> bool:
         """Take the request's idempotency record for this entry; False when the entry is done with
-        (a duplicate acked without computing, or a conflicting copy sent to the dead letters)."""
+        (a duplicate acked without computing, or a conflicting copy sent to the dead letters).
+
+        A duplicate with a reply stream is answered there: with the first copy's stored final row
+        if it was computed, when its row is written if it still runs; a conflicting copy gets an
+        error row (``duplicate_id``) that is not written, so its client does not wait in vain.
+        """
         ttl = self.config.idempotency_ttl_s
         if not ttl:
             return True
         record = keys.idempotency_key(self.config.stream, request.job_id, request.id)
-        digest = hashlib.sha256(_CONTENT_ENCODER.encode(request)).hexdigest()[:32]
+        digest = content_digest(request)
         known = json.dumps([request.job_id, request.id, request.tenant, request.request_type])
-        outcome, first = self._claim(keys=[record, self.inflight_key, self.stream_key],
-                                     args=[entry_id, digest, max(1, math.ceil(ttl)), known])
-        outcome, first = _s(outcome), _s(first)
+        outcome, first, state, stored = self._claim(
+            keys=[record, self.inflight_key, self.stream_key, _final_row_key(record), _waiters_key(record)],
+            args=[entry_id, digest, max(1, math.ceil(ttl)), known, request.reply_to or "", MAX_WAITERS])
+        outcome, first, state = _s(outcome), _s(first), _s(state)
         if outcome in ("new", "redelivery", "takeover"):
             if outcome == "takeover":
                 log.info("request %r (job %r): entry %s takes over from %s, which is gone without a row",
@@ -742,13 +855,40 @@ class Worker:
             log.info("entry %s repeats request %r (job %r) of entry %s: computed once", entry_id, request.id,
                      request.job_id, first)
             self.pending_acks.append((entry_id, None, "", None))
+            if request.reply_to is not None and state == "done":
+                self._answer_duplicate(entry_id, request, first, stored)
             return False
         self.metrics.duplicates["conflict"].inc()
-        self._dead_letter(entry_id, fields, RequestError(
-            errors.DUPLICATE_ID,
-            f"id {request.id!r} (job_id {request.job_id!r}) was already submitted with different content "
-            f"(entry {first}); a request is identified by (job_id, id) - at `$.id`", request.id))
+        message = (f"id {request.id!r} (job_id {request.job_id!r}) was already submitted with different content "
+                   f"(entry {first}); a request is identified by (job_id, id) - at `$.id`")
+        self._dead_letter(entry_id, fields, RequestError(errors.DUPLICATE_ID, message, request.id))
+        if request.reply_to is not None:
+            self.replies.final(request.reply_to, self._unwritten_error_row(entry_id, request, message))
         return False
+
+    def _answer_duplicate(self, entry_id: str, request: Request, first: str, stored) -> None:
+        """Send a copy of a computed request the first copy's final row (no row is written for it)."""
+        row = None
+        if stored:
+            try:
+                row = _ROW_DECODER.decode(stored)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("stored final row of request %r (job %r) is unreadable: %s", request.id,
+                            request.job_id, exc)
+        if row is None:  # computed without a reply stream of its own, so its row was not kept
+            row = self._unwritten_error_row(entry_id, request, (
+                f"id {request.id!r} (job_id {request.job_id!r}) was already computed (entry {first}); its row is "
+                "in the results dataset and is not sent again - at `$.id`"))
+        self.replies.final(request.reply_to, row)
+
+    def _unwritten_error_row(self, entry_id: str, request: Request, message: str) -> ResultRow:
+        """A ``duplicate_id`` error row that only answers on a reply stream: the dataset keeps the
+        row of the request's first copy."""
+        return error_result_row(
+            request.id, request.job_id, errors.DUPLICATE_ID, message, tenant=request.tenant,
+            model=self.engine.info.model_id, request_type=request.request_type, worker=self.consumer,
+            attempt=1, enqueued_at=entry_time(entry_id), finished_at=self.clock(), metadata=dict(request.metadata),
+        )
 
     def _dead_letter(self, entry_id: str, fields: dict, exc: RequestError) -> None:
         """No usable id: the entry goes to the dead-letter stream with the reason, then is acked."""
@@ -864,6 +1004,7 @@ class Worker:
         self.pending_acks.append((item.entry_id, req.job_id, req.id, row))
         if req.reply_to is not None:
             self.pending_finals.append((req.reply_to, row))
+            self._keep_final.add(item.entry_id)
         if req.job_id is not None:
             self._entry_cost[item.entry_id] = cost.cost_usd
         if self.budget_guard is not None:
@@ -883,7 +1024,7 @@ class Worker:
             "e2e_s": round(now - item.enqueued_at, 6), "device_s": round(meter.device_s, 6),
             "recomputed_s": round(meter.recomputed_s, 6), "cost_usd": cost.cost_usd,
         }
-        log.info("finished %s", json.dumps(fields), extra={"fields": fields})
+        self._row_log.append(("finished %s", (json.dumps(fields),), fields))
 
     def _error_row(self, entry_id: str, request_id: str, job_id: str | None, code: str | None,
                    message: str | None, *, attempt: int, enqueued_at: float, request: Request | None = None,
@@ -913,7 +1054,7 @@ class Worker:
         if request is not None and request.reply_to is not None:
             self.pending_finals.append((request.reply_to, row))
         self.metrics.finish(finish_reason)
-        log.info("%s row %s: %s: %s", finish_reason, request_id, code, message)
+        self._row_log.append(("%s row %s: %s: %s", (finish_reason, request_id, code, message), None))
 
     def _bill_wasted(self, item: InFlight, meter) -> None:
         """Device time spent on a request whose row this worker will not write bills nobody,
@@ -946,11 +1087,17 @@ class Worker:
             self.sinks.add_cost(self._overhead_row("idle", idle, now))
         try:
             self.sinks.flush()
+            self._log_durable_rows()
             faults.hit("sink.after_write")
         except OSError as exc:
             raise SinkError("writing Parquet part files failed") from exc
         self.metrics.rows_written.inc(len(self.pending_acks))
         self._redis(self._ack)
+
+    def _log_durable_rows(self) -> None:
+        for fmt, args, fields in self._row_log:
+            log.info(fmt, *args, extra={"fields": fields} if fields is not None else None)
+        self._row_log.clear()
 
     def _ack(self) -> None:
         """Acknowledge entries whose rows are durable, in one transaction with their side effects:
@@ -973,12 +1120,23 @@ class Worker:
         pipe.xack(self.stream_key, self.config.group, *ids)
         pipe.xdel(self.stream_key, *ids)  # acked entries leave the stream; pending ones never do
         pipe.hdel(self.inflight_key, *ids)
+        # Copies that arrived while a request ran wait for its row: taken in this transaction, so
+        # that a copy claimed after it finds the record `done` (and the stored row) instead.
+        waiting: list[tuple[int, ResultRow]] = []
+        ttl = max(1, math.ceil(self.config.idempotency_ttl_s or 1))
         for entry_id, _, _, row in self.pending_acks:
             idem = self._idem.get(entry_id)
-            if idem is not None and row is not None and row.finish_reason in ("stop", "length"):
+            if idem is None or row is None:
+                continue
+            if row.finish_reason in ("stop", "length"):
                 # Computed: later copies are duplicates. A request that ended otherwise (an error,
                 # cancelled, expired) may be sent again and is then computed again.
+                if entry_id in self._keep_final:
+                    pipe.set(_final_row_key(idem[0]), _ROW_ENCODER.encode(row), ex=ttl)
                 pipe.set(idem[0], f"{entry_id} {idem[1]} done", xx=True, keepttl=True)
+            waiting.append((len(pipe), row))
+            pipe.get(_waiters_key(idem[0]))
+            pipe.set(_waiters_key(idem[0]), "", px=1, xx=True)
         for job_id, rids in done.items():
             key = keys.job_done_set(self.config.stream, job_id)
             pipe.sadd(key, *rids)
@@ -990,9 +1148,15 @@ class Worker:
             if job_id is not None and row is not None and self._job_wants_rows(job_id):
                 results_pipe.xadd(keys.job_results_stream(job_id),
                                   {"id": rid, "row": msgspec.json.encode(row), "cost_usd": repr(cost_usd)})
-        pipe.execute()
+        results = pipe.execute()
         for entry_id in ids:
             self._idem.pop(entry_id, None)
+            self._keep_final.discard(entry_id)
+        for position, row in waiting:
+            for reply_to in _waiting_reply_streams(results[position]):
+                self.replies.final(reply_to, row)
+        if self.replies:
+            self.replies.send(self.redis)
         if results_pipe is not pipe:
             results_pipe.execute()
         if charged:
