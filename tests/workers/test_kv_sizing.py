@@ -131,3 +131,20 @@ def test_swap_pool_is_bounded_by_what_the_requests_can_hold(monkeypatch):
                      prompts, 40)
     assert {k: v.output_token_ids for k, v in finished.items()} == {k: v.output_token_ids
                                                                      for k, v in reference.items()}
+
+
+def test_on_cuda_the_size_follows_free_device_memory(tiny_info, monkeypatch):
+    block_bytes = TINY_KV_BYTES_PER_TOKEN * 16
+    cuda = torch.device("cuda:0")
+    free = {"bytes": 100 << 30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 140 << 30))
+    config = EngineConfig(max_num_seqs=256)
+    # Plenty free: what 256 full contexts use (2 GiB), not 90% of 100 GiB.
+    blocks, why = engine_module._default_num_kv_blocks(tiny_info, cuda, config, 2048)
+    assert blocks == 256 * 128
+    assert "90% of the 100.0 GiB free on cuda:0 less 2 GiB for activations" in why
+    # 3 GiB free: 90% of it less the 2 GiB reserve.
+    free["bytes"] = 3 << 30
+    blocks, why = engine_module._default_num_kv_blocks(tiny_info, cuda, config, 2048)
+    assert blocks == (int((3 << 30) * 0.9) - (2 << 30)) // block_bytes
+    assert "would need 32768" in why
