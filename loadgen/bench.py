@@ -204,7 +204,7 @@ class WorkerPool:
 
 
 def _wait_done(redis_client, job_id: str, expected: int, pool: WorkerPool, timeout_s: float, what: str) -> None:
-    from mqinfer import keys
+    from mqinfer.schemas import keys
 
     done_key = keys.job_done_set(STREAM, job_id)
     start = time.monotonic()

@@ -210,7 +210,7 @@ def redis_problem(exc: Exception, url: str | None) -> str:
     """One line for a Redis server that cannot be used: which server, and why."""
     import redis
 
-    from mqinfer.server import redact
+    from mqinfer.schemas.connection import redact
 
     where = redact(url) if url else "the Redis server"
     if isinstance(exc, redis.exceptions.AuthenticationError) or "WRONGPASS" in str(exc) or "NOAUTH" in str(exc):

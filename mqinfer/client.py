@@ -8,28 +8,8 @@ Three layers, one module, because they share one wire protocol:
   ``result``, ``stream``, ``cancel``, with backpressure and typed errors. A client owns a reply
   stream ``mqinfer:reply:<uuid>`` and sets it as the ``reply_to`` of what it submits, so workers
   send each request's tokens and final row there.
-- The reply-stream and cancel protocols, shared with the worker: :class:`ReplyWriter` (the
-  worker's side), :func:`parse_reply`, :func:`cancel_key`, :func:`cancel_member`,
-  :data:`CANCEL_SCRIPT`.
 
-Reply stream messages (stream entry fields; every message has ``id``, ``type``, ``attempt``,
-``worker``, and ``job_id`` when the request has one):
-
-- ``delta``: ``token_ids`` (a JSON list), ``text`` (never a partial character) and ``index`` (the
-  output position of the first token), one per engine step that produced tokens.
-- ``restart``: the request was redelivered to this worker: drop its partial output.
-- ``final``: ``row``, the result row as JSON, equal to the row in the results dataset. It is sent
-  once the row is durable, just before the request's stream entry is acked. A request submitted
-  again (same ``job_id`` and ``id``; from this or another client) is not computed again: a copy
-  with the same content gets the first copy's row (once it is written, if it still runs); a copy
-  with different content gets an error row with ``error_code`` ``duplicate_id`` naming the id,
-  which is not in the results dataset (that keeps the first copy's row). Content is compared
-  without ``reply_to``, ``priority`` and ``deadline``.
-
-Cancelling adds ``[job_id, id]`` to the sorted set ``mqinfer:{S}:cancel`` with the server's time
-as score (so a request submitted again later is not cancelled by an old entry); workers check it
-for what they read and, every keepalive, for what they run. The set expires a day after the last
-cancel.
+The reply and cancel protocols are in :mod:`mqinfer.schemas.replies`.
 """
 
 from __future__ import annotations
@@ -38,29 +18,37 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any, Union
+from collections.abc import AsyncIterator, Iterable, Iterator
+from typing import Any
 
 import msgspec
 import redis
 
-from mqinfer import keys
-from mqinfer.cluster import connect_redis, is_cluster, shard_index, shard_streams
-from mqinfer.schemas import errors
+from mqinfer.schemas import errors, keys
+from mqinfer.schemas.connection import connect, connect_redis, is_cluster
 from mqinfer.schemas.errors import RequestError
+from mqinfer.schemas.keys import shard_index, shard_streams
+from mqinfer.schemas.replies import (
+    CANCEL_SCRIPT,
+    CANCEL_TTL_S,
+    Delta,
+    Final,
+    ReplyEvent,
+    ReplyWriter,
+    Restart,
+    cancel_key,
+    cancel_member,
+    new_reply_stream,
+    as_text,
+    parse_reply,
+)
 from mqinfer.schemas.request import Request, request_from_obj
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import encode_entry
-from mqinfer.server import connect
 
 log = logging.getLogger("mqinfer.client")
 
-REPLY_MAXLEN = 100_000
-REPLY_TTL_S = 3600
-CANCEL_TTL_S = 24 * 3600
 
 __all__ = [
     "AsyncClient", "BackpressureError", "CANCEL_SCRIPT", "Client", "ClientError", "Delta", "Final",
@@ -92,175 +80,6 @@ class ResultTimeout(ClientError, TimeoutError):
 
 class NoReplyStream(ClientError):
     """``result``/``stream`` for a request submitted without a reply stream."""
-
-
-# -- keys and the cancel protocol -------------------------------------------------------------
-def new_reply_stream() -> str:
-    return f"{keys.REPLY_PREFIX}{uuid.uuid4().hex}"
-
-
-def cancel_key(stream: str = "requests") -> str:
-    """Sorted set of cancelled requests of stream ``S``: same slot as ``mqinfer:{S}``."""
-    return f"mqinfer:{{{stream}}}:cancel"
-
-
-def cancel_member(request_id: str, job_id: str | None) -> bytes:
-    return msgspec.json.encode([job_id, request_id])
-
-
-# KEYS[1] = cancel set, ARGV[1] = member, ARGV[2] = ttl seconds. The score is the server's time,
-# comparable with stream entry ids (also server time), so an old cancel cannot hit a later
-# request with the same id. Old members are dropped here, not by a sweeper.
-CANCEL_SCRIPT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('ZADD', KEYS[1], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-return tostring(now)
-"""
-
-
-# -- reply messages --------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """New tokens of one request: ``token_ids`` start at output position ``index``."""
-
-    id: str
-    job_id: str | None
-    token_ids: list[int]
-    text: str
-    index: int
-    attempt: int
-    worker: str
-    type: str = "delta"
-
-
-@dataclass(frozen=True, slots=True)
-class Restart:
-    """The request was redelivered (``attempt``): output received so far is to be discarded."""
-
-    id: str
-    job_id: str | None
-    attempt: int
-    worker: str
-    type: str = "restart"
-
-
-@dataclass(frozen=True, slots=True)
-class Final:
-    """The request's result row (what the results dataset holds for it)."""
-
-    id: str
-    job_id: str | None
-    attempt: int
-    worker: str
-    row: ResultRow
-    type: str = "final"
-
-
-ReplyEvent = Union[Delta, Restart, Final]
-
-_ROW_DECODER = msgspec.json.Decoder(ResultRow)
-_IDS_DECODER = msgspec.json.Decoder(list[int])
-_JSON = msgspec.json.Encoder()
-
-
-def _text(value: Any) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
-
-
-def parse_reply(fields: Mapping[Any, Any]) -> ReplyEvent:
-    """One reply stream message as a typed event; ValueError naming the problem if malformed."""
-    f = {_text(k): v for k, v in fields.items()}
-    try:
-        kind = _text(f["type"])
-        rid = _text(f["id"])
-        attempt = int(_text(f.get("attempt", b"1")))
-        worker = _text(f.get("worker", b""))
-        job_id = _text(f["job_id"]) if "job_id" in f else None
-        if kind == "delta":
-            return Delta(rid, job_id, _IDS_DECODER.decode(f["token_ids"]), _text(f.get("text", b"")),
-                         int(_text(f["index"])), attempt, worker)
-        if kind == "restart":
-            return Restart(rid, job_id, attempt, worker)
-        if kind == "final":
-            return Final(rid, job_id, attempt, worker, _ROW_DECODER.decode(f["row"]))
-    except KeyError as exc:
-        raise ValueError(f"reply message without field {exc.args[0]!r}") from None
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        raise ValueError(f"malformed reply message: {exc}") from None
-    raise ValueError(f"reply message of unknown type {kind!r}")
-
-
-class ReplyWriter:
-    """The worker's side: buffers reply messages and sends them in one pipeline per call of
-    :meth:`send` (one round trip per engine step, whatever the number of requests and tokens).
-
-    Each stream is capped at about ``maxlen`` messages (``XADD MAXLEN ~``) and expires
-    ``ttl_s`` after its last message. If sending fails the messages stay buffered for the next
-    try; past ``max_buffered`` the oldest deltas are dropped (a consumer sees the gap in
-    ``index``), never a restart or a final.
-    """
-
-    def __init__(self, worker: str, *, maxlen: int = REPLY_MAXLEN, ttl_s: int = REPLY_TTL_S,
-                 max_buffered: int = 100_000) -> None:
-        if maxlen < 1 or ttl_s < 1 or max_buffered < 1:
-            raise ValueError("maxlen, ttl_s and max_buffered must be >= 1")
-        self.worker = worker
-        self.maxlen = maxlen
-        self.ttl_s = ttl_s
-        self.max_buffered = max_buffered
-        self._buffer: list[tuple[str, dict[str, Any]]] = []
-        self.dropped = 0
-
-    def __len__(self) -> int:
-        return len(self._buffer)
-
-    def _head(self, kind: str, request_id: str, job_id: str | None, attempt: int) -> dict[str, Any]:
-        fields: dict[str, Any] = {"id": request_id, "type": kind, "attempt": attempt, "worker": self.worker}
-        if job_id is not None:
-            fields["job_id"] = job_id
-        return fields
-
-    def restart(self, reply_to: str, request_id: str, job_id: str | None, attempt: int) -> None:
-        self._add(reply_to, self._head("restart", request_id, job_id, attempt))
-
-    def delta(self, reply_to: str, request_id: str, job_id: str | None, token_ids: list[int], text: str,
-              index: int, attempt: int) -> None:
-        fields = self._head("delta", request_id, job_id, attempt)
-        fields.update(token_ids=_JSON.encode(token_ids), text=text, index=index)
-        self._add(reply_to, fields)
-
-    def final(self, reply_to: str, row: Any) -> None:
-        """``row`` is a ResultRow (the one written to the results dataset)."""
-        fields = self._head("final", row.id, row.job_id, row.attempt)
-        fields["row"] = _JSON.encode(row)
-        self._add(reply_to, fields)
-
-    def _add(self, key: str, fields: dict[str, Any]) -> None:
-        buffer = self._buffer
-        buffer.append((key, fields))
-        if len(buffer) > self.max_buffered:  # only while sending fails: drop the oldest delta
-            for i, (_, queued) in enumerate(buffer):
-                if queued["type"] == "delta":
-                    del buffer[i]
-                    self.dropped += 1
-                    break
-
-    def send(self, client) -> int:
-        """Send everything buffered in one pipeline; returns how many messages went out."""
-        if not self._buffer:
-            return 0
-        pipe = client.pipeline(transaction=False)
-        for key, fields in self._buffer:
-            pipe.xadd(key, fields, maxlen=self.maxlen, approximate=True)
-        for key in dict.fromkeys(key for key, _ in self._buffer):
-            pipe.expire(key, self.ttl_s)
-        pipe.execute()
-        sent = len(self._buffer)
-        self._buffer = []
-        return sent
 
 
 class _Replies:
@@ -392,7 +211,7 @@ def _backlog_from(groups: list[dict] | None, xlen: int) -> int:
     compute the lag (it reports none after some deletions).
     """
     for g in groups or []:
-        if _text(g.get("name")) == keys.GROUP:
+        if as_text(g.get("name")) == keys.GROUP:
             lag = g.get("lag")
             if lag is None:
                 return xlen
@@ -487,14 +306,14 @@ class _ClientCore:
         """Sort an XREAD response into per-request events; returns how many messages it held."""
         n = 0
         for stream_key, messages in response or []:
-            stream_key = _text(stream_key)
+            stream_key = as_text(stream_key)
             for msg_id, fields in messages:
-                self._cursors[stream_key] = _text(msg_id)
+                self._cursors[stream_key] = as_text(msg_id)
                 n += 1
                 try:
                     event = parse_reply(fields)
                 except ValueError as exc:
-                    log.warning("skipping reply message %s on %s: %s", _text(msg_id), stream_key, exc)
+                    log.warning("skipping reply message %s on %s: %s", as_text(msg_id), stream_key, exc)
                     continue
                 self.replies.add(event)
         return n
@@ -894,7 +713,7 @@ def _async_connect(url: str, cluster: bool):
     import redis.asyncio
     import redis.asyncio.cluster
 
-    from mqinfer.server import redact
+    from mqinfer.schemas.connection import redact
 
     scheme = url.split("://", 1)[0].lower() if "://" in url else ""
     if scheme not in ("redis", "rediss", "unix") or (cluster and scheme == "unix"):

@@ -22,65 +22,16 @@ import signal
 import socket
 import subprocess
 import time
-import zlib
 from pathlib import Path
 from urllib.parse import quote
 
 import redis
 import redis.cluster
 
-from mqinfer.server import ServerError, connect, redact, server_binary
+from mqinfer.schemas.connection import connect, connect_redis
+from mqinfer.server import ServerError, server_binary
 
 NUM_SLOTS = 16384
-
-# What a cluster client raises while a node is down, restarting or the slot map is moving:
-# transient, so a worker retries with backoff instead of failing.
-CLUSTER_TRANSIENT = (
-    redis.exceptions.ClusterDownError,
-    redis.exceptions.TryAgainError,
-    redis.exceptions.SlotNotCoveredError,
-    redis.exceptions.MasterDownError,
-)
-
-
-def connect_redis(url: str, *, cluster: bool = False, **kwargs) -> redis.Redis | redis.cluster.RedisCluster:
-    """A client for one server (``cluster=False``) or a whole cluster reached through a seed node.
-
-    With ``cluster=True``, ``url`` names any one node (``redis://[:password@]host:port``); the
-    client learns the slot map from it and follows it as nodes come and go.
-    """
-    if not cluster:
-        return connect(url, **kwargs)
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme not in ("redis", "rediss"):
-        raise ValueError(f"a cluster seed must be a redis:// or rediss:// URL, got {redact(url)!r}")
-    kwargs.setdefault("socket_connect_timeout", 10)
-    try:
-        return redis.cluster.RedisCluster.from_url(url, **kwargs)
-    except redis.exceptions.RedisClusterException as exc:
-        raise ValueError(f"cannot use {redact(url)} as a cluster seed: {exc}") from exc
-
-
-def is_cluster(client) -> bool:
-    return isinstance(client, redis.cluster.RedisCluster)
-
-
-def shard_streams(stream: str, shards: int) -> list[str]:
-    """The stream names of ``stream`` split into ``shards`` (one shard keeps the plain name)."""
-    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
-        raise ValueError(f"shards must be a positive integer, got {shards!r}")
-    if shards == 1:
-        return [stream]
-    return [f"{stream}-{i}" for i in range(shards)]
-
-
-def shard_index(request_id: str, job_id: str | None, shards: int) -> int:
-    """The shard a request lives on: a stable hash of (job_id, id), the request's identity."""
-    if shards == 1:
-        return 0
-    key = f"{job_id or ''}\x1f{request_id}".encode()
-    return zlib.crc32(key) % shards
-
 
 def _free_cluster_port() -> int:
     """A free port P whose cluster bus port P + 10000 is free too."""

@@ -107,7 +107,7 @@ def _options(args) -> dict:
 
 def _client(opts: dict):
     """The jobs server: job state and the rq queue (--jobs-redis, else --redis)."""
-    from mqinfer.server import connect
+    from mqinfer.schemas.connection import connect
 
     url = opts.get("jobs_redis") or opts.get("redis")
     if not url:
@@ -131,7 +131,7 @@ def _client(opts: dict):
 
 def _data_client(opts: dict, *, needed: bool = True):
     """The inference workers' server (--redis) when --jobs-redis names another one, else None."""
-    from mqinfer.cluster import connect_redis
+    from mqinfer.schemas.connection import connect_redis
 
     jobs_url, url = opts.get("jobs_redis"), opts.get("redis")
     if not jobs_url or url == jobs_url:

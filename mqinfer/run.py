@@ -228,9 +228,10 @@ class _Signals:
 
 
 def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts: dict, lock) -> int:
-    from mqinfer import keys
+    from mqinfer.schemas import keys
     from mqinfer.client import Producer
-    from mqinfer.cluster import connect_redis, shard_index, shard_streams
+    from mqinfer.schemas.connection import connect_redis
+    from mqinfer.schemas.keys import shard_index, shard_streams
     from mqinfer.server import EmbeddedServer, ServerError
 
     streams = shard_streams(opts["stream"], opts["shards"])
@@ -380,7 +381,7 @@ def _count_done(client, done_keys: list[str], previous: int) -> int:
     """Requests with a durable row, over every shard (one key per slot: no multi-key command)."""
     import redis
 
-    from mqinfer.cluster import CLUSTER_TRANSIENT
+    from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 
     pipe = client.pipeline(transaction=False)
     for key in done_keys:

@@ -34,6 +34,8 @@ from urllib.parse import quote
 
 import redis
 
+from mqinfer.schemas.connection import connect
+
 from mqinfer.procs import die_with_parent
 
 log = logging.getLogger(__name__)
@@ -439,29 +441,3 @@ class EmbeddedServer:
 
     def client(self, **kwargs) -> redis.Redis:
         return connect(self.url, **kwargs)
-
-
-def connect(url: str, **kwargs) -> redis.Redis:
-    """A client for ``redis://``, ``rediss://`` or ``unix://`` URLs (credentials in the URL).
-
-    Gives a clear error for other schemes rather than redis-py's generic one.
-    """
-    scheme = url.split("://", 1)[0].lower() if "://" in url else ""
-    if scheme not in ("redis", "rediss", "unix"):
-        raise ValueError(
-            f"unsupported Redis URL {redact(url)!r}: use redis://[user:password@]host:port/db, "
-            "rediss:// for TLS, or unix://[:password@]/path/to/socket"
-        )
-    kwargs.setdefault("socket_connect_timeout", 10)
-    kwargs.setdefault("health_check_interval", 30)
-    return redis.Redis.from_url(url, **kwargs)
-
-
-def redact(url: str) -> str:
-    """The URL with any password replaced by ``***``, for logs and messages."""
-    if "://" not in url or "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    creds, host = rest.rsplit("@", 1)
-    user = creds.split(":", 1)[0] if ":" in creds else ""
-    return f"{scheme}://{user}:***@{host}"

@@ -32,9 +32,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mqinfer import faults
+from mqinfer.schemas import faults
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA
-from mqinfer.workers.sink import COSTS_DIR, PARQUET_COMPRESSION, RESULTS_DIR, fsync_dir, part_files
+from mqinfer.schemas.dataset import COSTS_DIR, PARQUET_COMPRESSION, RESULTS_DIR, fsync_dir, part_files
 
 JOURNAL_NAME = ".compact-journal.json"
 LOCK_NAME = ".compact.lock"
@@ -78,7 +78,7 @@ def compact(out_dir: str | os.PathLike[str], *, fault: FaultHook | None = None) 
     ``fault`` is for crash tests only: it is called with the name of each step
     (``temp_written``, ``journal_written``, ``rename:<i>``, ``delete:<i>``, and ``recover:...``
     during recovery) and may raise to simulate a crash there. Without one, each step is the
-    named fault point ``compact.<step>`` of :mod:`mqinfer.faults` (off unless a test arms it).
+    named fault point ``compact.<step>`` of :mod:`mqinfer.schemas.faults` (off unless a test arms it).
     """
     out = Path(out_dir)
     stats = CompactStats()

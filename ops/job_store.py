@@ -1,7 +1,7 @@
 """A bulk job's state in Redis: its hash, its lock, its in-flight map, and the fenced writes on them.
 
 Every key of a job carries the job id as a hash tag (``mqinfer:job:{ID}...``). The hash
-(:func:`mqinfer.keys.job_key`) holds the status, the settings and every counter; the lock
+(:func:`mqinfer.schemas.keys.job_key`) holds the status, the settings and every counter; the lock
 (``...:lock``) is held by the one rq task that advances the job now; the in-flight map
 (``...:inflight``) maps each request id sent to the request stream and not yet collected to
 ``"<entry id> <index part>:<offset>"``; the parts list (``...:parts``) names the spool files of
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import redis
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 
 QUEUE_NAME = "mqinfer-jobs"
 JOBS_INDEX = "mqinfer:jobs"  # sorted set: job id -> created_at, for `jobs list`

@@ -37,8 +37,9 @@ import redis
 from rq import Queue, get_current_job
 from rq.serializers import JSONSerializer
 
-from mqinfer import keys
-from mqinfer.cluster import CLUSTER_TRANSIENT, shard_index, shard_streams
+from mqinfer.schemas import keys
+from mqinfer.schemas.connection import CLUSTER_TRANSIENT
+from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
 from mqinfer.ops.job_output import compose_output
 from mqinfer.ops.job_spool import Spool

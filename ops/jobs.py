@@ -34,8 +34,8 @@ import redis
 from rq import Queue, Worker
 from rq.serializers import JSONSerializer
 
-from mqinfer import keys
-from mqinfer.cluster import shard_index, shard_streams
+from mqinfer.schemas import keys
+from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.ops.job_output import ERRORS_JSONL, OUTPUT_JSONL, OUTPUT_PARQUET
 from mqinfer.ops.job_spool import Spool
 from mqinfer.ops.job_store import (

@@ -43,7 +43,7 @@ import pyarrow.dataset as ds
 
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA
-from mqinfer.workers.sink import COSTS_DIR, part_files
+from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
 GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
 _SUMMED = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "prefill_s", "decode_s",

@@ -1,4 +1,5 @@
-"""Helpers for tests that run real `mqinfer` processes against the embedded server."""
+"""Helpers shared by the tests: real `mqinfer` processes against the embedded server, and a clock
+moved by hand."""
 
 from __future__ import annotations
 
@@ -76,3 +77,19 @@ def stop_processes(*procs: subprocess.Popen, timeout: float = 30.0) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+
+
+class FakeClock:
+    """A clock the test moves by hand, for code that takes ``clock=`` (no sleeping)."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def advance_ms(self, ms: float) -> None:
+        self.now += ms / 1000.0

@@ -45,9 +45,9 @@ import msgspec
 import redis
 from prometheus_client import Gauge
 
-from mqinfer import faults, keys
-from mqinfer.client import ReplyWriter, cancel_key, cancel_member
-from mqinfer.cluster import CLUSTER_TRANSIENT, connect_redis
+from mqinfer.schemas import faults, keys
+from mqinfer.schemas.replies import ReplyWriter, cancel_key, cancel_member
+from mqinfer.schemas.connection import CLUSTER_TRANSIENT, connect_redis
 from mqinfer.ops.budgets import BUDGET_EXCEEDED, BudgetGuard, load_budgets
 from mqinfer.ops.metrics import WorkerMetrics
 from mqinfer.scheduler.batcher import DynamicBatcher
@@ -57,10 +57,11 @@ from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request, to_sampling_kwargs
 from mqinfer.schemas.rows import CostRow, ResultRow, error_result_row
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES, decode_entry, encode_entry
-from mqinfer.server import redact
+from mqinfer.schemas.connection import redact
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time, wasted_work_row
 from mqinfer.workers.engine import EngineConfig, EngineInputError, LLMEngine
-from mqinfer.workers.sink import Sinks, remove_temp_files
+from mqinfer.schemas.dataset import remove_temp_files
+from mqinfer.workers.sink import Sinks
 
 log = logging.getLogger("mqinfer.worker")
 

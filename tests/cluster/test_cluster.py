@@ -13,9 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import Client, ReplyWriter, cancel_key, cancel_member
-from mqinfer.cluster import LocalCluster, connect_redis, shard_index, shard_streams
+from mqinfer.schemas.connection import connect_redis
+from mqinfer.schemas.keys import shard_index, shard_streams
+from mqinfer.cluster import LocalCluster
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import decode_entry
 from mqinfer.ops.jobs import job_info

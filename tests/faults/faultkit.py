@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import Producer
 from tests.helpers import mqinfer_cmd, rows, wait_until
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.server import EmbeddedServer, _free_port
 from tests.faults.faultkit import (
     DEAD,

@@ -7,7 +7,7 @@ import signal
 import time
 from collections import Counter
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from tests.faults.faultkit import (
     STREAM,
     compact_and_check,

@@ -18,7 +18,7 @@ import redis
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import Client, Producer
 from mqinfer.server import _free_port, server_binary
 from tests.faults.faultkit import STREAM, pending_by_consumer, requests, spawn, submit

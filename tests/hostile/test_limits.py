@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
 from tests.faults.faultkit import STREAM, needs_worker_patch, spawn
 from tests.helpers import rows

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from tests.faults.faultkit import DEAD, STREAM, spawn
 from tests.helpers import rows, wait_until
 from tests.hostile.corpus import CASES

@@ -12,7 +12,7 @@ import time
 import msgspec
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import (
     AsyncClient,
     BackpressureError,

@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import Client, Delta
 from tests.helpers import rows, start_worker, wait_exit
 

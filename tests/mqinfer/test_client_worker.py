@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import AsyncClient, Client, Delta, Final
 from mqinfer.workers.worker import WorkerConfig
 from tests.helpers import start_worker, wait_exit

@@ -8,7 +8,8 @@ import sys
 import pytest
 import redis
 
-from mqinfer.server import EmbeddedServer, connect, redact
+from mqinfer.schemas.connection import connect, redact
+from mqinfer.server import EmbeddedServer
 
 
 def test_tcp_server_requires_password_and_binds_loopback(tmp_path):

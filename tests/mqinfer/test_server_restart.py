@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from mqinfer.server import EmbeddedServer, ServerError, _free_port, connect, server_binary
+from mqinfer.schemas.connection import connect
+from mqinfer.server import EmbeddedServer, ServerError, _free_port, server_binary
 from tests.helpers import mqinfer_cmd, wait_until
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from mqinfer.ops.compact import JOURNAL_NAME, CompactStats, compact
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow
-from mqinfer.workers.sink import DatasetWriter, part_files
+from mqinfer.schemas.dataset import DatasetWriter, part_files
 
 T = 1_700_000_000.0  # 2023-11-14 UTC
 DAY2 = T + 86_400

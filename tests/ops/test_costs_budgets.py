@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mqinfer.ops.budgets import BudgetError, Budgets, BudgetGuard, BudgetStatus, check_budgets, load_budgets, spend_key
+from tests.helpers import FakeClock
 
 T = 1_700_002_800.0  # 2023-11-14T23:00:00Z
 
@@ -67,9 +68,9 @@ def test_spend_keys_share_the_stream_slot():
 
 
 def test_guard_refuses_once_spent_and_counts_spend_at_ack(redis_client):
-    now = [T]
+    clock = FakeClock(T)
     guard = BudgetGuard(Budgets(tenants={"acme": 0.5, "zero": 0.0}, period="month"), redis_client, "requests",
-                        clock=lambda: now[0], refresh_s=60.0)
+                        clock=clock, refresh_s=60.0)
     assert guard.exceeded("acme") is None and guard.exceeded("nobody") is None
     refused = guard.exceeded("zero")
     assert "zero" in refused and "month 2023-11" in refused
@@ -92,16 +93,16 @@ def test_guard_refuses_once_spent_and_counts_spend_at_ack(redis_client):
     assert guard.spend_snapshot() == {"acme": pytest.approx(0.55)}
 
     # A new month starts from zero.
-    now[0] = T + 40 * 86_400
+    clock.now = T + 40 * 86_400
     assert guard.exceeded("acme") is None
     assert guard.spend_snapshot() == {}
 
 
 def test_guard_sees_other_workers_spend_after_its_refresh(redis_client):
-    now = [T]
-    guard = BudgetGuard(Budgets(tenants={"acme": 1.0}), redis_client, "s1", clock=lambda: now[0], refresh_s=1.0)
+    clock = FakeClock(T)
+    guard = BudgetGuard(Budgets(tenants={"acme": 1.0}), redis_client, "s1", clock=clock, refresh_s=1.0)
     assert guard.exceeded("acme") is None
     redis_client.hincrbyfloat(spend_key("s1"), "acme", 1.5)  # another worker acked rows
     assert guard.exceeded("acme") is None  # read less than refresh_s ago
-    now[0] += 1.0
+    clock.advance(1.0)
     assert "all time" in guard.exceeded("acme")

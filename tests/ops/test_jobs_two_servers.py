@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import redis
 
-from mqinfer import keys
-from mqinfer.cluster import shard_index, shard_streams
+from mqinfer.schemas import keys
+from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.job_tasks import run_task
 from mqinfer.ops.jobs import cancel_job, job_info, submit_job

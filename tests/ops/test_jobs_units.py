@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
 from mqinfer.ops.job_output import compose_output, openai_record
 from mqinfer.ops.job_spool import Spool
@@ -323,7 +323,7 @@ def test_tasks_run_without_importing_torch(redis_url, tmp_path):
 import sys
 from rq import SimpleWorker
 from rq.serializers import JSONSerializer
-from mqinfer.server import connect
+from mqinfer.schemas.connection import connect
 from mqinfer.ops import job_tasks
 from mqinfer.ops.jobs import submit_job, job_info
 job_tasks.TASK_BUDGET_S = 0.5  # the job has no inference worker: do not wait for rows

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.ops.budgets import Budgets, BudgetGuard, spend_key
 from mqinfer.ops.metrics import OTHER_TENANT, WorkerMetrics, memory_utilization
 from mqinfer.scheduler.config import SchedulerConfig

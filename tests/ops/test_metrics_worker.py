@@ -24,7 +24,7 @@ import urllib.request
 
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.ops.budgets import spend_key
 from tests.helpers import rows, start_worker, wait_exit, wait_until
 

@@ -11,7 +11,7 @@ import pytest
 
 from mqinfer.ops.report import cost_report, render
 from mqinfer.schemas.rows import COST_SCHEMA, CostRow
-from mqinfer.workers.sink import DatasetWriter
+from mqinfer.schemas.dataset import DatasetWriter
 
 T = 1_700_000_000.0
 

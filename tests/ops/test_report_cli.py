@@ -14,7 +14,7 @@ import pytest
 
 from mqinfer.ops.compact import compact
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow
-from mqinfer.workers.sink import DatasetWriter
+from mqinfer.schemas.dataset import DatasetWriter
 from tests.helpers import mqinfer_cmd
 
 T = 1_700_000_000.0

@@ -13,7 +13,7 @@ import pytest
 from mqinfer.ops.budgets import Budgets
 from mqinfer.ops.report import cost_report, plot, render
 from mqinfer.schemas.rows import COST_SCHEMA, CostRow
-from mqinfer.workers.sink import DatasetWriter
+from mqinfer.schemas.dataset import DatasetWriter
 from tests.helpers import mqinfer_cmd
 
 H = 1_700_002_800.0  # an hour boundary (UTC)

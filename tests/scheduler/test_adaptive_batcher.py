@@ -9,21 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqinfer.scheduler.batcher import AdaptiveWait, DynamicBatcher
-
-
-class FakeClock:
-    def __init__(self, now: float = 5000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+from tests.helpers import FakeClock
 
 
 def make(max_batch=64, **adaptive_kwargs):
-    clock = FakeClock()
+    clock = FakeClock(5000.0)
     adaptive = AdaptiveWait(**adaptive_kwargs) if adaptive_kwargs else None
     return DynamicBatcher(max_batch=max_batch, max_wait_ms="auto", clock=clock, adaptive=adaptive), clock
 
@@ -174,7 +164,7 @@ def test_against_fixed_thresholds_in_a_simulated_engine():
     step = 0.020
     # Light load (2 req/s): a fixed 10 ms wait holds nearly every item the full 10 ms; auto does not
     # (both include the time items arriving during a step wait for it to end).
-    c1 = FakeClock()
+    c1 = FakeClock(5000.0)
     fixed_wait, _ = _simulate(DynamicBatcher(max_batch=64, max_wait_ms=10.0, clock=c1), c1, rate=2.0,
                               step_s=step, steps_per_request=4, n=200, seed=1)
     auto, c2 = make()
@@ -183,7 +173,7 @@ def test_against_fixed_thresholds_in_a_simulated_engine():
     assert auto_wait < fixed_wait / 3
     # Heavier load (60 req/s, one arrival per step on average, the engine idle between bursts):
     # auto gathers fuller batches for the idle engine than releasing at once does.
-    c0 = FakeClock()
+    c0 = FakeClock(5000.0)
     _, zero_batch = _simulate(DynamicBatcher(max_batch=64, max_wait_ms=0.0, clock=c0), c0, rate=60.0,
                               step_s=step, steps_per_request=1, n=3000, seed=2)
     auto2, c3 = make()
@@ -211,7 +201,7 @@ def test_sleeping_the_advised_time_is_always_enough(step_ms, gaps_ms, later_ms):
 
 
 def test_remove_takes_one_waiting_item_out():
-    batcher = DynamicBatcher(max_batch=8, max_wait_ms=10.0, clock=FakeClock())
+    batcher = DynamicBatcher(max_batch=8, max_wait_ms=10.0, clock=FakeClock(5000.0))
     for item in "abc":
         batcher.add(item)
     assert batcher.remove("b") is True
@@ -220,7 +210,7 @@ def test_remove_takes_one_waiting_item_out():
 
 
 def test_fixed_mode_reports_its_wait_and_ignores_steps():
-    batcher = DynamicBatcher(max_batch=8, max_wait_ms=7.5, clock=FakeClock())
+    batcher = DynamicBatcher(max_batch=8, max_wait_ms=7.5, clock=FakeClock(5000.0))
     batcher.observe_step(1.0)
     assert batcher.wait_s() == pytest.approx(0.0075)
     assert batcher.stats().wait_s == pytest.approx(0.0075) and batcher.stats().step_time_s is None

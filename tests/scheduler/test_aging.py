@@ -13,16 +13,9 @@ from hypothesis import strategies as st
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
+from tests.helpers import FakeClock
 
 FILL = 7
-
-
-class Clock:
-    def __init__(self, now: float = 0.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def req(rid: str, arrival: float, priority: int = 0, prompt_len: int = 2, max_tokens: int = 2) -> Request:
@@ -96,7 +89,7 @@ def run_stream(aging: float | None, max_steps: int) -> tuple[int | None, list[st
     """A priority-5 request waits while a priority-0 request arrives every second (one step =
     one second) and each needs two steps: the high-priority queue only ever grows.
     Returns the step at which the low one started (None if never) and the start order."""
-    clock = Clock(0.0)
+    clock = FakeClock(0.0)
     config = SchedulerConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=1,
                              priority_aging_s=aging)
     scheduler = Scheduler(config, clock=clock)

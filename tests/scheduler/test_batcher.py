@@ -9,21 +9,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqinfer.scheduler.batcher import DynamicBatcher
-
-
-class FakeClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance_ms(self, ms: float) -> None:
-        self.now += ms / 1000.0
+from tests.helpers import FakeClock
 
 
 def make(max_batch=4, max_wait_ms=10.0):
-    clock = FakeClock()
+    clock = FakeClock(1000.0)
     return DynamicBatcher(max_batch=max_batch, max_wait_ms=max_wait_ms, clock=clock), clock
 
 

@@ -21,17 +21,10 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
+from tests.helpers import FakeClock
 
 EOS = 0
 FILL = 7  # the fake model's usual token: never EOS
-
-
-class FakeClock:
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class FakeModel:
@@ -66,7 +59,7 @@ class Driver:
     """schedule → model → update, recording every step."""
 
     def __init__(self, config: SchedulerConfig, sample=None, clock=None) -> None:
-        self.clock = clock or FakeClock()
+        self.clock = clock or FakeClock(1_700_000_000.0)
         self.scheduler = Scheduler(config, clock=self.clock)
         self.model = FakeModel(self.scheduler, sample)
         self.steps: list[dict[str, int]] = []  # request id -> tokens scheduled, per step

@@ -439,10 +439,10 @@ def test_swap_out_and_back_in_within_one_step_copies_out_first():
 
 @pytest.mark.parametrize("ending", ["expired", "cancelled"])
 def test_a_swapped_request_that_expires_or_is_cancelled_frees_host_memory(ending):
-    now = [100.0]
+    clock = FakeClock(100.0)
     config = swap_config(block_size=2, num_kv_blocks=6, max_num_batched_tokens=16, max_num_seqs=3,
                          num_swap_blocks=8, enable_prefix_caching=False)
-    scheduler = Scheduler(config, clock=lambda: now[0])
+    scheduler = Scheduler(config, clock=clock)
     model = ShadowModel(2)
     a = req("a", 4, arrival=0.0, max_tokens=8)
     b = Request("b", [40, 41, 42, 43], SamplingParams(max_tokens=8), arrival_time=1.0, deadline=105.0)
@@ -454,7 +454,7 @@ def test_a_swapped_request_that_expires_or_is_cancelled_frees_host_memory(ending
         scheduler.update_from_output(out, model.run(out))
     assert b.output_token_ids == [FILL] * 3 and kv.num_free_swap_blocks == 5
     if ending == "expired":
-        now[0] = 105.0
+        clock.now = 105.0
         out = scheduler.schedule()
         assert out.finished == [b] and b.status is RequestStatus.FINISHED_EXPIRED
         scheduler.update_from_output(out, model.run(out))

@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.ops.compact import compact
 from mqinfer.ops.report import cost_report
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, wait_until, write_jsonl

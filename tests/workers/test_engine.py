@@ -255,8 +255,8 @@ def test_seeded_sampling_same_alone_and_in_a_batch(tiny_engine_factory):
 
 
 def test_cancel_expire_and_too_big(tiny_engine_factory):
-    now = [1000.0]
-    engine = LLMEngine(EngineConfig(num_threads=1, num_kv_blocks=4, block_size=16), clock=lambda: now[0])
+    clock = FakeClock(1000.0)
+    engine = LLMEngine(EngineConfig(num_threads=1, num_kv_blocks=4, block_size=16), clock=clock)
     sampling = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     engine.add_request("keep", [256, 1, 2, 3], sampling)
     engine.add_request("cancel", [256, 4, 5], sampling)
@@ -270,7 +270,7 @@ def test_cancel_expire_and_too_big(tiny_engine_factory):
     assert first["keep"].first_token_time == 1000.0
     engine.cancel("cancel")
     engine.cancel("unknown-id")  # ignored
-    now[0] = 1001.0
+    clock.now = 1001.0
     second = {o.request_id: o for o in engine.step().outputs}
     assert second["cancel"].finished and second["cancel"].finish_reason == "cancelled"
     assert second["expire"].finished and second["expire"].finish_reason == "expired"

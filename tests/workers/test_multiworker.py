@@ -10,7 +10,7 @@ from __future__ import annotations
 import collections
 import signal
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import Producer
 from tests.helpers import rows, start_worker, wait_exit, wait_until
 

@@ -8,7 +8,7 @@ import subprocess
 import msgspec
 import pytest
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, write_jsonl
 
 STREAM = keys.request_stream("requests")

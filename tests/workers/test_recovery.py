@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from mqinfer import keys
+from mqinfer.schemas import keys
 from mqinfer.client import Producer
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, wait_until
 

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow
-from mqinfer.workers.sink import DatasetWriter, Sinks, part_files, partition_for, remove_temp_files
+from mqinfer.schemas.dataset import DatasetWriter, part_files, partition_for, remove_temp_files
+from mqinfer.workers.sink import Sinks
 
 DAY1 = 1_700_000_000.0  # 2023-11-14 UTC
 DAY2 = DAY1 + 86_400
@@ -74,7 +75,7 @@ def test_crash_leaves_a_temp_file_that_remove_temp_files_deletes(tmp_path):
     script = textwrap.dedent(f"""
         import os
         from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow
-        from mqinfer.workers.sink import DatasetWriter
+        from mqinfer.schemas.dataset import DatasetWriter
         row = ResultRow(id="r", model="m", finish_reason="stop", finished_at={DAY1}, worker="w")
         DatasetWriter({str(tmp_path)!r}, RESULT_SCHEMA, "w", before_rename=lambda p: os._exit(3)).write([row])
     """)

@@ -6,6 +6,7 @@ The braces are Redis Cluster hash tags: a request stream and its dead letters sh
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 GROUP = "workers"
 REPLY_PREFIX = "mqinfer:reply:"
@@ -51,3 +52,20 @@ def inflight_hash(stream: str) -> str:
 def gap_marker(stream: str, last_delivered_id: str) -> str:
     """Taken (SET NX) by the one worker that reports entries trimmed before delivery after this id."""
     return f"mqinfer:{{{stream}}}:gap:{last_delivered_id}"
+
+
+def shard_streams(stream: str, shards: int) -> list[str]:
+    """The stream names of ``stream`` split into ``shards`` (one shard keeps the plain name)."""
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ValueError(f"shards must be a positive integer, got {shards!r}")
+    if shards == 1:
+        return [stream]
+    return [f"{stream}-{i}" for i in range(shards)]
+
+
+def shard_index(request_id: str, job_id: str | None, shards: int) -> int:
+    """The shard a request lives on: a stable hash of (job_id, id), the request's identity."""
+    if shards == 1:
+        return 0
+    key = f"{job_id or ''}\x1f{request_id}".encode()
+    return zlib.crc32(key) % shards
