@@ -93,3 +93,49 @@ class FakeClock:
 
     def advance_ms(self, ms: float) -> None:
         self.now += ms / 1000.0
+
+
+class ShadowKV:
+    """A stand-in for the paged KV cache that records, per slot, the token prefix its KV was
+    computed from (a position's real KV depends on every token before it).
+
+    ``device`` holds the records of the KV cache's slots, ``host`` those of the swap pool's. A
+    request that reads a slot whose record is not its own prefix would read wrong, stale or
+    overwritten KV: a bad block table, a prefix-cache hit on the wrong block, a block reused while
+    still held, a swap copied to the wrong place or in the wrong order.
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.device: dict[int, tuple] = {}
+        self.host: dict[int, tuple] = {}
+
+    def slot(self, request, pos: int) -> int:
+        """The device slot that holds position ``pos`` of ``request`` (through its block table)."""
+        bs = self.block_size
+        return request.block_ids[pos // bs] * bs + pos % bs
+
+    def check_reads(self, request, upto: int) -> None:
+        """Assert that every position before ``upto`` holds the request's own prefix."""
+        tokens = request.all_token_ids
+        for pos in range(upto):
+            assert self.device.get(self.slot(request, pos)) == tuple(tokens[: pos + 1]), (
+                f"{request.request_id} reads wrong KV at position {pos}"
+            )
+
+    def write(self, request, start: int, num_new: int) -> None:
+        """Record the KV of positions ``start`` .. ``start + num_new - 1`` as computed."""
+        tokens = request.all_token_ids
+        for pos in range(start, start + num_new):
+            self.device[self.slot(request, pos)] = tuple(tokens[: pos + 1])
+
+    def copy(self, pairs, src: dict, dst: dict) -> None:
+        """Copy whole blocks, (source block, destination block) per pair, between two record maps."""
+        bs = self.block_size
+        for a, b in pairs:
+            for j in range(bs):
+                value = src.get(a * bs + j)
+                if value is None:
+                    dst.pop(b * bs + j, None)
+                else:
+                    dst[b * bs + j] = value

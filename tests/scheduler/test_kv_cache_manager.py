@@ -16,6 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mqinfer.scheduler.block_pool import hash_block_tokens
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from tests.helpers import ShadowKV
 
 
 def make_request(rid: str, tokens: list[int]) -> Request:
@@ -181,30 +182,20 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.manager = KVCacheManager(self.BLOCK_SIZE, self.NUM_BLOCKS)
         self.waiting: dict[str, Request] = {}
         self.running: dict[str, Request] = {}
-        self.shadow: dict[int, tuple[int, ...]] = {}
+        self.kv = ShadowKV(self.BLOCK_SIZE)
         self.count = 0
 
     # -- helpers ------------------------------------------------------------------------------
-    def slot(self, request: Request, pos: int) -> int:
-        bs = self.BLOCK_SIZE
-        return request.block_ids[pos // bs] * bs + pos % bs
-
-    def check_reads(self, request: Request, upto: int) -> None:
-        for pos in range(upto):
-            assert self.shadow.get(self.slot(request, pos)) == tuple(request.all_token_ids[: pos + 1]), (
-                f"{request.request_id} would read wrong KV at position {pos}"
-            )
-
     def compute(self, request: Request, num_new: int, token: int) -> None:
         """The model: read all earlier KV, write the chunk's KV, maybe sample a token."""
         start = request.num_computed_tokens
-        self.check_reads(request, start)
+        self.kv.check_reads(request, start)
         blocks = self.manager.owned_blocks(request.request_id)
         for pos in range(start, start + num_new):
             block = blocks[pos // self.BLOCK_SIZE]
             # Nobody else may see a block while it is being written.
             assert block.ref_cnt == 1 and block.block_hash is None
-            self.shadow[self.slot(request, pos)] = tuple(request.all_token_ids[: pos + 1])
+        self.kv.write(request, start, num_new)
         request.num_computed_tokens += num_new
         if request.num_computed_tokens == request.num_tokens:
             request.append_output_token(token)
@@ -299,10 +290,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         for block_hash, block in self.manager.block_pool.cached_blocks():
             assert block.block_hash == block_hash
             base = block.block_id * bs
-            prefix = self.shadow[base + bs - 1]
+            prefix = self.kv.device[base + bs - 1]
             assert prefix[-bs:] == block.token_ids
             for j in range(bs):
-                assert self.shadow[base + j] == prefix[: len(prefix) - bs + j + 1]
+                assert self.kv.device[base + j] == prefix[: len(prefix) - bs + j + 1]
             parent = None
             for i in range(0, len(prefix), bs):
                 parent = hash_block_tokens(parent, prefix[i : i + bs])

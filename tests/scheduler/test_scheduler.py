@@ -21,7 +21,7 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
-from tests.helpers import FakeClock
+from tests.helpers import FakeClock, ShadowKV
 
 EOS = 0
 FILL = 7  # the fake model's usual token: never EOS
@@ -32,10 +32,7 @@ class FakeModel:
         self.scheduler = scheduler
         self.block_size = scheduler.config.block_size
         self.sample = sample or (lambda request: FILL)
-        self.shadow: dict[int, tuple[int, ...]] = {}
-
-    def slot(self, request: Request, pos: int) -> int:
-        return request.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+        self.kv = ShadowKV(self.block_size)
 
     def run(self, out: SchedulerOutput) -> list[int | None]:
         sampled: list[int | None] = []
@@ -44,13 +41,8 @@ class FakeModel:
             start = request.num_computed_tokens
             assert start + sr.num_new_tokens <= request.num_tokens
             assert len(request.block_ids) * self.block_size >= start + sr.num_new_tokens
-            tokens = request.all_token_ids
-            for pos in range(start):
-                assert self.shadow.get(self.slot(request, pos)) == tuple(tokens[: pos + 1]), (
-                    f"{request.request_id} reads wrong KV at position {pos}"
-                )
-            for pos in range(start, start + sr.num_new_tokens):
-                self.shadow[self.slot(request, pos)] = tuple(tokens[: pos + 1])
+            self.kv.check_reads(request, start)
+            self.kv.write(request, start, sr.num_new_tokens)
             sampled.append(self.sample(request) if sr.needs_sample else None)
         return sampled
 

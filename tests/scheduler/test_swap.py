@@ -20,40 +20,19 @@ from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
+from tests.helpers import FakeClock, ShadowKV
 
 FILL = 7
 EOS = 0
 
 
-class ShadowModel:
+class ShadowModel(ShadowKV):
     """Runs a SchedulerOutput against shadow device and host caches."""
 
     def __init__(self, block_size: int) -> None:
-        self.bs = block_size
-        self.device: dict[int, tuple[int, ...]] = {}
-        self.host: dict[int, tuple[int, ...]] = {}
+        super().__init__(block_size)
         self.copies_out = 0
         self.copies_in = 0
-
-    def slot(self, request: Request, pos: int) -> int:
-        return request.block_ids[pos // self.bs] * self.bs + pos % self.bs
-
-    def copy(self, pairs, src: dict, dst: dict) -> None:
-        bs = self.bs
-        for a, b in pairs:
-            for j in range(bs):
-                value = src.get(a * bs + j)
-                if value is None:
-                    dst.pop(b * bs + j, None)
-                else:
-                    dst[b * bs + j] = value
-
-    def check_reads(self, request: Request, upto: int) -> None:
-        tokens = request.all_token_ids
-        for pos in range(upto):
-            assert self.device.get(self.slot(request, pos)) == tuple(tokens[: pos + 1]), (
-                f"{request.request_id} reads wrong KV at position {pos}"
-            )
 
     def run(self, out: SchedulerOutput) -> list[int | None]:
         assert len({h for _, h in out.swap_out}) == len(out.swap_out), "two blocks swapped out to one host block"
@@ -66,10 +45,9 @@ class ShadowModel:
         for sr in out.scheduled:
             request = sr.request
             start = request.num_computed_tokens
-            assert len(request.block_ids) * self.bs >= start + sr.num_new_tokens
+            assert len(request.block_ids) * self.block_size >= start + sr.num_new_tokens
             self.check_reads(request, start)
-            for pos in range(start, start + sr.num_new_tokens):
-                self.device[self.slot(request, pos)] = tuple(request.all_token_ids[: pos + 1])
+            self.write(request, start, sr.num_new_tokens)
             sampled.append(FILL if sr.needs_sample else None)
         return sampled
 
@@ -104,9 +82,7 @@ def run_all(scheduler: Scheduler, model: ShadowModel, max_steps: int = 20_000) -
 
 def computed(manager: KVCacheManager, request: Request, model: ShadowModel, num_new: int) -> None:
     assert manager.allocate_slots(request, num_new)
-    start = request.num_computed_tokens
-    for pos in range(start, start + num_new):
-        model.device[model.slot(request, pos)] = tuple(request.all_token_ids[: pos + 1])
+    model.write(request, request.num_computed_tokens, num_new)
     request.num_computed_tokens += num_new
 
 
@@ -243,7 +219,7 @@ class SwapMachine(RuleBasedStateMachine):
         for pos in range(start, start + num_new):
             block = blocks[pos // self.BS]
             assert block.ref_cnt == 1 and block.block_hash is None
-            self.model.device[self.model.slot(request, pos)] = tuple(request.all_token_ids[: pos + 1])
+        self.model.write(request, start, num_new)
         request.num_computed_tokens += num_new
         if request.num_computed_tokens == request.num_tokens:
             request.append_output_token(token)
