@@ -181,7 +181,8 @@ def engine_outputs(folder: Path, dtype: str, prompts: Sequence[Sequence[int]], m
                    num_threads: int | None = None) -> list[list[int]]:
     """The engine's greedy outputs, every prompt in one continuous batch."""
     from mqinfer.scheduler.request import SamplingParams
-    from mqinfer.workers.engine import EngineConfig, LLMEngine
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
 
     longest = max(len(p) for p in prompts) + max_tokens
     engine = LLMEngine(EngineConfig(

@@ -230,7 +230,8 @@ def run_engine_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_bud
                      max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
                      prefix_caching: bool = False, num_threads: int | None = None) -> PagedRun:
     """The same figures from the real engine (model forward passes, real sampling) on ``requests``."""
-    from mqinfer.workers.engine import EngineConfig, LLMEngine
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", block_size=block_size, num_kv_blocks=kv_budget // block_size,

@@ -48,7 +48,8 @@ def _log(message: str) -> None:
 
 
 def build_engine(model: str, args: argparse.Namespace):
-    from mqinfer.workers.engine import EngineConfig, LLMEngine
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
 
     config = EngineConfig(
         model=model, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs,

@@ -220,7 +220,7 @@ def redis_problem(exc: Exception, url: str | None) -> str:
 
 # -- worker ----------------------------------------------------------------------------------
 def engine_config(opts: dict):
-    from mqinfer.workers.engine import EngineConfig
+    from mqinfer.workers.config import EngineConfig
 
     return EngineConfig(
         model=opts["model"], device=opts["device"], dtype=opts["dtype"], block_size=opts["block_size"],
@@ -234,7 +234,7 @@ def engine_config(opts: dict):
 
 def worker_config(opts: dict, *, redis_url: str, out: Path):
     """The worker's configuration from resolved flags; ValueError names a bad flag."""
-    from mqinfer.workers.worker import WorkerConfig
+    from mqinfer.workers.config import WorkerConfig
 
     return WorkerConfig(
         redis_url=redis_url, out_dir=out, engine=engine_config(opts), stream=opts["stream"],

@@ -15,7 +15,6 @@ row instead of failing.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import random
 import time
@@ -27,6 +26,7 @@ import torch
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
+from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner
 from mqinfer.workers.swap import num_swap_blocks_for
@@ -42,46 +42,6 @@ _CPU_KV_MAX_BYTES = 4 << 30
 _CUDA_KV_MEMORY_SHARE = 0.9
 _CUDA_ACTIVATION_RESERVE = 2 << 30
 _SEED_MASK = (1 << 63) - 1
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "tiny"
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    # None: sized from memory (see _default_num_kv_blocks).
-    num_kv_blocks: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    # None: the model's max_position_embeddings.
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    # Seeds the sampling seeds drawn for requests that give none.
-    seed: int = 0
-    # CPU threads for torch; None: OMP_NUM_THREADS when set, else every core this process may use.
-    num_threads: int | None = None
-    # "recompute" or "swap" (KV of preempted requests goes to swap_space_gib of host memory).
-    preemption_mode: str = "recompute"
-    swap_space_gib: float = 4.0
-    # Seconds of waiting worth one priority level (see Scheduler); None: strict priority.
-    priority_aging_s: float | None = 60.0
-
-    def __post_init__(self) -> None:
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
-        if not (self.swap_space_gib >= 0 and math.isfinite(self.swap_space_gib)):
-            raise ValueError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib}")
 
 
 class EngineInputError(Exception):

@@ -56,10 +56,11 @@ from mqinfer.schemas import errors
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request, to_sampling_kwargs
 from mqinfer.schemas.rows import CostRow, ResultRow, error_result_row
-from mqinfer.schemas.stream import MAX_ENTRY_BYTES, decode_entry, encode_entry
+from mqinfer.schemas.stream import decode_entry, encode_entry
 from mqinfer.schemas.connection import redact
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time, wasted_work_row
-from mqinfer.workers.engine import EngineConfig, EngineInputError, LLMEngine
+from mqinfer.workers.config import WorkerConfig
+from mqinfer.workers.engine import EngineInputError, LLMEngine
 from mqinfer.schemas.dataset import remove_temp_files
 from mqinfer.workers.sink import Sinks
 
@@ -187,64 +188,6 @@ def _is_auth_error(exc: Exception) -> bool:
         return True
     text = str(exc)
     return isinstance(exc, redis.exceptions.ResponseError) and any(r in text for r in _AUTH_REPLIES)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    redis_url: str
-    out_dir: Path
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    stream: str = "requests"
-    group: str = keys.GROUP
-    consumer: str | None = None
-    max_batch: int = 64
-    # Milliseconds, or "auto": chosen from the arrival rate and step time (scheduler/batcher.py).
-    max_wait_ms: float | str = 10.0
-    claim_idle_ms: int = 30_000
-    max_deliveries: int = 3
-    idle_exit_s: float | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    price_per_device_hour: float = 1.0
-    flush_rows: int = 256
-    flush_interval_s: float = 0.5
-    drain_timeout_s: float = 30.0
-    # Reply streams: about this many messages at most, expiring this long after the last one.
-    reply_maxlen: int = 100_000
-    reply_ttl_s: int = 3600
-    # --redis is a seed node of a Redis Cluster.
-    redis_cluster: bool = False
-    # Per-tenant budgets (ops/budgets.py); with enforce_budgets a spent tenant's requests are refused.
-    budgets: Path | None = None
-    enforce_budgets: bool = False
-    # 0: no idempotency records (a producer's duplicate is computed again).
-    idempotency_ttl_s: float = 86_400.0
-    max_entry_bytes: int = MAX_ENTRY_BYTES
-    # None: max_tokens is bounded only by the context length.
-    max_tokens_limit: int | None = None
-
-    def __post_init__(self) -> None:
-        auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"
-        checks = [
-            (self.max_batch >= 1, f"--max-batch must be >= 1, got {self.max_batch}"),
-            (auto_wait or (not isinstance(self.max_wait_ms, str) and self.max_wait_ms >= 0),
-             f"--max-wait-ms must be >= 0 or auto, got {self.max_wait_ms}"),
-            (self.reply_maxlen >= 1 and self.reply_ttl_s >= 1, "reply_maxlen and reply_ttl_s must be >= 1"),
-            (self.claim_idle_ms >= 100, f"--claim-idle-ms must be >= 100, got {self.claim_idle_ms}"),
-            (self.max_deliveries >= 1, f"--max-deliveries must be >= 1, got {self.max_deliveries}"),
-            (self.idle_exit_s is None or self.idle_exit_s >= 0, "--idle-exit-s must be >= 0"),
-            (self.price_per_device_hour >= 0, "--price-per-device-hour must be >= 0"),
-            (self.flush_rows >= 1, "--flush-rows must be >= 1"),
-            (self.flush_interval_s >= 0, "--flush-interval-s must be >= 0"),
-            (bool(self.stream) and "}" not in self.stream, f"invalid --stream {self.stream!r}"),
-            (self.budgets is not None or not self.enforce_budgets, "--enforce-budgets needs --budgets FILE"),
-            (self.idempotency_ttl_s >= 0, "--idempotency-ttl-s must be >= 0"),
-            (self.max_entry_bytes >= 1024, f"--max-entry-bytes must be >= 1024, got {self.max_entry_bytes}"),
-            (self.max_tokens_limit is None or self.max_tokens_limit >= 1, "--max-tokens-limit must be >= 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
 
 
 @dataclass(slots=True)

@@ -171,7 +171,8 @@ def test_engine_with_the_triton_kernels_generates_what_the_pytorch_path_does(mon
     # runner's metadata): the built-in tiny Llama (head_dim 64, g = 2), chunked prefill of
     # several prompts beside running decodes, greedy tokens compared one for one.
     from mqinfer.scheduler.request import SamplingParams
-    from mqinfer.workers.engine import EngineConfig, LLMEngine
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
     from mqinfer.workers.models import llama
 
     rng = random.Random(0)

@@ -4,7 +4,6 @@ queued, and a later request with the same id), the asyncio client, timeouts."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import re
 import socket
 import time
@@ -14,15 +13,8 @@ import pytest
 
 from mqinfer.schemas import keys
 from mqinfer.client import AsyncClient, Client, Delta, Final
-from mqinfer.workers.worker import WorkerConfig
 from tests.helpers import start_worker, wait_exit
 
-# Until the lead merges /tmp/patches/scale-worker.diff (reply streams, cancel, adaptive wait) into
-# workers/worker.py, these cases cannot pass; they run as soon as it is in.
-needs_scale_worker = pytest.mark.skipif(
-    "reply_maxlen" not in {f.name for f in dataclasses.fields(WorkerConfig)},
-    reason="needs the worker change of scale-worker.diff (reply streams, cancel, --max-wait-ms auto)",
-)
 
 STREAM = "client-e2e"
 
@@ -54,7 +46,6 @@ def _client(url: str, **kwargs) -> Client:
     return Client(url, stream=STREAM, **kwargs)
 
 
-@needs_scale_worker
 def test_results_and_error_rows_come_back(served):
     with _client(served) as client:
         client.submit_many([{"id": f"ok{i}", "prompt": f"p{i}", "max_tokens": 5 + i, "temperature": 0,
@@ -69,7 +60,6 @@ def test_results_and_error_rows_come_back(served):
         assert "3000" in bad.error
 
 
-@needs_scale_worker
 def test_cancel_stops_a_running_and_a_queued_request(served):
     with _client(served) as client:
         started = time.monotonic()
@@ -94,7 +84,6 @@ def test_cancel_stops_a_running_and_a_queued_request(served):
     assert elapsed < 60
 
 
-@needs_scale_worker
 def test_an_old_cancel_does_not_hit_the_same_id_submitted_again(served):
     with _client(served) as client:
         client.submit({"id": "again", "prompt": "x", "max_tokens": 1900, "ignore_eos": True})
@@ -105,7 +94,6 @@ def test_an_old_cancel_does_not_hit_the_same_id_submitted_again(served):
     assert (row.finish_reason, row.output_tokens) == ("length", 4)
 
 
-@needs_scale_worker
 def test_async_client_against_the_worker(served):
     async def main():
         async with AsyncClient(served, stream=STREAM) as client:
@@ -121,7 +109,6 @@ def test_async_client_against_the_worker(served):
     assert [r.output_tokens for r in rows] == [3, 4, 5, 6]
 
 
-@needs_scale_worker
 def test_the_adaptive_wait_is_exported_as_metrics(served):
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
     values = {name: float(v) for name, v in re.findall(r"^(mqinfer_batcher_\w+) (\S+)$", text, re.M)}
@@ -131,7 +118,6 @@ def test_the_adaptive_wait_is_exported_as_metrics(served):
     assert 0 <= values["mqinfer_batcher_max_wait_seconds"] <= 0.050  # within the default bounds
 
 
-@needs_scale_worker
 def test_everything_finished_is_acked(served, redis_server):
     client = redis_server.client()
     key = keys.request_stream(STREAM)

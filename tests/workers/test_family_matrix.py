@@ -17,7 +17,8 @@ import pytest
 from safetensors import safe_open
 
 from mqinfer.scheduler.request import RequestStatus, SamplingParams
-from mqinfer.workers.engine import EngineConfig, LLMEngine
+from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.engine import LLMEngine
 
 transformers = pytest.importorskip("transformers")
 

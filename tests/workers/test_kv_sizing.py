@@ -12,7 +12,8 @@ import torch
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers import engine as engine_module
-from mqinfer.workers.engine import EngineConfig, LLMEngine
+from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 KV heads, head dim 64, float32

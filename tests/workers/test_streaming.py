@@ -3,7 +3,6 @@ generated, a final message equal to the Parquet row, and a restart when another 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 
@@ -11,15 +10,8 @@ import pytest
 
 from mqinfer.client import Client, Delta, Final, Restart
 from mqinfer.schemas.rows import RESULT_SCHEMA, rows_to_table
-from mqinfer.workers.worker import WorkerConfig
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit
 
-# Until the lead merges /tmp/patches/scale-worker.diff (reply streams, cancel, adaptive wait) into
-# workers/worker.py, these cases cannot pass; they run as soon as it is in.
-needs_scale_worker = pytest.mark.skipif(
-    "reply_maxlen" not in {f.name for f in dataclasses.fields(WorkerConfig)},
-    reason="needs the worker change of scale-worker.diff (reply streams, cancel, --max-wait-ms auto)",
-)
 
 
 def _as_parquet_row(row) -> dict:
@@ -41,7 +33,6 @@ def _check_deltas(deltas: list[Delta], row) -> None:
     assert "".join(d.text for d in deltas) == row.text
 
 
-@needs_scale_worker
 def test_tokens_stream_as_generated_and_the_final_row_equals_the_parquet_row(redis_url, redis_client, tmp_path):
     out = tmp_path / "out"
     worker = start_worker(redis_url, out, "--idle-exit-s", "2", "--flush-interval-s", "0.05")
@@ -82,7 +73,6 @@ def test_tokens_stream_as_generated_and_the_final_row_equals_the_parquet_row(red
     assert 0 < reply_ttl <= 3600
 
 
-@needs_scale_worker
 def test_a_redelivered_request_announces_a_restart_and_streams_again(redis_url, tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", MQINFER_LOG_LEVEL="warning",

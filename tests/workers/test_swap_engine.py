@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers.engine import EngineConfig, LLMEngine
+from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.engine import LLMEngine
 
 transformers = pytest.importorskip("transformers")
 
