@@ -9,7 +9,6 @@ RELIABILITY.md's table was made that way.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -20,7 +19,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
@@ -209,16 +207,3 @@ def wait_rows(out: Path, n: int, timeout: float = 90.0, what: str = "rows") -> N
 def _s(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
-
-def worker_supports(name: str) -> bool:
-    """Whether the worker knows the setting ``name`` (read from its source: no torch import here)."""
-    spec = importlib.util.find_spec("mqinfer.workers.worker")
-    return spec is not None and spec.origin is not None and f"{name}:" in Path(spec.origin).read_text()
-
-
-# Cases that need the worker change proposed in /tmp/patches/faults-worker.diff (idempotency
-# records, the in-flight hash, lost-entry accounting); they run once it is merged.
-needs_worker_patch = pytest.mark.skipif(
-    not worker_supports("idempotency_ttl_s"),
-    reason="needs the worker change of faults-worker.diff (idempotency records, lost-entry accounting)",
-)

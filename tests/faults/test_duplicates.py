@@ -13,7 +13,6 @@ from tests.faults.faultkit import (
     STREAM,
     compact_and_check,
     killed,
-    needs_worker_patch,
     pending_by_consumer,
     pending_ids,
     record,
@@ -22,8 +21,6 @@ from tests.faults.faultkit import (
     submit,
 )
 from tests.helpers import rows, wait_until
-
-pytestmark = needs_worker_patch
 
 
 def _add(client, obj: dict, fmt: str) -> str:

@@ -17,7 +17,6 @@ from tests.faults.faultkit import (
     STREAM,
     compact_and_check,
     killed,
-    needs_worker_patch,
     pending_by_consumer,
     pending_ids,
     record,
@@ -70,7 +69,6 @@ def test_redis_kill_9_mid_job_and_restart_from_its_append_only_file(tmp_path):
             restarted.stop()
 
 
-@needs_worker_patch
 def test_stream_trimmed_below_its_backlog_is_detected_counted_and_reported(redis_url, redis_client, tmp_path):
     first = requests("trim", 6, 30, prefix="a")
     submit(redis_url, first)
@@ -119,7 +117,6 @@ def test_stream_trimmed_below_its_backlog_is_detected_counted_and_reported(redis
            note="4 pending entries -> `lost` error rows; 3 undelivered -> metric, log line, one dead letter")
 
 
-@needs_worker_patch
 def test_entries_trimmed_while_running_are_finished_from_memory(redis_url, redis_client, tmp_path):
     running = requests("trim-live", 4, 200, prefix="run")
     expected = submit(redis_url, running)

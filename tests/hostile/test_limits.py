@@ -7,11 +7,10 @@ import json
 
 from mqinfer.schemas import keys
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
-from tests.faults.faultkit import STREAM, needs_worker_patch, spawn
+from tests.faults.faultkit import STREAM, spawn
 from tests.helpers import rows
 
 
-@needs_worker_patch
 def test_entry_size_and_max_tokens_limits_are_worker_settings(redis_url, redis_client, tmp_path):
     from mqinfer.config import WORKER_OPTIONS
 

@@ -9,12 +9,13 @@ import torch
 from safetensors.torch import load_file
 
 from mqinfer.loadgen.checkpoint import STANDARD_CONFIG, is_checkpoint, make_llama_checkpoint
+from mqinfer.workers.loader import load_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
 
 
-def test_standard_config_is_the_issue_4_model():
+def test_standard_config_is_the_benchmark_model():
     c = STANDARD_CONFIG
     assert (c["hidden_size"], c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"],
             c["intermediate_size"], c["vocab_size"], c["max_position_embeddings"]) == (512, 8, 8, 2, 1408, 32000, 2048)
@@ -70,9 +71,8 @@ def test_refuses_a_folder_it_did_not_write(tmp_path):
 
 
 def test_our_loader_reads_it(tmp_path):
-    loader = pytest.importorskip("mqinfer.workers.loader", reason="the worker's model loader is not built yet")
     folder = make_llama_checkpoint(tmp_path / "ck", **SMALL)
-    _model, info = loader.load_model(str(folder), device="cpu", dtype="auto")
+    _model, info = load_model(str(folder), device="cpu", dtype="auto")
     assert info.dtype == "bfloat16" and info.vocab_size == 300 and info.num_layers == 2
     assert info.num_kv_heads == 2 and info.head_dim == 16 and info.hidden_size == 64
     assert info.eos_token_ids == (2,)
