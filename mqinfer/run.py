@@ -56,6 +56,8 @@ def check_run_flags(opts: dict) -> None:
     from mqinfer.cli import worker_config
 
     worker_config(opts, redis_url=opts["redis"] or "unix:///unused", out=Path(opts["out"]))
+    if opts["model"] != "tiny" and not Path(opts["model"]).is_dir():
+        raise ConfigError(f"--model {opts['model']!r} is neither 'tiny' nor a checkpoint folder")
 
 
 def model_label(model: str) -> str:
@@ -68,9 +70,10 @@ def _manifest_path(out: Path, job_id: str) -> Path:
 
 
 def check_manifest(out: Path, job_id: str, model: str, fresh: bool) -> None:
-    """Refuse to resume a job with another model: its finished rows would be mixed with new ones."""
+    """Refuse to resume a job with another model: its finished rows would be mixed with new ones.
+    (A job with no rows yet may change its model freely.)"""
     path = _manifest_path(out, job_id)
-    if fresh or not path.is_file():
+    if fresh or not path.is_file() or not ids_with_rows(out, job_id):
         return
     try:
         before = json.loads(path.read_text()).get("model")
@@ -375,6 +378,9 @@ def _wait_for_workers(client, stream_keys: list[str], group: str, workers: list[
         if joined >= len(workers):
             return
         time.sleep(0.1)
+    if not any(w.poll() is None for w in workers):
+        codes = ", ".join(str(w.returncode) for w in workers)
+        raise ConfigError(f"every worker exited before it was ready (codes {codes}); their messages are above")
 
 
 def _count_done(client, done_keys: list[str], previous: int) -> int:

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-class ModelLoadError(Exception):
-    """A checkpoint cannot be loaded: missing files, unsupported architecture or settings."""
+class ModelLoadError(ValueError):
+    """A checkpoint cannot be loaded: missing files, unsupported architecture or settings.
+
+    A ValueError, so the command line reports it as one line naming the problem."""
 
 
 @dataclass(frozen=True)
