@@ -153,7 +153,6 @@ def test_prefix_caching_counts_shared_blocks_once():
 
 
 def test_the_real_engine_gives_the_same_steps_as_the_simulation():
-    pytest.importorskip("torch")
     requests = uniform_workload(10, prompt_len=(4, 40), output_len=(2, 12), vocab_size=256, seed=5)
     sim = run_paged(requests, 8, 160, max_model_len=256)
     eng = run_engine_paged(requests, 8, 160, model="tiny", max_model_len=256, num_threads=1)

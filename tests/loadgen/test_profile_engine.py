@@ -44,7 +44,6 @@ def test_run_engine_generates_every_token_and_accounts_the_steps(small_checkpoin
 
 
 def test_main_prints_phases_and_the_ratio_to_transformers(small_checkpoint, capsys):
-    pytest.importorskip("transformers")
     code = main(["--model", small_checkpoint, "--num-requests", "3", "--dtype", "float32", "--num-threads", "1",
                  "--max-num-seqs", "8", "--max-num-batched-tokens", "512", "--hf-batch-size", "3",
                  "--torch-profile", "--top", "5"])

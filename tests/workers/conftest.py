@@ -28,8 +28,7 @@ def make_hf_checkpoint():
     """A function that saves a tiny random float32 checkpoint of one family with transformers.
 
     ``make(family, folder, seed, **config)`` with family one of llama, mistral, qwen2, qwen3
-    returns the transformers model it saved, ready for greedy ``generate`` (no EOS, so it runs
-    the full length, as requests with ``ignore_eos`` do). Norm weights (q/k norms included) and
+    returns the transformers model it saved (``hf_greedy`` runs it without EOS). Norm weights (q/k norms included) and
     projection biases are drawn at random rather than left at HF's ones and zeros, so a missing
     or misplaced norm or bias changes the outputs.
     """
@@ -54,33 +53,53 @@ def make_hf_checkpoint():
                 elif name.endswith("proj.bias"):
                     p.normal_(0, 0.5)
         model.save_pretrained(folder)
-        model.generation_config.eos_token_id = None
-        model.generation_config.pad_token_id = 0
         return model
 
     return make
+
+
+def _hf_greedy_steps(model, prompt: list[int], n: int):
+    """transformers' greedy continuation of ``prompt``: n token ids, and per step the
+    log-probabilities of the whole vocabulary, from ``generate(do_sample=False)`` on one thread.
+
+    EOS is switched off for the call, so it runs the full length as requests with ``ignore_eos``
+    do, and no EOS logit is masked; the model's generation config is put back afterwards.
+    """
+    import torch
+
+    config = model.generation_config
+    saved = (config.eos_token_id, config.pad_token_id)
+    config.eos_token_id, config.pad_token_id = None, 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                 output_logits=True, return_dict_in_generate=True)
+    finally:
+        torch.set_num_threads(before)
+        config.eos_token_id, config.pad_token_id = saved
+    tokens = out.sequences[0, len(prompt):].tolist()
+    return tokens, [torch.log_softmax(step[0].float(), -1) for step in out.logits]
 
 
 @pytest.fixture(scope="session")
 def hf_greedy():
     """A function giving transformers' greedy continuation of a prompt and each token's logprob.
 
-    ``greedy(model, prompt, n)`` -> (n token ids, their n log-probabilities), from
-    ``generate(do_sample=False)`` run on one thread.
+    ``greedy(model, prompt, n)`` -> (n token ids, their n log-probabilities).
     """
-    import torch
 
     def greedy(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with torch.inference_mode():
-                out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                                     output_logits=True, return_dict_in_generate=True)
-        finally:
-            torch.set_num_threads(before)
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [float(torch.log_softmax(step[0].float(), -1)[t]) for step, t in zip(out.logits, tokens)]
-        return tokens, logprobs
+        tokens, steps = _hf_greedy_steps(model, prompt, n)
+        return tokens, [float(step[t]) for step, t in zip(steps, tokens)]
 
     return greedy
+
+
+@pytest.fixture(scope="session")
+def hf_greedy_steps():
+    """A function giving transformers' greedy continuation of a prompt with every step's
+    distribution: ``steps(model, prompt, n)`` -> (n token ids, n log-softmax tensors over the
+    vocabulary), for checking top-k logprobs as well as the chosen tokens'."""
+    return _hf_greedy_steps

@@ -4,7 +4,6 @@ arithmetic, and a small real run of one family in float32 and bfloat16 against t
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mqinfer.loadgen.equivalence import (
     Reference,
@@ -17,8 +16,6 @@ from mqinfer.loadgen.equivalence import (
     make_prompts,
     run_family,
 )
-
-pytest.importorskip("transformers")
 
 
 def ref(tokens, ties=()):
@@ -75,11 +72,8 @@ def test_prompts_are_seeded_and_share_a_prefix():
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_torch_thread):
+    pass
 
 
 def test_a_real_run_float32_matches_and_bfloat16_is_reported(tmp_path):

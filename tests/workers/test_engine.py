@@ -8,12 +8,14 @@ import random
 
 import pytest
 import torch
+import transformers
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers.engine import EngineConfig, EngineInputError, LLMEngine
+from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.engine import EngineInputError, LLMEngine
 from mqinfer.workers.loader import save_tiny_checkpoint
-
-transformers = pytest.importorskip("transformers")
+from tests.helpers import FakeClock
+from tests.helpers import FakeClock
 
 NUM_NEW = 10
 
@@ -24,31 +26,16 @@ def _one_thread(one_torch_thread):
 
 
 @pytest.fixture(scope="module")
-def small_llama(tmp_path_factory):
+def small_llama(tmp_path_factory, make_hf_checkpoint):
     """A tiny random Llama saved by transformers (float32) and the transformers model itself."""
     folder = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=300, max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    return str(folder), _no_eos(model)
+    return str(folder), make_hf_checkpoint("llama", folder, seed=0)
 
 
 @pytest.fixture(scope="module")
 def tiny_reference(tmp_path_factory):
     folder = save_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return _no_eos(model)
-
-
-def _no_eos(model):
-    # Our requests use ignore_eos; let generate run the full length too.
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def _prompts(vocab: int, seed: int = 0, n: int = 32) -> list[list[int]]:
@@ -62,15 +49,6 @@ def _prompts(vocab: int, seed: int = 0, n: int = 32) -> list[list[int]]:
         else:
             prompts.append([rng.randrange(3, vocab) for _ in range(length)])
     return prompts
-
-
-def _hf_generate(model, prompt, n=NUM_NEW):
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                             output_logits=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1) for step in out.logits]
-    return tokens, logprobs
 
 
 def _engine(model: str, **kw) -> LLMEngine:
@@ -115,10 +93,10 @@ def _check_against_reference(results, prompts, reference):
 
 
 @pytest.fixture(scope="module")
-def llama_reference(small_llama):
+def llama_reference(small_llama, hf_greedy_steps):
     _, hf_model = small_llama
     prompts = _prompts(300)
-    return prompts, [_hf_generate(hf_model, p) for p in prompts]
+    return prompts, [hf_greedy_steps(hf_model, p, NUM_NEW) for p in prompts]
 
 
 def test_greedy_alone_matches_transformers(small_llama, llama_reference):
@@ -156,10 +134,10 @@ def test_greedy_batch_matches_transformers(small_llama, llama_reference, setting
     assert engine.scheduler.num_running == 0 and not engine.has_unfinished()
 
 
-def test_tiny_model_matches_transformers(tiny_reference):
+def test_tiny_model_matches_transformers(tiny_reference, hf_greedy_steps):
     prompts = _prompts(256, seed=1, n=12)
     prompts = [[256, *p] for p in prompts]
-    reference = [_hf_generate(tiny_reference, p) for p in prompts]
+    reference = [hf_greedy_steps(tiny_reference, p, NUM_NEW) for p in prompts]
     engine = LLMEngine(EngineConfig(num_threads=1, num_kv_blocks=64, max_num_batched_tokens=128, max_num_seqs=8))
     assert engine.info.name == "tiny"
     results, _ = _run(engine, prompts, GREEDY)
@@ -303,6 +281,63 @@ def test_step_work_and_capacity(tiny_engine_factory):
     assert sum(phases.values()) <= sum(r.end - r.start for r in (r1, r2, r3)) + 0.05
 
 
+def test_cumulative_outputs_grow_in_place_and_stay_fixed_once_finished(tiny_engine_factory):
+    """``output_token_ids`` and ``logprobs`` are the engine's live lists, not per-step copies:
+    each step's output of a request holds the same two lists, whose entries before this step's
+    new tokens are exactly what earlier steps delivered (the worker's stream index), and a
+    finished request's lists no longer change while others run on."""
+    engine = tiny_engine_factory()
+    for rid, n in (("short", 3), ("long", 9)):
+        engine.add_request(rid, [256, *rid.encode()],
+                           SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=2))
+    first, delivered, final = {}, {"short": [], "long": []}, {}
+    while engine.has_unfinished():
+        for out in engine.step().outputs:
+            rid = out.request_id
+            index = len(out.output_token_ids) - len(out.new_token_ids)
+            assert index == len(delivered[rid]) and out.output_token_ids[index:] == out.new_token_ids
+            assert [entry["token_id"] for entry in out.logprobs] == out.output_token_ids
+            delivered[rid] += out.new_token_ids
+            seen = first.setdefault(rid, out)
+            assert out.output_token_ids is seen.output_token_ids and out.logprobs is seen.logprobs
+            if out.finished:
+                final[rid] = (out, list(out.output_token_ids), list(out.logprobs))
+    out, tokens, logprobs = final["short"]
+    assert len(tokens) == 3 and len(final["long"][1]) == 9
+    assert out.output_token_ids == tokens == delivered["short"] and out.logprobs == logprobs
+    assert final["long"][0].output_token_ids == delivered["long"]
+
+
+def test_model_runner_returns_tokens_logprobs_and_phase_times(tiny_engine_factory):
+    """``execute()`` returns everything the step produced, aligned with the scheduled requests:
+    None for a prompt chunk that samples nothing, logprobs only where asked (None as a whole
+    when no request asked), and its own phase times."""
+    engine = tiny_engine_factory(max_num_batched_tokens=16, max_num_seqs=4)
+    scheduler, runner = engine.scheduler, engine.runner
+    engine.add_request("plain", [256, 66, 67], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.add_request("chunked", [256] + [65] * 29,
+                       SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=1))
+    steps = []
+    for _ in range(3):
+        scheduler_output = scheduler.schedule()
+        ran = runner.execute(scheduler_output)
+        steps.append(([sr.num_new_tokens for sr in scheduler_output.scheduled], ran))
+        scheduler.update_from_output(scheduler_output, ran.sampled_token_ids)
+    assert [lens for lens, _ in steps] == [[3, 13], [1, 15], [1, 2]]
+    for _, ran in steps[:2]:
+        assert ran.sampled_token_ids[1] is None and isinstance(ran.sampled_token_ids[0], int)
+        assert ran.logprobs is None
+    ran = steps[2][1]
+    entry = ran.logprobs[1]
+    assert ran.logprobs[0] is None and entry.token_id == ran.sampled_token_ids[1]
+    # Greedy: the sampled token is the top one, with the top logprob.
+    assert entry.top_token_ids == [entry.token_id] and entry.top_logprobs == [entry.logprob] and entry.logprob < 0
+    plain = scheduler.get_request("plain")
+    assert plain.output_token_ids == [ran.sampled_token_ids[0] for _, ran in steps]
+    for _, ran in steps:
+        prepare, forward, sample = ran.phase_seconds
+        assert prepare >= 0 and forward > 0 and sample > 0
+
 def test_recomputed_tokens_are_reported_after_preemption(small_llama):
     engine = _engine(small_llama[0], num_kv_blocks=6, block_size=16, enable_prefix_caching=False)
     sampling = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -316,7 +351,7 @@ def test_recomputed_tokens_are_reported_after_preemption(small_llama):
     assert sum(recomputed.values()) > 0
 
 
-def test_engine_config_and_model_limits(tmp_path):
+def test_engine_config_and_model_limits(tmp_path, make_hf_checkpoint):
     with pytest.raises(ValueError, match="dtype"):
         EngineConfig(dtype="int4")
     with pytest.raises(ValueError, match="device"):
@@ -328,33 +363,21 @@ def test_engine_config_and_model_limits(tmp_path):
     assert engine.scheduler_config.num_kv_blocks * engine.scheduler_config.block_size >= 4 * 256
     assert engine.free_capacity() == 4
 
-    torch.manual_seed(0)
-    config = transformers.MistralConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-        vocab_size=64, max_position_embeddings=256, sliding_window=64,
-    )
-    transformers.MistralForCausalLM(config).save_pretrained(tmp_path)
+    make_hf_checkpoint("mistral", tmp_path, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1, vocab_size=64, max_position_embeddings=256,
+                       sliding_window=64)
     with pytest.raises(ValueError, match="sliding-window attention \\(64 tokens\\).*max_model_len <= 64"):
         _engine(str(tmp_path))
     engine = _engine(str(tmp_path), max_model_len=64)
     assert engine.info.architecture == "MistralForCausalLM" and engine.max_model_len == 64
 
 
-@pytest.mark.parametrize("family", ["Qwen2", "Qwen3", "Mistral"])
-def test_other_families_generate_like_transformers(tmp_path, family):
-    config_cls = getattr(transformers, f"{family}Config")
-    model_cls = getattr(transformers, f"{family}ForCausalLM")
-    torch.manual_seed(1)
-    extra = {"Qwen2": {"tie_word_embeddings": True}, "Qwen3": {"head_dim": 32}, "Mistral": {"sliding_window": None}}
-    config = config_cls(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=300, max_position_embeddings=512, initializer_range=0.1, **extra[family],
-    )
-    hf_model = model_cls(config).eval()
-    hf_model.save_pretrained(tmp_path)
-    hf_model = _no_eos(hf_model)
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
+def test_other_families_generate_like_transformers(tmp_path, family, make_hf_checkpoint, hf_greedy_steps):
+    extra = {"qwen2": {"tie_word_embeddings": True}, "qwen3": {"head_dim": 32}, "mistral": {"sliding_window": None}}
+    hf_model = make_hf_checkpoint(family, tmp_path, seed=1, **extra[family])
     prompts = _prompts(300, seed=2, n=8)
-    reference = [_hf_generate(hf_model, p) for p in prompts]
+    reference = [hf_greedy_steps(hf_model, p, NUM_NEW) for p in prompts]
     engine = _engine(str(tmp_path), max_num_batched_tokens=64, max_num_seqs=8)
     results, _ = _run(engine, prompts, GREEDY)
     _check_against_reference(results, prompts, reference)

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+import transformers
 
 from mqinfer.kernels.attention import build_attention_metadata
 from mqinfer.workers.loader import (
@@ -16,33 +17,10 @@ from mqinfer.workers.loader import (
     save_tiny_checkpoint,
 )
 
-transformers = pytest.importorskip("transformers")
-
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=300, max_position_embeddings=512, initializer_range=0.1,
-             bos_token_id=1, eos_token_id=2)
-
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    # The test machine's cores are shared; one thread avoids oversubscription stalls.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _save_hf(folder, config_cls, model_cls, **overrides):
-    torch.manual_seed(0)
-    config = config_cls(**{**SMALL, **overrides})
-    model = model_cls(config).eval()
-    # Random norm weights (HF initialises them to 1) so that a misplaced norm would show.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    model.save_pretrained(folder)
-    return model
+def _one_thread(one_torch_thread):
+    pass
 
 
 def _our_logits(model, info, token_ids, chunks=None):
@@ -85,20 +63,9 @@ PROMPT = [1, 17, 250, 3, 99, 42, 42, 7, 150, 5, 61, 200, 8, 9, 10, 11, 12, 13, 1
         ("qwen3", {"head_dim": 32}),
     ],
 )
-def test_logits_match_transformers(tmp_path, family, overrides):
-    classes = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-    }
-    hf_model = _save_hf(tmp_path, *classes[family], **overrides)
-    if family == "qwen2":  # Qwen2 always has q/k/v biases; make them non-zero so they count
-        with torch.no_grad():
-            for name, p in hf_model.named_parameters():
-                if name.endswith("proj.bias"):
-                    p.normal_(0, 0.5)
-        hf_model.save_pretrained(tmp_path)
+def test_logits_match_transformers(tmp_path, family, overrides, make_hf_checkpoint):
+    # Norm weights and projection biases are random, so a misplaced norm or bias would show.
+    hf_model = make_hf_checkpoint(family, tmp_path, **overrides)
     model, info = load_model(str(tmp_path), "cpu", "float32")
     assert info.architecture == type(hf_model).__name__
     assert info.num_params == sum(p.numel() for p in hf_model.parameters())
@@ -112,13 +79,13 @@ def test_logits_match_transformers(tmp_path, family, overrides):
 
 
 @pytest.mark.parametrize("attention", ["torch", "auto"])
-def test_bfloat16_close_to_transformers_bfloat16(tmp_path, monkeypatch, attention):
+def test_bfloat16_close_to_transformers_bfloat16(tmp_path, monkeypatch, attention, make_hf_checkpoint):
     # "torch": the SDPA path, the same attention kernel transformers uses, so greedy tokens are
     # identical. "auto": the native CPU kernel where it builds, whose float32 arithmetic differs
     # from SDPA's in the last bits: its tokens may differ only where transformers' own two best
     # logits are within one bfloat16 step of each other (a tie at bfloat16 resolution).
     monkeypatch.setenv("MQINFER_CPU_ATTENTION", attention)
-    _save_hf(tmp_path, transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    make_hf_checkpoint("llama", tmp_path)
     hf_model = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
     model, info = load_model(str(tmp_path), "cpu", "bfloat16")
     assert info.dtype == "bfloat16" and model.model.embed_tokens.weight.dtype == torch.bfloat16
@@ -139,8 +106,8 @@ def test_bfloat16_close_to_transformers_bfloat16(tmp_path, monkeypatch, attentio
     assert int(near_tie.sum()) <= len(PROMPT) // 4
 
 
-def test_model_info_and_id(tmp_path):
-    _save_hf(tmp_path / "ckpt", transformers.LlamaConfig, transformers.LlamaForCausalLM)
+def test_model_info_and_id(tmp_path, make_hf_checkpoint):
+    make_hf_checkpoint("llama", tmp_path / "ckpt")
     gen = json.loads((tmp_path / "ckpt" / "generation_config.json").read_text())
     gen["eos_token_id"] = [2, 7]
     (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(gen))
@@ -161,8 +128,8 @@ def test_model_info_and_id(tmp_path):
     assert load_model(str(tmp_path / "copy"))[1].model_id.split("@")[1] != digest
 
 
-def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
-    hf_model = _save_hf(tmp_path / "one", transformers.LlamaConfig, transformers.LlamaForCausalLM)
+def test_sharded_checkpoint_loads_the_same_weights(tmp_path, make_hf_checkpoint):
+    hf_model = make_hf_checkpoint("llama", tmp_path / "one")
     hf_model.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
     assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
     m1, _ = load_model(str(tmp_path / "one"))
@@ -171,8 +138,8 @@ def test_sharded_checkpoint_loads_the_same_weights(tmp_path):
         assert n1 == n2 and torch.equal(p1, p2)
 
 
-def test_dtype_auto_follows_the_checkpoint(tmp_path):
-    hf_model = _save_hf(tmp_path / "f32", transformers.LlamaConfig, transformers.LlamaForCausalLM)
+def test_dtype_auto_follows_the_checkpoint(tmp_path, make_hf_checkpoint):
+    hf_model = make_hf_checkpoint("llama", tmp_path / "f32")
     hf_model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     assert load_model(str(tmp_path / "bf16"), dtype="auto")[1].dtype == "bfloat16"
     assert load_model(str(tmp_path / "bf16"), dtype="float32")[1].dtype == "float32"
@@ -181,13 +148,13 @@ def test_dtype_auto_follows_the_checkpoint(tmp_path):
         load_model(str(tmp_path / "f32"), dtype="int8")
 
 
-def test_load_errors_name_the_problem(tmp_path):
+def test_load_errors_name_the_problem(tmp_path, make_hf_checkpoint):
     with pytest.raises(ModelLoadError, match="neither 'tiny' nor a checkpoint folder"):
         load_model(str(tmp_path / "nope"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="config.json"):
         load_model(str(tmp_path / "empty"))
-    _save_hf(tmp_path / "ok", transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    make_hf_checkpoint("llama", tmp_path / "ok")
     config = json.loads((tmp_path / "ok" / "config.json").read_text())
 
     bad = tmp_path / "arch"

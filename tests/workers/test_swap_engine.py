@@ -6,13 +6,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
-
-transformers = pytest.importorskip("transformers")
 
 NUM_NEW = 20
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, float32, 4 tokens
@@ -25,32 +22,17 @@ def _one_thread(one_torch_thread):
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def llama(tmp_path_factory, make_hf_checkpoint, hf_greedy):
     """A tiny random Llama saved by transformers, prompts, and transformers' greedy outputs."""
     folder = tmp_path_factory.mktemp("llama-swap")
-    torch.manual_seed(3)
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=300, max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
-    model.save_pretrained(folder)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    model = make_hf_checkpoint("llama", folder, seed=3)
     rng = random.Random(5)
     shared = [rng.randrange(3, 300) for _ in range(35)]
     prompts = []
     for i in range(16):
         tail = [rng.randrange(3, 300) for _ in range(rng.randint(1, 45))]
         prompts.append(shared + tail if i % 4 == 0 else tail)
-    reference = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW,
-                                 output_logits=True, return_dict_in_generate=True)
-            tokens = out.sequences[0, len(p):].tolist()
-            logprobs = [float(torch.log_softmax(s[0].float(), -1)[t]) for s, t in zip(out.logits, tokens)]
-            reference.append((tokens, logprobs))
+    reference = [hf_greedy(model, p, NUM_NEW) for p in prompts]
     return str(folder), prompts, reference
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,8 +15,6 @@ from mqinfer.workers.tokenizer import (
     IncrementalDetokenizer,
     load_tokenizer,
 )
-
-tokenizers = pytest.importorskip("tokenizers")
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
