@@ -4,8 +4,8 @@ Owns ``EngineConfig``, ``LLMEngine`` and the records a step returns (``StepResul
 ``RequestOutput`` per touched request and ``StepWork`` per scheduled request, for cost
 attribution). One step is::
 
-    scheduler.schedule() -> runner.execute() -> scheduler.update_from_output()
-    -> detokenize, match stop strings (-> scheduler.finish_requests) -> outputs
+    scheduler.schedule() -> runner.execute() -> postprocess: scheduler.update_from_output(),
+    detokenize, match stop strings (-> scheduler.finish_requests), one output per touched request
 
 Prompt checks that depend on the model (length, vocabulary, stop strings needing a
 tokenizer) raise ``EngineInputError`` with a stable code, so the worker can write an error
@@ -19,16 +19,18 @@ import os
 import random
 import time
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Callable
 
 import torch
 
 from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
-from mqinfer.workers.model_runner import ModelRunner
+from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -59,8 +61,11 @@ class RequestOutput:
 
     ``new_token_ids`` / ``new_text`` are this step's delta. ``output_token_ids`` and
     ``logprobs`` are cumulative (everything generated so far; the last
-    ``len(new_token_ids)`` entries are this step's). ``text`` is set once finished (cut before
-    a matched stop string; None for a model without a tokenizer).
+    ``len(new_token_ids)`` entries are this step's). They are the engine's live lists, shared
+    rather than copied so that a step costs only its new tokens: while the request runs, later
+    steps append to them, so read them in the step that returned them and copy what must be
+    kept; once finished they no longer change. Never modify them. ``text`` is set once
+    finished (cut before a matched stop string; None for a model without a tokenizer).
     """
 
     request_id: str
@@ -360,63 +365,67 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> StepResult:
+        """Schedule, run the model, postprocess; each part's time is added to ``phase_seconds``."""
         start = self.clock()
         t0 = time.perf_counter()
-        out = self.scheduler.schedule()
+        scheduler_output = self.scheduler.schedule()
+        work = self._work(scheduler_output)
         t1 = time.perf_counter()
-        scheduled = out.scheduled
-        work: list[StepWork] = []
-        touched: dict[str, Request] = {}
-        for request in (*self._ended_outside, *out.finished):
-            touched[request.request_id] = request
+        # A step may hold only block copies (swap preemption); they must still happen now.
+        ran = None if scheduler_output.is_empty else self.runner.execute(scheduler_output)
+        t2 = time.perf_counter()
+        outputs = self._postprocess(scheduler_output, ran)
+        self._account(t0, t1, t2, ran)
+        return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
+
+    def _work(self, scheduler_output: SchedulerOutput) -> list[StepWork]:
+        """Each scheduled request's share of the step, read before the model advances it."""
+        work = []
+        for sr in scheduler_output.scheduled:
+            r, n = sr.request, sr.num_new_tokens
+            c = r.num_computed_tokens
+            tracked = self._tracked[r.request_id]
+            work.append(StepWork(
+                request_id=r.request_id, num_tokens=n, context_len=c + n,
+                is_prefill=not (n == 1 and c >= r.num_prompt_tokens),
+                num_recomputed_tokens=max(0, min(c + n, tracked.high_water) - c),
+                sampled=sr.needs_sample,
+            ))
+            tracked.high_water = max(tracked.high_water, c + n)
+        return work
+
+    def _postprocess(self, scheduler_output: SchedulerOutput,
+                     ran: ModelRunnerOutput | None) -> list[RequestOutput]:
+        """Apply the sampled tokens; one output per request that got a token or ended."""
+        ended = (*self._ended_outside, *scheduler_output.finished)
+        touched = {request.request_id: request for request in ended}
         self._ended_outside = []
-        if scheduled:
-            for sr in scheduled:
-                r, n = sr.request, sr.num_new_tokens
-                c = r.num_computed_tokens
-                tracked = self._tracked[r.request_id]
-                work.append(StepWork(
-                    request_id=r.request_id, num_tokens=n, context_len=c + n,
-                    is_prefill=not (n == 1 and c >= r.num_prompt_tokens),
-                    num_recomputed_tokens=max(0, min(c + n, tracked.high_water) - c),
-                    sampled=sr.needs_sample,
-                ))
-                tracked.high_water = max(tracked.high_water, c + n)
-            t1 = time.perf_counter()
-            sampled = self.runner.execute(out)
-            t2 = time.perf_counter()
-            logprobs = self.runner.last_logprobs
-            self.scheduler.update_from_output(out, sampled)
+        if ran is not None and scheduler_output.scheduled:
+            self.scheduler.update_from_output(scheduler_output, ran.sampled_token_ids)
             now = self.clock()
-            for sr, token, lp in zip(scheduled, sampled, logprobs):
+            logprobs = ran.logprobs or repeat(None)
+            for sr, token, lp in zip(scheduler_output.scheduled, ran.sampled_token_ids, logprobs):
                 if token is None:
                     continue
                 tracked = self._tracked[sr.request.request_id]
                 tracked.new_token_ids.append(token)
                 if tracked.first_token_time is None:
                     tracked.first_token_time = now
-                if tracked.logprobs is not None and lp is not None:
+                if lp is not None:
                     tracked.logprobs.append(lp.to_dict())
                 touched[sr.request.request_id] = sr.request
-        elif out.swap_out or out.swap_in:
-            self.runner.execute(out)  # only block copies this step; they must still happen now
-            t2 = time.perf_counter()
-        else:
-            t2 = t1
-
         outputs = [self._output(request) for request in touched.values()]
         # Stop strings end requests here; their blocks go back before the next schedule().
         stopped = [o.request_id for o in outputs if o.finished and not touched[o.request_id].is_finished]
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        self._account(t0, t1, t2)
-        return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
+        return outputs
 
-    def _account(self, t0: float, t1: float, t2: float) -> None:
+    def _account(self, t0: float, t1: float, t2: float, ran: ModelRunnerOutput | None) -> None:
         """Add this step's phase times: schedule [t0, t1], runner [t1, t2] (split by the runner's
         own marks), postprocess [t2, now]; the bookkeeping between them counts as schedule."""
         phases = self.phase_seconds
-        runner = self.runner.last_phase_seconds if t2 > t1 else (0.0, 0.0, 0.0)
+        runner = ran.phase_seconds if ran is not None else (0.0, 0.0, 0.0)
         phases["schedule"] += t1 - t0
         phases["prepare"] += runner[0]
         phases["forward"] += runner[1]
@@ -425,11 +434,13 @@ class LLMEngine:
         self.num_steps += 1
 
     def _output(self, request: Request) -> RequestOutput:
+        """The request's output for this step: the new tokens handed over, the cumulative lists
+        shared (see ``RequestOutput``), so the cost follows the new tokens, not the total."""
         rid = request.request_id
         tracked = self._tracked.get(rid)
-        new_ids = tracked.new_token_ids if tracked is not None else []
+        new_ids: list[int] = []
         if tracked is not None:
-            tracked.new_token_ids = []
+            new_ids, tracked.new_token_ids = tracked.new_token_ids, []
         finished = request.is_finished
         status = request.status
         new_text, text = "", None
@@ -454,15 +465,15 @@ class LLMEngine:
             self._tracked.pop(rid, None)
         return RequestOutput(
             request_id=rid,
-            new_token_ids=list(new_ids),
+            new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,
             finish_reason=status.finish_reason if finished else None,
             error_code=request.error_code if finished else None,
             error=request.error if finished else None,
-            output_token_ids=list(request.output_token_ids),
+            output_token_ids=request.output_token_ids,
             text=text,
-            logprobs=list(tracked.logprobs) if tracked is not None and tracked.logprobs is not None else None,
+            logprobs=tracked.logprobs if tracked is not None else None,
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=max(0, request.num_cached_tokens),
             num_preemptions=request.num_preemptions,

@@ -1,11 +1,11 @@
-"""The model runner: owns the paged KV cache tensors and turns one ``SchedulerOutput`` into
-sampled tokens.
+"""The model runner: owns the paged KV cache tensors and turns one ``SchedulerOutput`` into a
+``ModelRunnerOutput`` (sampled tokens, logprobs, phase times).
 
-Per step it packs the new tokens of every scheduled request into one flat batch (no
-padding), builds the attention metadata (positions, slot mapping, block tables) and the
-sampling tensors once, runs the model under ``torch.inference_mode()``, puts only the rows
-that sample through the LM head, samples, and brings the results back with a single
-device-to-host copy.
+Per step it runs the scheduled block copies (swap preemption), packs the new tokens of every
+scheduled request into one flat batch (no padding), builds the attention metadata (positions,
+slot mapping, block tables) and the sampling tensors once, runs the model under
+``torch.inference_mode()``, puts only the rows that sample through the LM head, samples, and
+brings the results back with a single device-to-host copy.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import mmap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,7 @@ from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metada
 from mqinfer.kernels.sampling import SamplingTensors, compute_logprobs, sample
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
+from mqinfer.scheduler.request import Request
 from mqinfer.workers.loader import ModelInfo
 from mqinfer.workers.models import LlamaForCausalLM
 from mqinfer.workers.swap import HostKVCache
@@ -42,6 +43,21 @@ class TokenLogprobs:
             "top_token_ids": self.top_token_ids,
             "top_logprobs": self.top_logprobs,
         }
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """What one ``execute()`` produced, aligned with ``SchedulerOutput.scheduled``."""
+
+    # The sampled token per scheduled request; None where the request sampled nothing (a prompt
+    # chunk short of the prompt's end).
+    sampled_token_ids: list[int | None] = field(default_factory=list)
+    # Per scheduled request: its token's logprobs where it sampled and asked for them, else None.
+    # None as a whole when no request in the step asked.
+    logprobs: list[TokenLogprobs | None] | None = None
+    # Seconds in (prepare inputs and block copies, forward incl. LM head, sample); on CUDA the
+    # split is only indicative (kernels run asynchronously).
+    phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 class ModelRunner:
@@ -72,12 +88,6 @@ class ModelRunner:
         self.workspace = AttentionWorkspace()
         self.num_queries_per_kv = info.num_heads // info.num_kv_heads
         model.rotary.extend(scheduler_config.max_model_len)
-        # Logprobs of the last execute(), aligned with its scheduled requests (None where the
-        # request did not sample or did not ask for logprobs).
-        self.last_logprobs: list[TokenLogprobs | None] = []
-        # Seconds of the last execute() in (prepare inputs, forward incl. LM head, sample); on
-        # CUDA the split is only indicative (kernels run asynchronously).
-        self.last_phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def _zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled cache tensor.
@@ -100,18 +110,16 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> list[int | None]:
-        """Run one step: the sampled token per scheduled request (None where none is due)."""
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``."""
         t0 = time.perf_counter()
         if output.swap_out or output.swap_in:
             # Out before in: a block swapped in may be one another request just gave up.
             self.host_cache.swap_out(self.kv_caches, output.swap_out)
             self.host_cache.swap_in(self.kv_caches, output.swap_in)
         scheduled = output.scheduled
-        self.last_logprobs = [None] * len(scheduled)
         if not scheduled:
-            self.last_phase_seconds = (time.perf_counter() - t0, 0.0, 0.0)
-            return []
+            return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -142,11 +150,10 @@ class ModelRunner:
         ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
         t1 = time.perf_counter()
         hidden = self.model(ids, metadata.positions, self.kv_caches, metadata)
-        sampled: list[int | None] = [None] * len(scheduled)
+        result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled))
         if not sample_rows:
-            t2 = time.perf_counter()
-            self.last_phase_seconds = (t1 - t0, t2 - t1, 0.0)
-            return sampled
+            result.phase_seconds = (t1 - t0, time.perf_counter() - t1, 0.0)
+            return result
 
         rows = torch.tensor(sample_rows, dtype=torch.int64).to(device)
         # Logits stay in the model's dtype: greedy rows need only the argmax, and sample() and
@@ -165,22 +172,28 @@ class ModelRunner:
         token_ids = sample(logits, params)
         want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
         if want:
-            self._logprobs(logits, token_ids, want, requests, sample_of)
+            result.logprobs = [None] * len(scheduled)
+            for j, entry in zip(want, _logprobs(logits, token_ids, [requests[j] for j in want], want)):
+                result.logprobs[sample_of[j]] = entry
+        sampled = result.sampled_token_ids
         for i, token in zip(sample_of, token_ids.tolist()):
             sampled[i] = token
-        self.last_phase_seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
-        return sampled
+        result.phase_seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return result
 
-    def _logprobs(self, logits, token_ids, want, requests, sample_of) -> None:
-        k = max(requests[j].sampling.logprobs for j in want)
-        sel = torch.tensor(want, dtype=torch.int64, device=logits.device)
-        lp = compute_logprobs(logits.index_select(0, sel), token_ids.index_select(0, sel), k)
-        chosen = lp.sampled.tolist()
-        top_ids = lp.top_ids.tolist()
-        top_lps = lp.top_logprobs.tolist()
-        picked = token_ids.index_select(0, sel).tolist()
-        for n, j in enumerate(want):
-            kj = requests[j].sampling.logprobs
-            self.last_logprobs[sample_of[j]] = TokenLogprobs(
-                token_id=picked[n], logprob=chosen[n], top_token_ids=top_ids[n][:kj], top_logprobs=top_lps[n][:kj]
-            )
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request],
+              rows: list[int]) -> list[TokenLogprobs]:
+    """The sampled token's logprob and each request's own number of top alternatives, for the
+    given ``rows`` of ``logits`` (one per request in ``requests``)."""
+    k = max(r.sampling.logprobs for r in requests)
+    sel = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    picked = token_ids.index_select(0, sel)
+    lp = compute_logprobs(logits.index_select(0, sel), picked, k)
+    chosen = lp.sampled.tolist()
+    top_ids = lp.top_ids.tolist()
+    top_lps = lp.top_logprobs.tolist()
+    return [
+        TokenLogprobs(token_id=token, logprob=chosen[n], top_token_ids=top_ids[n][:kn], top_logprobs=top_lps[n][:kn])
+        for n, (token, kn) in enumerate(zip(picked.tolist(), (r.sampling.logprobs for r in requests)))
+    ]

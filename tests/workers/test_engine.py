@@ -15,7 +15,6 @@ from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import EngineInputError, LLMEngine
 from mqinfer.workers.loader import save_tiny_checkpoint
 from tests.helpers import FakeClock
-from tests.helpers import FakeClock
 
 NUM_NEW = 10
 
