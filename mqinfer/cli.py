@@ -43,12 +43,26 @@ FRESH = Option("fresh", bool, False, "Start the job over: remove its result and 
                "(without it, running the same command again resumes: only requests without a row are computed).")
 UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")
 
+# `report costs`
+BY = Option("by", str, "tenant", "Comma-separated group keys: tenant, model, request_type, job_id, worker.",
+            metavar="KEYS")
+REPORT_FORMAT = Option("format", str, "table", "Output format.", choices=("table", "csv", "json"))
+SINCE = Option("since", str, None, "Only rows finished at or after this time (ISO 8601 or unix seconds).",
+               metavar="WHEN")
+UNTIL = Option("until", str, None, "Only rows finished before this time (ISO 8601 or unix seconds).",
+               metavar="WHEN")
+TOP = Option("top", int, 10, "How many of the most expensive requests to list.", metavar="N")
+REPORT_BUDGETS = Option("budgets", str, None, "TOML file of per-tenant budgets: mark tenants over budget.",
+                        metavar="FILE")
+PLOT = Option("plot", str, None, "Also write PNG charts into DIR (needs matplotlib).", metavar="DIR")
+
 COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
 RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, FRESH, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
 SUBMIT_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
+REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT]
 
 log = logging.getLogger("mqinfer")
 
@@ -87,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mqinfer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    def command(name: str, help_text: str, options: list[Option], required=()) -> argparse.ArgumentParser:
-        p = sub.add_parser(name, help=help_text, description=help_text)
+    def command(name: str, help_text: str, options: list[Option], required=(), *, under=sub,
+                description: str | None = None) -> argparse.ArgumentParser:
+        p = under.add_parser(name, help=help_text, description=description or help_text)
         p.add_argument("--config", metavar="FILE", help="TOML file with flag values (env MQINFER_CONFIG).")
         add_options(p, options, required=required)
         p.set_defaults(_options=options, _required=required)
@@ -110,26 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir", metavar="DIR", help="Output folder of a job or worker.")
     report = sub.add_parser("report", help="Reports over an output folder.", description="Reports over an output folder.")
     rsub = report.add_subparsers(dest="report", metavar="REPORT")
-    rc = rsub.add_parser(
-        "costs", help="Cost by tenant, model, request type, job or worker.",
+    rc = command(
+        "costs", "Cost by tenant, model, request type, job or worker.", REPORT_COSTS_CMD, under=rsub,
         description="Cost by tenant, model, request type, job or worker. Under the groups, in every format: "
         "`billed` (the request rows, what the groups add up to), `overhead` (startup + idle rows), "
         "`duplicate` (cost rows of results that compaction discarded) and `TOTAL` (every row: the three "
         "added up); only `billed` is charged to a tenant. Run it after `mqinfer compact DIR`: before, "
-        "a retried request's rows each count as a request, and a warning on stderr says how many.",
+        "a retried request's rows each count as a request, and a warning on stderr says how many. "
+        "A [report] table of the --config file overrides its top level here.",
     )
     rc.add_argument("dir", metavar="DIR", help="Output folder (with costs/).")
-    rc.add_argument("--by", default="tenant",
-                    help="Comma-separated group keys: tenant, model, request_type, job_id, worker (default: tenant).")
-    rc.add_argument("--format", default="table", choices=("table", "csv", "json"), help="Output format (default: table).")
-    rc.add_argument("--since", default=None, help="Only rows finished at or after this time (ISO 8601 or unix seconds).")
-    rc.add_argument("--until", default=None, help="Only rows finished before this time (ISO 8601 or unix seconds).")
-    rc.add_argument("--top", type=int, default=10,
-                    help="How many of the most expensive requests to list (default: 10).")
-    rc.add_argument("--budgets", default=None, metavar="FILE",
-                    help="TOML file of per-tenant budgets: mark tenants over budget.")
-    rc.add_argument("--plot", default=None, metavar="DIR", help="Also write PNG charts into DIR (needs matplotlib).")
-    rc.set_defaults(_options=[], _required=())
     from mqinfer import jobs_cli
     from mqinfer.loadgen.bench_options import add_bench_arguments
 
@@ -143,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_keys(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
-    """(every flag name of every command, every command name): what a config file may hold."""
+    """(every flag name of every command, in every spelling, e.g. both ``prefix_cache`` and
+    ``no_prefix_cache``; every command name): what a config file may hold."""
     flags: set[str] = {"config"}
     commands: set[str] = set()
 
@@ -155,6 +161,7 @@ def config_keys(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
                     walk(sub)
             elif action.option_strings:
                 flags.add(action.dest)
+                flags.update(s[2:].replace("-", "_") for s in action.option_strings if s.startswith("--"))
 
     walk(parser)
     return flags, commands
@@ -219,36 +226,28 @@ def redis_problem(exc: Exception, url: str | None) -> str:
 
 
 # -- worker ----------------------------------------------------------------------------------
+def _fields(opts: dict, options: list[Option]) -> dict:
+    """Config dataclass fields from resolved flags; a flag missing from ``opts`` keeps the field's default."""
+    return {o.field: opts[o.name] for o in options if o.name in opts}
+
+
 def engine_config(opts: dict):
     from mqinfer.workers.config import EngineConfig
 
-    return EngineConfig(
-        model=opts["model"], device=opts["device"], dtype=opts["dtype"], block_size=opts["block_size"],
-        num_kv_blocks=opts["num_kv_blocks"], max_num_batched_tokens=opts["max_num_batched_tokens"],
-        max_num_seqs=opts["max_num_seqs"], max_model_len=opts["max_model_len"],
-        enable_prefix_caching=not opts["no_prefix_cache"], num_threads=opts["num_threads"],
-        preemption_mode=opts["preemption"], swap_space_gib=opts["swap_space_gib"],
-        priority_aging_s=opts["priority_aging_s"] or None,
-    )
+    values = _fields(opts, ENGINE_OPTIONS)
+    if "priority_aging_s" in values:
+        values["priority_aging_s"] = values["priority_aging_s"] or None  # the flag's 0: strict priority
+    return EngineConfig(**values)
 
 
 def worker_config(opts: dict, *, redis_url: str, out: Path):
     """The worker's configuration from resolved flags; ValueError names a bad flag."""
     from mqinfer.workers.config import WorkerConfig
 
-    return WorkerConfig(
-        redis_url=redis_url, out_dir=out, engine=engine_config(opts), stream=opts["stream"],
-        group=opts["group"], consumer=opts.get("consumer"), max_batch=opts["max_batch"],
-        max_wait_ms=opts["max_wait_ms"], claim_idle_ms=opts["claim_idle_ms"],
-        max_deliveries=opts["max_deliveries"], idle_exit_s=opts["idle_exit_s"],
-        metrics_port=opts["metrics_port"], metrics_host=opts["metrics_host"],
-        price_per_device_hour=opts["price_per_device_hour"], flush_rows=opts["flush_rows"],
-        flush_interval_s=opts["flush_interval_s"], drain_timeout_s=opts["drain_timeout_s"],
-        reply_maxlen=opts["reply_maxlen"], reply_ttl_s=opts["reply_ttl_s"], redis_cluster=opts["redis_cluster"],
-        budgets=Path(opts["budgets"]) if opts["budgets"] else None, enforce_budgets=opts["enforce_budgets"],
-        idempotency_ttl_s=opts["idempotency_ttl_s"], max_entry_bytes=opts["max_entry_bytes"],
-        max_tokens_limit=opts["max_tokens_limit"],
-    )
+    values = _fields(opts, [STREAM, *WORKER_OPTIONS])
+    if "budgets" in values:
+        values["budgets"] = Path(values["budgets"]) if values["budgets"] else None
+    return WorkerConfig(redis_url=redis_url, out_dir=out, engine=engine_config(opts), **values)
 
 
 def cmd_worker(args, opts: dict) -> int:
@@ -383,21 +382,21 @@ def cmd_report(args, opts: dict) -> int:
     from mqinfer.ops.budgets import load_budgets
     from mqinfer.ops.report import cost_report, plot, render, uncompacted_warning
 
-    by = [b.strip() for b in args.by.split(",") if b.strip()]
+    by = [b.strip() for b in opts["by"].split(",") if b.strip()]
     try:
-        budgets = load_budgets(args.budgets) if args.budgets else None
-        report = cost_report(Path(args.dir), by=by, since=_parse_time(args.since), until=_parse_time(args.until),
-                             top=args.top, budgets=budgets)
+        budgets = load_budgets(opts["budgets"]) if opts["budgets"] else None
+        report = cost_report(Path(args.dir), by=by, since=_parse_time(opts["since"]),
+                             until=_parse_time(opts["until"]), top=opts["top"], budgets=budgets)
     except (ValueError, OSError) as exc:
         print(f"mqinfer report costs: error: {exc}", file=sys.stderr)
         return 2
     warning = uncompacted_warning(report, args.dir)
     if warning:
         print(f"mqinfer report costs: {warning}", file=sys.stderr)
-    print(render(report, args.format), end="")
-    if args.plot:
+    print(render(report, opts["format"]), end="")
+    if opts["plot"]:
         try:
-            charts = plot(report, args.plot)
+            charts = plot(report, opts["plot"])
         except RuntimeError as exc:
             print(f"mqinfer report costs: error: {exc}", file=sys.stderr)
             return 2

@@ -1,9 +1,15 @@
 """Command-line options in one place: each flag, its type, default and help, and where values come from.
 
+The worker's and the engine's flags are built from the fields of their config dataclasses
+(``WorkerConfig`` and ``EngineConfig`` in workers/config.py), so each of their defaults is written
+once, there, and ``--help`` shows it. Flags that belong to one command only are declared here or
+next to their command.
+
 Every flag can also be given as an environment variable ``MQINFER_<FLAG>`` (``--max-wait-ms`` →
 ``MQINFER_MAX_WAIT_MS``) and in a TOML file passed with ``--config`` (keys spelled like the flag,
 with dashes or underscores; a table named after the command, e.g. ``[worker]``, overrides the top
-level for that command). Precedence: command line > environment > config file > default.
+level for that command). An on/off flag ``--x`` also has its off form everywhere: ``--no-x``,
+``MQINFER_NO_X``, key ``no-x``. Precedence: command line > environment > config file > default.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import tomllib
-from dataclasses import dataclass
+import typing
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
+
+from mqinfer.workers.config import EngineConfig, WorkerConfig
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -27,6 +36,8 @@ class Option:
     help: str
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    # The config dataclass field this option fills, when it is built from one.
+    field: str | None = None
 
     @property
     def flag(self) -> str:
@@ -35,6 +46,27 @@ class Option:
     @property
     def env(self) -> str:
         return "MQINFER_" + self.name.upper()
+
+    @property
+    def is_switch(self) -> bool:
+        """An on/off flag: ``--x`` / ``--no-x``."""
+        return self.type is bool
+
+    @property
+    def negative_flag(self) -> str:
+        return "--no-" + self.name.replace("_", "-")
+
+    @property
+    def negative_env(self) -> str:
+        return "MQINFER_NO_" + self.name.upper()
+
+    def argv(self, value: Any) -> list[str]:
+        """The command-line words that give this option ``value`` (for a child process's argv)."""
+        if value is None:
+            return []
+        if self.is_switch:
+            return [self.flag if value else self.negative_flag]
+        return [self.flag, str(value)]
 
     def convert(self, raw: Any, source: str) -> Any:
         if raw is None:
@@ -50,7 +82,7 @@ class Option:
                     return False
                 raise ValueError(f"expected true/false, got {raw!r}")
             value = self.type(raw) if not isinstance(raw, bool) else raw
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as exc:
             raise ConfigError(f"{self.flag} (from {source}): {exc}") from None
         if self.choices and value not in self.choices:
             raise ConfigError(f"{self.flag} (from {source}): {value!r} is not one of {', '.join(self.choices)}")
@@ -69,23 +101,44 @@ def _optional_float(text: str) -> float | None:
     return None if str(text).lower() in ("", "none", "off") else float(text)
 
 
-def _wait_ms(text: str) -> float | str:
-    """Milliseconds, or ``auto`` (the batcher chooses its wait from arrival rate and step time)."""
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"expected milliseconds or auto, got {text!r}") from None
+def _optional_path(text: str) -> Path | None:
+    return Path(text) if str(text) else None
+
+
+# How text becomes a value, by a field's type (its own Flag.parse otherwise).
+_PARSERS: dict[Any, Callable[[str], Any]] = {bool: bool, int: int, float: float, str: str, Path: Path}
+_OPTIONAL_PARSERS: dict[Any, Callable[[str], Any]] = {
+    int: _optional_int, float: _optional_float, str: str, Path: _optional_path,
+}
+
+
+def _parser_for(cls: type, name: str, hint: Any) -> Callable[[str], Any]:
+    args = typing.get_args(hint)
+    kinds = [a for a in args if a is not type(None)] if args else [hint]
+    table = _OPTIONAL_PARSERS if type(None) in args else _PARSERS
+    if len(kinds) != 1 or kinds[0] not in table:
+        raise TypeError(f"{cls.__name__}.{name}: type {hint} needs its own Flag(parse=...)")
+    return table[kinds[0]]
+
+
+def options_from(cls: type) -> list[Option]:
+    """The options of the fields of config dataclass ``cls`` that carry ``flag(...)`` metadata."""
+    hints = typing.get_type_hints(cls)
+    options = []
+    for f in fields(cls):
+        spec = f.metadata.get("flag")
+        if spec is None:
+            continue
+        default = f.default if f.default is not MISSING else None
+        options.append(Option(spec.name or f.name, spec.parse or _parser_for(cls, f.name, hints[f.name]), default,
+                              spec.help, choices=spec.choices, metavar=spec.metavar, field=f.name))
+    return options
 
 
 REDIS = Option("redis", str, None, "Redis URL: redis://[user:pass@]host:port/db, rediss:// (TLS) or "
                "unix://[:pass@]/path.sock.", metavar="URL")
-STREAM = Option("stream", str, "requests", "Stream name S: requests go to key mqinfer:{S}.", metavar="S")
 LOG_LEVEL = Option("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error"))
 LOG_FORMAT = Option("log_format", str, "text", "Log line format.", choices=("text", "json"))
-REDIS_CLUSTER = Option("redis_cluster", bool, False, "--redis is a seed node of a Redis Cluster (keys are "
-                       "hash-tagged per stream; rq bulk jobs need a plain server).")
 SHARDS = Option("shards", int, 1, "Spread requests over N streams S-0..S-{N-1} by a hash of their id, each "
                 "read by its own workers (`run` gives worker i shard i mod N); for Redis Cluster, where one "
                 "stream lives in one slot.", metavar="N")
@@ -93,81 +146,40 @@ JOB_ID = Option("job_id", str, None, "Job id stamped on every request (default: 
                 "job_id; `run` derives one from the input file's content, so running it again resumes).",
                 metavar="ID")
 
-ENGINE_OPTIONS = [
-    Option("model", str, "tiny", "`tiny` (built-in smoke-test model) or a local Hugging Face checkpoint folder.",
-           metavar="M"),
-    Option("device", str, "auto", "Where the model runs.", choices=("auto", "cpu", "cuda")),
-    Option("dtype", str, "auto", "Weight and activation dtype (auto = the checkpoint's own).",
-           choices=("auto", "float32", "bfloat16", "float16")),
-    Option("block_size", int, 16, "Tokens per KV cache block."),
-    Option("num_kv_blocks", _optional_int, None, "KV cache blocks (default: sized from the model and memory).",
-           metavar="K"),
-    Option("max_num_batched_tokens", int, 4096, "Token budget of one engine step (prefill chunks + decodes); "
-           "at least --max-num-seqs, so every running request can advance every step.", metavar="T"),
-    Option("max_num_seqs", int, 256, "Requests running at once, at most.", metavar="S"),
-    Option("max_model_len", _optional_int, None, "Context length (default: the model's).", metavar="N"),
-    Option("no_prefix_cache", bool, False, "Turn prefix caching off."),
-    Option("preemption", str, "recompute", "When KV blocks run out: recompute the preempted request later, "
-           "or swap its KV to host memory and back.", choices=("recompute", "swap")),
-    Option("swap_space_gib", float, 4.0, "Host memory for swapped-out KV blocks (with --preemption swap).",
-           metavar="G"),
-    Option("priority_aging_s", float, 60.0, "Waiting this long is worth one priority level, so nothing "
-           "starves (0 = strict priority).", metavar="S"),
-    Option("num_threads", _optional_int, None, "CPU threads for the model (default: OMP_NUM_THREADS, else "
-           "every core).", metavar="N"),
-]
-
-WORKER_OPTIONS = [
-    Option("group", str, "workers", "Consumer group name.", metavar="G"),
-    Option("consumer", str, None, "Consumer name (default: hostname-pid-random).", metavar="C"),
-    Option("max_batch", int, 64, "Dual-threshold batcher: release a batch at this many requests...", metavar="N"),
-    Option("max_wait_ms", _wait_ms, 10.0, "...or this long after the oldest arrival, whichever comes first; "
-           "`auto` chooses it from the arrival rate and step time.", metavar="T"),
-    Option("claim_idle_ms", int, 30_000, "Take over another consumer's entries idle this long (it is "
-           "presumed dead; live workers keep their entries fresh).", metavar="MS"),
-    Option("max_deliveries", int, 3, "After this many deliveries a request ends with an error row.",
-           metavar="N"),
-    Option("idle_exit_s", _optional_float, None, "Exit 0 after this many seconds with nothing to do "
-           "(default: never).", metavar="S"),
-    Option("metrics_port", _optional_int, None, "Serve Prometheus metrics, /healthz and /readyz on this port.",
-           metavar="P"),
-    Option("metrics_host", str, "127.0.0.1", "Address the metrics endpoint binds to.", metavar="ADDR"),
-    Option("price_per_device_hour", float, 1.0, "Price of one device hour in USD, for cost_usd.", metavar="USD"),
-    Option("flush_rows", int, 256, "Write Parquet part files once this many rows are pending...", metavar="N"),
-    Option("flush_interval_s", float, 0.5, "...or once the oldest pending row is this old.", metavar="S"),
-    Option("drain_timeout_s", float, 30.0, "On SIGTERM, finish running requests for at most this long, "
-           "then hand the rest back.", metavar="S"),
-    Option("idempotency_ttl_s", float, 86_400.0, "Remember each request (job_id, id) this long, so that a "
-           "producer's second copy is computed once, or refused if its content differs (0 = off).",
-           metavar="S"),
-    Option("max_entry_bytes", int, 1 << 20, "Largest stream entry accepted; a larger one ends as an error.",
-           metavar="N"),
-    Option("max_tokens_limit", _optional_int, None, "Largest max_tokens accepted; a larger request ends as an "
-           "error (default: bounded only by the context length).", metavar="N"),
-    Option("budgets", str, None, "TOML file of per-tenant budgets (period, default_usd, [tenants]); exports "
-           "budget and spend metrics.", metavar="FILE"),
-    Option("enforce_budgets", bool, False, "Refuse new requests of a tenant whose budget is spent: they end "
-           "with error_code budget_exceeded. Needs --budgets."),
-    Option("reply_maxlen", int, 100_000, "Reply streams keep about this many messages at most.", metavar="N"),
-    Option("reply_ttl_s", int, 3600, "Reply streams expire this long after their last message.", metavar="S"),
-    REDIS_CLUSTER,
-]
+ENGINE_OPTIONS = options_from(EngineConfig)
+_WORKER_FIELDS = {o.name: o for o in options_from(WorkerConfig)}
+# Stream and cluster flags are shared with the producer commands (submit, jobs).
+STREAM = _WORKER_FIELDS["stream"]
+REDIS_CLUSTER = _WORKER_FIELDS["redis_cluster"]
+# Without --stream: `run` gives each worker its shard's stream itself.
+WORKER_OPTIONS = [o for o in _WORKER_FIELDS.values() if o is not STREAM]
 
 
 def add_options(parser: argparse.ArgumentParser, options: list[Option], *, required: tuple[str, ...] = ()) -> None:
     """Add flags whose argparse default is 'not given', so env and config can fill them later."""
     for opt in options:
-        default_text = "off" if opt.type is bool and not opt.default else opt.default
-        env_note = f"env {opt.env}"
-        help_text = f"{opt.help} (default: {default_text}; {env_note})"
+        env_note = f"env {opt.env} or {opt.negative_env}" if opt.is_switch else f"env {opt.env}"
         if opt.name in required:
             help_text = f"{opt.help} (required; {env_note})"
-        if opt.type is bool:
-            parser.add_argument(opt.flag, dest=opt.name, action="store_const", const=True,
+        elif opt.is_switch:
+            help_text = f"{opt.help} (default: {'on' if opt.default else 'off'}; {env_note})"
+        elif opt.default is None:  # its help says what happens without it
+            help_text = f"{opt.help} ({env_note})"
+        else:
+            help_text = f"{opt.help} (default: {opt.default}; {env_note})"
+        if opt.is_switch:
+            parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
+            choices = "{" + ",".join(opt.choices) + "}" if opt.choices else None
+            # argparse checks no choices: resolve() does, for every source, naming the source.
             parser.add_argument(opt.flag, dest=opt.name, default=argparse.SUPPRESS, help=help_text,
-                                metavar=opt.metavar or opt.name.upper(), choices=None)
+                                metavar=opt.metavar or choices or opt.name.upper())
+
+
+def _opposite(key: str) -> str:
+    """``no_x`` for ``x`` and ``x`` for ``no_x``: the two spellings of an on/off setting."""
+    return key[3:] if key.startswith("no_") else "no_" + key
 
 
 def load_config_file(path: str | os.PathLike | None, command: str,
@@ -191,7 +203,11 @@ def load_config_file(path: str | os.PathLike | None, command: str,
     values = {k.replace("-", "_"): v for k, v in data.items() if not isinstance(v, dict)}
     section = data.get(command)
     if isinstance(section, dict):
-        values.update({k.replace("-", "_"): v for k, v in section.items()})
+        for k, v in section.items():
+            key = k.replace("-", "_")
+            # The command's table overrides the top level in either spelling (`x` or `no_x`).
+            values.pop(_opposite(key), None)
+            values[key] = v
     return values
 
 
@@ -210,19 +226,38 @@ def _check_keys(path: Path, data: dict[str, Any], flags: set[str], commands: set
         raise ConfigError(f"--config {path}: " + "; ".join(problems))
 
 
+_UNSET = object()
+
+
+def _given(opt: Option, values: Any, keys: list[tuple[str, bool]], source: Callable[[str], str]) -> Any:
+    """What ``values`` (the environment, or a config file's settings) says for ``opt``, under any
+    of ``keys`` = [(key, is the off form)]; _UNSET if nothing. Two spellings that disagree
+    (MQINFER_X=1 and MQINFER_NO_X=1) are an error."""
+    found = []
+    for key, off_form in keys:
+        if key in values:
+            value = opt.convert(values[key], source(key))
+            found.append((not value if off_form else value, source(key)))
+    if not found:
+        return _UNSET
+    if any(value != found[0][0] for value, _ in found):
+        raise ConfigError(f"{opt.flag}: {found[0][1]} and {found[1][1]} disagree")
+    return found[0][0]
+
+
 def resolve(args: argparse.Namespace, options: list[Option], file_values: dict[str, Any],
             required: tuple[str, ...] = ()) -> dict[str, Any]:
     """Final value of each option: command line > environment > config file > default."""
     resolved: dict[str, Any] = {}
     for opt in options:
+        env_keys = [(opt.env, False)] + ([(opt.negative_env, True)] if opt.is_switch else [])
+        file_keys = [(opt.name, False)] + ([(_opposite(opt.name), True)] if opt.is_switch else [])
         if hasattr(args, opt.name):
             value = opt.convert(getattr(args, opt.name), "command line")
-        elif opt.env in os.environ:
-            value = opt.convert(os.environ[opt.env], f"environment {opt.env}")
-        elif opt.name in file_values:
-            value = opt.convert(file_values[opt.name], "config file")
-        else:
-            value = opt.default
+        elif (value := _given(opt, os.environ, env_keys, lambda key: f"environment {key}")) is _UNSET:
+            value = _given(opt, file_values, file_keys, lambda key: f"config file key {key}")
+            if value is _UNSET:
+                value = opt.default
         resolved[opt.name] = value
     for name in required:
         if resolved.get(name) in (None, ""):

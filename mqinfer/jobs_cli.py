@@ -1,9 +1,9 @@
 """The `mqinfer jobs` command line: submit, worker, status, list, cancel (bulk jobs through rq).
 
 ``add_jobs_parser(subparsers)`` adds the ``jobs`` command to the main parser; every subcommand's
-parsed args carry ``_jobs_handler(args) -> int``. ``python -m mqinfer.jobs_cli ...`` runs the same
-commands on their own. Flags also come from ``MQINFER_<FLAG>`` and from ``--config`` (a ``[jobs]``
-table overrides the top level). Nothing here imports torch.
+parsed args carry ``_jobs_handler(args, opts) -> int``. ``python -m mqinfer.jobs_cli ...`` runs the
+same commands on their own. Every flag also comes from ``MQINFER_<FLAG>`` and from ``--config`` (a
+``[jobs]`` table overrides the top level). Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ LEASE_S = Option("lease_s", float, 10.0, "Lock lease of a running job task; a de
                  "after about this long.", metavar="S")
 SWEEP_INTERVAL_S = Option("sweep_interval_s", float, 2.0, "How often the worker looks for jobs whose task "
                           "chain stopped (a killed worker) and restarts them.", metavar="S")
+WORKER_NAME = Option("name", str, None, "Worker name (without it: mqinfer-jobs-HOST-PID-random).", metavar="NAME")
+BURST = Option("burst", bool, False, "Exit once the queue is empty.")
+SUBMIT_JSON = Option("json", bool, False, "Print {\"job_id\": ...} as JSON.")
+STATUS_JSON = Option("json", bool, False, "Print the status as JSON.")
+LIST_JSON = Option("json", bool, False, "Print a JSON array.")
+WATCH = Option("watch", bool, False, "Refresh until the job ends (a progress bar on a terminal); exit 0 if it "
+               "completed, 1 otherwise.")
+INTERVAL = Option("interval", float, 1.0, "Seconds between refreshes.", metavar="S")
+LIMIT = Option("limit", int, 50, "At most this many.", metavar="N")
 
 JOBS_REDIS = Option("jobs_redis", str, None, "A plain Redis server for the rq queue and the job state, when the "
                     "request streams live elsewhere: --redis is then the inference workers' server (a Redis "
@@ -38,9 +47,10 @@ JOBS_REDIS = Option("jobs_redis", str, None, "A plain Redis server for the rq qu
                     "everything.", metavar="URL")
 
 SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE,
-                  LEASE_S, LOG_LEVEL]
-WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, LOG_LEVEL]
-READ_OPTIONS = [REDIS, JOBS_REDIS, LOG_LEVEL]
+                  LEASE_S, SUBMIT_JSON, LOG_LEVEL]
+WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, WORKER_NAME, BURST, LOG_LEVEL]
+STATUS_OPTIONS = [REDIS, JOBS_REDIS, STATUS_JSON, WATCH, INTERVAL, LOG_LEVEL]
+LIST_OPTIONS = [REDIS, JOBS_REDIS, LIMIT, LIST_JSON, LOG_LEVEL]
 CANCEL_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, LOG_LEVEL]
 
 _FINAL = ("completed", "failed", "cancelled", "expired")
@@ -56,7 +66,7 @@ def add_jobs_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _needs_subcommand(parser: argparse.ArgumentParser):
-    def handler(_args) -> int:
+    def handler(_args, _opts) -> int:
         parser.print_help(sys.stderr)
         return 2
     return handler
@@ -77,21 +87,12 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
                 "Submitting the same INPUT into the same --out again resumes a job the server forgot.",
                 SUBMIT_OPTIONS, cmd_submit, required=("redis", "out"))
     p.add_argument("input", metavar="INPUT", help="Input file.")
-    p.add_argument("--json", action="store_true", help="Print {\"job_id\": ...} as JSON.")
-    p = command("worker", "Run an rq worker for bulk-job tasks (they import no torch).", WORKER_OPTIONS,
-                cmd_worker, required=("redis",))
-    p.add_argument("--name", default=None, help="Worker name (default: mqinfer-jobs-HOST-PID-random).")
-    p.add_argument("--burst", action="store_true", help="Exit once the queue is empty.")
+    command("worker", "Run an rq worker for bulk-job tasks (they import no torch).", WORKER_OPTIONS,
+            cmd_worker, required=("redis",))
     p = command("status", "Show a job: status, counts, tokens, cost so far, throughput, ETA (reads the jobs "
-                "server: --jobs-redis, else --redis).", READ_OPTIONS, cmd_status)
+                "server: --jobs-redis, else --redis).", STATUS_OPTIONS, cmd_status)
     p.add_argument("job_id", metavar="ID", help="Job id.")
-    p.add_argument("--json", action="store_true", help="Print the status as JSON.")
-    p.add_argument("--watch", action="store_true", help="Refresh until the job ends (a progress bar on a "
-                   "terminal); exit 0 if it completed, 1 otherwise.")
-    p.add_argument("--interval", type=float, default=1.0, help="Seconds between refreshes (default: 1).")
-    p = command("list", "List jobs, newest first (on --jobs-redis, else --redis).", READ_OPTIONS, cmd_list)
-    p.add_argument("--limit", type=int, default=50, help="At most this many (default: 50).")
-    p.add_argument("--json", action="store_true", help="Print a JSON array.")
+    command("list", "List jobs, newest first (on --jobs-redis, else --redis).", LIST_OPTIONS, cmd_list)
     p = command("cancel", "Cancel a job: requests not started end as cancelled; rows already finished are "
                 "kept in its output. Needs the jobs server (--jobs-redis, else --redis); with --jobs-redis, "
                 "also giving --redis lets the inference workers stop its running requests at once.",
@@ -100,6 +101,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
 
 
 def _options(args) -> dict:
+    """Every flag of the subcommand: command line > environment > config file ([jobs] table) > default."""
+    if not args._options:
+        return {}
     path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
     known = getattr(args, "_config_known", None)
     return resolve(args, args._options, load_config_file(path, "jobs", known), args._required)
@@ -145,16 +149,15 @@ def _data_client(opts: dict, *, needed: bool = True):
 
 
 # -- handlers --------------------------------------------------------------------------------
-def cmd_submit(args) -> int:
+def cmd_submit(args, opts: dict) -> int:
     from mqinfer.ops.jobs import parse_deadline, submit_job
 
-    opts = _options(args)
     result = submit_job(
         _client(opts), args.input, opts["out"], stream=opts["stream"], deadline=parse_deadline(opts["deadline"]),
         max_in_flight=opts["max_in_flight"], chunk_size=opts["chunk_size"], queue_name=opts["queue"],
         lease_s=opts["lease_s"], shards=opts["shards"], data=_data_client(opts),
     )
-    if args.json:
+    if opts["json"]:
         print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))
     else:
         print(result.job_id)
@@ -164,50 +167,50 @@ def cmd_submit(args) -> int:
     return 0
 
 
-def cmd_worker(args) -> int:
+def cmd_worker(args, opts: dict) -> int:
     from mqinfer.ops.jobs import run_worker
 
-    opts = _options(args)
-    return run_worker(_client(opts), queue_name=opts["queue"], name=args.name, burst=args.burst,
+    return run_worker(_client(opts), queue_name=opts["queue"], name=opts["name"], burst=opts["burst"],
                       sweep_interval_s=opts["sweep_interval_s"], logging_level=opts["log_level"],
                       data=_data_client(opts))
 
 
-def cmd_status(args) -> int:
+def cmd_status(args, opts: dict) -> int:
     from mqinfer.ops.jobs import job_info
 
-    opts = _options(args)
+    interval = opts["interval"]
+    if interval <= 0:
+        raise ValueError(f"--interval must be > 0, got {interval}")
     client = _client(opts)
-    if args.interval <= 0:
-        raise ValueError(f"--interval must be > 0, got {args.interval}")
     info = job_info(client, args.job_id)
-    if not args.watch:
-        print(json.dumps(info, indent=2) if args.json else render_status(info))
+    if not opts["watch"]:
+        print(json.dumps(info, indent=2) if opts["json"] else render_status(info))
         return 0
-    tty = sys.stderr.isatty() and not args.json
+    tty = sys.stderr.isatty() and not opts["json"]
     last_line, last_print = "", 0.0
     while info["status"] not in _FINAL:
         line = progress_line(info)
         now = time.monotonic()
         if tty:
             print("\r\x1b[2K" + line, end="", file=sys.stderr, flush=True)
-        elif line != last_line and now - last_print >= 10 * args.interval or not last_print:
+        elif line != last_line and now - last_print >= 10 * interval or not last_print:
             print(line, file=sys.stderr, flush=True)
             last_line, last_print = line, now
-        time.sleep(args.interval)
+        time.sleep(interval)
         info = job_info(client, args.job_id)
     if tty:
         print("\r\x1b[2K" + progress_line(info), file=sys.stderr, flush=True)
-    print(json.dumps(info, indent=2) if args.json else render_status(info))
+    print(json.dumps(info, indent=2) if opts["json"] else render_status(info))
     return 0 if info["status"] == "completed" else 1
 
 
-def cmd_list(args) -> int:
+def cmd_list(args, opts: dict) -> int:
     from mqinfer.ops.jobs import list_jobs
 
-    opts = _options(args)
-    jobs = list_jobs(_client(opts), limit=args.limit)
-    if args.json:
+    if opts["limit"] < 1:
+        raise ValueError(f"--limit must be >= 1, got {opts['limit']}")
+    jobs = list_jobs(_client(opts), limit=opts["limit"])
+    if opts["json"]:
         print(json.dumps(jobs, indent=2))
         return 0
     if not jobs:
@@ -221,10 +224,9 @@ def cmd_list(args) -> int:
     return 0
 
 
-def cmd_cancel(args) -> int:
+def cmd_cancel(args, opts: dict) -> int:
     from mqinfer.ops.jobs import cancel_job
 
-    opts = _options(args)
     status = cancel_job(_client(opts), args.job_id, data=_data_client(opts, needed=False))
     if status == "cancelling":
         print(f"job {args.job_id}: cancelling (requests not started end as cancelled; finished rows are kept)")
@@ -293,8 +295,9 @@ def render_status(info: dict) -> str:
 
 
 # -- entry point -----------------------------------------------------------------------------
-def run(args) -> int:
-    """Call the parsed command's handler with the usual error handling."""
+def run(args, *, setup_logging: bool = False) -> int:
+    """Resolve the subcommand's flags and call its handler, with the usual error handling;
+    ``setup_logging``: log to stderr at --log-level first (when run on its own)."""
     handler = getattr(args, "_jobs_handler", None)
     if handler is None:
         return 2
@@ -303,7 +306,11 @@ def run(args) -> int:
     from mqinfer.ops.job_store import JobNotFound
 
     try:
-        return handler(args)
+        opts = _options(args)
+        if setup_logging:
+            logging.basicConfig(level=opts.get("log_level", "info").upper(), stream=sys.stderr,
+                                format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return handler(args, opts)
     except KeyboardInterrupt:
         print("mqinfer jobs: interrupted", file=sys.stderr)
         return 130
@@ -325,10 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_jobs_handler", None) is None:
         parser.print_help(sys.stderr)
         return 2
-    level = os.environ.get("MQINFER_LOG_LEVEL", getattr(args, "log_level", None) or "info")
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return run(args)
+    return run(args, setup_logging=True)
 
 
 if __name__ == "__main__":

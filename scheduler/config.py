@@ -24,12 +24,17 @@ class SchedulerConfig:
     ``range(num_kv_blocks)`` is usable (none is reserved).
     """
 
+    # These defaults are also the engine's: EngineConfig (workers/config.py) takes its block
+    # size, step limits, prefix caching, preemption mode and aging from here, and `mqinfer worker
+    # --help` shows them. The step limits are the measured ones (BENCHMARKS.md). num_kv_blocks
+    # and max_model_len the engine always sizes itself (from memory and from the model); their
+    # defaults serve callers that build a scheduler directly.
     block_size: int = 16
     num_kv_blocks: int = 4096
     # Token budget per step: prompt chunks and decode tokens of all scheduled requests together.
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 4096
     # Running requests at most.
-    max_num_seqs: int = 128
+    max_num_seqs: int = 256
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
     # What a preempted request does with its KV: "recompute" drops it (the prefix cache keeps

@@ -1,7 +1,10 @@
 """The worker's and the engine's settings: plain dataclasses with their defaults, checked when built.
 
-No torch here, so the command line can check every flag (and show every default) before it
-starts anything.
+Every default is written here once (the scheduler's limits once in SchedulerConfig, which the
+engine's fields take as theirs). A field with ``flag(...)`` metadata is also a command-line flag:
+mqinfer/config.py builds the `mqinfer worker` and `mqinfer run` options from these fields, so
+``--help`` shows these defaults. No torch here, so the command line can check every flag (and
+show every default) before it starts anything.
 """
 
 from __future__ import annotations
@@ -9,38 +12,86 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
+from mqinfer.scheduler.config import PREEMPTION_MODES, SchedulerConfig
 from mqinfer.schemas import keys
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
+
+DEVICES = ("auto", "cpu", "cuda")  # the flag's choices; the dataclass also takes cuda:N
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# The scheduler's defaults, which the engine passes on to it unchanged.
+_SCHEDULER = SchedulerConfig()
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a config field appears on the command line.
+
+    ``name``: the flag's python name when it is not the field's (``preemption`` for
+    ``preemption_mode``); ``parse``: text to value when the field's type does not say it.
+    """
+
+    help: str
+    name: str | None = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None
+
+
+def flag(help: str, **kwargs: Any) -> dict[str, Flag]:
+    """``field(metadata=...)`` of a field that is also a command-line flag."""
+    return {"flag": Flag(help, **kwargs)}
+
+
+def parse_wait_ms(text: str) -> float | str:
+    """Milliseconds, or ``auto`` (the batcher chooses its wait from arrival rate and step time)."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"expected milliseconds or auto, got {text!r}") from None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "tiny"
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
-    # None: sized from memory (see _default_num_kv_blocks).
-    num_kv_blocks: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    # None: the model's max_position_embeddings.
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
+    model: str = field(default="tiny", metadata=flag(
+        "`tiny` (built-in smoke-test model) or a local Hugging Face checkpoint folder.", metavar="M"))
+    device: str = field(default="auto", metadata=flag("Where the model runs.", choices=DEVICES))
+    dtype: str = field(default="auto", metadata=flag(
+        "Weight and activation dtype (auto = the checkpoint's own).", choices=DTYPES))
+    block_size: int = field(default=_SCHEDULER.block_size, metadata=flag("Tokens per KV cache block.", metavar="B"))
+    num_kv_blocks: int | None = field(default=None, metadata=flag(
+        "KV cache blocks (default: sized from the model and memory).", metavar="K"))
+    max_num_batched_tokens: int = field(default=_SCHEDULER.max_num_batched_tokens, metadata=flag(
+        "Token budget of one engine step (prefill chunks + decodes); at least --max-num-seqs, so every "
+        "running request can advance every step.", metavar="T"))
+    max_num_seqs: int = field(default=_SCHEDULER.max_num_seqs, metadata=flag(
+        "Requests running at once, at most.", metavar="S"))
+    max_model_len: int | None = field(default=None, metadata=flag(
+        "Context length (default: the model's).", metavar="N"))
+    enable_prefix_caching: bool = field(default=_SCHEDULER.enable_prefix_caching, metadata=flag(
+        "Prefix caching: requests sharing a prompt prefix share its KV blocks.", name="prefix_cache"))
     # Seeds the sampling seeds drawn for requests that give none.
     seed: int = 0
-    # CPU threads for torch; None: OMP_NUM_THREADS when set, else every core this process may use.
-    num_threads: int | None = None
-    # "recompute" or "swap" (KV of preempted requests goes to swap_space_gib of host memory).
-    preemption_mode: str = "recompute"
-    swap_space_gib: float = 4.0
-    # Seconds of waiting worth one priority level (see Scheduler); None: strict priority.
-    priority_aging_s: float | None = 60.0
+    num_threads: int | None = field(default=None, metadata=flag(
+        "CPU threads for the model (default: OMP_NUM_THREADS, else every core).", metavar="N"))
+    preemption_mode: str = field(default=_SCHEDULER.preemption_mode, metadata=flag(
+        "When KV blocks run out: recompute the preempted request later, or swap its KV to host memory "
+        "and back.", name="preemption", choices=PREEMPTION_MODES))
+    swap_space_gib: float = field(default=4.0, metadata=flag(
+        "Host memory for swapped-out KV blocks (with --preemption swap).", metavar="G"))
+    # None: strict priority (the flag also takes 0 for it).
+    priority_aging_s: float | None = field(default=_SCHEDULER.priority_aging_s, metadata=flag(
+        "Waiting this long is worth one priority level, so nothing starves (0 = strict priority).",
+        metavar="S"))
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
@@ -48,7 +99,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if not (self.swap_space_gib >= 0 and math.isfinite(self.swap_space_gib)):
             raise ValueError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib}")
@@ -59,34 +110,57 @@ class WorkerConfig:
     redis_url: str
     out_dir: Path
     engine: EngineConfig = field(default_factory=EngineConfig)
-    stream: str = "requests"
-    group: str = keys.GROUP
-    consumer: str | None = None
-    max_batch: int = 64
+    stream: str = field(default="requests", metadata=flag(
+        "Stream name S: requests go to key mqinfer:{S}.", metavar="S"))
+    group: str = field(default=keys.GROUP, metadata=flag("Consumer group name.", metavar="G"))
+    consumer: str | None = field(default=None, metadata=flag(
+        "Consumer name (default: hostname-pid-random).", metavar="C"))
+    max_batch: int = field(default=64, metadata=flag(
+        "Dual-threshold batcher: release a batch at this many requests...", metavar="N"))
     # Milliseconds, or "auto": chosen from the arrival rate and step time (scheduler/batcher.py).
-    max_wait_ms: float | str = 10.0
-    claim_idle_ms: int = 30_000
-    max_deliveries: int = 3
-    idle_exit_s: float | None = None
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    price_per_device_hour: float = 1.0
-    flush_rows: int = 256
-    flush_interval_s: float = 0.5
-    drain_timeout_s: float = 30.0
-    # Reply streams: about this many messages at most, expiring this long after the last one.
-    reply_maxlen: int = 100_000
-    reply_ttl_s: int = 3600
-    # --redis is a seed node of a Redis Cluster.
-    redis_cluster: bool = False
-    # Per-tenant budgets (ops/budgets.py); with enforce_budgets a spent tenant's requests are refused.
-    budgets: Path | None = None
-    enforce_budgets: bool = False
-    # 0: no idempotency records (a producer's duplicate is computed again).
-    idempotency_ttl_s: float = 86_400.0
-    max_entry_bytes: int = MAX_ENTRY_BYTES
-    # None: max_tokens is bounded only by the context length.
-    max_tokens_limit: int | None = None
+    max_wait_ms: float | str = field(default=10.0, metadata=flag(
+        "...or this long after the oldest arrival, whichever comes first; `auto` chooses it from the "
+        "arrival rate and step time.", metavar="T", parse=parse_wait_ms))
+    claim_idle_ms: int = field(default=30_000, metadata=flag(
+        "Take over another consumer's entries idle this long (it is presumed dead; live workers keep "
+        "their entries fresh).", metavar="MS"))
+    max_deliveries: int = field(default=3, metadata=flag(
+        "After this many deliveries a request ends with an error row.", metavar="N"))
+    idle_exit_s: float | None = field(default=None, metadata=flag(
+        "Exit 0 after this many seconds with nothing to do (default: never).", metavar="S"))
+    metrics_port: int | None = field(default=None, metadata=flag(
+        "Serve Prometheus metrics, /healthz and /readyz on this port.", metavar="P"))
+    metrics_host: str = field(default="127.0.0.1", metadata=flag(
+        "Address the metrics endpoint binds to.", metavar="ADDR"))
+    price_per_device_hour: float = field(default=1.0, metadata=flag(
+        "Price of one device hour in USD, for cost_usd.", metavar="USD"))
+    flush_rows: int = field(default=256, metadata=flag(
+        "Write Parquet part files once this many rows are pending...", metavar="N"))
+    flush_interval_s: float = field(default=0.5, metadata=flag(
+        "...or once the oldest pending row is this old.", metavar="S"))
+    drain_timeout_s: float = field(default=30.0, metadata=flag(
+        "On SIGTERM, finish running requests for at most this long, then hand the rest back.", metavar="S"))
+    reply_maxlen: int = field(default=100_000, metadata=flag(
+        "Reply streams keep about this many messages at most.", metavar="N"))
+    reply_ttl_s: int = field(default=3600, metadata=flag(
+        "Reply streams expire this long after their last message.", metavar="S"))
+    redis_cluster: bool = field(default=False, metadata=flag(
+        "--redis is a seed node of a Redis Cluster (keys are hash-tagged per stream; rq bulk jobs need a "
+        "plain server)."))
+    budgets: Path | None = field(default=None, metadata=flag(
+        "TOML file of per-tenant budgets (period, default_usd, [tenants]); exports budget and spend "
+        "metrics.", metavar="FILE"))
+    enforce_budgets: bool = field(default=False, metadata=flag(
+        "Refuse new requests of a tenant whose budget is spent: they end with error_code "
+        "budget_exceeded. Needs --budgets."))
+    idempotency_ttl_s: float = field(default=86_400.0, metadata=flag(
+        "Remember each request (job_id, id) this long, so that a producer's second copy is computed once, "
+        "or refused if its content differs (0 = off).", metavar="S"))
+    max_entry_bytes: int = field(default=MAX_ENTRY_BYTES, metadata=flag(
+        "Largest stream entry accepted; a larger one ends as an error.", metavar="N"))
+    max_tokens_limit: int | None = field(default=None, metadata=flag(
+        "Largest max_tokens accepted; a larger request ends as an error (default: bounded only by the "
+        "context length).", metavar="N"))
 
     def __post_init__(self) -> None:
         auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"

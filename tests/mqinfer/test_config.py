@@ -1,25 +1,43 @@
-"""Flags resolve command line > environment > config file > default, with clear errors."""
+"""Flags resolve command line > environment > config file > default, with clear errors; every default
+of the worker and the engine is the config dataclass's, and on/off flags have their --no- forms."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from mqinfer.cli import WORKER_CMD, build_parser
-from mqinfer.config import ConfigError, load_config_file, resolve
+from mqinfer.cli import REDIS_CMD, RUN_CMD, WORKER_CMD, build_parser, config_keys, engine_config, worker_config
+from mqinfer.config import (
+    ENGINE_OPTIONS, STREAM, WORKER_OPTIONS, ConfigError, load_config_file, resolve,
+)
+from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.workers.config import EngineConfig, WorkerConfig
 
 
-def _resolve(argv, file_values=None, required=()):
-    args = build_parser().parse_args(["worker", *argv])
-    return resolve(args, WORKER_CMD, file_values or {}, required)
+@pytest.fixture(autouse=True)
+def _no_mqinfer_environment(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("MQINFER_")]:
+        monkeypatch.delenv(name)
+
+
+def _resolve(argv, file_values=None, required=(), command="worker", options=WORKER_CMD):
+    args = build_parser().parse_args([command, *argv])
+    return resolve(args, options, file_values or {}, required)
+
+
+def _config(tmp_path, text: str, command: str = "worker") -> dict:
+    path = tmp_path / "mq.toml"
+    path.write_text(text)
+    return load_config_file(path, command, config_keys(build_parser()))
 
 
 def test_precedence(monkeypatch, tmp_path):
-    cfg = tmp_path / "mq.toml"
-    cfg.write_text('max-batch = 8\nmax_wait_ms = 3.5\n[worker]\nblock_size = 32\n')
-    values = load_config_file(cfg, "worker")
+    values = _config(tmp_path, 'max-batch = 8\nmax_wait_ms = 3.5\n[worker]\nblock_size = 32\n')
     opts = _resolve([], values)
     assert (opts["max_batch"], opts["max_wait_ms"], opts["block_size"]) == (8, 3.5, 32)
     monkeypatch.setenv("MQINFER_MAX_BATCH", "16")
@@ -28,13 +46,110 @@ def test_precedence(monkeypatch, tmp_path):
     assert _resolve([])["max_num_seqs"] == 256  # default
 
 
+def test_one_default_per_setting_in_help_resolve_and_every_config():
+    """`mqinfer worker --help`, resolve() and the dataclasses agree on every default, and the engine
+    hands the scheduler the scheduler's own defaults: a second copy of any number fails here."""
+    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--help"], capture_output=True, text=True,
+                         env={k: v for k, v in os.environ.items() if not k.startswith("MQINFER_")})
+    assert out.returncode == 0, out.stderr
+    help_text = " ".join(out.stdout.split())
+    resolved = _resolve([])
+    engine, worker = EngineConfig(), WorkerConfig(redis_url="redis://h", out_dir=Path("o"))
+    for opt in [*ENGINE_OPTIONS, STREAM, *WORKER_OPTIONS]:
+        owner = engine if opt in ENGINE_OPTIONS else worker
+        default = getattr(owner, opt.field)
+        assert opt.default == default and resolved[opt.name] == default, opt.name
+        if opt.is_switch:
+            shown = f"(default: {'on' if default else 'off'}; env {opt.env} or {opt.negative_env})"
+        elif default is None:
+            shown = f"(env {opt.env})"
+        else:
+            shown = f"(default: {default}; env {opt.env})"
+        assert shown in help_text, (opt.name, shown)
+    # The measured defaults (BENCHMARKS.md), for the command line and the Python API alike.
+    assert (engine.max_num_batched_tokens, engine.max_num_seqs) == (4096, 256)
+    assert "--max-num-batched-tokens T Token budget" in help_text and "(default: 4096;" in help_text
+    scheduler = SchedulerConfig()
+    for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
+                 "preemption_mode", "priority_aging_s"):
+        assert getattr(engine, name) == getattr(scheduler, name), name
+    # Flags left at their defaults build exactly the dataclasses' defaults.
+    assert engine_config(resolved) == engine
+    assert worker_config(resolved, redis_url="redis://h", out=Path("o")) == worker
+    # Every flagged field is a flag, and no flag invents a field.
+    flagged = {f.name for cls in (EngineConfig, WorkerConfig) for f in dataclasses.fields(cls) if "flag" in f.metadata}
+    assert {o.field for o in [*ENGINE_OPTIONS, STREAM, *WORKER_OPTIONS]} == flagged
+
+
 def test_bool_and_optional_values(monkeypatch):
-    assert _resolve([])["no_prefix_cache"] is False
-    assert _resolve(["--no-prefix-cache"])["no_prefix_cache"] is True
+    assert _resolve([])["prefix_cache"] is True
+    assert _resolve(["--no-prefix-cache"])["prefix_cache"] is False
+    assert engine_config(_resolve(["--no-prefix-cache"])).enable_prefix_caching is False
     monkeypatch.setenv("MQINFER_NO_PREFIX_CACHE", "yes")
-    assert _resolve([])["no_prefix_cache"] is True
+    assert _resolve([])["prefix_cache"] is False
+    assert _resolve(["--prefix-cache"])["prefix_cache"] is True
     assert _resolve(["--idle-exit-s", "2.5"])["idle_exit_s"] == 2.5
     assert _resolve(["--num-kv-blocks", "auto"])["num_kv_blocks"] is None
+    opts = _resolve(["--priority-aging-s", "0", "--budgets", "b.toml"])
+    assert engine_config(opts).priority_aging_s is None  # 0: strict priority
+    assert worker_config(opts, redis_url="redis://h", out=Path("o")).budgets == Path("b.toml")
+
+
+SWITCHES = [  # (command, its options, flag name, required flags)
+    ("worker", WORKER_CMD, "prefix_cache", ()),
+    ("worker", WORKER_CMD, "enforce_budgets", ()),
+    ("worker", WORKER_CMD, "redis_cluster", ()),
+    ("run", RUN_CMD, "fresh", ("INPUT",)),
+    ("redis", REDIS_CMD, "unix_socket", ()),
+]
+
+
+@pytest.mark.parametrize("command, options, name, positional", SWITCHES)
+def test_off_form_on_the_command_line_beats_env_and_config(monkeypatch, tmp_path, command, options, name,
+                                                            positional):
+    flag = name.replace("_", "-")
+
+    def value(argv, file_values=None):
+        return _resolve([*argv, *positional], file_values, command=command, options=options)[name]
+
+    on_in_file = _config(tmp_path, f"{flag} = true\n", command)
+    assert value([], on_in_file) is True
+    assert value([f"--no-{flag}"], on_in_file) is False
+    off_in_file = _config(tmp_path, f"no-{flag} = true\n", command)
+    assert value([], off_in_file) is False
+    assert value([f"--{flag}"], off_in_file) is True
+    # The command's own table overrides the top level, whichever spelling either uses.
+    assert value([], _config(tmp_path, f"{flag} = true\n[{command}]\nno_{name} = true\n", command)) is False
+    assert value([], _config(tmp_path, f"no-{flag} = true\n[{command}]\n{flag} = true\n", command)) is True
+
+    monkeypatch.setenv(f"MQINFER_{name.upper()}", "1")
+    assert value([], off_in_file) is True  # environment over config file
+    assert value([f"--no-{flag}"]) is False
+    monkeypatch.setenv(f"MQINFER_NO_{name.upper()}", "1")
+    with pytest.raises(ConfigError, match=f"--{flag}: environment MQINFER_{name.upper()} and environment "
+                                          f"MQINFER_NO_{name.upper()} disagree"):
+        value([])
+    assert value([f"--{flag}"]) is True  # the command line settles it
+    monkeypatch.delenv(f"MQINFER_{name.upper()}")
+    assert value([], on_in_file) is False
+    assert value([f"--{flag}"]) is True
+
+
+def test_off_form_round_trips_through_argv():
+    """Option.argv gives a child process the flags that reproduce a resolved value, off forms included."""
+    for opt in [o for o in WORKER_CMD if o.is_switch]:
+        for value in (True, False):
+            assert _resolve(opt.argv(value))[opt.name] is value
+    assert _resolve(next(o for o in ENGINE_OPTIONS if o.name == "max_num_seqs").argv(32))["max_num_seqs"] == 32
+
+
+def test_config_keys_know_both_spellings_and_nothing_else(tmp_path):
+    assert _config(tmp_path, "no-prefix-cache = true\nprefix_cache = false\nno_fresh = true\n")["no_prefix_cache"]
+    for text, problem in [("no-max-batch = 3\n", "no-max-batch is not a flag"),
+                          ("[worker]\nno_such = 1\n", "worker.no_such is not a flag"),
+                          ("[report]\nbyy = 'model'\n", "report.byy is not a flag")]:
+        with pytest.raises(ConfigError, match=problem):
+            _config(tmp_path, text)
 
 
 def test_errors_name_the_flag_and_source(monkeypatch, tmp_path):
@@ -44,23 +159,14 @@ def test_errors_name_the_flag_and_source(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"--device \(from environment MQINFER_DEVICE\): 'tpu' is not one of"):
         _resolve([])
     monkeypatch.delenv("MQINFER_DEVICE")
+    with pytest.raises(ConfigError, match=r"--enforce-budgets \(from config file key no_enforce_budgets\)"):
+        _resolve([], {"no_enforce_budgets": "maybe"})
     with pytest.raises(ConfigError, match="--redis is required"):
         _resolve([], required=("redis",))
     bad = tmp_path / "bad.toml"
     bad.write_text("max_batch = [")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config_file(bad, "worker")
-
-
-def test_help_lists_every_flag_with_default_and_env():
-    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--help"], capture_output=True, text=True)
-    assert out.returncode == 0
-    text = " ".join(out.stdout.split())
-    for flag, default in [("--max-batch", "64"), ("--max-wait-ms", "10.0"), ("--block-size", "16"),
-                          ("--claim-idle-ms", "30000"), ("--max-deliveries", "3")]:
-        assert flag in text
-        env = "MQINFER_" + flag[2:].upper().replace("-", "_")
-        assert f"(default: {default}; env {env})" in text
 
 
 def test_missing_required_flag_exits_2_with_message():
