@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,6 +65,25 @@ def write_jsonl(path: Path, items) -> Path:
             f.write(item if isinstance(item, str) else json.dumps(item))
             f.write("\n")
     return path
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and its children (an rq worker's work horse runs in its own group)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == proc.pid:
+            children.append(int(stat.parent.name))
+    proc.kill()
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def stop_processes(*procs: subprocess.Popen, timeout: float = 30.0) -> None:
@@ -128,6 +148,21 @@ class ShadowKV:
         tokens = request.all_token_ids
         for pos in range(start, start + num_new):
             self.device[self.slot(request, pos)] = tuple(tokens[: pos + 1])
+
+    def compute(self, manager, request, num_new: int, token: int) -> None:
+        """What the model does with a chunk the KV cache manager gave slots to: read every earlier
+        position, write the chunk's KV, and sample ``token`` once the whole sequence is computed.
+        Nobody else may see a block while it is being written: each is held once and not cached."""
+        start = request.num_computed_tokens
+        self.check_reads(request, start)
+        blocks = manager.owned_blocks(request.request_id)
+        for pos in range(start, start + num_new):
+            block = blocks[pos // self.block_size]
+            assert block.ref_cnt == 1 and block.block_hash is None
+        self.write(request, start, num_new)
+        request.num_computed_tokens += num_new
+        if request.num_computed_tokens == request.num_tokens:
+            request.append_output_token(token)
 
     def copy(self, pairs, src: dict, dst: dict) -> None:
         """Copy whole blocks, (source block, destination block) per pair, between two record maps."""

@@ -8,8 +8,6 @@ import secrets
 import signal
 import time
 
-import pytest
-
 from mqinfer.schemas import keys
 from mqinfer.server import EmbeddedServer, _free_port
 from tests.faults.faultkit import (

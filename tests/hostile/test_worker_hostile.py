@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from mqinfer.schemas import keys
 from tests.faults.faultkit import DEAD, STREAM, spawn
 from tests.helpers import rows, wait_until

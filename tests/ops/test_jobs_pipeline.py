@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,18 +21,7 @@ WORKER_FLAGS = ("--num-kv-blocks", "512", "--claim-idle-ms", "1000", "--max-wait
                 "--flush-interval-s", "0.1")
 
 
-def _cli_wired() -> bool:
-    from mqinfer.cli import build_parser
-
-    try:
-        build_parser().parse_args(["jobs", "list", "--redis", "redis://x"])
-    except SystemExit:
-        return False
-    return True
-
-
-# `mqinfer jobs ...` once mqinfer/cli.py dispatches to the jobs command, else the module itself.
-JOBS = mqinfer_cmd("jobs") if _cli_wired() else [sys.executable, "-m", "mqinfer.jobs_cli"]
+JOBS = mqinfer_cmd("jobs")
 
 
 def jobs_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -56,28 +43,6 @@ def start_inference(url: str, out: Path, *extra: str) -> subprocess.Popen:
 
 def start_rq(url: str, log: Path, *extra: str) -> subprocess.Popen:
     return start([*JOBS, "worker", "--redis", url, "--sweep-interval-s", "0.5", *extra], log)
-
-
-stop = stop_processes
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a process and its children (an rq worker's work horse runs in its own group)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == proc.pid:
-            children.append(int(stat.parent.name))
-    proc.kill()
-    for pid in children:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def wait_final(client, job_id: str, timeout: float = 120, statuses=FINAL) -> dict:
@@ -112,7 +77,7 @@ def env(redis_server, tmp_path_factory):
     # Two rq workers: a job's tasks may run on either, never on both at once.
     rqs = [start_rq(redis_server.url, base / f"rq{i}.log") for i in range(2)]
     yield Env(redis_server.url, client, base)
-    stop(*rqs, worker)
+    stop_processes(*rqs, worker)
     client.close()
 
 

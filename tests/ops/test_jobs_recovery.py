@@ -12,9 +12,9 @@ import pyarrow.parquet as pq
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.jobs import job_info, submit_job
 from mqinfer.server import EmbeddedServer
-from tests.helpers import rows, wait_until, write_jsonl
+from tests.helpers import kill_tree, rows, stop_processes, wait_until, write_jsonl
 from tests.ops.test_jobs_pipeline import (
-    jobs_cli, kill_tree, native, output, start_inference, start_rq, stop, wait_final,
+    jobs_cli, native, output, start_inference, start_rq, wait_final,
 )
 
 
@@ -43,7 +43,7 @@ def test_kill_rq_worker_and_inference_worker_mid_job_then_resume(redis_url, redi
         procs += [start_inference(redis_url, tmp_path / "w2"), start_rq(redis_url, tmp_path / "rq2.log")]
         info = wait_final(redis_client, job_id, timeout=150)
     finally:
-        stop(*procs)
+        stop_processes(*procs)
     assert info["status"] == "completed"
     got = output(tmp_path / "out")
     assert [r["id"] for r in got] == [f"k{i}" for i in range(n)]
@@ -77,7 +77,7 @@ def test_server_that_lost_its_data_resumes_from_the_spool(redis_url, redis_clien
         procs += [start_inference(redis_url, tmp_path / "w2"), start_rq(redis_url, tmp_path / "rq2.log")]
         info = wait_final(redis_client, job_id, timeout=150)
     finally:
-        stop(*procs)
+        stop_processes(*procs)
     assert info["status"] == "completed"
     got = output(out)
     assert [r["id"] for r in got] == [f"d{i}" for i in range(n)]
@@ -112,7 +112,7 @@ def test_server_killed_and_restarted_from_its_append_only_file(tmp_path):
                              else start_rq(server.url, tmp_path / f"rq{i + 2}.log"))
         info = wait_final(client, job_id, timeout=150)
     finally:
-        stop(*procs)
+        stop_processes(*procs)
         server.stop()
     assert info["status"] == "completed"
     got = output(out)

@@ -187,18 +187,7 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     # -- helpers ------------------------------------------------------------------------------
     def compute(self, request: Request, num_new: int, token: int) -> None:
-        """The model: read all earlier KV, write the chunk's KV, maybe sample a token."""
-        start = request.num_computed_tokens
-        self.kv.check_reads(request, start)
-        blocks = self.manager.owned_blocks(request.request_id)
-        for pos in range(start, start + num_new):
-            block = blocks[pos // self.BLOCK_SIZE]
-            # Nobody else may see a block while it is being written.
-            assert block.ref_cnt == 1 and block.block_hash is None
-        self.kv.write(request, start, num_new)
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens:
-            request.append_output_token(token)
+        self.kv.compute(self.manager, request, num_new, token)
 
     # -- rules --------------------------------------------------------------------------------
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 9), suffix=st.lists(st.integers(0, 9), max_size=5))

@@ -213,16 +213,7 @@ class SwapMachine(RuleBasedStateMachine):
         self.count = 0
 
     def compute(self, request: Request, num_new: int, token: int) -> None:
-        start = request.num_computed_tokens
-        self.model.check_reads(request, start)
-        blocks = self.manager.owned_blocks(request.request_id)
-        for pos in range(start, start + num_new):
-            block = blocks[pos // self.BS]
-            assert block.ref_cnt == 1 and block.block_hash is None
-        self.model.write(request, start, num_new)
-        request.num_computed_tokens += num_new
-        if request.num_computed_tokens == request.num_tokens:
-            request.append_output_token(token)
+        self.model.compute(self.manager, request, num_new, token)
 
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 9), suffix=st.lists(st.integers(0, 9), max_size=5))
     def new_request(self, prefix, cut, suffix):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 
-import pytest
-
 from mqinfer.client import Client, Delta, Final, Restart
 from mqinfer.schemas.rows import RESULT_SCHEMA, rows_to_table
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit
