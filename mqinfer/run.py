@@ -275,7 +275,8 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             else:
                 Producer(stream=opts["stream"], client=client).submit_many(todo)
             print(f"job {job_id}: submitted {len(todo)} requests", file=sys.stderr, flush=True)
-            return _wait_done(client, done_keys, len(requests), workers)
+            generated_keys = [keys.generated_tokens(s) for s in streams]
+            return _wait_done(client, done_keys, len(requests), workers, generated_keys, job_id)
         except Interrupted:
             print("\nmqinfer run: stopping: workers finish what they run and write it "
                   f"(up to --drain-timeout-s {opts['drain_timeout_s']:g}s)", file=sys.stderr, flush=True)
@@ -299,11 +300,7 @@ def worker_argv(opts: dict, out: Path, index: int, stream: str) -> list[str]:
             continue
         if opt.name == "metrics_port" and value:
             value += index  # each worker of `run --workers N` serves on its own port: P, P+1, ...
-        if opt.type is bool:
-            if value:
-                argv.append(opt.flag)
-            continue
-        argv += [opt.flag, str(value)]
+        argv += opt.argv(value)
     return argv
 
 
@@ -317,14 +314,19 @@ def _mark_done(client, done_keys: list[str], requests, shards: int, shard_index)
             client.sadd(key, *ids[i:i + 10_000])
 
 
-def _wait_done(client, done_keys: list[str], total: int, workers: list[subprocess.Popen]) -> int:
+def _wait_done(client, done_keys: list[str], total: int, workers: list[subprocess.Popen],
+               generated_keys: list[str], job_id: str) -> int:
+    """Until every request has a row (0) or every worker exited (1), showing progress: requests
+    done, and the tokens the workers generated for the job so far (movement while the first
+    requests still run)."""
     progress = _Progress(total)
-    done = 0
+    done = tokens = 0
     while True:
         done = _count_done(client, done_keys, done)
-        progress.show(done)
+        tokens = _count_generated(client, generated_keys, job_id, tokens)
+        progress.show(done, tokens)
         if done >= total:
-            progress.show(done, force=True)
+            progress.show(done, tokens, force=True)
             progress.close()
             return 0
         if not any(w.poll() is None for w in workers):
@@ -338,23 +340,28 @@ def _wait_done(client, done_keys: list[str], total: int, workers: list[subproces
 
 
 class _Progress:
+    """The progress line on stderr: redrawn every half second on a terminal, a line every 10 s
+    otherwise."""
+
     def __init__(self, total: int) -> None:
         self.total = total
         self.start = time.monotonic()
         self.tty = sys.stderr.isatty()
         self._last = 0.0
 
-    def show(self, done: int, force: bool = False) -> None:
+    def line(self, done: int, tokens: int, elapsed: float) -> str:
+        pct = 100.0 * done / self.total if self.total else 100.0
+        line = f"{done}/{self.total} requests ({pct:5.1f}%), {tokens} tokens generated, elapsed {elapsed:.0f}s"
+        if 0 < done < self.total and elapsed > 0:
+            line += f", eta {(self.total - done) / (done / elapsed):.0f}s"
+        return line
+
+    def show(self, done: int, tokens: int = 0, force: bool = False) -> None:
         now = time.monotonic()
         if not force and now - self._last < (0.5 if self.tty else 10.0):
             return
         self._last = now
-        elapsed = now - self.start
-        rate = done / elapsed if elapsed > 0 else 0.0
-        pct = 100.0 * done / self.total if self.total else 100.0
-        line = f"{done}/{self.total} requests ({pct:5.1f}%), elapsed {elapsed:.0f}s"
-        if 0 < done < self.total:
-            line += f", eta {(self.total - done) / rate:.0f}s"
+        line = self.line(done, tokens, now - self.start)
         print(("\r" + line) if self.tty else line, end="" if self.tty else "\n", file=sys.stderr, flush=True)
 
     def close(self) -> None:
@@ -394,6 +401,22 @@ def _count_done(client, done_keys: list[str], previous: int) -> int:
         pipe.scard(key)
     try:
         return sum(pipe.execute())
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, *CLUSTER_TRANSIENT):
+        return previous  # a node is restarting: count again next time
+
+
+def _count_generated(client, generated_keys: list[str], job_id: str, previous: int) -> int:
+    """Output tokens the workers generated for ``job_id``, over every shard (workers add them to
+    each shard's hash as they step)."""
+    import redis
+
+    from mqinfer.schemas.connection import CLUSTER_TRANSIENT
+
+    pipe = client.pipeline(transaction=False)
+    for key in generated_keys:
+        pipe.hget(key, job_id)
+    try:
+        return sum(int(float(v)) for v in pipe.execute() if v is not None)
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, *CLUSTER_TRANSIENT):
         return previous  # a node is restarting: count again next time
 

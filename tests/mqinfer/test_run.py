@@ -216,3 +216,18 @@ def test_run_from_a_folder_holding_a_folder_named_mqinfer_and_expired_rows(tmp_p
     assert "3 of 3 requests have rows: " in proc.stdout
     line = proc.stdout.splitlines()[0]
     assert "1 length" in line and "1 expired" in line and "1 error (invalid_request 1)" in line
+
+
+def test_worker_command_line_carries_every_setting_but_no_password(tmp_path, monkeypatch):
+    from mqinfer.cli import build_parser
+    from mqinfer.config import resolve
+    from mqinfer.run import worker_argv
+
+    monkeypatch.setenv("MQINFER_PREFIX_CACHE", "true")  # the command line's --no- form wins over it
+    args = build_parser().parse_args(["run", "in.jsonl", "--out", str(tmp_path), "--no-prefix-cache",
+                                      "--max-batch", "8", "--redis", "redis://:secret@127.0.0.1:1/0"])
+    opts = resolve(args, args._options, {}, args._required)
+    argv = worker_argv(opts, tmp_path, 0, "requests")
+    assert argv[1:5] == ["-P", "-m", "mqinfer", "worker"]
+    assert "--no-prefix-cache" in argv and argv[argv.index("--max-batch") + 1] == "8"
+    assert not any("secret" in a for a in argv) and "--redis" not in argv

@@ -230,8 +230,9 @@ def test_tiny_is_deterministic_and_loads_in_transformers(tmp_path):
 def test_make_random_checkpoint(tmp_path):
     folder = make_random_checkpoint(tmp_path / "rand", dtype="bfloat16", hidden_size=128, num_hidden_layers=2,
                                     num_attention_heads=4, num_key_value_heads=1, intermediate_size=256)
-    model, info = load_model(str(folder))
+    model, info = load_model(str(folder), dtype="bfloat16")
     assert info.dtype == "bfloat16" and info.head_dim == 32 and info.num_kv_heads == 1
+    assert load_model(str(folder))[1].dtype == ("bfloat16" if cpu_computes_natively(torch.bfloat16) else "float32")
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     model32, info32 = load_model(str(folder), dtype="float32")
     prompt = [256, 1, 2, 3, 4, 5]
