@@ -251,9 +251,18 @@ def worker_config(opts: dict, *, redis_url: str, out: Path):
 
 
 def cmd_worker(args, opts: dict) -> int:
+    from mqinfer.ops.budgets import BudgetGuard, load_budgets
+    from mqinfer.ops.metrics import WorkerMetrics
+    from mqinfer.schemas.connection import connect_redis
     from mqinfer.workers.worker import Worker
 
-    return Worker(worker_config(opts, redis_url=opts["redis"], out=Path(opts["out"]))).run()
+    config = worker_config(opts, redis_url=opts["redis"], out=Path(opts["out"]))
+    # The worker gets its metrics and budget guard from here: workers/ never imports ops/.
+    guard = None
+    if config.budgets is not None:
+        guard = BudgetGuard(load_budgets(config.budgets), connect_redis(config.redis_url, cluster=config.redis_cluster),
+                            config.stream)
+    return Worker(config, metrics=WorkerMetrics(), budget_guard=guard).run()
 
 
 # -- submit ----------------------------------------------------------------------------------

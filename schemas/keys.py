@@ -36,6 +36,12 @@ def job_done_set(stream: str, job_id: str) -> str:
     return f"mqinfer:{{{stream}}}:done:{job_id}"
 
 
+def generated_tokens(stream: str) -> str:
+    """Hash of job_id -> output tokens generated so far by the workers of stream ``S`` (rows
+    written or not), which `mqinfer run` shows as progress while its first requests still run."""
+    return f"mqinfer:{{{stream}}}:generated"
+
+
 def idempotency_key(stream: str, job_id: str | None, request_id: str) -> str:
     """A request's idempotency record: the first stream entry that carried it, its content hash and
     whether its row is written. The name hashes (job_id, id), so no id can spell another's key."""

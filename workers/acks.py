@@ -1,0 +1,199 @@
+"""From a row to an acked entry: durable first, then the ack.
+
+Rows are buffered in the Parquet sinks; a flush writes them durably (temp file, fsync, rename),
+logs their requests (``finished ...``, ``<reason> row ...``: the log never counts more finished
+requests than the results dataset holds), and only then does one transaction acknowledge their
+entries with everything that goes with it: the entry leaves the stream (``XDEL``) and the
+in-flight hash, its id joins the job's done set, a registered bulk job gets the row on its result
+stream, the tenant's spend grows by the row's cost (``--enforce-budgets``), the job's count of
+generated tokens is brought up to date, and the request's idempotency record becomes ``done``. Entries that end without a row of their own (a duplicate, a
+dead letter, a lost entry another entry carries) are acked the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from mqinfer.schemas import faults, keys
+from mqinfer.schemas.request import Request
+from mqinfer.schemas.rows import CostRow, ResultRow
+from mqinfer.workers.billing import Billing
+from mqinfer.workers.idempotency import Idempotency, waiting_reply_streams
+from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.replies import Replies
+from mqinfer.workers.sink import Sinks
+
+log = logging.getLogger("mqinfer.worker")
+
+# Done sets of jobs outlive their last row by a week.
+DONE_SET_TTL_S = 7 * 24 * 3600
+
+
+class SinkError(RuntimeError):
+    """Result rows could not be written durably; the worker must not ack them."""
+
+
+@dataclass(slots=True)
+class PendingAck:
+    """An entry to acknowledge once the rows buffered with it are durable."""
+
+    entry_id: str
+    # None: the entry ends without a row of its own (a duplicate, a dead letter, a lost entry).
+    row: ResultRow | None = None
+    # The row answers later copies of the request (kept with its idempotency record).
+    keep_final: bool = False
+    cost_usd: float = 0.0
+
+
+class Acks:
+    def __init__(self, redis_client, *, stream: str, group: str, sinks: Sinks, billing: Billing,
+                 replies: Replies, idempotency: Idempotency, jobs: JobStatuses, metrics, budget_guard=None,
+                 redis_cluster: bool = False, clock: Callable[[], float] = time.time) -> None:
+        self.redis = redis_client
+        self.clock = clock
+        self.stream = stream
+        self.stream_key = keys.request_stream(stream)
+        self.inflight_key = keys.inflight_hash(stream)
+        self.group = group
+        self.sinks = sinks
+        self.billing = billing
+        self.replies = replies
+        self.idempotency = idempotency
+        self.jobs = jobs
+        self.metrics = metrics
+        self.budget_guard = budget_guard
+        self.redis_cluster = redis_cluster
+        self.pending: list[PendingAck] = []
+        # Log lines of buffered rows, logged once the rows are durable: (format, args, fields).
+        self._row_log: list[tuple[str, tuple, dict | None]] = []
+        self._rows_buffered = 0
+        # Result rows this worker made durable, by whether the engine computed them.
+        self.rows_written = 0
+        self.requests_finished = 0
+        self._finished_buffered = 0
+
+    # -- what ends an entry ------------------------------------------------------------------------
+    def add_row(self, entry_id: str, row: ResultRow, cost: CostRow, *, reply_to: str | None = None,
+                computed: bool = False, log_line: tuple[str, tuple, dict | None]) -> None:
+        """Buffer a request's rows; its entry is acked once they are durable. ``computed``: the
+        engine ran it (rather than refusing or ending it before it ran)."""
+        self.sinks.add(row, cost)
+        self.pending.append(PendingAck(entry_id, row, keep_final=computed and reply_to is not None,
+                                       cost_usd=cost.cost_usd if row.job_id is not None else 0.0))
+        if reply_to is not None:
+            self.replies.final_when_durable(reply_to, row)
+        if self.budget_guard is not None and computed:
+            self.budget_guard.note(entry_id, row.tenant, cost.cost_usd, row.finished_at)
+        self.metrics.finish(row.finish_reason or "error")
+        self._row_log.append(log_line)
+        self._rows_buffered += 1
+        self._finished_buffered += computed
+
+    def add_error(self, entry_id: str, request_id: str, job_id: str | None, code: str | None,
+                  message: str | None, *, attempt: int, enqueued_at: float, request: Request | None = None,
+                  finish_reason: str = "error") -> None:
+        """A request that ends without running (invalid, refused, cancelled, lost): an error row
+        (or one that says ``finish_reason``) and a zero cost row."""
+        row, cost = self.billing.error(request_id, job_id, code, message, attempt=attempt,
+                                       enqueued_at=enqueued_at, request=request, finish_reason=finish_reason)
+        self.add_row(entry_id, row, cost, reply_to=request.reply_to if request is not None else None,
+                     log_line=("%s row %s: %s: %s", (finish_reason, request_id, code, message), None))
+
+    def add_without_row(self, entry_id: str) -> None:
+        """An entry that ends without a row of its own: acked with the next rows."""
+        self.pending.append(PendingAck(entry_id))
+
+    def add_cost(self, cost: CostRow) -> None:
+        """A cost row without a result (startup, idle, duplicate work)."""
+        self.sinks.add_cost(cost)
+
+    def holds(self) -> set[str]:
+        """Entries waiting for their ack."""
+        return {p.entry_id for p in self.pending}
+
+    @property
+    def rows_buffered(self) -> int:
+        """Result and cost rows not yet durable."""
+        return self.sinks.pending
+
+    def should_flush(self) -> bool:
+        return self.sinks.should_flush()
+
+    # -- durable, then acked -----------------------------------------------------------------------
+    def write(self) -> None:
+        """Write every buffered row durably and log their requests; SinkError when that fails
+        (nothing unwritten is acked: the entries stay pending and are redone elsewhere)."""
+        try:
+            self.sinks.flush()
+            for fmt, args, fields in self._row_log:
+                log.info(fmt, *args, extra={"fields": fields} if fields is not None else None)
+            self._row_log.clear()
+            faults.hit("sink.after_write")
+        except OSError as exc:
+            raise SinkError("writing Parquet part files failed") from exc
+        self.metrics.rows_written.inc(self._rows_buffered)
+        self.rows_written += self._rows_buffered
+        self.requests_finished += self._finished_buffered
+        self._rows_buffered = self._finished_buffered = 0
+        self.replies.rows_durable()
+
+    def ack(self) -> None:
+        """Acknowledge the entries whose rows are durable, in one transaction with their side
+        effects. Final reply messages (their rows durable now) go first; copies that waited for a
+        row get it after the transaction."""
+        self.replies.send(self.redis, self.clock())
+        if not self.pending:
+            return
+        pending = self.pending
+        ids = [p.entry_id for p in pending]
+        pipe = self.redis.pipeline(transaction=True)
+        charged = self.budget_guard.charge(pipe, ids) if self.budget_guard is not None else []
+        pipe.xack(self.stream_key, self.group, *ids)
+        pipe.xdel(self.stream_key, *ids)  # acked entries leave the stream; pending ones never do
+        pipe.hdel(self.inflight_key, *ids)
+        waiting: list[tuple[int, ResultRow]] = []
+        for p in pending:
+            if p.row is not None:
+                position = self.idempotency.queue_ack(pipe, p.entry_id, p.row, p.keep_final)
+                if position is not None:
+                    waiting.append((position, p.row))
+        done: dict[str, list[str]] = {}
+        for p in pending:
+            if p.row is not None and p.row.job_id is not None:
+                done.setdefault(p.row.job_id, []).append(p.row.id)
+        for job_id, request_ids in done.items():
+            key = keys.job_done_set(self.stream, job_id)
+            pipe.sadd(key, *request_ids)
+            pipe.expire(key, DONE_SET_TTL_S)
+        # The job's generated tokens (same slot) go with its done set, so that a request counted
+        # done has its tokens counted too (once the Redis user is known to be allowed them).
+        generated = self.replies.generated
+        counted = bool(generated) and generated.checked and generated.enabled
+        if counted:
+            generated.queue(pipe)
+        # A job's result stream is in another slot: in a cluster it cannot join the transaction.
+        results_pipe = self.redis.pipeline(transaction=False) if self.redis_cluster else pipe
+        for p in pending:
+            row = p.row
+            if row is not None and row.job_id is not None and self.jobs.wants_rows(row.job_id):
+                results_pipe.xadd(keys.job_results_stream(row.job_id),
+                                  {"id": row.id, "row": msgspec.json.encode(row), "cost_usd": repr(p.cost_usd)})
+        results = pipe.execute()
+        if counted:
+            generated.sent(self.clock())
+        for entry_id in ids:
+            self.idempotency.forget(entry_id)
+        for position, row in waiting:
+            for reply_to in waiting_reply_streams(results[position]):
+                self.replies.final(reply_to, row)
+        self.replies.send(self.redis, self.clock())
+        if results_pipe is not pipe:
+            results_pipe.execute()
+        if charged:
+            self.budget_guard.charged(charged)
+        self.pending = []

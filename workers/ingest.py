@@ -1,0 +1,337 @@
+"""Ingest: what a worker reads from its request stream, and how much.
+
+It reads only what the engine can start soon (``XREADGROUP`` with a COUNT bounded by free
+capacity, and no more than a fair share of the backlog among the live workers), and takes over
+the entries of dead workers (``XAUTOCLAIM`` of entries idle longer than ``--claim-idle-ms``).
+Each entry is decoded and validated: a bad one ends with an error row, or goes to the dead
+letters when it has no usable id; a duplicate of a request another entry carries is not computed
+(:mod:`.idempotency`); one delivered more than ``--max-deliveries`` times ends with an error row;
+the rest go to the batcher.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+import redis
+
+from mqinfer.scheduler.request import SamplingParams
+from mqinfer.schemas import errors, keys
+from mqinfer.schemas.errors import RequestError
+from mqinfer.schemas.request import Request, to_sampling_kwargs
+from mqinfer.schemas.stream import decode_entry
+from mqinfer.workers.acks import Acks
+from mqinfer.workers.config import WorkerConfig
+from mqinfer.workers.engine import EngineInputError
+from mqinfer.workers.entries import InFlight, entry_time, text
+from mqinfer.workers.idempotency import Idempotency
+from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.replies import Replies
+
+log = logging.getLogger("mqinfer.worker")
+
+# The consumer that handed-back entries wait under (never a live worker).
+HANDBACK_CONSUMER = "mqinfer-handback"
+# A consumer that tried to read this recently is a live worker (a blocked XREADGROUP counts).
+LIVE_CONSUMER_MS = 10_000
+# Dead letters kept, about.
+DEAD_LETTERS_MAXLEN = 100_000
+
+
+def _recover_job_id(fields: dict) -> str | None:
+    """Best effort: the job_id of an entry that failed validation, so its error row is keyed right."""
+    raw = fields.get(b"r") or fields.get("r")
+    obj = None
+    try:
+        if raw is not None:
+            obj = msgspec.msgpack.decode(raw)
+        else:
+            payload = fields.get(b"json") or fields.get("json")
+            if payload is not None:
+                obj = msgspec.json.decode(payload)
+    except Exception:
+        return None
+    job_id = obj.get("job_id") if isinstance(obj, dict) else None
+    if isinstance(job_id, str) and 0 < len(job_id) <= 128 and job_id.isprintable():
+        return job_id
+    return None
+
+
+def ensure_group(redis_client, stream_key: str, group: str) -> None:
+    """Create the consumer group (and the stream) unless it exists; it starts at the stream's start."""
+    try:
+        redis_client.xgroup_create(stream_key, group, id="0", mkstream=True)
+    except redis.exceptions.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+class DeadLetters:
+    """Entries without a usable id (or whose content is gone) go to ``mqinfer:{S}:dead`` with the
+    reason, then are acked."""
+
+    def __init__(self, redis_client, stream: str, worker: str, *, acks: Acks, metrics) -> None:
+        self.redis = redis_client
+        self.key = keys.dead_letter_stream(stream)
+        self.worker = worker
+        self.acks = acks
+        self.metrics = metrics
+
+    def send(self, entry_id: str, fields: dict, exc: RequestError) -> None:
+        self.metrics.dead_letters.inc()
+        log.warning("dead letter %s: %s: %s", entry_id, exc.code, exc.message)
+        dead = {"entry_id": entry_id, "error_code": exc.code, "error": exc.message[:2000], "worker": self.worker}
+        for k, v in fields.items():
+            name = text(k)
+            if name in ("r", "json", "v"):
+                dead["orig_" + name] = v
+        self.redis.xadd(self.key, dead, maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
+        self.acks.add_without_row(entry_id)
+
+    def record_gap(self, fields: dict) -> None:
+        """A dead letter for entries that no worker read (no entry id to ack)."""
+        self.redis.xadd(self.key, fields, maxlen=DEAD_LETTERS_MAXLEN, approximate=True)
+
+
+class Ingest:
+    def __init__(self, redis_client, config: WorkerConfig, consumer: str, *, engine, batcher, ownership,
+                 idempotency: Idempotency, acks: Acks, replies: Replies, dead_letters: DeadLetters,
+                 jobs: JobStatuses, metrics, budget_guard=None, clock: Callable[[], float] = time.time) -> None:
+        self.redis = redis_client
+        self.config = config
+        self.consumer = consumer
+        self.stream_key = keys.request_stream(config.stream)
+        self.engine = engine
+        self.batcher = batcher
+        self.ownership = ownership
+        self.idempotency = idempotency
+        self.acks = acks
+        self.replies = replies
+        self.dead_letters = dead_letters
+        self.jobs = jobs
+        self.metrics = metrics
+        self.budget_guard = budget_guard
+        self.clock = clock
+        # Reads may block while the worker has nothing to do; a test that drives the loop by hand
+        # turns this off.
+        self.block_reads = True
+        # Seconds spent blocked in XREADGROUP (waiting for entries is not work).
+        self.blocked_s = 0.0
+        self.last_accept = float("-inf")
+        self._last_autoclaim = 0.0
+        self._autoclaim_cursor = "0-0"
+
+    def ensure_group(self) -> None:
+        ensure_group(self.redis, self.stream_key, self.config.group)
+
+    # -- how much to read ------------------------------------------------------------------------
+    def _room(self) -> int:
+        # A worker holding requests its engine could not start (waiting in the scheduler) reads
+        # nothing more: what is still in the stream goes to a worker that can start it now.
+        if self.engine.scheduler.num_waiting:
+            return 0
+        return max(0, min(self.engine.free_capacity() - len(self.batcher), self.config.max_batch))
+
+    def _fair_share(self, room: int) -> int:
+        """How many unread entries to take now: an even share of all outstanding work (unread plus
+        in flight) among the live workers, less what this one holds, but at least one, so that no
+        backlog waits while this worker has room. Nothing unread: ``room`` (new arrivals go to the
+        blocked readers in turn)."""
+        if room <= 1:
+            return room
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xinfo_groups(self.stream_key)
+        pipe.xinfo_consumers(self.stream_key, self.config.group)
+        try:
+            groups, consumers = pipe.execute()
+        except redis.exceptions.ResponseError:  # no stream or group yet: the read below recreates it
+            return room
+        group = next((g for g in groups if text(g["name"]) == self.config.group), None)
+        if group is None or not group.get("lag"):  # nothing unread, or the server cannot tell
+            return room
+        names = {text(c["name"]): c for c in consumers}
+        live = sum(1 for name, c in names.items()
+                   if name != HANDBACK_CONSUMER and (name == self.consumer or c["idle"] < LIVE_CONSUMER_MS))
+        if self.consumer not in names:
+            live += 1
+        share = -(-(int(group["lag"]) + int(group["pending"])) // live) - len(self.ownership)
+        return max(1, min(room, share))
+
+    def _block_ms(self) -> int | None:
+        """How long XREADGROUP may block: never while the engine has work to step."""
+        if not self.block_reads or self.engine.has_unfinished() or self.acks.rows_buffered:
+            return None
+        wait = self.batcher.time_until_release(engine_idle=True)
+        if wait is not None:
+            return max(1, int(wait * 1000)) if wait > 0 else None
+        cap = 1000
+        if self.config.idle_exit_s is not None:
+            cap = min(cap, max(1, int(self.config.idle_exit_s * 1000)))
+        return cap
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read(self, now: float) -> None:
+        """Take what the engine can start soon: dead workers' entries first (every claim tick),
+        then new ones."""
+        room = self._room()
+        if room <= 0:
+            return
+        if now - self._last_autoclaim >= min(self.config.claim_idle_ms / 2000.0, 5.0):
+            self._last_autoclaim = now
+            self.ownership.check_undelivered_loss()
+            room -= self._autoclaim(room)
+            if room <= 0:
+                return
+        room = self._fair_share(room)
+        block = self._block_ms()
+        t_read = time.perf_counter()
+        try:
+            response = self.redis.xreadgroup(
+                self.config.group, self.consumer, {self.stream_key: ">"}, count=room, block=block
+            )
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" in str(exc):  # the stream or group was deleted under us: recreate
+                self.ensure_group()
+                return
+            raise
+        finally:
+            if block is not None:
+                self.blocked_s += time.perf_counter() - t_read
+        new = []
+        for _key, entries in response or []:
+            for entry_id, fields in entries:
+                entry_id = text(entry_id)
+                if entry_id in self.ownership:
+                    # Delivered again while running here (a group rewound with XGROUP SETID, a
+                    # server restarted from an append-only file that lost its last second).
+                    continue
+                self.accept(entry_id, fields, attempt=1)
+                new.append(entry_id)
+        if new:
+            self.ownership.apply_cancels([e for e in new if e in self.ownership])
+
+    def recover_own_pending(self) -> None:
+        """Entries already pending under this consumer name (a restart with a fixed --consumer)."""
+        response = self.redis.xreadgroup(self.config.group, self.consumer, {self.stream_key: "0"}, count=10_000)
+        for _key, entries in response or []:
+            for entry_id, fields in entries:
+                entry_id = text(entry_id)
+                if fields:
+                    self.accept(entry_id, fields, attempt=self.delivery_count(entry_id), redelivered=True)
+                else:
+                    self.ownership.ack_lost(entry_id)
+
+    def delivery_count(self, entry_id: str) -> int:
+        info = self.redis.xpending_range(self.stream_key, self.config.group, entry_id, entry_id, 1)
+        return int(info[0]["times_delivered"]) if info else 1
+
+    def _autoclaim(self, room: int) -> int:
+        """Take over entries idle longer than --claim-idle-ms (their worker is presumed dead)."""
+        try:
+            result = self.redis.xautoclaim(
+                self.stream_key, self.config.group, self.consumer, self.config.claim_idle_ms,
+                start_id=self._autoclaim_cursor, count=room,
+            )
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                self.ensure_group()
+                return 0
+            raise
+        # The server scans at most COUNT*10 pending entries per call: keep the cursor so that a
+        # long pending list is walked in full over successive calls.
+        self._autoclaim_cursor = text(result[0]) if result else "0-0"
+        entries = result[1] if len(result) > 1 else []
+        deleted = result[2] if len(result) > 2 else []
+        written = self.acks.holds() if deleted else set()
+        for entry_id in deleted:  # pending, but trimmed from the stream: its content is gone
+            entry_id = text(entry_id)
+            if entry_id in written:
+                continue  # its row is written, only the ack is to come
+            if entry_id in self.ownership:  # running here: the scan dropped it from our pending list
+                self.ownership.trimmed_while_running(entry_id)
+                continue
+            self.ownership.ack_lost(entry_id)
+        for entry_id, fields in entries:
+            entry_id = text(entry_id)
+            if entry_id in self.ownership:
+                continue
+            self.metrics.redeliveries.inc()
+            self.accept(entry_id, fields, attempt=self.delivery_count(entry_id), redelivered=True)
+        return len(entries)
+
+    # -- one entry -------------------------------------------------------------------------------
+    def accept(self, entry_id: str, fields: dict, attempt: int, redelivered: bool = False) -> None:
+        """Decode and validate one entry; a bad one becomes an error row or a dead letter.
+
+        A redelivered request with a reply stream first gets a ``restart`` message there, so its
+        consumer drops what an earlier worker sent.
+        """
+        enqueued_at = entry_time(entry_id)
+        self.last_accept = self.clock()
+        try:
+            request = decode_entry(fields, max_entry_bytes=self.config.max_entry_bytes)
+        except RequestError as exc:
+            if exc.request_id is None:
+                self.dead_letters.send(entry_id, fields, exc)
+            else:
+                self.acks.add_error(entry_id, exc.request_id, _recover_job_id(fields), exc.code, exc.message,
+                                    attempt=attempt, enqueued_at=enqueued_at)
+            return
+        claim = self.idempotency.claim(entry_id, request)
+        if claim.duplicate:
+            if claim.outcome == "conflict":
+                self.dead_letters.send(entry_id, fields, self.idempotency.conflict_error(request, claim))
+            else:
+                self.acks.add_without_row(entry_id)
+            self.idempotency.answer(entry_id, request, claim)
+            return
+        if redelivered:
+            self.replies.restart(request, attempt)
+        refused = self._refusal(request, attempt)
+        if refused is not None:
+            code, message, finish_reason = refused
+            self.acks.add_error(entry_id, request.id, request.job_id, code, message, attempt=attempt,
+                                enqueued_at=enqueued_at, request=request, finish_reason=finish_reason)
+            return
+        try:
+            messages = (
+                [{"role": m.role, "content": m.content} for m in request.messages] if request.messages else None
+            )
+            limit = self.config.max_tokens_limit
+            if limit is not None and request.max_tokens > limit:
+                raise ValueError(f"max_tokens {request.max_tokens} is over this worker's limit of {limit} "
+                                 "(--max-tokens-limit) - at `$.max_tokens`")
+            prompt_ids = self.engine.encode_prompt(request.prompt, request.prompt_token_ids, messages)
+            sampling = SamplingParams(**to_sampling_kwargs(request))
+        except EngineInputError as exc:
+            self.acks.add_error(entry_id, request.id, request.job_id, exc.code, exc.message,
+                                attempt=attempt, enqueued_at=enqueued_at, request=request)
+            return
+        except ValueError as exc:
+            self.acks.add_error(entry_id, request.id, request.job_id, errors.INVALID_REQUEST, str(exc),
+                                attempt=attempt, enqueued_at=enqueued_at, request=request)
+            return
+        self.ownership.take(InFlight(entry_id, request, attempt, enqueued_at, prompt_token_ids=prompt_ids,
+                                     sampling=sampling))
+        self.batcher.add(entry_id)
+
+    def _refusal(self, request: Request, attempt: int) -> tuple[str | None, str | None, str] | None:
+        """Why a valid request ends before it runs: (error code, message, finish reason), or None."""
+        if attempt > self.config.max_deliveries:
+            return (errors.MAX_DELIVERIES_EXCEEDED,
+                    f"delivered {attempt} times (--max-deliveries {self.config.max_deliveries}); "
+                    "its workers died or failed each time", "error")
+        if self.jobs.cancelled(request.job_id):
+            return None, None, "cancelled"
+        if self.config.enforce_budgets:
+            refused = self.budget_guard.exceeded(request.tenant)
+            if refused is not None:
+                return errors.BUDGET_EXCEEDED, refused, "error"
+        info = self.engine.info
+        if request.model is not None and request.model not in (info.name, info.model_id):
+            return (errors.MODEL_MISMATCH,
+                    f"model: request asks for {request.model!r} but this worker serves {info.name!r}", "error")
+        return None
