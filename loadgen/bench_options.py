@@ -11,7 +11,10 @@ import math
 
 HALF = "half"  # --rate: half the throughput of an offline run of the same requests
 AUTO = "auto"  # --max-wait-ms: the adaptive batcher
-WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix")
+WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix", "fixed")
+HF = "hf"  # --compare: transformers on the same checkpoint
+LLAMACPP = "llamacpp"  # --compare: llama.cpp's llama-batched-bench on a GGUF of the same weights
+PEERS = (HF, LLAMACPP)
 
 
 def positive_int(text: str) -> int:
@@ -90,22 +93,49 @@ def _length_range(text: str) -> tuple[int, int]:
     return values[0], values[1]
 
 
+def _length_or_range(text: str) -> int | tuple[int, int]:
+    """One length (the fixed workload's) or a LO,HI range (the others'); which one a workload
+    needs is checked once the workload is known."""
+    if "," not in text:
+        return positive_int(text.strip())
+    return _length_range(text)
+
+
+def _peer_list(text: str) -> list[str]:
+    """Comma-separated peers to compare with (``hf``, ``llamacpp``), each once, in the given order."""
+    values: list[str] = []
+    for item in (v.strip().lower() for v in text.split(",")):
+        if not item:
+            continue
+        if item not in PEERS:
+            raise argparse.ArgumentTypeError(f"unknown peer {item!r}: choose from {', '.join(PEERS)}")
+        if item not in values:
+            values.append(item)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated peers ({', '.join(PEERS)}), got {text!r}")
+    return values
+
+
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench` flags, on ``parser`` (a subcommand parser of the mqinfer CLI, or our own)."""
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="standard",
                    help="Length distribution of the requests (default: standard = issue 4's: prompts uniform "
-                        "16..256 tokens, outputs uniform 16..128).")
+                        "16..256 tokens, outputs uniform 16..128). fixed: every request exactly --prompt-len P "
+                        "random prompt tokens and --output-len G generated, like llama-batched-bench -npp P "
+                        "-ntg G -npl N.")
     g.add_argument("--num-requests", type=positive_int, default=256, metavar="N", help="Requests (default: 256).")
-    g.add_argument("--prompt-len", type=_length_range, default=None, metavar="LO,HI",
-                   help="Prompt lengths: the uniform range or the log-normal bounds (not for standard).")
-    g.add_argument("--output-len", type=_length_range, default=None, metavar="LO,HI",
-                   help="Output lengths (max_tokens): the uniform range or the log-normal bounds (not for "
-                        "standard).")
+    g.add_argument("--prompt-len", type=_length_or_range, default=None, metavar="P|LO,HI",
+                   help="Prompt lengths: one length for fixed, the uniform range or the log-normal bounds "
+                        "(not for standard).")
+    g.add_argument("--output-len", type=_length_or_range, default=None, metavar="G|LO,HI",
+                   help="Output lengths (max_tokens): one length for fixed, the uniform range or the log-normal "
+                        "bounds (not for standard).")
     g.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
     g.add_argument("--model", default=None, metavar="M",
-                   help="Checkpoint folder, or `tiny` (default: the standard benchmark checkpoint, created once "
-                        "under ~/.cache/mqinfer/standard-llama).")
+                   help="Hugging Face checkpoint folder (config.json and safetensors; a tokenizer is optional, "
+                        "prompts are token ids), or `tiny` (default: the standard benchmark checkpoint, created "
+                        "once under ~/.cache/mqinfer/standard-llama).")
 
     g = parser.add_argument_group("run")
     g.add_argument("--mode", choices=("offline", "online"), default="offline",
@@ -129,13 +159,22 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Run only the --compare baselines and the matrix rate, not mqinfer.")
 
     g = parser.add_argument_group("comparison and output")
-    g.add_argument("--compare", choices=("hf",), default=None,
-                   help="Also run transformers on the same checkpoint and requests: static batching at "
-                        "--hf-batch-sizes (the best counts) and its continuous batching.")
+    g.add_argument("--compare", type=_peer_list, default=None, metavar="PEER[,PEER]",
+                   help="Also run peers: hf = transformers on the same checkpoint and requests (static batching "
+                        "at --hf-batch-sizes, the best counts, and its continuous batching); llamacpp = "
+                        "llama-batched-bench on --gguf (--workload fixed only); e.g. hf,llamacpp.")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
     g.add_argument("--hf-max-batch-tokens", type=positive_int, default=None, metavar="T",
                    help="Tokens per step of transformers' continuous batching (default: its own choice).")
+    g.add_argument("--llamacpp-bin", default=None, metavar="DIR",
+                   help="Folder with llama.cpp's llama-batched-bench (build it with loadgen/peers.sh).")
+    g.add_argument("--gguf", default=None, metavar="FILE",
+                   help="The model for llama.cpp, the same weights as --model (e.g. bf16 from "
+                        "convert_hf_to_gguf.py --outtype bf16).")
+    g.add_argument("--llamacpp-threads", type=positive_int_list, default=None, metavar="T[,T...]",
+                   help="llama.cpp thread counts, one run each; the ratio is against the fastest (default: 1 and "
+                        "the number of cores).")
     g.add_argument("--matrix-size", type=positive_int, default=2048, metavar="N",
                    help="Side of the square matmul that measures the matrix rate (default: 2048).")
     g.add_argument("--plot", default=None, metavar="DIR", help="Write PNG charts here (needs matplotlib).")

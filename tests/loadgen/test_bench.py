@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 
-from mqinfer.loadgen import bench
+from mqinfer.loadgen import bench, bench_online, bench_pool, bench_report
 from mqinfer.loadgen.metrics import summarize, timings_from_rows
 from mqinfer.loadgen.workload import uniform_workload
 
@@ -19,17 +20,6 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def worker_available() -> str | None:
-    try:
-        import mqinfer.workers.worker  # noqa: F401
-    except ImportError as exc:
-        return f"the worker is not built yet: {exc}"
-    return None
-
-
-needs_worker = pytest.mark.skipif(worker_available() is not None, reason=str(worker_available()))
-
-
 def test_defaults_and_pass_through_flags():
     args = parse()
     assert (args.workload, args.num_requests, args.seed, args.mode, args.workers) == ("standard", 256, 0, "offline", 1)
@@ -37,11 +27,11 @@ def test_defaults_and_pass_through_flags():
     args = parse("--max-num-seqs", "32", "--block-size", "8", "--num-threads", "1", "--max-wait-ms", "2.5", "--dtype", "float32",
                  "--rate", "1,2.5", "--hf-batch-sizes", "8,32")
     assert args.rate == [1.0, 2.5] and args.hf_batch_sizes == [8, 32]
-    argv = bench.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", bench.Path("/tmp/out"))
+    argv = bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))
     assert argv[1:5] == ["-P", "-m", "mqinfer", "worker"]  # -P: a folder named mqinfer in the cwd is not imported
     pairs = dict(zip(argv[5::2], argv[6::2]))
     assert pairs["--num-threads"] == "1" and pairs["--max-num-seqs"] == "32" and pairs["--block-size"] == "8" and pairs["--max-wait-ms"] == "2.5"
-    assert pairs["--dtype"] == "float32" and pairs["--model"] == "tiny" and pairs["--stream"] == bench.STREAM
+    assert pairs["--dtype"] == "float32" and pairs["--model"] == "tiny" and pairs["--stream"] == bench_pool.STREAM
     assert "--num-kv-blocks" not in pairs  # unset flags keep the worker's defaults
     with pytest.raises(SystemExit):
         parse("--rate", "0")
@@ -58,9 +48,9 @@ def test_rate_half_and_wait_settings_parse(monkeypatch):
             parse(*argv)
     # Left out, the workers' wait is their environment's or their default (10 ms).
     monkeypatch.delenv("MQINFER_MAX_WAIT_MS", raising=False)
-    assert bench.worker_wait_setting(None) == 10.0 and bench.worker_wait_setting("auto") == "auto"
+    assert bench_pool.worker_wait_setting(None) == 10.0 and bench_pool.worker_wait_setting("auto") == "auto"
     monkeypatch.setenv("MQINFER_MAX_WAIT_MS", "auto")
-    assert bench.worker_wait_setting(None) == "auto"
+    assert bench_pool.worker_wait_setting(None) == "auto"
 
 
 def test_budget_of_an_online_point_from_hand_made_rows():
@@ -70,31 +60,31 @@ def test_budget_of_an_online_point_from_hand_made_rows():
             for i, ttft, tpot in (("a", 0.05, 0.02), ("b", 0.06, 0.03), ("c", 0.20, 0.04))]
     s = summarize(timings_from_rows(rows, {"a": 11, "b": 11, "c": 11}))
     p99 = 0.06 + 0.98 * (0.20 - 0.06)
-    fixed = bench.point_budget(s, 150.0)
+    fixed = bench_online.point_budget(s, 150.0)
     assert fixed.step_s == pytest.approx(0.03) and fixed.max_wait_s == pytest.approx(0.15)
     assert fixed.budget_s == pytest.approx(0.15 + 3 * 0.03) and fixed.ttft_p99_s == pytest.approx(p99) and fixed.met
-    tight = bench.point_budget(s, 10.0)
+    tight = bench_online.point_budget(s, 10.0)
     assert tight.budget_s == pytest.approx(0.01 + 0.09) and not tight.met
     # auto: the most the adaptive batcher may wait (its default upper bound, 50 ms).
-    auto = bench.point_budget(s, "auto")
+    auto = bench_online.point_budget(s, "auto")
     assert auto.max_wait_s == pytest.approx(0.05) and auto.budget_s == pytest.approx(0.14) and not auto.met
-    point = bench.OnlinePoint(6.0, s, 0.0, max_wait_ms="auto", budget=auto)
-    line = bench.budget_line(point)
+    point = bench_online.OnlinePoint(6.0, s, 0.0, max_wait_ms="auto", budget=auto)
+    line = bench_report.budget_line(point)
     assert line.startswith(f"p99 TTFT {p99 * 1000:.1f} ms vs budget 140.0 ms (max_wait 50 [auto")
     assert "+ 3 x step 30.0" in line and line.endswith(": not met")
-    line = bench.budget_line(bench.OnlinePoint(6.0, s, 0.0, max_wait_ms=150.0, budget=fixed))
+    line = bench_report.budget_line(bench_online.OnlinePoint(6.0, s, 0.0, max_wait_ms=150.0, budget=fixed))
     assert "vs budget 240.0 ms (max_wait 150 + 3 x step 30.0" in line and line.endswith(": met")
     # One token each: no step measured, no budget.
     one = [{**r, "output_tokens": 1, "finished_at": r["first_token_at"]} for r in rows]
-    assert bench.point_budget(summarize(timings_from_rows(one, {"a": 1, "b": 1, "c": 1})), 10.0) is None
+    assert bench_online.point_budget(summarize(timings_from_rows(one, {"a": 1, "b": 1, "c": 1})), 10.0) is None
     # --rate half: half of the requests finished without error per second of span (0.01 .. 0.6 s).
-    assert bench.half_rate(s) == pytest.approx(float(f"{3 / (0.6 - 0.01) / 2:.3g}"))
+    assert bench_online.half_rate(s) == pytest.approx(float(f"{3 / (0.6 - 0.01) / 2:.3g}"))
 
 
 def test_each_rate_of_a_sweep_gets_its_own_first_prompt_token():
     requests = uniform_workload(4, prompt_len=(8, 16), output_len=(2, 4), vocab_size=256, seed=1)
-    assert bench.unshared_prompts(requests, 0, 256) is requests
-    salted = [bench.unshared_prompts(requests, k, 256) for k in (1, 2)]
+    assert bench_online.unshared_prompts(requests, 0, 256) is requests
+    salted = [bench_online.unshared_prompts(requests, k, 256) for k in (1, 2)]
     for version in salted:
         for r, s in zip(requests, version):
             assert s["prompt_token_ids"][1:] == r["prompt_token_ids"][1:] and s["id"] == r["id"]
@@ -104,7 +94,64 @@ def test_each_rate_of_a_sweep_gets_its_own_first_prompt_token():
     assert requests[0]["prompt_token_ids"][0] != salted[0][0]["prompt_token_ids"][0]  # the input is not changed
 
 
+def test_fixed_workload_and_peer_flags_parse():
+    args = parse("--workload", "fixed", "--num-requests", "4", "--prompt-len", "16", "--output-len", "8",
+                 "--compare", "hf,llamacpp", "--llamacpp-bin", "/opt/llama", "--gguf", "m.gguf",
+                 "--llamacpp-threads", "1,2")
+    assert (args.workload, args.num_requests, args.prompt_len, args.output_len) == ("fixed", 4, 16, 8)
+    assert args.compare == ["hf", "llamacpp"] and args.llamacpp_threads == [1, 2]
+    assert (args.llamacpp_bin, args.gguf) == ("/opt/llama", "m.gguf")
+    assert parse("--compare", "LlamaCpp,hf,llamacpp").compare == ["llamacpp", "hf"]  # once each, in order
+    assert parse("--compare", "hf").compare == ["hf"]
+    assert parse("--prompt-len", "4,8", "--output-len", "2,2").prompt_len == (4, 8)  # ranges for the others
+    defaults = parse()
+    assert (defaults.compare, defaults.llamacpp_bin, defaults.gguf, defaults.llamacpp_threads) == (None,) * 4
+    for argv in (["--compare", "vllm"], ["--compare", ","], ["--prompt-len", "0"], ["--output-len", "8,4"],
+                 ["--prompt-len", "x"], ["--llamacpp-threads", "0"], ["--workload", "exact"]):
+        with pytest.raises(SystemExit):
+            parse(*argv)
+
+
+def make_llamacpp_dir(tmp_path):
+    folder = tmp_path / "llama.cpp-bin"
+    folder.mkdir()
+    binary = folder / "llama-batched-bench"
+    binary.write_text("#!/bin/sh\nexit 1\n")
+    binary.chmod(0o755)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    return folder, gguf
+
+
+def test_llamacpp_flags_are_checked_before_any_work(tmp_path, capsys):
+    folder, gguf = make_llamacpp_dir(tmp_path)
+    fixed = ["--workload", "fixed", "--prompt-len", "16", "--output-len", "8"]
+    peer = ["--compare", "llamacpp", "--llamacpp-bin", str(folder), "--gguf", str(gguf)]
+    cases = [
+        (["--workload", "uniform", *peer], "--compare llamacpp needs --workload fixed"),
+        ([*peer], "needs --workload fixed (llama-batched-bench runs N requests of exactly P prompt and G "
+                  "generated tokens), not standard"),
+        ([*fixed, "--mode", "online", "--rate", "2", *peer], "compares offline throughput"),
+        ([*fixed, "--compare", "llamacpp", "--gguf", str(gguf)], "needs --llamacpp-bin DIR"),
+        ([*fixed, "--compare", "llamacpp", "--llamacpp-bin", str(folder)], "and --gguf FILE"),
+        ([*fixed, "--compare", "llamacpp", "--llamacpp-bin", str(tmp_path), "--gguf", str(gguf)],
+         f"no llama-batched-bench at {tmp_path}/llama-batched-bench"),
+        ([*fixed, "--compare", "llamacpp", "--llamacpp-bin", str(folder), "--gguf", str(tmp_path / "no.gguf")],
+         "no such file"),
+        ([*fixed, "--llamacpp-bin", str(folder)], "--llamacpp-bin applies to --compare llamacpp only"),
+        ([*fixed, "--compare", "hf", "--gguf", str(gguf)], "--gguf applies to --compare llamacpp only"),
+    ]
+    for argv, message in cases:
+        assert bench.run_bench(parse(*argv)) == 2, argv
+        assert message in capsys.readouterr().err, argv
+
+
 @pytest.mark.parametrize("argv, message", [
+    (["--workload", "fixed", "--prompt-len", "4,8", "--output-len", "8"],
+     "--workload fixed needs --prompt-len as one integer (every request that exact length); it is a range (4,8)"),
+    (["--workload", "fixed", "--prompt-len", "16"], "needs --output-len as one integer"),
+    (["--workload", "uniform", "--prompt-len", "16"], "--prompt-len 16: one length is for --workload fixed"),
+    (["--workload", "lognormal", "--output-len", "8"], "the lognormal workload takes LO,HI"),
     (["--mode", "online"], "needs --rate"),
     (["--compare-wait", "10,auto"], "online only"),
     (["--mode", "online", "--rate", "2", "--compare-wait", "10,auto", "--max-wait-ms", "5"], "leave out"),
@@ -119,39 +166,37 @@ def test_inconsistent_flags_exit_2_before_any_work(argv, message, capsys):
 
 
 def test_poisson_arrivals_are_seeded_with_the_right_rate():
-    a = bench.poisson_arrivals(4000, 8.0, seed=3)
-    assert a == bench.poisson_arrivals(4000, 8.0, seed=3) and a != bench.poisson_arrivals(4000, 8.0, seed=4)
+    a = bench_online.poisson_arrivals(4000, 8.0, seed=3)
+    assert a == bench_online.poisson_arrivals(4000, 8.0, seed=3) and a != bench_online.poisson_arrivals(4000, 8.0, seed=4)
     assert a[0] == 0.0 and all(x <= y for x, y in zip(a, a[1:]))
     gaps = [y - x for x, y in zip(a, a[1:])]
     assert statistics.fmean(gaps) == pytest.approx(1 / 8.0, rel=0.06)
     assert statistics.stdev(gaps) == pytest.approx(1 / 8.0, rel=0.1)  # exponential: sd = mean
     with pytest.raises(ValueError):
-        bench.poisson_arrivals(3, 0.0, seed=0)
+        bench_online.poisson_arrivals(3, 0.0, seed=0)
 
 
 def test_table_lists_each_system():
     rows = [{"id": "a", "finish_reason": "length", "prompt_tokens": 3, "output_tokens": 4, "enqueued_at": 0.0,
              "started_at": 0.0, "first_token_at": 0.5, "finished_at": 2.0}]
     s = summarize(timings_from_rows(rows, {"a": 4}))
-    text = bench.format_table([("mqinfer offline", s), ("hf-static@16", s)])
+    text = bench_report.format_table([("mqinfer offline", s), ("hf-static@16", s)])
     lines = text.splitlines()
     assert lines[2].startswith("mqinfer offline") and " 2.0 " in lines[2]  # 4 tokens / 2 s
     assert lines[3].startswith("hf-static@16")
 
 
 def test_plots_are_png_files(tmp_path):
-    pytest.importorskip("matplotlib", reason="matplotlib is optional (pip install matplotlib)")
     rows = [{"id": "a", "finish_reason": "length", "prompt_tokens": 3, "output_tokens": 4, "enqueued_at": 0.0,
              "started_at": 0.1, "first_token_at": 0.5, "finished_at": 2.0}]
     s = summarize(timings_from_rows(rows, {"a": 4}))
-    points = [bench.OnlinePoint(1.0, s, 0.0), bench.OnlinePoint(2.0, s, 0.0)]
-    paths = bench.write_plots(tmp_path / "plots", [("mqinfer offline", 100.0), ("hf-static@64", 40.0)], points)
+    points = [bench_online.OnlinePoint(1.0, s, 0.0), bench_online.OnlinePoint(2.0, s, 0.0)]
+    paths = bench_report.write_plots(tmp_path / "plots", [("mqinfer offline", 100.0), ("hf-static@64", 40.0)], points)
     assert [p.name for p in paths] == ["throughput.png", "latency.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
 
 
-@needs_worker
 def test_offline_bench_with_the_tiny_model_through_real_workers(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     code = bench.main(["--model", "tiny", "--num-requests", "8", "--workload", "uniform", "--prompt-len", "8,48",
@@ -193,7 +238,6 @@ def test_offline_bench_with_the_tiny_model_through_real_workers(tmp_path, capsys
     assert (tmp_path / "out" / "results").is_dir()  # --out keeps the workers' datasets
 
 
-@needs_worker
 def test_online_bench_with_the_tiny_model(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     code = bench.main(["--model", "tiny", "--mode", "online", "--rate", "40", "--num-requests", "6",
@@ -212,7 +256,6 @@ def test_online_bench_with_the_tiny_model(tmp_path, capsys):
     assert "mqinfer @40 req/s" in captured.out
 
 
-@needs_worker
 def test_online_at_half_the_offline_throughput(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     code = bench.main(["--model", "tiny", "--mode", "online", "--rate", "half", "--num-requests", "8",
@@ -236,19 +279,12 @@ def test_online_at_half_the_offline_throughput(tmp_path, capsys):
         in captured.out
 
 
-@needs_worker
 def test_compare_wait_runs_the_rates_once_per_setting(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
+    plots = tmp_path / "plots"
     argv = ["--model", "tiny", "--mode", "online", "--rate", "40", "--compare-wait", "20,auto", "--num-requests", "6",
             "--workload", "uniform", "--prompt-len", "8,32", "--output-len", "4,12", "--matrix-size", "128",
-            "--json", str(out_json), "--idle-exit-s", "30"]
-    plots = None
-    try:
-        import matplotlib  # noqa: F401
-        plots = tmp_path / "plots"
-        argv += ["--plot", str(plots)]
-    except ImportError:
-        pass
+            "--json", str(out_json), "--idle-exit-s", "30", "--plot", str(plots)]
     code = bench.main(argv)
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -264,5 +300,37 @@ def test_compare_wait_runs_the_rates_once_per_setting(tmp_path, capsys):
     assert rows[0][:3] == ["40", "20", "ms"] and rows[1][:2] == ["40", "auto"]
     assert float(rows[1][3]) == pytest.approx(points["auto"]["summary"]["ttft"]["p99"] * 1000, abs=0.05)
     assert "mqinfer @40 req/s wait auto" in captured.out and "mqinfer @40 req/s wait 20 ms" in captured.out
-    if plots is not None:
-        assert (plots / "ttft-by-wait.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (plots / "ttft-by-wait.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_fixed_workload_beside_a_stand_in_llamacpp(tmp_path, capsys):
+    from mqinfer.workers.loader import TINY_HF_CONFIG
+    from tests.loadgen.llamacpp_fakes import make_stand_in, tiny_llama_gguf
+
+    folder = make_stand_in(tmp_path / "llama.cpp-bin")
+    gguf = tiny_llama_gguf(tmp_path / "tiny.gguf", TINY_HF_CONFIG)
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--workload", "fixed", "--num-requests", "4", "--prompt-len", "12",
+                       "--output-len", "5", "--compare", "llamacpp", "--llamacpp-bin", str(folder), "--gguf",
+                       str(gguf), "--llamacpp-threads", "1,2", "--matrix-size", "64", "--json", str(out_json),
+                       "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    per_request = report["systems"]["mqinfer offline"]["requests"]
+    assert len(per_request) == 4
+    assert all(r["prompt_tokens"] == 12 and r["output_tokens"] == 5 for r in per_request)  # exact lengths
+    lc = report["llamacpp"]
+    assert [r["threads"] for r in lc["runs"]] == [1, 2] and [r["s_tok_s"] for r in lc["runs"]] == [40.0, 80.0]
+    assert lc["best_threads"] == 2 and (lc["num_requests"], lc["prompt_len"], lc["output_len"]) == (4, 12, 5)
+    assert lc["gguf_shape"]["block_count"] == TINY_HF_CONFIG["num_hidden_layers"]
+    span = report["systems"]["mqinfer offline"]["summary"]["span_s"]
+    assert lc["mqinfer"]["tok_s"] == pytest.approx(4 * (12 + 5) / span)
+    assert report["ratios"]["vs_llamacpp_best"] == pytest.approx(lc["mqinfer"]["tok_s"] / 80.0)
+    assert f"mqinfer / llama.cpp (best: -t 2): {lc['mqinfer']['tok_s'] / 80.0:.2f}x" in captured.out
+    rows = {line.split("  ")[0].strip(): line.split() for line in captured.out.splitlines()
+            if line.startswith(("llama.cpp -t", "mqinfer offline  "))}
+    assert rows["llama.cpp -t 2"][-1] == "80.00" and rows["llama.cpp -t 1"][-1] == "40.00"
+    calls = [json.loads(line) for line in (folder / "calls.jsonl").read_text().splitlines()]
+    assert [c["argv"][c["argv"].index("-t") + 1] for c in calls] == ["1", "2"]
+    assert all(c["omp"] == "passive" and c["argv"][c["argv"].index("-c") + 1] == "68" for c in calls)

@@ -7,9 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqinfer.loadgen.workload import (
+    FIXED_OUTPUT_LEN,
+    FIXED_PROMPT_LEN,
     MIN_TOKEN_ID,
     WORKLOADS,
     fit_to_context,
+    fixed_workload,
     lognormal_workload,
     make_workload,
     shared_prefix_workload,
@@ -139,3 +142,44 @@ def test_uniform_lengths_and_ids_always_in_range(n, seed, lo, span, vocab):
         assert lo <= len(r["prompt_token_ids"]) <= lo + span
         assert lo <= r["max_tokens"] <= lo + span
         assert all(MIN_TOKEN_ID <= t < vocab for t in r["prompt_token_ids"])
+
+
+def test_fixed_workload_has_exact_lengths_and_ids_above_the_special_ones():
+    reqs = make_workload("fixed", n=12, prompt_len=16, output_len=8, vocab_size=49152, min_token_id=17, seed=7)
+    assert [r["id"] for r in reqs] == [f"fixed-{i:06d}" for i in range(12)]
+    assert all(len(r["prompt_token_ids"]) == 16 and r["max_tokens"] == 8 for r in reqs)
+    assert all(r["ignore_eos"] is True and r["temperature"] == 0.0 for r in reqs)
+    ids = [t for r in reqs for t in r["prompt_token_ids"]]
+    assert min(ids) >= 17 and max(ids) < 49152
+    assert min(ids) < 5000 and max(ids) > 44000  # drawn across the whole ordinary range
+    assert len({tuple(r["prompt_token_ids"]) for r in reqs}) == 12  # no prompt shared (batched-bench's default)
+    assert reqs == fixed_workload(12, prompt_len=16, output_len=8, vocab_size=49152, min_token_id=17, seed=7)
+    assert reqs != fixed_workload(12, prompt_len=16, output_len=8, vocab_size=49152, min_token_id=17, seed=8)
+    s = workload_stats(reqs)
+    assert (s.prompt_tokens, s.output_tokens, s.max_prompt_len, s.max_output_len) == (192, 96, 16, 8)
+    # Without lengths (as `mqinfer memory --workload fixed` asks), the defaults.
+    default = make_workload("fixed", n=2)
+    assert [len(r["prompt_token_ids"]) for r in default] == [FIXED_PROMPT_LEN] * 2
+    assert [r["max_tokens"] for r in default] == [FIXED_OUTPUT_LEN] * 2
+
+
+def test_fixed_workload_is_never_trimmed_and_takes_single_lengths_only():
+    fits = make_workload("fixed", n=2, prompt_len=60, output_len=40, max_model_len=100)
+    assert [len(r["prompt_token_ids"]) + r["max_tokens"] for r in fits] == [100, 100]
+    with pytest.raises(ValueError, match=r"prompt \+ output \(101 tokens\) exceeds the model's context \(100\)"):
+        make_workload("fixed", n=2, prompt_len=61, output_len=40, max_model_len=100)
+    with pytest.raises(ValueError, match="one integer"):
+        make_workload("fixed", n=2, prompt_len=(4, 8), output_len=4)
+    with pytest.raises(ValueError, match="one integer"):
+        fixed_workload(2, prompt_len=4, output_len=0)
+    with pytest.raises(ValueError, match=r"ranges \(LO, HI\)"):
+        make_workload("uniform", n=2, prompt_len=8)
+    with pytest.raises(ValueError, match="vocab_size must be > 17"):
+        fixed_workload(2, vocab_size=17, min_token_id=17)
+
+
+def test_min_token_id_moves_the_low_end_for_every_workload():
+    for name in WORKLOADS:
+        reqs = make_workload(name, n=20, vocab_size=40, min_token_id=30, seed=1)
+        ids = {t for r in reqs for t in r["prompt_token_ids"]}
+        assert min(ids) >= 30 and max(ids) <= 39 and len(ids) == 10, name

@@ -1,0 +1,45 @@
+"""The offline run of `mqinfer bench`: every request submitted before the workers start.
+
+Throughput counts the tokens the requests asked for over first started -> last finished, read
+back from the result rows; ``overhead_share`` turns the workers' busy-time lines into the share of
+their time spent outside the model's forward pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from mqinfer.loadgen.bench_pool import WorkerPool, log, read_results, wait_done
+from mqinfer.loadgen.metrics import RequestTiming
+
+
+def overhead_share(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Issue 4's overhead: the share of the workers' busy time outside the model's forward pass,
+    with the time by phase (engine phases plus ``other``: ingest, batcher, sinks, acks, replies)."""
+    busy = sum(float(s.get("busy_s") or 0.0) for s in summaries)
+    if busy <= 0:
+        return None
+    phases: dict[str, float] = {}
+    for s in summaries:
+        for name, value in (s.get("phases_s") or {}).items():
+            phases[name] = phases.get(name, 0.0) + float(value)
+        phases["other"] = phases.get("other", 0.0) + float(s.get("other_s") or 0.0)
+    forward = phases.get("forward", 0.0)
+    return {"workers": len(summaries), "busy_s": busy, "phases_s": phases,
+            "outside_forward_share": 1.0 - forward / busy}
+
+
+def run_offline(args: argparse.Namespace, requests: list[dict[str, Any]], producer, pool: WorkerPool, out: Path,
+                job_id: str) -> tuple[list[RequestTiming], dict[str, list[int]]]:
+    """Every request submitted, then the workers started; stopped when all are done (their busy
+    time summaries are then in ``pool.busy_summaries()``)."""
+    try:
+        producer.submit_many(requests, job_id=job_id)
+        log(f"mqinfer offline: {len(requests)} requests submitted; starting {args.workers} worker(s)")
+        pool.start()
+        wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, "mqinfer offline")
+    finally:
+        pool.stop()
+    return read_results(out, job_id, requests)

@@ -1,0 +1,169 @@
+"""The online run of `mqinfer bench`: Poisson arrivals at an offered rate against running workers.
+
+Workers start first and are warmed with one request; requests then arrive as a Poisson process at
+``--rate`` per second (several rates make a sweep), and TTFT / TPOT / e2e are measured from each
+entry's enqueue time. Each point is checked against issue 4's goal, p99 TTFT <= max wait + 3 engine
+steps (``point_budget``), an engine step being the point's own TPOT p50. Owns ``OnlinePoint``,
+the budget, the rate arithmetic of ``--rate half`` and the seeded arrival times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mqinfer.loadgen.bench_model import ModelSpec
+from mqinfer.loadgen.bench_options import AUTO
+from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, read_results, wait_done
+from mqinfer.loadgen.metrics import RequestTiming, RunSummary, TtftBudget, summarize, ttft_budget
+from mqinfer.loadgen.workload import MIN_TOKEN_ID
+
+BUDGET_STEPS = 3  # issue 4: p99 TTFT <= max wait + 3 engine steps
+
+
+@dataclass
+class OnlinePoint:
+    rate: float  # offered load, requests per second
+    summary: RunSummary
+    submit_lag_p99_s: float  # how late the submitter was against the Poisson schedule
+    timings: list[RequestTiming] = field(repr=False, default_factory=list)
+    max_wait_ms: float | str | None = None  # the workers' batcher wait (ms or "auto"); None: unknown
+    budget: TtftBudget | None = None  # issue 4's goal; None without a TTFT or a step to measure it by
+
+
+def wait_label(setting: float | str | None) -> str:
+    if setting is None:
+        return "?"
+    return AUTO if setting == AUTO else f"{float(setting):g} ms"
+
+
+def wait_budget_s(setting: float | str) -> tuple[float, str]:
+    """The wait counted in the TTFT budget (seconds) and how it was chosen. For ``auto`` that is
+    the upper bound the adaptive batcher may choose: the worker builds its ``AdaptiveWait`` with
+    the default bounds."""
+    if setting == AUTO:
+        from mqinfer.scheduler.batcher import AdaptiveWait
+
+        bound = AdaptiveWait().max_wait_s
+        return bound, f"{bound * 1000:g} [auto: the adaptive batcher's upper bound]"
+    return float(setting) / 1000.0, f"{float(setting):g}"
+
+
+def point_budget(summary: RunSummary, setting: float | str) -> TtftBudget | None:
+    """Issue 4's goal for one online point: its p99 TTFT against the max wait plus three engine
+    steps, a step being the point's TPOT p50 (one decode step of a running request, measured under
+    the same load). None when no request produced a first token or a second one."""
+    if summary.ttft is None or summary.tpot is None:
+        return None
+    return ttft_budget(summary.ttft.p99, wait_budget_s(setting)[0], summary.tpot.p50, BUDGET_STEPS)
+
+
+def request_rate(summary: RunSummary) -> float:
+    """A run's request throughput: requests finished without error / span (0 when none)."""
+    done = summary.num_requests - summary.num_errors
+    return done / summary.span_s if done > 0 and summary.span_s > 0 else 0.0
+
+
+def half_rate(offline: RunSummary) -> float:
+    """Half an offline run's request throughput, to 3 significant digits."""
+    rate = request_rate(offline)
+    if rate <= 0:
+        raise RuntimeError("--rate half: the offline run measured no throughput to take half of")
+    return float(f"{rate / 2:.3g}")
+
+
+def unshared_prompts(requests: list[dict[str, Any]], salt: int, vocab_size: int,
+                     min_token_id: int = MIN_TOKEN_ID) -> list[dict[str, Any]]:
+    """The requests with each prompt's first token id shifted by ``salt`` within the prompt ids
+    (``min_token_id`` up to, not including, ``vocab_size``).
+
+    Prefix-cache block hashes are chained from the first block, so the points of a sweep on the
+    same workers, each with its own salt, share no cached prompt blocks (without this, every point
+    after the first found about 95% of its prompt tokens cached, and its TTFT was flattered),
+    while the requests of one point still share what they shared before (a shared prefix).
+    Salt 0 returns the requests unchanged.
+    """
+    span = vocab_size - min_token_id
+    if salt % span == 0:
+        return requests
+    out = []
+    for r in requests:
+        ids = list(r["prompt_token_ids"])
+        ids[0] = min_token_id + (ids[0] - min_token_id + salt) % span
+        out.append({**r, "prompt_token_ids": ids})
+    return out
+
+
+def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each of ``n`` requests arrives, at ``rate`` per second."""
+    import numpy as np
+
+    if rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    gaps[0] = 0.0  # the first request opens the run
+    return np.cumsum(gaps).tolist()
+
+
+def _submit_on_schedule(producer, requests: list[dict[str, Any]], arrivals: list[float], job_id: str,
+                        lags: list[float], errors: list[BaseException]) -> None:
+    try:
+        t0 = time.monotonic()
+        for req, at in zip(requests, arrivals):
+            delay = t0 + at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            producer.submit(req, job_id=job_id)
+            lags.append(max(0.0, time.monotonic() - (t0 + at)))
+    except BaseException as exc:  # reported by the main thread
+        errors.append(exc)
+
+
+def run_online(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], url: str, producer,
+               pool: WorkerPool, out: Path, tag: str, rates: list[float], setting: float | str) -> list[OnlinePoint]:
+    """Warm the workers with one request, then one Poisson run per rate (prompts salted per rate:
+    ``unshared_prompts``); the workers are stopped at the end."""
+    from mqinfer.client import Producer
+
+    try:
+        pool.start()
+        # Reversed, so that it shares no cached prefix blocks with the measured requests.
+        warm = {"id": "warmup", "prompt_token_ids": requests[0]["prompt_token_ids"][::-1], "max_tokens": 8,
+                "ignore_eos": True, "temperature": 0.0}
+        warm_job = f"bench-warmup-{tag}"
+        producer.submit(warm, job_id=warm_job)
+        log(f"mqinfer online: starting {args.workers} worker(s) (max wait {wait_label(setting)}), "
+            "waiting for a warm-up request")
+        wait_done(producer.redis, warm_job, 1, pool, args.timeout_s, "warm-up")
+        points = []
+        for k, rate in enumerate(rates):
+            job_id = f"bench-{tag}-r{k}"
+            arrivals = poisson_arrivals(len(requests), rate, args.seed + k)
+            lags: list[float] = []
+            errors: list[BaseException] = []
+            submitter = Producer(url, stream=STREAM)
+            salted = unshared_prompts(requests, k, spec.vocab_size, spec.min_token_id)
+            thread = threading.Thread(target=_submit_on_schedule, name="bench-submitter",
+                                      args=(submitter, salted, arrivals, job_id, lags, errors), daemon=True)
+            log(f"mqinfer online: {len(requests)} requests at {rate:g} req/s (about {arrivals[-1]:.0f}s of arrivals)")
+            thread.start()
+            try:
+                wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, f"online {rate:g} req/s")
+            finally:
+                thread.join(timeout=5)
+                submitter.redis.close()
+            if errors:
+                raise RuntimeError(f"submitting at {rate:g} req/s failed: {errors[0]}")
+            # Rows are durable before their id joins the done set, so they can be read while workers run.
+            timings, _ = read_results(out, job_id, requests)
+            lag = sorted(lags)
+            summary = summarize(timings)
+            points.append(OnlinePoint(rate, summary, lag[int(0.99 * (len(lag) - 1))] if lag else 0.0, timings,
+                                      setting, point_budget(summary, setting)))
+        return points
+    finally:
+        pool.stop()
