@@ -189,7 +189,12 @@ def _run(args: argparse.Namespace) -> int:
     log(f"workload {args.workload}: {stats.num_requests} requests, {stats.prompt_tokens} prompt tokens, "
         f"{stats.output_tokens} output tokens asked for; model {spec.arg}")
     device = args.device if args.device != "auto" else ("cuda" if _cuda_available() else "cpu")
-    mm_dtype = args.dtype if args.dtype != "auto" else str(spec.config.get("torch_dtype") or "float32")
+    # One concrete dtype for every side (workers, transformers, the matrix rate): `auto` is the
+    # checkpoint's own, or float32 on a CPU without native half-precision matmul (as the workers do).
+    from mqinfer.workers.loader import resolve_dtype
+
+    mm_dtype = str(resolve_dtype(args.dtype, spec.config, device)).removeprefix("torch.")
+    args = argparse.Namespace(**{**vars(args), "dtype": mm_dtype})
     log(f"measuring the {mm_dtype} matrix rate on {device}")
     rate_before = measure_matmul_rate(args.matrix_size, dtype=mm_dtype, device=device)
     flops = workload_flops(spec.config, requests)

@@ -181,8 +181,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--json", default=None, metavar="FILE", help="Write every figure of the run as JSON.")
 
     g = parser.add_argument_group("engine flags passed to the workers")
-    g.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="Weights and activations, for mqinfer and transformers alike (default: bfloat16).")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="Weights and activations, for mqinfer and transformers alike (default: auto = the "
+                        "checkpoint's own, or float32 on a CPU without native bfloat16/float16 matmul).")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="Where the workers run the model; transformers runs on cuda when this is cuda "
                         "(default: auto).")

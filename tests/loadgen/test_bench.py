@@ -23,7 +23,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_defaults_and_pass_through_flags():
     args = parse()
     assert (args.workload, args.num_requests, args.seed, args.mode, args.workers) == ("standard", 256, 0, "offline", 1)
-    assert args.hf_batch_sizes == [16, 64, 256] and args.dtype == "bfloat16" and args.model is None
+    assert args.hf_batch_sizes == [16, 64, 256] and args.dtype == "auto" and args.model is None
     args = parse("--max-num-seqs", "32", "--block-size", "8", "--num-threads", "1", "--max-wait-ms", "2.5", "--dtype", "float32",
                  "--rate", "1,2.5", "--hf-batch-sizes", "8,32")
     assert args.rate == [1.0, 2.5] and args.hf_batch_sizes == [8, 32]
