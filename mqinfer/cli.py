@@ -34,7 +34,19 @@ from mqinfer.config import (
 )
 
 OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datasets go here.", metavar="DIR")
-WORKERS = Option("workers", int, 1, "Worker processes to run.", metavar="N")
+def _workers(text: str) -> int | str:
+    """A positive number of worker processes, or ``auto``."""
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected auto or an integer >= 1, got {value}")
+    return value
+
+
+WORKERS = Option("workers", _workers, "auto", "Worker processes to run, or auto: on a CPU one per core with one "
+                 "thread each (fewer when the model would not fit in memory that many times; --num-threads N "
+                 "gives cores / N workers), on a GPU one.", metavar="N")
 FORMAT = Option("format", str, "msgpack", "Stream entry encoding.", choices=("msgpack", "json"))
 PORT = Option("port", int, 0, "TCP port on 127.0.0.1 (0 = pick a free one).", metavar="P")
 DATA_DIR = Option("dir", str, "mqinfer-redis", "Data folder: the append-only file, and the password and port kept "

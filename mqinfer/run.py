@@ -42,10 +42,73 @@ def input_job_id(path: Path) -> str:
     return f"run-{digest.hexdigest()[:16]}"
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _model_bytes(model: str) -> int:
+    """About what one worker's copy of the weights takes in memory (float32 where stored smaller,
+    since a CPU without native half precision computes in float32)."""
+    if model == "tiny":
+        return 16 << 20
+    files = list(Path(model).glob("*.safetensors"))
+    return 2 * sum(f.stat().st_size for f in files)
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def choose_layout(opts: dict, *, cores: int | None = None, gpu: bool | None = None,
+                  memory: int | None = None) -> tuple[int, int | None, str]:
+    """``--workers auto``: (workers, threads per worker, why).
+
+    Small models on a CPU run fastest as one single-threaded worker per core (BENCHMARKS.md: two
+    workers of one thread against one of two threads on two cores); a GPU gets one worker. Half the
+    available memory bounds how many copies of the model are loaded. An explicit --workers wins.
+    """
+    if opts["workers"] != "auto":
+        return opts["workers"], opts["num_threads"], "--workers"
+    if gpu is None:
+        gpu = opts["device"] in ("auto", "cuda") and _cuda_available()
+    if gpu:
+        return max(1, opts["shards"]), opts["num_threads"], "a GPU: one worker"
+    cores = cores or _usable_cores()
+    threads = opts["num_threads"] or 1
+    workers = max(1, cores // threads)
+    memory = _available_memory() if memory is None else memory
+    why = f"{cores} cores, {threads} thread{'s' if threads > 1 else ''} per worker"
+    if memory:
+        fits = max(1, (memory // 2) // max(1, _model_bytes(opts["model"])))
+        if fits < workers:
+            workers, why = fits, why + f", {fits} model copies fit in half the free memory"
+            threads = opts["num_threads"] or max(1, cores // workers)
+    return max(workers, opts["shards"]), threads, why
+
+
+def _cuda_available() -> bool:
+    """Without an NVIDIA driver there is no CUDA device: no need to import torch to find out."""
+    import importlib.util
+
+    if not Path("/proc/driver/nvidia").exists() or importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def check_run_flags(opts: dict) -> None:
     """Every flag checked before anything is locked, written or submitted."""
-    if opts["workers"] < 1:
-        raise ConfigError("--workers must be >= 1")
     if opts["shards"] < 1:
         raise ConfigError("--shards must be >= 1")
     if opts["workers"] < opts["shards"]:
@@ -117,7 +180,12 @@ def ids_with_rows(out: Path, job_id: str) -> set[str]:
 def cmd_run(args, opts: dict) -> int:
     from mqinfer.runlock import RunLock, RunLockError
 
+    workers, threads, why = choose_layout(opts)
+    opts = {**opts, "workers": workers, "num_threads": threads}
     check_run_flags(opts)
+    if why != "--workers":
+        print(f"{workers} worker{'s' if workers > 1 else ''} x {threads or 'all'} thread"
+              f"{'s' if threads != 1 else ''} ({why}; --workers N sets it)", file=sys.stderr)
     input_path = Path(args.input)
     if not input_path.is_file():
         raise FileNotFoundError(f"no such input file: {input_path}")

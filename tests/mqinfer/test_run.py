@@ -231,3 +231,18 @@ def test_worker_command_line_carries_every_setting_but_no_password(tmp_path, mon
     assert argv[1:5] == ["-P", "-m", "mqinfer", "worker"]
     assert "--no-prefix-cache" in argv and argv[argv.index("--max-batch") + 1] == "8"
     assert not any("secret" in a for a in argv) and "--redis" not in argv
+
+
+def test_workers_auto_layout():
+    from mqinfer.run import choose_layout
+
+    base = {"workers": "auto", "num_threads": None, "shards": 1, "device": "auto", "model": "tiny"}
+    gib = 1 << 30
+    assert choose_layout(base, cores=2, gpu=False, memory=16 * gib)[:2] == (2, 1)  # one 1-thread worker per core
+    assert choose_layout({**base, "num_threads": 2}, cores=2, gpu=False, memory=16 * gib)[:2] == (1, 2)
+    assert choose_layout({**base, "num_threads": 4}, cores=8, gpu=False, memory=16 * gib)[:2] == (2, 4)
+    assert choose_layout(base, cores=4, gpu=True, memory=16 * gib)[:2] == (1, None)
+    assert choose_layout({**base, "shards": 3}, cores=2, gpu=False, memory=16 * gib)[0] == 3  # a worker per shard
+    # Half of 40 MiB holds one copy of a 16 MiB model: one worker, with every core.
+    assert choose_layout(base, cores=4, gpu=False, memory=40 << 20)[:2] == (1, 4)
+    assert choose_layout({**base, "workers": 3, "num_threads": 2}, cores=2, gpu=False)[:2] == (3, 2)  # explicit wins
