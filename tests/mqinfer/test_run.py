@@ -24,7 +24,7 @@ def run_cmd(*args: str) -> list[str]:
 
 
 def env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1")
+    return dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1", MQINFER_WORKERS="1")
 
 
 def requests(n: int, max_tokens: int, prefix: str = "r") -> list[dict]:
