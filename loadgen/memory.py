@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqinfer.loadgen.checkpoint import STANDARD_CONFIG
+from mqinfer.loadgen.memory_report import GOAL_CONCURRENCY_RATIO, kv_bytes_per_token, format_markdown
 from mqinfer.loadgen.bench_options import WORKLOADS, positive_int_list
 from mqinfer.loadgen.workload import MIN_TOKEN_ID, make_workload, workload_stats
 from mqinfer.scheduler.config import SchedulerConfig
@@ -75,11 +76,10 @@ from mqinfer.scheduler.scheduler import Scheduler
 
 DEFAULT_KV_BUDGET = 16384
 DEFAULT_BLOCK_SIZES = (8, 16, 32)
-DEFAULT_MAX_NUM_SEQS = 256
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# The engine's own step limits: the allocators are compared under the limits a worker runs with.
+DEFAULT_MAX_NUM_SEQS = SchedulerConfig().max_num_seqs
+DEFAULT_MAX_NUM_BATCHED_TOKENS = SchedulerConfig().max_num_batched_tokens
 FITS = ("first-fit", "sum")
-# The goal: at least this many times the concurrent sequences of the max-length allocator.
-GOAL_CONCURRENCY_RATIO = 4.0
 
 
 # -- per-step samples -------------------------------------------------------------------------
@@ -447,89 +447,6 @@ def memory_report(requests: Sequence[dict[str, Any]], *, kv_budget: int = DEFAUL
 
 
 # -- output -----------------------------------------------------------------------------------
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2%}"
-
-
-def _num(x: float | None, fmt: str = ".1f") -> str:
-    return "n/a" if x is None else format(x, fmt)
-
-
-def _times(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.2f}x"
-
-
-def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = None) -> str:
-    w = report["workload"]
-    budget = report["kv_budget_tokens"]
-    mem = f" ({budget * kv_bytes_per_token / 2**20:.1f} MiB of KV for the standard checkpoint)" \
-        if kv_bytes_per_token else ""
-    lines = [
-        f"KV budget {budget:,} token slots{mem}; workload {w['num_requests']} requests, "
-        f"{w['prompt_tokens']:,} prompt + {w['output_tokens']:,} output tokens "
-        f"({w['prompt_tokens'] + w['output_tokens']:,} slots to hold them all at once); "
-        f"max_model_len {report['max_model_len']}; max_num_seqs {report['max_num_seqs']}, "
-        f"max_num_batched_tokens {report['max_num_batched_tokens']}; prefix caching "
-        f"{'on' if report['prefix_caching'] else 'off'}.",
-        f"Saturated step: {report['saturation_rule']}. Means are over saturated steps.",
-        "",
-        "| block size | steps (saturated) | KV waste | unavoidable (last partial block) | estimate (bs-1)/2 per seq "
-        "| KV in use | concurrent seqs mean / max | vs max-len contiguous | vs exact contiguous (first fit) "
-        "| vs exact (sum bound) | preemptions |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for p in report["paged"]:
-        lines.append(
-            f"| {p['block_size']} | {p['steps']} ({p['saturated_steps']}) | {_pct(p['kv_waste'])} "
-            f"| {_pct(p['unavoidable_waste'])} | {_pct(p['estimate_waste'])} | {_pct(p['kv_usage'])} "
-            f"| {_num(p['concurrent_mean'])} / {_num(p['concurrent_max'], 'd')} | {_times(p['ratio_vs_max_len'])} "
-            f"| {_times(p['ratio_vs_exact'])} | {_times(p['ratio_vs_exact_sum'])} | {p['preemptions']} |"
-        )
-    lines += [
-        "",
-        "| contiguous allocator | reserves per request | placement | steps (saturated) | concurrent seqs mean / max "
-        "| reserved slots holding no token |",
-        "| --- | --- | --- | ---: | ---: | ---: |",
-    ]
-    labels = {"max_len": f"max length ({report['max_model_len']})", "exact": "exact", "exact_sum": "exact"}
-    for name, c in report["contiguous"].items():
-        placement = "first fit" if c["fit"] == "first-fit" else "sum of reservations <= budget"
-        if c["never_fits"]:
-            lines.append(f"| {labels[name]} | {c['reserves']} | {placement} | - | 0 (one reservation exceeds "
-                         "the budget) | - |")
-            continue
-        lines.append(
-            f"| {labels[name]} | {c['reserves']} | {placement} | {c['steps']} ({c['saturated_steps']}) "
-            f"| {_num(c['concurrent_mean'])} / {_num(c['concurrent_max'], 'd')} | {_pct(c['kv_waste'])} |"
-        )
-    engine_rows = [p for p in report["paged"] if "engine" in p]
-    if engine_rows:
-        lines.append("")
-        for p in engine_rows:
-            e = p["engine"]
-            lines.append(
-                f"Engine cross-check, block size {p['block_size']} ({e['model']}): {e['steps']} steps "
-                f"({e['saturated_steps']} saturated), KV waste {_pct(e['kv_waste'])}, concurrent mean "
-                f"{_num(e['concurrent_mean'])}; every step identical to the simulation: "
-                f"{'yes' if e['identical_to_simulation'] else 'NO'}."
-            )
-    lines.append("")
-    for p in report["paged"]:
-        waste = {True: "met", False: "not met", None: "n/a (never saturated)"}[p["goal_waste_met"]]
-        conc = {True: "met", False: "not met", None: "n/a"}[p["goal_concurrency_met"]]
-        lines.append(
-            f"Goals at block size {p['block_size']}: KV waste {_pct(p['kv_waste'])} <= unavoidable "
-            f"{_pct(p['unavoidable_waste'])}: {waste}; concurrency {_times(p['ratio_vs_max_len'])} the "
-            f"max-length contiguous allocator (goal >= {GOAL_CONCURRENCY_RATIO:g}x): {conc}."
-        )
-    return "\n".join(lines)
-
-
-def _kv_bytes_per_token(config: dict[str, Any]) -> int:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2  # K and V, bf16
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mqinfer.loadgen.memory",
@@ -614,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     report["command"] = " ".join(["python -m mqinfer.loadgen.memory", *given])
     report["date_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    kv_bytes = _kv_bytes_per_token(STANDARD_CONFIG)
+    kv_bytes = kv_bytes_per_token(STANDARD_CONFIG)
     report["kv_bytes_per_token_standard_checkpoint"] = kv_bytes
     print(format_markdown(report, kv_bytes))
     if args.json:
