@@ -50,7 +50,9 @@ def test_corpus_ends_as_error_rows_or_dead_letters_and_the_worker_keeps_serving(
     # Everything read was acked; ids that look like paths stayed data.
     assert redis_client.xlen(STREAM) == 0
     assert redis_client.xpending(STREAM, keys.GROUP)["pending"] == 0
-    assert sorted(p.name for p in out.iterdir()) == ["costs", "results"]
+    assert sorted(p.name for p in out.iterdir()) == [".mqinfer", "costs", "results"]
+    assert sorted(p.relative_to(out).as_posix() for p in (out / ".mqinfer").rglob("*")) == [
+        ".mqinfer/workers", ".mqinfer/workers/W.json"]  # the worker's exit summary, and nothing else
     assert not (tmp_path / "etc").exists() and not any("passwd" in p.name for p in tmp_path.rglob("*"))
 
 
