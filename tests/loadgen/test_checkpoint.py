@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from mqinfer.loadgen.checkpoint import STANDARD_CONFIG, is_checkpoint, make_llama_checkpoint
-from mqinfer.workers.loader import load_model
+from mqinfer.workers.loader import cpu_computes_natively, load_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
@@ -72,7 +72,11 @@ def test_refuses_a_folder_it_did_not_write(tmp_path):
 
 def test_our_loader_reads_it(tmp_path):
     folder = make_llama_checkpoint(tmp_path / "ck", **SMALL)
+    # auto is the checkpoint's bfloat16 where this CPU computes it natively, else float32.
     _model, info = load_model(str(folder), device="cpu", dtype="auto")
-    assert info.dtype == "bfloat16" and info.vocab_size == 300 and info.num_layers == 2
+    assert info.dtype == ("bfloat16" if cpu_computes_natively(torch.bfloat16) else "float32")
+    model, info = load_model(str(folder), device="cpu", dtype="bfloat16")
+    assert info.dtype == "bfloat16" and model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert info.vocab_size == 300 and info.num_layers == 2
     assert info.num_kv_heads == 2 and info.head_dim == 16 and info.hidden_size == 64
     assert info.eos_token_ids == (2,)
