@@ -89,7 +89,7 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
     waits = args.compare_wait or [args.max_wait_ms]
 
     def pool(wait: float | str | None, log_dir: Path) -> WorkerPool:
-        return WorkerPool(worker_argv(_with_wait(args, wait), spec.arg, server.url, out), args.workers, log_dir)
+        return WorkerPool(worker_argv(_with_wait(args, wait), spec.arg, server.url, out), args.workers, log_dir, out)
 
     try:
         if args.mode == "offline":

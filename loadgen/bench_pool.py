@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -40,28 +41,28 @@ def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: P
     return argv
 
 
-BUSY_MARKER = "busy time "  # what precedes the summary in a worker's last log line
-
-
 class WorkerPool:
     """``mqinfer worker`` processes, their logs in files (shown when one fails)."""
 
-    def __init__(self, argv: list[str], count: int, log_dir: Path) -> None:
+    def __init__(self, argv: list[str], count: int, log_dir: Path, out: Path) -> None:
         self.argv = argv
         self.count = count
         self.log_dir = log_dir
+        self.out = out  # the workers' --out: each leaves its exit summary there
+        # Named consumers, so that this pool's exit summaries are found among earlier pools'.
+        self.consumers = [f"bench-{uuid.uuid4().hex[:8]}-{i}" for i in range(count)]
         self.procs: list[subprocess.Popen] = []
         self._logs: list[Any] = []
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        env.setdefault("MQINFER_LOG_LEVEL", "info")  # info: the busy-time line a worker logs at exit
-        for i in range(self.count):
+        env.setdefault("MQINFER_LOG_LEVEL", "info")
+        for i, consumer in enumerate(self.consumers):
             log_file = open(self.log_dir / f"worker-{i}.log", "wb")
             self._logs.append(log_file)
-            self.procs.append(subprocess.Popen(self.argv, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
-                                               stderr=subprocess.STDOUT))
+            self.procs.append(subprocess.Popen([*self.argv, "--consumer", consumer], env=env,
+                                               stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT))
 
     def check_alive(self) -> None:
         """Raise with the log's tail when every worker has exited."""
@@ -78,21 +79,16 @@ class WorkerPool:
             return "(no log)"
 
     def busy_summaries(self) -> list[dict[str, Any]]:
-        """The busy-time summary each stopped worker logged (``worker ... stopped; busy time {...}``)."""
+        """The exit summaries (busy time by phase, requests finished, uptime) of this pool's stopped
+        workers, from ``OUT/.mqinfer/workers/<consumer>.json``."""
+        from mqinfer.workers.busy import summary_path
+
         found = []
-        for i in range(self.count):
+        for consumer in self.consumers:
             try:
-                text = (self.log_dir / f"worker-{i}.log").read_text(errors="replace")
-            except OSError:
+                found.append(json.loads(summary_path(self.out, consumer).read_text()))
+            except (OSError, ValueError):
                 continue
-            for line in reversed(text.splitlines()):
-                marker = line.find(BUSY_MARKER)
-                if marker >= 0:
-                    try:
-                        found.append(json.loads(line[marker + len(BUSY_MARKER):]))
-                    except ValueError:
-                        pass
-                    break
         return found
 
     def stop(self, timeout_s: float = 60.0) -> None:
