@@ -29,6 +29,7 @@ from mqinfer.config import (
     ConfigError,
     Option,
     add_options,
+    fill_from_env_and_config,
     load_config_file,
     resolve,
 )
@@ -156,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Benchmark the whole pipeline (offline or online), optionally "
                            "against transformers on the same checkpoint and requests. See BENCHMARKS.md.")
     add_bench_arguments(bench)
+    bench.add_argument("--config", metavar="FILE", help="TOML file with flag values; a [bench] table applies to "
+                       "bench only (env MQINFER_CONFIG). Flags also read MQINFER_<FLAG>.")
     return parser
 
 
@@ -195,6 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         from mqinfer.loadgen.bench import run_bench
 
+        argv = sys.argv[1:] if argv is None else argv
+        bench_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+        try:
+            config_path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
+            file_values = load_config_file(config_path, "bench", config_keys(parser))
+            fill_from_env_and_config(bench_parser, args, argv[argv.index("bench") + 1:], file_values)
+        except ConfigError as exc:
+            print(f"mqinfer bench: error: {exc}", file=sys.stderr)
+            return 2
         setup_logging("info", "text")
         return run_bench(args)
     args._config_known = config_keys(parser)

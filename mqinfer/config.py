@@ -264,3 +264,45 @@ def resolve(args: argparse.Namespace, options: list[Option], file_values: dict[s
             opt = next(o for o in options if o.name == name)
             raise ConfigError(f"{opt.flag} is required (or set {opt.env})")
     return resolved
+
+
+def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The option destinations that ``argv`` sets explicitly (abbreviations included)."""
+    saved = {a.dest: a.default for a in parser._actions}
+    try:
+        for action in parser._actions:
+            action.default = argparse.SUPPRESS
+        seen, _ = parser.parse_known_args(argv)
+    finally:
+        for action in parser._actions:
+            action.default = saved[action.dest]
+    return set(vars(seen))
+
+
+def fill_from_env_and_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
+                             file_values: dict[str, Any]) -> argparse.Namespace:
+    """For a command whose flags are plain argparse arguments (``bench``): each flag not given on
+    the command line takes ``MQINFER_<FLAG>``, else the config file's value, else its default."""
+    given = given_dests(parser, argv)
+    for action in parser._actions:
+        dest = action.dest
+        if not action.option_strings or dest in given or dest in ("help", "config"):
+            continue
+        env = "MQINFER_" + dest.upper()
+        if env in os.environ:
+            raw, source = os.environ[env], f"environment {env}"
+        elif dest in file_values:
+            raw, source = file_values[dest], "config file"
+        else:
+            continue
+        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
+        kind = bool if switch else (action.type or str)
+        option = Option(dest, kind, action.default, "", choices=tuple(action.choices) if action.choices else None)
+        if not switch:  # argparse types parse text: a TOML number, or an array for a comma-separated flag
+            raw = ",".join(str(v) for v in raw) if isinstance(raw, list) else str(raw)
+        value = option.convert(raw, source)
+        if isinstance(action, argparse._StoreFalseAction):
+            value = not value
+        setattr(args, dest, value)
+    return args
+
