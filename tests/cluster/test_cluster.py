@@ -1,5 +1,6 @@
 """A real three-node Redis Cluster from the packaged server binary: sharded request streams, the
-client across slots, and a whole `mqinfer run` job across the cluster through a node restart."""
+client across slots, a worker serving from the cluster, and (``-m slow``) whole jobs across the
+cluster through a node restart."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import decode_entry
 from mqinfer.ops.jobs import job_info
 from mqinfer.server import EmbeddedServer
-from tests.helpers import mqinfer_cmd, rows, stop_processes, wait_until, write_jsonl
+from tests.helpers import mqinfer_cmd, rows, start_worker, stop_processes, wait_exit, wait_until, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,30 @@ def test_client_submits_across_slots_and_reads_replies(cluster):
         direct.close()
 
 
+def test_a_worker_on_the_cluster_computes_acks_and_bills_every_request(cluster, tmp_path):
+    """The short version of the jobs below: one worker on one stream of the cluster, no restart."""
+    n = 6
+    with Client(cluster.url, cluster=True, stream="one") as client:
+        client.submit_many([{"id": f"o{i}", "prompt_token_ids": [256] + [65 + i] * 3, "max_tokens": 8,
+                             "ignore_eos": True, "temperature": 0.0} for i in range(n)], job_id="j1")
+    out = tmp_path / "out"
+    worker = start_worker(cluster.url, out, "--redis-cluster", "--stream", "one", "--num-threads", "1",
+                          "--num-kv-blocks", "256", "--flush-interval-s", "0.1", "--idle-exit-s", "1.5")
+    code, err = wait_exit(worker, timeout=120)
+    assert code == 0, err[-4000:]
+    results = rows(out / "results")
+    assert sorted(r["id"] for r in results) == sorted(f"o{i}" for i in range(n))
+    assert all(r["output_tokens"] == 8 and r["finish_reason"] == "length" for r in results)
+    billed = [c["id"] for c in rows(out / "costs") if c["kind"] == "request"]
+    assert sorted(billed) == sorted(f"o{i}" for i in range(n))
+    direct = cluster.client()
+    stream = keys.request_stream("one")
+    assert direct.xlen(stream) == 0 and direct.xpending(stream, keys.GROUP)["pending"] == 0
+    assert direct.scard(keys.job_done_set("one", "j1")) == n
+    direct.close()
+
+
+@pytest.mark.slow
 def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path):
     n = 36
     src = write_jsonl(tmp_path / "in.jsonl", [
@@ -106,7 +131,7 @@ def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path)
             proc.kill()
         reader.join()
     assert proc.returncode == 0, outputs.get("err", "")[-4000:]
-    assert f"{n} requests: {n} ok, 0 error" in outputs["out"]
+    assert f"{n} of {n} requests have rows: {n} length\n" in outputs["out"]
     results = rows(out / "results")  # compacted by `run`: one row per request
     assert sorted(r["id"] for r in results) == sorted(f"j{i}" for i in range(n))
     assert all(r["output_tokens"] == 32 for r in results)
@@ -118,6 +143,7 @@ def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path)
     direct.close()
 
 
+@pytest.mark.slow
 def test_a_bulk_job_with_its_queue_on_a_plain_server_runs_across_the_cluster_through_a_node_restart(
         cluster, tmp_path):
     """`mqinfer jobs` beside a cluster: rq and the job state on a plain server (--jobs-redis), the

@@ -238,24 +238,6 @@ def test_offline_bench_with_the_tiny_model_through_real_workers(tmp_path, capsys
     assert (tmp_path / "out" / "results").is_dir()  # --out keeps the workers' datasets
 
 
-def test_online_bench_with_the_tiny_model(tmp_path, capsys):
-    out_json = tmp_path / "bench.json"
-    code = bench.main(["--model", "tiny", "--mode", "online", "--rate", "40", "--num-requests", "6",
-                       "--workload", "lognormal", "--prompt-len", "8,64", "--output-len", "4,16",
-                       "--matrix-size", "128", "--json", str(out_json),
-                       "--idle-exit-s", "30"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    report = json.loads(out_json.read_text())
-    [point] = report["online"]
-    s = point["summary"]
-    assert point["rate"] == 40.0 and s["num_requests"] == 6 and s["num_errors"] == 0
-    assert s["ttft"]["count"] == 6 and 0 < s["ttft"]["p50"] <= s["ttft"]["p99"] <= s["e2e"]["p99"]
-    enq = sorted(r["enqueued_at"] for r in point["requests"])
-    assert enq[-1] - enq[0] > 0.01  # arrivals were spread out, not submitted at once
-    assert "mqinfer @40 req/s" in captured.out
-
-
 def test_online_at_half_the_offline_throughput(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     code = bench.main(["--model", "tiny", "--mode", "online", "--rate", "half", "--num-requests", "8",
@@ -279,11 +261,11 @@ def test_online_at_half_the_offline_throughput(tmp_path, capsys):
         in captured.out
 
 
-def test_compare_wait_runs_the_rates_once_per_setting(tmp_path, capsys):
+def test_online_bench_compares_wait_settings_at_one_rate(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     plots = tmp_path / "plots"
     argv = ["--model", "tiny", "--mode", "online", "--rate", "40", "--compare-wait", "20,auto", "--num-requests", "6",
-            "--workload", "uniform", "--prompt-len", "8,32", "--output-len", "4,12", "--matrix-size", "128",
+            "--workload", "lognormal", "--prompt-len", "8,64", "--output-len", "4,16", "--matrix-size", "128",
             "--json", str(out_json), "--idle-exit-s", "30", "--plot", str(plots)]
     code = bench.main(argv)
     captured = capsys.readouterr()
@@ -294,7 +276,11 @@ def test_compare_wait_runs_the_rates_once_per_setting(tmp_path, capsys):
     assert set(points) == {20.0, "auto"} and all(p["rate"] == 40.0 for p in points.values())
     assert points[20.0]["budget"]["max_wait_s"] == 0.02 and points["auto"]["budget"]["max_wait_s"] == 0.05
     for p in points.values():
-        assert p["summary"]["num_requests"] == 6 and p["summary"]["num_errors"] == 0
+        s = p["summary"]
+        assert s["num_requests"] == 6 and s["num_errors"] == 0
+        assert s["ttft"]["count"] == 6 and 0 < s["ttft"]["p50"] <= s["ttft"]["p99"] <= s["e2e"]["p99"]
+        enq = sorted(r["enqueued_at"] for r in p["requests"])
+        assert enq[-1] - enq[0] > 0.01  # arrivals were spread out, not submitted at once
     table = captured.out[captured.out.index("TTFT p50 ms"):].splitlines()
     rows = [line.split() for line in table[2:4]]
     assert rows[0][:3] == ["40", "20", "ms"] and rows[1][:2] == ["40", "auto"]

@@ -1,14 +1,18 @@
-"""Many worker processes on one stream: every request done once, shared fairly by 1, 2 and 4
-workers joining as the test goes, then scale-down with SIGTERM losing nothing.
+"""Many worker processes on one stream: every request done once, shared fairly by the workers
+joining as the test goes, then scale-down with SIGTERM losing nothing.
 
-One test, in phases, so that four worker processes are started once (each start costs seconds of
-CPU on a small machine): each phase submits its own job and waits for all its rows.
+Each test runs in phases, so that its worker processes are started once (each start costs seconds
+of CPU on a small machine): each phase submits its own job and waits for all its rows. The default
+run grows from one worker to two and scales down to one; ``-m slow`` grows to four and scales down
+to two.
 """
 
 from __future__ import annotations
 
 import collections
 import signal
+
+import pytest
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
@@ -36,8 +40,9 @@ def _wait_job(redis_client, job: str, n: int, timeout: float = 180) -> None:
     wait_until(lambda: redis_client.scard(key) >= n, timeout=timeout, what=f"every row of {job}")
 
 
-def test_one_two_then_four_workers_share_a_stream_fairly_and_scale_down(redis_url, redis_client, tmp_path):
-    out = tmp_path / "out"
+def _share_then_scale_down(redis_url, redis_client, out, plan: list[tuple[str, list[str]]], leaving: list[str]):
+    """Workers join per ``plan`` (job name, newcomers), each job shared by every worker so far;
+    then ``leaving`` get SIGTERM while a longer job runs, and the others finish it."""
     # At most four requests run per worker, and a worker reads only what it can start: the backlog
     # stays in the stream for whichever worker has room. A short drain makes SIGTERM hand work back.
     args = ("--max-num-seqs", "4", "--claim-idle-ms", "1000", "--flush-interval-s", "0.1",
@@ -49,7 +54,6 @@ def test_one_two_then_four_workers_share_a_stream_fairly_and_scale_down(redis_ur
             workers[name] = start_worker(redis_url, out, "--consumer", name, *args)
         wait_until(lambda: _consumers(redis_client) >= set(workers), timeout=120, what="every worker reading")
 
-    plan = [("one", ["w0"]), ("two", ["w1"]), ("four", ["w2", "w3"])]
     n = 24
     try:
         for job, newcomers in plan:
@@ -57,13 +61,13 @@ def test_one_two_then_four_workers_share_a_stream_fairly_and_scale_down(redis_ur
             _submit(redis_url, job, n, max_tokens=24)
             _wait_job(redis_client, job, n)
 
-        # Scale down from four to two while a longer job runs.
+        # Scale down while a longer job runs.
         _submit(redis_url, "down", n, max_tokens=96)
         wait_until(lambda: sum(r["job_id"] == "down" for r in rows(out / "results")) >= 4, timeout=120,
                    what="the last job under way")
-        for name in ("w0", "w1"):
+        for name in leaving:
             workers[name].send_signal(signal.SIGTERM)
-        for name in ("w0", "w1"):
+        for name in leaving:
             code, err = wait_exit(workers.pop(name), timeout=60)
             assert code == 0, err
             # What it held and did not finish went back: nothing stays pending under its name.
@@ -80,7 +84,10 @@ def test_one_two_then_four_workers_share_a_stream_fairly_and_scale_down(redis_ur
     by_job = collections.defaultdict(list)
     for r in results:
         by_job[r["job_id"]].append(r)
-    active = {"one": {"w0"}, "two": {"w0", "w1"}, "four": {"w0", "w1", "w2", "w3"}}
+    active, joined = {}, set()
+    for job, newcomers in plan:
+        joined = joined | set(newcomers)
+        active[job] = joined
     for job, members in active.items():
         got = by_job[job]
         assert sorted(r["id"] for r in got) == sorted(f"{job}-{i}" for i in range(n))  # once each
@@ -92,6 +99,17 @@ def test_one_two_then_four_workers_share_a_stream_fairly_and_scale_down(redis_ur
     assert sorted(r["id"] for r in down) == sorted(f"down-{i}" for i in range(n))  # no loss, no duplicate
     assert all(r["output_tokens"] == 96 for r in down)
     per_worker = collections.Counter(r["worker"] for r in down)
-    assert per_worker["w2"] > 0 and per_worker["w3"] > 0, per_worker
+    assert all(per_worker[name] > 0 for name in joined - set(leaving)), per_worker  # those staying took over
     assert redis_client.xlen(STREAM) == 0
     assert redis_client.xpending(STREAM, keys.GROUP)["pending"] == 0
+
+
+def test_one_then_two_workers_share_a_stream_fairly_and_scale_down(redis_url, redis_client, tmp_path):
+    _share_then_scale_down(redis_url, redis_client, tmp_path / "out", [("one", ["w0"]), ("two", ["w1"])],
+                           leaving=["w0"])
+
+
+@pytest.mark.slow
+def test_one_two_then_four_workers_share_a_stream_fairly_and_scale_down(redis_url, redis_client, tmp_path):
+    _share_then_scale_down(redis_url, redis_client, tmp_path / "out",
+                           [("one", ["w0"]), ("two", ["w1"]), ("four", ["w2", "w3"])], leaving=["w0", "w1"])

@@ -1,8 +1,14 @@
-"""At-least-once delivery with real processes: a killed worker's entries move on; a live one's don't."""
+"""At-least-once delivery with real processes: a killed worker's entries move on; a live one's don't.
+
+The SIGKILL case here is the long one (``-m slow``): 24 requests of 200 tokens and a kill at a
+random point. Its short version runs by default in tests/faults/test_worker_crashes.py (a kill at a
+fixed step mid-decode, then another worker takes over)."""
 
 from __future__ import annotations
 
 import subprocess
+
+import pytest
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
@@ -11,6 +17,7 @@ from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, wait_until
 STREAM = keys.request_stream("requests")
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_second_worker_finishes_every_request_once(redis_url, redis_client, tmp_path):
     n = 24
     Producer(redis_url).submit_many(
