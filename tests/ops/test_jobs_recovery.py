@@ -1,6 +1,10 @@
 """Bulk jobs survive crashes: kill the rq worker and the inference worker mid-job, or lose the
 server's data, then start again; every input line gets exactly one output row and what already had
-a row is not computed again."""
+a row is not computed again.
+
+The cases with the server losing its data or killed are long (``-m slow``); the default run has the
+kill of both workers here, a lost server's data with the tasks run in this process, and the Redis
+kill -9 and restart from its append-only file in tests/faults/test_redis_faults.py."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
 
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.jobs import job_info, submit_job
@@ -16,6 +21,7 @@ from tests.helpers import kill_tree, rows, stop_processes, wait_until, write_jso
 from tests.ops.test_jobs_pipeline import (
     jobs_cli, native, output, start_inference, start_rq, wait_final,
 )
+from tests.ops.test_jobs_two_servers import _answer, _entries, _step
 
 
 def _spooled_ids(out: Path) -> set[str]:
@@ -55,6 +61,40 @@ def test_kill_rq_worker_and_inference_worker_mid_job_then_resume(redis_url, redi
     assert "task chain had stopped; started a new one" in (tmp_path / "rq2.log").read_text()
 
 
+def test_a_lost_servers_job_resumes_from_its_spool_with_the_tasks_in_process(redis_client, tmp_path):
+    """The short version of the next case: the rq tasks run here, the test answers for the workers."""
+    n = 12
+    src = write_jsonl(tmp_path / "in.jsonl", native(n, "q"))
+    out = tmp_path / "out"
+
+    def step(job_id: str) -> set[str]:
+        sent = _entries(redis_client, "lost", 1)
+        _answer(redis_client, "lost", 1, job_id, sent)
+        _step(redis_client, redis_client, job_id)
+        return set(sent)
+
+    job_id = submit_job(redis_client, src, out, stream="lost", max_in_flight=4).job_id
+    deadline = time.monotonic() + 60
+    while len(_spooled_ids(out)) < 4:
+        assert time.monotonic() < deadline, "no rows reached the spool"
+        step(job_id)
+    kept = _spooled_ids(out)
+    assert len(kept) < n
+    redis_client.flushall()  # the server lost everything: job hash, streams, queue
+
+    again = submit_job(redis_client, src, out, stream="lost", max_in_flight=4)
+    assert (again.job_id, again.resumed, again.adopted_rows) == (job_id, True, len(kept))
+    sent_again = set()
+    while job_info(redis_client, job_id)["status"] != "completed":
+        assert time.monotonic() < deadline, f"job stuck in {job_info(redis_client, job_id)['status']}"
+        sent_again |= step(job_id)
+    info = job_info(redis_client, job_id)
+    assert [r["id"] for r in output(out)] == [f"q{i}" for i in range(n)]
+    assert info["counts"]["skipped"] == len(kept) and info["counts"]["fed"] == n - len(kept)
+    assert sent_again == {f"q{i}" for i in range(n)} - kept  # what had a row was not sent again
+
+
+@pytest.mark.slow
 def test_server_that_lost_its_data_resumes_from_the_spool(redis_url, redis_client, tmp_path):
     n = 16
     src = write_jsonl(tmp_path / "in.jsonl", native(n, "d", max_tokens=8, ignore_eos=True))
@@ -86,6 +126,7 @@ def test_server_that_lost_its_data_resumes_from_the_spool(redis_url, redis_clien
     assert not {r["id"] for r in rows(tmp_path / "w2" / "results")} & kept
 
 
+@pytest.mark.slow
 def test_server_killed_and_restarted_from_its_append_only_file(tmp_path):
     n = 16
     server = EmbeddedServer(tmp_path / "redis", appendonly=True).start()
