@@ -13,8 +13,9 @@ tokens of every scheduled sequence back to back, no padding.
 The native backend (the default on CPU where a C compiler is found): a small C kernel
 (``csrc/paged_attention.c``, built and cached by ``kernels/native.py``) that reads the paged
 cache in place, one (token, KV head) at a time, with no gather, no padding and float32
-accumulation, on the kernels' persistent thread pool; AVX-512 versions for the common head
-shapes. Profiling the standard benchmark showed the PyTorch backend spending more time
+accumulation, on the kernels' persistent thread pool; AVX-512 and AVX2 versions for the
+common head shapes (``csrc/attention_avx2.c``: heads of 64 or 128 with 1 to 8 query heads per
+KV head). Profiling the standard benchmark showed the PyTorch backend spending more time
 gathering and padding KV for decode steps than in the model's matmuls.
 
 The PyTorch backend. Sequences are split into a few *groups* once per step (decode tokens
@@ -414,9 +415,10 @@ _SWITCH = "MQINFER_CPU_ATTENTION"
 
 
 def native_softmax_selftest(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """Tests only: (exp one at a time, exp 16 at a time, lane sums one vector at a time, lane
-    sums 16 vectors at a time) of the float32 ``x`` (numel a multiple of 256) as the native
-    kernel computes them; None where the kernel has no AVX-512 version."""
+    """Tests only: (exp one at a time, exp W at a time, lane sums one vector at a time, lane
+    sums W vectors at a time) of the float32 ``x`` (numel a multiple of 256) as the native
+    kernel computes them, W being its widest vector (16 lanes with AVX-512, 8 with AVX2); None
+    where the kernel has no vectorised version."""
     lib = native.switched_library(_SWITCH)
     if lib is None:
         raise RuntimeError("the native CPU attention kernel is not available")
@@ -424,12 +426,14 @@ def native_softmax_selftest(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
     n = x.numel()
     if n % 256:
         raise ValueError("x must hold a multiple of 256 values")
-    exp_one, exp_16 = torch.empty(n), torch.empty(n)
-    sum_one, sum_16 = torch.empty(n // 16), torch.empty(n // 16)
-    ok = lib.mqinfer_attention_selftest(
-        x.data_ptr(), n, exp_one.data_ptr(), exp_16.data_ptr(), sum_one.data_ptr(), sum_16.data_ptr()
+    exp_one, exp_vec = torch.empty(n), torch.empty(n)
+    sum_one, sum_vec = torch.empty(n // 8), torch.empty(n // 8)
+    width = lib.mqinfer_attention_selftest(
+        x.data_ptr(), n, exp_one.data_ptr(), exp_vec.data_ptr(), sum_one.data_ptr(), sum_vec.data_ptr()
     )
-    return (exp_one, exp_16, sum_one, sum_16) if ok else None
+    if not width:
+        return None
+    return exp_one, exp_vec, sum_one[: n // width], sum_vec[: n // width]
 
 
 def native_attention_available() -> bool:

@@ -53,11 +53,12 @@ typedef struct {
 int mqinfer_paged_attention(const mqinfer_attention_args *args, int num_threads);
 
 /* Tests only: the attention kernel's vectorised softmax pieces against their one-at-a-time
-   versions. x holds n floats, n a multiple of 256; writes e^x one at a time and 16 at a time,
-   and lane sums one vector at a time and 16 vectors at a time (n / 16 each). Returns 1, or 0
-   (writing nothing) where the library has no AVX-512 version to compare. */
-int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_16,
-                               float *sum_one, float *sum_16);
+   versions, for its widest vectors (W lanes: 16 with AVX-512, 8 with AVX2). x holds n floats,
+   n a multiple of 256; writes e^x one at a time and W at a time, and lane sums one vector at a
+   time and W vectors at a time (n / W each; the sum buffers hold n / 8). Returns W, or 0
+   (writing nothing) where the library has no vectorised version to compare. */
+int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_vec,
+                               float *sum_one, float *sum_vec);
 
 /* ------------------------------------------------------------------ greedy argmax */
 /* out[r] = first index of row r's maximum (the first NaN if the row has one).

@@ -1,7 +1,8 @@
 /* Paged attention on CPU: reads the paged KV cache in place, one (query token, KV head) at a
    time, with no gather, no padding and float32 accumulation; the KV head's g query heads share
    every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 4 query
-   heads per KV head), the portable loops for every other shape and CPU.
+   heads per KV head), AVX2 versions (attention_avx2.c) for heads 64 or 128 wide with 1 to 8
+   query heads per KV head, the portable loops for every other shape and CPU.
 
    Work is cut into runs of consecutive tokens of about equal cost (a token's cost grows with
    its context), one run per thread; each token is computed by one thread in one fixed order,
@@ -12,49 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "mqinfer_native.h"
-#include "native_common.h"
-
-static inline float bf16_to_float(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
-}
-static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
-    uint32_t u; memcpy(&u, &f, 4);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-/* Attention weights are rounded to the cache dtype before they multiply V, as PyTorch's own
-   CPU attention does for reduced precision: bfloat16 results then agree with it (and so with
-   transformers) down to near-ties. */
-static inline float keep_f32(float x) { return x; }
-static inline float round_to_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
-
-#define LOG2E 1.44269504088896341f
-#define LN2 0.69314718055994531f
-
-/* e^x for x <= 0 (softmax after subtracting the max), relative error about 2e-7: plain
-   arithmetic that the compiler vectorises, unlike a call to expf. The reduction
-   (x * log2e + 0.5, x * log2e - n) and every polynomial step are multiply-adds, fused where
-   the CPU has the instruction (the AVX-512 version, exp_nonpositive16, fuses the same ones).
-   At and below the clamp (and for NaN) the result is EXP_AT_CLAMP: the same arithmetic at
-   -87 without fused operations, the constant this kernel has always returned there. */
-#define EXP_AT_CLAMP 0x1.666d4p-126f
-static inline float exp_nonpositive(float x) {
-    if (!(x > -87.0f)) return EXP_AT_CLAMP;
-    const float n = floorf(MUL_ADD(x, LOG2E, 0.5f));
-    const float f = MUL_ADD(x, LOG2E, -n) * LN2;  /* |f| <= ln2 / 2 */
-    float p = 1.0f / 720.0f;
-    p = MUL_ADD(p, f, 1.0f / 120.0f);
-    p = MUL_ADD(p, f, 1.0f / 24.0f);
-    p = MUL_ADD(p, f, 1.0f / 6.0f);
-    p = MUL_ADD(p, f, 0.5f);
-    p = MUL_ADD(p, f, 1.0f);
-    p = MUL_ADD(p, f, 1.0f);
-    const int32_t bits = ((int32_t)n + 127) << 23;
-    float scale; memcpy(&scale, &bits, 4);
-    return p * scale;
-}
+#include "attention_common.h"
 
 /* The portable version, for any head size and grouping: tokens token_begin..token_end - 1.
    A score's dot product is a chain of separate multiplies and adds (a chain of fused ones
@@ -302,25 +261,25 @@ DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, vload_bf16, vstore_bf16, round
 #endif
 
 /* Tests only: the vectorised softmax pieces against their one-at-a-time originals, which the
-   portable kernel uses. x holds n floats, n a multiple of 256. Returns 0 (and writes nothing)
-   where there is no AVX-512 version to compare. */
-int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_16,
-                               float *sum_one, float *sum_16) {
+   portable kernel uses, for the widest vectors the library has (AVX-512, else AVX2). x holds n
+   floats, n a multiple of 256. Returns the vector width (16 or 8; sum_one and sum_vec get
+   n / width values), or 0 (and writes nothing) where there is no vectorised version. */
+int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_vec,
+                               float *sum_one, float *sum_vec) {
 #ifdef HAVE_SPECIALISED
     for (int64_t i = 0; i < n; i++) exp_one[i] = exp_nonpositive(x[i]);
-    for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(exp_16 + i, exp_nonpositive16(_mm512_loadu_ps(x + i)));
+    for (int64_t i = 0; i + 16 <= n; i += 16) _mm512_storeu_ps(exp_vec + i, exp_nonpositive16(_mm512_loadu_ps(x + i)));
     for (int64_t g = 0; g + 256 <= n; g += 256) {
         __m512 v[16];
         for (int r = 0; r < 16; r++) {
             v[r] = _mm512_loadu_ps(x + g + 16 * r);
             sum_one[g / 16 + r] = _mm512_reduce_add_ps(v[r]);
         }
-        _mm512_storeu_ps(sum_16 + g / 16, reduce16_add_ps(v));
+        _mm512_storeu_ps(sum_vec + g / 16, reduce16_add_ps(v));
     }
-    return 1;
+    return 16;
 #else
-    (void)x; (void)n; (void)exp_one; (void)exp_16; (void)sum_one; (void)sum_16;
-    return 0;
+    return mq_attention_selftest_avx2(x, n, exp_one, exp_vec, sum_one, sum_vec);
 #endif
 }
 
@@ -346,7 +305,8 @@ static int attention_part(const void *ctx, int part, int num_parts) {
         if (j->is_bf16) attend_bf16_128_4(j, begin, end, buf); else attend_f32_128_4(j, begin, end, buf);
     } else
 #endif
-    if (j->is_bf16) attend_bf16(j, begin, end, buf); else attend_f32(j, begin, end, buf);
+    if (mq_attend_avx2(j, begin, end, buf)) {
+    } else if (j->is_bf16) attend_bf16(j, begin, end, buf); else attend_f32(j, begin, end, buf);
     free(buf);
     return 0;
 }

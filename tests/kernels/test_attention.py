@@ -143,10 +143,12 @@ def test_random_batches_match_reference(data, block_size, g, seed):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-# The native CPU kernel: the generic C loops (head sizes other than 64 / 128 with 4 query heads
-# per KV head) and the AVX-512 versions (64 x 4, 128 x 4), each against the reference.
+# The native CPU kernel: the generic C loops (head sizes other than 64 / 128, or more than 8
+# query heads per KV head), the AVX-512 versions (64 x 4, 128 x 4) and the AVX2 versions (64 or
+# 128 x 1..8 query heads per KV head), each against the reference.
 @needs_native
-@pytest.mark.parametrize("head_dim,g", [(16, 1), (16, 4), (32, 2), (64, 4), (128, 4)])
+@pytest.mark.parametrize("head_dim,g", [(16, 1), (16, 4), (32, 2), (64, 12), (64, 1), (64, 3), (64, 4), (64, 7),
+                                        (128, 2), (128, 4), (128, 5), (128, 8)])
 def test_native_kernel_matches_reference(head_dim, g):
     query_lens = [1, 7, 1, 33, 1, 16, 5, 1]
     seq_lens = [1, 7, 40, 33, 32, 50, 21, 300]
@@ -155,42 +157,50 @@ def test_native_kernel_matches_reference(head_dim, g):
 
 
 @needs_native
-@pytest.mark.parametrize("head_dim", [16, 64])
-def test_native_kernel_bfloat16_close_to_reference(head_dim):
-    out, ref, *_ = _run_case([1, 12, 1, 40], [30, 12, 47, 90], 16, 4, seed=5, dtype=torch.bfloat16,
+@pytest.mark.parametrize("head_dim,g", [(16, 4), (64, 4), (64, 3), (128, 6)])
+def test_native_kernel_bfloat16_close_to_reference(head_dim, g):
+    out, ref, *_ = _run_case([1, 12, 1, 40], [30, 12, 47, 90], 16, g, seed=5, dtype=torch.bfloat16,
                              backend="native", head_dim=head_dim)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref.float(), rtol=0.02, atol=0.02)
 
 
 @needs_native
-@pytest.mark.parametrize("block_size", [8, 16, 24, 48])
+@pytest.mark.parametrize("block_size", [8, 12, 16, 24, 48])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_native_avx512_kernel_any_block_size(block_size, head_dim):
+@pytest.mark.parametrize("g", [3, 4])
+def test_native_vectorised_kernels_any_block_size(block_size, head_dim, g):
     # The AVX-512 versions score keys 16 at a time within a block and one at a time for the
-    # rest: blocks of 8 (never 16), 24 (16 + 8) and 48 (three 16s), with partial last blocks.
+    # rest, the AVX2 versions 8 at a time: blocks of 8, 12 (8 + 4), 24 (16 + 8) and 48, with
+    # partial last blocks.
     query_lens = [1, 1, 9, 1, 30]
     seq_lens = [1, 17, 40, 95, 130]
-    out, ref, *_ = _run_case(query_lens, seq_lens, block_size, 4, seed=block_size, backend="native",
+    out, ref, *_ = _run_case(query_lens, seq_lens, block_size, g, seed=block_size, backend="native",
                              head_dim=head_dim)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 @needs_native
 def test_native_vectorised_softmax_pieces_match_the_scalar_ones():
-    # The AVX-512 kernels take exponentials 16 at a time and sum 16 score vectors across
-    # lanes at once; both must give exactly the bits of the one-at-a-time code (so the kernel's
-    # results did not change when they were vectorised).
+    # The AVX-512 (AVX2) kernels take exponentials 16 (8) at a time and sum 16 (8) score vectors
+    # across lanes at once; both must give exactly the bits of the one-at-a-time code (so a
+    # score or weight does not depend on where its key falls in a block).
     torch.manual_seed(0)
     edges = torch.tensor([0.0, -0.0, -87.0, -87.00001, -86.99999, -87.5, -1e-30, -1e-45, -200.0,
                           float("-inf"), float("nan"), -0.5, -1.0, -2.0, -40.0, -86.0] * 16)
     x = torch.cat([-torch.rand(4096) * 100, -torch.rand(4096) * 1e-3, edges, torch.randn(2048) * 50])
     pieces = native_softmax_selftest(x)
     if pieces is None:
-        pytest.skip("the native kernel has no AVX-512 version on this machine")
-    exp_one, exp_16, sum_one, sum_16 = pieces
-    assert torch.equal(exp_one.view(torch.int32), exp_16.view(torch.int32))
-    assert torch.equal(sum_one.view(torch.int32), sum_16.view(torch.int32))
+        pytest.skip("the native kernel has no vectorised version on this machine")
+    exp_one, exp_vec, sum_one, sum_vec = pieces
+    assert sum_one.numel() in (x.numel() // 16, x.numel() // 8)
+    assert torch.equal(exp_one.view(torch.int32), exp_vec.view(torch.int32))
+    assert torch.equal(sum_one.view(torch.int32), sum_vec.view(torch.int32))
+    # The one-at-a-time sums are the vectors' sums (the comparison means something).
+    width = x.numel() // sum_one.numel()
+    finite = x.view(-1, width).isfinite().all(1)
+    torch.testing.assert_close(sum_one[finite].double(), x.view(-1, width)[finite].double().sum(1),
+                               rtol=1e-5, atol=1e-3)
 
 
 @needs_native

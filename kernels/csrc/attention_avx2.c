@@ -1,0 +1,250 @@
+/* AVX2 versions of the paged attention kernel (see paged_attention.c for the contract), for
+   head sizes 64 and 128 and 1 to 8 query heads per KV head: CPUs without AVX-512 (and, on
+   those with it, the shapes its versions do not cover) would otherwise run the portable
+   loops, about ten times slower.
+
+   One (token, KV head) at a time, as everywhere in this kernel: the g query heads' scores
+   against every key of the sequence, their softmax, then the weighted sum of V rows.
+   Scores are taken 8 keys at a time: one head's partial dot products with 8 keys (8
+   accumulators, each key row read from L1 once per head) are summed across lanes together by
+   a transpose-and-add (reduce8_add), which adds each key's lanes in the same tree as the
+   one-key-at-a-time reduction (reduce1_add) used for a block's last keys, so a score does not
+   depend on where its key falls in a block. The exponential is exp_nonpositive 8 lanes at a
+   time, the same fused operations, hence the same bits. The weighted sum keeps one query
+   head's output (up to 8 vectors) in registers and walks the V rows once per query head; the
+   V rows of a block are prefetched while its keys are scored. Decoding reads every
+   sequence's cache from memory once per layer, so the prefetches matter as much as the
+   arithmetic. */
+#include <float.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "attention_common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+static inline __m256 v8_load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 v8_load_bf16(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+/* float_to_bf16 on 8 lanes, in the low 16 bits of each lane. */
+static inline __m256i v8_bf16_bits(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+}
+static inline void v8_store_f32(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline void v8_store_bf16(uint16_t *p, __m256 v) {
+    const __m256i b = v8_bf16_bits(v);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+static inline __m256 v8_keep_f32(__m256 v) { return v; }
+static inline __m256 v8_round_to_bf16(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v8_bf16_bits(v), 16));
+}
+
+/* exp_nonpositive on 8 lanes: the scalar version's operations with the same multiply-adds
+   fused (FMA is present, so the scalar MUL_ADDs are fused too). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    const __m256 inside = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ);
+    const __m256 log2e = _mm256_set1_ps(LOG2E);
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, log2e, _mm256_set1_ps(0.5f)));
+    const __m256 f = _mm256_mul_ps(_mm256_fmsub_ps(x, log2e, n), _mm256_set1_ps(LN2));
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_blendv_ps(_mm256_set1_ps(EXP_AT_CLAMP), _mm256_mul_ps(p, _mm256_castsi256_ps(bits)), inside);
+}
+
+/* The sum of a vector's 8 lanes: lane i plus lane i + 4, then pairs, then the two halves. */
+static inline float reduce1_add(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+/* Lane r of the result is reduce1_add(a[r]), the same additions for all 8 at once. */
+static inline __m256 reduce8_add(const __m256 *a) {
+    __m256 b[4];
+    for (int p = 0; p < 4; p++)  /* b[p]: a[2p]'s lane sums i + (i + 4) in lanes 0-3, a[2p + 1]'s in 4-7 */
+        b[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+    const __m256 c0 = _mm256_hadd_ps(b[0], b[1]), c1 = _mm256_hadd_ps(b[2], b[3]);
+    /* lanes of d: the sums of a0, a2, a4, a6, a1, a3, a5, a7 */
+    const __m256 d = _mm256_hadd_ps(c0, c1);
+    return _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Ask for the next block's rows of this KV head while this one is read (a block is often one
+   page, and hardware prefetchers stop at page ends). */
+static inline void prefetch_rows(const char *base, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(base + r * stride_bytes + c, _MM_HINT_T0);
+}
+
+/* Accumulators of the weighted sum: CW vectors of one query head's output. */
+#define CHUNK_VECTORS(G, NV) ((NV) < 8 ? (NV) : 8)
+
+#define DEFINE_ATTEND_AVX2(NAME, T, VLOAD, VSTORE, ROUNDW, ROUNDW8, DV, GV)                     \
+static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
+    enum { D = DV, G = GV, NV = DV / 8, CW = CHUNK_VECTORS(GV, DV / 8) };                        \
+    const int64_t hkv = j->num_kv_heads, bs = j->block_size, rs = hkv * D;                     \
+    float *scores = buf;                                                                        \
+    const T *q = (const T *)j->q, *kc = (const T *)j->k_cache, *vc = (const T *)j->v_cache;    \
+    T *out = (T *)j->out;                                                                       \
+    const __m256 scale = _mm256_set1_ps(j->scale);                                              \
+    for (int64_t t = token_begin; t < token_end; t++) {                                         \
+        const int64_t len = j->positions[t] + 1;                                                \
+        const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;            \
+        for (int64_t h = 0; h < hkv; h++) {                                                     \
+            __m256 qv[G][NV];                                                                   \
+            float inv_sum[G];                                                                   \
+            for (int i = 0; i < G; i++)                                                         \
+                for (int v = 0; v < NV; v++)                                                    \
+                    qv[i][v] = _mm256_mul_ps(VLOAD(q + t * j->q_token_stride + (h * G + i) * D + 8 * v), scale); \
+            for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                 \
+                const int64_t n = len - first < bs ? len - first : bs;                          \
+                const T *kb = kc + (table[blk] * bs * hkv + h) * D;                             \
+                if (first + bs < len)                                                           \
+                    prefetch_rows((const char *)(kc + (table[blk + 1] * bs * hkv + h) * D), bs, \
+                                  rs * (int64_t)sizeof(T), D * (int64_t)sizeof(T));             \
+                prefetch_rows((const char *)(vc + (table[blk] * bs * hkv + h) * D), n,          \
+                              rs * (int64_t)sizeof(T), D * (int64_t)sizeof(T));                 \
+                int64_t o = 0;                                                                  \
+                for (; o + 8 <= n; o += 8) {                                                    \
+                    const T *k8 = kb + o * rs;                                                  \
+                    for (int i = 0; i < G; i++) {                                               \
+                        __m256 part[8];                                                         \
+                        for (int r = 0; r < 8; r++) part[r] = _mm256_mul_ps(qv[i][0], VLOAD(k8 + r * rs)); \
+                        for (int v = 1; v < NV; v++)                                            \
+                            for (int r = 0; r < 8; r++)                                         \
+                                part[r] = _mm256_fmadd_ps(qv[i][v], VLOAD(k8 + r * rs + 8 * v), part[r]); \
+                        _mm256_storeu_ps(scores + i * len + first + o, reduce8_add(part));      \
+                    }                                                                           \
+                }                                                                               \
+                for (; o < n; o++) {                                                            \
+                    const T *k = kb + o * rs;                                                   \
+                    for (int i = 0; i < G; i++) {                                               \
+                        __m256 acc = _mm256_mul_ps(qv[i][0], VLOAD(k));                         \
+                        for (int v = 1; v < NV; v++) acc = _mm256_fmadd_ps(qv[i][v], VLOAD(k + 8 * v), acc); \
+                        scores[i * len + first + o] = reduce1_add(acc);                         \
+                    }                                                                           \
+                }                                                                               \
+            }                                                                                   \
+            /* Softmax with the portable version's arithmetic per element; each head's sum in  \
+               position order, the G heads' chains interleaved. */                             \
+            for (int i = 0; i < G; i++) {                                                       \
+                float *s = scores + i * len;                                                    \
+                __m256 mv = _mm256_set1_ps(-FLT_MAX);                                           \
+                int64_t p = 0;                                                                  \
+                for (; p + 8 <= len; p += 8) mv = _mm256_max_ps(_mm256_loadu_ps(s + p), mv);    \
+                float lanes[8], m = -FLT_MAX;                                                   \
+                _mm256_storeu_ps(lanes, mv);                                                    \
+                for (int l = 0; l < 8; l++) m = lanes[l] > m ? lanes[l] : m;                    \
+                for (; p < len; p++) m = s[p] > m ? s[p] : m;                                   \
+                const __m256 mb = _mm256_set1_ps(m);                                            \
+                for (p = 0; p + 8 <= len; p += 8)                                               \
+                    _mm256_storeu_ps(s + p, exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + p), mb))); \
+                for (; p < len; p++) s[p] = exp_nonpositive(s[p] - m);                         \
+            }                                                                                   \
+            {                                                                                   \
+                float sum[G];                                                                   \
+                for (int i = 0; i < G; i++) sum[i] = 0.0f;                                      \
+                for (int64_t p = 0; p < len; p++)                                               \
+                    for (int i = 0; i < G; i++) sum[i] += scores[i * len + p];                  \
+                for (int i = 0; i < G; i++) inv_sum[i] = 1.0f / sum[i];                         \
+            }                                                                                   \
+            for (int i = 0; i < G; i++) {                                                       \
+                float *s = scores + i * len;                                                    \
+                int64_t p = 0;                                                                  \
+                for (; p + 8 <= len; p += 8) _mm256_storeu_ps(s + p, ROUNDW8(_mm256_loadu_ps(s + p))); \
+                for (; p < len; p++) s[p] = ROUNDW(s[p]);                                       \
+            }                                                                                   \
+            for (int c = 0; c < NV; c += CW)                                                    \
+                for (int i = 0; i < G; i++) {                                                   \
+                    __m256 acc[CW];                                                             \
+                    for (int v = 0; v < CW; v++) acc[v] = _mm256_setzero_ps();                  \
+                    for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {         \
+                        const int64_t n = len - first < bs ? len - first : bs;                  \
+                        const T *vb = vc + (table[blk] * bs * hkv + h) * D + 8 * c;             \
+                        const float *w = scores + i * len + first;                              \
+                        for (int64_t o = 0; o < n; o++) {                                       \
+                            const __m256 wo = _mm256_broadcast_ss(w + o);                       \
+                            for (int v = 0; v < CW; v++)                                        \
+                                acc[v] = _mm256_fmadd_ps(wo, VLOAD(vb + o * rs + 8 * v), acc[v]); \
+                        }                                                                       \
+                    }                                                                           \
+                    const __m256 inv = _mm256_set1_ps(inv_sum[i]);                              \
+                    for (int v = 0; v < CW; v++)                                                \
+                        VSTORE(out + (t * j->num_heads + h * G + i) * D + 8 * (c + v), _mm256_mul_ps(acc[v], inv)); \
+                }                                                                               \
+        }                                                                                       \
+    }                                                                                           \
+}
+
+#define DEFINE_FOR_G(GV)                                                                                    \
+DEFINE_ATTEND_AVX2(attend2_f32_64_##GV, float, v8_load_f32, v8_store_f32, keep_f32, v8_keep_f32, 64, GV)        \
+DEFINE_ATTEND_AVX2(attend2_bf16_64_##GV, uint16_t, v8_load_bf16, v8_store_bf16, round_to_bf16, v8_round_to_bf16, 64, GV) \
+DEFINE_ATTEND_AVX2(attend2_f32_128_##GV, float, v8_load_f32, v8_store_f32, keep_f32, v8_keep_f32, 128, GV)      \
+DEFINE_ATTEND_AVX2(attend2_bf16_128_##GV, uint16_t, v8_load_bf16, v8_store_bf16, round_to_bf16, v8_round_to_bf16, 128, GV)
+DEFINE_FOR_G(1)
+DEFINE_FOR_G(2)
+DEFINE_FOR_G(3)
+DEFINE_FOR_G(4)
+DEFINE_FOR_G(5)
+DEFINE_FOR_G(6)
+DEFINE_FOR_G(7)
+DEFINE_FOR_G(8)
+
+typedef void (*attend_fn)(const mqinfer_attention_args *, int64_t, int64_t, float *);
+#define ROW_FOR_G(GV) {attend2_f32_64_##GV, attend2_bf16_64_##GV, attend2_f32_128_##GV, attend2_bf16_128_##GV}
+/* [g - 1][(head_dim == 128) * 2 + is_bf16] */
+static const attend_fn versions[8][4] = {
+    ROW_FOR_G(1), ROW_FOR_G(2), ROW_FOR_G(3), ROW_FOR_G(4),
+    ROW_FOR_G(5), ROW_FOR_G(6), ROW_FOR_G(7), ROW_FOR_G(8),
+};
+
+int mq_attend_avx2(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) {
+    const int64_t g = j->num_heads / j->num_kv_heads, D = j->head_dim;
+    if (g < 1 || g > 8 || (D != 64 && D != 128)) return 0;
+    versions[g - 1][(D == 128) * 2 + (j->is_bf16 != 0)](j, token_begin, token_end, buf);
+    return 1;
+}
+
+int mq_attention_selftest_avx2(const float *x, int64_t n, float *exp_one, float *exp_vec,
+                               float *sum_one, float *sum_vec) {
+    for (int64_t i = 0; i < n; i++) exp_one[i] = exp_nonpositive(x[i]);
+    for (int64_t i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(exp_vec + i, exp_nonpositive8(_mm256_loadu_ps(x + i)));
+    for (int64_t g = 0; g + 64 <= n; g += 64) {
+        __m256 v[8];
+        for (int r = 0; r < 8; r++) {
+            v[r] = _mm256_loadu_ps(x + g + 8 * r);
+            sum_one[g / 8 + r] = reduce1_add(v[r]);
+        }
+        _mm256_storeu_ps(sum_vec + g / 8, reduce8_add(v));
+    }
+    return 8;
+}
+
+#else
+
+int mq_attend_avx2(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) {
+    (void)j; (void)token_begin; (void)token_end; (void)buf;
+    return 0;
+}
+
+int mq_attention_selftest_avx2(const float *x, int64_t n, float *exp_one, float *exp_vec,
+                               float *sum_one, float *sum_vec) {
+    (void)x; (void)n; (void)exp_one; (void)exp_vec; (void)sum_one; (void)sum_vec;
+    return 0;
+}
+
+#endif

@@ -1,0 +1,65 @@
+/* Pieces shared by the attention kernel's sources (paged_attention.c: the portable and AVX-512
+   versions and the entry point; attention_avx2.c: the AVX2 versions), not exported: bfloat16
+   conversions, the softmax's exponential, and the AVX2 versions' entry points. */
+#ifndef MQINFER_ATTENTION_COMMON_H
+#define MQINFER_ATTENTION_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "mqinfer_native.h"
+#include "native_common.h"
+
+static inline float bf16_to_float(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
+}
+static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as torch does */
+    uint32_t u; memcpy(&u, &f, 4);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Attention weights are rounded to the cache dtype before they multiply V, as PyTorch's own
+   CPU attention does for reduced precision: bfloat16 results then agree with it (and so with
+   transformers) down to near-ties. */
+static inline float keep_f32(float x) { return x; }
+static inline float round_to_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
+
+#define LOG2E 1.44269504088896341f
+#define LN2 0.69314718055994531f
+
+/* e^x for x <= 0 (softmax after subtracting the max), relative error about 2e-7: plain
+   arithmetic that the compiler vectorises, unlike a call to expf. The reduction
+   (x * log2e + 0.5, x * log2e - n) and every polynomial step are multiply-adds, fused where
+   the CPU has the instruction (the AVX-512 version, exp_nonpositive16, fuses the same ones).
+   At and below the clamp (and for NaN) the result is EXP_AT_CLAMP: the same arithmetic at
+   -87 without fused operations, the constant this kernel has always returned there. */
+#define EXP_AT_CLAMP 0x1.666d4p-126f
+static inline float exp_nonpositive(float x) {
+    if (!(x > -87.0f)) return EXP_AT_CLAMP;
+    const float n = floorf(MUL_ADD(x, LOG2E, 0.5f));
+    const float f = MUL_ADD(x, LOG2E, -n) * LN2;  /* |f| <= ln2 / 2 */
+    float p = 1.0f / 720.0f;
+    p = MUL_ADD(p, f, 1.0f / 120.0f);
+    p = MUL_ADD(p, f, 1.0f / 24.0f);
+    p = MUL_ADD(p, f, 1.0f / 6.0f);
+    p = MUL_ADD(p, f, 0.5f);
+    p = MUL_ADD(p, f, 1.0f);
+    p = MUL_ADD(p, f, 1.0f);
+    const int32_t bits = ((int32_t)n + 127) << 23;
+    float scale; memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* Tokens token_begin..token_end - 1 of a call by an AVX2 version, with buf holding at least
+   (num_heads / num_kv_heads) * max_len floats. Returns 1, or 0 (doing nothing) where the
+   library has no AVX2 version for the call's shape (or was built without AVX2 and FMA). */
+int mq_attend_avx2(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf);
+
+/* Tests only (mqinfer_attention_selftest): the AVX2 versions' exponential 8 at a time and
+   lane sums 8 vectors at a time beside their one-at-a-time forms; returns 8, or 0 without AVX2. */
+int mq_attention_selftest_avx2(const float *x, int64_t n, float *exp_one, float *exp_vec,
+                               float *sum_one, float *sum_vec);
+
+#endif
