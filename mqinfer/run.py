@@ -119,8 +119,10 @@ def check_run_flags(opts: dict) -> None:
     from mqinfer.cli import worker_config
 
     worker_config(opts, redis_url=opts["redis"] or "unix:///unused", out=Path(opts["out"]))
-    if opts["model"] != "tiny" and not Path(opts["model"]).is_dir():
-        raise ConfigError(f"--model {opts['model']!r} is neither 'tiny' nor a checkpoint folder")
+    model = Path(opts["model"])
+    is_gguf = model.suffix.lower() == ".gguf" and model.is_file()
+    if opts["model"] != "tiny" and not (model.is_dir() or is_gguf):
+        raise ConfigError(f"--model {opts['model']!r} is neither 'tiny', a checkpoint folder nor a .gguf file")
 
 
 def model_label(model: str) -> str:

@@ -1,9 +1,9 @@
 """Loading models: local Hugging Face checkpoints and the built-in ``tiny`` model.
 
-Owns ``load_model`` (checkpoint folder or ``"tiny"`` -> model + ``ModelInfo``), the dtype
-rule (``auto`` = the checkpoint's ``torch_dtype``/``dtype``, else float32), the model id
-(name + "@" + 8 hex digits of a hash of the config and weights), and the checkpoint writers
-``save_tiny_checkpoint`` and ``make_random_checkpoint``.
+Owns ``load_model`` (checkpoint folder, ``.gguf`` file via gguf.py, or ``"tiny"`` -> model +
+``ModelInfo``), the dtype rule (``auto`` = the checkpoint's ``torch_dtype``/``dtype``, else
+float32), the model id (name + "@" + 8 hex digits of a hash of the config and weights), and the
+checkpoint writers ``save_tiny_checkpoint`` and ``make_random_checkpoint``.
 
 The tiny model is a Llama of about 3M parameters (hidden 256, 4 layers, 4 heads, 2 KV heads,
 head_dim 64, intermediate 704, vocab 264 = 256 bytes + specials: 256 ``<|bos|>``, 257
@@ -87,7 +87,7 @@ class ModelInfo:
     num_params: int
     # Active sliding-window size (None when the model attends to the whole context).
     sliding_window: int | None = None
-    # The checkpoint folder; None for the built-in tiny model.
+    # The checkpoint folder (or .gguf file); None for the built-in tiny model.
     path: str | None = None
 
     @property
@@ -321,7 +321,7 @@ def _build(config: ModelConfig, weights, dtype: torch.dtype, device: torch.devic
 def load_model(
     path_or_tiny: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto"
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
-    """Load ``"tiny"`` or a local HF checkpoint folder onto ``device`` in ``dtype``.
+    """Load ``"tiny"``, a local HF checkpoint folder or a ``.gguf`` file onto ``device`` in ``dtype``.
 
     ``ModelLoadError`` names the missing file, unsupported architecture or bad tensor.
     """
@@ -338,6 +338,18 @@ def load_model(
         model = _build(config, tensors.items(), torch_dtype, device, "tiny")
         name, model_id, path = TINY, f"{TINY}@{digest.hexdigest()[:8]}", None
         eos_ids = config.eos_token_ids
+    elif path_or_tiny.lower().endswith(".gguf"):
+        from mqinfer.workers.gguf import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(path_or_tiny)
+        hf = checkpoint.hf_config
+        config = ModelConfig.from_hf(hf, path_or_tiny)
+        torch_dtype = resolve_dtype(dtype, hf, device)
+        model = _build(config, checkpoint.weights(), torch_dtype, device, path_or_tiny)
+        name = Path(path_or_tiny).resolve().name
+        model_id = f"{name}@{checkpoint.digest(_FULL_HASH_LIMIT, _SAMPLE_BYTES)}"
+        path = path_or_tiny
+        eos_ids = _eos_ids(hf)
     else:
         folder = Path(path_or_tiny)
         if not folder.is_dir():

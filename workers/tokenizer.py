@@ -25,7 +25,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:
+    import tokenizers
 
 # Prompt tokens fed to the detokenizer ahead of the output, so that the first output token is
 # decoded in context (sentencepiece-style tokenizers drop a leading space at the start).
@@ -101,11 +104,15 @@ class HFTokenizer:
 
     decode_needs_context = True
 
-    def __init__(self, tokenizer_json: str | Path, tokenizer_config: dict[str, Any] | None = None,
-                 chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer_json: str | Path | tokenizers.Tokenizer,
+                 tokenizer_config: dict[str, Any] | None = None, chat_template: str | None = None) -> None:
         from tokenizers import Tokenizer as _RustTokenizer
 
-        self._tok = _RustTokenizer.from_file(str(tokenizer_json))
+        # A tokenizer.json path, or a tokenizer already built (from a GGUF file's metadata).
+        if isinstance(tokenizer_json, _RustTokenizer):
+            self._tok = tokenizer_json
+        else:
+            self._tok = _RustTokenizer.from_file(str(tokenizer_json))
         cfg = tokenizer_config or {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
@@ -184,8 +191,13 @@ class HFTokenizer:
 
 
 def load_tokenizer(folder: str | Path) -> HFTokenizer | None:
-    """The checkpoint's tokenizer, or None when the folder has no tokenizer.json."""
+    """The checkpoint's tokenizer, or None when the folder has no tokenizer.json (or the .gguf
+    file no vocabulary in its metadata)."""
     folder = Path(folder)
+    if folder.suffix.lower() == ".gguf" and folder.is_file():
+        from mqinfer.workers.gguf_tokenizer import tokenizer_from_gguf
+
+        return tokenizer_from_gguf(folder)
     if not (folder / "tokenizer.json").exists():
         return None
     return HFTokenizer.from_folder(folder)
