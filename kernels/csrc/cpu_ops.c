@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -319,6 +319,68 @@ static inline __m512 exp_f32x16(__m512 d) {
         const __m512 e = exp_f32x16(_mm512_xor_ps(x, _mm512_set1_ps(-0.0f)));                  \
         const __m512 s = RDV_##TY(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e))); \
         STV_##TY(o + i, _mm512_mul_ps(s, LDV_##TY(u + i)));                                  \
+    }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* 8-lane versions of the helpers above, the same operations in the same order (so a row's
+   vector body and its scalar tail agree bit for bit). */
+static inline __m256 load_f32x8(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_bf16x8(const uint16_t *p) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+static inline __m256i bf16_bits8(__m256 v) {  /* round to nearest even, in the low 16 bits */
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
+}
+static inline __m256 round_bf16x8(__m256 v) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(bf16_bits8(v), 16));
+}
+static inline void store_bf16x8(uint16_t *p, __m256 v) {
+    const __m256i b = bf16_bits8(v);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+static inline void store_f32x8(float *p, __m256 v) { _mm256_storeu_ps(p, v); }
+static inline __m256 keep_f32x8(__m256 v) { return v; }
+#define LDV_f32(p) load_f32x8(p)
+#define STV_f32(p, v) store_f32x8(p, v)
+#define RDV_f32(v) keep_f32x8(v)
+#define LDV_bf16(p) load_bf16x8(p)
+#define STV_bf16(p, v) store_bf16x8(p, v)
+#define RDV_bf16(v) round_bf16x8(v)
+
+static inline __m256 pow2i_f32x8(__m256i q) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q, _mm256_set1_epi32(127)), 23));
+}
+static inline __m256 exp_f32x8(__m256 d) {
+    const __m256 lo = _mm256_set1_ps(-104.0f), hi = _mm256_set1_ps(104.0f);
+    const __m256 under = _mm256_cmp_ps(d, lo, _CMP_LT_OQ);
+    const __m256 over = _mm256_cmp_ps(d, hi, _CMP_GT_OQ);
+    const __m256 x = _mm256_blendv_ps(_mm256_blendv_ps(d, lo, under), hi, over);
+    const __m256 q = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.442695040888963407359924681001892137f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 s = _mm256_fmadd_ps(q, _mm256_set1_ps(-0.693145751953125f), x);
+    s = _mm256_fmadd_ps(q, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i qi = _mm256_cvtps_epi32(q), half = _mm256_srai_epi32(qi, 1);
+    u = _mm256_mul_ps(_mm256_mul_ps(u, pow2i_f32x8(half)), pow2i_f32x8(_mm256_sub_epi32(qi, half)));
+    u = _mm256_blendv_ps(u, _mm256_setzero_ps(), under);
+    return _mm256_blendv_ps(u, _mm256_set1_ps(INFINITY), over);
+}
+#define SILU_MUL_BODY(TY, g, u, o, I, i)                                                     \
+    for (; i + 8 <= I; i += 8) {                                                             \
+        const __m256 x = LDV_##TY(g + i);                                                    \
+        const __m256 e = exp_f32x8(_mm256_xor_ps(x, _mm256_set1_ps(-0.0f)));                  \
+        const __m256 s = RDV_##TY(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e))); \
+        STV_##TY(o + i, _mm256_mul_ps(s, LDV_##TY(u + i)));                                  \
     }
 #else
 #define SILU_MUL_BODY(TY, g, u, o, I, i)
