@@ -1,9 +1,10 @@
 """llama.cpp's GGUF checkpoints: metadata to a Hugging Face config, tensors to HF names.
 
-Owns ``GGUFCheckpoint`` (one ``.gguf`` file opened with the ``gguf`` package's reader): its
-config as the equivalent Hugging Face ``config.json`` dict (so ``ModelConfig.from_hf`` checks it
-like any other), its tensors dequantized and renamed to the HF names the model loads, and the
-file's digest for the model id. The tokenizer in the same metadata is gguf_tokenizer.py's.
+Owns ``GGUFFile`` (a .gguf file's header parsed: metadata and tensor index; tensor values read
+and dequantized with the ``gguf`` package) and ``GGUFCheckpoint`` (one model file): its config
+as the equivalent Hugging Face ``config.json`` dict (so ``ModelConfig.from_hf`` checks it like
+any other), its tensors dequantized and renamed to the HF names the model loads, and the file's
+digest for the model id. The tokenizer in the same metadata is gguf_tokenizer.py's.
 
 Layout differences from a HF checkpoint, undone here:
 - llama.cpp's converter reorders the rows of a Llama q/k projection within each head, from HF's
@@ -19,7 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import math
+import mmap
 import os
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -63,48 +67,139 @@ _ROPE_FREQS = "rope_freqs.weight"
 _HEADER_HASH_BYTES = 16 << 20
 
 
-def _field_value(field) -> Any:
-    """A metadata value as Python: int, float, bool, str, or a list of those."""
-    from gguf import GGUFValueType
-
-    def scalar(kind, part) -> Any:
-        if kind == GGUFValueType.STRING:
-            return bytes(part).decode("utf-8", errors="replace")
-        if kind == GGUFValueType.BOOL:
-            return bool(part[0])
-        if kind == GGUFValueType.FLOAT32:
-            return float(str(part[0]))  # its shortest decimal: 1e-05, not 9.99999974e-06
-        if kind == GGUFValueType.FLOAT64:
-            return float(part[0])
-        return int(part[0])
-
-    if field.types[0] == GGUFValueType.ARRAY:
-        kind = field.types[-1]
-        if kind == GGUFValueType.ARRAY:
-            raise ModelLoadError(f"GGUF metadata {field.name}: nested arrays are not supported")
-        return [scalar(kind, field.parts[i]) for i in field.data]
-    return scalar(field.types[0], field.parts[field.data[0]])
+# GGUF metadata value types: struct formats of the scalars (8 is a string, 9 an array).
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+            12: "<d"}
+_STRING, _ARRAY, _FLOAT32 = 8, 9, 6
 
 
-def open_reader(path: str | os.PathLike):
-    """The ``gguf`` package's reader on ``path``; ``ModelLoadError`` when it cannot be read."""
-    try:
-        from gguf import GGUFReader
-    except ImportError:
-        raise ModelLoadError("reading a .gguf model needs the gguf package: pip install 'mqinfer[worker]'") from None
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: file not found")
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as exc:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from None
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    type_id: int
+    # Logical shape, outermost first (as numpy and torch order it; GGUF lists it innermost first).
+    shape: tuple[int, ...]
+    # Byte offset of its data in the file.
+    start: int
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        try:
+            return GGMLQuantizationType(self.type_id).name
+        except ValueError:
+            return f"unknown type {self.type_id}"
 
 
-def read_metadata(reader, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Every metadata key of the file but those in ``skip``, as Python values."""
-    return {name: _field_value(field) for name, field in reader.fields.items()
-            if name not in skip and not name.startswith("GGUF.")}
+class GGUFFile:
+    """A .gguf file's header, parsed: ``metadata`` (every key, as Python values) and ``tensors``
+    (name -> ``GGUFTensor``, in file order); ``read`` gives a tensor's values.
+
+    The header is parsed here rather than by the gguf package's reader, which builds a numpy view
+    per array element: SmolLM2's 49k tokens and merges took it 5 s, a 128k-token vocabulary tens of
+    seconds. The gguf package still names the types, sizes their blocks and dequantizes them.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelLoadError(f"{self.path}: file not found")
+        try:
+            with open(self.path, "rb") as fh:
+                self._map = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+            self._offset = 0
+            self._parse()
+        except (OSError, ValueError, KeyError, struct.error, OverflowError, MemoryError) as exc:
+            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({exc})") from None
+
+    def _unpack(self, fmt: str) -> tuple:
+        values = struct.unpack_from(fmt, self._map, self._offset)
+        self._offset += struct.calcsize(fmt)
+        return values
+
+    def _string(self) -> str:
+        (size,) = self._unpack("<Q")
+        end = self._offset + size
+        if end > len(self._map):
+            raise ValueError("a string runs past the end of the file")
+        text = self._map[self._offset:end].decode("utf-8", errors="replace")
+        self._offset = end
+        return text
+
+    def _value(self, kind: int) -> Any:
+        if kind == _STRING:
+            return self._string()
+        if kind == _ARRAY:
+            item, count = self._unpack("<IQ")
+            if item in _SCALARS:  # numbers in one read
+                dtype = np.dtype(_SCALARS[item])
+                values = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._offset)
+                self._offset += count * dtype.itemsize
+                return values.tolist()
+            return [self._value(item) for _ in range(count)]
+        (value,) = self._unpack(_SCALARS[kind])
+        # A float32 as its shortest decimal (1e-05, not 9.99999974e-06).
+        return float(str(np.float32(value))) if kind == _FLOAT32 else value
+
+    def _parse(self) -> None:
+        if self._map[:4] != b"GGUF":
+            raise ValueError("no GGUF magic number at its start")
+        (version,) = struct.unpack_from("<I", self._map, 4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version}; versions 2 and 3 (little-endian) are read")
+        self._offset = 8
+        num_tensors, num_keys = self._unpack("<QQ")
+        self.metadata: dict[str, Any] = {}
+        for _ in range(num_keys):
+            key = self._string()
+            (kind,) = self._unpack("<I")
+            self.metadata[key] = self._value(kind)
+        infos = []
+        for _ in range(num_tensors):
+            name = self._string()
+            (num_dims,) = self._unpack("<I")
+            dims = self._unpack(f"<{num_dims}Q")
+            type_id, offset = self._unpack("<IQ")
+            infos.append((name, dims, type_id, offset))
+        align = int(self.metadata.get("general.alignment", 32))
+        data_start = -(-self._offset // align) * align
+        self.tensors = {name: GGUFTensor(name, type_id, tuple(reversed(dims)), data_start + offset)
+                        for name, dims, type_id, offset in infos}
+
+    def read(self, tensor: GGUFTensor) -> torch.Tensor:
+        """A tensor's values in its logical shape: float types as they are stored, quantized types
+        dequantized to float32. ``ModelLoadError`` for an unsupported type or a truncated file."""
+        from gguf import GGMLQuantizationType
+        from gguf.constants import GGML_QUANT_SIZES
+        from gguf.quants import dequantize
+
+        if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"GGUF tensor {tensor.name!r} has type {tensor.type_name}, which is not supported "
+                f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
+            )
+        kind = GGMLQuantizationType(tensor.type_id)
+        block, block_bytes = GGML_QUANT_SIZES[kind]
+        row = tensor.shape[-1] if tensor.shape else 1
+        count = math.prod(tensor.shape)
+        if row % block:
+            raise ModelLoadError(f"GGUF tensor {tensor.name!r}: rows of {row} values do not fill {kind.name} "
+                                 f"blocks of {block}")
+        size = count // block * block_bytes
+        if tensor.start + size > len(self._map):
+            raise ModelLoadError(f"{self.path}: tensor {tensor.name!r} runs past the end of the file (truncated?)")
+        raw = np.frombuffer(self._map, dtype=np.uint8, count=size, offset=tensor.start)
+        if kind == GGMLQuantizationType.F32:
+            out = torch.from_numpy(raw.view(np.float32).copy())
+        elif kind == GGMLQuantizationType.F16:
+            out = torch.from_numpy(raw.view(np.float16).copy())
+        elif kind == GGMLQuantizationType.BF16:
+            out = torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
+        else:
+            blocks = raw.reshape(-1, row // block * block_bytes)
+            out = torch.from_numpy(np.ascontiguousarray(dequantize(blocks, kind)))
+        return out.reshape(tensor.shape)
 
 
 def unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -127,31 +222,6 @@ def _hf_name(gguf_name: str) -> str:
         if parts[3] in ("weight", "bias"):
             return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}.{parts[3]}"
     raise ModelLoadError(f"GGUF tensor {gguf_name!r} has no place in this model (unknown tensor name)")
-
-
-def tensor_to_torch(tensor) -> torch.Tensor:
-    """One GGUF tensor as a torch tensor in its logical shape: float types as they are stored,
-    quantized types dequantized to float32. ``ModelLoadError`` for an unsupported type."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    kind = GGMLQuantizationType(tensor.tensor_type)
-    if kind.name not in SUPPORTED_TENSOR_TYPES:
-        raise ModelLoadError(
-            f"GGUF tensor {tensor.name!r} has type {kind.name}, which is not supported "
-            f"(supported: {', '.join(SUPPORTED_TENSOR_TYPES)})"
-        )
-    shape = tuple(int(n) for n in reversed(tensor.shape.tolist()))
-    data = np.asarray(tensor.data)
-    if kind == GGMLQuantizationType.F32:
-        out = torch.from_numpy(np.array(data.view(np.float32)))
-    elif kind == GGMLQuantizationType.F16:
-        out = torch.from_numpy(np.array(data.view(np.float16)))
-    elif kind == GGMLQuantizationType.BF16:
-        out = torch.from_numpy(np.array(data.view(np.int16))).view(torch.bfloat16)
-    else:
-        out = torch.from_numpy(np.ascontiguousarray(dequantize(data, kind)))
-    return out.reshape(shape)
 
 
 def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int,
@@ -207,10 +277,9 @@ class GGUFCheckpoint:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        self.reader = open_reader(self.path)
-        self._tensors = {t.name: t for t in self.reader.tensors}
-        meta = read_metadata(self.reader, skip=("tokenizer.ggml.tokens", "tokenizer.ggml.merges",
-                                                "tokenizer.ggml.scores", "tokenizer.ggml.token_type"))
+        self.file = GGUFFile(self.path)
+        self._tensors = self.file.tensors
+        meta = self.file.metadata
         if int(meta.get("split.count") or 1) > 1:
             raise ModelLoadError(f"{self.path}: one part of a GGUF split into {meta['split.count']} files; merge "
                                  "the parts into one file first (llama.cpp's llama-gguf-split --merge)")
@@ -257,7 +326,7 @@ class GGUFCheckpoint:
             "num_attention_heads": num_heads,
             "num_key_value_heads": int(num_kv_heads),
             "head_dim": head_dim,
-            "vocab_size": int(embedding.shape[-1]),
+            "vocab_size": int(embedding.shape[0]),
             "max_position_embeddings": int(get("context_length") or 2048),
             "rope_theta": float(get("rope.freq_base") or 10000.0),
             "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon") or 1e-6),
@@ -283,7 +352,7 @@ class GGUFCheckpoint:
             hf["eos_token_id"] = list(dict.fromkeys(eos))
         config = ModelConfig.from_hf(hf, source)
         if _ROPE_FREQS in self._tensors and hf.get("rope_scaling", {}).get("rope_type") == "llama3":
-            _check_rope(config, tensor_to_torch(self._tensors[_ROPE_FREQS]).numpy(), source)
+            _check_rope(config, self.file.read(self._tensors[_ROPE_FREQS]).numpy(), source)
         return hf
 
     def _rope_scaling(self, meta: dict[str, Any], arch: str, hf: dict[str, Any]) -> dict[str, Any] | None:
@@ -297,7 +366,7 @@ class GGUFCheckpoint:
                 scaling["factor"] = float(factor)
             return scaling
         if _ROPE_FREQS in self._tensors:
-            factors = tensor_to_torch(self._tensors[_ROPE_FREQS]).float().numpy()
+            factors = self.file.read(self._tensors[_ROPE_FREQS]).float().numpy()
             if factors.shape != (hf["head_dim"] // 2,):
                 raise ModelLoadError(f"{self.path}: rope_freqs.weight has shape {factors.shape}, expected "
                                      f"({hf['head_dim'] // 2},)")
@@ -307,8 +376,7 @@ class GGUFCheckpoint:
 
     def _float_type(self) -> str:
         """The dtype the file's weights are in: its float type, bfloat16 for quantized files."""
-        matrices = [t for t in self.reader.tensors if len(t.shape) == 2]
-        names = {getattr(t.tensor_type, "name", str(t.tensor_type)) for t in matrices}
+        names = {t.type_name for t in self._tensors.values() if len(t.shape) == 2}
         for kind, dtype in (("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16")):
             if names == {kind}:
                 return dtype
@@ -320,11 +388,11 @@ class GGUFCheckpoint:
         unpermute = ARCHITECTURES[self.gguf_architecture][1]
         heads = {"self_attn.q_proj": self.hf_config["num_attention_heads"],
                  "self_attn.k_proj": self.hf_config["num_key_value_heads"]}
-        for tensor in self.reader.tensors:
+        for tensor in self._tensors.values():
             if tensor.name == _ROPE_FREQS:
                 continue  # folded into the config's rope scaling
             name = _hf_name(tensor.name)
-            value = tensor_to_torch(tensor)
+            value = self.file.read(tensor)
             if unpermute:
                 proj = name.rsplit(".", 2)[-2]
                 key = f"self_attn.{proj}"
@@ -352,5 +420,5 @@ class GGUFCheckpoint:
         return digest.hexdigest()[:8]
 
 
-__all__ = ["ARCHITECTURES", "GGUFCheckpoint", "SUPPORTED_TENSOR_TYPES", "open_reader", "read_metadata",
-           "tensor_to_torch", "unpermute_rows"]
+__all__ = ["ARCHITECTURES", "GGUFCheckpoint", "GGUFFile", "GGUFTensor", "SUPPORTED_TENSOR_TYPES",
+           "unpermute_rows"]

@@ -24,7 +24,7 @@ import logging
 import os
 from typing import Any
 
-from mqinfer.workers.gguf import open_reader, read_metadata
+from mqinfer.workers.gguf import GGUFFile
 from mqinfer.workers.models.config import ModelLoadError
 from mqinfer.workers.tokenizer import HFTokenizer
 
@@ -48,9 +48,6 @@ _SPLITS = {
 _WHOLE_WORDS_FIRST = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3"}
 # Pre-tokenizers that are GPT-2's own split (no warning for these).
 _GPT2_SPLIT_NAMES = {None, "default", "gpt2", "gpt-2", "smollm"}
-
-_VOCAB_KEYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
-               "tokenizer.ggml.token_type")
 
 
 def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
@@ -124,7 +121,7 @@ def _sentencepiece(meta: dict[str, Any]):
 
 
 def tokenizer_from_metadata(meta: dict[str, Any], source: str = "GGUF") -> HFTokenizer | None:
-    """The tokenizer of GGUF metadata (``read_metadata``'s dict), or None when it has no vocabulary."""
+    """The tokenizer of GGUF metadata (``GGUFFile.metadata``), or None when it has no vocabulary."""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or not meta.get("tokenizer.ggml.tokens"):
         return None
@@ -156,10 +153,7 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str = "GGUF") -> HFTok
 
 def tokenizer_from_gguf(path: str | os.PathLike) -> HFTokenizer | None:
     """The tokenizer stored in a .gguf file, or None when the file has no vocabulary."""
-    reader = open_reader(path)
-    wanted = {k for k in reader.fields if k.startswith("tokenizer.")}
-    meta = read_metadata(reader, skip=tuple(set(reader.fields) - wanted))
-    return tokenizer_from_metadata(meta, str(path))
+    return tokenizer_from_metadata(GGUFFile(path).metadata, str(path))
 
 
 __all__ = ["SUPPORTED_TOKENIZERS", "tokenizer_from_gguf", "tokenizer_from_metadata"]

@@ -5,7 +5,6 @@ id, Llama 3 rope factors, clear errors, and `mqinfer run` on a .gguf file."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -20,7 +19,7 @@ import transformers
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.gguf import GGUFCheckpoint
+from mqinfer.workers.gguf import GGUFCheckpoint, GGUFFile
 from mqinfer.workers.loader import ModelLoadError, load_model
 from mqinfer.workers.models.config import ModelConfig
 from mqinfer.workers.models.llama import rope_inv_freq
@@ -108,6 +107,36 @@ def test_tensors_dequantize_within_the_types_tolerance(tmp_path, wide_llama, kin
         assert error <= TOLERANCES[kind], f"{name}: {error:.5f} > {TOLERANCES[kind]}"
         if kind == "F32":  # lossless: the q/k rows are back in HF's order exactly
             assert torch.equal(loaded[name], original), name
+
+
+def _check_header_against_gguf_reader(path) -> None:
+    """Our header parse against the gguf package's own reader: every key and value, every tensor's
+    type, shape and values."""
+    import gguf
+
+    ours = GGUFFile(path)
+    reader = gguf.GGUFReader(path)
+    theirs = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    assert ours.metadata.keys() == theirs.keys()
+    for key, value in theirs.items():
+        first = value[0] if isinstance(value, list) and value else value
+        if isinstance(first, (float, np.floating)):
+            np.testing.assert_allclose(ours.metadata[key], value, rtol=1e-6, err_msg=key)
+        else:
+            assert ours.metadata[key] == value, key
+    assert list(ours.tensors) == [t.name for t in reader.tensors]
+    for t in reader.tensors:
+        mine = ours.tensors[t.name]
+        assert mine.type_name == t.tensor_type.name and mine.shape == tuple(reversed(t.shape.tolist()))
+        expected = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).reshape(mine.shape)
+        assert torch.equal(ours.read(mine).float(), expected), t.name
+
+
+def test_header_parse_equals_the_gguf_packages_reader(tmp_path, wide_llama):
+    path = write_gguf(tmp_path / "h.gguf", "llama", _hf_dict(wide_llama), _state(wide_llama), "Q4_K",
+                      sentencepiece_vocab(), extra={"general.name": "héllo wörld"})
+    _check_header_against_gguf_reader(path)
+    assert GGUFFile(path).metadata["general.name"] == "héllo wörld"
 
 
 def test_quantized_file_matches_transformers_dequantizing_it(tmp_path, wide_llama, vocab):
@@ -384,4 +413,4 @@ def test_real_smollm2_gguf():
     theirs = transformers.AutoTokenizer.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
     for text in TEXTS:
         assert engine.tokenizer.encode(text) == theirs(text)["input_ids"], text
-    assert json.dumps(engine.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    _check_header_against_gguf_reader(path)
