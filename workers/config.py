@@ -58,7 +58,8 @@ def parse_wait_ms(text: str) -> float | str:
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(default="tiny", metadata=flag(
-        "`tiny` (built-in smoke-test model) or a local Hugging Face checkpoint folder.", metavar="M"))
+        "`tiny` (built-in smoke-test model), a local Hugging Face checkpoint folder, or a llama.cpp "
+        "`.gguf` file (tokenizer and chat template from its metadata).", metavar="M"))
     device: str = field(default="auto", metadata=flag("Where the model runs.", choices=DEVICES))
     dtype: str = field(default="auto", metadata=flag(
         "Weight and activation dtype (auto = the checkpoint's own).", choices=DTYPES))
