@@ -13,6 +13,7 @@ import pytest
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow
 from mqinfer.schemas.dataset import DatasetWriter, part_files, partition_for, remove_temp_files
 from mqinfer.workers.sink import Sinks
+from tests.helpers import FakeClock
 
 DAY1 = 1_700_000_000.0  # 2023-11-14 UTC
 DAY2 = DAY1 + 86_400
@@ -102,14 +103,14 @@ def test_remove_temp_files_spares_a_live_writer(tmp_path):
 
 
 def test_flush_policy_by_rows_and_age(tmp_path):
-    now = [100.0]
-    sinks = Sinks(tmp_path, "w-1", flush_rows=4, flush_interval_s=2.0, clock=lambda: now[0])
+    clock = FakeClock(100.0)
+    sinks = Sinks(tmp_path, "w-1", flush_rows=4, flush_interval_s=2.0, clock=clock)
     assert not sinks.should_flush() and sinks.pending == 0
     sinks.add(result(1), cost(1))
     assert sinks.pending == 2 and not sinks.should_flush()
-    now[0] += 1.9
+    clock.advance(1.9)
     assert not sinks.should_flush()
-    now[0] += 0.1
+    clock.advance(0.1)
     assert sinks.should_flush()  # the oldest row waited the interval
     assert sinks.flush() == 2 and sinks.pending == 0 and not sinks.should_flush()
     sinks.add(result(2), cost(2))
