@@ -65,9 +65,11 @@ def test_cancel_stops_a_running_and_a_queued_request(served):
         started = time.monotonic()
         long = {"max_tokens": 1900, "ignore_eos": True, "temperature": 0}
         client.submit_many([{"id": "run-a", "prompt": "a", **long}, {"id": "run-b", "prompt": "b", **long}])
-        # Both run; the worker reads nothing more while full, so the third waits in the stream.
-        first = next(iter(client.stream("run-a", timeout=120)))
-        assert isinstance(first, Delta)
+        # Both run (each has streamed a token); the worker reads nothing more while full, so the
+        # third waits in the stream.
+        for rid in ("run-a", "run-b"):
+            first = next(iter(client.stream(rid, timeout=120)))
+            assert isinstance(first, Delta)
         client.submit({"id": "queued", "prompt": "c", **long})
         client.cancel("queued")
         client.cancel("run-a")
