@@ -6,7 +6,6 @@ import json
 import subprocess
 
 import msgspec
-import pytest
 
 from mqinfer.schemas import keys
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, write_jsonl
