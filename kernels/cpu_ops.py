@@ -80,6 +80,16 @@ def _threads(numel: int) -> int:
     return torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1
 
 
+def _output(out: torch.Tensor | None, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    """``out`` when it can take a ``[rows, cols]`` result of ``dtype``, else a new tensor."""
+    if out is None:
+        return torch.empty(rows, cols, dtype=dtype)
+    if out.shape != (rows, cols) or out.dtype != dtype or out.device.type != "cpu" or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous CPU tensor [{rows}, {cols}] of {dtype}, got "
+                         f"{list(out.shape)} {out.dtype} on {out.device}")
+    return out
+
+
 def _rows_ok(t: torch.Tensor) -> bool:
     """2-D with unit stride along the last dimension (rows may be strided)."""
     return t.dim() == 2 and t.stride(1) == 1 and t.stride(0) >= t.shape[1]
@@ -118,13 +128,15 @@ def reference_add_rms_norm(
 
 
 def add_rms_norm(
-    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    residual: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(residual + delta, rms_norm(residual + delta) * weight)`` over the last dimension of
     ``[T, H]`` rows (``delta`` None: no add).
 
-    The native kernel writes the sum into ``residual`` in place and returns it; use the
-    returned tensor either way.
+    The native kernel writes the sum into ``residual`` in place and returns it, and writes the
+    normalised rows into ``out`` (a contiguous ``[T, H]`` tensor of their dtype, overlapping
+    neither input) when one is given; use the returned tensors either way.
     """
     tensors = (residual, weight) if delta is None else (residual, delta, weight)
     if not (
@@ -134,7 +146,7 @@ def add_rms_norm(
     ):
         return reference_add_rms_norm(residual, delta, weight, eps)
     rows, hidden = residual.shape
-    out = torch.empty(rows, hidden, dtype=residual.dtype)
+    out = _output(out, rows, hidden, residual.dtype)
     args = native.RmsNormArgs(
         residual=residual.data_ptr(), delta=None if delta is None else delta.data_ptr(),
         weight=weight.data_ptr(), out=out.data_ptr(), rows=rows, hidden=hidden,
@@ -153,12 +165,15 @@ def reference_silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` where ``gate_up`` is ``[T, 2 * I]``, gate first: ``[T, I]``."""
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` where ``gate_up`` is ``[T, 2 * I]``, gate first: ``[T, I]``.
+
+    The native kernel writes into ``out`` (a contiguous ``[T, I]`` tensor of the input's dtype,
+    not overlapping it) when one is given; use the returned tensor either way."""
     if not (_rows_ok(gate_up) and gate_up.shape[1] % 2 == 0 and native_for(gate_up)):
         return reference_silu_mul(gate_up)
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
-    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    out = _output(out, rows, inter, gate_up.dtype)
     is_bf16 = gate_up.dtype == torch.bfloat16
     args = native.SiluMulArgs(
         gate_up=gate_up.data_ptr(), out=out.data_ptr(), rows=rows, inter=inter,

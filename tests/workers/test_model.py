@@ -239,3 +239,30 @@ def test_make_random_checkpoint(tmp_path):
     with torch.inference_mode():
         ref = hf_model(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(_our_logits(model32, info32, prompt), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reused_activation_buffers_carry_nothing_between_steps(tmp_path, make_hf_checkpoint, dtype):
+    # The forward pass writes its intermediate activations into buffers kept across layers and
+    # steps: a step's logits must not depend on what an earlier, larger or smaller step left
+    # there, and the hidden states a step returns must not be overwritten by the next step.
+    make_hf_checkpoint("llama", tmp_path, attention_bias=True, mlp_bias=True)
+    model, info = load_model(str(tmp_path), "cpu", dtype)
+    first = _our_logits(model, info, PROMPT)
+    block_size, n = 16, len(PROMPT)
+    table = list(range(-(-n // block_size)))
+    caches = [(torch.zeros(len(table), block_size, info.num_kv_heads, info.head_dim, dtype=model.dtype),
+               torch.zeros(len(table), block_size, info.num_kv_heads, info.head_dim, dtype=model.dtype))
+              for _ in range(info.num_layers)]
+    with torch.inference_mode():
+        md = build_attention_metadata([5], [5], [table], block_size, info.num_heads // info.num_kv_heads)
+        hidden = model(torch.tensor(PROMPT[:5]), md.positions, caches, md)
+        kept = hidden.clone()
+        bigger = [3 + (7 * i) % 250 for i in range(n)]
+        _our_logits(model, info, bigger)  # a step over other tokens reuses every buffer
+    assert torch.equal(hidden, kept)
+    assert all(hidden.data_ptr() != b.data_ptr() for b in model.activations._buffers.values())
+    again = _our_logits(model, info, PROMPT)
+    assert torch.equal(again, first)
+    fresh, _ = load_model(str(tmp_path), "cpu", dtype)  # a model whose buffers were never used
+    assert torch.equal(_our_logits(fresh, info, PROMPT), first)

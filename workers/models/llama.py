@@ -44,11 +44,43 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Pa
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
+        self.out_features = out_features
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, in] -> [T, out]``, into ``out`` when given: the very calls ``F.linear`` makes
+        for 2-D input (``mm``, or ``addmm`` with a bias), so the results are the same bits."""
+        if out is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+
+class Activations:
+    """Buffers for the intermediate activations of the model's forward pass, one per kind (the
+    q/k/v projection, the attention output projection, gate/up, SwiGLU, down, the normalised
+    rows, the residual stream), reused by every layer and every step.
+
+    Why. On CPU a fresh tensor of a few MiB comes from a new memory mapping that the kernel
+    faults in page by page (and MKL zeroes before it writes): at a 4096-token prefill the
+    gate/up projection's 48 MiB output cost about a tenth of the matmul itself. Each layer's
+    outputs are consumed before the next layer writes the same kind, so one buffer per kind
+    serves all layers. Only the model's forward writes them, and what it returns is never one
+    of them. A buffer grows to the largest step seen and stays.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, kind: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``[rows, cols]`` tensor of ``like``'s dtype and device, contents undefined."""
+        numel = rows * cols
+        buffer = self._buffers.get(kind)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+            buffer = self._buffers[kind] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel].view(rows, cols)
 
 
 class Embedding(nn.Module):
@@ -194,10 +226,12 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        buffers: Activations | None = None,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qk, v = self.qkv_proj(x).split([(hq + hkv) * d, hkv * d], dim=-1)
+        qkv = self.qkv_proj(x, _buffer(buffers, "qkv", num_tokens, self.qkv_proj.out_features, x))
+        qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
         qk = qk.view(num_tokens, hq + hkv, d)
         v = v.view(num_tokens, hkv, d)
         if self.q_norm is not None:
@@ -216,7 +250,8 @@ class Attention(nn.Module):
             q, k = qk[:, :hq], qk[:, hq:]
             self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = self.paged_attention(q, k_cache, v_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, hq * d))
+        return self.o_proj(out.reshape(num_tokens, hq * d),
+                           _buffer(buffers, "o_proj", num_tokens, self.o_proj.out_features, x))
 
 
 class MLP(nn.Module):
@@ -228,8 +263,16 @@ class MLP(nn.Module):
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(cpu_ops.silu_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, buffers: Activations | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        gate_up = self.gate_up_proj(x, _buffer(buffers, "gate_up", rows, 2 * self.intermediate_size, x))
+        act = cpu_ops.silu_mul(gate_up, _buffer(buffers, "silu_mul", rows, self.intermediate_size, x)
+                               if x.device.type == "cpu" else None)
+        return self.down_proj(act, _buffer(buffers, "down_proj", rows, self.down_proj.out_features, x))
+
+
+def _buffer(buffers: Activations | None, kind: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
+    return None if buffers is None else buffers.get(kind, rows, cols, like)
 
 
 class DecoderLayer(nn.Module):
@@ -287,6 +330,7 @@ class LlamaForCausalLM(nn.Module):
             if config.tie_word_embeddings
             else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
+        self.activations = Activations()
         # Tables for long-context models are large; start small, the runner extends them to
         # its max_model_len.
         self.rotary = RotaryEmbedding(config, max_len or min(config.max_position_embeddings, 4096), device)
@@ -309,24 +353,35 @@ class LlamaForCausalLM(nn.Module):
         """Final (normalised) hidden states ``[T, hidden]`` of the packed tokens."""
         if len(kv_caches) != len(self.model.layers):
             raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
-        h = self.model.embed_tokens(input_ids)
+        buffers = self.activations
+        weight = self.model.embed_tokens.weight
+        num_tokens, hidden = input_ids.shape[0], weight.shape[1]
+        # The residual stream: the native RMSNorm adds each block's output into it in place.
+        h = torch.index_select(weight, 0, input_ids, out=buffers.get("residual", num_tokens, hidden, weight))
         rope = RotaryInputs(self.rotary, positions, h.dtype)
         if h.device.type == "cpu" and positions.numel():
             self._check_step_indices(positions, attn_metadata.slot_mapping, kv_caches[0][0] if kv_caches else None)
         layers = self.model.layers
         # Each residual add runs inside the RMSNorm that follows it (one pass over the rows
-        # instead of two): h is the residual stream, x the normalised input of the next block.
-        h, x = self._add_norm(h, None, layers[0].input_layernorm if len(layers) else self.model.norm)
+        # instead of two): h is the residual stream, x the normalised input of the next block
+        # (in one buffer: each x is consumed before the next is written). The last norm's
+        # output, which the model returns, gets a tensor of its own.
+        normed = buffers.get("normed", num_tokens, hidden, weight) if h.device.type == "cpu" else None
+        h, x = self._add_norm(h, None, layers[0].input_layernorm if len(layers) else self.model.norm,
+                              normed if len(layers) else None)
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
-            a = layer.self_attn(x, rope, k_cache, v_cache, attn_metadata)
-            h, x = self._add_norm(h, a, layer.post_attention_layernorm)
-            m = layer.mlp(x)
-            h, x = self._add_norm(h, m, layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)
+            a = layer.self_attn(x, rope, k_cache, v_cache, attn_metadata, buffers)
+            h, x = self._add_norm(h, a, layer.post_attention_layernorm, normed)
+            m = layer.mlp(x, buffers)
+            last = i + 1 == len(layers)
+            h, x = self._add_norm(h, m, self.model.norm if last else layers[i + 1].input_layernorm,
+                                  None if last else normed)
         return x
 
     @staticmethod
-    def _add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
-        return cpu_ops.add_rms_norm(h, delta, norm.weight, norm.eps)
+    def _add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_ops.add_rms_norm(h, delta, norm.weight, norm.eps, out)
 
     def _check_step_indices(self, positions: torch.Tensor, slot_mapping: torch.Tensor, k_cache) -> None:
         """Once per step, the indices the native rotary kernel trusts in every layer."""
