@@ -266,3 +266,21 @@ def test_reused_activation_buffers_carry_nothing_between_steps(tmp_path, make_hf
     assert torch.equal(again, first)
     fresh, _ = load_model(str(tmp_path), "cpu", dtype)  # a model whose buffers were never used
     assert torch.equal(_our_logits(fresh, info, PROMPT), first)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lm_head_in_vocabulary_slices_gives_the_same_bits(dtype):
+    # On CPU the LM head runs as one matmul per slice of the vocabulary, written into that
+    # slice's columns: each logit must be exactly what one matmul over the whole head gives.
+    from mqinfer.workers.models.llama import LMHead
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(1000, 1024).to(dtype), requires_grad=False)  # 256-row slices, a short last one
+    head = LMHead(weight)
+    for rows in (1, 5, 64):
+        hidden = torch.randn(rows, 1024).to(dtype)
+        expected = torch.nn.functional.linear(hidden, weight)
+        assert torch.equal(head(hidden), expected)
+        out = torch.full((rows, 1000), float("nan"), dtype=dtype)
+        assert head(hidden, out).data_ptr() == out.data_ptr()
+        assert torch.equal(out, expected)
