@@ -47,7 +47,7 @@ static inline float exp_nonpositive(float x) {
     p = MUL_ADD(p, f, 0.5f);
     p = MUL_ADD(p, f, 1.0f);
     p = MUL_ADD(p, f, 1.0f);
-    const int32_t bits = ((int32_t)n + 127) << 23;
+    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;  /* unsigned: no overflow for large n */
     float scale; memcpy(&scale, &bits, 4);
     return p * scale;
 }
