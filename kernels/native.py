@@ -27,8 +27,9 @@ Environment:
     -fno-omit-frame-pointer``); a library built with AddressSanitizer only loads into a
     process that has the sanitizer runtime preloaded (``LD_PRELOAD=$(cc
     -print-file-name=libasan.so)``).
-``MQINFER_CPU_ATTENTION``, ``MQINFER_CPU_OPS``
-    The switches of the attention kernel and of the fused ops (``switched_library``):
+``MQINFER_CPU_ATTENTION``, ``MQINFER_CPU_OPS``, ``MQINFER_CPU_LINEAR``
+    The switches of the attention kernel, of the fused ops and of the dense layers
+    (``switched_library``):
     ``auto`` (default) uses the library when it builds, ``torch`` never uses it, ``native``
     makes a library that cannot be built an error.
 ``CC``
@@ -112,6 +113,13 @@ class RotaryArgs(ctypes.Structure):
     ]
 
 
+class LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("packed", _ptr), ("bias", _ptr), ("out", _ptr), ("rows", _i64),
+        ("in_features", _i64), ("out_features", _i64), ("x_stride", _i64), ("out_stride", _i64),
+    ]
+
+
 # Record -> the name of its layout table in the library (abi.c).
 _RECORDS = {
     AttentionArgs: "mqinfer_layout_attention_args",
@@ -119,6 +127,7 @@ _RECORDS = {
     RmsNormArgs: "mqinfer_layout_rms_norm_args",
     SiluMulArgs: "mqinfer_layout_silu_mul_args",
     RotaryArgs: "mqinfer_layout_rotary_args",
+    LinearArgs: "mqinfer_layout_linear_args",
 }
 
 # Exported function -> (result type, argument types).
@@ -129,6 +138,10 @@ _SIGNATURES = {
     "mqinfer_add_rms_norm": (ctypes.c_int, [ctypes.POINTER(RmsNormArgs), ctypes.c_int]),
     "mqinfer_silu_mul": (None, [ctypes.POINTER(SiluMulArgs), ctypes.c_int]),
     "mqinfer_rotary_store_kv": (ctypes.c_int, [ctypes.POINTER(RotaryArgs), ctypes.c_int]),
+    "mqinfer_linear_available": (ctypes.c_int, []),
+    "mqinfer_linear_packed_size": (_i64, [_i64, _i64]),
+    "mqinfer_linear_pack": (None, [_ptr, _i64, _i64, _ptr]),
+    "mqinfer_linear": (ctypes.c_int, [ctypes.POINTER(LinearArgs), ctypes.c_int]),
     "mqinfer_pool_starts": (_i64, []),
     "mqinfer_pool_workers": (ctypes.c_int, []),
 }

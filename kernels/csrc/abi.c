@@ -54,3 +54,11 @@ const int64_t mqinfer_layout_rotary_args[] = {
     AT(mqinfer_rotary_args, num_kv_heads), AT(mqinfer_rotary_args, head_dim),
     AT(mqinfer_rotary_args, is_bf16),
 };
+
+const int64_t mqinfer_layout_linear_args[] = {
+    sizeof(mqinfer_linear_args), 9,
+    AT(mqinfer_linear_args, x), AT(mqinfer_linear_args, packed), AT(mqinfer_linear_args, bias),
+    AT(mqinfer_linear_args, out), AT(mqinfer_linear_args, rows),
+    AT(mqinfer_linear_args, in_features), AT(mqinfer_linear_args, out_features),
+    AT(mqinfer_linear_args, x_stride), AT(mqinfer_linear_args, out_stride),
+};

@@ -136,6 +136,29 @@ typedef struct {
 
 int mqinfer_rotary_store_kv(const mqinfer_rotary_args *args, int num_threads);
 
+/* ------------------------------------------------------------------ dense layer */
+/* out = x W^T (+ bias) in float32 with W packed by mqinfer_linear_pack (linear.c).
+   x [rows, in_features] (row stride x_stride), out [rows, out_features] (row stride
+   out_stride), bias [out_features] or NULL. mqinfer_linear returns 0, or -2
+   when the library has no kernel for this CPU (mqinfer_linear_available() == 0). */
+typedef struct {
+    const void *x;
+    const void *packed;
+    const void *bias;
+    void *out;
+    int64_t rows;
+    int64_t in_features;
+    int64_t out_features;
+    int64_t x_stride;
+    int64_t out_stride;
+} mqinfer_linear_args;
+
+int mqinfer_linear_available(void);
+/* Floats of the packed form of an [out_features, in_features] weight. */
+int64_t mqinfer_linear_packed_size(int64_t out_features, int64_t in_features);
+void mqinfer_linear_pack(const float *weight, int64_t out_features, int64_t in_features, float *packed);
+int mqinfer_linear(const mqinfer_linear_args *args, int num_threads);
+
 /* ------------------------------------------------------------------ thread pool */
 /* How many times the pool has (re)started its worker threads in this process, and how many
    workers it holds now (tests and diagnostics: the pool is started once per thread count,
@@ -152,5 +175,6 @@ extern const int64_t mqinfer_layout_argmax_args[];
 extern const int64_t mqinfer_layout_rms_norm_args[];
 extern const int64_t mqinfer_layout_silu_mul_args[];
 extern const int64_t mqinfer_layout_rotary_args[];
+extern const int64_t mqinfer_layout_linear_args[];
 
 #endif

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mqinfer.kernels import cpu_ops
+from mqinfer.kernels import linear as dense
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
 
@@ -41,16 +42,33 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Pa
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _packed_weight(module: nn.Module, x: torch.Tensor) -> dense.PackedWeight | None:
+    """``module.weight`` in the native dense kernel's layout when ``x`` and the weight suit it
+    (2-D float32 on CPU, a CPU the kernel serves, the switch allowing), packed on first use and
+    kept; None otherwise. ``load_weights`` drops the packed copies."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not dense.native_linear_available():
+        return None
+    packed = module.packed
+    if packed is None or not packed.packed_from(module.weight):
+        packed = module.packed = dense.pack(module.weight)
+    return packed
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
         self.out_features = out_features
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed: dense.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [T, in] -> [T, out]``, into ``out`` when given: the very calls ``F.linear`` makes
-        for 2-D input (``mm``, or ``addmm`` with a bias), so the results are the same bits."""
+        """``x [T, in] -> [T, out]``, into ``out`` when given. On an AVX2 CPU in float32 the
+        native kernel with the packed weight (``kernels/linear.py``); elsewhere the very calls
+        ``F.linear`` makes for 2-D input (``mm``, or ``addmm`` with a bias), the same bits."""
+        packed = _packed_weight(self, x)
+        if packed is not None:
+            return dense.linear(x, packed, self.bias, out)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
@@ -105,10 +123,15 @@ class LMHead(nn.Module):
     def __init__(self, weight: nn.Parameter) -> None:
         super().__init__()
         self.weight = weight
+        self.packed: dense.PackedWeight | None = None
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, hidden] -> [B, vocab]``, into ``out`` when given. On CPU in slices of the
-        vocabulary: each logit is the same dot product as in one matmul (the same bits)."""
+        """``[B, hidden] -> [B, vocab]``, into ``out`` when given. On an AVX2 CPU in float32 the
+        native dense kernel (as ``Linear``); elsewhere on CPU in slices of the vocabulary, each
+        logit the same dot product as in one matmul (the same bits)."""
+        packed = _packed_weight(self, hidden)
+        if packed is not None:
+            return dense.linear(hidden, packed, None, out)
         weight = self.weight
         vocab, dim = weight.shape
         if hidden.device.type != "cpu" or hidden.dim() != 2:
@@ -439,6 +462,9 @@ class LlamaForCausalLM(nn.Module):
         Raises ``ModelLoadError`` for a tensor with an unknown name or the wrong shape.
         """
         params = dict(self.named_parameters())
+        for module in self.modules():  # packed copies of the old weights
+            if isinstance(module, (Linear, LMHead)):
+                module.packed = None
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
