@@ -10,11 +10,12 @@
    a transpose-and-add (reduce8_add), which adds each key's lanes in the same tree as the
    one-key-at-a-time reduction (reduce1_add) used for a block's last keys, so a score does not
    depend on where its key falls in a block. The exponential is exp_nonpositive 8 lanes at a
-   time, the same fused operations, hence the same bits. The weighted sum keeps one query
-   head's output (up to 8 vectors) in registers and walks the V rows once per query head; the
-   V rows of a block are prefetched while its keys are scored. Decoding reads every
-   sequence's cache from memory once per layer, so the prefetches matter as much as the
-   arithmetic. */
+   time, the same fused operations, hence the same bits. The weighted sum keeps half of one
+   query head's output in two sets of registers (even and odd keys: two independent chains
+   of multiply-adds) and walks the V rows once per query head and half. Decoding reads every
+   sequence's cache from memory once per layer, so for the first token of a sequence the next
+   block's keys and the block's values are prefetched while its keys are scored; a prompt's
+   later tokens find them in cache. */
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
@@ -90,8 +91,8 @@ static inline void prefetch_rows(const char *base, int64_t rows, int64_t stride_
         for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(base + r * stride_bytes + c, _MM_HINT_T0);
 }
 
-/* Accumulators of the weighted sum: CW vectors of one query head's output. */
-#define CHUNK_VECTORS(G, NV) ((NV) < 8 ? (NV) : 8)
+/* The weighted sum's accumulators: two sets of CW vectors of one query head's output. */
+#define CHUNK_VECTORS(G, NV) ((NV) < 4 ? (NV) : 4)
 
 #define DEFINE_ATTEND_AVX2(NAME, T, VLOAD, VSTORE, ROUNDW, ROUNDW8, DV, GV)                     \
 static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
@@ -104,6 +105,9 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
     for (int64_t t = token_begin; t < token_end; t++) {                                         \
         const int64_t len = j->positions[t] + 1;                                                \
         const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;            \
+        /* The first token of its sequence here reads that sequence's cache from memory; the  \
+           next ones (a prompt's) find it in cache and skip the prefetches. */                 \
+        const int cold = t == token_begin || j->seq_of_token[t - 1] != j->seq_of_token[t];      \
         for (int64_t h = 0; h < hkv; h++) {                                                     \
             __m256 qv[G][NV];                                                                   \
             float inv_sum[G];                                                                   \
@@ -113,11 +117,13 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                 \
                 const int64_t n = len - first < bs ? len - first : bs;                          \
                 const T *kb = kc + (table[blk] * bs * hkv + h) * D;                             \
-                if (first + bs < len)                                                           \
-                    prefetch_rows((const char *)(kc + (table[blk + 1] * bs * hkv + h) * D), bs, \
+                if (cold) {                                                                     \
+                    if (first + bs < len)                                                       \
+                        prefetch_rows((const char *)(kc + (table[blk + 1] * bs * hkv + h) * D), bs, \
+                                      rs * (int64_t)sizeof(T), D * (int64_t)sizeof(T));         \
+                    prefetch_rows((const char *)(vc + (table[blk] * bs * hkv + h) * D), n,      \
                                   rs * (int64_t)sizeof(T), D * (int64_t)sizeof(T));             \
-                prefetch_rows((const char *)(vc + (table[blk] * bs * hkv + h) * D), n,          \
-                              rs * (int64_t)sizeof(T), D * (int64_t)sizeof(T));                 \
+                }                                                                               \
                 int64_t o = 0;                                                                  \
                 for (; o + 8 <= n; o += 8) {                                                    \
                     const T *k8 = kb + o * rs;                                                  \
@@ -170,21 +176,32 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
             }                                                                                   \
             for (int c = 0; c < NV; c += CW)                                                    \
                 for (int i = 0; i < G; i++) {                                                   \
-                    __m256 acc[CW];                                                             \
-                    for (int v = 0; v < CW; v++) acc[v] = _mm256_setzero_ps();                  \
+                    /* Even and odd keys in two sets of accumulators: two independent chains  \
+                       of multiply-adds per output vector, added at the end. */               \
+                    __m256 even[CW], odd[CW];                                                   \
+                    for (int v = 0; v < CW; v++) even[v] = odd[v] = _mm256_setzero_ps();        \
                     for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {         \
                         const int64_t n = len - first < bs ? len - first : bs;                  \
                         const T *vb = vc + (table[blk] * bs * hkv + h) * D + 8 * c;             \
                         const float *w = scores + i * len + first;                              \
-                        for (int64_t o = 0; o < n; o++) {                                       \
-                            const __m256 wo = _mm256_broadcast_ss(w + o);                       \
+                        int64_t o = 0;                                                          \
+                        for (; o + 2 <= n; o += 2) {                                            \
+                            const __m256 w0 = _mm256_broadcast_ss(w + o), w1 = _mm256_broadcast_ss(w + o + 1); \
+                            for (int v = 0; v < CW; v++) {                                      \
+                                even[v] = _mm256_fmadd_ps(w0, VLOAD(vb + o * rs + 8 * v), even[v]); \
+                                odd[v] = _mm256_fmadd_ps(w1, VLOAD(vb + (o + 1) * rs + 8 * v), odd[v]); \
+                            }                                                                   \
+                        }                                                                       \
+                        if (o < n) {                                                            \
+                            const __m256 w0 = _mm256_broadcast_ss(w + o);                       \
                             for (int v = 0; v < CW; v++)                                        \
-                                acc[v] = _mm256_fmadd_ps(wo, VLOAD(vb + o * rs + 8 * v), acc[v]); \
+                                even[v] = _mm256_fmadd_ps(w0, VLOAD(vb + o * rs + 8 * v), even[v]); \
                         }                                                                       \
                     }                                                                           \
                     const __m256 inv = _mm256_set1_ps(inv_sum[i]);                              \
                     for (int v = 0; v < CW; v++)                                                \
-                        VSTORE(out + (t * j->num_heads + h * G + i) * D + 8 * (c + v), _mm256_mul_ps(acc[v], inv)); \
+                        VSTORE(out + (t * j->num_heads + h * G + i) * D + 8 * (c + v),          \
+                               _mm256_mul_ps(_mm256_add_ps(even[v], odd[v]), inv));             \
                 }                                                                               \
         }                                                                                       \
     }                                                                                           \
