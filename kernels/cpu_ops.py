@@ -60,6 +60,12 @@ def _silu_vector_chunk(is_bf16: bool) -> int:
     return 2 * vector_bytes // (2 if is_bf16 else 4)
 
 
+def silu_vector_chunk(dtype: torch.dtype) -> int:
+    """``_silu_vector_chunk`` for float32 or bfloat16 rows: what the kernels that compute SiLU
+    (``silu_mul``, the dense kernel's fused SwiGLU) take to agree with PyTorch."""
+    return _silu_vector_chunk(dtype == torch.bfloat16)
+
+
 def cpu_ops_available() -> bool:
     """Whether the native kernels are in use (False when disabled or no compiler)."""
     return _library() is not None
@@ -267,4 +273,5 @@ __all__ = [
     "reference_silu_mul",
     "rotary_store_kv",
     "silu_mul",
+    "silu_vector_chunk",
 ]

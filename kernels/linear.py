@@ -2,8 +2,10 @@
 once into the kernel's panel layout; PyTorch's matmul everywhere else.
 
 Owns ``PackedWeight`` (a weight in the kernel's layout, packed from an ``[out, in]`` float32
-weight), ``pack`` (a ``PackedWeight``, or None where the kernel does not apply) and
-``linear`` (``x @ W.T + bias`` with a packed weight).
+weight), ``pack`` (a ``PackedWeight``, or None where the kernel does not apply),
+``linear`` (``x @ W.T + bias`` with a packed weight), and SwiGLU fused into its projection:
+``pack_swiglu`` and ``swiglu`` (``silu(gate) * up`` straight from the gate/up projection's
+registers: the projection's output, 2 x the MLP width, is never written out).
 
 Why. On a CPU with AVX2 and no AVX-512 MKL's sgemm runs a decode step's layers (64 rows) at
 50-60 GFLOP/s and a 49152-word LM head at 46, against about 75 for a prefill's 4096 rows: it
@@ -50,15 +52,32 @@ def native_linear_available() -> bool:
 class PackedWeight:
     """A float32 ``[out_features, in_features]`` weight in the kernel's layout: panels of 16
     output features, each ``[in_features, 16]``. Remembers the tensor it was packed from, so
-    that a caller can tell when the weight it holds has been replaced."""
+    that a caller can tell when the weight it holds has been replaced.
 
-    def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL) -> None:
-        self.out_features, self.in_features = weight.shape
+    For SwiGLU (``swiglu`` True) the weight is the fused gate/up projection ``[2 * I, in]``,
+    ``out_features`` is I, each panel holds 8 gate then the same 8 up features, and ``bias``
+    is the projection's bias in that order (None without one)."""
+
+    def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL, swiglu: bool = False,
+                 bias: torch.Tensor | None = None) -> None:
+        rows, self.in_features = weight.shape
+        self.swiglu = swiglu
+        self.out_features = rows // 2 if swiglu else rows
         weight = weight.contiguous()
-        self.data = torch.empty(int(lib.mqinfer_linear_packed_size(self.out_features, self.in_features)),
-                                dtype=torch.float32)
-        lib.mqinfer_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.data.data_ptr())
+        size = (lib.mqinfer_linear_swiglu_packed_size if swiglu else lib.mqinfer_linear_packed_size)(
+            self.out_features, self.in_features)
+        self.data = torch.empty(int(size), dtype=torch.float32)
+        (lib.mqinfer_linear_pack_swiglu if swiglu else lib.mqinfer_linear_pack)(
+            weight.data_ptr(), self.out_features, self.in_features, self.data.data_ptr())
         self.source = weight
+        self.bias = None
+        if swiglu and bias is not None:
+            inter = self.out_features
+            groups = -(-inter // 8)
+            padded = torch.zeros(2, groups * 8, dtype=torch.float32)
+            padded[0, :inter], padded[1, :inter] = bias[:inter], bias[inter:]
+            # [gate 8p..8p+7, up 8p..8p+7] for each p, as the packing lays out the rows.
+            self.bias = padded.view(2, groups, 8).transpose(0, 1).contiguous().view(-1)
 
     def packed_from(self, weight: torch.Tensor) -> bool:
         return (weight.data_ptr() == self.source.data_ptr() and weight.shape == self.source.shape
@@ -74,6 +93,16 @@ def pack(weight: torch.Tensor) -> PackedWeight | None:
     return None if lib is None else PackedWeight(weight, lib)
 
 
+def pack_swiglu(weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedWeight | None:
+    """SwiGLU's fused gate/up projection ``[2 * I, in]`` (gate rows first) and its bias packed
+    for ``swiglu``, or None where the kernel does not apply (as ``pack``)."""
+    if (weight.dim() != 2 or weight.shape[0] % 2 or weight.dtype != torch.float32
+            or weight.device.type != "cpu" or (bias is not None and bias.dtype != torch.float32)):
+        return None
+    lib = _library()
+    return None if lib is None else PackedWeight(weight, lib, swiglu=True, bias=bias)
+
+
 def _threads(rows: int, weight: PackedWeight) -> int:
     # Below about 2M multiply-adds (some 50 us on one core) waking the pool's threads costs
     # more than they gain.
@@ -84,6 +113,25 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for ``x`` ``[T, in_features]`` (float32, CPU, unit column stride),
     into ``out`` (a contiguous ``[T, out_features]`` float32 tensor) when given."""
+    if weight.swiglu:
+        raise ValueError("a weight packed for SwiGLU goes to swiglu(), not linear()")
+    return _run(x, weight, bias, out, swiglu=False, vector_chunk=0)
+
+
+def swiglu(x: torch.Tensor, weight: PackedWeight, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(x @ Wg.T + bg) * (x @ Wu.T + bu)`` ``[T, I]`` for a gate/up weight packed by
+    ``pack_swiglu``: bit for bit the native projection followed by ``cpu_ops.silu_mul``.
+    ``vector_chunk`` as ``silu_mul`` takes it (how many leading columns of a row PyTorch's
+    SiLU sends through its vectorised exponential, in whole chunks; a multiple of 8)."""
+    if not weight.swiglu:
+        raise ValueError("swiglu() needs a weight packed by pack_swiglu")
+    if vector_chunk < 0 or vector_chunk % 8:
+        raise ValueError(f"vector_chunk must be a multiple of 8, got {vector_chunk}")
+    return _run(x, weight, weight.bias, out, swiglu=True, vector_chunk=vector_chunk)
+
+
+def _run(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, out: torch.Tensor | None,
+         swiglu: bool, vector_chunk: int) -> torch.Tensor:
     lib = native.load()
     rows, features = x.shape
     if features != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -96,13 +144,14 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     elif out.shape != (rows, weight.out_features) or out.dtype != torch.float32 or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous float32 tensor [{rows}, {weight.out_features}], got "
                          f"{list(out.shape)} {out.dtype}")
-    if bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.float32
-                             or not bias.is_contiguous()):
+    if not swiglu and bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.float32
+                                            or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 tensor [{weight.out_features}]")
     args = native.LinearArgs(
         x=x.data_ptr(), packed=weight.data.data_ptr(), bias=None if bias is None else bias.data_ptr(),
         out=out.data_ptr(), rows=rows, in_features=features, out_features=weight.out_features,
         x_stride=x.stride(0) if rows > 1 else features, out_stride=weight.out_features,
+        swiglu=int(swiglu), vector_chunk=vector_chunk,
     )
     status = lib.mqinfer_linear(ctypes.byref(args), _threads(rows, weight))
     if status != 0:
@@ -110,4 +159,4 @@ def linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = No
     return out
 
 
-__all__ = ["PackedWeight", "linear", "native_linear_available", "pack"]
+__all__ = ["PackedWeight", "linear", "native_linear_available", "pack", "pack_swiglu", "swiglu"]

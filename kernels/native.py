@@ -117,6 +117,7 @@ class LinearArgs(ctypes.Structure):
     _fields_ = [
         ("x", _ptr), ("packed", _ptr), ("bias", _ptr), ("out", _ptr), ("rows", _i64),
         ("in_features", _i64), ("out_features", _i64), ("x_stride", _i64), ("out_stride", _i64),
+        ("swiglu", _i64), ("vector_chunk", _i64),
     ]
 
 
@@ -141,6 +142,8 @@ _SIGNATURES = {
     "mqinfer_linear_available": (ctypes.c_int, []),
     "mqinfer_linear_packed_size": (_i64, [_i64, _i64]),
     "mqinfer_linear_pack": (None, [_ptr, _i64, _i64, _ptr]),
+    "mqinfer_linear_swiglu_packed_size": (_i64, [_i64, _i64]),
+    "mqinfer_linear_pack_swiglu": (None, [_ptr, _i64, _i64, _ptr]),
     "mqinfer_linear": (ctypes.c_int, [ctypes.POINTER(LinearArgs), ctypes.c_int]),
     "mqinfer_pool_starts": (_i64, []),
     "mqinfer_pool_workers": (ctypes.c_int, []),

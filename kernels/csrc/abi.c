@@ -56,9 +56,10 @@ const int64_t mqinfer_layout_rotary_args[] = {
 };
 
 const int64_t mqinfer_layout_linear_args[] = {
-    sizeof(mqinfer_linear_args), 9,
+    sizeof(mqinfer_linear_args), 11,
     AT(mqinfer_linear_args, x), AT(mqinfer_linear_args, packed), AT(mqinfer_linear_args, bias),
     AT(mqinfer_linear_args, out), AT(mqinfer_linear_args, rows),
     AT(mqinfer_linear_args, in_features), AT(mqinfer_linear_args, out_features),
     AT(mqinfer_linear_args, x_stride), AT(mqinfer_linear_args, out_stride),
+    AT(mqinfer_linear_args, swiglu), AT(mqinfer_linear_args, vector_chunk),
 };

@@ -14,6 +14,10 @@
    is not MKL's summation order, so results differ from torch's in the last bits (the tests
    hold them to a tolerance).
 
+   With swiglu set, the weight is SwiGLU's fused gate/up projection packed by
+   mqinfer_linear_pack_swiglu and the output is silu(gate) * up, computed from the tile's
+   registers (the same bits as the projection followed by mqinfer_silu_mul).
+
    Work is split across threads by panels (each thread streams its own share of the weights);
    rows go in blocks sized so that a block of x stays in the L2 cache while the panels stream
    past it. */
@@ -22,6 +26,7 @@
 
 #include "mqinfer_native.h"
 #include "native_common.h"
+#include "silu_exp.h"
 
 #define PANEL 16
 
@@ -39,18 +44,54 @@ void mqinfer_linear_pack(const float *weight, int64_t out_features, int64_t in_f
             }
 }
 
+/* The fused gate/up weight [2 * inter, K] (gate rows first) for SwiGLU: panel p holds gate
+   features 8p..8p+7 then up features 8p..8p+7, so one tile has both halves of 8 outputs. */
+int64_t mqinfer_linear_swiglu_packed_size(int64_t inter, int64_t in_features) {
+    return (inter + PANEL / 2 - 1) / (PANEL / 2) * PANEL * in_features;
+}
+
+void mqinfer_linear_pack_swiglu(const float *weight, int64_t inter, int64_t in_features, float *packed) {
+    const int64_t half = PANEL / 2, panels = (inter + half - 1) / half;
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < in_features; k++)
+            for (int64_t c = 0; c < PANEL; c++) {
+                const int64_t n = p * half + c % half, row = c < half ? n : inter + n;
+                packed[(p * in_features + k) * PANEL + c] = n < inter ? weight[row * in_features + k] : 0.0f;
+            }
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #include <immintrin.h>
 
 int mqinfer_linear_available(void) { return 1; }
 
+/* How a tile's row of 16 sums is written: as they are (16 outputs), or as SwiGLU's 8 outputs
+   silu(gate) * up with the vectorised exponential, or with std::exp (for the columns where
+   PyTorch's SiLU uses it: past the last whole vector_chunk of a row). */
+enum { STORE_PLAIN, STORE_SWIGLU, STORE_SWIGLU_TAIL };
+
+static inline void store_row(float *o, __m256 g, __m256 u, int mode) {
+    if (mode == STORE_PLAIN) {
+        _mm256_storeu_ps(o, g);
+        _mm256_storeu_ps(o + 8, u);
+    } else if (mode == STORE_SWIGLU) {
+        const __m256 e = exp_f32x8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u));
+    } else {
+        float gs[8], us[8];
+        _mm256_storeu_ps(gs, g);
+        _mm256_storeu_ps(us, u);
+        for (int i = 0; i < 8; i++) o[i] = gs[i] / (1.0f + expf(-gs[i])) * us[i];
+    }
+}
+
 /* Rows 0..MR-1 of x (row stride ldx) times one panel (K steps) into out (row stride ldo),
-   bias (16 values, or NULL) added at the end. One named accumulator pair per row: GCC keeps
-   arrays of vectors in memory across the loop. */
+   bias (16 values, or NULL) added at the end, written as `mode` says. One named accumulator
+   pair per row: GCC keeps arrays of vectors in memory across the loop. */
 #define TILE_ROWS 6
 #define DEFINE_TILE(MR)                                                                           \
 static void tile_##MR(const float *x, int64_t ldx, const float *panel, int64_t K, const float *bias, \
-                      float *out, int64_t ldo) {                                                  \
+                      float *out, int64_t ldo, int mode) {                                        \
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;     \
     __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;                     \
     const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx;  \
@@ -74,12 +115,12 @@ static void tile_##MR(const float *x, int64_t ldx, const float *panel, int64_t K
         a40 = _mm256_add_ps(a40, b0); a41 = _mm256_add_ps(a41, b1);                               \
         a50 = _mm256_add_ps(a50, b0); a51 = _mm256_add_ps(a51, b1);                               \
     }                                                                                             \
-    _mm256_storeu_ps(out, a00); _mm256_storeu_ps(out + 8, a01);                                   \
-    if (MR > 1) { _mm256_storeu_ps(out + ldo, a10); _mm256_storeu_ps(out + ldo + 8, a11); }       \
-    if (MR > 2) { _mm256_storeu_ps(out + 2 * ldo, a20); _mm256_storeu_ps(out + 2 * ldo + 8, a21); } \
-    if (MR > 3) { _mm256_storeu_ps(out + 3 * ldo, a30); _mm256_storeu_ps(out + 3 * ldo + 8, a31); } \
-    if (MR > 4) { _mm256_storeu_ps(out + 4 * ldo, a40); _mm256_storeu_ps(out + 4 * ldo + 8, a41); } \
-    if (MR > 5) { _mm256_storeu_ps(out + 5 * ldo, a50); _mm256_storeu_ps(out + 5 * ldo + 8, a51); } \
+    store_row(out, a00, a01, mode);                                                               \
+    if (MR > 1) store_row(out + ldo, a10, a11, mode);                                             \
+    if (MR > 2) store_row(out + 2 * ldo, a20, a21, mode);                                         \
+    if (MR > 3) store_row(out + 3 * ldo, a30, a31, mode);                                         \
+    if (MR > 4) store_row(out + 4 * ldo, a40, a41, mode);                                         \
+    if (MR > 5) store_row(out + 5 * ldo, a50, a51, mode);                                         \
 }
 DEFINE_TILE(1)
 DEFINE_TILE(2)
@@ -88,7 +129,7 @@ DEFINE_TILE(4)
 DEFINE_TILE(5)
 DEFINE_TILE(6)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t);
+typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int);
 static const tile_fn tiles[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
 /* Rows per block: x's block (rows x K floats) about 256 KiB, a whole number of tiles. */
@@ -100,7 +141,10 @@ static int64_t block_rows(int64_t K) {
 static int linear_part(const void *ctx, int part, int num_parts) {
     const mqinfer_linear_args *a = (const mqinfer_linear_args *)ctx;
     const int64_t M = a->rows, K = a->in_features, N = a->out_features;
-    const int64_t panels = (N + PANEL - 1) / PANEL;
+    /* Output columns per panel: 16, or 8 for SwiGLU (a panel holds their gate and up halves). */
+    const int swiglu = a->swiglu != 0;
+    const int64_t width = swiglu ? PANEL / 2 : PANEL, panels = (N + width - 1) / width;
+    const int64_t body = a->vector_chunk > 0 ? N / a->vector_chunk * a->vector_chunk : 0;
     const int64_t first = panels * part / num_parts, last = panels * (part + 1) / num_parts;
     const int64_t mb = block_rows(K);
     const float *x = (const float *)a->x, *packed = (const float *)a->packed, *bias = (const float *)a->bias;
@@ -110,9 +154,10 @@ static int linear_part(const void *ctx, int part, int num_parts) {
         const int64_t rows = M - r0 < mb ? M - r0 : mb;
         for (int64_t p = first; p < last; p++) {
             const float *panel = packed + p * K * PANEL;
-            const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+            const int64_t cols = N - p * width < width ? N - p * width : width;
+            const int mode = !swiglu ? STORE_PLAIN : (p + 1) * width <= body ? STORE_SWIGLU : STORE_SWIGLU_TAIL;
             const float *pb = bias ? bias + p * PANEL : NULL;
-            if (bias && cols < PANEL) {  /* the last panel's bias, zero-padded */
+            if (bias && !swiglu && cols < PANEL) {  /* the last panel's bias, zero-padded */
                 memset(edge_bias, 0, sizeof(edge_bias));
                 memcpy(edge_bias, pb, sizeof(float) * cols);
                 pb = edge_bias;
@@ -120,11 +165,11 @@ static int linear_part(const void *ctx, int part, int num_parts) {
             for (int64_t r = r0; r < r0 + rows; r += TILE_ROWS) {
                 const int mr = (int)(r0 + rows - r < TILE_ROWS ? r0 + rows - r : TILE_ROWS);
                 const float *xr = x + r * a->x_stride;
-                float *o = out + r * a->out_stride + p * PANEL;
-                if (cols == PANEL) {
-                    tiles[mr](xr, a->x_stride, panel, K, pb, o, a->out_stride);
+                float *o = out + r * a->out_stride + p * width;
+                if (cols == width) {
+                    tiles[mr](xr, a->x_stride, panel, K, pb, o, a->out_stride, mode);
                 } else {  /* a partial panel goes through a tile of its own */
-                    tiles[mr](xr, a->x_stride, panel, K, pb, edge, PANEL);
+                    tiles[mr](xr, a->x_stride, panel, K, pb, edge, PANEL, mode);
                     for (int i = 0; i < mr; i++) memcpy(o + i * a->out_stride, edge + i * PANEL, sizeof(float) * cols);
                 }
             }
@@ -135,7 +180,8 @@ static int linear_part(const void *ctx, int part, int num_parts) {
 
 int mqinfer_linear(const mqinfer_linear_args *args, int num_threads) {
     if (args->rows <= 0 || args->out_features <= 0) return 0;
-    const int64_t panels = (args->out_features + PANEL - 1) / PANEL;
+    const int64_t width = args->swiglu ? PANEL / 2 : PANEL;
+    const int64_t panels = (args->out_features + width - 1) / width;
     int64_t parts = num_threads < 1 ? 1 : num_threads;
     if (parts > panels) parts = panels;
     return mq_parallel(linear_part, args, (int)parts, num_threads) ? -1 : 0;

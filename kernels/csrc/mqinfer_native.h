@@ -139,8 +139,13 @@ int mqinfer_rotary_store_kv(const mqinfer_rotary_args *args, int num_threads);
 /* ------------------------------------------------------------------ dense layer */
 /* out = x W^T (+ bias) in float32 with W packed by mqinfer_linear_pack (linear.c).
    x [rows, in_features] (row stride x_stride), out [rows, out_features] (row stride
-   out_stride), bias [out_features] or NULL. mqinfer_linear returns 0, or -2
-   when the library has no kernel for this CPU (mqinfer_linear_available() == 0). */
+   out_stride), bias [out_features] or NULL.
+   swiglu != 0: W is SwiGLU's gate/up projection [2 * out_features, in_features] packed by
+   mqinfer_linear_pack_swiglu, bias (or NULL) the projection's bias laid out as that packing
+   lays out the rows (gate 8p..8p+7 then up 8p..8p+7 for each p, zero-padded to a whole p),
+   and out = silu(gate) * up; vector_chunk as in mqinfer_silu_mul_args.
+   mqinfer_linear returns 0, or -2 when the library has no kernel for this CPU
+   (mqinfer_linear_available() == 0). */
 typedef struct {
     const void *x;
     const void *packed;
@@ -151,12 +156,17 @@ typedef struct {
     int64_t out_features;
     int64_t x_stride;
     int64_t out_stride;
+    int64_t swiglu;
+    int64_t vector_chunk;
 } mqinfer_linear_args;
 
 int mqinfer_linear_available(void);
 /* Floats of the packed form of an [out_features, in_features] weight. */
 int64_t mqinfer_linear_packed_size(int64_t out_features, int64_t in_features);
 void mqinfer_linear_pack(const float *weight, int64_t out_features, int64_t in_features, float *packed);
+/* The same for a gate/up weight [2 * inter, in_features] used with swiglu. */
+int64_t mqinfer_linear_swiglu_packed_size(int64_t inter, int64_t in_features);
+void mqinfer_linear_pack_swiglu(const float *weight, int64_t inter, int64_t in_features, float *packed);
 int mqinfer_linear(const mqinfer_linear_args *args, int num_threads);
 
 /* ------------------------------------------------------------------ thread pool */

@@ -120,3 +120,28 @@ def test_model_layers_use_the_kernel_and_repack_after_loading(tmp_path, monkeypa
     monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
     with torch.inference_mode():
         assert torch.equal(layer(x), F.linear(x, new))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 6, 7, 64])
+@pytest.mark.parametrize("in_features,inter", [(5, 3), (64, 8), (64, 20), (576, 1536), (100, 45)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fused_swiglu_gives_the_bits_of_the_projection_then_silu_mul(rows, in_features, inter, with_bias):
+    from mqinfer.kernels import cpu_ops
+
+    if not cpu_ops.cpu_ops_available():
+        pytest.skip("the native ops library is not built here")
+    torch.manual_seed(rows * 7 + in_features + inter)
+    x = torch.randn(rows, in_features)
+    weight = torch.randn(2 * inter, in_features)
+    bias = torch.randn(2 * inter) if with_bias else None
+    chunk = cpu_ops.silu_vector_chunk(torch.float32)
+    fused = dense.swiglu(x, dense.pack_swiglu(weight, bias), chunk)
+    unfused = cpu_ops.silu_mul(dense.linear(x, dense.pack(weight), bias))
+    assert fused.shape == (rows, inter)
+    assert torch.equal(fused, unfused)
+    # And close to PyTorch's own SwiGLU.
+    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+    torch.testing.assert_close(fused, F.silu(gate) * up, rtol=1e-4, atol=1e-4 * in_features**0.5)
+    with pytest.raises(ValueError, match="swiglu"):
+        dense.linear(x, dense.pack_swiglu(weight, bias))

@@ -304,13 +304,32 @@ class MLP(nn.Module):
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
+        self.packed_swiglu: dense.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor, buffers: Activations | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        gate_up = self.gate_up_proj(x, _buffer(buffers, "gate_up", rows, 2 * self.intermediate_size, x))
-        act = cpu_ops.silu_mul(gate_up, _buffer(buffers, "silu_mul", rows, self.intermediate_size, x)
-                               if x.device.type == "cpu" else None)
+        act_buffer = _buffer(buffers, "silu_mul", rows, self.intermediate_size, x) if x.device.type == "cpu" else None
+        fused = self._fused_gate_up(x)
+        if fused is not None:
+            # The native dense kernel computes silu(gate) * up from its registers: the same
+            # bits as the projection followed by silu_mul, without the 2 x wide intermediate.
+            act = dense.swiglu(x, fused, cpu_ops.silu_vector_chunk(x.dtype), act_buffer)
+        else:
+            gate_up = self.gate_up_proj(x, _buffer(buffers, "gate_up", rows, 2 * self.intermediate_size, x))
+            act = cpu_ops.silu_mul(gate_up, act_buffer)
         return self.down_proj(act, _buffer(buffers, "down_proj", rows, self.down_proj.out_features, x))
+
+    def _fused_gate_up(self, x: torch.Tensor) -> dense.PackedWeight | None:
+        """The gate/up weight packed for the fused SwiGLU when both the dense kernel and the
+        native ops apply (packed on first use, like ``Linear``'s), else None."""
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
+                or not dense.native_linear_available() or not cpu_ops.cpu_ops_available()):
+            return None
+        proj = self.gate_up_proj
+        packed = self.packed_swiglu
+        if packed is None or not packed.packed_from(proj.weight):
+            packed = self.packed_swiglu = dense.pack_swiglu(proj.weight, proj.bias)
+        return packed
 
 
 def _buffer(buffers: Activations | None, kind: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -465,6 +484,8 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():  # packed copies of the old weights
             if isinstance(module, (Linear, LMHead)):
                 module.packed = None
+            elif isinstance(module, MLP):
+                module.packed_swiglu = None
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):
