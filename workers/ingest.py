@@ -11,9 +11,11 @@ the rest go to the batcher.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import redis
@@ -67,6 +69,33 @@ def ensure_group(redis_client, stream_key: str, group: str) -> None:
     except redis.exceptions.ResponseError as exc:
         if "BUSYGROUP" not in str(exc):
             raise
+
+
+@contextlib.contextmanager
+def announced(redis_client, stream_key: str, group: str, consumer: str, every_s: float = 2.0) -> Iterator[None]:
+    """Join the group as a consumer before the model loads, and keep it marked live until the
+    block ends (a claim that claims nothing every ``every_s`` seconds refreshes its idle time).
+
+    Workers already reading count a starting one among the live workers, and one that has never
+    been given an entry as about to take its share: so a backlog waiting when several workers
+    start is split between them instead of going whole to the first one ready."""
+    redis_client.xgroup_createconsumer(stream_key, group, consumer)
+    stop = threading.Event()
+
+    def touch() -> None:
+        while not stop.wait(every_s):
+            try:
+                redis_client.xautoclaim(stream_key, group, consumer, min_idle_time=2**62, start_id="0-0", count=1)
+            except redis.exceptions.RedisError:  # the loop's own reads report a lost server
+                pass
+
+    thread = threading.Thread(target=touch, name="mqinfer-announce", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 class DeadLetters:
@@ -137,9 +166,10 @@ class Ingest:
 
     def _fair_share(self, room: int) -> int:
         """How many unread entries to take now: an even share of all outstanding work (unread plus
-        in flight) among the live workers, less what this one holds, but at least one, so that no
-        backlog waits while this worker has room. Nothing unread: ``room`` (new arrivals go to the
-        blocked readers in turn)."""
+        in flight) among the live workers, less what this one holds. At least one, so that no
+        backlog waits while this worker has room, unless another live worker has never been given
+        an entry (it is starting, or waiting on the stream): that one takes the rest. Nothing
+        unread: ``room`` (new arrivals go to the blocked readers in turn)."""
         if room <= 1:
             return room
         pipe = self.redis.pipeline(transaction=False)
@@ -153,12 +183,13 @@ class Ingest:
         if group is None or not group.get("lag"):  # nothing unread, or the server cannot tell
             return room
         names = {text(c["name"]): c for c in consumers}
-        live = sum(1 for name, c in names.items()
-                   if name != HANDBACK_CONSUMER and (name == self.consumer or c["idle"] < LIVE_CONSUMER_MS))
-        if self.consumer not in names:
-            live += 1
+        others = [c for name, c in names.items()
+                  if name not in (HANDBACK_CONSUMER, self.consumer) and c["idle"] < LIVE_CONSUMER_MS]
+        live = len(others) + 1
         share = -(-(int(group["lag"]) + int(group["pending"])) // live) - len(self.ownership)
-        return max(1, min(room, share))
+        # Servers before Redis 7.2 report no "inactive" (never given an entry: -1).
+        newcomer = any(c.get("inactive") == -1 for c in others)
+        return max(0 if newcomer else 1, min(room, share))
 
     def _block_ms(self) -> int | None:
         """How long XREADGROUP may block: never while the engine has work to step."""
@@ -186,6 +217,8 @@ class Ingest:
             if room <= 0:
                 return
         room = self._fair_share(room)
+        if room <= 0:
+            return
         block = self._block_ms()
         t_read = time.perf_counter()
         try:

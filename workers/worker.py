@@ -41,7 +41,7 @@ from mqinfer.workers.config import WorkerConfig
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time
 from mqinfer.workers.engine import EngineInputError, LLMEngine
 from mqinfer.workers.idempotency import Idempotency
-from mqinfer.workers.ingest import DeadLetters, Ingest, ensure_group
+from mqinfer.workers.ingest import DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.ownership import Ownership
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
@@ -134,7 +134,8 @@ class Worker:
         if removed:
             log.info("removed %d leftover temporary part files", removed)
         self._wait_for_redis()
-        self.engine = engine = LLMEngine(cfg.engine, clock=self.clock)
+        with announced(self.redis, self.stream_key, cfg.group, self.consumer):
+            self.engine = engine = LLMEngine(cfg.engine, clock=self.clock)
         info = engine.info
         self.billing.model = info.model_id
         self.meter = Meter(

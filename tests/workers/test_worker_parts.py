@@ -57,6 +57,45 @@ def test_a_dead_workers_entry_is_claimed_only_once_idle_past_the_claim_time(harn
     assert h.metrics.registry.get_sample_value("mqinfer_redeliveries_total") == 1
 
 
+def test_a_backlog_is_shared_with_a_worker_still_starting(harness, redis_client):
+    # "peer" has joined the group and is loading its model: the harness worker, ready first,
+    # takes its half of the backlog and leaves the rest, instead of taking one more every turn.
+    from mqinfer.workers.ingest import ensure_group
+
+    ensure_group(redis_client, STREAM, GROUP)
+    redis_client.xgroup_createconsumer(STREAM, GROUP, "peer")
+    entries = [submit(redis_client, request(f"r{i}", max_tokens=50)) for i in range(16)]
+    h = harness()
+    h.turn()
+    assert len(h.worker.ownership) == 8
+    h.turn(3)
+    assert len(h.worker.ownership) == 8 and redis_client.xinfo_groups(STREAM)[0]["lag"] == 8
+    # Once the peer has been given entries it is an ordinary worker: one whose engine has room
+    # takes at least one more per turn, so that no backlog waits on a worker that may be full.
+    assert read_as(redis_client, "peer", count=1) == [entries[8]]
+    h.turn()
+    assert len(h.worker.ownership) == 9
+
+
+def test_a_starting_worker_is_announced_and_kept_live_while_it_loads(redis_client):
+    import time
+
+    from mqinfer.workers.ingest import LIVE_CONSUMER_MS, announced, ensure_group
+
+    ensure_group(redis_client, STREAM, GROUP)
+
+    def idle_ms() -> int:
+        [c] = [c for c in redis_client.xinfo_consumers(STREAM, GROUP) if c["name"] == b"loading"]
+        assert c["inactive"] == -1 and c["pending"] == 0  # touched, never given or claimed anything
+        return c["idle"]
+
+    with announced(redis_client, STREAM, GROUP, "loading", every_s=0.05):
+        time.sleep(0.5)
+        assert idle_ms() < 300
+    time.sleep(0.3)
+    assert 300 <= idle_ms() < LIVE_CONSUMER_MS  # no more touches once loaded
+
+
 def test_keepalive_keeps_a_running_entry_fresh_without_counting_a_delivery(harness, redis_client):
     h = harness()
     entry = submit(redis_client, request("long", max_tokens=200))
