@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from mqinfer.layout import choose_layout, cuda_available
 from mqinfer.loadgen import llamacpp
 from mqinfer.loadgen.bench_model import ModelSpec, hf_folder, resolve_model
 from mqinfer.loadgen.bench_offline import overhead_share, run_offline
@@ -119,12 +120,6 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
         server.stop()
 
 
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def _validate(args: argparse.Namespace) -> str | None:
     if args.mode == "online" and not args.rate:
         return "--mode online needs --rate R (requests per second; several comma-separated for a sweep)"
@@ -188,13 +183,17 @@ def _run(args: argparse.Namespace) -> int:
         llamacpp.check_same_model(args.gguf, spec)  # before anything runs
     log(f"workload {args.workload}: {stats.num_requests} requests, {stats.prompt_tokens} prompt tokens, "
         f"{stats.output_tokens} output tokens asked for; model {spec.arg}")
-    device = args.device if args.device != "auto" else ("cuda" if _cuda_available() else "cpu")
+    device = args.device if args.device != "auto" else ("cuda" if cuda_available() else "cpu")
+    workers, threads, why = choose_layout({"workers": args.workers, "num_threads": args.num_threads,
+                                           "device": device, "shards": 1, "model": spec.arg})
+    if args.workers == "auto":
+        log(f"--workers auto: {workers} worker(s) x {threads or 'default'} thread(s) ({why})")
     # One concrete dtype for every side (workers, transformers, the matrix rate): `auto` is the
     # checkpoint's own, or float32 on a CPU without native half-precision matmul (as the workers do).
     from mqinfer.workers.loader import resolve_dtype
 
     mm_dtype = str(resolve_dtype(args.dtype, spec.config, device)).removeprefix("torch.")
-    args = argparse.Namespace(**{**vars(args), "dtype": mm_dtype})
+    args = argparse.Namespace(**{**vars(args), "dtype": mm_dtype, "workers": workers, "num_threads": threads})
     log(f"measuring the {mm_dtype} matrix rate on {device}")
     rate_before = measure_matmul_rate(args.matrix_size, dtype=mm_dtype, device=device)
     flops = workload_flops(spec.config, requests)

@@ -28,6 +28,11 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _workers(text: str) -> int | str:
+    """argparse type for --workers: ``auto`` or an integer >= 1."""
+    return "auto" if text.strip() == "auto" else positive_int(text)
+
+
 def positive_int_list(text: str) -> list[int]:
     """argparse type: comma-separated positive integers (``16,64,256``)."""
     try:
@@ -147,7 +152,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare-wait", type=_wait_list, default=None, metavar="W[,W...]",
                    help="Online mode: run the rates once per batcher wait (milliseconds or auto, e.g. 10,auto), "
                         "each with fresh workers, and print p99/p50 TTFT and throughput side by side.")
-    g.add_argument("--workers", type=positive_int, default=1, metavar="N", help="Worker processes (default: 1).")
+    g.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
+                   help="Worker processes (default: auto = what `mqinfer run` starts: on a CPU one "
+                        "single-threaded worker per core, as many as half the free memory holds; one on a GPU).")
     g.add_argument("--out", default=None, metavar="DIR",
                    help="Keep the workers' output (results/, costs/, logs) here (default: a temporary folder, "
                         "removed afterwards).")

@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, WORKER_OPTIONS, ConfigError
+from mqinfer.layout import choose_layout
 from mqinfer.procs import die_with_parent, mqinfer_command
 
 STATE_DIR = ".mqinfer"
@@ -42,71 +43,6 @@ def input_job_id(path: Path) -> str:
     return f"run-{digest.hexdigest()[:16]}"
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def _model_bytes(model: str) -> int:
-    """About what one worker's copy of the weights takes in memory (float32 where stored smaller,
-    since a CPU without native half precision computes in float32)."""
-    if model == "tiny":
-        return 16 << 20
-    files = list(Path(model).glob("*.safetensors"))
-    return 2 * sum(f.stat().st_size for f in files)
-
-
-def _available_memory() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def choose_layout(opts: dict, *, cores: int | None = None, gpu: bool | None = None,
-                  memory: int | None = None) -> tuple[int, int | None, str]:
-    """``--workers auto``: (workers, threads per worker, why).
-
-    Small models on a CPU run fastest as one single-threaded worker per core (BENCHMARKS.md: two
-    workers of one thread against one of two threads on two cores); a GPU gets one worker. Half the
-    available memory bounds how many copies of the model are loaded. An explicit --workers wins.
-    """
-    if opts["workers"] != "auto":
-        return opts["workers"], opts["num_threads"], "--workers"
-    if gpu is None:
-        gpu = opts["device"] in ("auto", "cuda") and _cuda_available()
-    if gpu:
-        return max(1, opts["shards"]), opts["num_threads"], "a GPU: one worker"
-    cores = cores or _usable_cores()
-    threads = opts["num_threads"] or 1
-    workers = max(1, cores // threads)
-    memory = _available_memory() if memory is None else memory
-    why = f"{cores} cores, {threads} thread{'s' if threads > 1 else ''} per worker"
-    if memory:
-        fits = max(1, (memory // 2) // max(1, _model_bytes(opts["model"])))
-        if fits < workers:
-            workers, why = fits, why + f", {fits} model copies fit in half the free memory"
-            threads = opts["num_threads"] or max(1, cores // workers)
-    return max(workers, opts["shards"]), threads, why
-
-
-def _cuda_available() -> bool:
-    """Without an NVIDIA driver there is no CUDA device: no need to import torch to find out."""
-    import importlib.util
-
-    if not Path("/proc/driver/nvidia").exists() or importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def check_run_flags(opts: dict) -> None:
     """Every flag checked before anything is locked, written or submitted."""
     if opts["shards"] < 1:
@@ -123,6 +59,9 @@ def check_run_flags(opts: dict) -> None:
     is_gguf = model.suffix.lower() == ".gguf" and model.is_file()
     if opts["model"] != "tiny" and not (model.is_dir() or is_gguf):
         raise ConfigError(f"--model {opts['model']!r} is neither 'tiny', a checkpoint folder nor a .gguf file")
+    if opts["model"] != "tiny" and model.is_dir() and not (model / "config.json").is_file():
+        raise ConfigError(f"--model {opts['model']!r}: {model / 'config.json'}: file not found (a checkpoint folder "
+                          "needs config.json)")
 
 
 def model_label(model: str) -> str:
@@ -328,8 +267,8 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             _mark_done(client, done_keys, [r for r in requests if r.id in done_before], len(streams), shard_index)
             env = dict(os.environ, MQINFER_REDIS=redis_url)
             env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
-            # Worker i reads shard i mod N. They start before anything is submitted: requests sent
-            # while one worker is up and the others still load their model would all go to the first.
+            # Worker i reads shard i mod N. They join their consumer groups before anything is
+            # submitted, so that the first one ready leaves the others their share.
             workers = [
                 subprocess.Popen(worker_argv(opts, out, i, streams[i % len(streams)]), env=env,
                                  stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True,
@@ -346,7 +285,8 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
                 Producer(stream=opts["stream"], client=client).submit_many(todo)
             print(f"job {job_id}: submitted {len(todo)} requests", file=sys.stderr, flush=True)
             generated_keys = [keys.generated_tokens(s) for s in streams]
-            return _wait_done(client, done_keys, len(requests), workers, generated_keys, job_id)
+            return _wait_done(client, done_keys, len(requests), workers, generated_keys, job_id,
+                              [keys.request_stream(s) for s in streams], opts["group"])
         except Interrupted:
             print("\nmqinfer run: stopping: workers finish what they run and write it "
                   f"(up to --drain-timeout-s {opts['drain_timeout_s']:g}s)", file=sys.stderr, flush=True)
@@ -385,10 +325,10 @@ def _mark_done(client, done_keys: list[str], requests, shards: int, shard_index)
 
 
 def _wait_done(client, done_keys: list[str], total: int, workers: list[subprocess.Popen],
-               generated_keys: list[str], job_id: str) -> int:
-    """Until every request has a row (0) or every worker exited (1), showing progress: requests
-    done, and the tokens the workers generated for the job so far (movement while the first
-    requests still run)."""
+               generated_keys: list[str], job_id: str, stream_keys: list[str], group: str) -> int:
+    """Until every request has a row (0), or every worker exited (1; 2 when none got as far as
+    reading a request: they could not load the model), showing progress: requests done, and the
+    tokens the workers generated for the job so far (movement while the first requests still run)."""
     progress = _Progress(total)
     done = tokens = 0
     while True:
@@ -402,6 +342,10 @@ def _wait_done(client, done_keys: list[str], total: int, workers: list[subproces
         if not any(w.poll() is None for w in workers):
             codes = ", ".join(str(w.returncode) for w in workers)
             progress.close()
+            if done == 0 and not _delivered_any(client, stream_keys, group):
+                print(f"mqinfer run: error: every worker exited before it was ready (codes {codes}); their "
+                      "messages are above", file=sys.stderr)
+                return 2
             print(f"mqinfer run: error: every worker exited (codes {codes}) with {total - done} requests "
                   "unfinished; the workers' messages are above. Run the same command again to resume.",
                   file=sys.stderr)
@@ -439,9 +383,24 @@ class _Progress:
             print(file=sys.stderr)
 
 
+def _delivered_any(client, stream_keys: list[str], group: str) -> bool:
+    """Whether any worker was ever given an entry of these streams."""
+    import redis
+
+    for key in stream_keys:
+        try:
+            groups = client.xinfo_groups(key)
+        except redis.exceptions.RedisError:
+            return True  # cannot tell: say what is sure (requests are unfinished)
+        if any(g.get("entries-read") or g.get("pending") for g in groups):
+            return True
+    return False
+
+
 def _wait_for_workers(client, stream_keys: list[str], group: str, workers: list[subprocess.Popen],
                       timeout_s: float = 120.0) -> None:
-    """Until every worker reads its stream (it joined the consumer group), one exited, or timeout."""
+    """Until every worker joined its consumer group (it does so before it loads the model), one
+    exited, or timeout."""
     import redis
 
     deadline = time.monotonic() + timeout_s

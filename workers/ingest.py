@@ -79,7 +79,13 @@ def announced(redis_client, stream_key: str, group: str, consumer: str, every_s:
     Workers already reading count a starting one among the live workers, and one that has never
     been given an entry as about to take its share: so a backlog waiting when several workers
     start is split between them instead of going whole to the first one ready."""
-    redis_client.xgroup_createconsumer(stream_key, group, consumer)
+    try:
+        redis_client.xgroup_createconsumer(stream_key, group, consumer)
+    except redis.exceptions.NoPermissionError:
+        log.warning("this Redis user may not run XGROUP CREATECONSUMER (see ops/acl/users.acl): the worker "
+                    "joins its group only once loaded, and a backlog waiting meanwhile may go whole to another")
+        yield
+        return
     stop = threading.Event()
 
     def touch() -> None:

@@ -22,7 +22,7 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_defaults_and_pass_through_flags():
     args = parse()
-    assert (args.workload, args.num_requests, args.seed, args.mode, args.workers) == ("standard", 256, 0, "offline", 1)
+    assert (args.workload, args.num_requests, args.seed, args.mode, args.workers) == ("standard", 256, 0, "offline", "auto")
     assert args.hf_batch_sizes == [16, 64, 256] and args.dtype == "auto" and args.model is None
     args = parse("--max-num-seqs", "32", "--block-size", "8", "--num-threads", "1", "--max-wait-ms", "2.5", "--dtype", "float32",
                  "--rate", "1,2.5", "--hf-batch-sizes", "8,32")
@@ -230,10 +230,16 @@ def test_offline_bench_with_the_tiny_model_through_real_workers(tmp_path, capsys
     assert report["compute_ceiling_tok_s"] > 0
     # Overhead from the worker's own busy-time line: forward plus the rest add up to busy time.
     overhead = report["overhead"]
-    assert overhead["workers"] == 1 and overhead["busy_s"] > 0
+    assert overhead["workers"] == report["workers"] and overhead["busy_s"] > 0
     assert sum(overhead["phases_s"].values()) == pytest.approx(overhead["busy_s"], rel=0.02)
     assert 0 < overhead["outside_forward_share"] < 1
     assert "of the workers' busy time" in captured.out
+    # --workers auto (the default) starts what `mqinfer run` would.
+    from mqinfer.layout import choose_layout
+
+    workers, _, _ = choose_layout({"workers": "auto", "num_threads": None, "device": "cpu", "shards": 1,
+                                   "model": "tiny"})
+    assert report["workers"] == workers and "--workers auto: " in captured.err
     assert "mqinfer offline" in captured.out and "hf-static@8" in captured.out and "x" in captured.out
     assert (tmp_path / "out" / "results").is_dir()  # --out keeps the workers' datasets
 
@@ -242,7 +248,8 @@ def test_online_at_half_the_offline_throughput(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     code = bench.main(["--model", "tiny", "--mode", "online", "--rate", "half", "--num-requests", "8",
                        "--workload", "uniform", "--prompt-len", "8,48", "--output-len", "4,16",
-                       "--max-wait-ms", "5", "--matrix-size", "128", "--json", str(out_json), "--idle-exit-s", "30"])
+                       "--max-wait-ms", "5", "--matrix-size", "128", "--json", str(out_json), "--idle-exit-s", "30",
+                       "--workers", "1"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(out_json.read_text())
@@ -266,7 +273,7 @@ def test_online_bench_compares_wait_settings_at_one_rate(tmp_path, capsys):
     plots = tmp_path / "plots"
     argv = ["--model", "tiny", "--mode", "online", "--rate", "40", "--compare-wait", "20,auto", "--num-requests", "6",
             "--workload", "lognormal", "--prompt-len", "8,64", "--output-len", "4,16", "--matrix-size", "128",
-            "--json", str(out_json), "--idle-exit-s", "30", "--plot", str(plots)]
+            "--json", str(out_json), "--idle-exit-s", "30", "--plot", str(plots), "--workers", "1"]
     code = bench.main(argv)
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -299,7 +306,7 @@ def test_fixed_workload_beside_a_stand_in_llamacpp(tmp_path, capsys):
     code = bench.main(["--model", "tiny", "--workload", "fixed", "--num-requests", "4", "--prompt-len", "12",
                        "--output-len", "5", "--compare", "llamacpp", "--llamacpp-bin", str(folder), "--gguf",
                        str(gguf), "--llamacpp-threads", "1,2", "--matrix-size", "64", "--json", str(out_json),
-                       "--idle-exit-s", "30"])
+                       "--idle-exit-s", "30", "--workers", "1"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     report = json.loads(out_json.read_text())

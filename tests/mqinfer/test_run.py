@@ -175,16 +175,23 @@ def test_small_first_contact_errors(tmp_path):
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "max_bacth is not a flag of any command" in proc.stderr
     assert "block-size" not in proc.stderr  # a known key of another command's table is fine
-    # A worker that cannot start (a folder that is no checkpoint): its reason once, no traceback,
-    # nothing submitted.
+    # A folder that is no checkpoint: refused before anything starts, once, no traceback.
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
     proc = subprocess.run(run_cmd(str(src), "--out", str(tmp_path / "o3"), "--model", str(not_a_model)), env=env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("file not found (a checkpoint folder needs config.json)") == 1
-    assert "every worker exited before it was ready" in proc.stderr
     assert "Traceback" not in proc.stderr and "--log-level" not in proc.stderr and "submitted" not in proc.stderr
+    # Workers that cannot load the model (an architecture they do not run): their reason, and the
+    # run says that none got as far as reading a request.
+    (not_a_model / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
+    proc = subprocess.run(run_cmd(str(src), "--out", str(tmp_path / "o3"), "--model", str(not_a_model)), env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "unsupported architecture ['BertModel']" in proc.stderr
+    assert "every worker exited before it was ready" in proc.stderr
+    assert "Traceback" not in proc.stderr and "--log-level" not in proc.stderr
     # A wrong password is one line, not a traceback, and is not retried.
     from mqinfer.server import EmbeddedServer
 
@@ -236,7 +243,7 @@ def test_worker_command_line_carries_every_setting_but_no_password(tmp_path, mon
 
 
 def test_workers_auto_layout():
-    from mqinfer.run import choose_layout
+    from mqinfer.layout import choose_layout
 
     base = {"workers": "auto", "num_threads": None, "shards": 1, "device": "auto", "model": "tiny"}
     gib = 1 << 30
