@@ -146,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="Alternate engine and transformers this many times.")
     parser.add_argument("--torch-profile", action="store_true",
                         help="Also profile the engine's steps with torch.profiler and print the top operators.")
+    parser.add_argument("--ops", action="store_true",
+                        help="Also time the model's kernels op by op over one more run (CPU: the native kernels "
+                             "torch.profiler cannot see into), with each dense layer's multiply-add rate.")
     parser.add_argument("--top", type=int, default=20, help="Rows of the torch.profiler table (default: 20).")
     parser.add_argument("--prefill-latency", default=None, metavar="L[,L...]",
                         help="Only time one request alone per prompt length (its prefill step: the least time to "
@@ -211,6 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio mqinfer / hf static@{args.hf_batch_size} (wall, CPU): "
               + ", ".join(f"{r:.2f}x / {c:.2f}x" for r, c in ratios))
 
+    if args.ops:
+        from mqinfer.loadgen.op_timer import timing_ops
+
+        with timing_ops(engine.model) as times:
+            fig = run_engine(engine, [dict(r, id=f"{r['id']}-ops") for r in requests])
+        print(f"op by op ({fig.steps} steps, forward {fig.phase_seconds['forward']:.2f}s; the clocks add a few "
+              "microseconds per call):")
+        print(times.table(fig.phase_seconds["forward"]))
     if args.torch_profile:
         from torch.profiler import ProfilerActivity, profile, schedule
 

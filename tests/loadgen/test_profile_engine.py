@@ -66,3 +66,27 @@ def test_prefill_latency_times_one_request_alone(small_checkpoint, capsys):
     assert all(float(line.split("after ")[1].split(" ms")[0]) > 0 for line in lines)
     with pytest.raises(SystemExit):
         main(["--model", small_checkpoint, "--prefill-latency", "4,x"])
+
+
+def test_op_timing_clocks_the_kernels_and_puts_them_back(small_checkpoint):
+    from mqinfer.kernels import cpu_ops
+    from mqinfer.kernels import linear as dense
+    from mqinfer.loadgen.op_timer import timing_ops
+
+    engine = build_engine(small_checkpoint, _args())
+    originals = (dense.linear, dense.swiglu, cpu_ops.add_rms_norm, cpu_ops.rotary_store_kv)
+    attention = engine.model.model.layers[0].self_attn
+    original_attention = attention.paged_attention
+    requests = standard_workload(vocab_size=300, n=4, seed=5)
+    with timing_ops(engine.model) as times:
+        fig = run_engine(engine, requests)
+    # Two layers: one attention call per layer per step, and what the clocks saw fits in the
+    # forward pass they ran inside.
+    assert times.calls["attention"] == 2 * fig.steps
+    assert 0 < sum(times.seconds.values()) <= fig.phase_seconds["forward"]
+    if dense.native_linear_available():
+        assert times.calls["dense lm_head"] == fig.steps and times.flops["dense qkv_proj"] > 0
+    table = times.table(fig.phase_seconds["forward"])
+    assert "attention" in table and "everything else" in table
+    assert (dense.linear, dense.swiglu, cpu_ops.add_rms_norm, cpu_ops.rotary_store_kv) == originals
+    assert attention.paged_attention is original_attention

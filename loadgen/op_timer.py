@@ -1,0 +1,92 @@
+"""Where a CPU forward pass spends its time, op by op: the model's native kernels timed one call
+at a time while the engine runs (``python -m mqinfer.loadgen.profile_engine --ops``).
+
+torch.profiler cannot see inside the native kernels (ctypes calls appear as the time of the step
+itself), so this wraps the functions the model calls (the dense layers by their weight's role,
+SwiGLU, rotary + KV store, attention, residual + RMSNorm) with a clock, for one run, and puts
+them back afterwards. Dense layers also report their multiply-add rate, to set against the
+machine's matmul rate at large sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+
+class OpTimes:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.flops: dict[str, float] = defaultdict(float)
+
+    def add(self, name: str, seconds: float, flops: float = 0.0) -> None:
+        self.seconds[name] += seconds
+        self.calls[name] += 1
+        self.flops[name] += flops
+
+    def table(self, forward_s: float) -> str:
+        lines = [f"{'op':<28} {'calls':>7} {'seconds':>9} {'of forward':>10} {'GFLOP/s':>8}",
+                 "-" * 66]
+        for name in sorted(self.seconds, key=self.seconds.get, reverse=True):
+            s = self.seconds[name]
+            rate = f"{self.flops[name] / s / 1e9:8.1f}" if self.flops[name] and s > 0 else f"{'':>8}"
+            lines.append(f"{name:<28} {self.calls[name]:>7} {s:>9.3f} {s / forward_s:>10.1%} {rate}")
+        rest = forward_s - sum(self.seconds.values())
+        lines.append(f"{'everything else':<28} {'':>7} {rest:>9.3f} {rest / forward_s:>10.1%}")
+        return "\n".join(lines)
+
+
+def _timed(times: OpTimes, name, fn, flops=None):
+    def wrapper(*args, **kwargs):
+        t = time.perf_counter()
+        out = fn(*args, **kwargs)
+        label = name(*args) if callable(name) else name
+        times.add(label, time.perf_counter() - t, flops(*args) if flops else 0.0)
+        return out
+    return wrapper
+
+
+@contextlib.contextmanager
+def timing_ops(model) -> Iterator[OpTimes]:
+    """Clock the model's kernels until the block ends (then the originals are restored)."""
+    from mqinfer.kernels import cpu_ops
+    from mqinfer.kernels import linear as dense
+    from mqinfer.workers.models.llama import Attention, Linear, LMHead
+
+    roles: dict[int, str] = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, (Linear, LMHead)):
+            roles[id(module.weight)] = module_name.rsplit(".", 1)[-1]
+
+    def linear_name(x, packed, *_):
+        return f"dense {roles.get(id(packed.source), '?')}" if packed.source is not None else "dense"
+
+    def linear_flops(x, packed, *_):
+        return 2.0 * x.shape[0] * packed.in_features * packed.out_features
+
+    def swiglu_flops(x, packed, *_):
+        return 4.0 * x.shape[0] * packed.in_features * packed.out_features
+
+    times = OpTimes()
+    saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
+             (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm)]
+    attentions = [(m, m.paged_attention) for m in model.modules() if isinstance(m, Attention)]
+    dense.linear = _timed(times, linear_name, dense.linear, linear_flops)
+    dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops)
+    cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv)
+    cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm)
+    for m, fn in attentions:
+        m.paged_attention = _timed(times, "attention", fn)
+    try:
+        yield times
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+        for m, fn in attentions:
+            m.paged_attention = fn
+
+
+__all__ = ["OpTimes", "timing_ops"]
