@@ -70,6 +70,7 @@ class Worker:
         self.config = config
         self.clock = clock
         self.started = clock()
+        self._parent_pid = os.getppid()
         self.consumer = config.consumer or default_consumer_name()
         self.stream_key = keys.request_stream(config.stream)
         self.redis = connect_redis(config.redis_url, cluster=config.redis_cluster)
@@ -362,6 +363,10 @@ class Worker:
                 break
             self._redis.retry_now()
             self._redis(self.acks.ack)
+            if self.acks.pending and os.getppid() != self._parent_pid:
+                # The process that started us is gone (a `mqinfer run` killed, its embedded server
+                # with it): no server is coming back to take these acks.
+                break
             if self.acks.pending:
                 time.sleep(0.5)
         self._redis.retry_now()

@@ -230,7 +230,9 @@ def test_offline_bench_with_the_tiny_model_through_real_workers(tmp_path, capsys
     assert report["compute_ceiling_tok_s"] > 0
     # Overhead from the worker's own busy-time line: forward plus the rest add up to busy time.
     overhead = report["overhead"]
-    assert overhead["workers"] == report["workers"] and overhead["busy_s"] > 0
+    # A worker stopped before its signal handler was installed (still importing, once the other
+    # finished everything) leaves no summary.
+    assert 1 <= overhead["workers"] <= report["workers"] and overhead["busy_s"] > 0
     assert sum(overhead["phases_s"].values()) == pytest.approx(overhead["busy_s"], rel=0.02)
     assert 0 < overhead["outside_forward_share"] < 1
     assert "of the workers' busy time" in captured.out

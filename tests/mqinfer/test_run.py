@@ -92,8 +92,9 @@ def test_rerun_after_kill_9_resumes_and_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    # Its server and workers notice their parent died.
-    wait_until(lambda: not any(alive(p) for p in [*children, server]), timeout=60,
+    # Its server and workers notice their parent died and exit within seconds: a worker does not
+    # keep retrying acks against a server that died with the run.
+    wait_until(lambda: not any(alive(p) for p in [*children, server]), timeout=15,
                what="the killed run's workers and server to exit")
     first = len(rows(out / "results"))
     assert 8 <= first < 24
