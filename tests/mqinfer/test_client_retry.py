@@ -127,9 +127,11 @@ def test_duplicates_are_answered_under_the_least_privilege_acl_users(tmp_path):
         denied = [e for e in admin.execute_command("ACL", "LOG", "100") if e[b"username"] in (b"worker", b"producer")]
         assert denied == []
     finally:
-        if worker is not None:
-            worker.signal(signal.SIGTERM)
-            assert worker.wait() == 0, worker.log()
-        server.stop()
+        try:
+            if worker is not None:
+                worker.signal(signal.SIGTERM)
+                assert worker.wait() == 0, worker.log()
+        finally:
+            server.stop()  # also when the worker failed: no server outlives the test
     assert "NOPERM" not in worker.log()
     assert [r["id"] for r in rows(tmp_path / "out" / "results")] == ["acl-retry"]
