@@ -413,7 +413,8 @@ def _parse_time(text: str | None) -> float | None:
 
 def cmd_report(args, opts: dict) -> int:
     from mqinfer.ops.budgets import load_budgets
-    from mqinfer.ops.report import cost_report, plot, render, uncompacted_warning
+    from mqinfer.ops.report import cost_report, uncompacted_warning
+    from mqinfer.ops.report_render import plot, render
 
     by = [b.strip() for b in opts["by"].split(",") if b.strip()]
     try:

@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from mqinfer.ops.report import cost_report, render
+from mqinfer.ops.report import cost_report
+from mqinfer.ops.report_render import render
 from mqinfer.schemas.rows import COST_SCHEMA, CostRow
 from mqinfer.schemas.dataset import DatasetWriter
 

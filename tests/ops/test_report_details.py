@@ -11,7 +11,8 @@ import subprocess
 import pytest
 
 from mqinfer.ops.budgets import Budgets
-from mqinfer.ops.report import cost_report, plot, render
+from mqinfer.ops.report import cost_report
+from mqinfer.ops.report_render import plot, render
 from mqinfer.schemas.rows import COST_SCHEMA, CostRow
 from mqinfer.schemas.dataset import DatasetWriter
 from tests.helpers import mqinfer_cmd
