@@ -68,6 +68,10 @@ TOP = Option("top", int, 10, "How many of the most expensive requests to list.",
 REPORT_BUDGETS = Option("budgets", str, None, "TOML file of per-tenant budgets: mark tenants over budget.",
                         metavar="FILE")
 PLOT = Option("plot", str, None, "Also write PNG charts into DIR (needs matplotlib).", metavar="DIR")
+BASIS = Option("basis", str, "usage", "usage: each group pays for its requests' device time. allocation: also for a "
+               "share of the workers' startup and idle time, per worker and hour, in proportion to its requests' "
+               "device time there (new columns alloc_usd and total_usd; totals unchanged).",
+               choices=("usage", "allocation"))
 
 COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
@@ -75,7 +79,7 @@ RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, FRESH, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
 SUBMIT_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
-REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT]
+REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, BASIS]
 
 log = logging.getLogger("mqinfer")
 
@@ -420,7 +424,8 @@ def cmd_report(args, opts: dict) -> int:
     try:
         budgets = load_budgets(opts["budgets"]) if opts["budgets"] else None
         report = cost_report(Path(args.dir), by=by, since=_parse_time(opts["since"]),
-                             until=_parse_time(opts["until"]), top=opts["top"], budgets=budgets)
+                             until=_parse_time(opts["until"]), top=opts["top"], budgets=budgets,
+                             basis=opts["basis"])
     except (ValueError, OSError) as exc:
         print(f"mqinfer report costs: error: {exc}", file=sys.stderr)
         return 2

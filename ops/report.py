@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from mqinfer.ops.allocation import BASES, allocate_overhead
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
@@ -49,7 +50,8 @@ _GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_to
 # The group columns of the text table (CSV and JSON have every field).
 _TABLE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "cost_usd",
                  "usd_per_1m_input_tokens", "usd_per_1m_output_tokens", "usd_per_1m_tokens")
-_TABLE_HEADERS = {"usd_per_1m_input_tokens": "usd_per_1m_in", "usd_per_1m_output_tokens": "usd_per_1m_out"}
+_TABLE_HEADERS = {"usd_per_1m_input_tokens": "usd_per_1m_in", "usd_per_1m_output_tokens": "usd_per_1m_out",
+                  "allocated_usd": "alloc_usd"}
 DEFAULT_TOP = 10
 
 
@@ -76,6 +78,11 @@ class GroupCost:
     usd_per_1m_output_tokens: float | None = None
     # With budgets and a tenant key: whether that tenant reached its budget (None: no budget).
     over_budget: bool | None = None
+    # ``--basis allocation``: the group's share of the overhead of the worker-hours it used
+    # (ops/allocation.py), and cost_usd plus that share. 0 and cost_usd under ``usage``.
+    allocated_device_s: float = 0.0
+    allocated_usd: float = 0.0
+    total_usd: float | None = None
 
 
 @dataclass
@@ -111,6 +118,10 @@ class Totals:
     billed: GroupCost = field(default_factory=_no_requests)
     # ``startup`` + ``idle`` rows, and ``duplicate`` rows: time that bills nobody.
     overhead: Spend = field(default_factory=Spend)
+    # ``--basis allocation``: the part of ``overhead`` spread over the groups, and the rest
+    # (worker-hours in which no request ran).
+    allocated: Spend = field(default_factory=Spend)
+    unallocated: Spend = field(default_factory=Spend)
     duplicate: Spend = field(default_factory=Spend)
     # Per kind (request, idle, startup, duplicate).
     device_s_by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_KINDS, 0.0))
@@ -164,6 +175,9 @@ class Report:
     # rows beyond one each they have: both 0 after ``mqinfer compact``.
     requests_counted_more_than_once: int = 0
     extra_request_rows: int = 0
+    # "usage" (requests pay for their own device time) or "allocation" (also for the overhead
+    # of the worker-hours they used).
+    basis: str = "usage"
 
 
 def _per_million(cost: float, tokens: int) -> float | None:
@@ -178,13 +192,17 @@ def cost_report(
     *,
     top: int = DEFAULT_TOP,
     budgets: Budgets | None = None,
+    basis: str = "usage",
 ) -> Report:
     """Sum the costs dataset under ``out_dir`` by the ``by`` columns.
 
     ``since`` (inclusive) and ``until`` (exclusive) bound ``finished_at``, in unix seconds.
     Groups are ordered by cost, highest first; ``top`` is how many of the most expensive
-    requests to list.
+    requests to list. ``basis`` ``allocation`` also spreads the startup and idle time over the
+    groups (ops/allocation.py), and orders them by cost plus that share.
     """
+    if basis not in BASES:
+        raise ValueError(f"unknown cost basis {basis!r}: use one of {', '.join(BASES)}")
     if isinstance(by, str):
         by = [by]
     by = list(by)
@@ -221,8 +239,20 @@ def cost_report(
 
     billed = table.filter(pc.equal(table["kind"], "request"))
     groups = [_group(key_row, by) for key_row in _aggregate(billed, by)]
-    groups.sort(key=lambda g: (-g.cost_usd, [(v is None, v or "") for v in g.key.values()]))
+    for g in groups:
+        g.total_usd = g.cost_usd
+    if basis == "allocation":
+        spread = allocate_overhead(table, by)
+        for g in groups:
+            key = tuple(g.key[k] for k in by)
+            g.allocated_device_s, g.allocated_usd = spread.device_s.get(key, 0.0), spread.cost_usd.get(key, 0.0)
+            g.total_usd = g.cost_usd + g.allocated_usd
+        totals.allocated = Spend(device_s=sum(spread.device_s.values()), cost_usd=sum(spread.cost_usd.values()))
+        totals.unallocated = Spend(device_s=spread.unallocated_device_s, cost_usd=spread.unallocated_usd)
+    groups.sort(key=lambda g: (-g.total_usd, [(v is None, v or "") for v in g.key.values()]))
     b = totals.billed = _billed_sum(billed)
+    b.allocated_device_s, b.allocated_usd = totals.allocated.device_s, totals.allocated.cost_usd
+    b.total_usd = b.cost_usd + b.allocated_usd
     totals.requests, totals.prompt_tokens = b.requests, b.prompt_tokens
     totals.cached_prompt_tokens, totals.output_tokens = b.cached_prompt_tokens, b.output_tokens
     totals.usd_per_1m_tokens = b.usd_per_1m_tokens
@@ -239,7 +269,7 @@ def cost_report(
                 g.over_budget = over.get(g.key["tenant"] or "default")
     return Report(by=by, since=since, until=until, groups=groups, totals=totals,
                   top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
-                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows)
+                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis)
 
 
 def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str]) -> str | None:

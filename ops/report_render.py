@@ -28,8 +28,36 @@ SUMMARY_LINES = (
 )
 
 
+# With ``--basis allocation``, after ``overhead``: its part spread over the groups and the rest.
+ALLOCATION_LINES = (
+    ("allocated", "  of it allocated"),
+    ("unallocated", "  of it unallocated"),
+)
+# The group fields ``--basis allocation`` adds (after cost_usd in the text table).
+ALLOCATION_FIELDS = ("allocated_device_s", "allocated_usd", "total_usd")
+_ALLOCATION_TABLE_FIELDS = ("allocated_usd", "total_usd")
+
+
+def _summary_lines(report: Report) -> tuple[tuple[str, str], ...]:
+    if report.basis != "allocation":
+        return SUMMARY_LINES
+    return SUMMARY_LINES[:2] + ALLOCATION_LINES + SUMMARY_LINES[2:]
+
+
+def _group_fields(report: Report) -> tuple[str, ...]:
+    return _GROUP_FIELDS + (ALLOCATION_FIELDS if report.basis == "allocation" else ())
+
+
+def _table_fields(report: Report) -> tuple[str, ...]:
+    if report.basis != "allocation":
+        return _TABLE_FIELDS
+    i = _TABLE_FIELDS.index("cost_usd") + 1
+    return _TABLE_FIELDS[:i] + _ALLOCATION_TABLE_FIELDS + _TABLE_FIELDS[i:]
+
+
 def _summary(totals: Totals) -> dict[str, GroupCost | Spend]:
     return {"billed": totals.billed, "overhead": totals.overhead, "duplicate": totals.duplicate,
+            "allocated": totals.allocated, "unallocated": totals.unallocated,
             "total": Spend(device_s=totals.device_s, cost_usd=totals.cost_usd)}
 
 
@@ -50,19 +78,20 @@ def _render_csv(report: Report) -> str:
     w = csv.writer(buf, lineterminator="\n")
     budget_column = ["over_budget"] if report.budgets is not None and "tenant" in report.by else []
     # ``row`` tells the groups (``group``) from the summary lines (SUMMARY_LINES).
-    w.writerow(["row"] + report.by + list(_GROUP_FIELDS) + budget_column)
+    fields = _group_fields(report)
+    w.writerow(["row"] + report.by + list(fields) + budget_column)
     for g in report.groups:
         extra = ["" if g.over_budget is None else str(g.over_budget).lower()] if budget_column else []
         w.writerow(
             ["group"] + ["" if g.key[k] is None else g.key[k] for k in report.by]
-            + ["" if getattr(g, m, None) is None else getattr(g, m) for m in _GROUP_FIELDS]
+            + ["" if getattr(g, m, None) is None else getattr(g, m) for m in fields]
             + extra
         )
     summary = _summary(report.totals)
-    for name, _ in SUMMARY_LINES:
+    for name, _ in _summary_lines(report):
         line = summary[name]
         w.writerow([name] + [""] * len(report.by)
-                   + ["" if getattr(line, m, None) is None else getattr(line, m) for m in _GROUP_FIELDS]
+                   + ["" if getattr(line, m, None) is None else getattr(line, m) for m in fields]
                    + [""] * len(budget_column))
     return buf.getvalue()
 
@@ -96,19 +125,20 @@ def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
 
 def _render_table(report: Report) -> str:
     budget_column = report.budgets is not None and "tenant" in report.by
-    headers = report.by + [_TABLE_HEADERS.get(m, m) for m in _TABLE_FIELDS] + (["budget"] if budget_column else [])
-    numeric = [False] * len(report.by) + [True] * len(_TABLE_FIELDS) + ([False] if budget_column else [])
+    fields = _table_fields(report)
+    headers = report.by + [_TABLE_HEADERS.get(m, m) for m in fields] + (["budget"] if budget_column else [])
+    numeric = [False] * len(report.by) + [True] * len(fields) + ([False] if budget_column else [])
     rows = []
     for g in report.groups:
         mark = ["" if g.over_budget is None else "OVER" if g.over_budget else "ok"] if budget_column else []
         rows.append(["(none)" if g.key[k] is None else str(g.key[k]) for k in report.by]
-                    + [_fmt_number(m, getattr(g, m)) for m in _TABLE_FIELDS] + mark)
+                    + [_fmt_number(m, getattr(g, m)) for m in fields] + mark)
     t = report.totals
     summary = _summary(t)
     footer = [[label] + [""] * (len(report.by) - 1)
               + [_fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else ""
-                 for m in _TABLE_FIELDS]
-              + ([""] if budget_column else []) for name, label in SUMMARY_LINES]
+                 for m in fields]
+              + ([""] if budget_column else []) for name, label in _summary_lines(report)]
     out = _aligned(headers, rows, numeric, footer)
 
     out += ["", "device time by kind (share of the TOTAL):"]
