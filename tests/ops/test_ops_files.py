@@ -198,3 +198,31 @@ def test_kubernetes_deployment_probes_the_metrics_port(tmp_path):
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert mounts["budgets"] == "/etc/mqinfer"
     tomllib.loads(config_map["data"]["budgets.toml"])
+
+
+def test_keda_scaled_object_follows_the_worker_stream_and_scales_to_zero():
+    jsonschema = pytest.importorskip("jsonschema")
+    from mqinfer.schemas import keys
+
+    docs = list(yaml.safe_load_all((DEPLOY / "keda.yaml").read_text()))
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    schema = json.loads((DEPLOY / "keda-scaledobject.schema.json").read_text())
+    jsonschema.validate(scaled, schema)
+    spec = scaled["spec"]
+    deployment = next(d for d in yaml.safe_load_all((DEPLOY / "kubernetes.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    assert spec["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert spec["minReplicaCount"] == 0 and spec["maxReplicaCount"] >= 1
+    triggers = {t["name"]: t["metadata"] for t in spec["triggers"]}
+    for meta in triggers.values():  # the stream and group the workers read
+        assert meta["stream"] == keys.request_stream("requests") and meta["consumerGroup"] == keys.GROUP
+    assert "lagCount" in triggers["lag"] and "pendingEntriesCount" in triggers["pending"]
+    auth = {d["metadata"]["name"] for d in docs if d["kind"] == "TriggerAuthentication"}
+    assert {t["authenticationRef"]["name"] for t in spec["triggers"]} <= auth
+    # The schema catches the usual mistakes: a number where KEDA wants a string, two targets in
+    # one trigger.
+    for broken in ({**triggers["lag"], "lagCount": 64}, {**triggers["lag"], "pendingEntriesCount": "8"}):
+        bad = json.loads(json.dumps(scaled))
+        bad["spec"]["triggers"][0]["metadata"] = broken
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)
