@@ -2,9 +2,27 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mqinfer.server import EmbeddedServer
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject.toml): one test process per core, plus one. Many tests spend part of
+    their time waiting on worker subprocesses and sockets; the extra process keeps the cores busy
+    meanwhile (on 2 cores: 4m25s against 4m49s). ``--maxprocesses`` still caps it, and
+    PYTEST_XDIST_AUTO_NUM_WORKERS still sets it."""
+    explicit = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+    if explicit:
+        return int(explicit)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return cores + 1
 
 
 @pytest.fixture(scope="session")
