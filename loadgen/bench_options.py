@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import math
 
+from mqinfer.layout import parse_workers
+
 HALF = "half"  # --rate: half the throughput of an offline run of the same requests
 AUTO = "auto"  # --max-wait-ms: the adaptive batcher
 WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix", "fixed")
@@ -29,8 +31,11 @@ def positive_int(text: str) -> int:
 
 
 def _workers(text: str) -> int | str:
-    """argparse type for --workers: ``auto`` or an integer >= 1."""
-    return "auto" if text.strip() == "auto" else positive_int(text)
+    """argparse type for --workers (``mqinfer.layout.parse_workers``, as `mqinfer run` reads it)."""
+    try:
+        return parse_workers(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int_list(text: str) -> list[int]:

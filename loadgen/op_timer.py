@@ -62,7 +62,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
             roles[id(module.weight)] = module_name.rsplit(".", 1)[-1]
 
     def linear_name(x, packed, *_):
-        return f"dense {roles.get(id(packed.source), '?')}" if packed.source is not None else "dense"
+        return f"dense {roles.get(id(packed.source), '?')}"
 
     def linear_flops(x, packed, *_):
         return 2.0 * x.shape[0] * packed.in_features * packed.out_features

@@ -33,19 +33,10 @@ from mqinfer.config import (
     load_config_file,
     resolve,
 )
+from mqinfer.layout import parse_workers
 
 OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datasets go here.", metavar="DIR")
-def _workers(text: str) -> int | str:
-    """A positive number of worker processes, or ``auto``."""
-    if str(text).strip().lower() == "auto":
-        return "auto"
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected auto or an integer >= 1, got {value}")
-    return value
-
-
-WORKERS = Option("workers", _workers, "auto", "Worker processes to run, or auto: on a CPU one per core with one "
+WORKERS = Option("workers", parse_workers, "auto", "Worker processes to run, or auto: on a CPU one per core with one "
                  "thread each (fewer when the model would not fit in memory that many times; --num-threads N "
                  "gives cores / N workers), on a GPU one.", metavar="N")
 FORMAT = Option("format", str, "msgpack", "Stream entry encoding.", choices=("msgpack", "json"))

@@ -14,6 +14,20 @@ import os
 from pathlib import Path
 
 
+def parse_workers(text: str) -> int | str:
+    """A ``--workers`` value: ``auto`` or an integer >= 1 (ValueError otherwise)."""
+    text = str(text).strip().lower()
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected auto or an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"expected auto or an integer >= 1, got {value}")
+    return value
+
+
 def usable_cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -76,4 +90,4 @@ def choose_layout(opts: dict, *, cores: int | None = None, gpu: bool | None = No
     return max(workers, opts["shards"]), threads, why
 
 
-__all__ = ["available_memory", "choose_layout", "cuda_available", "model_bytes", "usable_cores"]
+__all__ = ["available_memory", "choose_layout", "cuda_available", "model_bytes", "parse_workers", "usable_cores"]

@@ -15,14 +15,10 @@ def pytest_xdist_auto_num_workers(config) -> int:
     their time waiting on worker subprocesses and sockets; the extra process keeps the cores busy
     meanwhile (on 2 cores: 4m25s against 4m49s). ``--maxprocesses`` still caps it, and
     PYTEST_XDIST_AUTO_NUM_WORKERS still sets it."""
+    from mqinfer.layout import usable_cores
+
     explicit = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
-    if explicit:
-        return int(explicit)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return cores + 1
+    return int(explicit) if explicit else usable_cores() + 1
 
 
 @pytest.fixture(scope="session")

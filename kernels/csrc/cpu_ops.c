@@ -235,7 +235,7 @@ int mqinfer_add_rms_norm(const mqinfer_rms_norm_args *args, int num_threads) {
 }
 
 /* ------------------------------------------------------------------ SiLU(gate) * up */
-/* exp_f32 (and exp_f32x8 with AVX2): silu_exp.h. */
+/* exp_f32, and exp_f32x8 / exp_f32x16 with AVX2 / AVX-512: silu_exp.h. */
 #ifdef __AVX512F__
 /* 16-lane versions of the helpers above, the same operations in the same order (so a row's
    vector body and its scalar tail agree bit for bit). */
@@ -266,30 +266,6 @@ static inline __m512 keep_f32x16(__m512 v) { return v; }
 #define STV_bf16(p, v) store_bf16x16(p, v)
 #define RDV_bf16(v) round_bf16x16(v)
 
-static inline __m512 pow2i_f32x16(__m512i q) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(127)), 23));
-}
-static inline __m512 exp_f32x16(__m512 d) {
-    const __m512 lo = _mm512_set1_ps(-104.0f), hi = _mm512_set1_ps(104.0f);
-    const __mmask16 under = _mm512_cmp_ps_mask(d, lo, _CMP_LT_OQ);
-    const __mmask16 over = _mm512_cmp_ps_mask(d, hi, _CMP_GT_OQ);
-    const __m512 x = _mm512_mask_mov_ps(_mm512_mask_mov_ps(d, under, lo), over, hi);
-    const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.442695040888963407359924681001892137f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 s = _mm512_fmadd_ps(q, _mm512_set1_ps(-0.693145751953125f), x);
-    s = _mm512_fmadd_ps(q, _mm512_set1_ps(-1.428606765330187045e-06f), s);
-    __m512 u = _mm512_set1_ps(0.000198527617612853646278381f);
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00139304355252534151077271f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.00833336077630519866943359f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.0416664853692054748535156f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.166666671633720397949219f));
-    u = _mm512_fmadd_ps(u, s, _mm512_set1_ps(0.5f));
-    u = _mm512_add_ps(_mm512_set1_ps(1.0f), _mm512_fmadd_ps(_mm512_mul_ps(s, s), u, s));
-    const __m512i qi = _mm512_cvtps_epi32(q), half = _mm512_srai_epi32(qi, 1);
-    u = _mm512_mul_ps(_mm512_mul_ps(u, pow2i_f32x16(half)), pow2i_f32x16(_mm512_sub_epi32(qi, half)));
-    u = _mm512_mask_mov_ps(u, under, _mm512_setzero_ps());
-    return _mm512_mask_mov_ps(u, over, _mm512_set1_ps(INFINITY));
-}
 #define SILU_MUL_BODY(TY, g, u, o, I, i)                                                     \
     for (; i + 16 <= I; i += 16) {                                                           \
         const __m512 x = LDV_##TY(g + i);                                                    \

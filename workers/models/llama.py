@@ -42,15 +42,19 @@ def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Pa
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _packed_weight(module: nn.Module, x: torch.Tensor) -> dense.PackedWeight | None:
-    """``module.weight`` in the native dense kernel's layout when ``x`` and the weight suit it
-    (2-D float32 on CPU, a CPU the kernel serves, the switch allowing), packed on first use and
-    kept; None otherwise. ``load_weights`` drops the packed copies."""
+def _packed_weight(module: nn.Module, x: torch.Tensor, *, attr: str = "packed", weight: torch.Tensor | None = None,
+                   pack=dense.pack) -> dense.PackedWeight | None:
+    """``weight`` (default ``module.weight``) in the native dense kernel's layout when ``x`` and
+    the weight suit it (2-D float32 on CPU, a CPU the kernel serves, the switch allowing): made
+    by ``pack`` on first use and kept in ``module.<attr>``, made again when the weight was
+    replaced; None otherwise. ``load_weights`` drops the packed copies."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not dense.native_linear_available():
         return None
-    packed = module.packed
-    if packed is None or not packed.packed_from(module.weight):
-        packed = module.packed = dense.pack(module.weight)
+    weight = module.weight if weight is None else weight
+    packed = getattr(module, attr)
+    if packed is None or not packed.packed_from(weight):
+        packed = pack(weight)
+        setattr(module, attr, packed)
     return packed
 
 
@@ -322,14 +326,11 @@ class MLP(nn.Module):
     def _fused_gate_up(self, x: torch.Tensor) -> dense.PackedWeight | None:
         """The gate/up weight packed for the fused SwiGLU when both the dense kernel and the
         native ops apply (packed on first use, like ``Linear``'s), else None."""
-        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2
-                or not dense.native_linear_available() or not cpu_ops.cpu_ops_available()):
+        if not cpu_ops.cpu_ops_available():
             return None
         proj = self.gate_up_proj
-        packed = self.packed_swiglu
-        if packed is None or not packed.packed_from(proj.weight):
-            packed = self.packed_swiglu = dense.pack_swiglu(proj.weight, proj.bias)
-        return packed
+        return _packed_weight(self, x, attr="packed_swiglu", weight=proj.weight,
+                              pack=lambda w: dense.pack_swiglu(w, proj.bias))
 
 
 def _buffer(buffers: Activations | None, kind: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
