@@ -121,6 +121,14 @@ class LinearArgs(ctypes.Structure):
     ]
 
 
+class QLinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("packed", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", _ptr),
+        ("scratch", _ptr), ("rows", _i64), ("in_features", _i64), ("out_features", _i64),
+        ("x_stride", _i64), ("out_stride", _i64), ("swiglu", _i64), ("vector_chunk", _i64),
+    ]
+
+
 # Record -> the name of its layout table in the library (abi.c).
 _RECORDS = {
     AttentionArgs: "mqinfer_layout_attention_args",
@@ -129,6 +137,7 @@ _RECORDS = {
     SiluMulArgs: "mqinfer_layout_silu_mul_args",
     RotaryArgs: "mqinfer_layout_rotary_args",
     LinearArgs: "mqinfer_layout_linear_args",
+    QLinearArgs: "mqinfer_layout_qlinear_args",
 }
 
 # Exported function -> (result type, argument types).
@@ -145,6 +154,11 @@ _SIGNATURES = {
     "mqinfer_linear_swiglu_packed_size": (_i64, [_i64, _i64]),
     "mqinfer_linear_pack_swiglu": (None, [_ptr, _i64, _i64, _ptr]),
     "mqinfer_linear": (ctypes.c_int, [ctypes.POINTER(LinearArgs), ctypes.c_int]),
+    "mqinfer_qlinear_available": (ctypes.c_int, []),
+    "mqinfer_qlinear_packed_size": (_i64, [_i64, _i64, ctypes.c_int]),
+    "mqinfer_qlinear_pack": (None, [_ptr, _i64, _i64, ctypes.c_int, _ptr]),
+    "mqinfer_qlinear_scratch_size": (_i64, [_i64, _i64]),
+    "mqinfer_qlinear": (ctypes.c_int, [ctypes.POINTER(QLinearArgs), ctypes.c_int]),
     "mqinfer_pool_starts": (_i64, []),
     "mqinfer_pool_workers": (ctypes.c_int, []),
 }

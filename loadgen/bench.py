@@ -43,7 +43,7 @@ from mqinfer.loadgen.bench_online import (
     request_rate,
     run_online,
 )
-from mqinfer.loadgen.bench_options import HALF, HF, LLAMACPP, add_bench_arguments
+from mqinfer.loadgen.bench_options import HALF, HF, LLAMACPP, UNQUANTIZED, add_bench_arguments
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, worker_argv, worker_wait_setting
 from mqinfer.loadgen.bench_report import (
     budget_dict,
@@ -129,6 +129,8 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--compare-wait applies to --mode online only"
     if args.compare_wait and args.max_wait_ms is not None:
         return "--compare-wait sets each run's wait; leave out --max-wait-ms"
+    if args.compare and UNQUANTIZED in args.compare and args.quantization == "none":
+        return "--compare unquantized needs --quantization w8a8 or w8a16 (it reruns mqinfer without it)"
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf or llamacpp"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -209,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
         "model": {"arg": spec.arg, "config": spec.config},
         "mode": args.mode,
         "workers": args.workers,
-        "engine_flags": {k: getattr(args, k) for k in ("dtype", "device", "max_num_seqs", "max_num_batched_tokens",
+        "engine_flags": {k: getattr(args, k) for k in ("dtype", "quantization", "device", "max_num_seqs", "max_num_batched_tokens",
                                                        "num_kv_blocks", "block_size", "max_batch", "max_wait_ms",
                                                        "num_threads")},
         "matrix_rate_before": asdict(rate_before),
@@ -250,6 +252,17 @@ def _run(args: argparse.Namespace) -> int:
             for p in online:
                 done(point_name(p, bool(args.compare_wait)), p.summary,
                      {"summary": p.summary.to_dict(), "budget": budget_dict(p)})
+        if UNQUANTIZED in compare and not args.skip_engine:
+            log("mqinfer again with --quantization none")
+            plain_args = argparse.Namespace(**{**vars(args), "quantization": "none", "mode": "offline", "rate": [],
+                                               "compare_wait": None,
+                                               "out": str(Path(args.out) / "unquantized") if args.out else None})
+            plain = run_engine(plain_args, spec, requests, scratch / "unquantized")
+            done("mqinfer offline, unquantized", plain.offline, {"summary": plain.offline.to_dict()})
+            if ours is not None:
+                agreement = token_agreement(our_outputs, plain.outputs)
+                if agreement is not None:
+                    report["agreement_vs_unquantized"] = asdict(agreement)
         static_best = continuous = None
         if HF in compare:
             from mqinfer.loadgen import hf_baseline
@@ -294,6 +307,9 @@ def _run(args: argparse.Namespace) -> int:
         ratios["vs_hf_static_best"] = ours.throughput / static_best.throughput if static_best.throughput else 0.0
     if ours is not None and continuous is not None:
         ratios["vs_hf_continuous"] = ours.throughput / continuous.throughput if continuous.throughput else 0.0
+    plain = dict(table_rows).get("mqinfer offline, unquantized")
+    if ours is not None and plain is not None:
+        ratios["vs_unquantized"] = ours.throughput / plain.throughput if plain.throughput else 0.0
     llama = report.get("llamacpp")
     if llama is not None and llama["mqinfer"] is not None:
         best = next(r for r in llama["runs"] if r["threads"] == llama["best_threads"])
@@ -304,7 +320,7 @@ def _run(args: argparse.Namespace) -> int:
         if agreement is not None:
             report["agreement_vs_hf_static"] = asdict(agreement)
     report["ceiling_share"] = {name: s.throughput / ceiling for name, s in table_rows
-                               if s.throughput > 0 and (name == "mqinfer offline" or name.startswith("hf-"))}
+                               if s.throughput > 0 and (name.startswith("mqinfer offline") or name.startswith("hf-"))}
     report["wall_s"] = time.time() - started
     report["load_average_at_end"] = os.getloadavg()
     print_report(report, table_rows, online)

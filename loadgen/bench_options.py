@@ -16,7 +16,10 @@ AUTO = "auto"  # --max-wait-ms: the adaptive batcher
 WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix", "fixed")
 HF = "hf"  # --compare: transformers on the same checkpoint
 LLAMACPP = "llamacpp"  # --compare: llama.cpp's llama-batched-bench on a GGUF of the same weights
-PEERS = (HF, LLAMACPP)
+# --compare: the same mqinfer run again with --quantization none (the speed-up and the greedy
+# agreement of --quantization)
+UNQUANTIZED = "unquantized"
+PEERS = (HF, LLAMACPP, UNQUANTIZED)
 
 
 def positive_int(text: str) -> int:
@@ -174,7 +177,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--compare", type=_peer_list, default=None, metavar="PEER[,PEER]",
                    help="Also run peers: hf = transformers on the same checkpoint and requests (static batching "
                         "at --hf-batch-sizes, the best counts, and its continuous batching); llamacpp = "
-                        "llama-batched-bench on --gguf (--workload fixed only); e.g. hf,llamacpp.")
+                        "llama-batched-bench on --gguf (--workload fixed only); unquantized = mqinfer again "
+                        "with --quantization none (with --quantization w8a8 or w8a16); e.g. hf,llamacpp.")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
     g.add_argument("--hf-max-batch-tokens", type=positive_int, default=None, metavar="T",
@@ -196,6 +200,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="Weights and activations, for mqinfer and transformers alike (default: auto = the "
                         "checkpoint's own, or float32 on a CPU without native bfloat16/float16 matmul).")
+    g.add_argument("--quantization", default="none", choices=("none", "w8a8", "w8a16"),
+                   help="8-bit weights for mqinfer's workers (see `mqinfer worker --help`); transformers and "
+                        "llama.cpp are not affected (default: none).")
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="Where the workers run the model; transformers runs on cuda when this is cuda "
                         "(default: auto).")

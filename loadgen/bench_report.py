@@ -241,6 +241,14 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
         print(f"greedy agreement with {static_best} over {a['compared']} requests: first token "
               f"{a['first_token']:.0%}, identical output {a['identical']:.0%}, common prefix "
               f"{a['common_prefix']:.0%} on average (bf16 near-ties make later tokens differ)")
+    if ours is not None and "mqinfer offline, unquantized" in throughputs:
+        print(f"mqinfer --quantization {report['engine_flags']['quantization']} / unquantized: "
+              f"{_ratio(ours, throughputs['mqinfer offline, unquantized'])}")
+    if "agreement_vs_unquantized" in report:
+        a = report["agreement_vs_unquantized"]
+        print(f"greedy agreement with the unquantized run over {a['compared']} requests: first token "
+              f"{a['first_token']:.0%}, identical output {a['identical']:.0%}, common prefix "
+              f"{a['common_prefix']:.0%} on average")
     if "llamacpp" in report:
         lc = report["llamacpp"]
         print(f"llama.cpp: llama-batched-bench -npp {lc['prompt_len']} -ntg {lc['output_len']} -npl "

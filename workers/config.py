@@ -20,6 +20,7 @@ from mqinfer.schemas.stream import MAX_ENTRY_BYTES
 
 DEVICES = ("auto", "cpu", "cuda")  # the flag's choices; the dataclass also takes cuda:N
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "w8a8", "w8a16")
 
 # The scheduler's defaults, which the engine passes on to it unchanged.
 _SCHEDULER = SchedulerConfig()
@@ -63,6 +64,11 @@ class EngineConfig:
     device: str = field(default="auto", metadata=flag("Where the model runs.", choices=DEVICES))
     dtype: str = field(default="auto", metadata=flag(
         "Weight and activation dtype (auto = the checkpoint's own).", choices=DTYPES))
+    quantization: str = field(default="none", metadata=flag(
+        "8-bit weights for the decoder layers' projections (the embeddings and LM head stay in --dtype): "
+        "w8a8 = int8 weights and per-token int8 activations with exact int32 sums, the fastest on CPU; "
+        "w8a16 = int8 weights with activations in --dtype, a quarter of float32's weight memory; "
+        "none = the checkpoint's weights as they are.", choices=QUANTIZATIONS))
     block_size: int = field(default=_SCHEDULER.block_size, metadata=flag("Tokens per KV cache block.", metavar="B"))
     num_kv_blocks: int | None = field(default=None, metadata=flag(
         "KV cache blocks (default: sized from the model and memory).", metavar="K"))
@@ -94,6 +100,8 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be none, w8a8 or w8a16, got {self.quantization!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -31,6 +31,7 @@ from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
+from mqinfer.workers.models.quant import quantize_model
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -194,6 +195,9 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(_num_threads(config.num_threads))
         model, info = load_model(config.model, self.device, config.dtype)
+        if config.quantization != "none":
+            swapped = quantize_model(model, config.quantization)
+            log.info("quantization %s: %d projections hold int8 weights", config.quantization, swapped)
         self.model = model
         self.info = info
         self.tokenizer: Tokenizer | None = (
@@ -263,9 +267,10 @@ class LLMEngine:
         )
         self.num_steps = 0
         log.info(
-            "engine ready: %s (%s, %s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB), "
+            "engine ready: %s (%s, %s%s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB), "
             "max_model_len %d",
-            info.model_id, info.architecture, info.dtype, f"{info.num_params:,}", self.device, num_blocks,
+            info.model_id, info.architecture, info.dtype,
+            "" if config.quantization == "none" else f" {config.quantization}", f"{info.num_params:,}", self.device, num_blocks,
             config.block_size, self.runner.kv_cache_bytes / 2**20, max_len,
         )
 

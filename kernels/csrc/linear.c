@@ -26,7 +26,7 @@
 
 #include "mqinfer_native.h"
 #include "native_common.h"
-#include "silu_exp.h"
+#include "dense_store.h"
 
 #define PANEL 16
 
@@ -64,26 +64,6 @@ void mqinfer_linear_pack_swiglu(const float *weight, int64_t inter, int64_t in_f
 #include <immintrin.h>
 
 int mqinfer_linear_available(void) { return 1; }
-
-/* How a tile's row of 16 sums is written: as they are (16 outputs), or as SwiGLU's 8 outputs
-   silu(gate) * up with the vectorised exponential, or with std::exp (for the columns where
-   PyTorch's SiLU uses it: past the last whole vector_chunk of a row). */
-enum { STORE_PLAIN, STORE_SWIGLU, STORE_SWIGLU_TAIL };
-
-static inline void store_row(float *o, __m256 g, __m256 u, int mode) {
-    if (mode == STORE_PLAIN) {
-        _mm256_storeu_ps(o, g);
-        _mm256_storeu_ps(o + 8, u);
-    } else if (mode == STORE_SWIGLU) {
-        const __m256 e = exp_f32x8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
-        _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), u));
-    } else {
-        float gs[8], us[8];
-        _mm256_storeu_ps(gs, g);
-        _mm256_storeu_ps(us, u);
-        for (int i = 0; i < 8; i++) o[i] = gs[i] / (1.0f + expf(-gs[i])) * us[i];
-    }
-}
 
 /* Rows 0..MR-1 of x (row stride ldx) times one panel (K steps) into out (row stride ldo),
    bias (16 values, or NULL) added at the end, written as `mode` says. One named accumulator

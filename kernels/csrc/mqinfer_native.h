@@ -169,6 +169,39 @@ int64_t mqinfer_linear_swiglu_packed_size(int64_t inter, int64_t in_features);
 void mqinfer_linear_pack_swiglu(const float *weight, int64_t inter, int64_t in_features, float *packed);
 int mqinfer_linear(const mqinfer_linear_args *args, int num_threads);
 
+/* w8a8: out = (x_q W_q^T) * x_scale * w_scale (+ bias) with int8 W packed by
+   mqinfer_qlinear_pack and x quantized per row inside the call (linear_int8.c).
+   x float32 [rows, in_features] (row stride x_stride), out float32 [rows, out_features] (row
+   stride out_stride). scales and bias (or NULL) float32, one per packed panel column
+   (panels x 16: the output features in panel order, zero past the last). scratch holds
+   mqinfer_qlinear_scratch_size(rows, in_features) bytes, 4-byte aligned. swiglu and
+   vector_chunk as in mqinfer_linear_args. Returns 0, or -2 when the library has no kernel
+   for this CPU (mqinfer_qlinear_available() == 0). */
+typedef struct {
+    const void *x;
+    const void *packed;
+    const void *scales;
+    const void *bias;
+    void *out;
+    void *scratch;
+    int64_t rows;
+    int64_t in_features;
+    int64_t out_features;
+    int64_t x_stride;
+    int64_t out_stride;
+    int64_t swiglu;
+    int64_t vector_chunk;
+} mqinfer_qlinear_args;
+
+int mqinfer_qlinear_available(void);
+/* Bytes of the packed form of an int8 [out_features, in_features] weight ([2 * out_features,
+   in_features], gate rows first, with swiglu). */
+int64_t mqinfer_qlinear_packed_size(int64_t out_features, int64_t in_features, int swiglu);
+void mqinfer_qlinear_pack(const int8_t *weight, int64_t out_features, int64_t in_features, int swiglu,
+                          int8_t *packed);
+int64_t mqinfer_qlinear_scratch_size(int64_t rows, int64_t in_features);
+int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads);
+
 /* ------------------------------------------------------------------ thread pool */
 /* How many times the pool has (re)started its worker threads in this process, and how many
    workers it holds now (tests and diagnostics: the pool is started once per thread count,
@@ -186,5 +219,6 @@ extern const int64_t mqinfer_layout_rms_norm_args[];
 extern const int64_t mqinfer_layout_silu_mul_args[];
 extern const int64_t mqinfer_layout_rotary_args[];
 extern const int64_t mqinfer_layout_linear_args[];
+extern const int64_t mqinfer_layout_qlinear_args[];
 
 #endif

@@ -65,6 +65,7 @@ class Linear(nn.Module):
         self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
         self.packed: dense.PackedWeight | None = None
+        self.packed_swiglu: dense.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, in] -> [T, out]``, into ``out`` when given. On an AVX2 CPU in float32 the
@@ -78,6 +79,14 @@ class Linear(nn.Module):
         if self.bias is None:
             return torch.mm(x, self.weight.t(), out=out)
         return torch.addmm(self.bias, x, self.weight.t(), out=out)
+
+    def swiglu(self, x: torch.Tensor, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """For SwiGLU's fused gate/up projection (gate rows first): ``silu(gate) * up`` straight
+        from the native dense kernel's registers, the same bits as the projection followed by
+        ``cpu_ops.silu_mul`` (``vector_chunk`` as there), without the 2 x wide intermediate;
+        None where the kernel does not apply (the caller runs those two steps)."""
+        packed = _packed_weight(self, x, attr="packed_swiglu", pack=lambda w: dense.pack_swiglu(w, self.bias))
+        return None if packed is None else dense.swiglu(x, packed, vector_chunk, out)
 
 
 class Activations:
@@ -308,29 +317,17 @@ class MLP(nn.Module):
             config.hidden_size, 2 * config.intermediate_size, config.mlp_bias, dtype, device
         )
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, config.mlp_bias, dtype, device)
-        self.packed_swiglu: dense.PackedWeight | None = None
 
     def forward(self, x: torch.Tensor, buffers: Activations | None = None) -> torch.Tensor:
         rows = x.shape[0]
         act_buffer = _buffer(buffers, "silu_mul", rows, self.intermediate_size, x) if x.device.type == "cpu" else None
-        fused = self._fused_gate_up(x)
-        if fused is not None:
-            # The native dense kernel computes silu(gate) * up from its registers: the same
-            # bits as the projection followed by silu_mul, without the 2 x wide intermediate.
-            act = dense.swiglu(x, fused, cpu_ops.silu_vector_chunk(x.dtype), act_buffer)
-        else:
+        act = None
+        if cpu_ops.cpu_ops_available():
+            act = self.gate_up_proj.swiglu(x, cpu_ops.silu_vector_chunk(x.dtype), act_buffer)
+        if act is None:
             gate_up = self.gate_up_proj(x, _buffer(buffers, "gate_up", rows, 2 * self.intermediate_size, x))
             act = cpu_ops.silu_mul(gate_up, act_buffer)
         return self.down_proj(act, _buffer(buffers, "down_proj", rows, self.down_proj.out_features, x))
-
-    def _fused_gate_up(self, x: torch.Tensor) -> dense.PackedWeight | None:
-        """The gate/up weight packed for the fused SwiGLU when both the dense kernel and the
-        native ops apply (packed on first use, like ``Linear``'s), else None."""
-        if not cpu_ops.cpu_ops_available():
-            return None
-        proj = self.gate_up_proj
-        return _packed_weight(self, x, attr="packed_swiglu", weight=proj.weight,
-                              pack=lambda w: dense.pack_swiglu(w, proj.bias))
 
 
 def _buffer(buffers: Activations | None, kind: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
@@ -483,10 +480,10 @@ class LlamaForCausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         for module in self.modules():  # packed copies of the old weights
-            if isinstance(module, (Linear, LMHead)):
+            if isinstance(module, Linear):
+                module.packed = module.packed_swiglu = None
+            elif isinstance(module, LMHead):
                 module.packed = None
-            elif isinstance(module, MLP):
-                module.packed_swiglu = None
         loaded: set[str] = set()
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES):

@@ -1,0 +1,187 @@
+"""Dense layers with int8 weights: w8a8 (int8 activations too, int32 sums) and w8a16 (int8
+weights, float activations).
+
+Owns the quantization rules (``quantize_weight``: symmetric per output feature, once at load;
+``quantize_rows``: symmetric per row of activations, on every call), the native w8a8 kernel's
+packed weight (``Int8Weight``, ``pack``) and calls (``linear``, ``swiglu``), and the PyTorch
+path that runs wherever that kernel does not (``reference_linear``: ``torch._int_mm``, oneDNN's
+VNNI kernels on AVX-512 CPUs and cuBLAS on CUDA).
+
+Both paths compute the same thing and, on CPU, the same bits: exact int32 sums of
+``q_x * q_w``, then ``((float)sum * x_scale) * w_scale + bias`` in float32.
+
+Why a native kernel. On a CPU with AVX2 and no VNNI, ``torch._int_mm`` runs at about 1 GOP/s;
+``csrc/linear_int8.c`` multiplies with ``vpmaddubsw`` and reaches close to twice the float32
+kernel's rate at the model's shapes. ``MQINFER_CPU_LINEAR=torch`` turns it off with the float32
+kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from mqinfer.kernels import native
+from mqinfer.kernels.linear import _SWITCH
+
+PANEL = 16
+QMAX = 127
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[out, in]`` float weight -> (int8 ``[out, in]``, float32 scale ``[out]``), symmetric per
+    output feature: ``scale = max|w| / 127``, ``q = round(w * 127 / max|w|)`` (a zero row has
+    scale 0), so ``q * scale`` is the weight to half a step."""
+    return quantize_rows(weight.float())
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``[T, K]`` -> (int8 ``[T, K]``, float32 scale ``[T]``), symmetric per row, with the
+    native kernel's arithmetic: ``q = round-half-even(x * (127 / max|x|))``."""
+    x = x.float()
+    amax = x.abs().amax(dim=1)
+    # A true division, as the kernel's: ``QMAX / amax`` in PyTorch is amax.reciprocal() * QMAX,
+    # which rounds differently in the last bit.
+    inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
+    q = torch.round(x * inv[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    return q, amax / QMAX
+
+
+def int_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """Exact int32 ``qx [T, K] @ qw [N, K]^T``: ``torch._int_mm`` where its shape rules allow
+    (on CUDA more than 16 rows and K, N multiples of 8), else int64 products on the same device."""
+    rows, k = qx.shape
+    n = qw.shape[0]
+    if qx.device.type != "cuda" or (rows > 16 and k % 8 == 0 and n % 8 == 0):
+        return torch._int_mm(qx, qw.t())
+    return (qx.long() @ qw.long().t()).int()
+
+
+def reference_linear(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """w8a8 ``[T, in] -> [T, out]`` in PyTorch: per-row int8 activations, exact int32 sums, then
+    the native kernel's float32 scaling; the result in ``x``'s dtype."""
+    qx, xs = quantize_rows(x.reshape(-1, x.shape[-1]))
+    out = int_matmul(qx, qweight).float() * xs[:, None] * scale[None, :].float()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def _library() -> ctypes.CDLL | None:
+    lib = native.switched_library(_SWITCH)
+    return lib if lib is not None and _has_kernel(lib) else None
+
+
+@functools.cache
+def _has_kernel(lib: ctypes.CDLL) -> bool:
+    return bool(lib.mqinfer_qlinear_available())
+
+
+def native_available() -> bool:
+    """Whether w8a8 layers use the native kernel here (switch, compiler and CPU allowing)."""
+    return _library() is not None
+
+
+def _panel_order(values: torch.Tensor, out_features: int, swiglu: bool) -> torch.Tensor:
+    """One value per output feature (``[out]``, or ``[2 * inter]`` gate then up for SwiGLU) in
+    the packed panels' column order, zero-padded to whole panels."""
+    values = values.float()
+    if not swiglu:
+        panels = -(-out_features // PANEL)
+        padded = torch.zeros(panels * PANEL, dtype=torch.float32)
+        padded[:out_features] = values
+        return padded
+    half = PANEL // 2
+    groups = -(-out_features // half)
+    padded = torch.zeros(2, groups * half, dtype=torch.float32)
+    padded[0, :out_features], padded[1, :out_features] = values[:out_features], values[out_features:]
+    # [gate 8p..8p+7, up 8p..8p+7] for each p, as the packing lays out the rows.
+    return padded.view(2, groups, half).transpose(0, 1).contiguous().view(-1)
+
+
+class Int8Weight:
+    """An int8 weight with its per-feature scales (and bias) in the native kernel's layout.
+
+    For SwiGLU (``swiglu`` True) the weight is the fused gate/up projection ``[2 * I, in]``
+    and ``out_features`` is I; each panel holds 8 gate and the same 8 up features."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 lib: ctypes.CDLL, swiglu: bool = False) -> None:
+        rows, self.in_features = qweight.shape
+        self.swiglu = swiglu
+        self.out_features = rows // 2 if swiglu else rows
+        qweight = qweight.contiguous()
+        size = lib.mqinfer_qlinear_packed_size(self.out_features, self.in_features, int(swiglu))
+        self.data = torch.empty(int(size), dtype=torch.int8)
+        lib.mqinfer_qlinear_pack(qweight.data_ptr(), self.out_features, self.in_features, int(swiglu),
+                                 self.data.data_ptr())
+        self.scales = _panel_order(scale, self.out_features, swiglu)
+        self.bias = None if bias is None else _panel_order(bias, self.out_features, swiglu)
+
+
+def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+         swiglu: bool = False) -> Int8Weight | None:
+    """An int8 ``[out, in]`` weight (``[2 * I, in]`` gate rows first with ``swiglu``) packed for
+    the native kernel, or None where it does not apply (then use ``reference_linear``)."""
+    if (qweight.dim() != 2 or qweight.dtype != torch.int8 or qweight.device.type != "cpu"
+            or (swiglu and qweight.shape[0] % 2)):
+        return None
+    lib = _library()
+    return None if lib is None else Int8Weight(qweight, scale, bias, lib, swiglu)
+
+
+def _threads(rows: int, weight: Int8Weight) -> int:
+    # As the float32 kernel: below about 2M multiply-adds, waking the pool costs more.
+    return torch.get_num_threads() if rows * weight.in_features * weight.out_features >= (1 << 21) else 1
+
+
+def linear(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """w8a8 ``x [T, in] -> [T, out]`` (float32, CPU) with the weight's own bias, into ``out``
+    (contiguous float32) when given."""
+    if weight.swiglu:
+        raise ValueError("a weight packed for SwiGLU goes to swiglu(), not linear()")
+    return _run(x, weight, out, 0)
+
+
+def swiglu(x: torch.Tensor, weight: Int8Weight, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` ``[T, I]`` from the w8a8 gate/up projection: bit for bit the
+    projection followed by ``cpu_ops.silu_mul`` (``vector_chunk`` as there)."""
+    if not weight.swiglu:
+        raise ValueError("swiglu() needs a weight packed with swiglu=True")
+    if vector_chunk < 0 or vector_chunk % 8:
+        raise ValueError(f"vector_chunk must be a multiple of 8, got {vector_chunk}")
+    return _run(x, weight, out, vector_chunk)
+
+
+def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_chunk: int) -> torch.Tensor:
+    lib = native.load()
+    rows, features = x.shape
+    if features != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor [T, {weight.in_features}], got "
+                         f"{list(x.shape)} {x.dtype} on {x.device}")
+    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
+    elif out.shape != (rows, weight.out_features) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor [{rows}, {weight.out_features}], got "
+                         f"{list(out.shape)} {out.dtype}")
+    scratch = torch.empty(int(lib.mqinfer_qlinear_scratch_size(rows, features)), dtype=torch.uint8)
+    args = native.QLinearArgs(
+        x=x.data_ptr(), packed=weight.data.data_ptr(), scales=weight.scales.data_ptr(),
+        bias=None if weight.bias is None else weight.bias.data_ptr(), out=out.data_ptr(),
+        scratch=scratch.data_ptr(), rows=rows, in_features=features, out_features=weight.out_features,
+        x_stride=x.stride(0) if rows > 1 else features, out_stride=weight.out_features,
+        swiglu=int(weight.swiglu), vector_chunk=vector_chunk,
+    )
+    status = lib.mqinfer_qlinear(ctypes.byref(args), _threads(rows, weight))
+    if status != 0:
+        raise RuntimeError(f"the native int8 dense-layer kernel failed (status {status})")
+    return out
+
+
+__all__ = ["Int8Weight", "int_matmul", "linear", "native_available", "pack", "quantize_rows",
+           "quantize_weight", "reference_linear", "swiglu"]
