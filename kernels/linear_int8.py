@@ -118,6 +118,7 @@ class Int8Weight:
         self.data = torch.empty(int(size), dtype=torch.int8)
         lib.mqinfer_qlinear_pack(qweight.data_ptr(), self.out_features, self.in_features, int(swiglu),
                                  self.data.data_ptr())
+        self.source = qweight  # the tensor it was packed from (profilers name layers by it)
         self.scales = _panel_order(scale, self.out_features, swiglu)
         self.bias = None if bias is None else _panel_order(bias, self.out_features, swiglu)
 

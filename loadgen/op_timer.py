@@ -54,12 +54,16 @@ def timing_ops(model) -> Iterator[OpTimes]:
     """Clock the model's kernels until the block ends (then the originals are restored)."""
     from mqinfer.kernels import cpu_ops
     from mqinfer.kernels import linear as dense
+    from mqinfer.kernels import linear_int8 as q8
     from mqinfer.workers.models.llama import Attention, Linear, LMHead
+    from mqinfer.workers.models.quant import Int8Linear
 
     roles: dict[int, str] = {}
     for module_name, module in model.named_modules():
         if isinstance(module, (Linear, LMHead)):
             roles[id(module.weight)] = module_name.rsplit(".", 1)[-1]
+        elif isinstance(module, Int8Linear):
+            roles[id(module.qweight)] = module_name.rsplit(".", 1)[-1] + " (int8)"
 
     def linear_name(x, packed, *_):
         return f"dense {roles.get(id(packed.source), '?')}"
@@ -72,10 +76,13 @@ def timing_ops(model) -> Iterator[OpTimes]:
 
     times = OpTimes()
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
+             (q8, "linear", q8.linear), (q8, "swiglu", q8.swiglu),
              (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm)]
     attentions = [(m, m.paged_attention) for m in model.modules() if isinstance(m, Attention)]
     dense.linear = _timed(times, linear_name, dense.linear, linear_flops)
     dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops)
+    q8.linear = _timed(times, linear_name, q8.linear, linear_flops)
+    q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops)
     cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv)
     cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm)
     for m, fn in attentions:

@@ -55,7 +55,7 @@ def build_engine(model: str, args: argparse.Namespace):
         model=model, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, quantization=args.quantization,
     )
     return LLMEngine(config)
 
@@ -136,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
     parser.add_argument("--model", default=None, help="Checkpoint folder (default: the standard checkpoint).")
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    parser.add_argument("--quantization", default="none", choices=("none", "w8a8", "w8a16"),
+                        help="8-bit weights for the engine (default: none).")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--num-kv-blocks", type=int, default=None)

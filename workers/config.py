@@ -69,6 +69,9 @@ class EngineConfig:
         "w8a8 = int8 weights and per-token int8 activations with exact int32 sums, the fastest on CPU; "
         "w8a16 = int8 weights with activations in --dtype, a quarter of float32's weight memory; "
         "none = the checkpoint's weights as they are.", choices=QUANTIZATIONS))
+    smoothquant_alpha: float = field(default=0.7, metadata=flag(
+        "With --quantization w8a8: how much of the activations' outlier range moves into the weights "
+        "(SmoothQuant's alpha, 0 to 1), calibrated at load on a short built-in text; 0 = off.", metavar="A"))
     block_size: int = field(default=_SCHEDULER.block_size, metadata=flag("Tokens per KV cache block.", metavar="B"))
     num_kv_blocks: int | None = field(default=None, metadata=flag(
         "KV cache blocks (default: sized from the model and memory).", metavar="K"))
@@ -102,6 +105,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be none, w8a8 or w8a16, got {self.quantization!r}")
+        if not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha must be between 0 and 1, got {self.smoothquant_alpha}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

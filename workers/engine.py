@@ -31,7 +31,7 @@ from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
-from mqinfer.workers.models.quant import quantize_model
+from mqinfer.workers.models.quant import activation_ranges, calibration_text, quantize_model, smooth
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -195,9 +195,6 @@ class LLMEngine:
         if self.device.type == "cpu":
             torch.set_num_threads(_num_threads(config.num_threads))
         model, info = load_model(config.model, self.device, config.dtype)
-        if config.quantization != "none":
-            swapped = quantize_model(model, config.quantization)
-            log.info("quantization %s: %d projections hold int8 weights", config.quantization, swapped)
         self.model = model
         self.info = info
         self.tokenizer: Tokenizer | None = (
@@ -251,6 +248,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.scheduler_config, clock=clock)
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype))
+        if config.quantization != "none":
+            self._quantize(config)
         self.eos_token_ids = frozenset(info.eos_token_ids) or (
             frozenset([self.tokenizer.eos_token_id])
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
@@ -273,6 +272,23 @@ class LLMEngine:
             "" if config.quantization == "none" else f" {config.quantization}", f"{info.num_params:,}", self.device, num_blocks,
             config.block_size, self.runner.kv_cache_bytes / 2**20, max_len,
         )
+
+    def _quantize(self, config: EngineConfig) -> None:
+        """Swap in the int8 projections; for w8a8 first fold SmoothQuant's factors into the
+        model, from the activation ranges of a short calibration text run through it."""
+        smoothed = 0
+        if config.quantization == "w8a8" and config.smoothquant_alpha > 0:
+            text_ids = (self.tokenizer.encode(calibration_text()) if self.tokenizer is not None else [])
+            window = min(512, self.max_model_len, self.scheduler_config.num_kv_blocks * config.block_size)
+            windows = [text_ids[i : i + window] for i in range(0, min(len(text_ids), 4 * window), window)]
+            if windows:
+                ranges = activation_ranges(self.model, lambda: [self.runner.forward_sequence(w) for w in windows])
+                smoothed = smooth(self.model, ranges, config.smoothquant_alpha)
+            else:
+                log.info("no tokenizer: w8a8 without SmoothQuant calibration")
+        swapped = quantize_model(self.model, config.quantization)
+        log.info("quantization %s: %d projections hold int8 weights%s", config.quantization, swapped,
+                 f" ({smoothed} smoothed, alpha {config.smoothquant_alpha:g})" if smoothed else "")
 
     # -- requests in --------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | None, prompt_token_ids: list[int] | None,

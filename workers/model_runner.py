@@ -110,6 +110,20 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     @torch.inference_mode()
+    def forward_sequence(self, token_ids: list[int]) -> torch.Tensor:
+        """The final hidden states ``[n, hidden]`` of one sequence run as a single prefill into KV
+        blocks 0, 1, ... (calibration and quality measurements: only while no request holds
+        blocks, for at most ``num_kv_blocks * block_size`` tokens)."""
+        n = len(token_ids)
+        blocks = list(range(-(-n // self.block_size)))
+        if not n or len(blocks) > self.config.num_kv_blocks:
+            raise ValueError(f"{n} tokens need 1 to {self.config.num_kv_blocks} KV blocks of {self.block_size}")
+        metadata = build_attention_metadata([n], [n], [blocks], self.block_size, self.num_queries_per_kv,
+                                            device=self.device, workspace=self.workspace)
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device)
+        return self.model(ids, metadata.positions, self.kv_caches, metadata)
+
+    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``."""
         t0 = time.perf_counter()

@@ -93,3 +93,23 @@ def test_a_bad_quantization_is_refused():
     proc = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--quantization", "int4"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "'int4' is not one of none, w8a8, w8a16" in proc.stderr
+
+
+def test_smoothing_keeps_the_float_model_and_flattens_the_activations(qwen2):
+    from mqinfer.workers.models.quant import activation_ranges, smooth
+
+    engine = LLMEngine(EngineConfig(model=qwen2, num_threads=1, num_kv_blocks=64))
+    runner, model = engine.runner, engine.model
+    ids = [3 + (i * 37) % 290 for i in range(200)]
+    before = runner.forward_sequence(ids).clone()
+    ranges = activation_ranges(model, lambda: runner.forward_sequence(ids))
+    layers = len(model.model.layers)
+    assert len(ranges) == 3 * layers and all(r.dim() == 1 and bool((r >= 0).all()) for r in ranges.values())
+    assert smooth(model, ranges, 0.7) == 3 * layers
+    # The same function in float32, to rounding.
+    torch.testing.assert_close(runner.forward_sequence(ids), before, rtol=1e-4, atol=1e-4)
+    # And each smoothed projection's input channels now span a narrower range of maxima.
+    after = activation_ranges(model, lambda: runner.forward_sequence(ids))
+    for proj, r in ranges.items():
+        spread = lambda t: float(t.max() / t.clamp(min=1e-6).median())  # noqa: E731
+        assert spread(after[proj]) <= spread(r) + 1e-6

@@ -5,6 +5,16 @@ attention output, gate/up, down) with an ``Int8Linear`` holding the int8 weight 
 per-output-feature scales; the float weight is dropped. The embeddings and the LM head stay in
 the model dtype: the head is one matmul per sampled row, and its logits decide every token.
 
+Activation outliers (SmoothQuant). Per-token int8 activations lose most where a few input
+channels are much larger than the rest. ``smooth`` moves that range into the weights: for the
+q/k/v and gate/up projections (whose input is an RMSNorm's output) and for down (whose input is
+``silu(gate) * up``), each input channel j is divided by ``s_j = max|x_j|^a / max|W_j|^(1-a)``
+and the weight's column j multiplied by it. The division is folded into the norm's weight, or
+into the up rows of gate/up, so it costs nothing at run time and the float model computes the
+same function. ``max|x_j|`` comes from a calibration pass (``activation_ranges``) over a short
+fixed text (``calibration_text``: Python standard library docstrings, none of the modules that
+``loadgen.quality`` scores).
+
 Modes:
 - ``w8a8``: activations quantized per token on the fly, exact int32 sums, float32 out
   (``kernels/linear_int8.py``: the native AVX2 kernel on CPU, ``torch._int_mm`` elsewhere).
@@ -14,14 +24,20 @@ Modes:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mqinfer.kernels import linear_int8 as q8
-from mqinfer.workers.models.llama import MLP, Attention, Linear
+from mqinfer.workers.models.llama import MLP, Attention, DecoderLayer, Linear
 
 MODES = ("none", "w8a8", "w8a16")
+# Modules whose docstrings calibrate the activation ranges: none of them is in the quality
+# tool's text, so the perplexity it reports is not measured on the calibration data.
+CALIBRATION_MODULES = ("email.message", "http.client", "unittest", "urllib.parse", "zipfile", "tarfile",
+                       "sqlite3", "calendar", "pprint", "enum")
 
 
 class Int8Linear(nn.Module):
@@ -95,4 +111,104 @@ def quantize_model(model: nn.Module, mode: str) -> int:
     return swapped
 
 
-__all__ = ["MODES", "Int8Linear", "quantize_model"]
+def docstring_text(modules: tuple[str, ...]) -> str:
+    """The docstrings of ``modules`` and of their public classes and functions, in a fixed order."""
+    import importlib
+    import inspect
+
+    parts: list[str] = []
+    for name in modules:
+        module = importlib.import_module(name)
+        doc = inspect.getdoc(module)
+        if doc:
+            parts.append(doc)
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            if (not attr.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj))
+                    and getattr(obj, "__module__", None) == name):
+                doc = inspect.getdoc(obj)
+                if doc:
+                    parts.append(doc)
+    return "\n\n".join(parts)
+
+
+def calibration_text() -> str:
+    return docstring_text(CALIBRATION_MODULES)
+
+
+def activation_ranges(model: nn.Module, run: Callable[[], None]) -> dict[nn.Module, torch.Tensor]:
+    """``max|x_j|`` over every token ``run()`` puts through the model, per input channel j of each
+    decoder layer's q/k/v, gate/up and down projection (float32, keyed by the projection)."""
+    ranges: dict[nn.Module, torch.Tensor] = {}
+
+    def record(module: nn.Module, inputs: tuple) -> None:
+        amax = inputs[0].detach().abs().amax(dim=0).float()
+        seen = ranges.get(module)
+        ranges[module] = amax if seen is None else torch.maximum(seen, amax)
+
+    hooks = []
+    for layer in model.modules():
+        if isinstance(layer, DecoderLayer):
+            for proj in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                hooks.append(proj.register_forward_pre_hook(record))
+    # The fused SwiGLU path never calls gate_up's forward: clock its input through swiglu().
+    swiglus = []
+    for layer in model.modules():
+        if isinstance(layer, MLP):
+            proj = layer.gate_up_proj
+            original = proj.swiglu
+
+            def swiglu(x, *args, _proj=proj, _original=original, **kwargs):
+                record(_proj, (x,))
+                return _original(x, *args, **kwargs)
+
+            proj.swiglu = swiglu
+            swiglus.append(proj)
+    try:
+        run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        for proj in swiglus:
+            del proj.swiglu
+    return ranges
+
+
+def _factors(amax: torch.Tensor, weight: torch.Tensor, alpha: float) -> torch.Tensor:
+    wmax = weight.detach().abs().amax(dim=0).float().clamp(min=1e-5)
+    s = amax.clamp(min=1e-5).pow(alpha) / wmax.pow(1 - alpha)
+    return s.clamp(min=1e-5)
+
+
+def smooth(model: nn.Module, ranges: dict[nn.Module, torch.Tensor], alpha: float) -> int:
+    """Fold SmoothQuant's per-channel factors into each decoder layer (see the module's
+    docstring): the float model computes the same function, with activations of a flatter
+    range. Returns how many projections were smoothed."""
+    smoothed = 0
+    with torch.no_grad():
+        for layer in model.modules():
+            if not isinstance(layer, DecoderLayer):
+                continue
+            attn, mlp = layer.self_attn, layer.mlp
+            for proj, norm in ((attn.qkv_proj, layer.input_layernorm), (mlp.gate_up_proj, layer.post_attention_layernorm)):
+                if proj in ranges:
+                    s = _factors(ranges[proj], proj.weight, alpha)
+                    norm.weight.div_(s.to(norm.weight.dtype))
+                    proj.weight.mul_(s.to(proj.weight.dtype))
+                    smoothed += 1
+            down, gate_up = mlp.down_proj, mlp.gate_up_proj
+            if down in ranges:
+                s = _factors(ranges[down], down.weight, alpha)
+                inter = mlp.intermediate_size
+                gate_up.weight[inter:].div_(s.to(gate_up.weight.dtype)[:, None])
+                if gate_up.bias is not None:
+                    gate_up.bias[inter:].div_(s.to(gate_up.bias.dtype))
+                down.weight.mul_(s.to(down.weight.dtype))
+                smoothed += 1
+            for proj in (attn.qkv_proj, mlp.gate_up_proj, mlp.down_proj):
+                proj.packed = proj.packed_swiglu = None
+    return smoothed
+
+
+__all__ = ["CALIBRATION_MODULES", "MODES", "Int8Linear", "activation_ranges", "calibration_text", "docstring_text",
+           "quantize_model", "smooth"]
