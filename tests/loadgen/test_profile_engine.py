@@ -22,7 +22,7 @@ def small_checkpoint(tmp_path_factory):
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, num_threads=1, num_kv_blocks=256,
-                block_size=16)
+                block_size=16, quantization="none")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -90,3 +90,17 @@ def test_op_timing_clocks_the_kernels_and_puts_them_back(small_checkpoint):
     assert "attention" in table and "everything else" in table
     assert (dense.linear, dense.swiglu, cpu_ops.add_rms_norm, cpu_ops.rotary_store_kv) == originals
     assert attention.paged_attention is original_attention
+
+
+def test_op_timing_names_the_int8_layers(small_checkpoint):
+    from mqinfer.kernels import linear_int8 as q8
+    from mqinfer.loadgen.op_timer import timing_ops
+
+    if not q8.native_available():
+        pytest.skip("the native int8 kernel serves AVX2 CPUs without AVX-512")
+    engine = build_engine(small_checkpoint, _args(quantization="w8a8"))
+    originals = (q8.linear, q8.swiglu)
+    with timing_ops(engine.model) as times:
+        fig = run_engine(engine, standard_workload(vocab_size=300, n=4, seed=5))
+    assert times.calls["dense qkv_proj (int8)"] == 2 * fig.steps and times.flops["dense down_proj (int8)"] > 0
+    assert (q8.linear, q8.swiglu) == originals
