@@ -256,3 +256,15 @@ def test_workers_auto_layout():
     # Half of 40 MiB holds one copy of a 16 MiB model: one worker, with every core.
     assert choose_layout(base, cores=4, gpu=False, memory=40 << 20)[:2] == (1, 4)
     assert choose_layout({**base, "workers": 3, "num_threads": 2}, cores=2, gpu=False)[:2] == (3, 2)  # explicit wins
+
+
+def test_run_with_int8_weights(tmp_path):
+    out = tmp_path / "out"
+    src = write_jsonl(tmp_path / "job.jsonl", requests(4, 6))
+    proc = subprocess.run(run_cmd(str(src), "--out", str(out), "--quantization", "w8a8"),
+                          env=dict(env(), MQINFER_LOG_LEVEL="info"), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    check_once(out, ["r0", "r1", "r2", "r3"])
+    assert all(len(r["output_token_ids"]) == 6 for r in rows(out / "results"))
+    # The worker (its log at info level on the run's stderr) says what it quantized.
+    assert "quantization w8a8: 16 projections hold int8 weights (12 smoothed, alpha 0.7)" in proc.stderr
