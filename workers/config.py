@@ -20,6 +20,9 @@ from mqinfer.schemas.stream import MAX_ENTRY_BYTES
 
 DEVICES = ("auto", "cpu", "cuda")  # the flag's choices; the dataclass also takes cuda:N
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# How the KV cache stores K and V (kernels/kv_quant.py, which holds the same tuple, owns what
+# each means; this module stays free of torch).
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 # The scheduler's defaults, which the engine passes on to it unchanged.
 _SCHEDULER = SchedulerConfig()
@@ -63,6 +66,10 @@ class EngineConfig:
     device: str = field(default="auto", metadata=flag("Where the model runs.", choices=DEVICES))
     dtype: str = field(default="auto", metadata=flag(
         "Weight and activation dtype (auto = the checkpoint's own).", choices=DTYPES))
+    kv_cache_dtype: str = field(default="auto", metadata=flag(
+        "KV cache storage: auto (the model's dtype), or int8 / fp8 (float8 e4m3) with a float32 scale per "
+        "token and KV head: 3.8x less KV memory than float32 (1.9x less than bfloat16), so more sequences "
+        "fit, at a small cost in accuracy.", choices=KV_CACHE_DTYPES))
     block_size: int = field(default=_SCHEDULER.block_size, metadata=flag("Tokens per KV cache block.", metavar="B"))
     num_kv_blocks: int | None = field(default=None, metadata=flag(
         "KV cache blocks (default: sized from the model and memory).", metavar="K"))
@@ -94,6 +101,10 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}"
+            )
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.max_model_len is not None and self.max_model_len < 2:

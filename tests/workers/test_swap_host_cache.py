@@ -33,7 +33,8 @@ def test_blocks_go_out_and_come_back_bit_for_bit(dtype):
     assert host.nbytes == 3 * 2 * 6 * 4 * 2 * 8 * (4 if dtype == torch.float32 else 2)
     out_pairs = [(7, 2), (1, 0), (4, 5)]
     host.swap_out(caches, out_pairs)
-    for layer, ((hk, hv), (k, v)) in enumerate(zip(host.caches, original)):
+    for layer, (host_layer, (k, v)) in enumerate(zip(host.caches, original)):
+        hk, hv = host_layer.k, host_layer.v
         for d, h in out_pairs:
             assert torch.equal(hk[h], k[d]) and torch.equal(hv[h], v[d]), f"layer {layer} block {d}"
     # The device blocks are reused by others, then the request comes back into other blocks.
