@@ -10,6 +10,12 @@ head_dim]``; token ``pos`` of a sequence lives in slot ``block_table[pos // bloc
 block_size + pos % block_size``. Queries come packed: ``[T, num_heads, head_dim]``, the new
 tokens of every scheduled sequence back to back, no padding.
 
+8-bit caches (``--kv-cache-dtype int8|fp8``, ``kernels/kv_quant.py``): K and V are int8 or
+float8_e4m3fn with a float32 scale per (slot, KV head), ``k_scale`` / ``v_scale``
+``[num_blocks, block_size, num_kv_heads]``, passed beside the caches. ``store_kv`` quantizes as
+it writes; every attention backend dequantizes as it reads and returns the queries' dtype.
+Without scales every function does exactly what it does for a cache in the model's dtype.
+
 The native backend (the default on CPU where a C compiler is found): a small C kernel
 (``csrc/paged_attention.c``, built and cached by ``kernels/native.py``) that reads the paged
 cache in place, one (token, KV head) at a time, with no gather, no padding and float32
@@ -37,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from mqinfer.kernels import native
+from mqinfer.kernels.kv_quant import as_raw, check_scales, dequantize_kv, kernel_quant_code, quantize_kv
 
 # Upper bound on (sequences x padded context tokens) gathered in one SDPA call, so the K/V
 # workspace stays a few hundred MiB even for 128 long sequences.
@@ -51,11 +58,23 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write ``k``, ``v`` (``[T, Hkv, D]``) into the caches at ``slot_mapping`` (``[T]``)."""
+    """Write ``k``, ``v`` (``[T, Hkv, D]``) into the caches at ``slot_mapping`` (``[T]``).
+
+    With ``k_scale`` / ``v_scale`` (an 8-bit cache) each row is quantized and its scale
+    written beside it."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if k_scale is None:
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        return
+    check_scales(k_cache, v_cache, k_scale, v_scale)
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        values, scales = quantize_kv(x, cache.dtype)
+        as_raw(cache).view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, as_raw(values))
+        scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scales)
 
 
 class AttentionWorkspace:
@@ -336,24 +355,30 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     backend: str = "auto",
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the packed queries ``q`` ``[T, Hq, D]`` over the paged cache.
 
     Each sequence's query tokens see its cached tokens at positions ``0..pos`` (the caller has
-    already stored this step's K/V). Returns ``[T, Hq, D]`` in the cache's dtype.
+    already stored this step's K/V). Returns ``[T, Hq, D]`` in the cache's dtype, or for an
+    8-bit cache (``k_scale`` / ``v_scale`` given) in the queries' dtype.
 
     ``backend``: "torch" (grouped SDPA), "native" (the C kernel, CPU only) or "auto" (native
-    for float32 / bfloat16 CPU tensors when the kernel is available, else torch).
+    for float32 / bfloat16 / 8-bit CPU caches when the kernel is available, else torch).
     """
     if backend not in ("auto", "native", "torch"):
         raise ValueError(f"backend must be auto, native or torch, got {backend!r}")
     if backend == "native" or (
         backend == "auto"
         and q.device.type == "cpu"
-        and k_cache.dtype in (torch.float32, torch.bfloat16)
+        and (k_cache.dtype in (torch.float32, torch.bfloat16) or k_scale is not None)
         and native_attention_available()
     ):
-        return native_paged_attention(q, k_cache, v_cache, metadata, scale)
+        return native_paged_attention(q, k_cache, v_cache, metadata, scale, k_scale, v_scale)
+    quantized = k_scale is not None
+    if quantized:
+        check_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     g = metadata.num_queries_per_kv
@@ -362,17 +387,25 @@ def paged_attention(
             f"{num_heads} query heads do not match {num_kv_heads} KV heads x {g} queries per KV head"
         )
     workspace = metadata.workspace or AttentionWorkspace()
-    q = q.to(k_cache.dtype)
+    # An 8-bit cache is gathered, then dequantized into the workspace in the queries' dtype.
+    compute_dtype = q.dtype if quantized else k_cache.dtype
+    q = q.to(compute_dtype)
     out = None
     for group in metadata.groups:
         bg, max_q = group.num_seqs, group.max_query_len
         key_len = group.num_blocks * block_size
         numel = bg * key_len * num_kv_heads * head_dim
-        k_buf, v_buf = workspace.buffers(numel, k_cache.dtype, k_cache.device)
+        k_buf, v_buf = workspace.buffers(numel, compute_dtype, k_cache.device)
         k_buf = k_buf.view(bg * group.num_blocks, block_size, num_kv_heads, head_dim)
         v_buf = v_buf.view_as(k_buf)
-        torch.index_select(k_cache, 0, group.block_ids, out=k_buf)
-        torch.index_select(v_cache, 0, group.block_ids, out=v_buf)
+        if quantized:
+            ids = group.block_ids
+            for buf, cache, scales in ((k_buf, k_cache, k_scale), (v_buf, v_cache, v_scale)):
+                stored = as_raw(cache).index_select(0, ids).view(cache.dtype)
+                buf.copy_(dequantize_kv(stored, scales.index_select(0, ids)))
+        else:
+            torch.index_select(k_cache, 0, group.block_ids, out=k_buf)
+            torch.index_select(v_cache, 0, group.block_ids, out=v_buf)
         keys = k_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
         values = v_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
 
@@ -447,6 +480,8 @@ def native_paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``paged_attention`` by the native CPU kernel: same arguments, same result, no padding."""
     lib = native.switched_library(_SWITCH)
@@ -455,7 +490,15 @@ def native_paged_attention(
     num_tokens, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     dtype = k_cache.dtype
-    if dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != dtype:
+    kv_quant = kernel_quant_code(dtype)
+    if k_scale is not None or kv_quant:
+        check_scales(k_cache, v_cache, k_scale, v_scale)
+        if q.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"the native kernel takes float32 or bfloat16 queries, got {q.dtype}")
+        # Over an 8-bit cache the kernel reads and writes float32 activations only (one set of
+        # versions instead of two); a bfloat16 model's q and output are converted here.
+        result_dtype, dtype = q.dtype, torch.float32
+    elif dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != dtype:
         raise ValueError(f"the native kernel takes float32 or bfloat16 caches, got {dtype} / {v_cache.dtype}")
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
         raise ValueError("the native kernel runs on CPU tensors only")
@@ -491,11 +534,13 @@ def native_paged_attention(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
         max_blocks=tables.shape[1], max_len=metadata.max_seq_len, scale=scale,
         is_bf16=int(dtype == torch.bfloat16),
+        k_scale=None if k_scale is None else k_scale.data_ptr(),
+        v_scale=None if v_scale is None else v_scale.data_ptr(), kv_quant=kv_quant,
     )
     status = lib.mqinfer_paged_attention(ctypes.byref(args), torch.get_num_threads())
     if status != 0:
         raise MemoryError("the native attention kernel could not allocate its buffers")
-    return out
+    return out if not kv_quant else out.to(result_dtype)
 
 
 def reference_paged_attention(
@@ -506,8 +551,15 @@ def reference_paged_attention(
     seq_lens: Sequence[int],
     block_tables: Sequence[Sequence[int]],
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Token-by-token attention in float64, straight from the definition (tests only)."""
+    """Token-by-token attention in float64, straight from the definition (tests only).
+
+    With ``k_scale`` / ``v_scale``, the 8-bit caches are read as ``value * scale`` in float64."""
+    if k_scale is not None:
+        k_cache = k_cache.double() * k_scale.double().unsqueeze(-1)
+        v_cache = v_cache.double() * v_scale.double().unsqueeze(-1)
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     num_heads = q.shape[1]
     g = num_heads // num_kv_heads

@@ -198,14 +198,18 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def reference_rotary_store_kv(
     qk: torch.Tensor, v: torch.Tensor, num_q_heads: int, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-    v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    v_cache: torch.Tensor, slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     from mqinfer.kernels.attention import store_kv
 
     cos = cos_table.index_select(0, positions).to(qk.dtype)[:, None, :]
     sin = sin_table.index_select(0, positions).to(qk.dtype)[:, None, :]
     qk = qk * cos + _rotate_half(qk) * sin
-    store_kv(qk[:, num_q_heads:], v, k_cache, v_cache, slot_mapping)
+    if k_scale is None:
+        store_kv(qk[:, num_q_heads:], v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv(qk[:, num_q_heads:], v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return qk[:, :num_q_heads]
 
 
@@ -218,6 +222,7 @@ def rotary_store_kv(
     qk: torch.Tensor, v: torch.Tensor, num_q_heads: int, cos_table: torch.Tensor,
     sin_table: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
     v_cache: torch.Tensor, slot_mapping: torch.Tensor, trusted: bool = False,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotary embedding of ``qk`` (``[T, Hq + Hkv, D]``, q heads first) at ``positions`` from
     the float32 ``cos_table`` / ``sin_table`` (``[max_len, D]``); the rotated k and ``v``
@@ -225,7 +230,24 @@ def rotary_store_kv(
     ``[T, Hq, D]``. The native kernel rotates q in place (the result is a view of ``qk``).
 
     ``trusted``: the caller has checked that ``positions`` fall inside the tables and
-    ``slot_mapping`` inside the caches (the model does it once per step, not per layer)."""
+    ``slot_mapping`` inside the caches (the model does it once per step, not per layer).
+
+    An 8-bit cache (``k_scale`` / ``v_scale`` given): the native kernel rotates q and k into a
+    scratch tensor of the activations' dtype (k's rows are the same bits as when it writes a
+    cache), and the PyTorch ``store_kv`` quantizes them into the cache. The kernel does not
+    quantize itself: the quantizing store is a few vectorised PyTorch passes over the step's
+    k and v only, small beside the projections."""
+    if k_scale is not None:
+        from mqinfer.kernels.attention import store_kv
+
+        num_tokens, heads, head_dim = qk.shape
+        k_rot = torch.empty(num_tokens, heads - num_q_heads, head_dim, dtype=qk.dtype, device=qk.device)
+        v_copy = torch.empty_like(k_rot)
+        slots = torch.arange(num_tokens, device=qk.device)
+        q = rotary_store_kv(qk, v, num_q_heads, cos_table, sin_table, positions, k_rot, v_copy, slots,
+                            trusted=trusted)
+        store_kv(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+        return q
     num_tokens, heads, head_dim = qk.shape
     ok = (
         _heads_ok(qk) and _heads_ok(v) and v.shape == (num_tokens, heads - num_q_heads, head_dim)

@@ -79,6 +79,7 @@ class AttentionArgs(ctypes.Structure):
         ("num_tokens", _i64), ("q_token_stride", _i64), ("num_heads", _i64),
         ("num_kv_heads", _i64), ("head_dim", _i64), ("block_size", _i64),
         ("max_blocks", _i64), ("max_len", _i64), ("scale", _f32), ("is_bf16", _i32),
+        ("k_scale", _ptr), ("v_scale", _ptr), ("kv_quant", _i32),
     ]
 
 

@@ -23,6 +23,11 @@ The grid is ``(tiles, Hkv, splits)``:
   contexts are long, the keys are split across ``splits`` programs (flash-decoding) whose
   partial softmax states a second small kernel merges.
 
+8-bit caches (``k_scale`` / ``v_scale`` given, ``kernels/kv_quant.py``): each tile of keys and
+values is loaded as stored (int8, or float8 e4m3 as its bytes, decoded by integer arithmetic
+so that every GPU and the interpreter run the same code), multiplied by its rows' float32
+scales and cast to the queries' dtype before the dots; the output is in the queries' dtype.
+
 Float32 runs its dot products in IEEE precision (no TF32), so a float32 model gets the same
 answers as on the PyTorch path; half types use the tensor cores with float32 accumulation.
 Tile shapes per kind of step and dtype are in ``DECODE_TILES`` / ``PREFILL_TILES``. Each call is
@@ -42,6 +47,7 @@ import triton
 import triton.language as tl
 
 from mqinfer.kernels.attention import AttentionMetadata
+from mqinfer.kernels.kv_quant import as_raw, check_scales, is_quantized_dtype, kernel_quant_code
 from mqinfer.kernels.triton_store import KernelLaunch, run_launches, store_kv
 
 # tl.dot needs at least 16 rows; decode tiles pad their g rows up to this.
@@ -83,6 +89,22 @@ PROGRAMS_PER_SM = 2
 _LOG2E = 1.4426950408889634
 
 
+@triton.jit
+def _dequantize(x, scale, KV_QUANT: tl.constexpr):
+    """Stored 8-bit rows ``x`` [N, D] (int8, or float8 e4m3 bytes) times ``scale`` [N], float32."""
+    if KV_QUANT == 1:
+        f = x.to(tl.float32)
+    else:
+        u = x.to(tl.int32)
+        e = (u >> 3) & 0xF
+        m = (u & 7).to(tl.float32)
+        # 2^(e - 7) built from its bits (a normal float for every e), so no subnormal arithmetic.
+        pow2 = ((e + 120) << 23).to(tl.float32, bitcast=True)
+        f = tl.where(e == 0, m * 0.001953125, (8.0 + m) * 0.125 * pow2)
+        f = tl.where((u & 0x80) != 0, -f, f)
+    return f * scale[:, None]
+
+
 # num_seqs and keys_per_split change every step: specialising on them (1, divisible by 16)
 # would recompile for nothing.
 @triton.jit(do_not_specialize=["num_seqs", "keys_per_split"])
@@ -90,6 +112,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     part_acc_ptr,
     part_max_ptr,
@@ -108,6 +132,8 @@ def _paged_attention_kernel(
     stride_v_block,
     stride_v_slot,
     stride_v_head,
+    stride_s_block,
+    stride_s_slot,
     stride_o_tok,
     stride_o_head,
     stride_table,
@@ -121,6 +147,7 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -180,6 +207,9 @@ def _paged_attention_kernel(
     table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
     k_head = k_cache_ptr + kv_head * stride_k_head
     v_head = v_cache_ptr + kv_head * stride_v_head
+    # Scales are [num_blocks, block_size, Hkv] with unit stride over heads.
+    k_scale_head = k_scale_ptr + kv_head
+    v_scale_head = v_scale_ptr + kv_head
     for start in range(kv_lo, kv_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_valid = keys < kv_hi
@@ -191,6 +221,9 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_QUANT != 0:
+            ks = tl.load(k_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0.0)
+            k = _dequantize(k, ks, KV_QUANT).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
         scores = tl.where(allowed, scores, float("-inf"))
@@ -207,6 +240,9 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_QUANT != 0:
+            vs = tl.load(v_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0.0)
+            v = _dequantize(v, vs, KV_QUANT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -308,8 +344,13 @@ def _check_attention_inputs(
         )
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache is {v_cache.dtype}")
-    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"unsupported cache dtype {k_cache.dtype} (float32, float16 or bfloat16)")
+    if k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16) and not is_quantized_dtype(k_cache.dtype):
+        raise ValueError(
+            f"unsupported cache dtype {k_cache.dtype} (float32, float16, bfloat16, or int8 / float8_e4m3fn "
+            "with scales)"
+        )
+    if is_quantized_dtype(k_cache.dtype) and q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"queries over an 8-bit cache must be float32, float16 or bfloat16, got {q.dtype}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     if head_dim != k_cache.shape[3]:
@@ -350,6 +391,8 @@ def plan_paged_attention(
     scale: float,
     num_kv_splits: int | None = None,
     tile: TileConfig | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[KernelLaunch]]:
     """Check the inputs of ``paged_attention_tensors`` and plan its launches.
 
@@ -357,15 +400,20 @@ def plan_paged_attention(
     ``tile`` overrides the tile configuration (for tuning runs).
     """
     _check_attention_inputs(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    kv_quant = kernel_quant_code(k_cache.dtype)
+    if kv_quant or k_scale is not None:
+        check_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     g = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
-    q = q.to(k_cache.dtype)
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=k_cache.dtype, device=q.device)
+    # Over an 8-bit cache the tiles are dequantized into the queries' dtype.
+    compute_dtype = q.dtype if kv_quant else k_cache.dtype
+    q = q.to(compute_dtype)
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=compute_dtype, device=q.device)
 
     decode_only = num_tokens == num_seqs
-    dtype_kind = "float32" if k_cache.dtype == torch.float32 else "half"
+    dtype_kind = "float32" if compute_dtype == torch.float32 else "half"
     if tile is None:
         tile = (DECODE_TILES if decode_only else PREFILL_TILES)[dtype_kind]
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
@@ -403,8 +451,10 @@ def plan_paged_attention(
         (num_tiles, num_kv_heads, num_kv_splits),
         (
             q,
-            k_cache,
-            v_cache,
+            as_raw(k_cache),
+            as_raw(v_cache),
+            k_scale if kv_quant else q,  # not read without quantization
+            v_scale if kv_quant else q,
             out,
             part_acc,
             part_max,
@@ -423,6 +473,8 @@ def plan_paged_attention(
             v_cache.stride(0),
             v_cache.stride(1),
             v_cache.stride(2),
+            k_scale.stride(0) if kv_quant else 0,
+            k_scale.stride(1) if kv_quant else 0,
             out.stride(0),
             out.stride(1),
             block_tables.stride(0),
@@ -438,6 +490,7 @@ def plan_paged_attention(
             DECODE_ONLY=decode_only,
             NUM_SPLITS=num_kv_splits,
             DOT_PRECISION="ieee" if dtype_kind == "float32" else "tf32",
+            KV_QUANT=kv_quant,
         ),
         {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
     )
@@ -469,17 +522,21 @@ def paged_attention_tensors(
     block_tables: torch.Tensor,
     scale: float,
     num_kv_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of packed queries, from the raw tensors of ``AttentionMetadata``.
 
     ``query_start_loc`` ``[B + 1]``, ``seq_lens`` ``[B]`` and ``block_tables`` ``[B, max_blocks]``
     mean what they mean there, and as there every sequence has at least one query token (a
-    step is taken for pure decode when ``T == B``). Returns ``[T, Hq, D]`` in the cache's dtype.
+    step is taken for pure decode when ``T == B``). Returns ``[T, Hq, D]`` in the cache's dtype
+    (the queries' dtype over an 8-bit cache, whose scales are ``k_scale`` / ``v_scale``).
     ``num_kv_splits`` forces the decode key split (it applies only to pure decode steps); by
     default it is chosen from the GPU's size. Never syncs with the host.
     """
     out, launches = plan_paged_attention(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_kv_splits
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_kv_splits,
+        k_scale=k_scale, v_scale=v_scale,
     )
     run_launches(launches, out.device)
     return out
@@ -492,6 +549,8 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
     num_kv_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``mqinfer.kernels.attention.paged_attention`` on the GPU (same arguments).
 
@@ -518,6 +577,8 @@ def paged_attention(
         metadata.block_tables,
         scale,
         num_kv_splits=num_kv_splits,
+        k_scale=k_scale,
+        v_scale=v_scale,
     )
 
 

@@ -7,6 +7,12 @@ and packed token ``t`` goes to flat slot ``slot_mapping[t]``. One program per to
 its K and its V row, so the write is one launch instead of the two ``index_copy_`` of the
 PyTorch path, and needs no contiguous copy of ``k``/``v`` first.
 
+8-bit caches (``k_scale`` / ``v_scale`` given, see ``kernels/kv_quant.py``): each row is
+quantized as ``kv_quant.quantize_kv`` does (scale = max|x| / QMAX, round half to even, clamp)
+and its float32 scale stored beside it. float8 e4m3 caches are handed to the kernels as their
+bytes (uint8) and encoded by integer arithmetic (``_encode_fp8``): the same code on every GPU
+and under the interpreter, which has no float8 type.
+
 Importing this module imports triton; callers that may run without it import it lazily.
 """
 
@@ -18,6 +24,8 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
+from mqinfer.kernels.kv_quant import as_raw, check_scales, is_quantized_dtype, kernel_quant_code
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,47 @@ def run_launches(launches: list[KernelLaunch], device: torch.device) -> None:
             launch.run()
 
 
+# Adding and subtracting 1.5 * 2^23 rounds a float32 of magnitude below 2^22 to an integer,
+# half to even (the hardware's rounding), as torch.round does.
+_ROUND_MAGIC = tl.constexpr(12582912.0)
+
+
+@triton.jit
+def _round_half_even(x):
+    return (x + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+@triton.jit
+def _encode_fp8(y):
+    """float32 in [-448, 448] -> float8 e4m3 bits (round to nearest even), as int32."""
+    a = tl.abs(y)
+    bits = a.to(tl.int32, bitcast=True)
+    # Normal range (a >= 2^-6): round the float's mantissa to 3 bits, half to even (a carry
+    # moves into the exponent), then rebias the exponent from 127 to 7.
+    rounded = bits + 0x7FFFF + ((bits >> 20) & 1)
+    normal = (rounded >> 20) - (120 << 3)
+    # Subnormal range: a multiple of 2^-9, the code is that multiple (8 is the smallest normal).
+    sub = _round_half_even(a * 512.0).to(tl.int32)
+    code = tl.where(a < 0.015625, sub, normal)
+    return tl.where(y < 0, code | 0x80, code)
+
+
+@triton.jit
+def _store_rows_quantized(x, dst, scale_dst, mask, heads, QUANT: tl.constexpr, NUM_KV_HEADS: tl.constexpr):
+    """Quantize rows ``x`` [heads, dims] (masked lanes 0) into ``dst`` and their scales into
+    ``scale_dst`` (one per head)."""
+    x = x.to(tl.float32)
+    qmax = 127.0 if QUANT == 1 else 448.0
+    scale = tl.max(tl.abs(x), 1) / qmax
+    divisor = tl.where(scale > 0, scale, 1.0)
+    y = tl.minimum(tl.maximum(x / divisor[:, None], -qmax), qmax)
+    if QUANT == 1:
+        tl.store(dst, _round_half_even(y).to(tl.int8), mask=mask)
+    else:
+        tl.store(dst, _encode_fp8(y).to(tl.uint8), mask=mask)
+    tl.store(scale_dst, scale, mask=heads < NUM_KV_HEADS)
+
+
 @triton.jit
 def _store_kv_kernel(
     k_ptr,
@@ -55,6 +104,8 @@ def _store_kv_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_mapping_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     num_slots,
     stride_k_tok,
     stride_k_head,
@@ -71,6 +122,7 @@ def _store_kv_kernel(
     HEADS_PADDED: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PADDED: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
@@ -88,12 +140,18 @@ def _store_kv_kernel(
     k_src = k_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + dims[None, :]
     k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot
     k_dst += heads[:, None] * stride_kc_head + dims[None, :]
-    tl.store(k_dst, tl.load(k_src, mask=mask).to(k_cache_ptr.dtype.element_ty), mask=mask)
-
     v_src = v_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + dims[None, :]
     v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot
     v_dst += heads[:, None] * stride_vc_head + dims[None, :]
-    tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if QUANT == 0:
+        tl.store(k_dst, tl.load(k_src, mask=mask).to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, tl.load(v_src, mask=mask).to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        # Scales are contiguous [num_slots, NUM_KV_HEADS].
+        _store_rows_quantized(tl.load(k_src, mask=mask, other=0.0), k_dst,
+                              k_scale_ptr + slot * NUM_KV_HEADS + heads, mask, heads, QUANT, NUM_KV_HEADS)
+        _store_rows_quantized(tl.load(v_src, mask=mask, other=0.0), v_dst,
+                              v_scale_ptr + slot * NUM_KV_HEADS + heads, mask, heads, QUANT, NUM_KV_HEADS)
 
 
 def _check_store_inputs(
@@ -102,6 +160,8 @@ def _check_store_inputs(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
@@ -131,6 +191,8 @@ def _check_store_inputs(
         raise ValueError(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     if slot_mapping.device != k_cache.device:
         raise ValueError(f"slot_mapping is on {slot_mapping.device} but the cache is on {k_cache.device}")
+    if k_scale is not None or is_quantized_dtype(k_cache.dtype):
+        check_scales(k_cache, v_cache, k_scale, v_scale)
 
 
 def plan_store_kv(
@@ -139,19 +201,24 @@ def plan_store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> KernelLaunch | None:
     """Check the inputs of ``store_kv`` and plan its launch (None: nothing to write)."""
-    _check_store_inputs(k, v, k_cache, v_cache, slot_mapping)
+    _check_store_inputs(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return None
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    quant = kernel_quant_code(k_cache.dtype)
     args = (
         k,
         v,
-        k_cache,
-        v_cache,
+        as_raw(k_cache),
+        as_raw(v_cache),
         slot_mapping,
+        k_scale if quant else slot_mapping,  # not read without quantization
+        v_scale if quant else slot_mapping,
         num_blocks * block_size,
         k.stride(0),
         k.stride(1),
@@ -170,6 +237,7 @@ def plan_store_kv(
         HEADS_PADDED=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
         HEAD_DIM_PADDED=triton.next_power_of_2(head_dim),
+        QUANT=quant,
     )
     num_warps = 1 if num_kv_heads * head_dim <= 512 else 4
     return KernelLaunch(_store_kv_kernel, (num_tokens,), args, constexprs, {"num_warps": num_warps})
@@ -181,13 +249,16 @@ def store_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write ``k``, ``v`` (``[T, Hkv, D]``) into the caches at ``slot_mapping`` (``[T]``).
 
-    Values are converted to the cache's dtype. Slots outside the cache are not written (the
+    Values are converted to the cache's dtype, or quantized with their scales written to
+    ``k_scale`` / ``v_scale`` for an 8-bit cache. Slots outside the cache are not written (the
     PyTorch path raises on them; checking here would cost a device-to-host sync per layer).
     """
-    launch = plan_store_kv(k, v, k_cache, v_cache, slot_mapping)
+    launch = plan_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if launch is not None:
         run_launches([launch], k_cache.device)
 

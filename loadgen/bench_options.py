@@ -206,6 +206,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="Where the workers run the model; transformers runs on cuda when this is cuda "
                         "(default: auto).")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                   help="KV cache storage of the workers: auto (the model's dtype), int8 or fp8 (default: auto).")
     for flag, meta, text in (
         ("--max-num-seqs", "S", "Requests running at once, at most."),
         ("--max-num-batched-tokens", "T", "Token budget of one engine step."),

@@ -32,7 +32,7 @@ def log(message: str) -> None:
 def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: Path) -> list[str]:
     argv = [*mqinfer_command("worker"), "--redis", redis_url, "--out", str(out),
             "--stream", STREAM, "--model", model_arg, "--dtype", args.dtype, "--device", args.device,
-            "--quantization", args.quantization,
+            "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
             "--idle-exit-s", str(args.idle_exit_s)]
     for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_batch",
                  "max_wait_ms", "num_threads"):

@@ -4,6 +4,7 @@ fixed KV budget against contiguous allocators.
 Owns the command::
 
     python -m mqinfer.loadgen.memory [--kv-budget 16384] [--block-sizes 8,16,32] [--json FILE]
+        [--kv-cache-dtypes auto,int8 [--model M]]
 
 **Paged (measured).** The real ``Scheduler`` with its real ``KVCacheManager`` and ``BlockPool``
 runs the workload (all requests queued at once, in workload order) in a KV cache of
@@ -50,6 +51,14 @@ them. Their saturated steps are those where the head of the queue did not fit.
 
 Prefix caching is off unless ``--prefix-caching`` is given (then the shared-prefix workload is the
 interesting one: ``--workload shared-prefix``).
+
+**KV cache dtypes** (``--kv-cache-dtypes auto,int8``): the same memory, stored as each
+``--kv-cache-dtype`` stores it. The memory is what ``--kv-budget`` slots take as ``auto`` for
+``--model`` (its layers, KV heads, head size and dtype on this machine); each dtype gets as many
+blocks of the first block size as fit in it at that dtype's real bytes per block (8-bit values
+plus their float32 scales), and the paged run (and the engine with ``--engine``, which then
+runs with that KV cache dtype) reports concurrent sequences at saturation. Allocation depends
+only on token counts, so the dtype changes the figures only through the number of blocks.
 """
 
 from __future__ import annotations
@@ -228,7 +237,8 @@ def run_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_budget: in
 def run_engine_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_budget: int, *, model: str,
                      max_model_len: int, max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
                      max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                     prefix_caching: bool = False, num_threads: int | None = None) -> PagedRun:
+                     prefix_caching: bool = False, num_threads: int | None = None,
+                     kv_cache_dtype: str = "auto") -> PagedRun:
     """The same figures from the real engine (model forward passes, real sampling) on ``requests``."""
     from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.engine import LLMEngine
@@ -236,7 +246,7 @@ def run_engine_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_bud
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", block_size=block_size, num_kv_blocks=kv_budget // block_size,
         max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-        enable_prefix_caching=prefix_caching, num_threads=num_threads,
+        enable_prefix_caching=prefix_caching, num_threads=num_threads, kv_cache_dtype=kv_cache_dtype,
     ))
     scheduler = engine.scheduler
     recorder = StepRecorder(scheduler)
@@ -446,6 +456,59 @@ def memory_report(requests: Sequence[dict[str, Any]], *, kv_budget: int = DEFAUL
     }
 
 
+def model_kv_bytes_per_token(model: str, kv_cache_dtypes: Sequence[str]) -> dict[str, int]:
+    """Bytes of one token's KV (all layers, scales included) for each KV cache dtype, for
+    ``model`` loaded as the engine loads it on this machine's CPU."""
+    from mqinfer.workers.loader import load_model
+
+    _, info = load_model(model, "cpu")
+    return {d: info.kv_bytes_per_token_as(d) for d in kv_cache_dtypes}
+
+
+def kv_dtype_report(requests: Sequence[dict[str, Any]], *, kv_cache_dtypes: Sequence[str],
+                    bytes_per_token: dict[str, int], kv_budget: int, block_size: int, max_model_len: int,
+                    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+                    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, prefix_caching: bool = False,
+                    seed: int = 0, vocab_size: int = 32000, engine_model: str | None = None,
+                    num_threads: int | None = None,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The same KV memory (``kv_budget`` slots at the first dtype's bytes per token) in each
+    KV cache dtype: blocks, and concurrent sequences at saturation from the paged run."""
+    say = progress or (lambda _m: None)
+    memory = kv_budget * bytes_per_token[kv_cache_dtypes[0]]
+    rows = []
+    for dtype in kv_cache_dtypes:
+        block_bytes = bytes_per_token[dtype] * block_size
+        blocks = memory // block_bytes
+        t = time.perf_counter()
+        run = run_paged(requests, block_size, blocks * block_size, max_model_len=max_model_len,
+                        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                        prefix_caching=prefix_caching, seed=seed, vocab_size=vocab_size)
+        summary = summarize_samples(run.samples, blocks * block_size, block_size)
+        row = {"kv_cache_dtype": dtype, "bytes_per_block": block_bytes, "num_kv_blocks": blocks,
+               "steps": summary["steps"], "saturated_steps": summary["saturated_steps"],
+               "concurrent_mean": summary["concurrent_mean"], "concurrent_max": summary["concurrent_max"],
+               "concurrent_max_all_steps": summary["concurrent_max_all_steps"],
+               "preemptions": run.num_preemptions}
+        say(f"kv cache dtype {dtype}: {blocks} blocks, {summary['steps']} steps in {time.perf_counter() - t:.2f}s")
+        if engine_model is not None:
+            t = time.perf_counter()
+            eng = run_engine_paged(requests, block_size, blocks * block_size, model=engine_model,
+                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, prefix_caching=prefix_caching,
+                                   num_threads=num_threads, kv_cache_dtype=dtype)
+            row["engine_identical_to_simulation"] = eng.samples == run.samples
+            say(f"engine, kv cache dtype {dtype}: {len(eng.samples)} steps in {time.perf_counter() - t:.1f}s, "
+                f"identical to the simulation: {eng.samples == run.samples}")
+        rows.append(row)
+    base = rows[0]
+    for row in rows:
+        row["blocks_ratio"] = _ratio(row["num_kv_blocks"], base["num_kv_blocks"])
+        row["concurrency_ratio"] = _ratio(row["concurrent_mean"], base["concurrent_mean"])
+    return {"memory_bytes": memory, "block_size": block_size, "rows": rows,
+            "basis": f"{kv_budget} token slots as {kv_cache_dtypes[0]}"}
+
+
 # -- output -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -484,6 +547,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="Model for --engine: tiny (default) or a checkpoint folder; 'standard' builds or reuses "
                              "the standard checkpoint.")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads for --engine.")
+    parser.add_argument("--kv-cache-dtypes", type=_kv_cache_dtypes, default=None, metavar="D[,D...]",
+                        help="Also compare KV cache dtypes (auto, int8, fp8; e.g. auto,int8) in the same memory: "
+                             "what --kv-budget slots take as the first one for --model, at the first block size. "
+                             "Reports blocks and concurrent sequences at saturation for each.")
     parser.add_argument("--json", metavar="FILE", default=None, help="Write every figure to FILE as JSON.")
     args = parser.parse_args(argv)
 
@@ -516,6 +583,14 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size = int(read_config(engine_model)["vocab_size"])
     # Lengths are drawn before tokens, so the vocabulary changes token ids but never lengths.
     requests = make_workload(args.workload, n=args.num_requests, seed=args.seed, vocab_size=vocab_size)
+    kv_model = engine_model  # whose KV bytes per token --kv-cache-dtypes compares
+    if args.kv_cache_dtypes and kv_model is None:
+        if args.model == "standard":
+            from mqinfer.loadgen.checkpoint import make_standard_checkpoint
+
+            kv_model = str(make_standard_checkpoint())
+        else:
+            kv_model = args.model
     try:
         report = memory_report(
             requests, kv_budget=args.kv_budget, block_sizes=args.block_sizes, max_model_len=max_model_len,
@@ -524,6 +599,16 @@ def main(argv: list[str] | None = None) -> int:
             num_threads=args.num_threads,
             progress=lambda m: print(f"[memory {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
         )
+        if args.kv_cache_dtypes:
+            report["kv_cache_dtypes"] = kv_dtype_report(
+                requests, kv_cache_dtypes=args.kv_cache_dtypes,
+                bytes_per_token=model_kv_bytes_per_token(kv_model, args.kv_cache_dtypes), kv_budget=args.kv_budget,
+                block_size=args.block_sizes[0], max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
+                seed=args.seed, vocab_size=vocab_size, engine_model=engine_model, num_threads=args.num_threads,
+                progress=lambda m: print(f"[memory {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
+            )
+            report["kv_cache_dtypes"]["model"] = kv_model
     except (ValueError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -539,6 +624,16 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(report, f, indent=2)
             f.write("\n")
     return 0
+
+
+def _kv_cache_dtypes(text: str) -> list[str]:
+    from mqinfer.workers.config import KV_CACHE_DTYPES
+
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [n for n in names if n not in KV_CACHE_DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"expected KV cache dtypes among {', '.join(KV_CACHE_DTYPES)}, got {text!r}")
+    return names
 
 
 if __name__ == "__main__":

@@ -74,6 +74,29 @@ def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = Non
                 f"{_num(e['concurrent_mean'])}; every step identical to the simulation: "
                 f"{'yes' if e['identical_to_simulation'] else 'NO'}."
             )
+    kv = report.get("kv_cache_dtypes")
+    if kv:
+        lines += [
+            "",
+            f"KV cache dtypes in the same memory ({kv['memory_bytes'] / 2**20:.1f} MiB: {kv['basis']}, model "
+            f"{kv['model']}), block size {kv['block_size']}:",
+            "",
+            "| KV cache dtype | bytes per block | blocks | blocks vs first | steps (saturated) "
+            "| concurrent seqs mean / max at saturation | concurrency vs first | preemptions |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for r in kv["rows"]:
+            lines.append(
+                f"| {r['kv_cache_dtype']} | {r['bytes_per_block']:,} | {r['num_kv_blocks']:,} "
+                f"| {_times(r['blocks_ratio'])} | {r['steps']} ({r['saturated_steps']}) "
+                f"| {_num(r['concurrent_mean'])} / {_num(r['concurrent_max'], 'd')} "
+                f"| {_times(r['concurrency_ratio'])} | {r['preemptions']} |"
+            )
+        checked = [r for r in kv["rows"] if "engine_identical_to_simulation" in r]
+        if checked:
+            lines += ["", "Engine cross-check per KV cache dtype, every step identical to the simulation: " + ", ".join(
+                f"{r['kv_cache_dtype']} {'yes' if r['engine_identical_to_simulation'] else 'NO'}" for r in checked
+            ) + "."]
     lines.append("")
     for p in report["paged"]:
         waste = {True: "met", False: "not met", None: "n/a (never saturated)"}[p["goal_waste_met"]]

@@ -163,7 +163,7 @@ def _default_num_kv_blocks(info: ModelInfo, device: torch.device, config: Engine
     As many blocks as can be used (:func:`_max_usable_blocks`), within a share of memory; never
     fewer than one full-length sequence needs (plus one block), so every prompt can run.
     """
-    block_bytes = info.kv_bytes_per_token * config.block_size
+    block_bytes = info.kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
     usable = _max_usable_blocks(config, max_model_len)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -211,7 +211,8 @@ class LLMEngine:
                 f"does not implement; set max_model_len <= {info.sliding_window}"
             )
         self.max_model_len = max_len
-        block_bytes = info.kv_bytes_per_token * config.block_size
+        # Real bytes per block: an 8-bit cache's values and scales.
+        block_bytes = info.kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
@@ -247,7 +248,8 @@ class LLMEngine:
             priority_aging_s=config.priority_aging_s,
         )
         self.scheduler = Scheduler(self.scheduler_config, clock=clock)
-        self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype))
+        self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
+                                  kv_cache_dtype=config.kv_cache_dtype)
         if config.quantization != "none":
             self._quantize(config)
         self.eos_token_ids = frozenset(info.eos_token_ids) or (
@@ -266,11 +268,12 @@ class LLMEngine:
         )
         self.num_steps = 0
         log.info(
-            "engine ready: %s (%s, %s%s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB), "
+            "engine ready: %s (%s, %s%s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB, %s), "
             "max_model_len %d",
             info.model_id, info.architecture, info.dtype,
-            "" if config.quantization == "none" else f" {config.quantization}", f"{info.num_params:,}", self.device, num_blocks,
-            config.block_size, self.runner.kv_cache_bytes / 2**20, max_len,
+            "" if config.quantization == "none" else f" {config.quantization}", f"{info.num_params:,}", self.device,
+            num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
+            info.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype, max_len,
         )
 
     def _quantize(self, config: EngineConfig) -> None:

@@ -24,6 +24,7 @@ from typing import Any, Iterator
 
 import torch
 
+from mqinfer.kernels import kv_quant
 from mqinfer.workers.models import LlamaForCausalLM, ModelConfig
 from mqinfer.workers.models.config import ModelLoadError
 
@@ -92,7 +93,12 @@ class ModelInfo:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_SIZES[self.dtype]
+        return self.kv_bytes_per_token_as("auto")
+
+    def kv_bytes_per_token_as(self, kv_cache_dtype: str) -> int:
+        """One token's K and V in every layer for a ``--kv-cache-dtype``, 8-bit scales included."""
+        return kv_quant.kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                           _DTYPE_SIZES[self.dtype], kv_cache_dtype)
 
 
 def cpu_flags() -> frozenset[str]:

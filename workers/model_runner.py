@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metadata
+from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, kv_storage_dtype
 from mqinfer.kernels.sampling import SamplingTensors, compute_logprobs, sample
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
@@ -68,6 +69,7 @@ class ModelRunner:
         scheduler_config: SchedulerConfig,
         device: torch.device | str,
         dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model = model
         self.info = info
@@ -77,17 +79,26 @@ class ModelRunner:
         self.block_size = scheduler_config.block_size
         shape = (scheduler_config.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
         self._buffers: list[mmap.mmap] = []
-        self.kv_caches = [(self._zeroed(shape, dtype), self._zeroed(shape, dtype)) for _ in range(info.num_layers)]
+        # K and V in the model's dtype (auto), or 8-bit with a float32 scale per (slot, KV head).
+        self.kv_cache_dtype = kv_cache_dtype
+        kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
+        self.kv_caches = [self._layer_cache(shape, kv_dtype, kv_cache_dtype != "auto") for _ in range(info.num_layers)]
         # Host-memory blocks for swap preemption; pinned on CUDA so the copies are async DMA.
         self.host_cache: HostKVCache | None = None
         if scheduler_config.preemption_mode == "swap":
             self.host_cache = HostKVCache(
-                scheduler_config.num_swap_blocks, info.num_layers, shape[1:], dtype,
-                pin_memory=self.device.type == "cuda",
+                scheduler_config.num_swap_blocks, info.num_layers, shape[1:], kv_dtype,
+                pin_memory=self.device.type == "cuda", quantized=kv_cache_dtype != "auto",
             )
         self.workspace = AttentionWorkspace()
         self.num_queries_per_kv = info.num_heads // info.num_kv_heads
         model.rotary.extend(scheduler_config.max_model_len)
+
+    def _layer_cache(self, shape: tuple[int, ...], dtype: torch.dtype, quantized: bool) -> LayerKVCache:
+        if not quantized:
+            return LayerKVCache(self._zeroed(shape, dtype), self._zeroed(shape, dtype))
+        return LayerKVCache(self._zeroed(shape, dtype), self._zeroed(shape, dtype),
+                            self._zeroed(shape[:3], SCALE_DTYPE), self._zeroed(shape[:3], SCALE_DTYPE))
 
     def _zeroed(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zero-filled cache tensor.
@@ -96,7 +107,8 @@ class ModelRunner:
         leak through the zero attention weight (0 * NaN = NaN). On CPU the memory comes from
         an anonymous mapping, which the kernel hands out zeroed and commits page by page as
         blocks are first written: start-up does not pay for zeroing gigabytes, and a cache
-        sized for the worst case costs only what is used.
+        sized for the worst case costs only what is used. The same holds for an 8-bit cache's
+        scales: a zero scale reads back as zero.
         """
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
@@ -107,7 +119,8 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+        """Bytes of the device KV cache, every layer's K, V and (8-bit) scales."""
+        return sum(cache.nbytes for cache in self.kv_caches)
 
     @torch.inference_mode()
     def forward_sequence(self, token_ids: list[int]) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """Swap space for swap preemption: the host-memory KV blocks and the copies to and from them.
 
 Owns ``HostKVCache``: for every layer a K and a V tensor of ``[num_blocks, block_size,
-num_kv_heads, head_dim]`` in host memory, a pool separate from the device cache, and the two
+num_kv_heads, head_dim]`` in host memory (and for an 8-bit cache their float32 scales,
+``[num_blocks, block_size, num_kv_heads]``), a pool separate from the device cache, and the two
 copies the scheduler asks for (``SchedulerOutput.swap_out`` / ``swap_in``). Which block goes
-where is the KV cache manager's decision; this module only moves the bytes.
+where is the KV cache manager's decision; this module only moves the bytes: a block is row
+``block`` of every tensor of a layer's cache (``LayerKVCache.tensors()``), copied as it is.
 
 On CUDA the host memory is pinned, so the copies are asynchronous DMA on the current stream:
 each step's copies are queued before its forward pass and stream order keeps them ahead of
@@ -18,7 +20,10 @@ from collections.abc import Sequence
 
 import torch
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, as_raw
+
+# One cache per layer: a LayerKVCache, or a plain (k_cache, v_cache) pair.
+KVCaches = Sequence[LayerKVCache | tuple[torch.Tensor, torch.Tensor]]
 
 
 def num_swap_blocks_for(swap_space_bytes: int, block_bytes: int) -> int:
@@ -36,24 +41,37 @@ class HostKVCache:
         block_shape: tuple[int, int, int],
         dtype: torch.dtype,
         pin_memory: bool = False,
+        quantized: bool = False,
     ) -> None:
-        """``block_shape`` is (block_size, num_kv_heads, head_dim), as in the device cache."""
+        """``block_shape`` is (block_size, num_kv_heads, head_dim), as in the device cache;
+        ``quantized``: the device cache is 8-bit and its scales are swapped with it."""
         if num_blocks < 1 or num_layers < 1:
             raise ValueError(f"a host KV cache needs at least one block and layer, got {num_blocks}, {num_layers}")
         self.num_blocks = num_blocks
         self.num_layers = num_layers
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
-        # One allocation for everything (pinning is paid per allocation), viewed per layer.
-        # Never zeroed: a host block is only ever read after a swap-out wrote it.
+        self.quantized = quantized
+        # One allocation for the values and one for the scales (pinning is paid per
+        # allocation), viewed per layer. Never zeroed: a host block is only ever read after a
+        # swap-out wrote it.
         self._storage = torch.empty(
             (num_layers, 2, num_blocks, *self.block_shape), dtype=dtype, pin_memory=pin_memory
         )
-        self.caches = [(self._storage[i, 0], self._storage[i, 1]) for i in range(num_layers)]
+        self._scales = torch.empty(
+            (num_layers, 2, num_blocks, *self.block_shape[:2]), dtype=SCALE_DTYPE, pin_memory=pin_memory
+        ) if quantized else None
+        self.caches = [
+            LayerKVCache(self._storage[i, 0], self._storage[i, 1])
+            if self._scales is None else
+            LayerKVCache(self._storage[i, 0], self._storage[i, 1], self._scales[i, 0], self._scales[i, 1])
+            for i in range(num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:
-        return self._storage.numel() * self._storage.element_size()
+        scales = 0 if self._scales is None else self._scales.numel() * self._scales.element_size()
+        return self._storage.numel() * self._storage.element_size() + scales
 
     @property
     def is_pinned(self) -> bool:
@@ -70,14 +88,12 @@ class HostKVCache:
         host_ids = [h for _, h in pairs]
         if device.type == "cpu":
             index = torch.tensor(host_ids, dtype=torch.int64)
-            for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
-                hk.index_copy_(0, index, dk.index_select(0, device_ids))
-                hv.index_copy_(0, index, dv.index_select(0, device_ids))
+            for src, dst in self._tensor_pairs(device_caches):
+                dst.index_copy_(0, index, src.index_select(0, device_ids))
             return
         runs = _runs(host_ids)
-        for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
-            _gather_to_host(dk, hk, device_ids, runs)
-            _gather_to_host(dv, hv, device_ids, runs)
+        for src, dst in self._tensor_pairs(device_caches):
+            _gather_to_host(src, dst, device_ids, runs)
 
     def swap_in(self, device_caches: KVCaches, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: ``pairs`` of (host block, device block)."""
@@ -90,14 +106,21 @@ class HostKVCache:
         host_ids = [h for h, _ in pairs]
         if device.type == "cpu":
             index = torch.tensor(host_ids, dtype=torch.int64)
-            for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
-                dk.index_copy_(0, device_ids, hk.index_select(0, index))
-                dv.index_copy_(0, device_ids, hv.index_select(0, index))
+            for dst, src in self._tensor_pairs(device_caches):
+                dst.index_copy_(0, device_ids, src.index_select(0, index))
             return
         runs = _runs(host_ids)
-        for (dk, dv), (hk, hv) in zip(device_caches, self.caches):
-            _scatter_from_host(hk, dk, device_ids, runs)
-            _scatter_from_host(hv, dv, device_ids, runs)
+        for dst, src in self._tensor_pairs(device_caches):
+            _scatter_from_host(src, dst, device_ids, runs)
+
+    def _tensor_pairs(self, device_caches: KVCaches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device tensor, host tensor) for every tensor of every layer, float8 ones as their
+        bytes (PyTorch's CPU index copies do not take float8)."""
+        return [
+            (as_raw(d), as_raw(h))
+            for device_cache, host_cache in zip(device_caches, self.caches)
+            for d, h in zip(LayerKVCache(*device_cache).tensors(), host_cache.tensors())
+        ]
 
     def _check(self, device_caches: KVCaches, pairs: Sequence[tuple[int, int]], host_side: int) -> None:
         if len(device_caches) != self.num_layers:
@@ -106,6 +129,11 @@ class HostKVCache:
         if tuple(k.shape[1:]) != self.block_shape or k.dtype != self.dtype:
             raise ValueError(
                 f"device blocks {tuple(k.shape[1:])} {k.dtype} do not match host blocks {self.block_shape} {self.dtype}"
+            )
+        if LayerKVCache(*device_caches[0]).quantized != self.quantized:
+            raise ValueError(
+                "the device cache " + ("has" if not self.quantized else "has no")
+                + " scales but the host cache " + ("has none" if not self.quantized else "has")
             )
         num_device = k.shape[0]
         for pair in pairs:

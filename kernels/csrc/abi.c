@@ -8,7 +8,7 @@
 #define AT(T, f) (int64_t)offsetof(T, f), (int64_t)sizeof(((T *)0)->f)
 
 const int64_t mqinfer_layout_attention_args[] = {
-    sizeof(mqinfer_attention_args), 17,
+    sizeof(mqinfer_attention_args), 20,
     AT(mqinfer_attention_args, q), AT(mqinfer_attention_args, k_cache),
     AT(mqinfer_attention_args, v_cache), AT(mqinfer_attention_args, out),
     AT(mqinfer_attention_args, block_tables), AT(mqinfer_attention_args, seq_of_token),
@@ -17,7 +17,8 @@ const int64_t mqinfer_layout_attention_args[] = {
     AT(mqinfer_attention_args, num_kv_heads), AT(mqinfer_attention_args, head_dim),
     AT(mqinfer_attention_args, block_size), AT(mqinfer_attention_args, max_blocks),
     AT(mqinfer_attention_args, max_len), AT(mqinfer_attention_args, scale),
-    AT(mqinfer_attention_args, is_bf16),
+    AT(mqinfer_attention_args, is_bf16), AT(mqinfer_attention_args, k_scale),
+    AT(mqinfer_attention_args, v_scale), AT(mqinfer_attention_args, kv_quant),
 };
 
 const int64_t mqinfer_layout_argmax_args[] = {

@@ -15,7 +15,9 @@
    of multiply-adds) and walks the V rows once per query head and half. Decoding reads every
    sequence's cache from memory once per layer, so for the first token of a sequence the next
    block's keys and the block's values are prefetched while its keys are scored; a prompt's
-   later tokens find them in cache. */
+   later tokens find them in cache. 8-bit caches (int8, float8 e4m3) have versions of their
+   own with float32 activations: rows are converted 8 lanes at a time as they are loaded and
+   the rows' scales applied to the scores and the softmax weights. */
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
@@ -42,6 +44,18 @@ static inline void v8_store_bf16(uint16_t *p, __m256 v) {
     _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
 }
 static inline __m256 v8_keep_f32(__m256 v) { return v; }
+/* 8 stored values of an 8-bit cache as floats (before their row's scale): int8_to_float and
+   fp8e4m3_to_float on 8 lanes, the same exact conversions. */
+static inline __m256 v8_load_int8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline __m256 v8_load_fp8(const uint8_t *p) {
+    const __m256i u = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i bits = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7f)), 20);
+    const __m256 mag = _mm256_mul_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(0x1p120f));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    return _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+}
 static inline __m256 v8_round_to_bf16(__m256 v) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(v8_bf16_bits(v), 16));
 }
@@ -94,12 +108,17 @@ static inline void prefetch_rows(const char *base, int64_t rows, int64_t stride_
 /* The weighted sum's accumulators: two sets of CW vectors of one query head's output. */
 #define CHUNK_VECTORS(G, NV) ((NV) < 4 ? (NV) : 4)
 
-#define DEFINE_ATTEND_AVX2(NAME, T, VLOAD, VSTORE, ROUNDW, ROUNDW8, DV, GV)                     \
+/* T: the activations' type (q, out), TKV: the cache's, VLOADKV its 8-lane load. SCALED (an
+   8-bit cache): a score is the dot product with the stored key times the key's scale, and each
+   softmax weight is multiplied by its value row's scale before the weighted sum, so the rows
+   themselves are only converted, never scaled. */
+#define DEFINE_ATTEND_AVX2(NAME, T, TKV, VLOAD, VLOADKV, VSTORE, ROUNDW, ROUNDW8, SCALED, DV, GV) \
 static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
     enum { D = DV, G = GV, NV = DV / 8, CW = CHUNK_VECTORS(GV, DV / 8) };                        \
     const int64_t hkv = j->num_kv_heads, bs = j->block_size, rs = hkv * D;                     \
     float *scores = buf;                                                                        \
-    const T *q = (const T *)j->q, *kc = (const T *)j->k_cache, *vc = (const T *)j->v_cache;    \
+    const T *q = (const T *)j->q;                                                               \
+    const TKV *kc = (const TKV *)j->k_cache, *vc = (const TKV *)j->v_cache;                    \
     T *out = (T *)j->out;                                                                       \
     const __m256 scale = _mm256_set1_ps(j->scale);                                              \
     for (int64_t t = token_begin; t < token_end; t++) {                                         \
@@ -116,32 +135,44 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                     qv[i][v] = _mm256_mul_ps(VLOAD(q + t * j->q_token_stride + (h * G + i) * D + 8 * v), scale); \
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                 \
                 const int64_t n = len - first < bs ? len - first : bs;                          \
-                const T *kb = kc + (table[blk] * bs * hkv + h) * D;                             \
+                const TKV *kb = kc + (table[blk] * bs * hkv + h) * D;                           \
+                /* An 8-bit cache's key scales of this block and KV head, one per slot. */     \
+                const float *ksb = SCALED ? j->k_scale + table[blk] * bs * hkv + h : NULL;      \
                 if (cold) {                                                                     \
                     if (first + bs < len)                                                       \
                         prefetch_rows((const char *)(kc + (table[blk + 1] * bs * hkv + h) * D), bs, \
-                                      rs * (int64_t)sizeof(T), D * (int64_t)sizeof(T));         \
+                                      rs * (int64_t)sizeof(TKV), D * (int64_t)sizeof(TKV));     \
                     prefetch_rows((const char *)(vc + (table[blk] * bs * hkv + h) * D), n,      \
-                                  rs * (int64_t)sizeof(T), D * (int64_t)sizeof(T));             \
+                                  rs * (int64_t)sizeof(TKV), D * (int64_t)sizeof(TKV));         \
                 }                                                                               \
                 int64_t o = 0;                                                                  \
                 for (; o + 8 <= n; o += 8) {                                                    \
-                    const T *k8 = kb + o * rs;                                                  \
+                    const TKV *k8 = kb + o * rs;                                                \
+                    __m256 ks8 = _mm256_setzero_ps();                                           \
+                    if (SCALED) {                                                               \
+                        const float *p_ = ksb + o * hkv;                                        \
+                        ks8 = _mm256_setr_ps(p_[0], p_[hkv], p_[2 * hkv], p_[3 * hkv], p_[4 * hkv], \
+                                             p_[5 * hkv], p_[6 * hkv], p_[7 * hkv]);            \
+                    }                                                                           \
                     for (int i = 0; i < G; i++) {                                               \
                         __m256 part[8];                                                         \
-                        for (int r = 0; r < 8; r++) part[r] = _mm256_mul_ps(qv[i][0], VLOAD(k8 + r * rs)); \
+                        for (int r = 0; r < 8; r++) part[r] = _mm256_mul_ps(qv[i][0], VLOADKV(k8 + r * rs)); \
                         for (int v = 1; v < NV; v++)                                            \
                             for (int r = 0; r < 8; r++)                                         \
-                                part[r] = _mm256_fmadd_ps(qv[i][v], VLOAD(k8 + r * rs + 8 * v), part[r]); \
-                        _mm256_storeu_ps(scores + i * len + first + o, reduce8_add(part));      \
+                                part[r] = _mm256_fmadd_ps(qv[i][v], VLOADKV(k8 + r * rs + 8 * v), part[r]); \
+                        __m256 s8 = reduce8_add(part);                                          \
+                        if (SCALED) s8 = _mm256_mul_ps(s8, ks8);                                \
+                        _mm256_storeu_ps(scores + i * len + first + o, s8);                     \
                     }                                                                           \
                 }                                                                               \
                 for (; o < n; o++) {                                                            \
-                    const T *k = kb + o * rs;                                                   \
+                    const TKV *k = kb + o * rs;                                                 \
                     for (int i = 0; i < G; i++) {                                               \
-                        __m256 acc = _mm256_mul_ps(qv[i][0], VLOAD(k));                         \
-                        for (int v = 1; v < NV; v++) acc = _mm256_fmadd_ps(qv[i][v], VLOAD(k + 8 * v), acc); \
-                        scores[i * len + first + o] = reduce1_add(acc);                         \
+                        __m256 acc = _mm256_mul_ps(qv[i][0], VLOADKV(k));                       \
+                        for (int v = 1; v < NV; v++) acc = _mm256_fmadd_ps(qv[i][v], VLOADKV(k + 8 * v), acc); \
+                        float s1 = reduce1_add(acc);                                            \
+                        if (SCALED) s1 *= ksb[o * hkv];                                         \
+                        scores[i * len + first + o] = s1;                                       \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
@@ -174,6 +205,15 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                 for (; p + 8 <= len; p += 8) _mm256_storeu_ps(s + p, ROUNDW8(_mm256_loadu_ps(s + p))); \
                 for (; p < len; p++) s[p] = ROUNDW(s[p]);                                       \
             }                                                                                   \
+            if (SCALED)  /* each weight times its value row's scale */                          \
+                for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {             \
+                    const int64_t n = len - first < bs ? len - first : bs;                      \
+                    const float *vsb = j->v_scale + table[blk] * bs * hkv + h;                  \
+                    for (int64_t o = 0; o < n; o++) {                                           \
+                        const float vs = vsb[o * hkv];                                          \
+                        for (int i = 0; i < G; i++) scores[i * len + first + o] *= vs;          \
+                    }                                                                           \
+                }                                                                               \
             for (int c = 0; c < NV; c += CW)                                                    \
                 for (int i = 0; i < G; i++) {                                                   \
                     /* Even and odd keys in two sets of accumulators: two independent chains  \
@@ -182,20 +222,20 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                     for (int v = 0; v < CW; v++) even[v] = odd[v] = _mm256_setzero_ps();        \
                     for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {         \
                         const int64_t n = len - first < bs ? len - first : bs;                  \
-                        const T *vb = vc + (table[blk] * bs * hkv + h) * D + 8 * c;             \
+                        const TKV *vb = vc + (table[blk] * bs * hkv + h) * D + 8 * c;           \
                         const float *w = scores + i * len + first;                              \
                         int64_t o = 0;                                                          \
                         for (; o + 2 <= n; o += 2) {                                            \
                             const __m256 w0 = _mm256_broadcast_ss(w + o), w1 = _mm256_broadcast_ss(w + o + 1); \
                             for (int v = 0; v < CW; v++) {                                      \
-                                even[v] = _mm256_fmadd_ps(w0, VLOAD(vb + o * rs + 8 * v), even[v]); \
-                                odd[v] = _mm256_fmadd_ps(w1, VLOAD(vb + (o + 1) * rs + 8 * v), odd[v]); \
+                                even[v] = _mm256_fmadd_ps(w0, VLOADKV(vb + o * rs + 8 * v), even[v]); \
+                                odd[v] = _mm256_fmadd_ps(w1, VLOADKV(vb + (o + 1) * rs + 8 * v), odd[v]); \
                             }                                                                   \
                         }                                                                       \
                         if (o < n) {                                                            \
                             const __m256 w0 = _mm256_broadcast_ss(w + o);                       \
                             for (int v = 0; v < CW; v++)                                        \
-                                even[v] = _mm256_fmadd_ps(w0, VLOAD(vb + o * rs + 8 * v), even[v]); \
+                                even[v] = _mm256_fmadd_ps(w0, VLOADKV(vb + o * rs + 8 * v), even[v]); \
                         }                                                                       \
                     }                                                                           \
                     const __m256 inv = _mm256_set1_ps(inv_sum[i]);                              \
@@ -207,11 +247,16 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
     }                                                                                           \
 }
 
-#define DEFINE_FOR_G(GV)                                                                                    \
-DEFINE_ATTEND_AVX2(attend2_f32_64_##GV, float, v8_load_f32, v8_store_f32, keep_f32, v8_keep_f32, 64, GV)        \
-DEFINE_ATTEND_AVX2(attend2_bf16_64_##GV, uint16_t, v8_load_bf16, v8_store_bf16, round_to_bf16, v8_round_to_bf16, 64, GV) \
-DEFINE_ATTEND_AVX2(attend2_f32_128_##GV, float, v8_load_f32, v8_store_f32, keep_f32, v8_keep_f32, 128, GV)      \
-DEFINE_ATTEND_AVX2(attend2_bf16_128_##GV, uint16_t, v8_load_bf16, v8_store_bf16, round_to_bf16, v8_round_to_bf16, 128, GV)
+#define DEFINE_FOR_D_G(DV, GV)                                                                              \
+DEFINE_ATTEND_AVX2(attend2_f32_##DV##_##GV, float, float, v8_load_f32, v8_load_f32, v8_store_f32, keep_f32,      \
+                   v8_keep_f32, 0, DV, GV)                                                                  \
+DEFINE_ATTEND_AVX2(attend2_bf16_##DV##_##GV, uint16_t, uint16_t, v8_load_bf16, v8_load_bf16, v8_store_bf16,     \
+                   round_to_bf16, v8_round_to_bf16, 0, DV, GV)                                              \
+DEFINE_ATTEND_AVX2(attend2_f32_int8_##DV##_##GV, float, int8_t, v8_load_f32, v8_load_int8, v8_store_f32,        \
+                   keep_f32, v8_keep_f32, 1, DV, GV)                                                        \
+DEFINE_ATTEND_AVX2(attend2_f32_fp8_##DV##_##GV, float, uint8_t, v8_load_f32, v8_load_fp8, v8_store_f32,         \
+                   keep_f32, v8_keep_f32, 1, DV, GV)
+#define DEFINE_FOR_G(GV) DEFINE_FOR_D_G(64, GV) DEFINE_FOR_D_G(128, GV)
 DEFINE_FOR_G(1)
 DEFINE_FOR_G(2)
 DEFINE_FOR_G(3)
@@ -222,9 +267,11 @@ DEFINE_FOR_G(7)
 DEFINE_FOR_G(8)
 
 typedef void (*attend_fn)(const mqinfer_attention_args *, int64_t, int64_t, float *);
-#define ROW_FOR_G(GV) {attend2_f32_64_##GV, attend2_bf16_64_##GV, attend2_f32_128_##GV, attend2_bf16_128_##GV}
-/* [g - 1][(head_dim == 128) * 2 + is_bf16] */
-static const attend_fn versions[8][4] = {
+#define KINDS_FOR(DV, GV) \
+    {attend2_f32_##DV##_##GV, attend2_bf16_##DV##_##GV, attend2_f32_int8_##DV##_##GV, attend2_f32_fp8_##DV##_##GV}
+#define ROW_FOR_G(GV) {KINDS_FOR(64, GV), KINDS_FOR(128, GV)}
+/* [g - 1][head_dim == 128][kind]; kind: float32, bfloat16, int8 cache, float8 cache. */
+static const attend_fn versions[8][2][4] = {
     ROW_FOR_G(1), ROW_FOR_G(2), ROW_FOR_G(3), ROW_FOR_G(4),
     ROW_FOR_G(5), ROW_FOR_G(6), ROW_FOR_G(7), ROW_FOR_G(8),
 };
@@ -232,7 +279,8 @@ static const attend_fn versions[8][4] = {
 int mq_attend_avx2(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) {
     const int64_t g = j->num_heads / j->num_kv_heads, D = j->head_dim;
     if (g < 1 || g > 8 || (D != 64 && D != 128)) return 0;
-    versions[g - 1][(D == 128) * 2 + (j->is_bf16 != 0)](j, token_begin, token_end, buf);
+    const int kind = j->kv_quant == 1 ? 2 : j->kv_quant == 2 ? 3 : (j->is_bf16 != 0);
+    versions[g - 1][D == 128][kind](j, token_begin, token_end, buf);
     return 1;
 }
 

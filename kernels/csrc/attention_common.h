@@ -20,6 +20,19 @@ static inline uint16_t float_to_bf16(float f) {  /* round to nearest even, as to
     return (uint16_t)(u >> 16);
 }
 
+/* 8-bit caches (mqinfer_attention_args.kv_quant): the stored value as a float, before its
+   row's scale. float8 e4m3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits, no
+   infinities): the 7 low bits shifted to a float's exponent and mantissa give the value times
+   2^-120 (subnormals included, as float subnormals: the library never turns on
+   flush-to-zero), so one exact multiply puts it right. */
+static inline float int8_to_float(int8_t x) { return (float)x; }
+static inline float fp8e4m3_to_float(uint8_t x) {
+    const uint32_t u = (uint32_t)(x & 0x7fu) << 20;
+    float f; memcpy(&f, &u, 4);
+    f *= 0x1p120f;
+    return (x & 0x80u) ? -f : f;
+}
+
 /* Attention weights are rounded to the cache dtype before they multiply V, as PyTorch's own
    CPU attention does for reduced precision: bfloat16 results then agree with it (and so with
    transformers) down to near-ties. */

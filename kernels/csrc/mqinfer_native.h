@@ -29,7 +29,11 @@
    out [num_tokens, num_heads, head_dim], contiguous;
    block_tables [num_seqs, max_blocks]; seq_of_token, positions [num_tokens].
    Token t attends to positions 0..positions[t] of sequence seq_of_token[t]; max_len bounds
-   positions[t] + 1. Indices are trusted: the caller checks them. */
+   positions[t] + 1. Indices are trusted: the caller checks them.
+   kv_quant: 0, the caches hold the activations' type (is_bf16); 1, int8, or 2, float8 e4m3
+   (finite values only), each row of head_dim values scaled by its float32 k_scale / v_scale
+   [num_blocks, block_size, num_kv_heads] (value = stored * scale); q and out are then float32
+   (is_bf16 0). k_scale and v_scale are NULL when kv_quant is 0. */
 typedef struct {
     const void *q;
     const void *k_cache;
@@ -48,6 +52,9 @@ typedef struct {
     int64_t max_len;
     float scale;
     int32_t is_bf16;
+    const float *k_scale;
+    const float *v_scale;
+    int32_t kv_quant;
 } mqinfer_attention_args;
 
 int mqinfer_paged_attention(const mqinfer_attention_args *args, int num_threads);

@@ -2,7 +2,9 @@
    time, with no gather, no padding and float32 accumulation; the KV head's g query heads share
    every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 4 query
    heads per KV head), AVX2 versions (attention_avx2.c) for heads 64 or 128 wide with 1 to 8
-   query heads per KV head, the portable loops for every other shape and CPU.
+   query heads per KV head, the portable loops for every other shape and CPU. 8-bit caches
+   (int8, float8 e4m3, with a float32 scale per row) are read by the AVX2 versions and the
+   portable loops, with float32 activations.
 
    Work is cut into runs of consecutive tokens of about equal cost (a token's cost grows with
    its context), one run per thread; each token is computed by one thread in one fixed order,
@@ -18,13 +20,16 @@
 /* The portable version, for any head size and grouping: tokens token_begin..token_end - 1.
    A score's dot product is a chain of separate multiplies and adds (a chain of fused ones
    waits on the multiply-add's longer latency at every step); the weighted sum of V rows, one
-   independent multiply-add per element, is fused. */
-#define DEFINE_ATTEND(NAME, T, LOAD, STORE, ROUNDW)                                               \
+   independent multiply-add per element, is fused. T is the activations' type, TKV the
+   cache's; SCALED (an 8-bit cache) dequantizes each K/V row as it is loaded (stored value
+   times its row's scale, one rounding, as kv_quant.dequantize_kv does). */
+#define DEFINE_ATTEND(NAME, T, TKV, LOAD, LOADKV, STORE, ROUNDW, SCALED)                          \
 static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
     const int64_t D = j->head_dim, hkv = j->num_kv_heads, g = j->num_heads / hkv, bs = j->block_size; \
     float *scores = buf, *qf = scores + g * j->max_len, *acc = qf + g * D, *row = acc + g * D;    \
     float *inv_sum = row + D;                                                                     \
-    const T *q = (const T *)j->q, *kc = (const T *)j->k_cache, *vc = (const T *)j->v_cache;      \
+    const T *q = (const T *)j->q;                                                                 \
+    const TKV *kc = (const TKV *)j->k_cache, *vc = (const TKV *)j->v_cache;                      \
     T *out = (T *)j->out;                                                                         \
     for (int64_t t = token_begin; t < token_end; t++) {                                           \
         const int64_t len = j->positions[t] + 1;                                                  \
@@ -35,10 +40,15 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                     qf[i * D + d] = LOAD(q[t * j->q_token_stride + (h * g + i) * D + d]) * j->scale; \
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
                 const int64_t n = len - first < bs ? len - first : bs;                            \
-                const T *kb = kc + (table[blk] * bs * hkv + h) * D;                               \
+                const TKV *kb = kc + (table[blk] * bs * hkv + h) * D;                             \
                 for (int64_t o = 0; o < n; o++) {                                                 \
-                    const T *k = kb + o * hkv * D;                                                \
-                    for (int64_t d = 0; d < D; d++) row[d] = LOAD(k[d]);                          \
+                    const TKV *k = kb + o * hkv * D;                                              \
+                    if (SCALED) {                                                                 \
+                        const float ks = j->k_scale[(table[blk] * bs + o) * hkv + h];             \
+                        for (int64_t d = 0; d < D; d++) row[d] = LOADKV(k[d]) * ks;               \
+                    } else {                                                                      \
+                        for (int64_t d = 0; d < D; d++) row[d] = LOADKV(k[d]);                    \
+                    }                                                                             \
                     for (int64_t i = 0; i < g; i++) {                                             \
                         float s = 0.0f;                                                           \
                         for (int64_t d = 0; d < D; d++) s += qf[i * D + d] * row[d];              \
@@ -56,10 +66,15 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
             memset(acc, 0, sizeof(float) * g * D);                                                \
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
                 const int64_t n = len - first < bs ? len - first : bs;                            \
-                const T *vb = vc + (table[blk] * bs * hkv + h) * D;                               \
+                const TKV *vb = vc + (table[blk] * bs * hkv + h) * D;                             \
                 for (int64_t o = 0; o < n; o++) {                                                 \
-                    const T *v = vb + o * hkv * D;                                                \
-                    for (int64_t d = 0; d < D; d++) row[d] = LOAD(v[d]);                          \
+                    const TKV *v = vb + o * hkv * D;                                              \
+                    if (SCALED) {                                                                 \
+                        const float vs = j->v_scale[(table[blk] * bs + o) * hkv + h];             \
+                        for (int64_t d = 0; d < D; d++) row[d] = LOADKV(v[d]) * vs;               \
+                    } else {                                                                      \
+                        for (int64_t d = 0; d < D; d++) row[d] = LOADKV(v[d]);                    \
+                    }                                                                             \
                     for (int64_t i = 0; i < g; i++) {                                             \
                         const float w = scores[i * len + first + o];                              \
                         for (int64_t d = 0; d < D; d++) acc[i * D + d] = MUL_ADD(w, row[d], acc[i * D + d]); \
@@ -75,8 +90,11 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
 
 #define LOAD_F32(x) (x)
 #define STORE_F32(x) (x)
-DEFINE_ATTEND(attend_f32, float, LOAD_F32, STORE_F32, keep_f32)
-DEFINE_ATTEND(attend_bf16, uint16_t, bf16_to_float, float_to_bf16, round_to_bf16)
+DEFINE_ATTEND(attend_f32, float, float, LOAD_F32, LOAD_F32, STORE_F32, keep_f32, 0)
+DEFINE_ATTEND(attend_bf16, uint16_t, uint16_t, bf16_to_float, bf16_to_float, float_to_bf16, round_to_bf16, 0)
+/* 8-bit caches, float32 activations (the caller converts bfloat16 ones). */
+DEFINE_ATTEND(attend_f32_int8, float, int8_t, LOAD_F32, int8_to_float, STORE_F32, keep_f32, 1)
+DEFINE_ATTEND(attend_f32_fp8, float, uint8_t, LOAD_F32, fp8e4m3_to_float, STORE_F32, keep_f32, 1)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -299,14 +317,18 @@ static int attention_part(const void *ctx, int part, int num_parts) {
     float *buf = (float *)malloc(sizeof(float) * (g * j->max_len + 2 * g * D + D + g));
     if (!buf) return -1;
 #ifdef HAVE_SPECIALISED
-    if (D == 64 && g == 4) {
+    /* The AVX-512 versions read caches in the activations' type only; 8-bit caches go to the
+       AVX2 versions (every AVX-512 CPU has AVX2 and FMA) or the portable loops. */
+    if (!j->kv_quant && D == 64 && g == 4) {
         if (j->is_bf16) attend_bf16_64_4(j, begin, end, buf); else attend_f32_64_4(j, begin, end, buf);
-    } else if (D == 128 && g == 4) {
+    } else if (!j->kv_quant && D == 128 && g == 4) {
         if (j->is_bf16) attend_bf16_128_4(j, begin, end, buf); else attend_f32_128_4(j, begin, end, buf);
     } else
 #endif
     if (mq_attend_avx2(j, begin, end, buf)) {
-    } else if (j->is_bf16) attend_bf16(j, begin, end, buf); else attend_f32(j, begin, end, buf);
+    } else if (j->kv_quant == 1) attend_f32_int8(j, begin, end, buf);
+    else if (j->kv_quant == 2) attend_f32_fp8(j, begin, end, buf);
+    else if (j->is_bf16) attend_bf16(j, begin, end, buf); else attend_f32(j, begin, end, buf);
     free(buf);
     return 0;
 }

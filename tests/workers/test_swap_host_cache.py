@@ -33,7 +33,8 @@ def test_blocks_go_out_and_come_back_bit_for_bit(dtype):
     assert host.nbytes == 3 * 2 * 6 * 4 * 2 * 8 * (4 if dtype == torch.float32 else 2)
     out_pairs = [(7, 2), (1, 0), (4, 5)]
     host.swap_out(caches, out_pairs)
-    for layer, ((hk, hv), (k, v)) in enumerate(zip(host.caches, original)):
+    for layer, (host_layer, (k, v)) in enumerate(zip(host.caches, original)):
+        hk, hv = host_layer.k, host_layer.v
         for d, h in out_pairs:
             assert torch.equal(hk[h], k[d]) and torch.equal(hv[h], v[d]), f"layer {layer} block {d}"
     # The device blocks are reused by others, then the request comes back into other blocks.
@@ -100,3 +101,44 @@ def test_swap_space_sizing():
     assert num_swap_blocks_for(1000, 1001) == 0
     with pytest.raises(ValueError):
         num_swap_blocks_for(1000, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_8bit_blocks_and_scales_go_out_and_come_back_bit_for_bit(dtype):
+    from mqinfer.kernels.kv_quant import LayerKVCache
+
+    g = torch.Generator().manual_seed(1)
+
+    def layer():
+        values = lambda: torch.randint(0, 256, (10, *BLOCK), dtype=torch.uint8, generator=g)  # noqa: E731
+        k, v = values(), values()
+        if dtype == torch.float8_e4m3fn:  # no NaN codes: compare by bytes anyway
+            k[(k & 0x7F) == 0x7F] = 0
+            v[(v & 0x7F) == 0x7F] = 0
+        return LayerKVCache(k.view(dtype), v.view(dtype), torch.rand(10, *BLOCK[:2], generator=g),
+                            torch.rand(10, *BLOCK[:2], generator=g))
+
+    caches = [layer() for _ in range(3)]
+    raw = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
+    original = [[raw(t).clone() for t in c.tensors()] for c in caches]
+    host = HostKVCache(6, 3, BLOCK, dtype, quantized=True)
+    # Values (1 byte) and the float32 scales of each (slot, KV head).
+    assert host.nbytes == 3 * 2 * 6 * 4 * 2 * (8 + 4)
+    host.swap_out(caches, [(7, 2), (1, 0), (4, 5)])
+    for c in caches:
+        for t in c.tensors():
+            raw(t).fill_(7)
+    host.swap_in(caches, [(2, 0), (0, 9), (5, 3)])
+    for c, orig in zip(caches, original):
+        for t, o in zip(c.tensors(), orig):
+            assert torch.equal(raw(t)[0], o[7]) and torch.equal(raw(t)[9], o[1]) and torch.equal(raw(t)[3], o[4])
+            assert bool((raw(t)[[1, 2, 4, 5, 6, 7, 8]] == 7).all())
+    # The device path (gather on the device, copies by runs) moves the same bytes.
+    staged = torch.zeros((8, *BLOCK), dtype=raw(caches[0].k).dtype)
+    _gather_to_host(raw(caches[0].k), staged, torch.tensor([0, 9]), _runs([3, 4]))
+    assert torch.equal(staged[3], original[0][0][7]) and torch.equal(staged[4], original[0][0][1])
+    # A host pool without scales refuses an 8-bit device cache, and the other way round.
+    with pytest.raises(ValueError, match="device cache has scales but the host cache has none"):
+        HostKVCache(2, 3, BLOCK, dtype).swap_out(caches, [(0, 0)])
+    with pytest.raises(ValueError, match="device cache has no scales but the host cache has"):
+        HostKVCache(2, 3, BLOCK, torch.float32, quantized=True).swap_out(device_caches(4), [(0, 0)])

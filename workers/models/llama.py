@@ -31,9 +31,11 @@ from torch import nn
 from mqinfer.kernels import cpu_ops
 from mqinfer.kernels import linear as dense
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
+from mqinfer.kernels.kv_quant import LayerKVCache
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+# One cache per layer: a LayerKVCache, or a plain (k_cache, v_cache) pair.
+KVCaches = Sequence[LayerKVCache | tuple[torch.Tensor, torch.Tensor]]
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -278,8 +280,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rope: RotaryInputs,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        kv: LayerKVCache,
         metadata: AttentionMetadata,
         buffers: Activations | None = None,
     ) -> torch.Tensor:
@@ -291,20 +292,30 @@ class Attention(nn.Module):
         v = v.view(num_tokens, hkv, d)
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :hq]), self.k_norm(qk[:, hq:])), dim=1)
-        if self.store_kv is store_kv and cpu_ops.native_for(qk, k_cache):
+        k_cache, v_cache, k_scale, v_scale = kv
+        if self.store_kv is store_kv and (
+            cpu_ops.native_for(qk, k_cache) or (kv.quantized and cpu_ops.native_for(qk) and k_cache.device.type == "cpu")
+        ):
             # CPU: one native pass rotates q in place and writes the rotated k and v straight
-            # into their cache slots (the PyTorch fallback inside does what the lines below do).
+            # into their cache slots (the PyTorch fallback inside does what the lines below do;
+            # an 8-bit cache gets the rotated k through a quantizing store).
             q = cpu_ops.rotary_store_kv(
                 qk, v, hq, rope.rotary.cos, rope.rotary.sin, rope.positions, k_cache, v_cache,
-                metadata.slot_mapping, trusted=True,
+                metadata.slot_mapping, trusted=True, k_scale=k_scale, v_scale=v_scale,
             )
         else:
             cos, sin = rope.cos_sin
             # q and k rotate together: one elementwise pass instead of two.
             qk = qk * cos + _rotate_half(qk) * sin
             q, k = qk[:, :hq], qk[:, hq:]
-            self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = self.paged_attention(q, k_cache, v_cache, metadata, self.scale)
+            if kv.quantized:
+                self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
+            else:
+                self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        if kv.quantized:
+            out = self.paged_attention(q, k_cache, v_cache, metadata, self.scale, k_scale=k_scale, v_scale=v_scale)
+        else:
+            out = self.paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, hq * d),
                            _buffer(buffers, "o_proj", num_tokens, self.o_proj.out_features, x))
 
@@ -342,10 +353,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, h, rope, k_cache, v_cache, metadata) -> torch.Tensor:
+    def forward(self, h, rope, kv: LayerKVCache, metadata) -> torch.Tensor:
         """The layer on its own (reference order); the model's forward runs the same
         arithmetic with each residual add fused into the following RMSNorm."""
-        h = h + self.self_attn(self.input_layernorm(h), rope, k_cache, v_cache, metadata)
+        h = h + self.self_attn(self.input_layernorm(h), rope, LayerKVCache(*kv), metadata)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -428,8 +439,8 @@ class LlamaForCausalLM(nn.Module):
         normed = buffers.get("normed", num_tokens, hidden, weight) if h.device.type == "cpu" else None
         h, x = self._add_norm(h, None, layers[0].input_layernorm if len(layers) else self.model.norm,
                               normed if len(layers) else None)
-        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
-            a = layer.self_attn(x, rope, k_cache, v_cache, attn_metadata, buffers)
+        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            a = layer.self_attn(x, rope, LayerKVCache(*kv), attn_metadata, buffers)
             h, x = self._add_norm(h, a, layer.post_attention_layernorm, normed)
             m = layer.mlp(x, buffers)
             last = i + 1 == len(layers)
