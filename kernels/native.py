@@ -54,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -237,16 +238,32 @@ def build(flags: tuple[str, ...] | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         built = Path(tmp) / library.name
-        command = [compiler, *flags, "-I", str(CSRC), "-o", str(built), *map(str, sources),
-                   "-lm", "-lpthread"]
-        try:
-            result = subprocess.run(command, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.SubprocessError) as exc:
-            raise RuntimeError(f"{compiler} could not run: {exc}") from exc
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-4000:]}")
+        # Each source to an object file, as many at once as there are cores (the attention
+        # kernels take most of the time), then one link.
+        objects = [Path(tmp) / f"{source.stem}.o" for source in sources]
+        compile_flags = [f for f in flags if f != "-shared"]
+        commands = [[compiler, *compile_flags, "-I", str(CSRC), "-c", str(source), "-o", str(obj)]
+                    for source, obj in zip(sources, objects)]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(commands), os.cpu_count() or 1))) as pool:
+            for result in pool.map(_compile, commands):
+                if result:
+                    raise RuntimeError(result)
+        error = _compile([compiler, *flags, "-o", str(built), *map(str, objects), "-lm", "-lpthread"])
+        if error:
+            raise RuntimeError(error)
         os.replace(built, library)  # atomic: a concurrent builder's copy is as good
     return library
+
+
+def _compile(command: list[str]) -> str | None:
+    """Runs one compiler command: None, or what went wrong."""
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{command[0]} could not run: {exc}"
+    if result.returncode != 0:
+        return f"{command[0]} failed: {result.stderr.strip()[-4000:]}"
+    return None
 
 
 def _check_layouts(lib: ctypes.CDLL) -> None:
