@@ -129,8 +129,9 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--compare-wait applies to --mode online only"
     if args.compare_wait and args.max_wait_ms is not None:
         return "--compare-wait sets each run's wait; leave out --max-wait-ms"
-    if args.compare and UNQUANTIZED in args.compare and args.quantization == "none":
-        return "--compare unquantized needs --quantization w8a8 or w8a16 (it reruns mqinfer without it)"
+    if args.compare and UNQUANTIZED in args.compare and args.quantization == "none" and args.kv_cache_dtype == "auto":
+        return ("--compare unquantized needs --quantization w8a8|w8a16 or --kv-cache-dtype int8|fp8 (it reruns "
+                "mqinfer without them)")
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf or llamacpp"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -254,8 +255,9 @@ def _run(args: argparse.Namespace) -> int:
                 done(point_name(p, bool(args.compare_wait)), p.summary,
                      {"summary": p.summary.to_dict(), "budget": budget_dict(p)})
         if UNQUANTIZED in compare and not args.skip_engine:
-            log("mqinfer again with --quantization none")
-            plain_args = argparse.Namespace(**{**vars(args), "quantization": "none", "mode": "offline", "rate": [],
+            log("mqinfer again with --quantization none --kv-cache-dtype auto")
+            plain_args = argparse.Namespace(**{**vars(args), "quantization": "none", "kv_cache_dtype": "auto",
+                                               "mode": "offline", "rate": [],
                                                "compare_wait": None,
                                                "out": str(Path(args.out) / "unquantized") if args.out else None})
             plain = run_engine(plain_args, spec, requests, scratch / "unquantized")

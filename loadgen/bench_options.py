@@ -16,8 +16,8 @@ AUTO = "auto"  # --max-wait-ms: the adaptive batcher
 WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix", "fixed")
 HF = "hf"  # --compare: transformers on the same checkpoint
 LLAMACPP = "llamacpp"  # --compare: llama.cpp's llama-batched-bench on a GGUF of the same weights
-# --compare: the same mqinfer run again with --quantization none (the speed-up and the greedy
-# agreement of --quantization)
+# --compare: the same mqinfer run again with --quantization none and --kv-cache-dtype auto (the
+# speed-up and the greedy agreement of 8-bit weights or KV cache)
 UNQUANTIZED = "unquantized"
 PEERS = (HF, LLAMACPP, UNQUANTIZED)
 
@@ -178,7 +178,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Also run peers: hf = transformers on the same checkpoint and requests (static batching "
                         "at --hf-batch-sizes, the best counts, and its continuous batching); llamacpp = "
                         "llama-batched-bench on --gguf (--workload fixed only); unquantized = mqinfer again "
-                        "with --quantization none (with --quantization w8a8 or w8a16); e.g. hf,llamacpp.")
+                        "with --quantization none --kv-cache-dtype auto (to measure either); e.g. hf,llamacpp.")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
     g.add_argument("--hf-max-batch-tokens", type=positive_int, default=None, metavar="T",

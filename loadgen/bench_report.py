@@ -242,7 +242,8 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
               f"{a['first_token']:.0%}, identical output {a['identical']:.0%}, common prefix "
               f"{a['common_prefix']:.0%} on average (bf16 near-ties make later tokens differ)")
     if ours is not None and "mqinfer offline, unquantized" in throughputs:
-        print(f"mqinfer --quantization {report['engine_flags']['quantization']} / unquantized: "
+        flags = report["engine_flags"]
+        print(f"mqinfer --quantization {flags['quantization']} --kv-cache-dtype {flags['kv_cache_dtype']} / unquantized: "
               f"{_ratio(ours, throughputs['mqinfer offline, unquantized'])}")
     if "agreement_vs_unquantized" in report:
         a = report["agreement_vs_unquantized"]

@@ -157,6 +157,7 @@ def test_llamacpp_flags_are_checked_before_any_work(tmp_path, capsys):
     (["--mode", "online", "--rate", "2", "--compare-wait", "10,auto", "--max-wait-ms", "5"], "leave out"),
     (["--rate", "2"], "online only"),
     (["--skip-engine"], "nothing to run"),
+    (["--compare", "unquantized"], "--compare unquantized needs --quantization w8a8|w8a16 or --kv-cache-dtype"),
     (["--output-len", "4,8"], "fixed lengths"),
     (["--workload", "shared-prefix", "--prompt-len", "4,8"], "does not apply"),
 ])
@@ -329,3 +330,22 @@ def test_fixed_workload_beside_a_stand_in_llamacpp(tmp_path, capsys):
     calls = [json.loads(line) for line in (folder / "calls.jsonl").read_text().splitlines()]
     assert [c["argv"][c["argv"].index("-t") + 1] for c in calls] == ["1", "2"]
     assert all(c["omp"] == "passive" and c["argv"][c["argv"].index("-c") + 1] == "68" for c in calls)
+
+
+def test_int8_weights_and_kv_beside_the_unquantized_run(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--num-requests", "6", "--workload", "fixed", "--prompt-len", "16",
+                       "--output-len", "8", "--matrix-size", "128", "--workers", "1", "--json", str(out_json),
+                       "--quantization", "w8a8", "--kv-cache-dtype", "int8", "--compare", "unquantized",
+                       "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    assert report["engine_flags"]["quantization"] == "w8a8" and report["engine_flags"]["kv_cache_dtype"] == "int8"
+    ours = report["systems"]["mqinfer offline"]["summary"]
+    plain = report["systems"]["mqinfer offline, unquantized"]["summary"]
+    assert ours["num_errors"] == plain["num_errors"] == 0 and plain["num_requests"] == 6
+    assert report["ratios"]["vs_unquantized"] == pytest.approx(ours["throughput"] / plain["throughput"])
+    assert report["agreement_vs_unquantized"]["compared"] == 6
+    assert "--quantization w8a8 --kv-cache-dtype int8 / unquantized: " in captured.out
+
