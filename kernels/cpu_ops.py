@@ -4,7 +4,8 @@ fallbacks that are also their reference.
 Owns ``add_rms_norm`` (residual add + RMSNorm in one pass), ``silu_mul`` (SwiGLU's
 ``silu(gate) * up`` from the fused gate/up projection), ``rotary_store_kv`` (rotary embedding
 of q and k, written in place for q and straight into the paged cache for k, with v copied to
-its cache slot) and ``greedy_argmax`` (first index of each row's maximum).
+its cache slot; into an int8 / float8 cache both are quantized on the way, scales beside them)
+and ``greedy_argmax`` (first index of each row's maximum).
 
 Why. On one CPU thread the PyTorch versions of these ops run as 4-8 separate passes over the
 activations each (upcast, square, mean, rsqrt, multiply, downcast, weight; neg, cat, two
@@ -37,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from mqinfer.kernels import native
+from mqinfer.kernels.kv_quant import check_scales, kernel_quant_code
 
 # Below this many elements a call stays on one thread: waking the pool's threads costs more.
 _PARALLEL_MIN_ELEMENTS = 1 << 16
@@ -232,23 +234,17 @@ def rotary_store_kv(
     ``trusted``: the caller has checked that ``positions`` fall inside the tables and
     ``slot_mapping`` inside the caches (the model does it once per step, not per layer).
 
-    An 8-bit cache (``k_scale`` / ``v_scale`` given): the native kernel rotates q and k into a
-    scratch tensor of the activations' dtype (k's rows are the same bits as when it writes a
-    cache), and the PyTorch ``store_kv`` quantizes them into the cache. The kernel does not
-    quantize itself: the quantizing store is a few vectorised PyTorch passes over the step's
-    k and v only, small beside the projections."""
-    if k_scale is not None:
-        from mqinfer.kernels.attention import store_kv
-
-        num_tokens, heads, head_dim = qk.shape
-        k_rot = torch.empty(num_tokens, heads - num_q_heads, head_dim, dtype=qk.dtype, device=qk.device)
-        v_copy = torch.empty_like(k_rot)
-        slots = torch.arange(num_tokens, device=qk.device)
-        q = rotary_store_kv(qk, v, num_q_heads, cos_table, sin_table, positions, k_rot, v_copy, slots,
-                            trusted=trusted)
-        store_kv(k_rot, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-        return q
+    An 8-bit cache (``k_scale`` / ``v_scale`` given, int8 or float8 e4m3 caches): the native
+    kernel quantizes each rotated k row and each v row as it writes them, with the bytes and
+    scales of the PyTorch quantizing ``store_kv`` (``kv_quant.quantize_kv``)."""
     num_tokens, heads, head_dim = qk.shape
+    quantized = k_scale is not None
+    if quantized:
+        check_scales(k_cache, v_cache, k_scale, v_scale)
+        caches_ok = (native_for(qk, v) and k_cache.device.type == "cpu"
+                     and k_scale.device.type == v_scale.device.type == "cpu")
+    else:
+        caches_ok = native_for(qk, v, k_cache, v_cache)
     ok = (
         _heads_ok(qk) and _heads_ok(v) and v.shape == (num_tokens, heads - num_q_heads, head_dim)
         and head_dim % 2 == 0 and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -259,11 +255,11 @@ def rotary_store_kv(
         and positions.dtype == slot_mapping.dtype == torch.int64
         and positions.is_contiguous() and slot_mapping.is_contiguous()
         and positions.device.type == slot_mapping.device.type == cos_table.device.type == "cpu"
-        and native_for(qk, v, k_cache, v_cache)
+        and caches_ok
     )
     if not ok:
         return reference_rotary_store_kv(qk, v, num_q_heads, cos_table, sin_table, positions,
-                                         k_cache, v_cache, slot_mapping)
+                                         k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if num_tokens:
         num_slots = k_cache.numel() // (v.shape[1] * head_dim)
         if not trusted:  # the kernel trusts its indices
@@ -277,6 +273,9 @@ def rotary_store_kv(
             slots=slot_mapping.data_ptr(), rows=num_tokens, qk_stride=qk.stride(0),
             v_stride=v.stride(0), num_q_heads=num_q_heads, num_kv_heads=heads - num_q_heads,
             head_dim=head_dim, is_bf16=int(qk.dtype == torch.bfloat16),
+            k_scale=k_scale.data_ptr() if quantized else None,
+            v_scale=v_scale.data_ptr() if quantized else None,
+            kv_quant=kernel_quant_code(k_cache.dtype),
         )
         status = _library().mqinfer_rotary_store_kv(ctypes.byref(args), _threads(qk.numel()))
         if status != 0:

@@ -112,6 +112,7 @@ class RotaryArgs(ctypes.Structure):
         ("sin", _ptr), ("positions", _ptr), ("slots", _ptr), ("rows", _i64),
         ("qk_stride", _i64), ("v_stride", _i64), ("num_q_heads", _i64),
         ("num_kv_heads", _i64), ("head_dim", _i64), ("is_bf16", _i32),
+        ("k_scale", _ptr), ("v_scale", _ptr), ("kv_quant", _i32),
     ]
 
 

@@ -46,14 +46,15 @@ const int64_t mqinfer_layout_silu_mul_args[] = {
 };
 
 const int64_t mqinfer_layout_rotary_args[] = {
-    sizeof(mqinfer_rotary_args), 15,
+    sizeof(mqinfer_rotary_args), 18,
     AT(mqinfer_rotary_args, qk), AT(mqinfer_rotary_args, v), AT(mqinfer_rotary_args, k_cache),
     AT(mqinfer_rotary_args, v_cache), AT(mqinfer_rotary_args, cos), AT(mqinfer_rotary_args, sin),
     AT(mqinfer_rotary_args, positions), AT(mqinfer_rotary_args, slots),
     AT(mqinfer_rotary_args, rows), AT(mqinfer_rotary_args, qk_stride),
     AT(mqinfer_rotary_args, v_stride), AT(mqinfer_rotary_args, num_q_heads),
     AT(mqinfer_rotary_args, num_kv_heads), AT(mqinfer_rotary_args, head_dim),
-    AT(mqinfer_rotary_args, is_bf16),
+    AT(mqinfer_rotary_args, is_bf16), AT(mqinfer_rotary_args, k_scale),
+    AT(mqinfer_rotary_args, v_scale), AT(mqinfer_rotary_args, kv_quant),
 };
 
 const int64_t mqinfer_layout_linear_args[] = {

@@ -7,7 +7,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -349,16 +349,129 @@ void mqinfer_silu_mul(const mqinfer_silu_mul_args *args, int num_threads) {
     parallel_rows(args->is_bf16 ? silu_mul_bf16 : silu_mul_f32, args, args->rows, num_threads);
 }
 
+/* ------------------------------------------------------------------ 8-bit KV rows */
+/* The quantizing store of kv_quant.quantize_kv, operation for operation: scale = max|x| / QMAX
+   (one float32 division, as PyTorch's tensor / scalar is), divisor = scale or 1 for an
+   all-zero row, each value x / divisor (a true division: PyTorch divides, it does not
+   multiply by a reciprocal), clamped to [-QMAX, QMAX], then rounded to nearest even into int8
+   or converted to float8 e4m3. The maximum is exact in any order, so the vector and scalar
+   versions agree bit for bit. Inputs are taken as finite (a NaN or infinity in a row is not
+   held to PyTorch's result). */
+#define KV_QUANT_INT8 1
+#define KV_QUANT_FP8 2
+
+static inline uint32_t float_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_float(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* float32 -> float8 e4m3fn, round to nearest even: c10's fp8e4m3fn_from_fp32_value, which
+   PyTorch's float32 -> float8_e4m3fn conversion is. Magnitudes below 2^-6 (e4m3's subnormals)
+   round through a float addition of 2^14, whose low bits are then the code; from 480 up (past
+   448's rounding interval) and NaN give the NaN code 0x7f; the sign goes on last. */
+#define E4M3_SUBNORMAL_BELOW (121u << 23)  /* 2^-6 */
+#define E4M3_NAN_FROM (1087u << 20)        /* 480 */
+#define E4M3_DENORM_ADD (141u << 23)       /* 2^14 */
+#define E4M3_REBIAS ((uint32_t)(7 - 127) << 23)
+static inline uint8_t float_to_e4m3(float f) {
+    uint32_t u = float_bits(f);
+    const uint32_t sign = u & 0x80000000u;
+    u ^= sign;
+    uint8_t code;
+    if (u >= E4M3_NAN_FROM) {
+        code = 0x7f;
+    } else if (u < E4M3_SUBNORMAL_BELOW) {
+        code = (uint8_t)(float_bits(bits_float(u) + bits_float(E4M3_DENORM_ADD)) - E4M3_DENORM_ADD);
+    } else {
+        const uint32_t mant_odd = (u >> 20) & 1u;
+        code = (uint8_t)((u + E4M3_REBIAS + 0x7ffffu + mant_odd) >> 20);
+    }
+    return (uint8_t)(code | (sign >> 24));
+}
+
+#ifdef __AVX2__
+/* float_to_e4m3 on 8 lanes, each code in the low byte of its 32-bit lane. */
+static inline __m256i e4m3_codes8(__m256 y) {
+    const __m256i u0 = _mm256_castps_si256(y);
+    const __m256i sign = _mm256_and_si256(u0, _mm256_set1_epi32((int)0x80000000u));
+    const __m256i u = _mm256_xor_si256(u0, sign);
+    const __m256i denorm = _mm256_set1_epi32((int)E4M3_DENORM_ADD);
+    const __m256i sub = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(denorm))), denorm);
+    const __m256i mant_odd = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32((int)(E4M3_REBIAS + 0x7ffffu))), mant_odd), 20);
+    /* u has no sign bit, so signed comparisons order it as unsigned. */
+    const __m256i is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)E4M3_SUBNORMAL_BELOW), u);
+    const __m256i is_nan = _mm256_cmpgt_epi32(u, _mm256_set1_epi32((int)E4M3_NAN_FROM - 1));
+    __m256i code = _mm256_blendv_epi8(normal, sub, is_sub);
+    code = _mm256_blendv_epi8(code, _mm256_set1_epi32(0x7f), is_nan);
+    code = _mm256_and_si256(code, _mm256_set1_epi32(0xff));
+    return _mm256_or_si256(code, _mm256_srli_epi32(sign, 24));
+}
+
+/* 8 int32 lanes (int8 values in -127..127, or e4m3 codes in 0..255) to 8 bytes in order. */
+static inline void store_bytes8(uint8_t *dst, __m256i lanes, int is_signed) {
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(lanes), _mm256_extracti128_si256(lanes, 1));
+    const __m128i bytes = is_signed ? _mm_packs_epi16(words, words) : _mm_packus_epi16(words, words);
+    _mm_storel_epi64((__m128i *)dst, bytes);
+}
+#endif
+
+/* Quantizes the D floats of x into dst (int8 or e4m3 bytes) and writes the row's scale. */
+static void quantize_row(const float *x, int64_t D, int kv_quant, uint8_t *dst, float *scale_out) {
+    const float qmax = kv_quant == KV_QUANT_INT8 ? 127.0f : 448.0f;
+    float amax = 0.0f;
+    int64_t d = 0;
+#ifdef __AVX2__
+    if (D >= 8) {
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 m = _mm256_setzero_ps();
+        for (; d + 8 <= D; d += 8) m = _mm256_max_ps(m, _mm256_and_ps(abs_mask, _mm256_loadu_ps(x + d)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, m);
+        for (int l = 0; l < 8; l++) amax = lanes[l] > amax ? lanes[l] : amax;
+    }
+#endif
+    for (; d < D; d++) { const float v = fabsf(x[d]); amax = v > amax ? v : amax; }
+    const float scale = amax / qmax;
+    const float divisor = scale > 0.0f ? scale : 1.0f;
+    *scale_out = scale;
+    d = 0;
+#ifdef __AVX2__
+    {
+        const __m256 div = _mm256_set1_ps(divisor), hi = _mm256_set1_ps(qmax), lo = _mm256_set1_ps(-qmax);
+        for (; d + 8 <= D; d += 8) {
+            /* min / max take their second operand when one is NaN: a NaN quotient stays NaN, as
+               with PyTorch's clamp. */
+            const __m256 y = _mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_div_ps(_mm256_loadu_ps(x + d), div)));
+            if (kv_quant == KV_QUANT_INT8)
+                store_bytes8(dst + d, _mm256_cvtps_epi32(_mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)), 1);
+            else
+                store_bytes8(dst + d, e4m3_codes8(y), 0);
+        }
+    }
+#endif
+    for (; d < D; d++) {
+        float y = x[d] / divisor;
+        y = y < -qmax ? -qmax : y;
+        y = y > qmax ? qmax : y;
+        if (kv_quant == KV_QUANT_INT8) dst[d] = (uint8_t)(int8_t)nearbyintf(y);
+        else dst[d] = float_to_e4m3(y);
+    }
+}
+
 /* ------------------------------------------------------------------ rotary + KV store */
 /* x*cos + rotate_half(x)*sin with each product and the sum rounded to T (PyTorch's order);
-   q heads are rotated in place, k heads go to their cache slot, v is copied to its slot. */
+   q heads are rotated in place, k heads go to their cache slot, v is copied to its slot. An
+   8-bit cache (kv_quant) gets each k row as rotated and rounded to T, and each v row, through
+   quantize_row: the bytes and scale kv_quant.store_kv writes for those rows. */
 #define DEFINE_ROTARY(TY)                                                                    \
 static int rotary_##TY(const void *p, int64_t begin, int64_t end) {                          \
     const mqinfer_rotary_args *a = (const mqinfer_rotary_args *)p;                           \
     const int64_t D = a->head_dim, half = D / 2, hq = a->num_q_heads, hkv = a->num_kv_heads; \
-    float *buf = (float *)malloc(sizeof(float) * 3 * D);                                     \
+    const int quant = a->kv_quant;                                                           \
+    float *buf = (float *)malloc(sizeof(float) * 4 * D);                                     \
     if (!buf) return -1;                                                                     \
-    float *c = buf, *s = buf + D, *x = buf + 2 * D;                                          \
+    float *c = buf, *s = buf + D, *x = buf + 2 * D, *y = buf + 3 * D;                        \
     for (int64_t t = begin; t < end; t++) {                                                  \
         const int64_t pos = a->positions[t], slot = a->slots[t];                             \
         for (int64_t d = 0; d < D; d++) {                                                    \
@@ -367,8 +480,23 @@ static int rotary_##TY(const void *p, int64_t begin, int64_t end) {             
         }                                                                                    \
         for (int64_t h = 0; h < hq + hkv; h++) {                                             \
             T_##TY *src = (T_##TY *)a->qk + t * a->qk_stride + h * D;                        \
-            T_##TY *dst = h < hq ? src : (T_##TY *)a->k_cache + (slot * hkv + h - hq) * D;   \
             for (int64_t d = 0; d < D; d++) x[d] = LD_##TY(src, d);                          \
+            if (h >= hq && quant) {                                                          \
+                for (int64_t d = 0; d < half; d++) {                                         \
+                    const float xc = RD_##TY(x[d] * c[d]);                                   \
+                    const float rs = RD_##TY(-x[d + half] * s[d]);                           \
+                    y[d] = RD_##TY(xc + rs);                                                 \
+                }                                                                            \
+                for (int64_t d = half; d < D; d++) {                                         \
+                    const float xc = RD_##TY(x[d] * c[d]);                                   \
+                    const float rs = RD_##TY(x[d - half] * s[d]);                            \
+                    y[d] = RD_##TY(xc + rs);                                                 \
+                }                                                                            \
+                const int64_t row = slot * hkv + h - hq;                                     \
+                quantize_row(y, D, quant, (uint8_t *)a->k_cache + row * D, a->k_scale + row); \
+                continue;                                                                    \
+            }                                                                                \
+            T_##TY *dst = h < hq ? src : (T_##TY *)a->k_cache + (slot * hkv + h - hq) * D;   \
             for (int64_t d = 0; d < half; d++) {                                             \
                 const float xc = RD_##TY(x[d] * c[d]);                                       \
                 const float rs = RD_##TY(-x[d + half] * s[d]);                               \
@@ -380,8 +508,16 @@ static int rotary_##TY(const void *p, int64_t begin, int64_t end) {             
                 ST_##TY(dst, d, xc + rs);                                                    \
             }                                                                                \
         }                                                                                    \
-        memcpy((T_##TY *)a->v_cache + slot * hkv * D, (const T_##TY *)a->v + t * a->v_stride, \
-               sizeof(T_##TY) * hkv * D);                                                    \
+        const T_##TY *v = (const T_##TY *)a->v + t * a->v_stride;                            \
+        if (!quant) {                                                                        \
+            memcpy((T_##TY *)a->v_cache + slot * hkv * D, v, sizeof(T_##TY) * hkv * D);       \
+            continue;                                                                        \
+        }                                                                                    \
+        for (int64_t h = 0; h < hkv; h++) {                                                  \
+            for (int64_t d = 0; d < D; d++) y[d] = LD_##TY(v, h * D + d);                    \
+            const int64_t row = slot * hkv + h;                                              \
+            quantize_row(y, D, quant, (uint8_t *)a->v_cache + row * D, a->v_scale + row);    \
+        }                                                                                    \
     }                                                                                        \
     free(buf);                                                                               \
     return 0;                                                                                \

@@ -122,7 +122,11 @@ void mqinfer_silu_mul(const mqinfer_silu_mul_args *args, int num_threads);
    qk_stride) at positions, from float32 cos / sin tables [*, head_dim]: q heads rotated in
    place, k heads written to k_cache slot slots[t], v [rows, num_kv_heads, head_dim] (token
    stride v_stride) copied to v_cache slot slots[t]. Caches [num_slots, num_kv_heads,
-   head_dim], contiguous. Indices are trusted: the caller checks them. */
+   head_dim], contiguous. Indices are trusted: the caller checks them.
+   kv_quant: 0, the caches hold the activations' type (is_bf16) and k_scale / v_scale are
+   NULL; 1, int8, or 2, float8 e4m3 caches (bytes), with float32 k_scale / v_scale
+   [num_slots, num_kv_heads]: each rotated k row and each v row is quantized as
+   kv_quant.quantize_kv does it, its scale written to the same (slot, head). */
 typedef struct {
     void *qk;
     const void *v;
@@ -139,6 +143,9 @@ typedef struct {
     int64_t num_kv_heads;
     int64_t head_dim;
     int32_t is_bf16;
+    float *k_scale;
+    float *v_scale;
+    int32_t kv_quant;
 } mqinfer_rotary_args;
 
 int mqinfer_rotary_store_kv(const mqinfer_rotary_args *args, int num_threads);

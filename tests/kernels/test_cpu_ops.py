@@ -176,6 +176,65 @@ def test_rotary_store_kv_bit_for_bit(dtype, shape, threads):
     assert _same_bits(k_got, k_ref) and _same_bits(v_got, v_ref)  # untouched slots stay zero
 
 
+def _tie_row(cache_dtype, d):
+    """A row whose max |x| stores as QMAX (scale exactly 1), the rest halfway between two
+    neighbouring stored values (int8: x.5; e4m3: midpoints of consecutive codes, subnormals
+    included), both signs: every one a round-half-to-even case."""
+    if cache_dtype == torch.int8:
+        qmax, mids = 127.0, torch.arange(126) + 0.5
+    else:
+        values = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        qmax, mids = 448.0, (values[:-1] + values[1:]) / 2
+    picks = mids[torch.linspace(0, mids.numel() - 1, d - 1).long()]
+    signs = torch.where(torch.arange(d - 1) % 2 == 0, 1.0, -1.0)
+    return torch.cat([torch.tensor([qmax]), picks * signs])
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(9, 9, 3, 64), (6, 4, 2, 128), (7, 3, 1, 22), (300, 9, 3, 64)])
+def test_rotary_store_into_8bit_cache_bit_for_bit(cache_dtype, dtype, shape, threads):
+    # The native kernel quantizes the rotated k and v itself: the same bytes and scales as the
+    # PyTorch rotary followed by the quantizing store_kv, and q rotated as with a float cache.
+    num_tokens, hq, hkv, d = shape
+    gen = torch.Generator().manual_seed(num_tokens * d)
+    qkv = torch.randn(num_tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    qk = qkv[:, : (hq + hkv) * d].view(num_tokens, hq + hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(num_tokens, hkv, d)
+    cos, sin = _rope_tables(300, d)
+    positions = torch.randint(0, 300, (num_tokens,), generator=gen)
+    positions[0] = 0  # cos 1, sin 0: k is stored as given, so its ties stay ties
+    qk[0, hq:] = v[0] = _tie_row(cache_dtype, d).to(dtype)
+    qk[1, hq:] = 0.0  # all-zero rows: scale 0
+    v[1] = -0.0
+    qk[2, -1, 3] *= 1e4  # an outlier in a k row and in a v row
+    v[2, 0, -1] = -3e5
+    qk[3, hq:] *= 1e-38  # subnormal scales, and (v) rows whose scale underflows to 0
+    v[3] = torch.where(torch.arange(d) % 3 == 0, 1e-44, 0.0).to(dtype)
+    num_blocks = num_tokens // 16 + 2
+    num_slots = num_blocks * 16
+    slots = torch.randperm(num_slots, generator=gen)[:num_tokens]
+
+    def cache():
+        shape_ = (num_blocks, 16, hkv, d)
+        return (torch.full(shape_, 5, dtype=torch.uint8).view(cache_dtype), torch.zeros(shape_, dtype=cache_dtype),
+                torch.full(shape_[:3], -1.0), torch.full(shape_[:3], -1.0))
+
+    ref, got = cache(), cache()
+    q_ref = reference_rotary_store_kv(qk.clone(), v.clone(), hq, cos, sin, positions, *ref[:2], slots,
+                                      k_scale=ref[2], v_scale=ref[3])
+    threads(2)
+    q_got = rotary_store_kv(qk, v, hq, cos, sin, positions, *got[:2], slots, k_scale=got[2], v_scale=got[3])
+    assert q_got.data_ptr() == qkv.data_ptr()  # the native kernel ran: q rotated in place
+    assert _same_bits(q_got, q_ref)
+    for a, b in zip(got[:2], ref[:2]):  # every slot: the untouched ones keep their bytes
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    for a, b in zip(got[2:], ref[2:]):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    k_scale = got[2].view(num_slots, hkv)[slots]
+    assert bool((k_scale[1] == 0).all()) and bool((k_scale[0] == 1).all())  # the rows meant as such
+
+
 def test_rotary_store_kv_checks_untrusted_indices():
     qk, v = torch.randn(2, 3, 4), torch.randn(2, 1, 4)
     cos, sin = _rope_tables(10, 4)

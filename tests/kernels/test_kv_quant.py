@@ -195,8 +195,8 @@ def test_scales_are_checked():
 
 @pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
 def test_fused_rotary_store_into_8bit_cache_matches_the_reference(dtype):
-    # The native rotary kernel (when built) rotates into scratch, then the quantizing store: the
-    # same bits as the PyTorch rotary followed by store_kv.
+    # The native rotary kernel (when built) quantizes as it stores: the same bits as the PyTorch
+    # rotary followed by store_kv.
     gen = torch.Generator().manual_seed(1)
     hq, hkv, d, n = 4, NUM_KV_HEADS, 64, 11
     qkv = torch.randn(n, hq + 2 * hkv, d, generator=gen)

@@ -297,8 +297,8 @@ class Attention(nn.Module):
             cpu_ops.native_for(qk, k_cache) or (kv.quantized and cpu_ops.native_for(qk) and k_cache.device.type == "cpu")
         ):
             # CPU: one native pass rotates q in place and writes the rotated k and v straight
-            # into their cache slots (the PyTorch fallback inside does what the lines below do;
-            # an 8-bit cache gets the rotated k through a quantizing store).
+            # into their cache slots, quantizing them on the way into an 8-bit cache (the
+            # PyTorch fallback inside does what the lines below do).
             q = cpu_ops.rotary_store_kv(
                 qk, v, hq, rope.rotary.cos, rope.rotary.sin, rope.positions, k_cache, v_cache,
                 metadata.slot_mapping, trusted=True, k_scale=k_scale, v_scale=v_scale,
