@@ -13,8 +13,10 @@ weight ``qweight.float() * scale[:, None]``; PyTorch's path (dequantize, then ``
 in MKL's order and agrees to float32 rounding only.
 
 Why. A decode step of a few rows is bound by reading the weights, and int8 weights are a
-quarter of float32's bytes; with many rows the widening costs a little against the float32
-kernel. BENCHMARKS.md has the measured rates. ``MQINFER_CPU_LINEAR=torch`` turns it off with
+quarter of float32's bytes: on one AVX2 core with the weights read from memory this ran at
+2.6-3.1x the float32 kernel's rate at 1 row and 1.1-1.3x at 16; at 256 rows, where the
+float32 kernel is bound by arithmetic, the widening costs up to a tenth (0.90-1.0x).
+``loadgen/bench_dense.py`` measures it; BENCHMARKS.md has the table. ``MQINFER_CPU_LINEAR=torch`` turns it off with
 the other dense kernels.
 """
 

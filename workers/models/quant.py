@@ -20,10 +20,11 @@ Modes:
   (``kernels/linear_int8.py``: the native AVX2 kernel on CPU, ``torch._int_mm`` elsewhere).
 - ``w8a16``: activations stay in the model dtype; the weight holds a quarter of float32's
   memory. On CPU with float32 activations the native kernel (``kernels/linear_w8a16.py``)
-  widens it inside the matmul, bit for bit the float32 kernel on the dequantized weight:
-  about 2x the float32 kernel's rate at 1-4 rows (a decode step reading its weights from
-  memory), 1.0-1.3x at 16 and about float32's rate from 64 rows (BENCHMARKS.md). Elsewhere
-  the weight is dequantized for ``F.linear`` on every call, slower than float32.
+  widens it inside the matmul, bit for bit the float32 kernel on the dequantized weight. On
+  one AVX2 core with the weights read from memory (measured under contention) it ran at
+  2.6-3.1x the float32 kernel's rate at 1 row, 1.5-2.4x at 4, 1.1-1.3x at 16, 1.1x at 64
+  and 0.90-1.0x at 256 (BENCHMARKS.md). Elsewhere the weight is dequantized for
+  ``F.linear`` on every call, slower than float32.
 """
 
 from __future__ import annotations
