@@ -132,6 +132,14 @@ class QLinearArgs(ctypes.Structure):
     ]
 
 
+class W8A16Args(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("packed", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", _ptr),
+        ("rows", _i64), ("in_features", _i64), ("out_features", _i64), ("x_stride", _i64),
+        ("out_stride", _i64), ("swiglu", _i64), ("vector_chunk", _i64),
+    ]
+
+
 # Record -> the name of its layout table in the library (abi.c).
 _RECORDS = {
     AttentionArgs: "mqinfer_layout_attention_args",
@@ -141,6 +149,7 @@ _RECORDS = {
     RotaryArgs: "mqinfer_layout_rotary_args",
     LinearArgs: "mqinfer_layout_linear_args",
     QLinearArgs: "mqinfer_layout_qlinear_args",
+    W8A16Args: "mqinfer_layout_w8a16_args",
 }
 
 # Exported function -> (result type, argument types).
@@ -162,6 +171,10 @@ _SIGNATURES = {
     "mqinfer_qlinear_pack": (None, [_ptr, _i64, _i64, ctypes.c_int, _ptr]),
     "mqinfer_qlinear_scratch_size": (_i64, [_i64, _i64]),
     "mqinfer_qlinear": (ctypes.c_int, [ctypes.POINTER(QLinearArgs), ctypes.c_int]),
+    "mqinfer_w8a16_available": (ctypes.c_int, []),
+    "mqinfer_w8a16_packed_size": (_i64, [_i64, _i64, ctypes.c_int]),
+    "mqinfer_w8a16_pack": (None, [_ptr, _i64, _i64, ctypes.c_int, _ptr]),
+    "mqinfer_w8a16": (ctypes.c_int, [ctypes.POINTER(W8A16Args), ctypes.c_int]),
     "mqinfer_pool_starts": (_i64, []),
     "mqinfer_pool_workers": (ctypes.c_int, []),
 }

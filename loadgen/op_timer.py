@@ -55,6 +55,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     from mqinfer.kernels import cpu_ops
     from mqinfer.kernels import linear as dense
     from mqinfer.kernels import linear_int8 as q8
+    from mqinfer.kernels import linear_w8a16 as w16
     from mqinfer.workers.models.llama import Attention, Linear, LMHead
     from mqinfer.workers.models.quant import Int8Linear
 
@@ -77,12 +78,15 @@ def timing_ops(model) -> Iterator[OpTimes]:
     times = OpTimes()
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
              (q8, "linear", q8.linear), (q8, "swiglu", q8.swiglu),
+             (w16, "linear", w16.linear), (w16, "swiglu", w16.swiglu),
              (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm)]
     attentions = [(m, m.paged_attention) for m in model.modules() if isinstance(m, Attention)]
     dense.linear = _timed(times, linear_name, dense.linear, linear_flops)
     dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops)
     q8.linear = _timed(times, linear_name, q8.linear, linear_flops)
     q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops)
+    w16.linear = _timed(times, linear_name, w16.linear, linear_flops)
+    w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops)
     cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv)
     cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm)
     for m, fn in attentions:

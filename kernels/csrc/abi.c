@@ -75,3 +75,12 @@ const int64_t mqinfer_layout_qlinear_args[] = {
     AT(mqinfer_qlinear_args, out_stride), AT(mqinfer_qlinear_args, swiglu),
     AT(mqinfer_qlinear_args, vector_chunk),
 };
+
+const int64_t mqinfer_layout_w8a16_args[] = {
+    sizeof(mqinfer_w8a16_args), 12,
+    AT(mqinfer_w8a16_args, x), AT(mqinfer_w8a16_args, packed), AT(mqinfer_w8a16_args, scales),
+    AT(mqinfer_w8a16_args, bias), AT(mqinfer_w8a16_args, out), AT(mqinfer_w8a16_args, rows),
+    AT(mqinfer_w8a16_args, in_features), AT(mqinfer_w8a16_args, out_features),
+    AT(mqinfer_w8a16_args, x_stride), AT(mqinfer_w8a16_args, out_stride),
+    AT(mqinfer_w8a16_args, swiglu), AT(mqinfer_w8a16_args, vector_chunk),
+};

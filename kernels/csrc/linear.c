@@ -5,7 +5,7 @@
    Why. On one AVX2 core MKL's sgemm reaches about 75 GFLOP/s on the model's prefill shapes but
    50-60 on decode steps (64 rows) and on the LM head: it packs the weight operand again on
    every call, reading it cold from memory. A packed panel is one sequential stream, and the
-   6 x 16 register tile below (12 accumulators, two panel loads and six broadcasts per step of
+   6 x 16 register tile (dense_panels.h: 12 accumulators, two panel loads and six broadcasts per step of
    K) keeps both FMA units busy: 70-80 GFLOP/s at 64 rows and as fast as MKL at 4096.
 
    Numerics. Every output is one chain of fused multiply-adds over k = 0..K-1 in order,
@@ -27,8 +27,10 @@
 #include "mqinfer_native.h"
 #include "native_common.h"
 #include "dense_store.h"
+#include "dense_panels.h"
 
-#define PANEL 16
+#define PANEL MQ_DENSE_PANEL
+#define TILE_ROWS MQ_DENSE_TILE_ROWS
 
 int64_t mqinfer_linear_packed_size(int64_t out_features, int64_t in_features) {
     return (out_features + PANEL - 1) / PANEL * PANEL * in_features;
@@ -65,52 +67,18 @@ void mqinfer_linear_pack_swiglu(const float *weight, int64_t inter, int64_t in_f
 
 int mqinfer_linear_available(void) { return 1; }
 
-/* Rows 0..MR-1 of x (row stride ldx) times one panel (K steps) into out (row stride ldo),
-   bias (16 values, or NULL) added at the end, written as `mode` says. One named accumulator
-   pair per row: GCC keeps arrays of vectors in memory across the loop. */
-#define TILE_ROWS 6
-#define DEFINE_TILE(MR)                                                                           \
-static void tile_##MR(const float *x, int64_t ldx, const float *panel, int64_t K, const float *bias, \
-                      float *out, int64_t ldo, int mode) {                                        \
-    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;     \
-    __m256 a30 = a00, a31 = a00, a40 = a00, a41 = a00, a50 = a00, a51 = a00;                     \
-    const float *x0 = x, *x1 = x + ldx, *x2 = x + 2 * ldx, *x3 = x + 3 * ldx, *x4 = x + 4 * ldx;  \
-    const float *x5 = x + 5 * ldx;                                                                \
-    for (int64_t k = 0; k < K; k++) {                                                             \
-        const __m256 w0 = _mm256_loadu_ps(panel + k * PANEL), w1 = _mm256_loadu_ps(panel + k * PANEL + 8); \
-        __m256 b;                                                                                 \
-        b = _mm256_broadcast_ss(x0 + k); a00 = _mm256_fmadd_ps(b, w0, a00); a01 = _mm256_fmadd_ps(b, w1, a01); \
-        if (MR > 1) { b = _mm256_broadcast_ss(x1 + k); a10 = _mm256_fmadd_ps(b, w0, a10); a11 = _mm256_fmadd_ps(b, w1, a11); } \
-        if (MR > 2) { b = _mm256_broadcast_ss(x2 + k); a20 = _mm256_fmadd_ps(b, w0, a20); a21 = _mm256_fmadd_ps(b, w1, a21); } \
-        if (MR > 3) { b = _mm256_broadcast_ss(x3 + k); a30 = _mm256_fmadd_ps(b, w0, a30); a31 = _mm256_fmadd_ps(b, w1, a31); } \
-        if (MR > 4) { b = _mm256_broadcast_ss(x4 + k); a40 = _mm256_fmadd_ps(b, w0, a40); a41 = _mm256_fmadd_ps(b, w1, a41); } \
-        if (MR > 5) { b = _mm256_broadcast_ss(x5 + k); a50 = _mm256_fmadd_ps(b, w0, a50); a51 = _mm256_fmadd_ps(b, w1, a51); } \
-    }                                                                                             \
-    if (bias) {                                                                                   \
-        const __m256 b0 = _mm256_loadu_ps(bias), b1 = _mm256_loadu_ps(bias + 8);                  \
-        a00 = _mm256_add_ps(a00, b0); a01 = _mm256_add_ps(a01, b1);                               \
-        a10 = _mm256_add_ps(a10, b0); a11 = _mm256_add_ps(a11, b1);                               \
-        a20 = _mm256_add_ps(a20, b0); a21 = _mm256_add_ps(a21, b1);                               \
-        a30 = _mm256_add_ps(a30, b0); a31 = _mm256_add_ps(a31, b1);                               \
-        a40 = _mm256_add_ps(a40, b0); a41 = _mm256_add_ps(a41, b1);                               \
-        a50 = _mm256_add_ps(a50, b0); a51 = _mm256_add_ps(a51, b1);                               \
-    }                                                                                             \
-    store_row(out, a00, a01, mode);                                                               \
-    if (MR > 1) store_row(out + ldo, a10, a11, mode);                                             \
-    if (MR > 2) store_row(out + 2 * ldo, a20, a21, mode);                                         \
-    if (MR > 3) store_row(out + 3 * ldo, a30, a31, mode);                                         \
-    if (MR > 4) store_row(out + 4 * ldo, a40, a41, mode);                                         \
-    if (MR > 5) store_row(out + 5 * ldo, a50, a51, mode);                                         \
-}
-DEFINE_TILE(1)
-DEFINE_TILE(2)
-DEFINE_TILE(3)
-DEFINE_TILE(4)
-DEFINE_TILE(5)
-DEFINE_TILE(6)
+/* The float32 tiles: the panel is float32 [K][16], read as it is. */
+#define F32_SETUP const float *panel = (const float *)panel_data; (void)scales;
+#define F32_WEIGHTS(k, w0, w1) \
+    w0 = _mm256_loadu_ps(panel + (k) * PANEL); w1 = _mm256_loadu_ps(panel + (k) * PANEL + 8);
+MQ_DEFINE_DENSE_TILE(tile_1, 1, F32_SETUP, F32_WEIGHTS)
+MQ_DEFINE_DENSE_TILE(tile_2, 2, F32_SETUP, F32_WEIGHTS)
+MQ_DEFINE_DENSE_TILE(tile_3, 3, F32_SETUP, F32_WEIGHTS)
+MQ_DEFINE_DENSE_TILE(tile_4, 4, F32_SETUP, F32_WEIGHTS)
+MQ_DEFINE_DENSE_TILE(tile_5, 5, F32_SETUP, F32_WEIGHTS)
+MQ_DEFINE_DENSE_TILE(tile_6, 6, F32_SETUP, F32_WEIGHTS)
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *, float *, int64_t, int);
-static const tile_fn tiles[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
+const mq_tile_fn mq_dense_f32_tiles[TILE_ROWS + 1] = {NULL, tile_1, tile_2, tile_3, tile_4, tile_5, tile_6};
 
 /* Rows per block: x's block (rows x K floats) about 256 KiB, a whole number of tiles. */
 static int64_t block_rows(int64_t K) {
@@ -118,8 +86,8 @@ static int64_t block_rows(int64_t K) {
     return rows < TILE_ROWS ? TILE_ROWS : rows;
 }
 
-static int linear_part(const void *ctx, int part, int num_parts) {
-    const mqinfer_linear_args *a = (const mqinfer_linear_args *)ctx;
+int mq_dense_part(const mqinfer_linear_args *a, int part, int num_parts, const mq_tile_fn *tiles,
+                  mq_panel_source source, void *state, const float *scales) {
     const int64_t M = a->rows, K = a->in_features, N = a->out_features;
     /* Output columns per panel: 16, or 8 for SwiGLU (a panel holds their gate and up halves). */
     const int swiglu = a->swiglu != 0;
@@ -127,13 +95,14 @@ static int linear_part(const void *ctx, int part, int num_parts) {
     const int64_t body = a->vector_chunk > 0 ? N / a->vector_chunk * a->vector_chunk : 0;
     const int64_t first = panels * part / num_parts, last = panels * (part + 1) / num_parts;
     const int64_t mb = block_rows(K);
-    const float *x = (const float *)a->x, *packed = (const float *)a->packed, *bias = (const float *)a->bias;
+    const float *x = (const float *)a->x, *bias = (const float *)a->bias;
     float *out = (float *)a->out;
     float edge[TILE_ROWS * PANEL], edge_bias[PANEL];
     for (int64_t r0 = 0; r0 < M; r0 += mb) {
         const int64_t rows = M - r0 < mb ? M - r0 : mb;
         for (int64_t p = first; p < last; p++) {
-            const float *panel = packed + p * K * PANEL;
+            const void *panel = source ? source(state, p) : (const float *)a->packed + p * K * PANEL;
+            const float *ps = scales ? scales + p * PANEL : NULL;
             const int64_t cols = N - p * width < width ? N - p * width : width;
             const int mode = !swiglu ? STORE_PLAIN : (p + 1) * width <= body ? STORE_SWIGLU : STORE_SWIGLU_TAIL;
             const float *pb = bias ? bias + p * PANEL : NULL;
@@ -147,15 +116,19 @@ static int linear_part(const void *ctx, int part, int num_parts) {
                 const float *xr = x + r * a->x_stride;
                 float *o = out + r * a->out_stride + p * width;
                 if (cols == width) {
-                    tiles[mr](xr, a->x_stride, panel, K, pb, o, a->out_stride, mode);
+                    tiles[mr](xr, a->x_stride, panel, ps, K, pb, o, a->out_stride, mode);
                 } else {  /* a partial panel goes through a tile of its own */
-                    tiles[mr](xr, a->x_stride, panel, K, pb, edge, PANEL, mode);
+                    tiles[mr](xr, a->x_stride, panel, ps, K, pb, edge, PANEL, mode);
                     for (int i = 0; i < mr; i++) memcpy(o + i * a->out_stride, edge + i * PANEL, sizeof(float) * cols);
                 }
             }
         }
     }
     return 0;
+}
+
+static int linear_part(const void *ctx, int part, int num_parts) {
+    return mq_dense_part((const mqinfer_linear_args *)ctx, part, num_parts, mq_dense_f32_tiles, NULL, NULL, NULL);
 }
 
 int mqinfer_linear(const mqinfer_linear_args *args, int num_threads) {

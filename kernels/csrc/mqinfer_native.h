@@ -216,6 +216,36 @@ void mqinfer_qlinear_pack(const int8_t *weight, int64_t out_features, int64_t in
 int64_t mqinfer_qlinear_scratch_size(int64_t rows, int64_t in_features);
 int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads);
 
+/* w8a16: out = x (W_q * w_scale)^T (+ bias) with int8 W packed by mqinfer_w8a16_pack, float32
+   x and out (linear_w8a16.c): bit for bit mqinfer_linear on the float32 weight
+   (float)W_q * w_scale. x [rows, in_features] (row stride x_stride), out [rows, out_features]
+   (row stride out_stride). scales and bias (or NULL) float32, one per packed panel column, as
+   in mqinfer_qlinear_args. swiglu and vector_chunk as in mqinfer_linear_args. Returns 0, -1
+   when out of memory, or -2 when the library has no kernel for this CPU
+   (mqinfer_w8a16_available() == 0). */
+typedef struct {
+    const void *x;
+    const void *packed;
+    const void *scales;
+    const void *bias;
+    void *out;
+    int64_t rows;
+    int64_t in_features;
+    int64_t out_features;
+    int64_t x_stride;
+    int64_t out_stride;
+    int64_t swiglu;
+    int64_t vector_chunk;
+} mqinfer_w8a16_args;
+
+int mqinfer_w8a16_available(void);
+/* Bytes of the packed form of an int8 [out_features, in_features] weight ([2 * out_features,
+   in_features], gate rows first, with swiglu): the float32 kernel's panels, a byte a weight. */
+int64_t mqinfer_w8a16_packed_size(int64_t out_features, int64_t in_features, int swiglu);
+void mqinfer_w8a16_pack(const int8_t *weight, int64_t out_features, int64_t in_features, int swiglu,
+                        int8_t *packed);
+int mqinfer_w8a16(const mqinfer_w8a16_args *args, int num_threads);
+
 /* ------------------------------------------------------------------ thread pool */
 /* How many times the pool has (re)started its worker threads in this process, and how many
    workers it holds now (tests and diagnostics: the pool is started once per thread count,
@@ -234,5 +264,6 @@ extern const int64_t mqinfer_layout_silu_mul_args[];
 extern const int64_t mqinfer_layout_rotary_args[];
 extern const int64_t mqinfer_layout_linear_args[];
 extern const int64_t mqinfer_layout_qlinear_args[];
+extern const int64_t mqinfer_layout_w8a16_args[];
 
 #endif

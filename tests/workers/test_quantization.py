@@ -1,6 +1,8 @@
 """--quantization w8a8 / w8a16 in the model and the engine: the layer swap touches only the
 decoder projections, the native and PyTorch w8a8 paths give the same tokens and logprobs bit for
-bit, and quantized outputs stay close to the float model's."""
+bit, the native w8a16 engine gives those of the float32 engine on the dequantized weights bit for
+bit (and the PyTorch w8a16 path the same tokens, logprobs to rounding), and quantized outputs
+stay close to the float model's."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 
 from mqinfer.kernels import linear_int8 as q8
+from mqinfer.kernels import linear_w8a16 as w16
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
@@ -32,8 +35,10 @@ def qwen2(tmp_path_factory, make_hf_checkpoint):
     return str(folder)
 
 
-def _generate(model: str, prompts: list[list[int]], **kw) -> dict[str, tuple[list[int], list[float]]]:
+def _generate(model: str, prompts: list[list[int]], prepare=None, **kw) -> dict[str, tuple[list[int], list[float]]]:
     engine = LLMEngine(EngineConfig(model=model, num_threads=1, num_kv_blocks=256, **kw))
+    if prepare is not None:
+        prepare(engine.model)
     sampling = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=1)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, sampling)
@@ -72,6 +77,31 @@ def test_w8a8_native_and_pytorch_paths_give_the_same_tokens_and_logprobs(qwen2, 
     monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
     assert not q8.native_available()
     assert _generate(qwen2, PROMPTS, quantization="w8a8") == native
+
+
+def _dequantize_projections(model: torch.nn.Module) -> None:
+    """Each decoder projection's float weight replaced by its int8 weight times its scales, the
+    weight a w8a16 layer computes with."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, Linear):  # the decoder projections (the LM head is an LMHead)
+                qweight, scale = q8.quantize_weight(module.weight)
+                module.weight.copy_(qweight.float() * scale[:, None])
+                module.packed = module.packed_swiglu = None
+
+
+@pytest.mark.skipif(not w16.native_available(), reason="the native w8a16 kernel serves AVX2 CPUs without AVX-512")
+def test_w8a16_native_gives_the_float32_engine_on_the_dequantized_weights(qwen2, monkeypatch):
+    native = _generate(qwen2, PROMPTS, quantization="w8a16")
+    # The native kernel is the float32 kernel on q * scale, bias and fused SwiGLU included.
+    assert _generate(qwen2, PROMPTS, prepare=_dequantize_projections) == native
+    # PyTorch's path (dequantize, then F.linear: MKL's summation order) agrees to rounding.
+    monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
+    assert not w16.native_available()
+    torch_path = _generate(qwen2, PROMPTS, quantization="w8a16")
+    for r in native:
+        assert torch_path[r][0] == native[r][0]
+        assert max(abs(a - b) for a, b in zip(torch_path[r][1], native[r][1])) < 1e-4
 
 
 @pytest.mark.parametrize("mode", ["w8a8", "w8a16"])

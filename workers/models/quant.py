@@ -18,8 +18,13 @@ fixed text (``calibration_text``: Python standard library docstrings, none of th
 Modes:
 - ``w8a8``: activations quantized per token on the fly, exact int32 sums, float32 out
   (``kernels/linear_int8.py``: the native AVX2 kernel on CPU, ``torch._int_mm`` elsewhere).
-- ``w8a16``: activations stay in the model dtype; the weight is dequantized for the matmul.
-  It holds a quarter of float32's weight memory; on CPU it is not faster than float32 here.
+- ``w8a16``: activations stay in the model dtype; the weight holds a quarter of float32's
+  memory. On CPU with float32 activations the native kernel (``kernels/linear_w8a16.py``)
+  widens it inside the matmul, bit for bit the float32 kernel on the dequantized weight. On
+  one AVX2 core with the weights read from memory (measured under contention) it ran at
+  2.6-3.1x the float32 kernel's rate at 1 row, 1.5-2.4x at 4, 1.1-1.3x at 16, 1.1x at 64
+  and 0.90-1.0x at 256 (BENCHMARKS.md). Elsewhere the weight is dequantized for
+  ``F.linear`` on every call, slower than float32.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mqinfer.kernels import linear_int8 as q8
+from mqinfer.kernels import linear_w8a16 as w16
 from mqinfer.workers.models.llama import MLP, Attention, DecoderLayer, Linear
 
 MODES = ("none", "w8a8", "w8a16")
@@ -55,12 +61,19 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
         self.bias = linear.bias
-        self.packed: q8.Int8Weight | None = None
-        self.packed_swiglu: q8.Int8Weight | None = None
+        # The native kernel's packed weights (w8a8: q8.Int8Weight, w8a16: w16.W8A16Weight),
+        # made on first use.
+        self.packed = None
+        self.packed_swiglu = None
 
     def _native(self, x: torch.Tensor) -> bool:
-        return (self.mode == "w8a8" and x.dtype == torch.float32 and x.device.type == "cpu"
-                and x.dim() == 2 and q8.native_available())
+        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+            return False
+        return q8.native_available() if self.mode == "w8a8" else w16.native_available()
+
+    def _kernels(self):
+        """The native kernel module of this layer's mode (same pack / linear / swiglu calls)."""
+        return q8 if self.mode == "w8a8" else w16
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.mode == "w8a8":
@@ -70,19 +83,21 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self._native(x):
+            kernels = self._kernels()
             if self.packed is None:
-                self.packed = q8.pack(self.qweight, self.scale, self.bias)
-            return q8.linear(x, self.packed, out)
+                self.packed = kernels.pack(self.qweight, self.scale, self.bias)
+            return kernels.linear(x, self.packed, out)
         result = self._torch(x)
         return result if out is None else out.copy_(result)
 
     def swiglu(self, x: torch.Tensor, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """As ``Linear.swiglu``: the native w8a8 kernel's fused SwiGLU, else None."""
+        """As ``Linear.swiglu``: the native kernel's fused SwiGLU, else None."""
         if not self._native(x):
             return None
+        kernels = self._kernels()
         if self.packed_swiglu is None:
-            self.packed_swiglu = q8.pack(self.qweight, self.scale, self.bias, swiglu=True)
-        return q8.swiglu(x, self.packed_swiglu, vector_chunk, out)
+            self.packed_swiglu = kernels.pack(self.qweight, self.scale, self.bias, swiglu=True)
+        return kernels.swiglu(x, self.packed_swiglu, vector_chunk, out)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
