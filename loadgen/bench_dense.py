@@ -8,7 +8,7 @@ step does (each layer's weights are evicted by the other layers'); ``--weights-m
 copy, hot in the cache. Prints GFLOP/s (2 x rows x K x N per call, best of ``--repeats`` timed
 runs) and the ratios to the float32 kernel measured in the same run.
 
-    python -m loadgen.bench_dense [--rows 1 4 16 64 256] [--repeats 5] [--weights-mb 96]
+    python -m mqinfer.loadgen.bench_dense [--rows 1 4 16 64 256] [--repeats 5] [--weights-mb 96]
 """
 
 from __future__ import annotations

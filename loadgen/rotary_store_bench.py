@@ -5,7 +5,7 @@ against two peers measured in the same run: the store into a float32 cache, and 
 One layer's call at SmolLM2-135M's attention shape by default (9 q heads, 3 KV heads, head_dim
 64), float32 activations, best of ``--repeats`` timings of ``--calls`` calls each.
 
-    python -m loadgen.rotary_store_bench --tokens 64 512
+    python -m mqinfer.loadgen.rotary_store_bench --tokens 64 512
 """
 
 from __future__ import annotations
