@@ -31,7 +31,7 @@ from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
-from mqinfer.workers.models.quant import activation_ranges, calibration_text, quantize_model, smooth
+from mqinfer.workers.models.quant import activation_ranges, calibration_token_windows, quantize_model, smooth
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
 
@@ -281,9 +281,8 @@ class LLMEngine:
         model, from the activation ranges of a short calibration text run through it."""
         smoothed = 0
         if config.quantization == "w8a8" and config.smoothquant_alpha > 0:
-            text_ids = (self.tokenizer.encode(calibration_text()) if self.tokenizer is not None else [])
             window = min(512, self.max_model_len, self.scheduler_config.num_kv_blocks * config.block_size)
-            windows = [text_ids[i : i + window] for i in range(0, min(len(text_ids), 4 * window), window)]
+            windows = calibration_token_windows(self.tokenizer, window) if self.tokenizer is not None else []
             if windows:
                 ranges = activation_ranges(self.model, lambda: [self.runner.forward_sequence(w) for w in windows])
                 smoothed = smooth(self.model, ranges, config.smoothquant_alpha)

@@ -13,7 +13,9 @@ and the weight's column j multiplied by it. The division is folded into the norm
 into the up rows of gate/up, so it costs nothing at run time and the float model computes the
 same function. ``max|x_j|`` comes from a calibration pass (``activation_ranges``) over a short
 fixed text (``calibration_text``: Python standard library docstrings, none of the modules that
-``loadgen.quality`` scores).
+``loadgen.quality`` scores), both as plain text and as conversations in the model's chat
+template (``calibration_token_windows``): calibrated on plain text alone, the smoothing
+amplified channels that only the chat markers use, and chat answers degenerated.
 
 Modes:
 - ``w8a8``: activations quantized per token on the fly, exact int32 sums, float32 out
@@ -151,6 +153,28 @@ def calibration_text() -> str:
     return docstring_text(CALIBRATION_MODULES)
 
 
+def calibration_token_windows(tokenizer, window: int, max_windows: int = 4) -> list[list[int]]:
+    """Token windows for the calibration pass: conversations in the model's chat template (the
+    format requests arrive in: role markers and special tokens have activations of their own,
+    often the largest) built from the calibration text's paragraphs, then that text as it is.
+    At most ``max_windows`` windows of each kind, each at most ``window`` tokens."""
+    paragraphs = [p for p in calibration_text().split("\n\n") if len(p) > 80]
+    windows: list[list[int]] = []
+    for i in range(0, min(len(paragraphs) - 1, 2 * max_windows), 2):
+        messages = [{"role": "system", "content": "You are a helpful assistant."},
+                    {"role": "user", "content": paragraphs[i]},
+                    {"role": "assistant", "content": paragraphs[i + 1]}]
+        try:
+            ids = tokenizer.encode_chat(messages)
+        except (ValueError, RuntimeError, KeyError, TypeError):  # no usable chat template
+            break
+        if ids:
+            windows.append(ids[:window])
+    text = tokenizer.encode(calibration_text())
+    windows += [text[i : i + window] for i in range(0, min(len(text), max_windows * window), window)]
+    return [w for w in windows if w]
+
+
 def activation_ranges(model: nn.Module, run: Callable[[], None]) -> dict[nn.Module, torch.Tensor]:
     """``max|x_j|`` over every token ``run()`` puts through the model, per input channel j of each
     decoder layer's q/k/v, gate/up and down projection (float32, keyed by the projection)."""
@@ -225,5 +249,6 @@ def smooth(model: nn.Module, ranges: dict[nn.Module, torch.Tensor], alpha: float
     return smoothed
 
 
-__all__ = ["CALIBRATION_MODULES", "MODES", "Int8Linear", "activation_ranges", "calibration_text", "docstring_text",
+__all__ = ["CALIBRATION_MODULES", "MODES", "Int8Linear", "activation_ranges", "calibration_text",
+           "calibration_token_windows", "docstring_text",
            "quantize_model", "smooth"]
