@@ -45,6 +45,10 @@ DATA_DIR = Option("dir", str, "mqinfer-redis", "Data folder: the append-only fil
                   "across restarts (one server per folder).", metavar="DIR")
 FRESH = Option("fresh", bool, False, "Start the job over: remove its result and cost rows from --out first "
                "(without it, running the same command again resumes: only requests without a row are computed).")
+ORDER = Option("order", str, "input", "The order requests enter the stream: input = the file's order; prefix = "
+               "requests sharing a prompt prefix next to each other (token ids, else the prompt's bytes). Results "
+               "are the same rows either way. prefix measured slower on a shared-prefix job: neighbours that share "
+               "a prefix start in the same engine step, and each computes the prefix.", choices=("input", "prefix"))
 UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")
 
 # `report costs`
@@ -66,7 +70,7 @@ BASIS = Option("basis", str, "usage", "usage: each group pays for its requests' 
 
 COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
-RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, FRESH, *ENGINE_OPTIONS,
+RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, FRESH, ORDER, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
 SUBMIT_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]

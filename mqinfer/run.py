@@ -26,6 +26,7 @@ from pathlib import Path
 from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, WORKER_OPTIONS, ConfigError
 from mqinfer.layout import choose_layout
 from mqinfer.procs import die_with_parent, mqinfer_command
+from mqinfer.schemas.prefix_order import prefix_order
 
 STATE_DIR = ".mqinfer"
 
@@ -172,6 +173,8 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
         print(f"job {job_id}: resuming: {len(requests) - len(todo)} of {len(requests)} requests already have "
               f"rows in {out / 'results'}", file=sys.stderr, flush=True)
     if todo:
+        if opts["order"] == "prefix":
+            todo = prefix_order(todo)
         status = _compute(todo, requests, done_before, out, job_id, opts, lock)
     else:
         status = 0

@@ -268,3 +268,20 @@ def test_run_with_int8_weights(tmp_path):
     assert all(len(r["output_token_ids"]) == 6 for r in rows(out / "results"))
     # The worker (its log at info level on the run's stderr) says what it quantized.
     assert "quantization w8a8: 16 projections hold int8 weights (12 smoothed, alpha 0.7)" in proc.stderr
+
+
+def test_prefix_order_gives_the_same_rows_as_input_order(tmp_path):
+    # Prompts that share prefixes, interleaved: --order prefix submits them grouped.
+    shared = [[11, 12, 13, 14, 15, 16, 17, 18] * 3, [21, 22, 23, 24, 25, 26, 27, 28] * 3]
+    reqs = [{"id": f"q{i}", "prompt_token_ids": shared[i % 2] + [30 + i], "max_tokens": 5, "temperature": 0,
+             "ignore_eos": True} for i in range(8)]
+    src = write_jsonl(tmp_path / "job.jsonl", reqs)
+    outputs = {}
+    for order in ("input", "prefix"):
+        out = tmp_path / order
+        proc = subprocess.run(run_cmd(str(src), "--out", str(out), "--order", order), env=env(),
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        check_once(out, [r["id"] for r in reqs])
+        outputs[order] = {r["id"]: (r["finish_reason"], list(r["output_token_ids"])) for r in rows(out / "results")}
+    assert outputs["prefix"] == outputs["input"]
