@@ -259,6 +259,14 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed // bs)
         return pairs
 
+    def next_block_hash(self, request: Request, first_uncomputed_block: int) -> BlockHash | None:
+        """The prefix hash of the request's block ``first_uncomputed_block`` when that block is
+        full and not its last token's (the next block it would compute that another request with
+        the same prefix could reuse), else None; None also without prefix caching."""
+        if not self.enable_prefix_caching or (first_uncomputed_block + 1) * self.block_size > request.num_tokens - 1:
+            return None
+        return self._block_hashes(request, first_uncomputed_block + 1)[first_uncomputed_block]
+
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)

@@ -218,6 +218,25 @@ class Scheduler:
         waiting = self._waiting
         max_num_seqs = self.config.max_num_seqs
         order_of = self._order.__getitem__
+        # Prefix blocks being computed now (the next full block of every request still in its
+        # prompt): a waiting request whose next block is one of them is held back this step,
+        # to find it cached in a later step instead of computing it a second time. It waits
+        # only while another request computes that block, and other requests go ahead of it.
+        computing = {h for r in running if r.num_computed_tokens < r.num_prompt_tokens
+                     and (h := kv.next_block_hash(r, r.num_computed_tokens // kv.block_size)) is not None}
+        held: list[tuple[_OrderKey, Request]] = []
+        try:
+            self._admit_from_queue(out, budget, computing, held)
+        finally:
+            for entry in held:
+                heapq.heappush(waiting, entry)
+
+    def _admit_from_queue(self, out: SchedulerOutput, budget: int, computing: set, held: list) -> None:
+        kv = self.kv_cache_manager
+        running = self._running
+        waiting = self._waiting
+        max_num_seqs = self.config.max_num_seqs
+        order_of = self._order.__getitem__
         while waiting and budget > 0 and len(running) < max_num_seqs:
             request = waiting[0][1]
             if request.status.is_finished:  # ended while waiting: a stale entry
@@ -241,6 +260,10 @@ class Scheduler:
                 out.swap_in.extend(pairs)
             else:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
+                next_hash = kv.next_block_hash(request, len(hits))
+                if next_hash is not None and next_hash in computing:
+                    held.append(heapq.heappop(waiting))
+                    continue
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > budget:
                     num_new = budget
@@ -249,6 +272,8 @@ class Scheduler:
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
                 request.num_computed_tokens = num_hit_tokens
+                if next_hash is not None:
+                    computing.add(next_hash)
             heapq.heappop(waiting)
             self._num_waiting -= 1
             request.status = RequestStatus.RUNNING

@@ -271,7 +271,7 @@ def test_run_with_int8_weights(tmp_path):
 
 
 def test_prefix_order_gives_the_same_rows_as_input_order(tmp_path):
-    # Prompts that share prefixes, interleaved: --order prefix submits them grouped.
+    # Prompts that share prefixes, interleaved: --order prefix (the default) submits them grouped.
     shared = [[11, 12, 13, 14, 15, 16, 17, 18] * 3, [21, 22, 23, 24, 25, 26, 27, 28] * 3]
     reqs = [{"id": f"q{i}", "prompt_token_ids": shared[i % 2] + [30 + i], "max_tokens": 5, "temperature": 0,
              "ignore_eos": True} for i in range(8)]

@@ -401,6 +401,48 @@ def test_prefix_cache_hit_sets_num_cached_tokens_and_shares_blocks():
     assert a.num_output_tokens == b.num_output_tokens == 6
 
 
+def test_requests_sharing_an_uncomputed_prefix_wait_for_the_first_to_cache_it():
+    config = SchedulerConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4)
+    driver = Driver(config)
+    system = list(range(10, 22))  # three full blocks, cached by nobody yet
+    a = driver.add(req("a", system + [1], max_tokens=3))
+    b = driver.add(req("b", system + [2], arrival=1.0, max_tokens=3))
+    other = driver.add(req("other", 9, arrival=2.0, max_tokens=3))
+    driver.step()
+    # b would compute the same three blocks as a in the same step: it is held, and a later
+    # arrival with a prefix of its own goes ahead of it.
+    assert set(driver.steps[-1]) == {"a", "other"}
+    assert b.status is RequestStatus.WAITING
+    driver.step()
+    # a's blocks are cached now: b computes only its last token.
+    assert driver.steps[-1]["b"] == 1 and b.num_cached_tokens == 12
+    assert b.block_ids[:3] == a.block_ids[:3]
+    driver.run()
+    assert a.num_output_tokens == b.num_output_tokens == other.num_output_tokens == 3
+
+
+def test_a_held_request_waits_only_while_its_prefix_is_being_computed():
+    """A prompt chunked over two steps: its sibling is not admitted beside the second chunk
+    (it would compute the block that chunk computes), and is admitted in the step right after,
+    with the whole shared prefix cached."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    driver = Driver(config)
+    system = list(range(10, 34))  # six full blocks
+    a = driver.add(req("a", system + [1], max_tokens=2))
+    b = driver.add(req("b", system + [2], arrival=1.0, max_tokens=2))
+    admitted_at = None
+    for step in range(1, 6):
+        driver.step()
+        if admitted_at is None and "b" in driver.steps[-1]:
+            admitted_at = step
+    # a computes 16 then 9 prompt tokens in steps 1-2; the second step has budget left for b,
+    # which would then have found only a's first four blocks cached.
+    assert admitted_at == 3
+    assert b.num_cached_tokens == 24
+    driver.run()
+    assert a.num_output_tokens == b.num_output_tokens == 2
+
+
 def test_prefix_caching_off():
     config = SchedulerConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
     driver = Driver(config)

@@ -384,23 +384,25 @@ def test_a_full_host_pool_falls_back_to_recompute():
 
 
 def test_swap_out_and_back_in_within_one_step_copies_out_first():
-    # Two requests with the same tokens: b's first blocks duplicate a's cached ones. When a needs
-    # a block, b is swapped out; it needs back only its unshared tail, so the same step swaps it
-    # in again, into a device block it has just given up. Copying in before out would read a
-    # host block not written yet; the shadow model then fails the reads.
-    config = swap_config(block_size=2, num_kv_blocks=6, max_num_batched_tokens=4, max_num_seqs=2,
+    # Two requests with the same one-block prompt, admitted in the same step (a prompt's last
+    # block is never a prefix-cache hit, so neither waits for the other's): b's first block
+    # duplicates a's cached one. When a needs a block, b is swapped out; it needs back only its
+    # unshared tail, so the same step swaps it in again, into a device block it has just given
+    # up. Copying in before out would read a host block not written yet; the shadow model then
+    # fails the reads.
+    config = swap_config(block_size=2, num_kv_blocks=6, max_num_batched_tokens=3, max_num_seqs=2,
                          num_swap_blocks=40)
     scheduler = Scheduler(config)
     model = ShadowModel(2)
-    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=5), arrival_time=0.0)
-    b = Request("b", [1, 2, 3], SamplingParams(max_tokens=10), arrival_time=1.0)
+    a = Request("a", [1, 2], SamplingParams(max_tokens=8), arrival_time=0.0)
+    b = Request("b", [1, 2], SamplingParams(max_tokens=6), arrival_time=1.0)
     scheduler.add_request(a)
     scheduler.add_request(b)
     outs = run_all(scheduler, model)
     same_step = [o for o in outs if {d for d, _ in o.swap_out} & {d for _, d in o.swap_in}]
     assert len(same_step) == 1
     assert [r.request_id for r in same_step[0].preempted] == ["b"]
-    assert a.num_output_tokens == 5 and b.num_output_tokens == 10
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 6
     assert b.num_swaps == 1 and b.num_recompute_tokens == 0 and a.num_preemptions == 0
 
 
