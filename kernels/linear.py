@@ -34,14 +34,39 @@ from mqinfer.kernels import native
 _SWITCH = "MQINFER_CPU_LINEAR"
 
 
-def _library() -> ctypes.CDLL | None:
+def dense_library(available: str = "mqinfer_linear_available") -> ctypes.CDLL | None:
+    """The native library under the dense layers' switch, when its function ``available`` says it
+    has that kernel for this CPU; None otherwise (float32, w8a8 and w8a16 kernels alike)."""
     lib = native.switched_library(_SWITCH)
-    return lib if lib is not None and _has_kernel(lib) else None
+    return lib if lib is not None and _has_kernel(lib, available) else None
 
 
 @functools.cache
-def _has_kernel(lib: ctypes.CDLL) -> bool:
-    return bool(lib.mqinfer_linear_available())
+def _has_kernel(lib: ctypes.CDLL, available: str) -> bool:
+    return bool(getattr(lib, available)())
+
+
+def _library() -> ctypes.CDLL | None:
+    return dense_library()
+
+
+def checked_io(x: torch.Tensor, in_features: int, out_features: int,
+               out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (float32, CPU, ``[T, in_features]``; made contiguous where its rows are not laid
+    out as the kernels read them) and the output ``[T, out_features]`` (``out``, checked, or a
+    new tensor) for a native dense-layer call."""
+    rows, features = x.shape
+    if features != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a float32 CPU tensor [T, {in_features}], got "
+                         f"{list(x.shape)} {x.dtype} on {x.device}")
+    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+    elif out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous float32 tensor [{rows}, {out_features}], got "
+                         f"{list(out.shape)} {out.dtype}")
+    return x, out
 
 
 def native_linear_available() -> bool:
@@ -134,16 +159,7 @@ def _run(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None, out: 
          swiglu: bool, vector_chunk: int) -> torch.Tensor:
     lib = native.load()
     rows, features = x.shape
-    if features != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 CPU tensor [T, {weight.in_features}], got "
-                         f"{list(x.shape)} {x.dtype} on {x.device}")
-    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
-    elif out.shape != (rows, weight.out_features) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor [{rows}, {weight.out_features}], got "
-                         f"{list(out.shape)} {out.dtype}")
+    x, out = checked_io(x, weight.in_features, weight.out_features, out)
     if not swiglu and bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.float32
                                             or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float32 tensor [{weight.out_features}]")

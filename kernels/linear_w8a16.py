@@ -23,23 +23,16 @@ the other dense kernels.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from mqinfer.kernels import native
-from mqinfer.kernels.linear import _SWITCH
+from mqinfer.kernels.linear import checked_io, dense_library
 from mqinfer.kernels.linear_int8 import _panel_order
 
 
 def _library() -> ctypes.CDLL | None:
-    lib = native.switched_library(_SWITCH)
-    return lib if lib is not None and _has_kernel(lib) else None
-
-
-@functools.cache
-def _has_kernel(lib: ctypes.CDLL) -> bool:
-    return bool(lib.mqinfer_w8a16_available())
+    return dense_library("mqinfer_w8a16_available")
 
 
 def native_available() -> bool:
@@ -108,16 +101,7 @@ def swiglu(x: torch.Tensor, weight: W8A16Weight, vector_chunk: int, out: torch.T
 def _run(x: torch.Tensor, weight: W8A16Weight, out: torch.Tensor | None, vector_chunk: int) -> torch.Tensor:
     lib = native.load()
     rows, features = x.shape
-    if features != weight.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 CPU tensor [T, {weight.in_features}], got "
-                         f"{list(x.shape)} {x.dtype} on {x.device}")
-    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(rows, weight.out_features, dtype=torch.float32)
-    elif out.shape != (rows, weight.out_features) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor [{rows}, {weight.out_features}], got "
-                         f"{list(out.shape)} {out.dtype}")
+    x, out = checked_io(x, weight.in_features, weight.out_features, out)
     args = native.W8A16Args(
         x=x.data_ptr(), packed=weight.data.data_ptr(), scales=weight.scales.data_ptr(),
         bias=None if weight.bias is None else weight.bias.data_ptr(), out=out.data_ptr(),
