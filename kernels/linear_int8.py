@@ -96,10 +96,14 @@ def _panel_order(values: torch.Tensor, out_features: int, swiglu: bool) -> torch
 
 
 class Int8Weight:
-    """An int8 weight with its per-feature scales (and bias) in the native kernel's layout.
+    """An int8 weight with its per-feature scales (and bias) in a native kernel's layout: the
+    w8a8 kernel's here; ``linear_w8a16.W8A16Weight`` names the w8a16 kernel's functions.
 
     For SwiGLU (``swiglu`` True) the weight is the fused gate/up projection ``[2 * I, in]``
     and ``out_features`` is I; each panel holds 8 gate and the same 8 up features."""
+
+    # The library's functions for the packed size and the packing.
+    PACKED_SIZE, PACK = "mqinfer_qlinear_packed_size", "mqinfer_qlinear_pack"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  lib: ctypes.CDLL, swiglu: bool = False) -> None:
@@ -107,24 +111,30 @@ class Int8Weight:
         self.swiglu = swiglu
         self.out_features = rows // 2 if swiglu else rows
         qweight = qweight.contiguous()
-        size = lib.mqinfer_qlinear_packed_size(self.out_features, self.in_features, int(swiglu))
+        size = getattr(lib, self.PACKED_SIZE)(self.out_features, self.in_features, int(swiglu))
         self.data = torch.empty(int(size), dtype=torch.int8)
-        lib.mqinfer_qlinear_pack(qweight.data_ptr(), self.out_features, self.in_features, int(swiglu),
-                                 self.data.data_ptr())
+        getattr(lib, self.PACK)(qweight.data_ptr(), self.out_features, self.in_features, int(swiglu),
+                                self.data.data_ptr())
         self.source = qweight  # the tensor it was packed from (profilers name layers by it)
         self.scales = _panel_order(scale, self.out_features, swiglu)
         self.bias = None if bias is None else _panel_order(bias, self.out_features, swiglu)
+
+
+def pack_for(kind: type[Int8Weight], lib: ctypes.CDLL | None, qweight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None, swiglu: bool) -> Int8Weight | None:
+    """``kind(qweight, ...)``, or None where the kernel does not apply: no library (``lib``
+    None), or not a 2-D int8 CPU weight (with an even number of rows for SwiGLU)."""
+    if (lib is None or qweight.dim() != 2 or qweight.dtype != torch.int8 or qweight.device.type != "cpu"
+            or (swiglu and qweight.shape[0] % 2)):
+        return None
+    return kind(qweight, scale, bias, lib, swiglu)
 
 
 def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          swiglu: bool = False) -> Int8Weight | None:
     """An int8 ``[out, in]`` weight (``[2 * I, in]`` gate rows first with ``swiglu``) packed for
     the native kernel, or None where it does not apply (then use ``reference_linear``)."""
-    if (qweight.dim() != 2 or qweight.dtype != torch.int8 or qweight.device.type != "cpu"
-            or (swiglu and qweight.shape[0] % 2)):
-        return None
-    lib = _library()
-    return None if lib is None else Int8Weight(qweight, scale, bias, lib, swiglu)
+    return pack_for(Int8Weight, _library(), qweight, scale, bias, swiglu)
 
 
 def _threads(rows: int, weight: Int8Weight) -> int:
@@ -168,5 +178,5 @@ def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_c
     return out
 
 
-__all__ = ["Int8Weight", "int_matmul", "linear", "native_available", "pack", "quantize_rows",
+__all__ = ["Int8Weight", "int_matmul", "linear", "native_available", "pack", "pack_for", "quantize_rows",
            "quantize_weight", "reference_linear", "swiglu"]

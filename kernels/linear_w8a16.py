@@ -28,7 +28,7 @@ import torch
 
 from mqinfer.kernels import native
 from mqinfer.kernels.linear import checked_io, dense_library
-from mqinfer.kernels.linear_int8 import _panel_order
+from mqinfer.kernels.linear_int8 import Int8Weight, pack_for
 
 
 def _library() -> ctypes.CDLL | None:
@@ -40,27 +40,15 @@ def native_available() -> bool:
     return _library() is not None
 
 
-class W8A16Weight:
-    """An int8 weight with its per-feature scales (and bias) in the native kernel's layout:
+class W8A16Weight(Int8Weight):
+    """An int8 weight with its per-feature scales (and bias) in the w8a16 kernel's layout:
     panels of 16 output features, ``[in_features, 16]`` bytes each; scales and bias in the
     panels' column order, zero-padded to whole panels.
 
     For SwiGLU (``swiglu`` True) the weight is the fused gate/up projection ``[2 * I, in]``
     and ``out_features`` is I; each panel holds 8 gate and the same 8 up features."""
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 lib: ctypes.CDLL, swiglu: bool = False) -> None:
-        rows, self.in_features = qweight.shape
-        self.swiglu = swiglu
-        self.out_features = rows // 2 if swiglu else rows
-        qweight = qweight.contiguous()
-        size = lib.mqinfer_w8a16_packed_size(self.out_features, self.in_features, int(swiglu))
-        self.data = torch.empty(int(size), dtype=torch.int8)
-        lib.mqinfer_w8a16_pack(qweight.data_ptr(), self.out_features, self.in_features, int(swiglu),
-                               self.data.data_ptr())
-        self.source = qweight  # the tensor it was packed from (profilers name layers by it)
-        self.scales = _panel_order(scale, self.out_features, swiglu)
-        self.bias = None if bias is None else _panel_order(bias, self.out_features, swiglu)
+    PACKED_SIZE, PACK = "mqinfer_w8a16_packed_size", "mqinfer_w8a16_pack"
 
 
 def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
@@ -68,11 +56,7 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None =
     """An int8 ``[out, in]`` weight (``[2 * I, in]`` gate rows first with ``swiglu``), its
     float32 scales ``[out]`` and bias packed for the native kernel, or None where the kernel
     does not apply (then dequantize and use ``F.linear``)."""
-    if (qweight.dim() != 2 or qweight.dtype != torch.int8 or qweight.device.type != "cpu"
-            or (swiglu and qweight.shape[0] % 2)):
-        return None
-    lib = _library()
-    return None if lib is None else W8A16Weight(qweight, scale, bias, lib, swiglu)
+    return pack_for(W8A16Weight, _library(), qweight, scale, bias, swiglu)
 
 
 def _threads(rows: int, weight: W8A16Weight) -> int:
