@@ -19,6 +19,7 @@ kernel.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import torch
 
@@ -137,6 +138,18 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None =
     return pack_for(Int8Weight, _library(), qweight, scale, bias, swiglu)
 
 
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> torch.Tensor:
+    """This thread's buffer for the quantized activations, grown to the largest call seen: a
+    fresh one per call would cost a new memory mapping at every large prefill's layer."""
+    buffer = getattr(_local, "scratch", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _local.scratch = torch.empty(nbytes, dtype=torch.uint8)
+    return buffer
+
+
 def _threads(rows: int, weight: Int8Weight) -> int:
     # As the float32 kernel: below about 2M multiply-adds, waking the pool costs more.
     return torch.get_num_threads() if rows * weight.in_features * weight.out_features >= (1 << 21) else 1
@@ -164,7 +177,7 @@ def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_c
     lib = native.load()
     rows, features = x.shape
     x, out = checked_io(x, weight.in_features, weight.out_features, out)
-    scratch = torch.empty(int(lib.mqinfer_qlinear_scratch_size(rows, features)), dtype=torch.uint8)
+    scratch = _scratch(int(lib.mqinfer_qlinear_scratch_size(rows, features)))
     args = native.QLinearArgs(
         x=x.data_ptr(), packed=weight.data.data_ptr(), scales=weight.scales.data_ptr(),
         bias=None if weight.bias is None else weight.bias.data_ptr(), out=out.data_ptr(),

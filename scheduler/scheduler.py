@@ -216,8 +216,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         running = self._running
         waiting = self._waiting
-        max_num_seqs = self.config.max_num_seqs
-        order_of = self._order.__getitem__
+        if not (waiting and budget > 0 and len(running) < self.config.max_num_seqs):
+            return
         # Prefix blocks being computed now (the next full block of every request still in its
         # prompt): a waiting request whose next block is one of them is held back this step,
         # to find it cached in a later step instead of computing it a second time. It waits

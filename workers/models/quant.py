@@ -180,36 +180,24 @@ def activation_ranges(model: nn.Module, run: Callable[[], None]) -> dict[nn.Modu
     decoder layer's q/k/v, gate/up and down projection (float32, keyed by the projection)."""
     ranges: dict[nn.Module, torch.Tensor] = {}
 
-    def record(module: nn.Module, inputs: tuple) -> None:
+    def record(proj: nn.Module, inputs: tuple) -> None:
         amax = inputs[0].detach().abs().amax(dim=0).float()
-        seen = ranges.get(module)
-        ranges[module] = amax if seen is None else torch.maximum(seen, amax)
+        seen = ranges.get(proj)
+        ranges[proj] = amax if seen is None else torch.maximum(seen, amax)
 
     hooks = []
     for layer in model.modules():
         if isinstance(layer, DecoderLayer):
-            for proj in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-                hooks.append(proj.register_forward_pre_hook(record))
-    # The fused SwiGLU path never calls gate_up's forward: clock its input through swiglu().
-    swiglus = []
-    for layer in model.modules():
-        if isinstance(layer, MLP):
-            proj = layer.gate_up_proj
-            original = proj.swiglu
-
-            def swiglu(x, *args, _proj=proj, _original=original, **kwargs):
-                record(_proj, (x,))
-                return _original(x, *args, **kwargs)
-
-            proj.swiglu = swiglu
-            swiglus.append(proj)
+            # Each block's input is its first projection's: hooked on the block, since the MLP's
+            # fused SwiGLU path never calls gate_up's own forward.
+            for owner, proj in ((layer.self_attn, layer.self_attn.qkv_proj), (layer.mlp, layer.mlp.gate_up_proj),
+                                (layer.mlp.down_proj, layer.mlp.down_proj)):
+                hooks.append(owner.register_forward_pre_hook(lambda _m, inputs, p=proj: record(p, inputs)))
     try:
         run()
     finally:
         for hook in hooks:
             hook.remove()
-        for proj in swiglus:
-            del proj.swiglu
     return ranges
 
 
