@@ -238,7 +238,6 @@ def run_continuous(model, requests: Sequence[dict[str, Any]], *, max_batch_token
     no_psutil = _DropMessages("psutil")
     cb_logger.addFilter(no_psutil)
     t_call = time.time()
-    perf_to_unix = time.time() - time.perf_counter()
     received: dict[str, Any] = {}
     arrived: dict[str, float] = {}
     try:
@@ -246,7 +245,11 @@ def run_continuous(model, requests: Sequence[dict[str, Any]], *, max_batch_token
             generation_config=gen_config, continuous_batching_config=cb_config,
             block=True, timeout=30, workload_hints=hints,
         ) as manager:
+            # transformers stamps requests with perf_counter; they are placed on the wall clock by
+            # their distance from one submit instant read on both clocks, so the order of the
+            # stamps holds even when the wall clock is slewed while the job runs.
             t_submit = time.time()
+            t_submit_perf = time.perf_counter()
             for r in requests:
                 added = manager.add_request(list(r["prompt_token_ids"]), request_id=r["id"],
                                             max_new_tokens=int(r["max_tokens"]), eos_token_id=-1,
@@ -290,9 +293,9 @@ def run_continuous(model, requests: Sequence[dict[str, Any]], *, max_batch_token
         timings.append(RequestTiming(
             id=rid, prompt_tokens=len(r["prompt_token_ids"]), requested_tokens=int(r["max_tokens"]),
             output_tokens=produced, enqueued_at=t_submit,
-            started_at=start + perf_to_unix if start > 0 else t_submit,
-            first_token_at=stamps[0] + perf_to_unix if stamps else None,
-            finished_at=end + perf_to_unix if end > 0 else arrived[rid]))
+            started_at=t_submit + (start - t_submit_perf) if start > 0 else t_submit,
+            first_token_at=t_submit + (stamps[0] - t_submit_perf) if stamps else None,
+            finished_at=t_submit + (end - t_submit_perf) if end > 0 else arrived[rid]))
     summary = summarize(timings)
     return BaselineResult("hf-continuous", None, summary.requested_tokens, computed, time.time() - t_call, summary,
                           timings, outputs)
