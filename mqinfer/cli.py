@@ -23,6 +23,7 @@ from mqinfer.config import (
     LOG_LEVEL,
     REDIS,
     REDIS_CLUSTER,
+    ROUTE,
     SHARDS,
     STREAM,
     WORKER_OPTIONS,
@@ -70,9 +71,9 @@ BASIS = Option("basis", str, "usage", "usage: each group pays for its requests' 
 
 COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
-RUN_CMD = [OUT, REDIS, STREAM, SHARDS, WORKERS, JOB_ID, FRESH, ORDER, *ENGINE_OPTIONS,
+RUN_CMD = [OUT, REDIS, STREAM, SHARDS, ROUTE, WORKERS, JOB_ID, FRESH, ORDER, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
-SUBMIT_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
+SUBMIT_CMD = [REDIS, STREAM, SHARDS, ROUTE, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
 REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, BASIS]
 
@@ -321,13 +322,23 @@ def _submit_sharded(opts: dict, redis_url: str, requests) -> tuple[int, str]:
     from mqinfer.client import Client
 
     client = Client(redis_url, stream=opts["stream"], shards=opts["shards"], cluster=opts["redis_cluster"],
-                    fmt=opts.get("format", "msgpack"))
+                    fmt=opts.get("format", "msgpack"), route=opts.get("route", "prefix"))
     try:
         sent = len(client.submit_many(requests, reply=False))
     finally:
         client.close(delete_reply_stream=False)
     keys_ = client.stream_keys
+    if client.router.by_prefix and sent:
+        print(routing_summary(client.router), file=sys.stderr)
     return sent, keys_[0] if len(keys_) == 1 else f"{len(keys_)} shards {keys_[0]}..{keys_[-1]}"
+
+
+def routing_summary(router) -> str:
+    """One line on how prefix routing spread the work: each shard's share, and the spill-over."""
+    total = sum(router.load) or 1
+    shares = " ".join(f"{100.0 * x / total:.0f}%" for x in router.load)
+    return (f"routing by prefix: work per shard {shares}; {router.spilled} of {router.routed} requests "
+            f"({100.0 * router.spilled / max(1, router.routed):.1f}%) spilled over from their prefix's shard")
 
 
 def cmd_submit(args, opts: dict) -> int:

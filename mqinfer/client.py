@@ -134,8 +134,10 @@ class Client:
     """A blocking producer client (thread-safe).
 
     ``Client(url)`` submits to ``mqinfer:{requests}``; ``shards=N`` spreads requests over the
-    streams ``requests-0 .. requests-{N-1}`` by a hash of their id (``cluster=True`` for a Redis
-    Cluster, ``url`` being any node). ``max_backlog`` turns on backpressure: a submission waits
+    streams ``requests-0 .. requests-{N-1}`` (``cluster=True`` for a Redis Cluster, ``url`` being
+    any node): by their leading prompt tokens, so that requests sharing a prefix meet on one shard's
+    workers, within a balance slack (``route="prefix"``, see ``mqinfer.schemas.routing``), or by a
+    hash of their id (``route="id"``). ``max_backlog`` turns on backpressure: a submission waits
     (``backpressure="wait"``, up to ``backpressure_timeout_s``) or raises ``BackpressureError``
     (``"raise"``) while the stream holds more unfinished requests than that.
 
@@ -149,12 +151,12 @@ class Client:
                  cluster: bool = False, client: redis.Redis | None = None, reply_to: str | None = None,
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack",
-                 cancel_ttl_s: int = CANCEL_TTL_S) -> None:
+                 cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix") -> None:
         if client is None and redis_url is None:
             raise ValueError("Client needs a redis_url or a client")
         self._core = ClientCore(stream=stream, shards=shards, reply_to=reply_to, max_backlog=max_backlog,
                                 backpressure=backpressure, backpressure_timeout_s=backpressure_timeout_s,
-                                fmt=fmt, cancel_ttl_s=cancel_ttl_s)
+                                fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route)
         self._owns_redis = client is None
         self.redis = client if client is not None else connect_redis(redis_url, cluster=cluster)
         self._core.cluster = is_cluster(self.redis)
@@ -169,6 +171,12 @@ class Client:
     @property
     def stream_keys(self) -> list[str]:
         return list(self._core.stream_keys)
+
+    @property
+    def router(self):
+        """The shard placement (``mqinfer.schemas.routing.PrefixRouter``): its ``load`` per shard
+        and ``spilled``, the requests sent elsewhere than their prefix's first shard for balance."""
+        return self._core.router
 
     # -- performing the core's plans ---------------------------------------------------------
     def _run(self, plan: Plan[T]) -> T:

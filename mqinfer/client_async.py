@@ -38,12 +38,12 @@ class AsyncClient:
                  cluster: bool = False, client=None, reply_to: str | None = None,
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack",
-                 cancel_ttl_s: int = CANCEL_TTL_S) -> None:
+                 cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix") -> None:
         if client is None and redis_url is None:
             raise ValueError("AsyncClient needs a redis_url or a client")
         self._core = ClientCore(stream=stream, shards=shards, reply_to=reply_to, max_backlog=max_backlog,
                                 backpressure=backpressure, backpressure_timeout_s=backpressure_timeout_s,
-                                fmt=fmt, cancel_ttl_s=cancel_ttl_s)
+                                fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route)
         self._owns_redis = client is None
         if client is None:
             client = _async_connect(redis_url, cluster)

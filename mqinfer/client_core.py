@@ -39,6 +39,7 @@ from mqinfer.client_replies import ReplyBook, RequestKey
 from mqinfer.schemas import errors, keys
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.keys import shard_index, shard_streams
+from mqinfer.schemas.routing import PrefixRouter
 from mqinfer.schemas.replies import (
     CANCEL_TTL_S,
     Final,
@@ -124,7 +125,8 @@ class ClientCore:
     def __init__(self, *, stream: str = "requests", shards: int = 1, reply_to: str | None = None,
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack", cancel_ttl_s: int = CANCEL_TTL_S,
-                 cluster: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
+                 cluster: bool = False, clock: Callable[[], float] = time.monotonic,
+                 route: str = "prefix") -> None:
         if backpressure not in ("wait", "raise"):
             raise ValueError(f"backpressure must be 'wait' or 'raise', got {backpressure!r}")
         if max_backlog is not None and max_backlog < 1:
@@ -138,6 +140,7 @@ class ClientCore:
         self.stream = stream
         self.streams = shard_streams(stream, shards)
         self.stream_keys = [keys.request_stream(s) for s in self.streams]
+        self.router = PrefixRouter(len(self.streams), route=route)
         self.reply_to = reply_to or new_reply_stream()
         if not self.reply_to.startswith(keys.REPLY_PREFIX):
             raise ValueError(f"reply_to must start with {keys.REPLY_PREFIX!r}, got {self.reply_to!r}")
@@ -157,6 +160,7 @@ class ClientCore:
 
     # -- requests ----------------------------------------------------------------------------
     def shard_of(self, request_id: str, job_id: str | None) -> int:
+        """The shard of a request by its id alone: where it lives unless prefix routing moved it."""
         return shard_index(request_id, job_id, len(self.streams))
 
     def prepare(self, requests: Iterable[Request | dict[str, Any]], job_id: str | None,
@@ -187,8 +191,8 @@ class ClientCore:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         groups: dict[int, list[Request]] = {}
-        for req in reqs:
-            groups.setdefault(self.shard_of(req.id, req.job_id), []).append(req)
+        for req, shard in zip(reqs, self.router.assign(reqs)):
+            groups.setdefault(shard, []).append(req)
         for shard, group in groups.items():
             stream_key = self.stream_keys[shard]
             yield from self._ensure_group(stream_key)
@@ -335,9 +339,14 @@ class ClientCore:
 
     # -- cancel and close --------------------------------------------------------------------
     def cancel(self, request_id: str, job_id: str | None) -> Plan[None]:
-        """Add the request to its stream's cancel set (the script stamps the server's time)."""
-        shard = self.shard_of(request_id, job_id)
-        yield AddCancel(cancel_key(self.streams[shard]), cancel_member(request_id, job_id), self.cancel_ttl_s)
+        """Add the request to its stream's cancel set (the script stamps the server's time); with
+        prefix routing, where the request went depends on its prompt, so to every shard's set."""
+        if self.router.by_prefix:
+            shards = range(len(self.streams))
+        else:
+            shards = [self.shard_of(request_id, job_id)]
+        for shard in shards:
+            yield AddCancel(cancel_key(self.streams[shard]), cancel_member(request_id, job_id), self.cancel_ttl_s)
 
     def close(self, delete_reply_stream: bool) -> Plan[None]:
         """Delete the reply stream; if that fails it expires on its own."""

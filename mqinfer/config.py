@@ -139,9 +139,13 @@ REDIS = Option("redis", str, None, "Redis URL: redis://[user:pass@]host:port/db,
                "unix://[:pass@]/path.sock.", metavar="URL")
 LOG_LEVEL = Option("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error"))
 LOG_FORMAT = Option("log_format", str, "text", "Log line format.", choices=("text", "json"))
-SHARDS = Option("shards", int, 1, "Spread requests over N streams S-0..S-{N-1} by a hash of their id, each "
-                "read by its own workers (`run` gives worker i shard i mod N); for Redis Cluster, where one "
-                "stream lives in one slot.", metavar="N")
+SHARDS = Option("shards", int, 1, "Spread requests over N streams S-0..S-{N-1} (see --route), each read by its "
+                "own workers (`run` gives worker i shard i mod N); for Redis Cluster, where one stream lives in "
+                "one slot, and for prefix locality: each shard's workers cache their own prefixes.", metavar="N")
+ROUTE = Option("route", str, "prefix", "How requests are spread over --shards: prefix = by their leading prompt "
+               "(64 token ids, else 256 bytes), so that requests sharing a prefix go to one shard while the "
+               "shards stay within 10% of an even share of the work (a prefix spills over to a second shard "
+               "beyond that); id = by a hash of the request's id.", choices=("prefix", "id"))
 JOB_ID = Option("job_id", str, None, "Job id stamped on every request (default: requests keep their own "
                 "job_id; `run` derives one from the input file's content, so running it again resumes).",
                 metavar="ID")

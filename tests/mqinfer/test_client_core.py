@@ -408,12 +408,17 @@ def test_requests_sent_without_a_reply_stream_have_no_result_to_wait_for():
 
 # -- cancel and close ---------------------------------------------------------------------------
 def test_cancel_goes_to_the_cancel_set_of_the_request_s_shard_and_close_deletes_the_reply_stream():
-    core = ClientCore(stream="s", shards=4, cancel_ttl_s=600)
+    core = ClientCore(stream="s", shards=4, cancel_ttl_s=600, route="id")
     actions: list = []
     drive(core.cancel("r7", "j"), lambda a: None, log=actions)
     shard = core.shard_of("r7", "j")
     assert actions == [AddCancel(cancel_key(f"s-{shard}"), cancel_member("r7", "j"), 600)]
     assert cancel_key(f"s-{shard}") == f"mqinfer:{{s-{shard}}}:cancel"
+    # Routed by prefix, the request may be on any shard: every shard's set gets it.
+    routed = ClientCore(stream="s", shards=4, cancel_ttl_s=600)
+    actions = []
+    drive(routed.cancel("r7", "j"), lambda a: None, log=actions)
+    assert actions == [AddCancel(cancel_key(f"s-{i}"), cancel_member("r7", "j"), 600) for i in range(4)]
 
     actions = []
     gone = redis.exceptions.ConnectionError("server went away")

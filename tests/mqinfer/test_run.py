@@ -270,18 +270,29 @@ def test_run_with_int8_weights(tmp_path):
     assert "quantization w8a8: 16 projections hold int8 weights (12 smoothed, alpha 0.7)" in proc.stderr
 
 
-def test_prefix_order_gives_the_same_rows_as_input_order(tmp_path):
-    # Prompts that share prefixes, interleaved: --order prefix (the default) submits them grouped.
-    shared = [[11, 12, 13, 14, 15, 16, 17, 18] * 3, [21, 22, 23, 24, 25, 26, 27, 28] * 3]
-    reqs = [{"id": f"q{i}", "prompt_token_ids": shared[i % 2] + [30 + i], "max_tokens": 5, "temperature": 0,
-             "ignore_eos": True} for i in range(8)]
+def test_prefix_order_and_routing_give_the_same_rows_as_input_order(tmp_path):
+    # Prompts that share 72-token prefixes, interleaved: --order prefix (the default) submits them
+    # grouped, and with two shards each prefix's requests go to one shard's worker.
+    shared = [[11 + (i % 50) for i in range(72)], [101 + (i % 60) for i in range(72)],
+              [7 + (i * 7) % 250 for i in range(72)], [251 - (i % 40) for i in range(72)]]
+    reqs = [{"id": f"q{i}", "prompt_token_ids": shared[i % 4] + [30 + i], "max_tokens": 5, "temperature": 0,
+             "ignore_eos": True} for i in range(16)]
     src = write_jsonl(tmp_path / "job.jsonl", reqs)
     outputs = {}
-    for order in ("input", "prefix"):
-        out = tmp_path / order
-        proc = subprocess.run(run_cmd(str(src), "--out", str(out), "--order", order), env=env(),
+    runs = {"input": ["--order", "input"], "prefix": ["--order", "prefix"],
+            "routed": ["--shards", "2", "--workers", "2", "--num-threads", "1"]}
+    for name, flags in runs.items():
+        out = tmp_path / name
+        proc = subprocess.run(run_cmd(str(src), "--out", str(out), *flags), env=env(),
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         check_once(out, [r["id"] for r in reqs])
-        outputs[order] = {r["id"]: (r["finish_reason"], list(r["output_token_ids"])) for r in rows(out / "results")}
-    assert outputs["prefix"] == outputs["input"]
+        got = rows(out / "results")
+        outputs[name] = {r["id"]: (r["finish_reason"], list(r["output_token_ids"])) for r in got}
+        if name == "routed":
+            assert "routing by prefix: work per shard" in proc.stderr
+            worker_of = {r["id"]: r["worker"] for r in got}
+            for p in range(4):
+                assert len({worker_of[f"q{i}"] for i in range(p, 16, 4)}) == 1  # one worker per prefix
+            assert len(set(worker_of.values())) == 2  # and both workers got prefixes
+    assert outputs["prefix"] == outputs["input"] == outputs["routed"]

@@ -1,0 +1,154 @@
+"""Prefix-aware routing of requests to shard streams.
+
+With several shard streams (``--shards N``, one or more workers reading each), a request should go
+where the KV blocks of its prompt prefix are likely cached: the shard that already received
+requests with the same leading prompt. The route key is that leading prompt, the first
+``ROUTE_TOKENS`` token ids (a few KV blocks) or, for text and chats whose tokens the producer
+cannot see, the first ``ROUTE_BYTES`` bytes in the prefix-tree encoding of ``prefix_order``.
+A prompt shorter than that has no key: it shares no full block with anyone worth chasing, and it
+goes to the shard of its id, as without routing (a hash spreads such requests evenly).
+
+Balance comes before locality, but within a slack: ``PrefixRouter.assign`` places one
+submission's requests group by group (heaviest first) on the group's home shard (where the key
+went before, else a stable hash of the key) while that shard stays within ``1 + slack`` of its
+share of the work; otherwise the group, or the part of it that does not fit, spills over to the
+least loaded shard, which then becomes another home of the key. Work is estimated as prompt
+length plus ``max_tokens`` (bytes / 4 for text). The loads add up over the router's lifetime, so
+a producer that submits in chunks stays balanced over the chunks; ``spilled`` counts the requests
+not sent to their first home, the price of the balance in prefix locality.
+
+Where a request lives is then no longer a function of its id alone: whoever needs it later
+(``cancel``, a resumed job) either remembers the shard or looks in every shard.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Sequence
+
+from mqinfer.schemas.keys import shard_index
+from mqinfer.schemas.prefix_order import prefix_key
+from mqinfer.schemas.request import Request
+
+ROUTE_TOKENS = 64  # four blocks of the default block size
+ROUTE_BYTES = 256  # about as much text as ROUTE_TOKENS tokens
+DEFAULT_SLACK = 0.1
+ROUTES = ("prefix", "id")
+
+
+def route_key(request: Request) -> bytes | None:
+    """The leading prompt that decides the request's shard, or None when the prompt is shorter."""
+    kind, key = prefix_key(request)
+    if kind == 0:
+        ids = key[:ROUTE_TOKENS]
+        if len(ids) < ROUTE_TOKENS:
+            return None
+        return b"t" + b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids)
+    if len(key) < ROUTE_BYTES:
+        return None
+    return b"b" + key[:ROUTE_BYTES]
+
+
+def work_estimate(request: Request) -> int:
+    """Tokens a request will occupy a worker with: prompt plus the most it may generate."""
+    if request.prompt_token_ids is not None:
+        prompt = len(request.prompt_token_ids)
+    elif request.messages is not None:
+        prompt = sum(len(m.content.encode()) for m in request.messages) // 4 + 4 * len(request.messages)
+    else:
+        prompt = len((request.prompt or "").encode()) // 4
+    return max(1, prompt + int(request.max_tokens or 0))
+
+
+@dataclass
+class _Group:
+    key: bytes | None
+    members: list[int]  # positions in the submission
+    work: int
+
+
+class PrefixRouter:
+    """Decides the shard of each request of a submission (see the module docstring).
+
+    ``route="id"`` keeps the plain placement by a hash of (job_id, id). State: the work sent to
+    each shard, the shards each recent key went to (at most ``max_keys``), and ``spilled``.
+    """
+
+    def __init__(self, shards: int, *, route: str = "prefix", slack: float = DEFAULT_SLACK,
+                 max_keys: int = 100_000) -> None:
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
+        if shards < 1:
+            raise ValueError(f"shards must be >= 1, got {shards}")
+        if slack < 0:
+            raise ValueError(f"slack must be >= 0, got {slack}")
+        self.shards = shards
+        self.route = route
+        self.slack = slack
+        self.max_keys = max_keys
+        self.load = [0] * shards
+        self.spilled = 0
+        self.routed = 0
+        self._homes: OrderedDict[bytes, list[int]] = OrderedDict()
+
+    @property
+    def by_prefix(self) -> bool:
+        """Whether a request's shard may depend on more than its id."""
+        return self.route == "prefix" and self.shards > 1
+
+    def assign(self, requests: Sequence[Request]) -> list[int]:
+        """The shard of each request, in the order given."""
+        if not self.by_prefix:
+            return [shard_index(r.id, r.job_id, self.shards) for r in requests]
+        groups: dict[bytes, _Group] = {}
+        loose: list[_Group] = []
+        for i, req in enumerate(requests):
+            key = route_key(req)
+            work = work_estimate(req)
+            if key is None:
+                loose.append(_Group(None, [i], work))
+                continue
+            group = groups.setdefault(key, _Group(key, [], 0))
+            group.members.append(i)
+            group.work += work
+        out = [0] * len(requests)
+        target = (sum(self.load) + sum(g.work for g in groups.values()) + sum(g.work for g in loose)) / self.shards
+        limit = target * (1.0 + self.slack)
+        # Heaviest groups first: they are the hardest to fit, and the light ones fill the gaps.
+        for group in sorted(groups.values(), key=lambda g: -g.work):
+            self._place(group, requests, out, limit)
+        for group in loose:
+            req = requests[group.members[0]]
+            shard = shard_index(req.id, req.job_id, self.shards)
+            out[group.members[0]] = shard
+            self.load[shard] += group.work
+        self.routed += len(requests)
+        return out
+
+    def _place(self, group: _Group, requests: Sequence[Request], out: list[int], limit: float) -> None:
+        assert group.key is not None
+        homes = self._homes.get(group.key)
+        if homes is None:
+            homes = [zlib.crc32(group.key) % self.shards]
+            self._homes[group.key] = homes
+            if len(self._homes) > self.max_keys:
+                self._homes.popitem(last=False)
+        else:
+            self._homes.move_to_end(group.key)
+        first = homes[0]
+        for i in group.members:
+            work = work_estimate(requests[i])
+            shard = min(homes, key=self.load.__getitem__)
+            if self.load[shard] + work > limit and self.load[shard] > 0:
+                shard = min(range(self.shards), key=self.load.__getitem__)
+                if shard not in homes:
+                    homes.append(shard)
+            if shard != first:
+                self.spilled += 1
+            out[i] = shard
+            self.load[shard] += work
+
+
+__all__ = ["DEFAULT_SLACK", "PrefixRouter", "ROUTES", "ROUTE_BYTES", "ROUTE_TOKENS", "route_key", "work_estimate"]
