@@ -43,8 +43,12 @@ from mqinfer.loadgen.bench_online import (
     request_rate,
     run_online,
 )
-from mqinfer.loadgen.bench_options import HALF, HF, LLAMACPP, UNQUANTIZED, add_bench_arguments
+from mqinfer.loadgen.bench_options import HALF, HF, INPUT_ORDER, LLAMACPP, UNQUANTIZED, add_bench_arguments
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, worker_argv, worker_wait_setting
+from mqinfer.loadgen.prefix_cache import describe as describe_hits
+from mqinfer.loadgen.prefix_cache import prefix_cache_report
+from mqinfer.config import ENGINE_OPTIONS
+from mqinfer.schemas.keys import shard_streams
 from mqinfer.loadgen.bench_report import (
     budget_dict,
     check_plotting,
@@ -69,6 +73,8 @@ class EngineRun:
     outputs: dict[str, list[int]]  # offline only
     half_rate: float | None = None  # the rate `--rate half` stood for
     overhead: dict[str, Any] | None = None  # offline only: see overhead_share
+    prefix_cache: dict[str, Any] | None = None  # offline only: see loadgen/prefix_cache.py
+    routing: dict[str, Any] | None = None  # offline with --shards > 1: the work per shard, the spill
 
 
 def _with_wait(args: argparse.Namespace, max_wait_ms: float | str | None) -> argparse.Namespace:
@@ -85,19 +91,38 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
     out = Path(args.out).resolve() if args.out else scratch / "out"
     out.mkdir(parents=True, exist_ok=True)
     server = EmbeddedServer(scratch / "redis", unix_socket=True, appendonly=False).start()
-    producer = Producer(server.url, stream=STREAM)
+    shards = getattr(args, "shards", 1)
+    streams = shard_streams(STREAM, shards) if shards > 1 else None
+    if streams:
+        from mqinfer.client import Client
+
+        producer = Client(server.url, stream=STREAM, shards=shards, route=args.route)
+    else:
+        producer = Producer(server.url, stream=STREAM)
     tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     waits = args.compare_wait or [args.max_wait_ms]
 
     def pool(wait: float | str | None, log_dir: Path) -> WorkerPool:
-        return WorkerPool(worker_argv(_with_wait(args, wait), spec.arg, server.url, out), args.workers, log_dir, out)
+        return WorkerPool(worker_argv(_with_wait(args, wait), spec.arg, server.url, out), args.workers, log_dir, out,
+                          streams)
 
     try:
         if args.mode == "offline":
             workers = pool(waits[0], out / "logs")
-            timings, outputs = run_offline(args, requests, producer, workers, out, f"bench-{tag}")
+            job_id = f"bench-{tag}"
+            timings, outputs = run_offline(args, requests, producer, workers, out, job_id)
+            block_size = args.block_size or next(o.default for o in ENGINE_OPTIONS if o.name == "block_size")
+            hits = prefix_cache_report(requests, out, job_id, block_size)
+            log(describe_hits(hits))
+            routing = None
+            if streams:
+                router = producer.router
+                routing = {"shards": shards, "route": args.route, "load": list(router.load),
+                           "spilled": router.spilled, "routed": router.routed}
+                log(f"routing {args.route}: work per shard {router.load}, {router.spilled} of {router.routed} "
+                    "requests spilled over")
             return EngineRun(summarize(timings), [], timings, outputs,
-                             overhead=overhead_share(workers.busy_summaries()))
+                             overhead=overhead_share(workers.busy_summaries()), prefix_cache=hits, routing=routing)
         offline, timings, outputs, half = None, [], {}, None
         if HALF in args.rate:
             # Its own workers, stopped before the online runs: they start with an empty prefix cache.
@@ -116,7 +141,10 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
                                  rates, setting)
         return EngineRun(offline, points, timings, outputs, half)
     finally:
-        producer.redis.close()
+        if streams:
+            producer.close(delete_reply_stream=False)
+        else:
+            producer.redis.close()
         server.stop()
 
 
@@ -138,6 +166,13 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "the standard workload has fixed lengths; use --workload uniform with --prompt-len/--output-len"
     if args.workload == "shared-prefix" and args.prompt_len:
         return "--prompt-len does not apply to shared-prefix (a fixed prefix plus a random suffix)"
+    if args.workload != "shared-prefix" and (args.num_prefixes or args.prefix_len):
+        return "--num-prefixes and --prefix-len apply to --workload shared-prefix only"
+    if args.shards > 1 and args.mode != "offline":
+        return "--shards applies to --mode offline only"
+    if args.compare and INPUT_ORDER in args.compare and args.order == "input" and (args.shards == 1
+                                                                                  or args.route == "id"):
+        return "--compare input-order needs --order prefix or routing by prefix (it reruns with --order input --route id)"
     if args.workload == "fixed":
         for flag, value in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
             if not isinstance(value, int):
@@ -180,7 +215,8 @@ def _run(args: argparse.Namespace) -> int:
     spec = resolve_model(args.model)
     requests = make_workload(args.workload, n=args.num_requests, seed=args.seed, vocab_size=spec.vocab_size,
                              max_model_len=spec.max_model_len, prompt_len=args.prompt_len,
-                             output_len=args.output_len, min_token_id=spec.min_token_id)
+                             output_len=args.output_len, min_token_id=spec.min_token_id,
+                             num_prefixes=args.num_prefixes, prefix_len_range=args.prefix_len)
     stats = workload_stats(requests)
     if LLAMACPP in (args.compare or []):
         llamacpp.check_same_model(args.gguf, spec)  # before anything runs
@@ -197,6 +233,10 @@ def _run(args: argparse.Namespace) -> int:
 
     mm_dtype = str(resolve_dtype(args.dtype, spec.config, device)).removeprefix("torch.")
     args = argparse.Namespace(**{**vars(args), "dtype": mm_dtype, "workers": workers, "num_threads": threads})
+    if workers < args.shards:
+        print(f"mqinfer bench: error: --shards {args.shards} needs at least as many workers (got {workers})",
+              file=sys.stderr)
+        return 2
     log(f"measuring the {mm_dtype} matrix rate on {device}")
     rate_before = measure_matmul_rate(args.matrix_size, dtype=mm_dtype, device=device)
     flops = workload_flops(spec.config, requests)
@@ -207,11 +247,15 @@ def _run(args: argparse.Namespace) -> int:
         "command": command_line(),
         "machine": machine_info(),
         "workload": {"name": args.workload, "seed": args.seed, "prompt_len": args.prompt_len,
-                     "output_len": args.output_len, "prompt_token_ids": [spec.min_token_id, spec.vocab_size],
+                     "output_len": args.output_len, "num_prefixes": args.num_prefixes,
+                     "prefix_len": args.prefix_len, "prompt_token_ids": [spec.min_token_id, spec.vocab_size],
                      **asdict(stats)},
         "model": {"arg": spec.arg, "config": spec.config},
         "mode": args.mode,
         "workers": args.workers,
+        "order": args.order,
+        "shards": args.shards,
+        "route": args.route,
         "engine_flags": {k: getattr(args, k) for k in ("dtype", "quantization", "kv_cache_dtype", "device",
                                                        "max_num_seqs", "max_num_batched_tokens",
                                                        "num_kv_blocks", "block_size", "max_batch", "max_wait_ms",
@@ -241,6 +285,10 @@ def _run(args: argparse.Namespace) -> int:
             ours, online, our_timings, our_outputs = run.offline, run.online, run.timings, run.outputs
             if run.overhead is not None:
                 report["overhead"] = run.overhead
+            if run.prefix_cache is not None:
+                report["prefix_cache"] = run.prefix_cache
+            if run.routing is not None:
+                report["routing"] = run.routing
             if run.half_rate is not None:
                 report["rate_half"] = {"offline_req_s": request_rate(run.offline), "rate": run.half_rate}
             if args.compare_wait:
@@ -266,6 +314,18 @@ def _run(args: argparse.Namespace) -> int:
                 agreement = token_agreement(our_outputs, plain.outputs)
                 if agreement is not None:
                     report["agreement_vs_unquantized"] = asdict(agreement)
+        if INPUT_ORDER in compare and not args.skip_engine:
+            log("mqinfer again with --order input --route id")
+            plain_args = argparse.Namespace(**{**vars(args), "order": "input", "route": "id", "mode": "offline",
+                                               "rate": [], "compare_wait": None,
+                                               "out": str(Path(args.out) / "input-order") if args.out else None})
+            plain = run_engine(plain_args, spec, requests, scratch / "input-order")
+            done("mqinfer offline, input order", plain.offline,
+                 {"summary": plain.offline.to_dict(), "prefix_cache": plain.prefix_cache, "routing": plain.routing})
+            if ours is not None:
+                agreement = token_agreement(our_outputs, plain.outputs)
+                if agreement is not None:
+                    report["agreement_vs_input_order"] = asdict(agreement)
         static_best = continuous = None
         if HF in compare:
             from mqinfer.loadgen import hf_baseline
@@ -313,6 +373,9 @@ def _run(args: argparse.Namespace) -> int:
     plain = dict(table_rows).get("mqinfer offline, unquantized")
     if ours is not None and plain is not None:
         ratios["vs_unquantized"] = ours.throughput / plain.throughput if plain.throughput else 0.0
+    unordered = dict(table_rows).get("mqinfer offline, input order")
+    if ours is not None and unordered is not None:
+        ratios["vs_input_order"] = ours.throughput / unordered.throughput if unordered.throughput else 0.0
     llama = report.get("llamacpp")
     if llama is not None and llama["mqinfer"] is not None:
         best = next(r for r in llama["runs"] if r["threads"] == llama["best_threads"])

@@ -36,8 +36,17 @@ def run_offline(args: argparse.Namespace, requests: list[dict[str, Any]], produc
     """Every request submitted, then the workers started; stopped when all are done (their busy
     time summaries are then in ``pool.busy_summaries()``)."""
     try:
-        producer.submit_many(requests, job_id=job_id)
-        log(f"mqinfer offline: {len(requests)} requests submitted; starting {args.workers} worker(s)")
+        feed = requests
+        if getattr(args, "order", "input") == "prefix":
+            # Prefix-tree order, as `mqinfer run` feeds a job (the bench's prompts are token ids).
+            feed = sorted(requests, key=lambda r: tuple(r["prompt_token_ids"]))
+        if pool.streams:
+            producer.submit_many(feed, job_id=job_id, reply=False)
+        else:
+            producer.submit_many(feed, job_id=job_id)
+        log(f"mqinfer offline: {len(requests)} requests submitted"
+            + (f" in {args.order} order" if getattr(args, "order", None) else "")
+            + f"; starting {args.workers} worker(s)")
         pool.start()
         wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, "mqinfer offline")
     finally:

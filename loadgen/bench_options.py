@@ -19,7 +19,8 @@ LLAMACPP = "llamacpp"  # --compare: llama.cpp's llama-batched-bench on a GGUF of
 # --compare: the same mqinfer run again with --quantization none and --kv-cache-dtype auto (the
 # speed-up and the greedy agreement of 8-bit weights or KV cache)
 UNQUANTIZED = "unquantized"
-PEERS = (HF, LLAMACPP, UNQUANTIZED)
+INPUT_ORDER = "input-order"  # --compare: mqinfer again, fed in workload order and routed by id
+PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER)
 
 
 def positive_int(text: str) -> int:
@@ -144,6 +145,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=_length_or_range, default=None, metavar="G|LO,HI",
                    help="Output lengths (max_tokens): one length for fixed, the uniform range or the log-normal "
                         "bounds (not for standard).")
+    g.add_argument("--num-prefixes", type=positive_int, default=None, metavar="N",
+                   help="shared-prefix: distinct prefixes (default: one per 16 requests).")
+    g.add_argument("--prefix-len", type=_length_range, default=None, metavar="LO,HI",
+                   help="shared-prefix: prefix lengths, uniform in LO..HI tokens (default: 256,1024). Its "
+                        "suffixes are 8..64 tokens and its outputs 16..64 unless --output-len says otherwise; the "
+                        "requests come shuffled, as a bulk job's rows do when nobody sorted them.")
     g.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
     g.add_argument("--model", default=None, metavar="M",
                    help="Hugging Face checkpoint folder (config.json and safetensors; a tokenizer is optional, "
@@ -163,6 +170,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
                    help="Worker processes (default: auto = what `mqinfer run` starts: on a CPU one "
                         "single-threaded worker per core, as many as half the free memory holds; one on a GPU).")
+    g.add_argument("--order", choices=("prefix", "input"), default="prefix",
+                   help="Offline mode: the order requests enter the stream, as `mqinfer run --order` (default: "
+                        "prefix = requests sharing a prompt prefix next to each other; input = the workload's).")
+    g.add_argument("--shards", type=positive_int, default=1, metavar="N",
+                   help="Offline mode: spread requests over N shard streams, worker i reading shard i mod N "
+                        "(default: 1, every worker reads one stream).")
+    g.add_argument("--route", choices=("prefix", "id"), default="prefix",
+                   help="With --shards N: send requests to shards by their leading prompt (prefix, default) or "
+                        "by a hash of their id (id).")
     g.add_argument("--out", default=None, metavar="DIR",
                    help="Keep the workers' output (results/, costs/, logs) here (default: a temporary folder, "
                         "removed afterwards).")
@@ -178,7 +194,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Also run peers: hf = transformers on the same checkpoint and requests (static batching "
                         "at --hf-batch-sizes, the best counts, and its continuous batching); llamacpp = "
                         "llama-batched-bench on --gguf (--workload fixed only); unquantized = mqinfer again "
-                        "with --quantization none --kv-cache-dtype auto (to measure either); e.g. hf,llamacpp.")
+                        "with --quantization none --kv-cache-dtype auto (to measure either); input-order = "
+                        "mqinfer again with --order input --route id (what prefix order and routing are worth); "
+                        "e.g. hf,llamacpp.")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
     g.add_argument("--hf-max-batch-tokens", type=positive_int, default=None, metavar="T",

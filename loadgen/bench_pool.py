@@ -45,9 +45,12 @@ def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: P
 class WorkerPool:
     """``mqinfer worker`` processes, their logs in files (shown when one fails)."""
 
-    def __init__(self, argv: list[str], count: int, log_dir: Path, out: Path) -> None:
+    def __init__(self, argv: list[str], count: int, log_dir: Path, out: Path,
+                 streams: list[str] | None = None) -> None:
         self.argv = argv
         self.count = count
+        # Shard streams: worker i reads streams[i % len(streams)] (None: every worker the argv's).
+        self.streams = streams
         self.log_dir = log_dir
         self.out = out  # the workers' --out: each leaves its exit summary there
         # Named consumers, so that this pool's exit summaries are found among earlier pools'.
@@ -62,7 +65,10 @@ class WorkerPool:
         for i, consumer in enumerate(self.consumers):
             log_file = open(self.log_dir / f"worker-{i}.log", "wb")
             self._logs.append(log_file)
-            self.procs.append(subprocess.Popen([*self.argv, "--consumer", consumer], env=env,
+            argv = list(self.argv)
+            if self.streams:
+                argv[argv.index("--stream") + 1] = self.streams[i % len(self.streams)]
+            self.procs.append(subprocess.Popen([*argv, "--consumer", consumer], env=env,
                                                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT))
 
     def check_alive(self) -> None:
@@ -111,11 +117,11 @@ class WorkerPool:
 def wait_done(redis_client, job_id: str, expected: int, pool: WorkerPool, timeout_s: float, what: str) -> None:
     from mqinfer.schemas import keys
 
-    done_key = keys.job_done_set(STREAM, job_id)
+    done_keys = [keys.job_done_set(s, job_id) for s in (pool.streams or [STREAM])]
     start = time.monotonic()
     last_note = start
     while True:
-        done = redis_client.scard(done_key)
+        done = sum(redis_client.scard(k) for k in done_keys)
         if done >= expected:
             return
         now = time.monotonic()

@@ -250,6 +250,24 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
         print(f"greedy agreement with the unquantized run over {a['compared']} requests: first token "
               f"{a['first_token']:.0%}, identical output {a['identical']:.0%}, common prefix "
               f"{a['common_prefix']:.0%} on average")
+    if "prefix_cache" in report:
+        from mqinfer.loadgen.prefix_cache import describe
+
+        shards = report.get("shards", 1)
+        print(f"mqinfer (--order {report.get('order')}"
+              + (f", {shards} shards routed by {report.get('route')}" if shards > 1 else "") + "): "
+              + describe(report["prefix_cache"]))
+        routing = report.get("routing")
+        if routing and routing.get("routed"):
+            total = sum(routing["load"]) or 1
+            print("  work per shard " + " ".join(f"{100.0 * x / total:.0f}%" for x in routing["load"])
+                  + f", {routing['spilled']} of {routing['routed']} requests spilled over from their prefix's shard")
+    unordered = report.get("systems", {}).get("mqinfer offline, input order")
+    if ours is not None and unordered and "mqinfer offline, input order" in throughputs:
+        print(f"mqinfer / the same with --order input --route id: "
+              f"{_ratio(ours, throughputs['mqinfer offline, input order'])}")
+        if unordered.get("prefix_cache"):
+            print("  input order: " + describe(unordered["prefix_cache"]))
     if "llamacpp" in report:
         lc = report["llamacpp"]
         print(f"llama.cpp: llama-batched-bench -npp {lc['prompt_len']} -ntg {lc['output_len']} -npl "

@@ -108,28 +108,43 @@ def lognormal_workload(n: int = 256, *, prompt_median: float = 96.0, prompt_sigm
             for i in range(n)]
 
 
-def shared_prefix_workload(n: int = 256, *, num_prefixes: int = 8, prefix_len: int = 128,
+def shared_prefix_workload(n: int = 256, *, num_prefixes: int = 8, prefix_len: int | tuple[int, int] = 128,
                            suffix_len: tuple[int, int] = (8, 64), output_len: tuple[int, int] = (16, 128),
                            vocab_size: int = 32000, seed: int = 0, id_prefix: str = "shared",
-                           min_token_id: int = MIN_TOKEN_ID) -> list[dict[str, Any]]:
-    """``num_prefixes`` distinct prefixes of ``prefix_len`` tokens (a system prompt, a few-shot
-    header), each request one of them (round robin, so every prefix is used) plus a random suffix."""
+                           min_token_id: int = MIN_TOKEN_ID, shuffle: bool = False) -> list[dict[str, Any]]:
+    """``num_prefixes`` distinct prefixes (a system prompt, a few-shot header, a document), each
+    ``prefix_len`` tokens long or drawn from a LO,HI range, each request one of them (round robin, so
+    every prefix is used) plus a random suffix. ``shuffle`` puts the requests in random order
+    instead, as a bulk job's rows come when nobody sorted them; the ids keep their round-robin
+    numbering, so request ``i`` has prefix ``i % num_prefixes`` either way."""
     _check_common(n, vocab_size, min_token_id)
     if num_prefixes < 1:
         raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
-    if prefix_len < 1:
+    p_lo, p_hi = (prefix_len, prefix_len) if isinstance(prefix_len, int) else _check_range("prefix_len", prefix_len)
+    if p_lo < 1:
         raise ValueError(f"prefix_len must be >= 1, got {prefix_len}")
     s_lo, s_hi = _check_range("suffix_len", suffix_len, low=0)
     o_lo, o_hi = _check_range("output_len", output_len)
     rng = np.random.default_rng(seed)
-    prefixes = [_tokens(rng, prefix_len, vocab_size, min_token_id) for _ in range(num_prefixes)]
+    p_lens = [p_lo] * num_prefixes if p_lo == p_hi else rng.integers(p_lo, p_hi + 1, size=num_prefixes)
+    prefixes = [_tokens(rng, int(length), vocab_size, min_token_id) for length in p_lens]
     s_lens = rng.integers(s_lo, s_hi + 1, size=n)
     o_lens = rng.integers(o_lo, o_hi + 1, size=n)
-    return [
+    reqs = [
         _request(id_prefix, i, prefixes[i % num_prefixes] + _tokens(rng, int(s_lens[i]), vocab_size, min_token_id),
                  int(o_lens[i]))
         for i in range(n)
     ]
+    if shuffle:
+        reqs = [reqs[int(i)] for i in rng.permutation(n)]
+    return reqs
+
+
+# The bench's shared-prefix workload: a bulk job whose distinct prefixes are long and many, each
+# asked SHARED_PREFIX_PER_PREFIX short questions, in shuffled order.
+SHARED_PREFIX_PER_PREFIX = 16
+SHARED_PREFIX_LEN = (256, 1024)
+SHARED_PREFIX_OUTPUT_LEN = (16, 64)
 
 
 def standard_workload(vocab_size: int = 32000, n: int = 256, seed: int = 0,
@@ -155,13 +170,15 @@ def fixed_workload(n: int = 64, *, prompt_len: int = FIXED_PROMPT_LEN, output_le
 def make_workload(name: str, *, n: int = 256, seed: int = 0, vocab_size: int = 32000,
                   max_model_len: int | None = None, prompt_len: tuple[int, int] | int | None = None,
                   output_len: tuple[int, int] | int | None = None,
-                  min_token_id: int = MIN_TOKEN_ID) -> list[dict[str, Any]]:
+                  min_token_id: int = MIN_TOKEN_ID, num_prefixes: int | None = None,
+                  prefix_len_range: tuple[int, int] | None = None) -> list[dict[str, Any]]:
     """A named workload (the ``--workload`` flag of the bench), prompt ids drawn from
     ``min_token_id`` up to, not including, ``vocab_size``.
 
     ``prompt_len`` / ``output_len`` replace the default ranges: the uniform ranges, the
     log-normal clip bounds, or (``output_len`` only) the shared-prefix output range; the standard
-    workload is fixed. For ``fixed`` each is one integer, the exact length of every request.
+    workload is fixed. The shared-prefix workload has ``num_prefixes`` prefixes (default: one per
+    16 requests) of ``prefix_len_range`` tokens (default 256..1024), shuffled. For ``fixed`` each is one integer, the exact length of every request.
     ``max_model_len`` (the model's context) trims lengths so that prompt + output fits; it only
     matters for small models, since the defaults stay under 1,600 tokens. A fixed workload is
     never trimmed: one that does not fit is an error.
@@ -194,16 +211,22 @@ def make_workload(name: str, *, n: int = 256, seed: int = 0, vocab_size: int = 3
     elif name == "shared-prefix":
         if prompt_len is not None:
             raise ValueError("shared-prefix prompts are a fixed prefix plus a suffix; prompt_len does not apply")
-        reqs = shared_prefix_workload(n, **ids, **ranges)
+        reqs = shared_prefix_workload(n, num_prefixes=num_prefixes or max(1, n // SHARED_PREFIX_PER_PREFIX),
+                                      prefix_len=prefix_len_range or SHARED_PREFIX_LEN,
+                                      output_len=ranges.get("output_len", SHARED_PREFIX_OUTPUT_LEN), shuffle=True,
+                                      id_prefix="sp", **ids)
     else:
         raise ValueError(f"unknown workload {name!r}; choose one of {', '.join(WORKLOADS)}")
     if max_model_len is not None:
-        reqs = [fit_to_context(r, max_model_len) for r in reqs]
+        # A shared prefix is the point of that workload: cut its prompts at the end instead.
+        keep = "start" if name == "shared-prefix" else "end"
+        reqs = [fit_to_context(r, max_model_len, keep=keep) for r in reqs]
     return reqs
 
 
-def fit_to_context(request: dict[str, Any], max_model_len: int) -> dict[str, Any]:
-    """The request with its prompt cut (from the front) so prompt + max_tokens <= max_model_len."""
+def fit_to_context(request: dict[str, Any], max_model_len: int, keep: str = "end") -> dict[str, Any]:
+    """The request with its prompt cut so prompt + max_tokens <= max_model_len, keeping the
+    prompt's ``end`` (cut from the front) or its ``start``."""
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     max_tokens = min(request["max_tokens"], max_model_len - 1)
@@ -211,7 +234,8 @@ def fit_to_context(request: dict[str, Any], max_model_len: int) -> dict[str, Any
     prompt = request["prompt_token_ids"]
     if len(prompt) <= room and max_tokens == request["max_tokens"]:
         return request
-    return {**request, "prompt_token_ids": prompt[-room:], "max_tokens": max_tokens}
+    kept = prompt[-room:] if keep == "end" else prompt[:room]
+    return {**request, "prompt_token_ids": kept, "max_tokens": max_tokens}
 
 
 def workload_stats(requests: Sequence[dict[str, Any]]) -> WorkloadStats:

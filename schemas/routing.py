@@ -101,7 +101,11 @@ class PrefixRouter:
     def assign(self, requests: Sequence[Request]) -> list[int]:
         """The shard of each request, in the order given."""
         if not self.by_prefix:
-            return [shard_index(r.id, r.job_id, self.shards) for r in requests]
+            out = [shard_index(r.id, r.job_id, self.shards) for r in requests]
+            for req, shard in zip(requests, out):
+                self.load[shard] += work_estimate(req)
+            self.routed += len(requests)
+            return out
         groups: dict[bytes, _Group] = {}
         loose: list[_Group] = []
         for i, req in enumerate(requests):

@@ -160,6 +160,9 @@ def test_llamacpp_flags_are_checked_before_any_work(tmp_path, capsys):
     (["--compare", "unquantized"], "--compare unquantized needs --quantization w8a8|w8a16 or --kv-cache-dtype"),
     (["--output-len", "4,8"], "fixed lengths"),
     (["--workload", "shared-prefix", "--prompt-len", "4,8"], "does not apply"),
+    (["--num-prefixes", "4"], "apply to --workload shared-prefix only"),
+    (["--mode", "online", "--rate", "2", "--shards", "2"], "--shards applies to --mode offline only"),
+    (["--order", "input", "--compare", "input-order"], "--compare input-order needs --order prefix"),
 ])
 def test_inconsistent_flags_exit_2_before_any_work(argv, message, capsys):
     assert bench.run_bench(parse(*argv)) == 2
@@ -349,3 +352,25 @@ def test_int8_weights_and_kv_beside_the_unquantized_run(tmp_path, capsys):
     assert report["agreement_vs_unquantized"]["compared"] == 6
     assert "--quantization w8a8 --kv-cache-dtype int8 / unquantized: " in captured.out
 
+
+
+def test_shared_prefix_job_routed_over_two_shards_beside_input_order(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--workload", "shared-prefix", "--num-requests", "24", "--num-prefixes", "3",
+                       "--prefix-len", "64,96", "--output-len", "2,4", "--matrix-size", "128", "--workers", "2",
+                       "--num-threads", "1", "--shards", "2", "--compare", "input-order", "--json", str(out_json),
+                       "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    routed, plain = report["prefix_cache"], report["systems"]["mqinfer offline, input order"]["prefix_cache"]
+    for r in (routed, plain):
+        assert 0 < r["hit_tokens"] <= r["ideal_per_worker"] <= r["ideal_once"]
+        assert sum(r["requests_per_worker"]) == 24
+    # Routing keeps a prefix's requests on one worker; spread by id, each worker computes most prefixes.
+    assert routed["ideal_per_worker"] > plain["ideal_per_worker"]
+    assert report["routing"]["routed"] == 24 and report["order"] == "prefix"
+    ours, other = (report["systems"][k]["summary"] for k in ("mqinfer offline", "mqinfer offline, input order"))
+    assert report["ratios"]["vs_input_order"] == pytest.approx(ours["throughput"] / other["throughput"])
+    assert report["agreement_vs_input_order"]["identical"] == 1.0
+    assert "mqinfer / the same with --order input --route id: " in captured.out
