@@ -443,6 +443,24 @@ def test_a_held_request_waits_only_while_its_prefix_is_being_computed():
     assert a.num_output_tokens == b.num_output_tokens == 2
 
 
+def test_a_held_request_computes_the_prefix_itself_when_the_one_computing_it_ends():
+    """The hold lasts only while another request computes the block: cancel that one in the
+    middle of its prompt and the held request is admitted in the very next step."""
+    config = SchedulerConfig(block_size=4, num_kv_blocks=64, max_num_batched_tokens=8, max_num_seqs=4)
+    driver = Driver(config)
+    system = list(range(10, 34))  # six full blocks, three steps of a's prompt at 8 tokens a step
+    a = driver.add(req("a", system + [1], max_tokens=2))
+    b = driver.add(req("b", system + [2], arrival=1.0, max_tokens=2))
+    driver.step()
+    assert driver.steps[-1] == {"a": 8} and b.status is RequestStatus.WAITING
+    driver.scheduler.finish_requests(["a"], RequestStatus.FINISHED_CANCELLED)
+    driver.step()
+    # a's two computed blocks were cached when its blocks were freed: b starts after them.
+    assert driver.steps[-1] == {"b": 8} and b.num_cached_tokens == 8
+    driver.run()
+    assert b.num_output_tokens == 2
+
+
 def test_prefix_caching_off():
     config = SchedulerConfig(block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
     driver = Driver(config)
