@@ -16,7 +16,7 @@ from mqinfer.loadgen.metrics import RequestTiming
 
 
 def overhead_share(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Issue 4's overhead: the share of the workers' busy time outside the model's forward pass,
+    """The overhead: the share of the workers' busy time outside the model's forward pass,
     with the time by phase (engine phases plus ``other``: ingest, batcher, sinks, acks, replies)."""
     busy = sum(float(s.get("busy_s") or 0.0) for s in summaries)
     if busy <= 0:

@@ -2,7 +2,7 @@
 
 Workers start first and are warmed with one request; requests then arrive as a Poisson process at
 ``--rate`` per second (several rates make a sweep), and TTFT / TPOT / e2e are measured from each
-entry's enqueue time. Each point is checked against issue 4's goal, p99 TTFT <= max wait + 3 engine
+entry's enqueue time. Each point is checked against the latency goal, p99 TTFT <= max wait + 3 engine
 steps (``point_budget``), an engine step being the point's own TPOT p50. Owns ``OnlinePoint``,
 the budget, the rate arithmetic of ``--rate half`` and the seeded arrival times.
 """
@@ -22,7 +22,7 @@ from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, read_results, wa
 from mqinfer.loadgen.metrics import RequestTiming, RunSummary, TtftBudget, summarize, ttft_budget
 from mqinfer.loadgen.workload import MIN_TOKEN_ID
 
-BUDGET_STEPS = 3  # issue 4: p99 TTFT <= max wait + 3 engine steps
+BUDGET_STEPS = 3  # the latency goal: p99 TTFT <= max wait + 3 engine steps
 
 
 @dataclass
@@ -32,7 +32,7 @@ class OnlinePoint:
     submit_lag_p99_s: float  # how late the submitter was against the Poisson schedule
     timings: list[RequestTiming] = field(repr=False, default_factory=list)
     max_wait_ms: float | str | None = None  # the workers' batcher wait (ms or "auto"); None: unknown
-    budget: TtftBudget | None = None  # issue 4's goal; None without a TTFT or a step to measure it by
+    budget: TtftBudget | None = None  # the latency goal; None without a TTFT or a step to measure it by
 
 
 def wait_label(setting: float | str | None) -> str:
@@ -54,7 +54,7 @@ def wait_budget_s(setting: float | str) -> tuple[float, str]:
 
 
 def point_budget(summary: RunSummary, setting: float | str) -> TtftBudget | None:
-    """Issue 4's goal for one online point: its p99 TTFT against the max wait plus three engine
+    """The latency goal for one online point: its p99 TTFT against the max wait plus three engine
     steps, a step being the point's TPOT p50 (one decode step of a running request, measured under
     the same load). None when no request produced a first token or a second one."""
     if summary.ttft is None or summary.tpot is None:

@@ -134,7 +134,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """The `bench` flags, on ``parser`` (a subcommand parser of the mqinfer CLI, or our own)."""
     g = parser.add_argument_group("workload")
     g.add_argument("--workload", choices=WORKLOADS, default="standard",
-                   help="Length distribution of the requests (default: standard = issue 4's: prompts uniform "
+                   help="Length distribution of the requests (default: standard = prompts uniform "
                         "16..256 tokens, outputs uniform 16..128). fixed: every request exactly --prompt-len P "
                         "random prompt tokens and --output-len G generated, like llama-batched-bench -npp P "
                         "-ntg G -npl N.")
@@ -163,7 +163,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=_rate_list, default=None, metavar="R[,R...]",
                    help="Online mode: requests per second; several values run a sweep (latency against offered "
                         "load). `half` runs the offline mode first and offers half its measured request rate "
-                        "(issue 4's latency goal), e.g. --rate half or --rate 2,half.")
+                        "(the online latency goal), e.g. --rate half or --rate 2,half.")
     g.add_argument("--compare-wait", type=_wait_list, default=None, metavar="W[,W...]",
                    help="Online mode: run the rates once per batcher wait (milliseconds or auto, e.g. 10,auto), "
                         "each with fresh workers, and print p99/p50 TTFT and throughput side by side.")

@@ -1,6 +1,6 @@
 """The benchmark checkpoint: a random Llama-architecture model saved as a Hugging Face folder.
 
-Owns ``make_standard_checkpoint`` (issue 4's standard model: hidden 512, 8 layers, 8 heads, 2 KV
+Owns ``make_standard_checkpoint`` (the standard benchmark model: hidden 512, 8 layers, 8 heads, 2 KV
 heads, intermediate 1408, vocabulary 32000, context 2048, about 55M parameters) and the general
 ``make_llama_checkpoint`` it is built on. Weights are N(0, 0.02) from a ``torch.Generator``
 seeded 0, drawn in float32 in a fixed tensor order and stored in bf16 (RMSNorm weights are 1);
@@ -163,7 +163,7 @@ def make_llama_checkpoint(folder: str | os.PathLike, *, seed: int = 0, dtype: st
 
 
 def make_standard_checkpoint(folder: str | os.PathLike | None = None) -> Path:
-    """Issue 4's standard benchmark checkpoint in ``folder`` (default: the cache's standard-llama)."""
+    """The standard benchmark checkpoint in ``folder`` (default: the cache's standard-llama)."""
     return make_llama_checkpoint(folder if folder is not None else standard_checkpoint_dir(), seed=0)
 
 

@@ -1,4 +1,4 @@
-"""KV-cache memory report (issue 4, item 4): KV waste by block size, and concurrent sequences in a
+"""KV-cache memory report: KV waste by block size, and concurrent sequences in a
 fixed KV budget against contiguous allocators.
 
 Owns the command::

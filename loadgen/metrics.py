@@ -14,7 +14,7 @@ baselines are compared on the same terms:
 Error rows count as errors, not as tokens or latencies. ``timings_from_results`` reads the rows
 of a results dataset (a ``pyarrow.Table``) written by the workers.
 
-``ttft_budget`` is issue 4's online latency goal: p99 TTFT at most the batcher's wait plus three
+``ttft_budget`` is the online latency goal: p99 TTFT at most the batcher's wait plus three
 engine steps (roughly: the batcher's threshold, the step already running when the request
 arrives, its own prefill step, and one more for a prefill split over two steps).
 """

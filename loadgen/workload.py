@@ -2,7 +2,7 @@
 
 Owns the length distributions (uniform, log-normal, shared-prefix), the fixed workload (every
 request exactly P prompt tokens and G generated, the shape ``llama-batched-bench -npp P -ntg G -npl
-N`` measures) and the standard workload of issue 4 (256 requests, prompts uniform in 16..256
+N`` measures) and the standard benchmark workload (256 requests, prompts uniform in 16..256
 tokens, outputs uniform in 16..128). Every request is greedy with ``ignore_eos``, a plain dict
 in the public request format, so the same list can go to ``Producer.submit_many`` and to the
 Hugging Face baselines. The same seed always gives the same requests (numpy's PCG64 generator);
@@ -149,7 +149,7 @@ SHARED_PREFIX_OUTPUT_LEN = (16, 64)
 
 def standard_workload(vocab_size: int = 32000, n: int = 256, seed: int = 0,
                       min_token_id: int = MIN_TOKEN_ID) -> list[dict[str, Any]]:
-    """Issue 4's standard workload: prompts uniform in 16..256 tokens, outputs uniform in 16..128."""
+    """The standard workload: prompts uniform in 16..256 tokens, outputs uniform in 16..128."""
     return uniform_workload(n, prompt_len=(16, 256), output_len=(16, 128), vocab_size=vocab_size, seed=seed,
                             id_prefix="std", min_token_id=min_token_id)
 
