@@ -3,8 +3,10 @@
 One ``XREADGROUP`` cannot span hash slots, so a stream that outgrows one server is split into
 shards: ``--stream S --shards N`` means the streams ``S-0 .. S-{N-1}``, each its own key
 ``mqinfer:{S-i}`` in its own slot, each read on its own by the workers assigned to it. A request
-goes to the shard picked by a stable hash of its id, so the producer, ``cancel`` and anyone else
-find it again without a lookup. Every key that must change atomically with a stream entry (its
+goes to the shard of its leading prompt (``mqinfer.schemas.routing``: requests sharing a prefix
+meet on one shard's workers and its KV cache) or, with ``--route id`` and for short prompts, to
+the shard picked by a stable hash of its id. ``cancel`` reaches a prefix-routed request through
+every shard's cancel set. Every key that must change atomically with a stream entry (its
 dead letters, done sets, cancel set) carries the same hash tag, so acks never need a cross-slot
 transaction.
 
