@@ -10,6 +10,11 @@ when its last owner lets go it stays registered in the free list, so a later req
 same prefix can take it back out (a hit), until ``allocate`` reuses it for something else (an
 eviction). Hashes are 128-bit BLAKE2b digests, and a hit is still confirmed by comparing the
 stored token ids, so a crafted collision can never hand one request another's KV.
+
+Eviction can be told to spare some hashes (``set_protected``): the cached blocks that requests
+waiting to be admitted will take as prefix hits. ``allocate`` then takes unprotected free blocks
+first, in the usual order, and evicts a protected one only when nothing else is free, so the
+protection changes which blocks are evicted, never how many blocks can be allocated.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -62,7 +67,9 @@ class BlockPool:
     """Hands out blocks, counts their owners, and keeps freed full blocks as a prefix cache.
 
     All operations are O(1) per block: the free list is an insertion-ordered dict keyed by
-    block id, so a block can be taken out of the middle of it on a cache hit.
+    block id, so a block can be taken out of the middle of it on a cache hit. While hashes are
+    protected, an allocation also passes over the protected free blocks ahead of the ones it
+    takes, O(1) each, and moves them to the recently used end, out of the way of the next one.
     """
 
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
@@ -74,6 +81,12 @@ class BlockPool:
         # Least recently used first: allocate() takes from the front.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        # Eviction protection (see set_protected): the function that gives the protected hashes,
+        # the hashes it gave (None until first needed), and whether every free block is known to
+        # be protected, in which case allocate() has nothing to skip over.
+        self._protect: Callable[[], Collection[BlockHash]] | None = None
+        self._protected: Collection[BlockHash] | None = None
+        self._all_free_protected = False
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,9 +103,15 @@ class BlockPool:
         return 1.0 - len(self._free) / self.num_blocks
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
-        """Take ``num_blocks`` free blocks, least recently used first, evicting their cache entries."""
+        """Take ``num_blocks`` free blocks, least recently used first, evicting their cache entries.
+
+        While hashes are protected (``set_protected``), blocks cached under them are taken only
+        after every other free block.
+        """
         if num_blocks > len(self._free):
             raise ValueError(f"cannot allocate {num_blocks} blocks: only {len(self._free)} are free")
+        if num_blocks and self._protect is not None and not self._all_free_protected:
+            self._defer_protected(num_blocks)
         free = self._free
         cached = self._cached
         out = []
@@ -108,6 +127,53 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def set_protected(self, protected: Callable[[], Collection[BlockHash]] | None) -> None:
+        """Spare the free blocks cached under some hashes from eviction until nothing else is free.
+
+        ``protected`` returns the hashes to spare. It is called at most once per call of this
+        method, and only when an allocation is about to evict a cached block, so a caller can
+        install it cheaply before every scheduling step and pay for the hashes only in the steps
+        that evict. None lifts the protection. Protection orders evictions and nothing else: the
+        free block count, and so whether an allocation succeeds, does not depend on it.
+        """
+        self._protect = protected
+        self._protected = None
+        self._all_free_protected = False
+
+    def _defer_protected(self, num_blocks: int) -> None:
+        """Reorder the free list so that its first ``num_blocks`` blocks are unprotected ones,
+        as far as there are enough of them.
+
+        Walks the free list from its least recently used end and moves every protected block met
+        before the ``num_blocks``-th unprotected one to the most recently used end, keeping their
+        order among themselves. They are kept there as if a waiting request had just used them,
+        which it is about to. When the walk runs out of free blocks, everything it moved is
+        protected and follows every unprotected block, so the allocation then evicts protected
+        blocks, least recently used first, and the walk is skipped until a block is freed again.
+        """
+        protected = self._protected
+        skipped: list[int] = []
+        need = num_blocks
+        for block in self._free.values():
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if protected is None:
+                    protected = self._protected = self._protect()
+                    if not protected:
+                        self._protect = None  # nothing to protect: plain LRU until reinstalled
+                        return
+                if block_hash in protected:
+                    skipped.append(block.block_id)
+                    continue
+            need -= 1
+            if need == 0:
+                break
+        else:
+            self._all_free_protected = True
+        move_to_end = self._free.move_to_end
+        for block_id in skipped:
+            move_to_end(block_id)
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block holding exactly ``token_ids`` under ``block_hash``, or None."""
@@ -132,6 +198,7 @@ class BlockPool:
         Callers pass a request's blocks tail first, so that its prefix outlives its suffix.
         """
         free = self._free
+        self._all_free_protected = False
         for block in blocks:
             if block.ref_cnt <= 0:
                 raise ValueError(f"block {block.block_id} freed more often than it was allocated")
@@ -161,6 +228,7 @@ class BlockPool:
         Blocks still held by requests keep their entries. Returns how many entries were dropped.
         """
         dropped = 0
+        self._all_free_protected = False
         for block_hash, block in list(self._cached.items()):
             if block.ref_cnt == 0:
                 del self._cached[block_hash]
@@ -172,8 +240,13 @@ class BlockPool:
 
     # Read-only views, for metrics and for tests that check the pool's invariants.
     def free_blocks(self) -> Iterator[KVBlock]:
-        """Free blocks in eviction order (least recently used first)."""
+        """Free blocks in eviction order (least recently used first), protection aside."""
         return iter(self._free.values())
 
     def cached_blocks(self) -> Iterator[tuple[BlockHash, KVBlock]]:
         return iter(self._cached.items())
+
+    @property
+    def cached_hashes(self) -> Collection[BlockHash]:
+        """The hashes registered in the prefix cache, held blocks' included (a live view)."""
+        return self._cached.keys()

@@ -4,7 +4,9 @@ The scheduler talks to the cache only through this narrow API: ``get_computed_bl
 prefix-cache hits for a request about to be admitted), ``allocate_slots`` (room for the tokens
 of this step, or "no" so that the scheduler preempts), ``swap_out`` / ``swap_in`` (swap
 preemption), ``free`` and ``usage``. This class is the only code that changes
-``Request.block_ids``.
+``Request.block_ids``. With ``protect_prefix_hits`` the scheduler names the waiting requests it
+will admit next; allocations then evict the cached blocks those would hit only when nothing
+else is free.
 
 Swap preemption keeps a second, host-memory pool of blocks (no prefix caching there). Swapping
 out allocates one host block per device block that holds computed KV and releases the device
@@ -19,7 +21,7 @@ is still to run would let another request in that same step read it before it is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from mqinfer.scheduler.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from mqinfer.scheduler.request import Request
@@ -266,6 +268,48 @@ class KVCacheManager:
         if not self.enable_prefix_caching or (first_uncomputed_block + 1) * self.block_size > request.num_tokens - 1:
             return None
         return self._block_hashes(request, first_uncomputed_block + 1)[first_uncomputed_block]
+
+    def protect_prefix_hits(self, requests: Callable[[], Iterable[Request]] | None) -> None:
+        """Evict the cached blocks that ``requests()`` would take as prefix hits only after every
+        other free block, until called again; None lifts the protection.
+
+        ``requests`` is called at most once, and only when an allocation is about to evict a
+        cached block, so installing it costs nothing in a step that evicts nothing. The
+        protection decides which free blocks are evicted first, never how many blocks are free.
+        Without prefix caching there is nothing to protect and this does nothing.
+        """
+        if not self.enable_prefix_caching:
+            return
+        if requests is None:
+            self.block_pool.set_protected(None)
+        else:
+            self.block_pool.set_protected(lambda: self.prefix_hit_hashes(requests()))
+
+    def prefix_hit_hashes(self, requests: Iterable[Request]) -> set[BlockHash]:
+        """Hashes of the cached blocks these requests would take as prefix hits right now.
+
+        For each request, the leading run of its full blocks (as ``get_computed_blocks`` counts
+        them: never the block of its last token) whose hashes are in the prefix cache; a hit
+        needs every block before it, so nothing past the first uncached block counts. Block
+        hashes are computed once per request and kept, as for its lookups. Tokens are not
+        compared: a hash collision could only protect a block that did not need it.
+        """
+        if not self.enable_prefix_caching:
+            return set()
+        bs = self.block_size
+        cached = self.block_pool.cached_hashes
+        out: set[BlockHash] = set()
+        for request in requests:
+            num_blocks = (request.num_tokens - 1) // bs
+            if num_blocks <= 0:
+                continue
+            hashes = self._block_hashes(request, num_blocks)
+            for i in range(num_blocks):
+                block_hash = hashes[i]
+                if block_hash not in cached:
+                    break
+                out.add(block_hash)
+        return out
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""

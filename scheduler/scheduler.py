@@ -23,6 +23,13 @@ prefix cache, so it usually gets most of its KV back for free when it is re-admi
 re-admitted (``SchedulerOutput.swap_out`` / ``swap_in``); when the host pool is full it falls
 back to recompute.
 
+Prefix blocks that waiting requests will use are the last to be evicted. During a step, while
+requests wait, every allocation that has to evict a cached free block first evicts those that
+none of the first ``PROTECTED_WAITING_REQUESTS`` waiting requests (in scheduling order) would
+take as a prefix-cache hit, and evicts such protected blocks only when nothing else is free.
+Without this, the running requests' growth could evict a prefix that a queue of waiting
+requests shares just before they are admitted, and each of them would compute it again.
+
 The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
 ``update_from_output()`` with the sampled tokens, strictly in that order.
 """
@@ -43,6 +50,11 @@ from mqinfer.scheduler.request import Request, RequestStatus
 # scheduling order, smallest first. Without aging, the first item is the priority itself.
 _OrderKey = tuple[float, int, float, int]
 
+# How many requests at the head of the waiting queue have their prefix-cache hits protected from
+# eviction: enough to cover the requests admitted in the next few steps, few enough that the
+# protected set stays cheap to build (it is built only in steps that evict a cached block).
+PROTECTED_WAITING_REQUESTS = 64
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time) -> None:
@@ -62,6 +74,9 @@ class Scheduler:
         # finishes while waiting leaves a stale entry behind, skipped when it reaches the top.
         self._waiting: list[tuple[_OrderKey, Request]] = []
         self._num_waiting = 0
+        # Entries taken off the waiting heap for the duration of one admission pass (requests held
+        # back while another request computes their next prefix block); they still wait.
+        self._held: list[tuple[_OrderKey, Request]] = []
         # (deadline, sequence number, request) for every request that has a deadline.
         self._deadlines: list[tuple[float, int, Request]] = []
         # Requests refused by add_request, reported by the next schedule().
@@ -171,6 +186,17 @@ class Scheduler:
                 heapq.heapify(self._deadlines)
 
         kv = self.kv_cache_manager
+        if self._num_waiting and kv.enable_prefix_caching:
+            kv.protect_prefix_hits(self._waiting_head)
+        try:
+            self._schedule_step(out)
+        finally:
+            kv.protect_prefix_hits(None)
+        return out
+
+    def _schedule_step(self, out: SchedulerOutput) -> None:
+        """Serve the running requests (preempting when the cache is full), then admit waiting ones."""
+        kv = self.kv_cache_manager
         running = self._running
         scheduled = out.scheduled
         budget = self.config.max_num_batched_tokens
@@ -210,7 +236,31 @@ class Scheduler:
         # prefix blocks are shared with a running request needs less, and may come back at once
         # (for swap, the runner's out-before-in copy order keeps that correct).
         self._admit(out, budget)
-        return out
+
+    def _waiting_head(self) -> list[Request]:
+        """The first ``PROTECTED_WAITING_REQUESTS`` waiting requests, in scheduling order.
+
+        A best-first walk down the waiting heap from its root visits its entries smallest first
+        in O(k log k) for k entries, however long the queue is. Stale entries (requests that
+        finished while waiting) are passed over. Requests that an admission pass in progress has
+        held back are off the heap until it ends; they were taken from its top, so they come first.
+        """
+        limit = PROTECTED_WAITING_REQUESTS
+        head = [request for _, request in self._held][:limit]
+        waiting = self._waiting
+        size = len(waiting)
+        if not size or len(head) >= limit:
+            return head
+        frontier = [(waiting[0][0], 0)]
+        while frontier and len(head) < limit:
+            _, i = heapq.heappop(frontier)
+            request = waiting[i][1]
+            if not request.status.is_finished:
+                head.append(request)
+            for child in (2 * i + 1, 2 * i + 2):
+                if child < size:
+                    heapq.heappush(frontier, (waiting[child][0], child))
+        return head
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
@@ -224,12 +274,13 @@ class Scheduler:
         # only while another request computes that block, and other requests go ahead of it.
         computing = {h for r in running if r.num_computed_tokens < r.num_prompt_tokens
                      and (h := kv.next_block_hash(r, r.num_computed_tokens // kv.block_size)) is not None}
-        held: list[tuple[_OrderKey, Request]] = []
+        held = self._held
         try:
             self._admit_from_queue(out, budget, computing, held)
         finally:
             for entry in held:
                 heapq.heappush(waiting, entry)
+            held.clear()
 
     def _admit_from_queue(self, out: SchedulerOutput, budget: int, computing: set, held: list) -> None:
         kv = self.kv_cache_manager
@@ -389,6 +440,9 @@ class Scheduler:
         self.num_preemptions_total += 1
         heapq.heappush(self._waiting, (self._order[request.request_id], request))
         self._num_waiting += 1
+        # The waiting head has changed: protect the prefix hits of the requests in it now, the
+        # victim's own included, for the allocations still to come in this step.
+        kv.protect_prefix_hits(self._waiting_head)
 
     def _end(self, request: Request, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller has taken it off running/waiting."""
