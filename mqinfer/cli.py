@@ -21,6 +21,7 @@ from mqinfer.config import (
     JOB_ID,
     LOG_FORMAT,
     LOG_LEVEL,
+    ORDER,
     REDIS,
     REDIS_CLUSTER,
     ROUTE,
@@ -46,10 +47,6 @@ DATA_DIR = Option("dir", str, "mqinfer-redis", "Data folder: the append-only fil
                   "across restarts (one server per folder).", metavar="DIR")
 FRESH = Option("fresh", bool, False, "Start the job over: remove its result and cost rows from --out first "
                "(without it, running the same command again resumes: only requests without a row are computed).")
-ORDER = Option("order", str, "prefix", "The order requests enter the stream: prefix = requests sharing a prompt "
-               "prefix next to each other (token ids, else the prompt's bytes), so a worker computes a shared "
-               "prefix once while its KV blocks are cached; input = the file's order. Results are the same rows "
-               "either way.", choices=("prefix", "input"))
 UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")
 
 # `report costs`

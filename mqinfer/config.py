@@ -146,6 +146,10 @@ ROUTE = Option("route", str, "prefix", "How requests are spread over --shards: p
                "(64 token ids, else 256 bytes), so that requests sharing a prefix go to one shard while the "
                "shards stay within 10% of an even share of the work (a prefix spills over to a second shard "
                "beyond that); id = by a hash of the request's id.", choices=("prefix", "id"))
+ORDER = Option("order", str, "prefix", "The order requests enter the stream: prefix = requests sharing a prompt "
+               "prefix next to each other (token ids, else the prompt's bytes), so a worker computes a shared "
+               "prefix once while its KV blocks are cached; input = the file's order. Results are the same rows "
+               "either way.", choices=("prefix", "input"))
 JOB_ID = Option("job_id", str, None, "Job id stamped on every request (default: requests keep their own "
                 "job_id; `run` derives one from the input file's content, so running it again resumes).",
                 metavar="ID")
@@ -171,6 +175,7 @@ def add_options(parser: argparse.ArgumentParser, options: list[Option], *, requi
             help_text = f"{opt.help} ({env_note})"
         else:
             help_text = f"{opt.help} (default: {opt.default}; {env_note})"
+        help_text = help_text.replace("%", "%%")  # the help is plain text; argparse %-formats it
         if opt.is_switch:
             parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)

@@ -9,6 +9,7 @@ same commands on their own. Every flag also comes from ``MQINFER_<FLAG>`` and fr
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -16,7 +17,8 @@ import sys
 import time
 
 from mqinfer.config import (
-    LOG_LEVEL, REDIS, REDIS_CLUSTER, SHARDS, STREAM, ConfigError, Option, add_options, load_config_file, resolve,
+    LOG_LEVEL, ORDER, REDIS, REDIS_CLUSTER, ROUTE, SHARDS, STREAM, ConfigError, Option, add_options, load_config_file,
+    resolve,
 )
 
 OUT = Option("out", str, None, "Output folder: output.parquet (and output.jsonl / errors.jsonl for OpenAI "
@@ -46,8 +48,16 @@ JOBS_REDIS = Option("jobs_redis", str, None, "A plain Redis server for the rq qu
                     "Cluster seed with --redis-cluster; rq cannot run on a cluster). Default: --redis holds "
                     "everything.", metavar="URL")
 
-SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE,
-                  LEASE_S, SUBMIT_JSON, LOG_LEVEL]
+# A job is fed part by part (4096 input lines each, validated as they come): the prefix order is
+# the order within each part.
+JOB_ORDER = dataclasses.replace(ORDER, help="The order the job's requests enter the stream: prefix = within each "
+                                "part of 4096 input lines, requests sharing a prompt prefix next to each other (token "
+                                "ids, else the prompt's bytes), so a worker computes a shared prefix once while its KV "
+                                "blocks are cached (requests further apart than a part are not brought together); "
+                                "input = the file's order. The output is in input order either way.")
+
+SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, ROUTE, JOB_ORDER, DEADLINE, MAX_IN_FLIGHT,
+                  CHUNK_SIZE, QUEUE, LEASE_S, SUBMIT_JSON, LOG_LEVEL]
 WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, WORKER_NAME, BURST, LOG_LEVEL]
 STATUS_OPTIONS = [REDIS, JOBS_REDIS, STATUS_JSON, WATCH, INTERVAL, LOG_LEVEL]
 LIST_OPTIONS = [REDIS, JOBS_REDIS, LIMIT, LIST_JSON, LOG_LEVEL]
@@ -155,7 +165,8 @@ def cmd_submit(args, opts: dict) -> int:
     result = submit_job(
         _client(opts), args.input, opts["out"], stream=opts["stream"], deadline=parse_deadline(opts["deadline"]),
         max_in_flight=opts["max_in_flight"], chunk_size=opts["chunk_size"], queue_name=opts["queue"],
-        lease_s=opts["lease_s"], shards=opts["shards"], data=_data_client(opts),
+        lease_s=opts["lease_s"], shards=opts["shards"], order=opts["order"], route=opts["route"],
+        data=_data_client(opts),
     )
     if opts["json"]:
         print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))

@@ -6,7 +6,8 @@
   same input into the same folder after a server lost its data resumes the job;
 - ``index/part-NNNNNN.parquet``: the validated input in order, one row per request line
   (``line``, ``id``, the request as a ready stream payload or the line's error), written while
-  validating so that feeding never parses the input again (removed once the job has ended);
+  validating so that feeding never parses the input again (removed once the job has ended), and
+  the order in which the part's requests are fed when that is not input order;
 - ``duplicates.parquet``: lines whose id repeats an earlier line's;
 - ``rows/part-NNNNNN-XXXXXXXX.parquet``: result rows collected from the job's result stream.
 
@@ -41,6 +42,11 @@ INDEX_SCHEMA = pa.schema([
     pa.field("api", pa.string()),
     pa.field("error_code", pa.string()),
     pa.field("error", pa.string()),
+    # The part's feed order, a permutation of its rows: the k-th value is the row (0-based, within
+    # the part) fed k-th. Null in every row when the part is fed in input order. It is written
+    # with the part, once, so that a feed cursor (part, position) means the same request on every
+    # resume.
+    pa.field("feed_order", pa.int32()),
 ])
 
 DUPLICATES_SCHEMA = pa.schema([
@@ -106,11 +112,29 @@ class Spool:
     def index_path(self, part: int) -> Path:
         return self.index_dir / f"part-{part:06d}.parquet"
 
-    def write_index_part(self, part: int, columns: dict[str, list]) -> None:
-        write_table_atomic(self.index_path(part), pa.Table.from_pydict(columns, schema=INDEX_SCHEMA))
+    def write_index_part(self, part: int, columns: dict[str, list], feed_order: Sequence[int] | None = None) -> None:
+        """Write index part ``part`` from ``columns`` (every column of INDEX_SCHEMA but
+        ``feed_order``); ``feed_order``: the rows in the order to feed them, None for input order."""
+        n = len(columns["line"])
+        if feed_order is not None and sorted(feed_order) != list(range(n)):
+            raise ValueError(f"feed order of index part {part} is not a permutation of its {n} rows")
+        order = list(feed_order) if feed_order is not None else [None] * n
+        table = pa.Table.from_pydict({**columns, "feed_order": order}, schema=INDEX_SCHEMA)
+        write_table_atomic(self.index_path(part), table)
 
     def read_index_part(self, part: int, columns: Sequence[str] | None = None) -> pa.Table:
         return pq.read_table(self.index_path(part), columns=list(columns) if columns else None)
+
+    def read_feed_order(self, part: int) -> list[int] | None:
+        """The rows of index part ``part`` in the order to feed them; None for input order (also
+        for a part written before the feed order was kept)."""
+        path = self.index_path(part)
+        if "feed_order" not in pq.read_schema(path).names:
+            return None
+        column = pq.read_table(path, columns=["feed_order"])["feed_order"]
+        if column.null_count == len(column):
+            return None
+        return column.to_pylist()
 
     def read_index(self, parts: int, columns: Sequence[str] | None = None) -> pa.Table:
         tables = [self.read_index_part(k, columns) for k in range(parts)]

@@ -4,7 +4,10 @@ Every key of a job carries the job id as a hash tag (``mqinfer:job:{ID}...``). T
 (:func:`mqinfer.schemas.keys.job_key`) holds the status, the settings and every counter; the lock
 (``...:lock``) is held by the one rq task that advances the job now; the in-flight map
 (``...:inflight``) maps each request id sent to the request stream and not yet collected to
-``"<entry id> <index part>:<offset>"``; the parts list (``...:parts``) names the spool files of
+``"<entry id> <index part>:<offset> <shard>"``: the shard is the request stream it was sent to,
+which routing by prefix chooses from the prompt, so it cannot be derived from the id later (a
+record without one, written before shards were recorded, means the shard of the id's hash); the
+parts list (``...:parts``) names the spool files of
 result rows whose cursor update was committed.
 
 Two rq tasks of one job never run at once: a task first takes the lock (``SET NX PX``, a lease
@@ -20,15 +23,16 @@ streams live on a cluster keeps its job state and rq queue on a separate plain s
 job's hash, lock, in-flight map and parts list live on the *jobs* server, and its request streams,
 done sets and result stream on the *data* server (the inference workers' ``--redis``). One script
 cannot span two servers, so feeding becomes three ordered steps: (1) a fenced script notes the
-requests in flight with no entry id yet (``"- <locator>"``) and moves the feed cursor, (2) the
-entries are added to the data server's streams, (3) a fenced script records their entry ids. A
-crash after (1) leaves requests in flight without an entry; the periodic reconcile of the task
-finds them (an in-flight request with no entry and no row) and sends them. A crash after (2)
-leaves entries whose ids were never recorded; if a later reconcile sends them again, the worker's
-idempotency record turns the second copy into a duplicate, not a second computation. Collecting
-commits on the jobs server first and trims the result stream after. The inference workers learn a
-job's status (to stop a cancelled job's requests) from a small mirror hash under the same key
-name on the data server, written at registration, cancel and the end of the job.
+requests in flight with no entry id yet (``"- <locator> <shard>"``) and moves the feed cursor,
+(2) the entries are added to the data server's streams, (3) a fenced script records their entry
+ids. A crash after (1) leaves requests in flight without an entry; the periodic reconcile of the
+task finds them (an in-flight request with no entry and no row) and sends them. A crash after (2)
+leaves entries whose ids were never recorded; if a later reconcile sends them again (to the shard
+noted in step 1, the stream of the first copy), the worker's idempotency record turns the second
+copy into a duplicate, not a second computation. Collecting commits on the jobs server first and
+trims the result stream after. The inference workers learn a job's status (to stop a cancelled
+job's requests) from a small mirror hash under the same key name on the data server, written at
+registration, cancel and the end of the job.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import json
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import redis
 
@@ -159,8 +164,8 @@ return {1, status}
 """
 
 # KEYS: hash, lock, inflight, then the request streams (shards). ARGV: token, feed_part,
-# feed_offset, skipped, counter name, then (id, locator, payload, stream index from 0) quadruples.
-# Returns how many were added, -1 if the lock is lost.
+# feed_offset, skipped, counter name, then (id, in-flight record "<locator> <shard>", payload,
+# stream index from 0) quadruples. Returns how many were added, -1 if the lock is lost.
 _FEED = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local n = 0
@@ -176,7 +181,7 @@ return n
 """
 
 # Two servers, step 1. KEYS: hash, lock, inflight. ARGV: token, feed_part, feed_offset, skipped,
-# counter name, then (id, locator) pairs: noted in flight without an entry id ('-').
+# counter name, then (id, "<locator> <shard>") pairs: noted in flight without an entry id ('-').
 _FEED_PLAN = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local n = 0
@@ -190,7 +195,7 @@ redis.call('HINCRBY', KEYS[1], 'skipped', ARGV[4])
 return n
 """
 
-# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator>") pairs;
+# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator> <shard>") pairs;
 # a request no longer in flight is left alone.
 _FEED_IDS = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -265,12 +270,28 @@ return 1
 
 @dataclass(frozen=True)
 class FeedItem:
-    """One request to add to the stream: its id, where it sits in the spool index, its entry payload."""
+    """One request to add to the stream: its id, where it sits in the spool index, its entry payload,
+    and the request stream it goes to."""
 
     id: str
     locator: str
     payload: bytes
     shard: int = 0  # index into the stream keys given to commit_feed
+
+    @property
+    def flight(self) -> str:
+        """What the in-flight map keeps after the entry id: the spool locator and the shard."""
+        return f"{self.locator} {self.shard}"
+
+
+class InFlight(NamedTuple):
+    """A request in flight: its stream entry (``"-"`` when a two-server feed has not recorded one),
+    where it sits in the spool index, and its shard (None in a record that predates shards being
+    recorded: then the shard of the id's hash)."""
+
+    entry_id: str
+    locator: str
+    shard: int | None
 
 
 @dataclass(frozen=True)
@@ -324,12 +345,13 @@ class JobStore:
     def inflight_count(self) -> int:
         return int(self.redis.hlen(self.inflight_key))
 
-    def inflight(self) -> dict[str, tuple[str, str]]:
-        """Request id -> (stream entry id, spool locator) of every request in flight."""
+    def inflight(self) -> dict[str, InFlight]:
+        """Request id -> (stream entry id, spool locator, shard) of every request in flight."""
         out = {}
         for rid, value in self.redis.hgetall(self.inflight_key).items():
-            entry_id, _, locator = _s(value).partition(" ")
-            out[_s(rid)] = (entry_id, locator)
+            entry_id, _, rest = _s(value).partition(" ")
+            locator, _, shard = rest.partition(" ")
+            out[_s(rid)] = InFlight(entry_id, locator, int(shard) if shard else None)
         return out
 
     def part_names(self) -> list[str]:
@@ -420,7 +442,7 @@ class JobStore:
         if not self.split:
             args = list(head)
             for item in items:
-                args += [item.id, item.locator, item.payload, item.shard]
+                args += [item.id, item.flight, item.payload, item.shard]
             n = int(self._scripts["feed"](keys=[self.hash_key, self.lock_key, self.inflight_key, *stream_keys],
                                           args=args))
             if n < 0:
@@ -428,7 +450,7 @@ class JobStore:
             return n
         args = list(head)
         for item in items:
-            args += [item.id, item.locator]
+            args += [item.id, item.flight]
         n = int(self._scripts["feed_plan"](keys=[self.hash_key, self.lock_key, self.inflight_key], args=args))
         if n < 0:
             raise LockLost(f"job {self.job_id}: lease lost before feeding")
@@ -440,7 +462,7 @@ class JobStore:
         entry_ids = pipe.execute()
         args = [token]
         for item, entry_id in zip(items, entry_ids):
-            args += [item.id, f"{_s(entry_id)} {item.locator}"]
+            args += [item.id, f"{_s(entry_id)} {item.flight}"]
         if int(self._scripts["feed_ids"](keys=[self.lock_key, self.inflight_key], args=args)) < 0:
             raise LockLost(f"job {self.job_id}: lease lost while feeding (the entries were sent)")
         return n

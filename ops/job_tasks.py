@@ -6,16 +6,38 @@ of the queue, so one rq worker serves many jobs in turn and a small job submitte
 one starts within seconds. What a task does depends on the job's status:
 
 - ``validating``: read the next chunk of the input, validate it, write it to the spool index
-  (requests ready to send, or the line's error); at the end of the input look for repeated ids
-  and fail the job if the input is unusable (unreadable, or not one valid request in it).
+  (requests ready to send, or the line's error, and with ``order`` prefix the part's feed order);
+  at the end of the input look for repeated ids and fail the job if the input is unusable
+  (unreadable, or not one valid request in it).
 - ``in_progress``: collect result rows from the job's result stream into the spool (a Parquet
   part is made durable before the cursor moves), then feed the next requests to the request
-  stream while fewer than ``max_in_flight`` are out. Requests that already have a row (their id is
-  in the stream's done set) are skipped, not sent again. Every so often, requests in flight
-  whose stream entry vanished without a row are sent again.
+  streams while fewer than ``max_in_flight`` are out. Requests that already have a row (their id
+  is in a done set of the job's streams) are skipped, not sent again. Every so often, requests in
+  flight whose stream entry vanished without a row are sent again.
 - ``cancelling``, or ``in_progress`` past the deadline: stop feeding, collect what the workers
   still return (they end the job's requests as cancelled / expired), then finalize.
 - ``finalizing``: collect the last rows and write the output (:mod:`mqinfer.ops.job_output`).
+
+**Order.** With ``order`` prefix (the job hash's field, set at submit) each index part of
+INDEX_PART_LINES lines is fed in prefix-tree order
+(:func:`mqinfer.schemas.prefix_order.prefix_key`), so requests of the part that share a prompt
+prefix reach the workers next to each other and the prefix is computed once while its KV blocks are
+cached. The order is per part, not across the whole input: requests that share a prefix but lie in
+different parts are not brought together. The permutation is stored in the index part when it is
+validated, and the feed cursor (``feed_part``, ``feed_offset``) counts positions in it, so a
+resumed task continues exactly where the last one stopped. The index itself stays in input order,
+and so does the output.
+
+**Route.** With ``route`` prefix and ``shards`` > 1, each task's
+:class:`~mqinfer.schemas.routing.PrefixRouter` picks the shard of every request it feeds from its
+leading prompt (its loads start afresh with each task). It places each feed step's requests so that
+the work sent to the shards stays within its balance slack, which keeps every shard busy while the
+feed walks through the prefixes in order: a prefix with more requests in a step than a shard's
+share spills over to another shard, which then caches it too. So a request's shard is no longer a
+function of its id: it is kept in the in-flight map, where the reconcile looks for the request's
+entry (and where a lost request is sent again, so that the worker's idempotency record of that
+stream sees a second copy), and a request counts as done when any shard's done set holds it.
+Cancelling needs no shard: workers of every stream read the job's status.
 
 The tasks never import torch: rq forks a work horse per task, and a forked process must not touch
 a GPU. State lives in Redis (:mod:`mqinfer.ops.job_store`) and in the spool
@@ -24,6 +46,7 @@ a GPU. State lives in Redis (:mod:`mqinfer.ops.job_store`) and in the spool
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -40,14 +63,16 @@ from rq.serializers import JSONSerializer
 from mqinfer.schemas import keys
 from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 from mqinfer.schemas.keys import shard_index, shard_streams
+from mqinfer.schemas.prefix_order import prefix_key
+from mqinfer.schemas.routing import PrefixRouter
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
 from mqinfer.ops.job_output import compose_output
 from mqinfer.ops.job_spool import Spool
 from mqinfer.ops.job_store import (
     CANCELLED, CANCELLING, FAILED, FINAL_STATUSES, FINALIZING, IN_PROGRESS, QUEUE_NAME, VALIDATING,
-    CollectedRow, FeedItem, JobNotFound, JobStore, LockLost, StatusChanged,
+    CollectedRow, FeedItem, InFlight, JobNotFound, JobStore, LockLost, StatusChanged,
 )
-from mqinfer.schemas.request import encode_request
+from mqinfer.schemas.request import decode_request, encode_request
 from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow, rows_to_table
 
 log = logging.getLogger("mqinfer.jobs")
@@ -230,8 +255,11 @@ class JobRun:
         streams = shard_streams(stream, self.shards)
         self.stream_keys = [keys.request_stream(s) for s in streams]
         self.done_keys = [keys.job_done_set(s, self.job_id) for s in streams]
+        # A job registered before these fields existed fed in input order and routed by id.
+        self.order = str(self.job.get("order") or "input")
+        self.router = PrefixRouter(self.shards, route=str(self.job.get("route") or "id"))
         self.deadline = float(self.job["deadline"]) if self.job.get("deadline") else None
-        self._index_parts: dict[int, tuple[list, list, list]] = {}
+        self._index_parts: dict[int, tuple[list, list, list, list | None]] = {}
         self._dup_lines: set[int] | None = None
         self._groups_ready = False
         self._pending_rows = 0
@@ -286,7 +314,8 @@ class JobRun:
         reported = json.loads(str(self.job.get("errors") or "[]"))
         columns: dict[str, list] = {"line": [], "id": [], "request": [], "api": [], "error_code": [], "error": []}
         invalid = 0
-        for item in items:
+        sort_keys: list[tuple] = []  # (prefix key, row) of each valid request, for the feed order
+        for row, item in enumerate(items):
             columns["line"].append(item.line)
             if item.request is None:
                 invalid += 1
@@ -307,13 +336,22 @@ class JobRun:
             if job_deadline is not None:
                 deadline = job_deadline if deadline is None else min(deadline, job_deadline)
             req = msgspec.structs.replace(req, job_id=self.job_id, deadline=deadline)
+            if self.order == "prefix":
+                sort_keys.append((prefix_key(req), row))
             columns["id"].append(req.id)
             columns["request"].append(encode_request(req, "msgpack"))
             columns["api"].append(req.api)
             columns["error_code"].append(None)
             columns["error"].append(None)
+        feed_order = None
+        if self.order == "prefix":
+            # Stable: requests with the same prompt keep their input order. Invalid lines, never
+            # fed, go last.
+            sort_keys.sort(key=lambda pair: pair[0])
+            valid = {row for _, row in sort_keys}
+            feed_order = [row for _, row in sort_keys] + [row for row in range(len(items)) if row not in valid]
         part = int(self.job.get("val_parts") or 0)
-        self.spool.write_index_part(part, columns)
+        self.spool.write_index_part(part, columns, feed_order)
         self.store.update(self.token, {"val_pos": next_position.encode(), "val_parts": part + 1, "format": fmt,
                                        "errors": reported},
                           incr={"total": len(items), "invalid": invalid}, expect_status=VALIDATING)
@@ -410,11 +448,14 @@ class JobRun:
             self.data.xread({self.store.results_key: last}, count=1, block=max(1, int(wait * 1000)))
         return queued == 0
 
-    def _index_part(self, part: int) -> tuple[list, list, list]:
+    def _index_part(self, part: int) -> tuple[list, list, list, list | None]:
+        """Lines, ids and payloads of index part ``part`` in input order, and its feed order (the
+        rows in the order they are fed; None for input order)."""
         cached = self._index_parts.get(part)
         if cached is None:
             table = self.spool.read_index_part(part, ["line", "id", "request"])
-            cached = (table["line"].to_pylist(), table["id"].to_pylist(), table["request"].to_pylist())
+            cached = (table["line"].to_pylist(), table["id"].to_pylist(), table["request"].to_pylist(),
+                      self.spool.read_feed_order(part))
             self._index_parts = {part: cached}  # one part at a time: parts are read in order
         return cached
 
@@ -435,20 +476,30 @@ class JobRun:
         self._groups_ready = True
 
     def _shard(self, request_id: str) -> int:
+        """The shard of a request's id hash: where routing by id sends it."""
         return shard_index(request_id, self.job_id, self.shards)
 
+    def _flight_shard(self, request_id: str, record: InFlight) -> int:
+        """The shard a request in flight was sent to (its id's, for a record that kept none)."""
+        if record.shard is not None and 0 <= record.shard < self.shards:
+            return record.shard
+        return self._shard(request_id)
+
     def _done(self, ids: list[str]) -> list[bool]:
-        """Whether each request already has a durable row (its id is in its shard's done set)."""
+        """Whether each request already has a durable row: its id is in the done set of any of the
+        job's shards. Every shard is asked, not the id's: routed by prefix, a request's row is
+        noted by the workers of the shard it went to, and rows adopted from the spool on a resume
+        are noted in the id's shard (:func:`mqinfer.ops.jobs._adopt_rows`)."""
+        if not ids:
+            return []
         if self.shards == 1:
             return [bool(d) for d in self.data.smismember(self.done_keys[0], ids)]
-        by_shard: dict[int, list[int]] = {}
-        for i, rid in enumerate(ids):
-            by_shard.setdefault(self._shard(rid), []).append(i)
+        pipe = self.data.pipeline(transaction=False)
+        for done_key in self.done_keys:
+            pipe.smismember(done_key, ids)
         out = [False] * len(ids)
-        for shard, positions in by_shard.items():
-            found = self.data.smismember(self.done_keys[shard], [ids[i] for i in positions])
-            for i, d in zip(positions, found):
-                out[i] = bool(d)
+        for found in pipe.execute():
+            out = [o or bool(d) for o, d in zip(out, found)]
         return out
 
     def feed(self) -> bool:
@@ -458,15 +509,17 @@ class JobRun:
         room = int(self.job["max_in_flight"]) - out
         if room <= 0:
             return False
+        # The cursor: a part, and a position in that part's feed order.
         part, offset = int(self.job.get("feed_part") or 0), int(self.job.get("feed_offset") or 0)
-        lines, ids, payloads = self._index_part(part)
+        lines, ids, payloads, order = self._index_part(part)
         dups = self._duplicate_lines()
         want = min(room, int(self.job["chunk_size"]))
         items: list[FeedItem] = []
         i = offset
         while i < len(lines) and len(items) < want:
-            if payloads[i] is not None and lines[i] not in dups:
-                items.append(FeedItem(ids[i], f"{part}:{i}", payloads[i], self._shard(ids[i])))
+            row = order[i] if order is not None else i
+            if payloads[row] is not None and lines[row] not in dups:
+                items.append(FeedItem(ids[row], f"{part}:{row}", payloads[row], self._shard(ids[row])))
             i += 1
         next_part, next_offset = (part + 1, 0) if i >= len(lines) else (part, i)
         skipped = 0
@@ -475,11 +528,19 @@ class JobRun:
             if any(done):
                 skipped = sum(1 for d in done if d)
                 items = [item for item, d in zip(items, done) if not d]
+            items = self._route(items)
             self._ensure_group()
         self.store.commit_feed(self.token, self.stream_keys, items, feed_part=next_part, feed_offset=next_offset,
                                skipped=skipped)
         self.reload()
         return True
+
+    def _route(self, items: list[FeedItem]) -> list[FeedItem]:
+        """``items`` with the shard the router picks for each (unchanged when routing by id)."""
+        if not items or not self.router.by_prefix:
+            return items
+        requests = [decode_request(item.payload, fmt="msgpack") for item in items]
+        return [dataclasses.replace(item, shard=shard) for item, shard in zip(items, self.router.assign(requests))]
 
     def collect(self, *, force: bool) -> bool:
         cursor = str(self.job.get("cursor") or "")
@@ -536,21 +597,27 @@ class JobRun:
         if in_flight:
             # '-': noted in flight by a two-server feed that never recorded the entry (it may
             # never have been sent): treated as gone unless the request has a row.
-            rids = [rid for rid in in_flight if in_flight[rid][0] != "-"]
-            gone = [rid for rid in in_flight if in_flight[rid][0] == "-"]
+            # Each entry is looked for in the stream it was sent to, and a lost request goes back
+            # there: a copy of it that still exists (a two-server feed cut after its XADD) is
+            # then a duplicate for that stream's idempotency record, not a second computation.
+            rids = [rid for rid in in_flight if in_flight[rid].entry_id != "-"]
+            gone = [rid for rid in in_flight if in_flight[rid].entry_id == "-"]
             pipe = self.data.pipeline(transaction=False)
             for rid in rids:
-                entry_id = in_flight[rid][0]
-                pipe.xrange(self.stream_keys[self._shard(rid)], min=entry_id, max=entry_id, count=1)
+                entry_id = in_flight[rid].entry_id
+                shard = self._flight_shard(rid, in_flight[rid])
+                pipe.xrange(self.stream_keys[shard], min=entry_id, max=entry_id, count=1)
             gone += [rid for rid, found in zip(rids, pipe.execute() if rids else []) if not found]
             if gone:
                 for rid, d in zip(gone, self._done(gone)):
                     if d:
                         continue
-                    part, _, offset = in_flight[rid][1].partition(":")
-                    _, ids, payloads = self._index_part(int(part))
-                    if ids[int(offset)] == rid:
-                        lost.append(FeedItem(rid, in_flight[rid][1], payloads[int(offset)], self._shard(rid)))
+                    locator = in_flight[rid].locator
+                    part, _, row = locator.partition(":")
+                    _, ids, payloads, _ = self._index_part(int(part))
+                    if ids[int(row)] == rid:
+                        lost.append(FeedItem(rid, locator, payloads[int(row)],
+                                             self._flight_shard(rid, in_flight[rid])))
         if lost:
             log.warning("job %s: %d requests in flight lost their stream entry; sending them again",
                         self.job_id, len(lost))

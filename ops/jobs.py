@@ -44,6 +44,9 @@ from mqinfer.ops.job_store import (
 )
 from mqinfer.ops.job_tasks import DEFAULT_LEASE_S, enqueue_task, new_task_id, set_data_client
 from mqinfer.schemas.files import input_format
+from mqinfer.schemas.routing import ROUTES
+
+ORDERS = ("prefix", "input")
 
 log = logging.getLogger("mqinfer.jobs")
 
@@ -98,12 +101,15 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
                stream: str = "requests", deadline: float | None = None,
                max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, chunk_size: int = DEFAULT_CHUNK_SIZE,
                queue_name: str = QUEUE_NAME, lease_s: float = DEFAULT_LEASE_S, shards: int = 1,
-               data=None) -> SubmitResult:
+               order: str = "prefix", route: str = "prefix", data=None) -> SubmitResult:
     """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task.
 
     ``client`` holds the job and the rq queue. ``data`` is the server (or cluster) of the request
     streams when it is another one (``--jobs-redis``); ``shards`` spreads the job's requests over
-    the streams ``S-0 .. S-{N-1}`` as ``mqinfer worker --shards`` reads them.
+    the streams ``S-0 .. S-{N-1}`` as ``mqinfer worker --shards`` reads them, by their leading
+    prompt (``route="prefix"``) or by a hash of their id (``"id"``). ``order="prefix"`` feeds the
+    requests of each part of INDEX_PART_LINES input lines in prefix-tree order, ``"input"`` in the
+    file's order; the output is in input order either way (see :mod:`mqinfer.ops.job_tasks`).
     """
     if max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
@@ -113,6 +119,10 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         raise ValueError(f"--lease-s must be >= 0.5, got {lease_s}")
     if not stream or "}" in stream or "{" in stream:
         raise ValueError(f"invalid --stream {stream!r}")
+    if order not in ORDERS:
+        raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if route not in ROUTES:
+        raise ValueError(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")
     streams = shard_streams(stream, shards)
     now = time.time()
     if deadline is not None and deadline <= now:
@@ -153,7 +163,9 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     store = JobStore(client, job_id, data=data)
     store.register({
         "id": job_id, "status": VALIDATING, "input": str(source), "input_format": fmt, "out": str(out),
-        "stream": stream, "shards": shards, "data": "separate" if store.split else "same", "queue": queue_name, "deadline": "" if deadline is None else repr(float(deadline)),
+        "stream": stream, "shards": shards, "order": order, "route": route,
+        "data": "separate" if store.split else "same", "queue": queue_name,
+        "deadline": "" if deadline is None else repr(float(deadline)),
         "max_in_flight": max_in_flight, "chunk_size": chunk_size, "lease_s": repr(float(lease_s)),
         "created_at": repr(now), "chain": chain, "task": task_id, "beat": repr(now), "total": 0, "invalid": 0,
         "val_parts": 0, "fed": 0, "skipped": 0, "collected": 0, "row_parts": len(parts),
@@ -164,8 +176,10 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
 
 
 def _adopt_rows(client, spool: Spool, parts: list[str], job_id: str, streams: list[str]) -> int:
-    """Mark the ids of rows already in the spool as done (in the done set of each request's shard),
-    so feeding skips their requests."""
+    """Mark the ids of rows already in the spool as done, so feeding skips their requests.
+
+    Each id goes into the done set of its id's shard, wherever routing by prefix sends the request:
+    the feed counts a request as done when any shard's done set holds it."""
     if not parts:
         return 0
     ids = pc.unique(spool.read_rows(parts, ["id"])["id"]).to_pylist()
@@ -241,6 +255,7 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None) -> dict
     return {
         "id": job.get("id"), "status": status, "input": job.get("input"), "out": out,
         "stream": job.get("stream"), "format": job.get("format") or None,
+        "order": job.get("order") or "input", "route": job.get("route") or "id",
         "created_at": _f(job, "created_at"), "in_progress_at": started,
         "finalizing_at": _f(job, "finalizing_at"), "ended_at": ended, "deadline": deadline,
         "counts": {"total": total, **counts, "invalid": invalid, "skipped": _i(job, "skipped"),

@@ -1,5 +1,5 @@
-"""Helpers shared by the tests: real `mqinfer` processes against the embedded server, and a clock
-moved by hand."""
+"""Helpers shared by the tests: real `mqinfer` processes against the embedded server, a clock moved
+by hand, and requests that share prompt prefixes."""
 
 from __future__ import annotations
 
@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
+
+from mqinfer.schemas.request import request_from_obj
+from mqinfer.schemas.routing import PrefixRouter
 
 
 def mqinfer_cmd(*args: str) -> list[str]:
@@ -174,3 +177,20 @@ class ShadowKV:
                     dst.pop(b * bs + j, None)
                 else:
                     dst[b * bs + j] = value
+
+
+def shared_prefix_requests(per_group: int, max_tokens: int = 4) -> list[dict]:
+    """Requests of two groups that share 64 leading token ids within a group, taking turns.
+
+    Two prefixes of equal work fit two shards exactly; the balance slack would still let one
+    request of the second group onto the first one's shard if both prefixes had the same first
+    shard, so the prefixes are picked (once, deterministically) among those a fresh router keeps
+    wholly apart."""
+    for seed in range(1, 100):
+        heads = [[(31 * (seed + g) + 7 * t + 1) % 250 for t in range(64)] for g in range(2)]
+        items = [{"id": f"t{i}", "prompt_token_ids": heads[i % 2] + [i % 250, (3 * i) % 250],
+                  "max_tokens": max_tokens, "temperature": 0.0} for i in range(2 * per_group)]
+        shards = PrefixRouter(2).assign([request_from_obj(d) for d in items])
+        if len(set(shards[0::2])) == len(set(shards[1::2])) == 1:
+            return items
+    raise AssertionError("no two prefixes that a router keeps apart")

@@ -3,6 +3,7 @@ of the worker and the engine is the config dataclass's, and on/off flags have th
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import subprocess
@@ -174,3 +175,19 @@ def test_missing_required_flag_exits_2_with_message():
                          env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 2
     assert "--redis is required" in out.stderr
+
+
+def test_every_commands_help_renders():
+    """Help texts are plain text: a '%' in one (a share of the work) is shown as it is, not taken
+    for argparse's %-formatting."""
+    def walk(parser: argparse.ArgumentParser):
+        yield parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    yield from walk(sub)
+
+    helps = {p.prog: " ".join(p.format_help().split()) for p in walk(build_parser())}
+    assert {"mqinfer run", "mqinfer submit", "mqinfer jobs submit"} <= set(helps)
+    for prog in ("mqinfer run", "mqinfer submit", "mqinfer jobs submit"):
+        assert "within 10% of an even share" in helps[prog], prog

@@ -177,5 +177,6 @@ def test_jobs_defaults_match_the_job_functions():
     by_name = {o.name: o.default for o in [*jobs_cli.SUBMIT_OPTIONS, *jobs_cli.WORKER_OPTIONS]}
     for flag, parameter in [("max_in_flight", "max_in_flight"), ("chunk_size", "chunk_size"), ("queue", "queue_name"),
                             ("lease_s", "lease_s"), ("stream", "stream"), ("shards", "shards"),
-                            ("sweep_interval_s", "sweep_interval_s"), ("burst", "burst"), ("name", "name")]:
+                            ("order", "order"), ("route", "route"), ("sweep_interval_s", "sweep_interval_s"),
+                            ("burst", "burst"), ("name", "name")]:
         assert by_name[flag] == defaults[parameter], flag

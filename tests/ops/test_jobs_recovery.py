@@ -17,7 +17,7 @@ import pytest
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.jobs import job_info, submit_job
 from mqinfer.server import EmbeddedServer
-from tests.helpers import kill_tree, rows, stop_processes, wait_until, write_jsonl
+from tests.helpers import kill_tree, rows, shared_prefix_requests, stop_processes, wait_until, write_jsonl
 from tests.ops.test_jobs_pipeline import (
     jobs_cli, native, output, start_inference, start_rq, wait_final,
 )
@@ -61,19 +61,24 @@ def test_kill_rq_worker_and_inference_worker_mid_job_then_resume(redis_url, redi
     assert "task chain had stopped; started a new one" in (tmp_path / "rq2.log").read_text()
 
 
-def test_a_lost_servers_job_resumes_from_its_spool_with_the_tasks_in_process(redis_client, tmp_path):
-    """The short version of the next case: the rq tasks run here, the test answers for the workers."""
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_lost_servers_job_resumes_from_its_spool_with_the_tasks_in_process(redis_client, tmp_path, shards):
+    """The short version of the next case: the rq tasks run here, the test answers for the workers.
+    With two shards the requests are routed by their prefixes, in prefix order: the rows kept are
+    noted done in their ids' shards, and still skipped."""
     n = 12
-    src = write_jsonl(tmp_path / "in.jsonl", native(n, "q"))
+    items = native(n, "q") if shards == 1 else shared_prefix_requests(n // 2)
+    ids = [d["id"] for d in items]
+    src = write_jsonl(tmp_path / "in.jsonl", items)
     out = tmp_path / "out"
 
     def step(job_id: str) -> set[str]:
-        sent = _entries(redis_client, "lost", 1)
-        _answer(redis_client, "lost", 1, job_id, sent)
+        sent = _entries(redis_client, "lost", shards)
+        _answer(redis_client, "lost", shards, job_id, sent)
         _step(redis_client, redis_client, job_id)
         return set(sent)
 
-    job_id = submit_job(redis_client, src, out, stream="lost", max_in_flight=4).job_id
+    job_id = submit_job(redis_client, src, out, stream="lost", shards=shards, max_in_flight=4).job_id
     deadline = time.monotonic() + 60
     while len(_spooled_ids(out)) < 4:
         assert time.monotonic() < deadline, "no rows reached the spool"
@@ -82,16 +87,16 @@ def test_a_lost_servers_job_resumes_from_its_spool_with_the_tasks_in_process(red
     assert len(kept) < n
     redis_client.flushall()  # the server lost everything: job hash, streams, queue
 
-    again = submit_job(redis_client, src, out, stream="lost", max_in_flight=4)
+    again = submit_job(redis_client, src, out, stream="lost", shards=shards, max_in_flight=4)
     assert (again.job_id, again.resumed, again.adopted_rows) == (job_id, True, len(kept))
     sent_again = set()
     while job_info(redis_client, job_id)["status"] != "completed":
         assert time.monotonic() < deadline, f"job stuck in {job_info(redis_client, job_id)['status']}"
         sent_again |= step(job_id)
     info = job_info(redis_client, job_id)
-    assert [r["id"] for r in output(out)] == [f"q{i}" for i in range(n)]
+    assert [r["id"] for r in output(out)] == ids
     assert info["counts"]["skipped"] == len(kept) and info["counts"]["fed"] == n - len(kept)
-    assert sent_again == {f"q{i}" for i in range(n)} - kept  # what had a row was not sent again
+    assert sent_again == set(ids) - kept  # what had a row was not sent again
 
 
 @pytest.mark.slow

@@ -20,7 +20,7 @@ from mqinfer.ops.jobs import cancel_job, job_info, submit_job
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.server import EmbeddedServer
-from tests.helpers import mqinfer_cmd, write_jsonl
+from tests.helpers import mqinfer_cmd, shared_prefix_requests, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +115,7 @@ def test_a_job_runs_with_its_state_on_one_server_and_its_streams_sharded_on_anot
 
 
 class _DataLostAfterThePlan:
-    """The data server, except that the first pipeline (a feed's XADDs) never reaches it."""
+    """The data server, except that the first pipeline of XADDs (a feed's entries) never reaches it."""
 
     def __init__(self, real) -> None:
         self.real = real
@@ -123,44 +123,57 @@ class _DataLostAfterThePlan:
 
     def pipeline(self, *args, **kwargs):
         pipe = self.real.pipeline(*args, **kwargs)
-        if not self.failed:
-            self.failed = True
+        execute = pipe.execute
 
-            def lost(*_a, **_k):
+        def lost_if_feeding(*a, **k):
+            if not self.failed and any(str(cmd[0]).upper() == "XADD" for cmd, _ in pipe.command_stack):
+                self.failed = True
                 raise redis.exceptions.ConnectionError("injected: the data server went away mid-feed")
+            return execute(*a, **k)
 
-            pipe.execute = lost
+        pipe.execute = lost_if_feeding
         return pipe
 
     def __getattr__(self, name):
         return getattr(self.real, name)
 
 
-def test_a_feed_cut_between_the_two_servers_is_sent_again_by_the_reconcile(planes, tmp_path):
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_feed_cut_between_the_two_servers_is_sent_again_by_the_reconcile(planes, tmp_path, shards):
+    """With two shards, routed by prefix: requests of two prefixes, each of which goes to one shard,
+    are sent again to the shard noted when they were planned, not to their ids' shard."""
     jobs, data = planes
-    src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": "x"} for i in range(5)])
-    res = submit_job(jobs, src, tmp_path / "out", stream="cut", max_in_flight=5, data=data)
+    n = 8
+    items = [{"id": f"r{i}", "prompt": "x"} for i in range(n)] if shards == 1 else shared_prefix_requests(n // 2)
+    src = write_jsonl(tmp_path / "in.jsonl", items)
+    res = submit_job(jobs, src, tmp_path / "out", stream="cut", shards=shards, max_in_flight=n, data=data)
     store = JobStore(jobs, res.job_id)
+    streams = [keys.request_stream(s) for s in shard_streams("cut", shards)]
     flaky = _DataLostAfterThePlan(data)
     with pytest.raises(redis.exceptions.ConnectionError, match="injected"):  # validates, then feeds
         run_task(jobs, res.job_id, _chain(jobs, res.job_id), budget_s=5.0, data=flaky)
     assert store.status() == "in_progress"
     # Noted in flight with no entry id, and nothing in the stream: the feed cursor moved past them.
     in_flight = store.inflight()
-    assert sorted(in_flight) == [f"r{i}" for i in range(5)] and {v[0] for v in in_flight.values()} == {"-"}
-    assert data.xlen(keys.request_stream("cut")) == 0
+    assert sorted(in_flight) == sorted(d["id"] for d in items) and {v[0] for v in in_flight.values()} == {"-"}
+    assert not any(data.xlen(s) for s in streams)
     assert "ConnectionError" in job_info(jobs, res.job_id)["last_task_error"]
+    planned = {rid: record.shard for rid, record in in_flight.items()}
+    if shards > 1:  # each prefix on its shard, where a hash of these ids would not put them
+        assert len({planned[d["id"]] for d in items[0::2]}) == len({planned[d["id"]] for d in items[1::2]}) == 1
+        assert planned != {rid: shard_index(rid, res.job_id, shards) for rid in planned}
 
     _step(jobs, data, res.job_id)  # within the reconcile interval: nothing is sent yet
-    assert data.xlen(keys.request_stream("cut")) == 0
+    assert not any(data.xlen(s) for s in streams)
     jobs.hset(keys.job_key(res.job_id), "reconciled_at", "1")  # the interval has passed
     _step(jobs, data, res.job_id)
-    sent = _entries(data, "cut", 1)
-    assert sorted(sent) == [f"r{i}" for i in range(5)]
-    assert jobs.hget(keys.job_key(res.job_id), "refed") == b"5"
+    sent = _entries(data, "cut", shards)
+    assert sorted(sent) == sorted(d["id"] for d in items)
+    assert {rid: shard for rid, (shard, _, _) in sent.items()} == planned
+    assert jobs.hget(keys.job_key(res.job_id), "refed") == str(n).encode()
     assert {v[0] for v in store.inflight().values()} == {entry_id for _, entry_id, _ in sent.values()}
-    info = _drive(jobs, data, res.job_id, "cut", 1, until=("completed",))
-    assert info["counts"]["completed"] == 5
+    info = _drive(jobs, data, res.job_id, "cut", shards, until=("completed",))
+    assert info["counts"]["completed"] == n
 
 
 def test_cancel_reaches_the_workers_through_the_mirror(planes, tmp_path):
