@@ -246,6 +246,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             num_swap_blocks=num_swap_blocks,
             priority_aging_s=config.priority_aging_s,
+            tenant_weights=config.tenant_weight_map,
         )
         self.scheduler = Scheduler(self.scheduler_config, clock=clock)
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
@@ -342,7 +343,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    deadline: float | None = None) -> None:
+                    deadline: float | None = None, tenant: str = "default") -> None:
         if request_id in self._tracked or self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request {request_id!r} is already in the engine")
         ids = list(prompt_token_ids)
@@ -365,6 +366,7 @@ class LLMEngine:
             priority=priority,
             deadline=deadline,
             max_model_len=self.max_model_len,
+            tenant=tenant,
             sampling_seed=seed,
         )
         detok = (
