@@ -49,7 +49,8 @@ Entry = tuple[OrderKey, Request]
 PROMPT_TOKEN_WEIGHT = 1.0
 OUTPUT_TOKEN_WEIGHT = 2.0
 
-# Forget idle tenants' counters once this many more tenants are known than are active.
+# Idle tenants' counters are swept once more than this many tenants are known (and then each time
+# the number known has doubled).
 _FORGET_SLACK = 256
 
 
@@ -155,6 +156,8 @@ class WaitingQueue:
         # The order over the waiting tenants, built when first needed with several of them and
         # kept up to date until the counters change outside an admission pass.
         self._order: _TenantOrder | None = None
+        # Sweep idle tenants' counters once more than this many tenants are known.
+        self._forget_at = _FORGET_SLACK
 
     # -- requests in and out of the scheduler ---------------------------------------------------
     def arrive(self, request: Request) -> None:
@@ -188,8 +191,10 @@ class WaitingQueue:
             self._order.remove(tenant)
         if not self._active:
             self._idle_floor = max(self._idle_floor, tenant.counter)
-        if len(self._tenants) > 2 * len(self._active) + _FORGET_SLACK:
+        if len(self._tenants) > self._forget_at:
             self._forget_idle()
+            # The next sweep once the known tenants have doubled again: amortized O(1) per request.
+            self._forget_at = max(2 * len(self._tenants), _FORGET_SLACK)
 
     def _lift_floor(self) -> float:
         """What a tenant coming back from idle is lifted to. It never decreases: tenants join at

@@ -159,6 +159,31 @@ def test_a_tenant_back_from_idle_is_lifted_to_the_active_tenants_and_banks_no_cr
     driver.run()
 
 
+def test_counters_of_idle_tenants_below_the_lift_floor_are_forgotten_and_owe_nothing_on_return():
+    """Memory follows the active tenants: an idle tenant whose counter the lift would overwrite
+    anyway is dropped (from time to time), and when it comes back it starts at the floor."""
+    driver = Driver(config(max_num_seqs=8))
+    for i in range(300):  # many tenants served once, then idle
+        driver.add(req(f"old{i}", f"old{i}", arrival=float(i), prompt=4, max_tokens=2))
+    driver.run()
+    # A tenant served far more than any of them, then hundreds of new tenants beside it.
+    big = [driver.add(req(f"big{i}", "big", arrival=1000.0 + i)) for i in range(200)]
+    for _ in range(100):
+        driver.step()
+    for i in range(400):
+        driver.add(req(f"new{i}", f"new{i}", arrival=2000.0 + i, prompt=4, max_tokens=2))
+        driver.step()
+    scheduler = driver.scheduler
+    # Every old tenant's counter is below the floor the new ones were lifted to: all forgotten.
+    assert not any(scheduler.tenant_counter(f"old{i}") is not None for i in range(300))
+    assert len(scheduler._waiting._tenants) <= 401
+    floor = min(scheduler.tenant_counter(t) for t in {r.tenant for r in scheduler._requests.values()})
+    driver.add(req("old0-back", "old0", arrival=9000.0))
+    assert scheduler.tenant_counter("old0") == pytest.approx(floor)
+    driver.run()
+    assert all(r.is_finished for r in big)
+
+
 # -- priority before fairness ------------------------------------------------------------------
 
 @pytest.mark.parametrize("aging", [None, 60.0])
