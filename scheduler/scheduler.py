@@ -18,8 +18,12 @@ order is priority, then arrival.
 Fair share between tenants (scheduler/fair.py): each tenant's waiting requests keep that order
 among themselves, and admission takes the next request of the tenant that has received the least
 service (prompt and output tokens, divided by its ``SchedulerConfig.tenant_weights`` weight)
-among the tenants whose next request has the best priority; a request that has aged past the
-best level still goes first. With a single tenant this is exactly the order above.
+among the tenants whose next request has the best priority. A better priority still goes first
+whatever the counters, and so does the first waiting request in the order above when it has a
+worse priority than the best level's (it has aged past that level): across tenants, aging's
+promise becomes "a request goes before every request of a better priority once it is the first
+waiting request in that order", so still nothing starves. With a single tenant this is exactly
+the order above.
 
 When the KV cache has no room for a running request, the scheduler preempts the running
 request that comes last in scheduling order, which returns to the waiting queue in its old
@@ -31,7 +35,7 @@ back to recompute.
 
 Prefix blocks that waiting requests will use are the last to be evicted. During a step, while
 requests wait, every allocation that has to evict a cached free block first evicts those that
-none of the first ``PROTECTED_WAITING_REQUESTS`` waiting requests (in scheduling order) would
+none of the first ``PROTECTED_WAITING_REQUESTS`` waiting requests (in admission order) would
 take as a prefix-cache hit, and evicts such protected blocks only when nothing else is free.
 Without this, the running requests' growth could evict a prefix that a queue of waiting
 requests shares just before they are admitted, and each of them would compute it again.
@@ -119,6 +123,10 @@ class Scheduler:
     def get_request(self, request_id: str) -> Request | None:
         """The unfinished request with this id, or None."""
         return self._requests.get(request_id)
+
+    def unstarted_request_ids(self) -> list[str]:
+        """Ids of the waiting requests that have never run (preempted ones have, and are not here)."""
+        return [rid for rid, request in self._requests.items() if request.status is RequestStatus.WAITING]
 
     def tenant_counter(self, tenant: str) -> float | None:
         """The tenant's fair-share counter: service received (prompt tokens computed plus output

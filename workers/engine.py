@@ -381,6 +381,12 @@ class LLMEngine:
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_CANCELLED)
         )
 
+    def withdraw(self, request_ids: list[str]) -> None:
+        """End requests without reporting them in any step (for work handed back to the stream,
+        whose row another worker will write)."""
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_CANCELLED):
+            self._tracked.pop(request.request_id, None)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._ended_outside)
 

@@ -344,7 +344,9 @@ class Worker:
     # -- stopping ----------------------------------------------------------------------------
     def drain(self) -> None:
         """Finish what runs (within the drain timeout), hand back the rest, flush and ack."""
-        # Entries still in the batcher never started: they are handed back below.
+        # Entries still in the batcher, and requests waiting in the engine that have never run,
+        # never started: they are handed back below, for a worker that is staying.
+        self.engine.withdraw(self.engine.scheduler.unstarted_request_ids())
         deadline = self.clock() + self.config.drain_timeout_s
         while self.engine.has_unfinished() and self.clock() < deadline:
             self._step()

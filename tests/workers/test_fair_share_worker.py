@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from mqinfer.workers.config import EngineConfig
-from tests.workers.harness import WorkerHarness, request, submit
+from tests.workers.harness import WorkerHarness, pending, read_as, request, submit
 
 
 @pytest.fixture
@@ -38,3 +38,23 @@ def test_a_light_tenant_behind_a_flood_starts_ahead_of_the_flood_waiting_in_the_
     # started_at is when a request first runs: the overtaken heavy requests joined the engine's
     # waiting queue before the light ones did, and started after them.
     assert all(r["started_at"] <= r["first_token_at"] for r in rows.values())
+
+
+def test_a_drain_finishes_what_runs_and_hands_back_what_waits_in_the_engine(worker, redis_client):
+    """Requests read into the engine's waiting queue have never run: a draining worker hands them
+    back at once with the rest, instead of computing them before it may exit."""
+    entries = [submit(redis_client, request(f"r{i}", max_tokens=20)) for i in range(10)]
+    worker.until(lambda: worker.worker.engine.scheduler.num_waiting >= 4, what="requests waiting in the engine")
+    scheduler = worker.worker.engine.scheduler
+    running = [e for e in entries if worker.running(e) and scheduler.get_request(e).status.name == "RUNNING"]
+    assert len(running) == 4
+    held = set(worker.worker.ownership.inflight)  # read by this worker: running, waiting or batched
+    assert len(held - set(running)) >= 4
+    worker.stop()
+    # Only what ran has rows; what waited is pending again, claimable at once by another worker
+    # without counting a delivery; what was never read is still unread.
+    assert sorted(r["id"] for r in worker.results()) == sorted(f"r{entries.index(e)}" for e in running)
+    handed_back = pending(redis_client)
+    assert set(handed_back) == held - set(running)
+    assert all(p["consumer"] == "mqinfer-handback" and p["delivered"] == 0 for p in handed_back.values())
+    assert sorted(read_as(redis_client, "another")) == sorted(set(entries) - held)
