@@ -28,7 +28,7 @@ Names (``_total`` is added to counters by the client library):
 ``mqinfer_time_to_first_token_seconds``     histogram  enqueue to first token
 ``mqinfer_inter_token_latency_seconds``     histogram  gap between a request's tokens
 ``mqinfer_e2e_request_latency_seconds``     histogram  enqueue to result row
-``mqinfer_request_queue_time_seconds``      histogram  enqueue to admission into the engine
+``mqinfer_request_queue_time_seconds``      histogram  enqueue to the first step that runs it
 ``mqinfer_batch_idle_ratio``                gauge      share of the last minute or so the engine
                                                        had capacity and nothing to run
 ``mqinfer_device_seconds_total``            counter    wall time by ``state``: startup, idle, busy
@@ -118,7 +118,7 @@ class WorkerMetrics:
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_time = Histogram(
-            "mqinfer_request_queue_time_seconds", "Time from enqueue to admission into the engine.",
+            "mqinfer_request_queue_time_seconds", "Time from enqueue to the first engine step that runs the request.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.dead_letters = Counter("mqinfer_dead_letters", "Entries sent to the dead-letter stream.", registry=r)

@@ -3,9 +3,56 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 PREEMPTION_MODES = ("recompute", "swap")
+
+# Tenant weights as the scheduler keeps them: (tenant, weight) pairs sorted by tenant.
+TenantWeights = tuple[tuple[str, float], ...]
+
+
+def parse_tenant_weights(text: str | None) -> dict[str, float]:
+    """``tenant=weight,tenant=weight`` as a dict; empty text or None gives no weights.
+
+    Each entry is split at its last ``=``, so a tenant name may hold ``=`` (not ``,``). A weight
+    is a finite number > 0; a tenant named twice, an empty name or an entry without ``=`` is an
+    error that names the entry.
+    """
+    weights: dict[str, float] = {}
+    if text is None or not str(text).strip():
+        return weights
+    for position, entry in enumerate(str(text).split(","), start=1):
+        item = entry.strip()
+        if not item:
+            raise ValueError(f"tenant weights: entry {position} is empty (expected tenant=weight,tenant=weight)")
+        tenant, sep, raw = item.rpartition("=")
+        tenant, raw = tenant.strip(), raw.strip()
+        if not sep or not tenant:
+            raise ValueError(f"tenant weights: entry {item!r} is not tenant=weight")
+        try:
+            weight = float(raw)
+        except ValueError:
+            raise ValueError(f"tenant weights: the weight of tenant {tenant!r} must be a number, got {raw!r}") from None
+        if not math.isfinite(weight) or weight <= 0:
+            raise ValueError(
+                f"tenant weights: the weight of tenant {tenant!r} must be a finite number > 0, got {raw!r}")
+        if tenant in weights:
+            raise ValueError(f"tenant weights: tenant {tenant!r} is given twice")
+        weights[tenant] = weight
+    return weights
+
+
+def format_tenant_weights(weights: Mapping[str, float] | Iterable[tuple[str, float]]) -> str:
+    """The ``tenant=weight,...`` text that ``parse_tenant_weights`` reads back to the same weights."""
+    pairs = weights.items() if isinstance(weights, Mapping) else weights
+    return ",".join(f"{tenant}={_short_number(weight)}" for tenant, weight in pairs)
+
+
+def _short_number(value: float) -> str:
+    """``2`` for 2.0, ``0.5`` for 0.5; all the digits only where the short form would round."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(float(value))
 
 
 def _check_positive_int(name: str, value: object) -> None:
@@ -46,8 +93,13 @@ class SchedulerConfig:
     # priority_aging_s`` (lowest runs first), so one priority level is worth this many seconds
     # of waiting and nothing starves. None: strict priority, first come first served within it.
     priority_aging_s: float | None = 60.0
+    # Fair share between tenants within a priority level (scheduler/fair.py): each tenant's
+    # service counts divided by its weight here; a tenant not named has weight 1. Given as a
+    # mapping or (tenant, weight) pairs, kept as pairs sorted by tenant.
+    tenant_weights: TenantWeights = ()
 
     def __post_init__(self) -> None:
+        self._normalize_tenant_weights()
         for name in ("block_size", "num_kv_blocks", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             _check_positive_int(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
@@ -71,6 +123,35 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_num_seqs ({self.max_num_seqs}) so that every running request can advance each step"
             )
+
+    def _normalize_tenant_weights(self) -> None:
+        given = self.tenant_weights
+        if isinstance(given, str):
+            raise ValueError("tenant_weights must be a mapping of tenant to weight (parse text with "
+                             "parse_tenant_weights)")
+        pairs = list(given.items() if isinstance(given, Mapping) else given)
+        seen: set[str] = set()
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"tenant_weights: expected (tenant, weight) pairs, got {pair!r}")
+            tenant, weight = pair
+            if not isinstance(tenant, str) or not tenant:
+                raise ValueError(f"tenant_weights: a tenant must be a non-empty string, got {tenant!r}")
+            if tenant in seen:
+                raise ValueError(f"tenant_weights: tenant {tenant!r} is given twice")
+            seen.add(tenant)
+            if (not isinstance(weight, (int, float)) or isinstance(weight, bool) or not math.isfinite(weight)
+                    or weight <= 0):
+                raise ValueError(f"tenant_weights: the weight of tenant {tenant!r} must be a finite number > 0, "
+                                 f"got {weight!r}")
+        object.__setattr__(self, "tenant_weights", tuple(sorted((t, float(w)) for t, w in pairs)))
+
+    def weight_of(self, tenant: str) -> float:
+        """The tenant's fair-share weight (1 when not named)."""
+        for name, weight in self.tenant_weights:
+            if name == tenant:
+                return weight
+        return 1.0
 
     @property
     def num_cache_tokens(self) -> int:

@@ -98,6 +98,9 @@ class Request:
     deadline: float | None = None
     # The model's context limit; generation ends with "length" when reached.
     max_model_len: int = 2048
+    # Who the request is for: the scheduler shares service fairly between tenants within a
+    # priority level (scheduler/fair.py).
+    tenant: str = "default"
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

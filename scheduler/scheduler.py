@@ -4,7 +4,7 @@ One token budget per step and no separate prefill and decode phases. Each step f
 the running requests, in scheduling order, each asking for ``num_tokens - num_computed_tokens``
 tokens (a long prompt is cut into chunks; every running request is left at least one token of
 the budget, so decodes never stall behind a chunked prompt), then admits waiting requests in
-scheduling order while the budget, the free KV blocks and ``max_num_seqs`` allow.
+fair-share order (below) while the budget, the free KV blocks and ``max_num_seqs`` allow.
 
 Scheduling order, with priority aging (``SchedulerConfig.priority_aging_s`` = A): a request's
 effective priority is ``priority - waited_s / A``, the lowest first; ties go to the lower
@@ -14,6 +14,16 @@ request with priority p is served as if it had arrived p * A seconds later than 
 request of any priority therefore gets ahead of everything that arrives more than (its
 priority - the best priority) * A seconds after it: nothing starves. Without aging (None) the
 order is priority, then arrival.
+
+Fair share between tenants (scheduler/fair.py): each tenant's waiting requests keep that order
+among themselves, and admission takes the next request of the tenant that has received the least
+service (prompt and output tokens, divided by its ``SchedulerConfig.tenant_weights`` weight)
+among the tenants whose next request has the best priority. A better priority still goes first
+whatever the counters, and so does the first waiting request in the order above when it has a
+worse priority than the best level's (it has aged past that level): across tenants, aging's
+promise becomes "a request goes before every request of a better priority once it is the first
+waiting request in that order", so still nothing starves. With a single tenant this is exactly
+the order above.
 
 When the KV cache has no room for a running request, the scheduler preempts the running
 request that comes last in scheduling order, which returns to the waiting queue in its old
@@ -25,7 +35,7 @@ back to recompute.
 
 Prefix blocks that waiting requests will use are the last to be evicted. During a step, while
 requests wait, every allocation that has to evict a cached free block first evicts those that
-none of the first ``PROTECTED_WAITING_REQUESTS`` waiting requests (in scheduling order) would
+none of the first ``PROTECTED_WAITING_REQUESTS`` waiting requests (in admission order) would
 take as a prefix-cache hit, and evicts such protected blocks only when nothing else is free.
 Without this, the running requests' growth could evict a prefix that a queue of waiting
 requests shares just before they are admitted, and each of them would compute it again.
@@ -42,13 +52,14 @@ from bisect import insort
 from collections.abc import Callable, Iterable
 
 from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.scheduler.fair import PROMPT_TOKEN_WEIGHT, OrderKey, WaitingQueue
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus
 
 # (arrival_time + priority * aging, priority, arrival_time, sequence number of add_request): the
 # scheduling order, smallest first. Without aging, the first item is the priority itself.
-_OrderKey = tuple[float, int, float, int]
+_OrderKey = OrderKey
 
 # How many requests at the head of the waiting queue have their prefix-cache hits protected from
 # eviction: enough to cover the requests admitted in the next few steps, few enough that the
@@ -70,11 +81,12 @@ class Scheduler:
         self._seq = 0
         # Running requests, kept sorted by their order key: the preemption victim is the last.
         self._running: list[Request] = []
-        # Waiting (new and preempted) requests as a heap of (order key, request). A request that
-        # finishes while waiting leaves a stale entry behind, skipped when it reaches the top.
-        self._waiting: list[tuple[_OrderKey, Request]] = []
+        # Waiting (new and preempted) requests: a heap of (order key, request) per tenant, taken in
+        # fair-share order. A request that finishes while waiting leaves a stale entry behind,
+        # skipped when it reaches the top.
+        self._waiting = WaitingQueue(config.weight_of)
         self._num_waiting = 0
-        # Entries taken off the waiting heap for the duration of one admission pass (requests held
+        # Entries taken off the waiting queue for the duration of one admission pass (requests held
         # back while another request computes their next prefix block); they still wait.
         self._held: list[tuple[_OrderKey, Request]] = []
         # (deadline, sequence number, request) for every request that has a deadline.
@@ -112,6 +124,16 @@ class Scheduler:
         """The unfinished request with this id, or None."""
         return self._requests.get(request_id)
 
+    def unstarted_request_ids(self) -> list[str]:
+        """Ids of the waiting requests that have never run (preempted ones have, and are not here)."""
+        return [rid for rid, request in self._requests.items() if request.status is RequestStatus.WAITING]
+
+    def tenant_counter(self, tenant: str) -> float | None:
+        """The tenant's fair-share counter: service received (prompt tokens computed plus output
+        tokens, the latter weighted) divided by its weight; None for a tenant idle long enough
+        that its counter was dropped (it would be lifted on its return anyway)."""
+        return self._waiting.counter(tenant)
+
     # -- requests in and out ------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         """Queue a new request. One whose prompt can never run is reported by the next schedule().
@@ -137,7 +159,8 @@ class Scheduler:
         self._seq += 1
         self._requests[rid] = request
         self._order[rid] = key
-        heapq.heappush(self._waiting, (key, request))
+        self._waiting.arrive(request)
+        self._waiting.push((key, request))
         self._num_waiting += 1
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, key[-1], request))
@@ -238,35 +261,22 @@ class Scheduler:
         self._admit(out, budget)
 
     def _waiting_head(self) -> list[Request]:
-        """The first ``PROTECTED_WAITING_REQUESTS`` waiting requests, in scheduling order.
-
-        A best-first walk down the waiting heap from its root visits its entries smallest first
-        in O(k log k) for k entries, however long the queue is. Stale entries (requests that
-        finished while waiting) are passed over. Requests that an admission pass in progress has
-        held back are off the heap until it ends; they were taken from its top, so they come first.
+        """The first ``PROTECTED_WAITING_REQUESTS`` waiting requests, in the order they would be
+        admitted (``WaitingQueue.head``: O(k log k) for k requests with one tenant waiting,
+        however long the queue is). Requests that an admission pass in progress has held back are
+        off the queue until it ends; they were taken from its front, so they come first.
         """
         limit = PROTECTED_WAITING_REQUESTS
         head = [request for _, request in self._held][:limit]
-        waiting = self._waiting
-        size = len(waiting)
-        if not size or len(head) >= limit:
-            return head
-        frontier = [(waiting[0][0], 0)]
-        while frontier and len(head) < limit:
-            _, i = heapq.heappop(frontier)
-            request = waiting[i][1]
-            if not request.status.is_finished:
-                head.append(request)
-            for child in (2 * i + 1, 2 * i + 2):
-                if child < size:
-                    heapq.heappush(frontier, (waiting[child][0], child))
+        if len(head) < limit:
+            head += self._waiting.head(limit - len(head))
         return head
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         kv = self.kv_cache_manager
         running = self._running
         waiting = self._waiting
-        if not (waiting and budget > 0 and len(running) < self.config.max_num_seqs):
+        if not (self._num_waiting and budget > 0 and len(running) < self.config.max_num_seqs):
             return
         # Prefix blocks being computed now (the next full block of every request still in its
         # prompt): a waiting request whose next block is one of them is held back this step,
@@ -275,11 +285,12 @@ class Scheduler:
         computing = {h for r in running if r.num_computed_tokens < r.num_prompt_tokens
                      and (h := kv.next_block_hash(r, r.num_computed_tokens // kv.block_size)) is not None}
         held = self._held
+        waiting.reorder()
         try:
             self._admit_from_queue(out, budget, computing, held)
         finally:
             for entry in held:
-                heapq.heappush(waiting, entry)
+                waiting.push(entry)
             held.clear()
 
     def _admit_from_queue(self, out: SchedulerOutput, budget: int, computing: set, held: list) -> None:
@@ -288,15 +299,18 @@ class Scheduler:
         waiting = self._waiting
         max_num_seqs = self.config.max_num_seqs
         order_of = self._order.__getitem__
-        while waiting and budget > 0 and len(running) < max_num_seqs:
-            request = waiting[0][1]
-            if request.status.is_finished:  # ended while waiting: a stale entry
-                heapq.heappop(waiting)
-                continue
+        while budget > 0 and len(running) < max_num_seqs:
+            # The next request in fair-share order (stale entries of requests that ended while
+            # waiting are passed over).
+            entry = waiting.peek()
+            if entry is None:
+                break
+            request = entry[1]
+            charge = 0
             if kv.num_blocks_for(request.num_tokens) > kv.num_blocks:
                 # Only a preempted request can get here (prompts are checked on arrival): it
                 # grew past the whole cache before it was preempted.
-                heapq.heappop(waiting)
+                waiting.pop(request)
                 self._num_waiting -= 1
                 self._end(request, RequestStatus.FINISHED_LENGTH)
                 out.finished.append(request)
@@ -313,7 +327,7 @@ class Scheduler:
                 hits, num_hit_tokens = kv.get_computed_blocks(request)
                 next_hash = kv.next_block_hash(request, len(hits))
                 if next_hash is not None and next_hash in computing:
-                    held.append(heapq.heappop(waiting))
+                    held.append(waiting.pop(request))
                     continue
                 num_new = request.num_tokens - num_hit_tokens
                 if num_new > budget:
@@ -321,11 +335,15 @@ class Scheduler:
                 if not kv.allocate_slots(request, num_new, hits, num_reserved_blocks=len(running)):
                     break
                 if request.num_cached_tokens < 0:
+                    # The first admission: the tenant is charged the prompt tokens it computes.
                     request.num_cached_tokens = num_hit_tokens
+                    charge = request.num_prompt_tokens - num_hit_tokens
                 request.num_computed_tokens = num_hit_tokens
                 if next_hash is not None:
                     computing.add(next_hash)
-            heapq.heappop(waiting)
+            waiting.pop(request)
+            if charge:
+                waiting.charge(request.tenant, charge * PROMPT_TOKEN_WEIGHT)
             self._num_waiting -= 1
             request.status = RequestStatus.RUNNING
             insort(running, request, key=lambda r: order_of(r.request_id))
@@ -353,6 +371,8 @@ class Scheduler:
                 raise ValueError(f"request {request.request_id!r} needs {need}, got {token!r}")
 
         finished: list[Request] = []
+        # Output tokens per tenant, for the fair-share counters.
+        generated: dict[str, int] = {}
         for sr, token in zip(scheduled, sampled_token_ids):
             request = sr.request
             if request.status is not RequestStatus.RUNNING:
@@ -361,10 +381,14 @@ class Scheduler:
             if token is None:
                 continue
             request.append_output_token(token)
+            tenant = request.tenant
+            generated[tenant] = generated.get(tenant, 0) + 1
             status = self._stop_status(request, token)
             if status is not None:
                 request.status = status
                 finished.append(request)
+        if generated:
+            self._waiting.charge_output(generated)
         if finished:
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
             for request in finished:
@@ -438,7 +462,7 @@ class Scheduler:
             request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        heapq.heappush(self._waiting, (self._order[request.request_id], request))
+        self._waiting.push((self._order[request.request_id], request))
         self._num_waiting += 1
         # The waiting head has changed: protect the prefix hits of the requests in it now, the
         # victim's own included, for the allocations still to come in this step.
@@ -449,5 +473,6 @@ class Scheduler:
         request.status = status
         self.kv_cache_manager.free(request)
         rid = request.request_id
-        self._requests.pop(rid, None)
+        if self._requests.pop(rid, None) is not None:
+            self._waiting.leave(request)
         self._order.pop(rid, None)

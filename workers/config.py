@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mqinfer.scheduler.config import PREEMPTION_MODES, SchedulerConfig
+from mqinfer.scheduler.config import (
+    PREEMPTION_MODES, SchedulerConfig, format_tenant_weights, parse_tenant_weights,
+)
 from mqinfer.schemas import keys
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
 
@@ -47,6 +49,13 @@ class Flag:
 def flag(help: str, **kwargs: Any) -> dict[str, Flag]:
     """``field(metadata=...)`` of a field that is also a command-line flag."""
     return {"flag": Flag(help, **kwargs)}
+
+
+def tenant_weights_flag(text: str) -> str | None:
+    """``--tenant-weights`` checked and written the one way (``a=2,b=1``); empty: None (no weights).
+    ValueError names the bad entry."""
+    weights = parse_tenant_weights(text)
+    return format_tenant_weights(weights) if weights else None
 
 
 def parse_wait_ms(text: str) -> float | str:
@@ -104,6 +113,11 @@ class EngineConfig:
     priority_aging_s: float | None = field(default=_SCHEDULER.priority_aging_s, metadata=flag(
         "Waiting this long is worth one priority level, so nothing starves (0 = strict priority).",
         metavar="S"))
+    # Text as on the command line (`a=2,b=1`), so that it passes unchanged to child processes.
+    tenant_weights: str | None = field(default=None, metadata=flag(
+        "Fair share between tenants within a priority level: tenant=weight,tenant=weight (a tenant not "
+        "named has weight 1); a tenant with weight 2 gets twice the token service of one with weight 1 "
+        "when both have requests waiting.", metavar="T=W,...", parse=tenant_weights_flag))
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
@@ -128,6 +142,12 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if not (self.swap_space_gib >= 0 and math.isfinite(self.swap_space_gib)):
             raise ValueError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib}")
+        parse_tenant_weights(self.tenant_weights)  # raises ValueError naming a bad entry
+
+    @property
+    def tenant_weight_map(self) -> dict[str, float]:
+        """``tenant_weights`` parsed: tenant -> weight."""
+        return parse_tenant_weights(self.tenant_weights)
 
 
 @dataclass(frozen=True)

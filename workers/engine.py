@@ -246,6 +246,7 @@ class LLMEngine:
             preemption_mode=config.preemption_mode,
             num_swap_blocks=num_swap_blocks,
             priority_aging_s=config.priority_aging_s,
+            tenant_weights=config.tenant_weight_map,
         )
         self.scheduler = Scheduler(self.scheduler_config, clock=clock)
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
@@ -342,7 +343,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    deadline: float | None = None) -> None:
+                    deadline: float | None = None, tenant: str = "default") -> None:
         if request_id in self._tracked or self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request {request_id!r} is already in the engine")
         ids = list(prompt_token_ids)
@@ -365,6 +366,7 @@ class LLMEngine:
             priority=priority,
             deadline=deadline,
             max_model_len=self.max_model_len,
+            tenant=tenant,
             sampling_seed=seed,
         )
         detok = (
@@ -378,6 +380,12 @@ class LLMEngine:
         self._ended_outside.extend(
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_CANCELLED)
         )
+
+    def withdraw(self, request_ids: list[str]) -> None:
+        """End requests without reporting them in any step (for work handed back to the stream,
+        whose row another worker will write)."""
+        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_CANCELLED):
+            self._tracked.pop(request.request_id, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._ended_outside)

@@ -1,7 +1,8 @@
 """Ingest: what a worker reads from its request stream, and how much.
 
-It reads only what the engine can start soon (``XREADGROUP`` with a COUNT bounded by free
-capacity, and no more than a fair share of the backlog among the live workers), and takes over
+It reads what the engine can start soon plus a short waiting queue (``XREADGROUP`` with a COUNT
+bounded by free capacity and by ``waiting_bound``, and no more than a fair share of the backlog
+among the live workers), and takes over
 the entries of dead workers (``XAUTOCLAIM`` of entries idle longer than ``--claim-idle-ms``).
 Each entry is decoded and validated: a bad one ends with an error row, or goes to the dead
 letters when it has no usable id; a duplicate of a request another entry carries is not computed
@@ -163,20 +164,37 @@ class Ingest:
         ensure_group(self.redis, self.stream_key, self.config.group)
 
     # -- how much to read ------------------------------------------------------------------------
-    def _room(self) -> int:
-        # A worker holding requests its engine could not start (waiting in the scheduler) reads
-        # nothing more: what is still in the stream goes to a worker that can start it now.
-        if self.engine.scheduler.num_waiting:
-            return 0
-        return max(0, min(self.engine.free_capacity() - len(self.batcher), self.config.max_batch))
+    @property
+    def waiting_bound(self) -> int:
+        """Requests this worker keeps waiting (in its scheduler and batcher) while its engine is
+        full: reading goes on up to this many, so that other tenants' requests queued behind one
+        tenant's flood reach the scheduler, whose fair share can then pick them ahead of it.
+        ``max(--max-num-seqs, 2 x --max-batch)``: about one more batch of running requests."""
+        return max(self.engine.scheduler_config.max_num_seqs, 2 * self.config.max_batch)
 
-    def _fair_share(self, room: int) -> int:
+    def _room(self) -> tuple[int, int]:
+        """(how many entries to read at most now, how many of those the engine could start at once).
+
+        The engine can start requests only while none waits in its scheduler (one waiting shows
+        that it is full, by sequences or by KV blocks); beyond those, the worker fills its waiting
+        queue up to ``waiting_bound``. At most ``--max-batch`` per read.
+        """
+        scheduler = self.engine.scheduler
+        queued = len(self.batcher)
+        startable = 0 if scheduler.num_waiting else max(0, self.engine.free_capacity() - queued)
+        buffered = max(0, self.waiting_bound - scheduler.num_waiting - queued)
+        return min(max(startable, buffered), self.config.max_batch), startable
+
+    def _fair_share(self, room: int, startable: int) -> int:
         """How many unread entries to take now: an even share of all outstanding work (unread plus
-        in flight) among the live workers, less what this one holds. At least one, so that no
-        backlog waits while this worker has room, unless another live worker has never been given
-        an entry (it is starting, or waiting on the stream): that one takes the rest. Nothing
-        unread: ``room`` (new arrivals go to the blocked readers in turn)."""
-        if room <= 1:
+        in flight) among the live workers, less what this one holds. While the engine can start
+        requests at once (``startable``): at least one, so that no backlog waits while this worker
+        has room, unless another live worker has never been given an entry (it is starting, or
+        waiting on the stream): that one takes the rest; and with nothing unread, ``room`` (new
+        arrivals go to the blocked readers in turn). Entries that would only wait here are taken
+        within the share alone, so a worker whose engine is full never holds more than its share
+        of a backlog that other workers could start."""
+        if room <= 1 and startable:
             return room
         pipe = self.redis.pipeline(transaction=False)
         pipe.xinfo_groups(self.stream_key)
@@ -186,16 +204,19 @@ class Ingest:
         except redis.exceptions.ResponseError:  # no stream or group yet: the read below recreates it
             return room
         group = next((g for g in groups if text(g["name"]) == self.config.group), None)
-        if group is None or not group.get("lag"):  # nothing unread, or the server cannot tell
+        if group is None:
+            return room
+        lag = int(group.get("lag") or 0)
+        if not lag and startable:  # nothing unread, or the server cannot tell
             return room
         names = {text(c["name"]): c for c in consumers}
         others = [c for name, c in names.items()
                   if name not in (HANDBACK_CONSUMER, self.consumer) and c["idle"] < LIVE_CONSUMER_MS]
         live = len(others) + 1
-        share = -(-(int(group["lag"]) + int(group["pending"])) // live) - len(self.ownership)
+        share = -(-(lag + int(group["pending"])) // live) - len(self.ownership)
         # Servers before Redis 7.2 report no "inactive" (never given an entry: -1).
         newcomer = any(c.get("inactive") == -1 for c in others)
-        return max(0 if newcomer else 1, min(room, share))
+        return max(1 if startable and not newcomer else 0, min(room, share))
 
     def _block_ms(self) -> int | None:
         """How long XREADGROUP may block: never while the engine has work to step."""
@@ -213,16 +234,18 @@ class Ingest:
     def read(self, now: float) -> None:
         """Take what the engine can start soon: dead workers' entries first (every claim tick),
         then new ones."""
-        room = self._room()
+        room, startable = self._room()
         if room <= 0:
             return
         if now - self._last_autoclaim >= min(self.config.claim_idle_ms / 2000.0, 5.0):
             self._last_autoclaim = now
             self.ownership.check_undelivered_loss()
-            room -= self._autoclaim(room)
+            claimed = self._autoclaim(room)
+            room -= claimed
+            startable = max(0, startable - claimed)
             if room <= 0:
                 return
-        room = self._fair_share(room)
+        room = self._fair_share(room, startable)
         if room <= 0:
             return
         block = self._block_ms()

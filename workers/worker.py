@@ -260,14 +260,12 @@ class Worker:
             req = item.request
             try:
                 self.engine.add_request(entry_id, item.prompt_token_ids, item.sampling, arrival_time=item.enqueued_at,
-                                        priority=req.priority, deadline=req.deadline)
+                                        priority=req.priority, deadline=req.deadline, tenant=req.tenant)
             except EngineInputError as exc:
                 self.ownership.release(entry_id)
                 self.acks.add_error(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,
                                     enqueued_at=item.enqueued_at, request=req)
                 continue
-            item.started_at = now
-            self.metrics.queue_time.observe(max(0.0, now - item.enqueued_at))
 
     def _step(self) -> None:
         result = self.engine.step()
@@ -278,6 +276,14 @@ class Worker:
                                                                  (w.request_id for w in result.work)))
         self.metrics.record_step(result, scheduler)
         self.busy.phases(self.engine.phase_seconds)
+        # A request starts when the scheduler first gives it tokens (a prompt chunk), not when it
+        # joins the engine's waiting queue: its queueing delay includes the wait there.
+        for work in result.work:
+            if work.is_prefill:
+                item = self.ownership.get(work.request_id)
+                if item is not None and item.started_at is None:
+                    item.started_at = result.start
+                    self.metrics.queue_time.observe(max(0.0, result.start - item.enqueued_at))
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %s", json.dumps({
                 "requests": len(result.work), "tokens": sum(w.num_tokens for w in result.work),
@@ -338,7 +344,9 @@ class Worker:
     # -- stopping ----------------------------------------------------------------------------
     def drain(self) -> None:
         """Finish what runs (within the drain timeout), hand back the rest, flush and ack."""
-        # Entries still in the batcher never started: they are handed back below.
+        # Entries still in the batcher, and requests waiting in the engine that have never run,
+        # never started: they are handed back below, for a worker that is staying.
+        self.engine.withdraw(self.engine.scheduler.unstarted_request_ids())
         deadline = self.clock() + self.config.drain_timeout_s
         while self.engine.has_unfinished() and self.clock() < deadline:
             self._step()

@@ -68,7 +68,7 @@ def test_redis_kill_9_mid_job_and_restart_from_its_append_only_file(tmp_path):
 
 
 def test_stream_trimmed_below_its_backlog_is_detected_counted_and_reported(redis_url, redis_client, tmp_path):
-    first = requests("trim", 6, 30, prefix="a")
+    first = requests("trim", 4, 30, prefix="a")
     submit(redis_url, first)
     out = tmp_path / "out"
     # A reads four entries and dies: they stay pending under its name.
@@ -78,7 +78,7 @@ def test_stream_trimmed_below_its_backlog_is_detected_counted_and_reported(redis
     assert killed(a), a.log()
     held = pending_ids(redis_client, "A")
     assert len(held) == 4
-    second = requests("trim", 6, 30, prefix="b")
+    second = requests("trim", 8, 30, prefix="b")
     submit(redis_url, second)
     # 4 pending + 8 undelivered entries; keep the newest 5: the 4 pending ones and 3 never read go.
     assert redis_client.xtrim(STREAM, maxlen=5, approximate=False) == 7
@@ -103,12 +103,12 @@ def test_stream_trimmed_below_its_backlog_is_detected_counted_and_reported(redis
     gap = [f for _, f in redis_client.xrange(DEAD) if f[b"error_code"] == b"lost"]
     assert len(gap) == 1 and gap[0][b"count"] == b"3"
 
-    kept = {("trim", f"a{i}") for i in range(4)} | {("trim", f"b{i}") for i in range(1, 6)}
+    kept = {("trim", f"a{i}") for i in range(4)} | {("trim", f"b{i}") for i in range(3, 8)}
     outcome = compact_and_check(out, kept)
     for i in range(4):
         row = outcome.by_key[("trim", f"a{i}")]
         assert row["finish_reason"] == "error" and row["error_code"] == "lost", row
-    assert all(outcome.by_key[("trim", f"b{i}")]["output_tokens"] == 30 for i in range(1, 6))
+    assert all(outcome.by_key[("trim", f"b{i}")]["output_tokens"] == 30 for i in range(3, 8))
     record("stream trimmed below its backlog (dead worker's pending + undelivered)", submitted=12,
            rows_before=outcome.rows_before, rows_after=outcome.rows_after,
            lost=3, lost_with_error_row=4, duplicated=outcome.duplicates_removed, worker_crashes=0,

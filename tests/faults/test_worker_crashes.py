@@ -28,11 +28,12 @@ from tests.helpers import rows
 
 
 def test_kill_9_mid_decode_then_another_worker_reclaims(redis_url, redis_client, tmp_path):
-    expected = submit(redis_url, requests("mid-decode", 12, 40))
+    expected = submit(redis_url, requests("mid-decode", 8, 40))
     out = tmp_path / "out"
-    # Four at a time: the first four finish (about 42 steps) and are acked; at step 60 the next
-    # four are mid-decode when the process dies.
-    a = spawn(redis_url, out, "A", "--max-num-seqs", "4", "--claim-idle-ms", "1000",
+    # Four at a time (it reads the other four into its waiting queue): the first four finish
+    # (about 42 steps) and are acked (a row is flushed as soon as it is written); at step 60 the
+    # next four are mid-decode when the process dies.
+    a = spawn(redis_url, out, "A", "--max-num-seqs", "4", "--claim-idle-ms", "1000", "--flush-rows", "1",
               faults="worker.after_step=kill@60")
     a.wait()
     assert killed(a), a.log()

@@ -170,6 +170,38 @@ def test_errors_name_the_flag_and_source(monkeypatch, tmp_path):
         load_config_file(bad, "worker")
 
 
+def test_tenant_weights_from_every_source_reach_the_scheduler_and_child_workers(monkeypatch, tmp_path):
+    opts = _resolve(["--tenant-weights", "gold = 2, std=0.5"])
+    assert opts["tenant_weights"] == "gold=2,std=0.5"  # checked and written one way
+    engine = engine_config(opts)
+    assert engine.tenant_weight_map == {"gold": 2.0, "std": 0.5}
+    # `run` hands each worker the flags that give the same value.
+    option = next(o for o in ENGINE_OPTIONS if o.name == "tenant_weights")
+    assert _resolve(option.argv(opts["tenant_weights"]))["tenant_weights"] == "gold=2,std=0.5"
+    monkeypatch.setenv("MQINFER_TENANT_WEIGHTS", "a=3")
+    assert _resolve([])["tenant_weights"] == "a=3"
+    monkeypatch.delenv("MQINFER_TENANT_WEIGHTS")
+    assert _resolve([], _config(tmp_path, 'tenant-weights = "b=4"\n'))["tenant_weights"] == "b=4"
+    assert _resolve([])["tenant_weights"] is None and engine_config(_resolve([])).tenant_weight_map == {}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("gold=fast", r"the weight of tenant 'gold' must be a number, got 'fast'"),
+    ("gold=0", r"the weight of tenant 'gold' must be a finite number > 0, got '0'"),
+    ("gold=-2", r"the weight of tenant 'gold' must be a finite number > 0, got '-2'"),
+    ("gold=1,gold=2", r"tenant 'gold' is given twice"),
+    ("gold", r"entry 'gold' is not tenant=weight"),
+])
+def test_bad_tenant_weights_name_the_flag_the_source_and_the_entry(monkeypatch, value, message):
+    with pytest.raises(ConfigError, match=r"--tenant-weights \(from command line\): tenant weights: " + message):
+        _resolve(["--tenant-weights", value])
+    monkeypatch.setenv("MQINFER_TENANT_WEIGHTS", value)
+    with pytest.raises(ConfigError, match=r"--tenant-weights \(from environment MQINFER_TENANT_WEIGHTS\): "):
+        _resolve([])
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(tenant_weights=value)
+
+
 def test_missing_required_flag_exits_2_with_message():
     out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--out", "x"], capture_output=True, text=True,
                          env={"PATH": "/usr/bin:/bin"})

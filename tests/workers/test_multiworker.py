@@ -43,8 +43,9 @@ def _wait_job(redis_client, job: str, n: int, timeout: float = 180) -> None:
 def _share_then_scale_down(redis_url, redis_client, out, plan: list[tuple[str, list[str]]], leaving: list[str]):
     """Workers join per ``plan`` (job name, newcomers), each job shared by every worker so far;
     then ``leaving`` get SIGTERM while a longer job runs, and the others finish it."""
-    # At most four requests run per worker, and a worker reads only what it can start: the backlog
-    # stays in the stream for whichever worker has room. A short drain makes SIGTERM hand work back.
+    # At most four requests run per worker, and a worker reads what it can start plus a short
+    # waiting queue, within its fair share of the backlog: the rest stays in the stream for
+    # whichever worker has room. A short drain makes SIGTERM hand work back.
     args = ("--max-num-seqs", "4", "--claim-idle-ms", "1000", "--flush-interval-s", "0.1",
             "--drain-timeout-s", "0.2")
     workers = {}
