@@ -120,7 +120,11 @@ def test_greedy_with_8bit_kv_follows_auto_kv(which, small_llama):
 def test_preemption_and_prefix_cache_keep_8bit_outputs_exact():
     # A cache too small for every request at once: swap preemption moves 8-bit blocks and their
     # scales out and back, recompute writes the same quantized values again, and prefix-cache
-    # hits read blocks another request wrote. Every token and logprob is as with a roomy cache.
+    # hits read blocks another request wrote. Every token is as with a roomy cache, and every
+    # logprob within 1e-3. Not bit for bit: the batches differ, and on some CPUs (MKL's AVX-512
+    # kernels) a matmul's last bits depend on its number of rows, which can move a value across an
+    # int8 rounding step (measured: at most 2.2e-5 here). Scales left behind by a swap move a
+    # logprob by 0.1 and flip a token.
     ample, _ = _generate("tiny", 256, "int8", n=6, max_tokens=24, num_kv_blocks=128)
     for mode in ("swap", "recompute"):
         tight, engine = _generate("tiny", 256, "int8", n=6, max_tokens=24, num_kv_blocks=8, preemption_mode=mode,
@@ -131,7 +135,8 @@ def test_preemption_and_prefix_cache_keep_8bit_outputs_exact():
         assert engine.scheduler.prefix_cache_hits > 0
         for rid, a in ample.items():
             assert tight[rid].output_token_ids == a.output_token_ids, (mode, rid)
-            assert [p["logprob"] for p in tight[rid].logprobs] == [p["logprob"] for p in a.logprobs], (mode, rid)
+            assert [p["logprob"] for p in tight[rid].logprobs] == pytest.approx(
+                [p["logprob"] for p in a.logprobs], rel=0, abs=1e-3), (mode, rid)
 
 
 def test_run_with_int8_kv_cache_writes_results(tmp_path):
