@@ -106,7 +106,12 @@ class TokenBuckets:
         for tenant in self.limits:
             try:
                 self.take(tenant, [])
-            except redis.exceptions.NoPermissionError as exc:
+            except redis.exceptions.ResponseError as exc:
+                # EVALSHA itself refused: NOPERM; a command inside the script refused: an error
+                # reply that says so ("ACL failure in script: ... no permissions ...").
+                if not (isinstance(exc, redis.exceptions.NoPermissionError) or "ACL failure" in str(exc)
+                        or "no permissions" in str(exc)):
+                    raise
                 raise RateLimitUnavailable(
                     f"--tenant-limits cannot be enforced: this Redis user may not run the rate-limit script "
                     f"on {keys.rate_limit_bucket(tenant)} ({exc}); grant EVALSHA, EVAL, SCRIPT LOAD, TIME, HMGET, "

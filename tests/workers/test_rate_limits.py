@@ -125,8 +125,8 @@ def test_bad_tenant_limits_are_refused_naming_the_entry(text, message):
 @pytest.fixture
 def limited_worker(redis_url, tmp_path):
     # `slow`: 40 tokens/s; each request below takes 4 prompt + 4 output = 8 tokens, so a burst of 5
-    # requests, then one every 0.2 s of the worker's clock.
-    h = WorkerHarness(redis_url, tmp_path / "out", max_batch=4, tenant_limits="slow=40",
+    # requests, then one every 0.2 s of the worker's clock. `roomy` is limited too, far above its use.
+    h = WorkerHarness(redis_url, tmp_path / "out", max_batch=4, tenant_limits="slow=40,roomy=1000",
                       engine=EngineConfig(num_threads=1, max_num_seqs=4)).start()
     yield h
     h.worker.redis.close()
@@ -138,7 +138,7 @@ def test_a_limited_tenant_waits_while_others_flow_past_and_a_deadline_ends_it_ra
     now = h.clock()
     slow = [submit(redis_client, request(f"s{i}", tenant="slow")) for i in range(10)]
     doomed = submit(redis_client, request("late", tenant="slow", deadline=now + 0.5))
-    fast = [submit(redis_client, request(f"f{i}", tenant="fast")) for i in range(6)]
+    fast = [submit(redis_client, request(f"f{i}", tenant="roomy" if i % 2 else "free")) for i in range(6)]
     assert len(slow) == 10 and len(fast) == 6
     seen_in_engine_while_throttled = []
 
@@ -164,7 +164,8 @@ def test_a_limited_tenant_waits_while_others_flow_past_and_a_deadline_ends_it_ra
     # at least (80 - 40) / 40 = 1 s from the first start.
     assert starts[-1] - starts[0] >= 1.0 - 0.02
     assert starts[4] - starts[0] < 0.1
-    # The fast tenant, submitted after all the slow requests, was not held behind them.
+    # The other tenants' requests, limited or not, submitted after all the slow ones, were not held
+    # behind them.
     fast_done = max(by_id[f"f{i}"]["finished_at"].timestamp() for i in range(6))
     assert fast_done < starts[6]
     text = h.metrics.registry.get_sample_value
