@@ -70,9 +70,6 @@ class Throttle:
     def __len__(self) -> int:
         return self._held
 
-    def __contains__(self, entry_id: str) -> bool:
-        return any(entry_id in q.waiting for q in self.queues.values())
-
     def limits_tenant(self, tenant: str) -> bool:
         return tenant in self.queues
 
@@ -97,6 +94,7 @@ class Throttle:
         return held
 
     def entries(self) -> Iterable[Held]:
+        """Every request held, tenant by tenant, each tenant's in arrival order."""
         for queue in self.queues.values():
             yield from queue.waiting.values()
 
