@@ -189,6 +189,27 @@ def test_a_draining_worker_hands_back_what_waits_on_the_limit(limited_worker, re
     assert all(p["consumer"] == "mqinfer-handback" and p["delivered"] == 0 for p in handed_back.values())
 
 
+def test_a_worker_holds_a_bounded_number_of_requests_waiting_on_limits(redis_url, redis_client, tmp_path):
+    """Past ``throttled_bound`` held requests a worker stops reading: the rest of a limited
+    tenant's flood waits in the stream (where another worker may take it), not in memory."""
+    h = WorkerHarness(redis_url, tmp_path / "out", max_batch=1, tenant_limits="slow=8",
+                      engine=EngineConfig(num_threads=1, max_num_seqs=1)).start()
+    try:
+        bound = h.worker.ingest.throttled_bound
+        assert bound == 4 * max(1, 2 * 1)
+        for i in range(bound + 6):
+            submit(redis_client, request(f"s{i}", tenant="slow"))
+        most = 0
+        for _ in range(3 * bound):
+            h.turn()
+            most = max(most, len(h.worker.throttle))
+        assert most == bound
+        group = next(g for g in redis_client.xinfo_groups(keys.request_stream()) if g["name"] == b"workers")
+        assert group["lag"] == 5  # one request ran (the bucket's first 8 tokens), 5 were never read
+    finally:
+        h.worker.redis.close()
+
+
 # -- two workers share a tenant's limit ------------------------------------------------------------
 
 def _shared_limit_run(redis_url, redis_client, tmp_path, *, rate: float, n: int):
