@@ -3,10 +3,10 @@
 Each turn: read what the engine can start soon (:mod:`.ingest`: ``XREADGROUP`` bounded by free
 capacity, ``XAUTOCLAIM`` of dead workers' entries, decode and validate, :mod:`.idempotency` for
 producers' duplicates), pass on the requests of rate-limited tenants whose buckets give them
-their tokens (:mod:`.throttle`), admit what the dual-threshold batcher releases, step the engine, send
-reply messages and progress (:mod:`.replies`), keep the entries it runs its own and apply
-cancels (:mod:`.ownership`), and turn finished requests into rows (:mod:`.billing`) that are
-written durably before their entries are acked (:mod:`.acks`).
+their tokens (:mod:`.throttle`), admit what the dual-threshold batcher releases, step the
+engine, send reply messages and progress (:mod:`.replies`), keep the entries it runs its own and
+apply cancels (:mod:`.ownership`), and turn finished requests into rows (:mod:`.billing`) that
+are written durably before their entries are acked (:mod:`.acks`).
 
 SIGTERM drains: no new reads, finish what runs within ``drain_timeout_s``, hand the rest back,
 flush, ack, exit 0. A worker that cannot write its rows exits 3 without acking them. At stop it
