@@ -10,6 +10,7 @@ import time
 import pytest
 
 from mqinfer.schemas import keys
+from mqinfer.schemas.replies import cancel_key, cancel_member
 from mqinfer.workers.buckets import TokenBuckets
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.tenant_limits import TenantLimit, format_tenant_limits, parse_tenant_limits, request_tokens
@@ -187,6 +188,22 @@ def test_a_draining_worker_hands_back_what_waits_on_the_limit(limited_worker, re
     handed_back = pending(redis_client)
     assert set(handed_back) == set(entries[5:])
     assert all(p["consumer"] == "mqinfer-handback" and p["delivered"] == 0 for p in handed_back.values())
+
+
+def test_a_cancelled_request_leaves_the_throttle_with_a_cancelled_row(limited_worker, redis_client):
+    h = limited_worker
+    entries = [submit(redis_client, request(f"s{i}", tenant="slow")) for i in range(10)]
+    h.until(lambda: len(h.results()) == 5, max_turns=300, what="the burst's rows")
+    assert len(h.worker.throttle) == 5
+    # What Client.cancel leaves: the request's member in the stream's cancel set, scored now.
+    redis_client.zadd(cancel_key("requests"), {cancel_member("s9", None): time.time()})
+    # The keepalive checks the cancels of what the worker holds; 0.4 s refill two requests' tokens.
+    h.turn(advance_s=0.4)
+    assert sorted(held.entry_id for held in h.worker.throttle.entries()) == sorted(entries[7:9])
+    h.until(lambda: len(h.results()) == 10, max_turns=300, advance_s=0.01, what="every row")
+    by_id = {r["id"]: r for r in h.results()}
+    assert by_id["s9"]["finish_reason"] == "cancelled" and by_id["s9"]["started_at"] is None
+    assert all(by_id[f"s{i}"]["finish_reason"] == "length" for i in range(9))
 
 
 def test_a_worker_holds_a_bounded_number_of_requests_waiting_on_limits(redis_url, redis_client, tmp_path):
