@@ -206,6 +206,24 @@ def test_a_cancelled_request_leaves_the_throttle_with_a_cancelled_row(limited_wo
     assert all(by_id[f"s{i}"]["finish_reason"] == "length" for i in range(9))
 
 
+def test_a_cancelled_job_ends_its_requests_waiting_on_a_limit(redis_url, redis_client, tmp_path):
+    h = WorkerHarness(redis_url, tmp_path / "out", tenant_limits="slow=8").start()  # one request a second
+    try:
+        redis_client.hset(keys.job_key("j"), "status", "running")
+        for i in range(6):
+            submit(redis_client, request(f"s{i}", tenant="slow", job_id="j"))
+        h.until(lambda: len(h.results()) == 1, max_turns=300, what="the first row")
+        assert len(h.worker.throttle) == 5
+        redis_client.hset(keys.job_key("j"), "status", "cancelling")
+        h.turn(advance_s=1.1)  # the job's status is read again; one more request's tokens refilled
+        assert len(h.worker.throttle) == 0
+        h.until(lambda: len(h.results()) == 6, max_turns=100, advance_s=0.01, what="every row")
+        reasons = sorted(r["finish_reason"] for r in h.results())
+        assert reasons == ["cancelled"] * 5 + ["length"]
+    finally:
+        h.worker.redis.close()
+
+
 def test_a_worker_holds_a_bounded_number_of_requests_waiting_on_limits(redis_url, redis_client, tmp_path):
     """Past ``throttled_bound`` held requests a worker stops reading: the rest of a limited
     tenant's flood waits in the stream (where another worker may take it), not in memory."""
