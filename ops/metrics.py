@@ -41,6 +41,13 @@ Names (``_total`` is added to counters by the client library):
 ``mqinfer_cost_usd_total``                  counter    billed dollars by ``tenant`` (capped)
 ``mqinfer_tenant_budget_usd``               gauge      a tenant's budget (with ``--budgets``)
 ``mqinfer_tenant_spend_usd``                gauge      its fleet-wide spend this budget period
+``mqinfer_tenant_rate_limit``               gauge      a tenant's limit (``--tenant-limits``), by
+                                                       ``kind``: tokens_per_second,
+                                                       requests_per_second
+``mqinfer_num_requests_rate_limited``       gauge      requests held here waiting on their
+                                                       tenant's limit, by ``tenant``
+``mqinfer_rate_limited_seconds_total``      counter    seconds requests waited on a limit
+``mqinfer_rate_limited_tokens_total``       counter    tokens of requests that had to wait
 ``mqinfer_result_rows_written_total``       counter    result rows written durably
 ``mqinfer_duplicate_requests_total``        counter    entries repeating a taken request, by
                                                        ``outcome``: same (acked once), conflict
@@ -158,8 +165,17 @@ class WorkerMetrics:
         )
         self.engine_phase_seconds = {p: phases.labels(p) for p in ("schedule", "prepare", "forward", "sample",
                                                                     "postprocess")}
+        self._throttled_seconds = Counter(
+            "mqinfer_rate_limited_seconds", "Seconds requests waited on their tenant's rate limit (--tenant-limits), "
+            "counted when they stop waiting.", ["tenant"], registry=r,
+        )
+        self._throttled_tokens = Counter(
+            "mqinfer_rate_limited_tokens", "Tokens (prompt + max_tokens) of requests that had to wait on their "
+            "tenant's rate limit.", ["tenant"], registry=r,
+        )
         self.max_tenant_labels = max_tenant_labels
         self._tenant_cost: dict[str, Any] = {}
+        self._limited_tenants: set[str] = set()
         ProcessCollector(namespace="mqinfer", registry=r)
         # Deltas of the scheduler's cumulative counts, and each running request's last token time.
         self._seen_queries = 0
@@ -223,7 +239,25 @@ class WorkerMetrics:
             self._tenant_cost.setdefault(OTHER_TENANT, child)
         return child
 
+    def rate_limit_throttled(self, tenant: str, tokens: int) -> None:
+        """A request of a limited tenant was refused by its bucket for the first time."""
+        self._throttled_tokens.labels(self._limit_label(tenant)).inc(tokens)
+
+    def rate_limit_waited(self, tenant: str, seconds: float) -> None:
+        """A request that waited on its tenant's limit stopped waiting (admitted, expired, cancelled)."""
+        self._throttled_seconds.labels(self._limit_label(tenant)).inc(seconds)
+
+    def _limit_label(self, tenant: str) -> str:
+        # Only configured tenants are limited; beyond the label cap they share OTHER_TENANT.
+        return tenant if tenant in self._limited_tenants else OTHER_TENANT
+
     # -- what is read when Prometheus scrapes ------------------------------------------------------
+    def track_rate_limits(self, limits, waiting_by_tenant: Callable[[], dict[str, int]]) -> None:
+        """Export each limited tenant's limits (``limits``: tenant -> ``TenantLimit``) and how many
+        of its requests wait on them here (``waiting_by_tenant``, read at scrape time)."""
+        self._limited_tenants = set(sorted(limits)[: self.max_tenant_labels])
+        self.registry.register(_RateLimitCollector(dict(limits), waiting_by_tenant, self._limited_tenants))
+
     def track_engine(self, scheduler, num_waiting_outside: Callable[[], int] = lambda: 0) -> None:
         """Read the running / waiting counts and KV usage from ``scheduler`` at each scrape.
 
@@ -436,6 +470,39 @@ def memory_utilization(device: str = "cpu") -> float | None:
     if not total or available is None:
         return None
     return 1.0 - available / total
+
+
+class _RateLimitCollector:
+    def __init__(self, limits: dict, waiting_by_tenant: Callable[[], dict[str, int]], named: set[str]) -> None:
+        self.limits = limits
+        self.waiting_by_tenant = waiting_by_tenant
+        self.named = named
+
+    def describe(self):
+        return list(self._families(with_values=False))
+
+    def collect(self):
+        return list(self._families(with_values=True))
+
+    def _families(self, with_values: bool):
+        limit = GaugeMetricFamily("mqinfer_tenant_rate_limit", "A tenant's rate limit (--tenant-limits), by kind: "
+                                  "tokens_per_second, requests_per_second.", labels=["tenant", "kind"])
+        waiting = GaugeMetricFamily("mqinfer_num_requests_rate_limited", "Requests held by this worker waiting on "
+                                    "their tenant's rate limit.", labels=["tenant"])
+        if with_values:
+            for tenant in sorted(self.named):
+                spec = self.limits[tenant]
+                limit.add_metric([tenant, "tokens_per_second"], spec.tokens_per_s)
+                if spec.requests_per_s is not None:
+                    limit.add_metric([tenant, "requests_per_second"], spec.requests_per_s)
+            counts: dict[str, int] = {}
+            for tenant, n in self.waiting_by_tenant().items():
+                label = tenant if tenant in self.named else OTHER_TENANT
+                counts[label] = counts.get(label, 0) + n
+            for label, n in sorted(counts.items()):
+                waiting.add_metric([label], n)
+        yield limit
+        yield waiting
 
 
 class _BudgetCollector:

@@ -19,6 +19,8 @@ INTERNAL_ERROR = "internal_error"
 LOST = "lost"
 DUPLICATE_ID = "duplicate_id"
 BUDGET_EXCEEDED = "budget_exceeded"
+# Waited on its tenant's rate limit (--tenant-limits) until its deadline passed.
+RATE_LIMITED = "rate_limited"
 
 ALL_CODES = frozenset(
     {
@@ -35,6 +37,7 @@ ALL_CODES = frozenset(
         LOST,
         DUPLICATE_ID,
         BUDGET_EXCEEDED,
+        RATE_LIMITED,
     }
 )
 

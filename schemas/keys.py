@@ -1,6 +1,7 @@
 """Redis key names of the public contract.
 
-The braces are Redis Cluster hash tags: a request stream and its dead letters share a slot.
+The braces are Redis Cluster hash tags: a request stream and its dead letters share a slot; a
+job's keys share its job id's slot, a tenant's rate-limit bucket its tenant's.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def inflight_hash(stream: str) -> str:
 def gap_marker(stream: str, last_delivered_id: str) -> str:
     """Taken (SET NX) by the one worker that reports entries trimmed before delivery after this id."""
     return f"mqinfer:{{{stream}}}:gap:{last_delivered_id}"
+
+
+def rate_limit_bucket(tenant: str) -> str:
+    """Hash of a tenant's rate-limit buckets (tokens and requests left, when last refilled), shared
+    by every worker of the server whatever its stream, so that a tenant's limit holds across all
+    of them. Hash-tagged by tenant: each tenant's bucket is one key in one slot."""
+    return f"mqinfer:ratelimit:{{{tenant}}}"
 
 
 def shard_streams(stream: str, shards: int) -> list[str]:

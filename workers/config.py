@@ -19,6 +19,7 @@ from mqinfer.scheduler.config import (
 )
 from mqinfer.schemas import keys
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
+from mqinfer.workers.tenant_limits import TenantLimit, format_tenant_limits, parse_tenant_limits
 
 DEVICES = ("auto", "cpu", "cuda")  # the flag's choices; the dataclass also takes cuda:N
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -56,6 +57,13 @@ def tenant_weights_flag(text: str) -> str | None:
     ValueError names the bad entry."""
     weights = parse_tenant_weights(text)
     return format_tenant_weights(weights) if weights else None
+
+
+def tenant_limits_flag(text: str) -> str | None:
+    """``--tenant-limits`` checked and written the one way (``a=200:2,b=50``); empty: None (no
+    limits). ValueError names the bad entry."""
+    limits = parse_tenant_limits(text)
+    return format_tenant_limits(limits) if limits else None
 
 
 def parse_wait_ms(text: str) -> float | str:
@@ -206,6 +214,14 @@ class WorkerConfig:
     max_tokens_limit: int | None = field(default=None, metadata=flag(
         "Largest max_tokens accepted; a larger request ends as an error (default: bounded only by the "
         "context length).", metavar="N"))
+    # Text as on the command line (`a=200:2,b=50`), so that it passes unchanged to child processes.
+    tenant_limits: str | None = field(default=None, metadata=flag(
+        "Rate limits per tenant, held across every worker of the Redis server: "
+        "tenant=tokens_per_s[:requests_per_s],... (a tenant not named is not limited). A request takes its "
+        "prompt tokens plus its max_tokens from its tenant's bucket when it is admitted; the bucket holds one "
+        "second of the rate. A request over the limit waits (other tenants' requests go past it) and ends "
+        "with error_code rate_limited if its deadline passes first.", metavar="T=TOK[:REQ],...",
+        parse=tenant_limits_flag))
 
     def __post_init__(self) -> None:
         auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"
@@ -229,3 +245,9 @@ class WorkerConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        parse_tenant_limits(self.tenant_limits)  # raises ValueError naming a bad entry
+
+    @property
+    def tenant_limit_map(self) -> dict[str, TenantLimit]:
+        """``tenant_limits`` parsed: tenant -> its limits."""
+        return parse_tenant_limits(self.tenant_limits)

@@ -7,7 +7,8 @@ the entries of dead workers (``XAUTOCLAIM`` of entries idle longer than ``--clai
 Each entry is decoded and validated: a bad one ends with an error row, or goes to the dead
 letters when it has no usable id; a duplicate of a request another entry carries is not computed
 (:mod:`.idempotency`); one delivered more than ``--max-deliveries`` times ends with an error row;
-the rest go to the batcher.
+the rest go to the batcher, except those of a rate-limited tenant (``--tenant-limits``), which
+wait in the throttle (:mod:`.throttle`) until their tenant's bucket gives them their tokens.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from mqinfer.workers.entries import InFlight, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.replies import Replies
+from mqinfer.workers.tenant_limits import request_tokens
+from mqinfer.workers.throttle import Throttle
 
 log = logging.getLogger("mqinfer.worker")
 
@@ -135,7 +138,8 @@ class DeadLetters:
 class Ingest:
     def __init__(self, redis_client, config: WorkerConfig, consumer: str, *, engine, batcher, ownership,
                  idempotency: Idempotency, acks: Acks, replies: Replies, dead_letters: DeadLetters,
-                 jobs: JobStatuses, metrics, budget_guard=None, clock: Callable[[], float] = time.time) -> None:
+                 jobs: JobStatuses, metrics, budget_guard=None, throttle: Throttle | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.redis = redis_client
         self.config = config
         self.consumer = consumer
@@ -150,6 +154,7 @@ class Ingest:
         self.jobs = jobs
         self.metrics = metrics
         self.budget_guard = budget_guard
+        self.throttle = throttle
         self.clock = clock
         # Reads may block while the worker has nothing to do; a test that drives the loop by hand
         # turns this off.
@@ -172,13 +177,24 @@ class Ingest:
         ``max(--max-num-seqs, 2 x --max-batch)``: about one more batch of running requests."""
         return max(self.engine.scheduler_config.max_num_seqs, 2 * self.config.max_batch)
 
+    @property
+    def throttled_bound(self) -> int:
+        """Requests of rate-limited tenants this worker holds waiting on their limits at most:
+        ``4 x waiting_bound``. Reading goes on past a limited tenant's requests so that other
+        tenants' requests behind them are served; beyond this many held, it stops (memory stays
+        bounded, and the rest of a flood waits in the stream, where other workers can take it)."""
+        return 4 * self.waiting_bound
+
     def _room(self) -> tuple[int, int]:
         """(how many entries to read at most now, how many of those the engine could start at once).
 
         The engine can start requests only while none waits in its scheduler (one waiting shows
         that it is full, by sequences or by KV blocks); beyond those, the worker fills its waiting
-        queue up to ``waiting_bound``. At most ``--max-batch`` per read.
+        queue up to ``waiting_bound``. At most ``--max-batch`` per read; nothing while the throttle
+        holds ``throttled_bound`` requests.
         """
+        if self.throttle is not None and len(self.throttle) >= self.throttled_bound:
+            return 0, 0
         scheduler = self.engine.scheduler
         queued = len(self.batcher)
         startable = 0 if scheduler.num_waiting else max(0, self.engine.free_capacity() - queued)
@@ -223,6 +239,10 @@ class Ingest:
         if not self.block_reads or self.engine.has_unfinished() or self.acks.rows_buffered:
             return None
         wait = self.batcher.time_until_release(engine_idle=True)
+        if self.throttle is not None:
+            retry = self.throttle.time_until_retry(self.clock())
+            if retry is not None:
+                wait = retry if wait is None else min(wait, retry)
         if wait is not None:
             return max(1, int(wait * 1000)) if wait > 0 else None
         cap = 1000
@@ -236,6 +256,7 @@ class Ingest:
         then new ones."""
         room, startable = self._room()
         if room <= 0:
+            self._pause()
             return
         if now - self._last_autoclaim >= min(self.config.claim_idle_ms / 2000.0, 5.0):
             self._last_autoclaim = now
@@ -274,6 +295,16 @@ class Ingest:
                 new.append(entry_id)
         if new:
             self.ownership.apply_cancels([e for e in new if e in self.ownership])
+
+    def _pause(self) -> None:
+        """Nothing may be read: with nothing to step either (only rate-limited requests held), wait
+        until the throttle's next retry instead of turning the loop at full speed."""
+        block = self._block_ms()
+        if block is None or self.throttle is None or not len(self.throttle):
+            return
+        t0 = time.perf_counter()
+        time.sleep(block / 1000.0)
+        self.blocked_s += time.perf_counter() - t0
 
     def recover_own_pending(self) -> None:
         """Entries already pending under this consumer name (a restart with a fixed --consumer)."""
@@ -378,7 +409,11 @@ class Ingest:
             return
         self.ownership.take(InFlight(entry_id, request, attempt, enqueued_at, prompt_token_ids=prompt_ids,
                                      sampling=sampling))
-        self.batcher.add(entry_id)
+        if self.throttle is not None and self.throttle.limits_tenant(request.tenant):
+            tokens = request_tokens(len(prompt_ids), request.max_tokens, self.engine.scheduler_config.max_model_len)
+            self.throttle.add(entry_id, request.tenant, tokens, request.deadline)
+        else:
+            self.batcher.add(entry_id)
 
     def _refusal(self, request: Request, attempt: int) -> tuple[str | None, str | None, str] | None:
         """Why a valid request ends before it runs: (error code, message, finish reason), or None."""

@@ -30,6 +30,7 @@ from mqinfer.workers.entries import InFlight, entry_order, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.throttle import Throttle
 
 log = logging.getLogger("mqinfer.worker")
 
@@ -42,7 +43,7 @@ GAP_MARKER_TTL_S = 7 * 24 * 3600
 class Ownership:
     def __init__(self, redis_client, config: WorkerConfig, consumer: str, *, engine, batcher,
                  idempotency: Idempotency, acks: Acks, dead_letters: DeadLetters, jobs: JobStatuses,
-                 metrics) -> None:
+                 metrics, throttle: Throttle | None = None) -> None:
         self.redis = redis_client
         self.config = config
         self.consumer = consumer
@@ -51,6 +52,8 @@ class Ownership:
         self.cancel_key = cancel_key(config.stream)
         self.engine = engine
         self.batcher = batcher
+        # Requests of rate-limited tenants waiting on their limits (None without --tenant-limits).
+        self.throttle = throttle
         self.idempotency = idempotency
         self.acks = acks
         self.dead_letters = dead_letters
@@ -162,6 +165,7 @@ class Ownership:
                         "claimed" if entry_id in elsewhere else "finished")
             self.idempotency.forget(entry_id)
             self.disowned.add(entry_id)
+            self._unthrottle(entry_id)
             if not self.stop(entry_id):
                 self.inflight.pop(entry_id, None)
                 self.disowned.discard(entry_id)
@@ -190,17 +194,28 @@ class Ownership:
                 continue
             if self.stop(item.entry_id):
                 continue  # the next step reports it, and its row says cancelled
-            if self.batcher.remove(item.entry_id):
-                del self.inflight[item.entry_id]
-                req = item.request
-                self.acks.add_error(item.entry_id, req.id, req.job_id, None, None, attempt=item.attempt,
-                                    enqueued_at=item.enqueued_at, request=req, finish_reason="cancelled")
+            if self.batcher.remove(item.entry_id) or self._unthrottle(item.entry_id):
+                self._end_cancelled(item)
 
     def cancel_cancelled_jobs(self) -> None:
-        """Running requests of a job being cancelled stop now (they end with finish_reason cancelled)."""
+        """Running requests of a job being cancelled stop now (they end with finish_reason cancelled),
+        and so do those waiting on their tenant's rate limit."""
         for entry_id, item in list(self.inflight.items()):
-            if self.jobs.cancelled(item.request.job_id):
-                self.stop(entry_id)
+            if self.jobs.cancelled(item.request.job_id) and not self.stop(entry_id) and self._unthrottle(entry_id):
+                self._end_cancelled(item)
+
+    def _unthrottle(self, entry_id: str) -> bool:
+        """Take an entry out of the throttle; False when it does not wait there."""
+        item = self.inflight.get(entry_id)
+        return bool(self.throttle is not None and item is not None
+                    and self.throttle.remove(entry_id, item.request.tenant) is not None)
+
+    def _end_cancelled(self, item: InFlight) -> None:
+        """A request cancelled before the engine had it: a cancelled row, no cost."""
+        del self.inflight[item.entry_id]
+        req = item.request
+        self.acks.add_error(item.entry_id, req.id, req.job_id, None, None, attempt=item.attempt,
+                            enqueued_at=item.enqueued_at, request=req, finish_reason="cancelled")
 
     # -- handing back ------------------------------------------------------------------------------
     def unfinished(self) -> list[str]:

@@ -2,10 +2,11 @@
 
 Each turn: read what the engine can start soon (:mod:`.ingest`: ``XREADGROUP`` bounded by free
 capacity, ``XAUTOCLAIM`` of dead workers' entries, decode and validate, :mod:`.idempotency` for
-producers' duplicates), admit what the dual-threshold batcher releases, step the engine, send
-reply messages and progress (:mod:`.replies`), keep the entries it runs its own and apply
-cancels (:mod:`.ownership`), and turn finished requests into rows (:mod:`.billing`) that are
-written durably before their entries are acked (:mod:`.acks`).
+producers' duplicates), pass on the requests of rate-limited tenants whose buckets give them
+their tokens (:mod:`.throttle`), admit what the dual-threshold batcher releases, step the
+engine, send reply messages and progress (:mod:`.replies`), keep the entries it runs its own and
+apply cancels (:mod:`.ownership`), and turn finished requests into rows (:mod:`.billing`) that
+are written durably before their entries are acked (:mod:`.acks`).
 
 SIGTERM drains: no new reads, finish what runs within ``drain_timeout_s``, hand the rest back,
 flush, ack, exit 0. A worker that cannot write its rows exits 3 without acking them. At stop it
@@ -31,11 +32,12 @@ import redis
 from prometheus_client import Gauge
 
 from mqinfer.scheduler.batcher import DynamicBatcher
-from mqinfer.schemas import faults, keys
+from mqinfer.schemas import errors, faults, keys
 from mqinfer.schemas.connection import connect_redis, redact
 from mqinfer.schemas.dataset import remove_temp_files
 from mqinfer.workers.acks import Acks, SinkError
 from mqinfer.workers.billing import Billing, finished_fields
+from mqinfer.workers.buckets import TokenBuckets, server_clock_unless
 from mqinfer.workers.busy import BusyTime, summary_path, write_exit_summary
 from mqinfer.workers.config import WorkerConfig
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time
@@ -47,6 +49,7 @@ from mqinfer.workers.ownership import Ownership
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.sink import Sinks
+from mqinfer.workers.throttle import Throttle
 
 log = logging.getLogger("mqinfer.worker")
 
@@ -90,6 +93,8 @@ class Worker:
         self.acks: Acks | None = None
         self.ownership: Ownership | None = None
         self.ingest: Ingest | None = None
+        # With --tenant-limits: requests of limited tenants waiting on their buckets.
+        self.throttle: Throttle | None = None
         self._wait_gauges: tuple[Gauge, Gauge, Gauge] | None = None
         self._last_activity = self.started
         self._redis = Backoff(clock=clock, busy=lambda: self.engine.has_unfinished())
@@ -135,6 +140,12 @@ class Worker:
         if removed:
             log.info("removed %d leftover temporary part files", removed)
         self._wait_for_redis()
+        limits = cfg.tenant_limit_map
+        if limits:
+            # Before the model loads: limits that cannot be enforced stop the worker at once.
+            buckets = TokenBuckets(self.redis, limits, clock=server_clock_unless(self.clock))
+            buckets.check()
+            self.throttle = Throttle(limits, buckets, max_take=cfg.max_batch, metrics=self.metrics, clock=self.clock)
         with announced(self.redis, self.stream_key, cfg.group, self.consumer):
             self.engine = engine = LLMEngine(cfg.engine, clock=self.clock)
         info = engine.info
@@ -157,11 +168,11 @@ class Worker:
         dead_letters = DeadLetters(self.redis, cfg.stream, self.consumer, acks=self.acks, metrics=self.metrics)
         self.ownership = Ownership(self.redis, cfg, self.consumer, engine=engine, batcher=self.batcher,
                                    idempotency=self.idempotency, acks=self.acks, dead_letters=dead_letters,
-                                   jobs=self.jobs, metrics=self.metrics)
+                                   jobs=self.jobs, metrics=self.metrics, throttle=self.throttle)
         self.ingest = Ingest(self.redis, cfg, self.consumer, engine=engine, batcher=self.batcher,
                              ownership=self.ownership, idempotency=self.idempotency, acks=self.acks,
                              replies=self.replies, dead_letters=dead_letters, jobs=self.jobs, metrics=self.metrics,
-                             budget_guard=self.budget_guard, clock=self.clock)
+                             budget_guard=self.budget_guard, throttle=self.throttle, clock=self.clock)
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, port)
@@ -178,7 +189,12 @@ class Worker:
         """What the metrics read at scrape time: the engine, the meter, memory, the stream, budgets."""
         cfg = self.config
         self.metrics.track_meter(self.meter)
-        self.metrics.track_engine(engine.scheduler, self.batcher.__len__)
+        throttle = self.throttle
+        if throttle is None:
+            self.metrics.track_engine(engine.scheduler, self.batcher.__len__)
+        else:
+            self.metrics.track_engine(engine.scheduler, lambda: len(self.batcher) + len(throttle))
+            self.metrics.track_rate_limits(throttle.limits, throttle.waiting_by_tenant)
         self.metrics.watch_memory(str(engine.device))
         # Scrapes read Redis from the HTTP thread, on their own client with a short timeout.
         scrape_redis = connect_redis(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=2.0)
@@ -217,6 +233,8 @@ class Worker:
         if not self.engine.has_unfinished():
             self.meter.idle_until(now)  # keeps the batch idle ratio current while nothing runs
         self._redis(self.ingest.read, now)
+        if self.throttle is not None:
+            self._redis(self._release_throttled, self.clock())
         self._admit()
         if self.engine.has_unfinished():
             self._step()
@@ -245,6 +263,28 @@ class Worker:
         return self.clock() - max(self._last_activity, self.ingest.last_accept) >= limit
 
     # -- the engine --------------------------------------------------------------------------
+    def _release_throttled(self, now: float) -> None:
+        """Requests whose tenant's bucket gave them their tokens go to the batcher; those whose
+        deadline passed while they waited on the limit end with error ``rate_limited``."""
+        released = self.throttle.release(now)
+        for held in released.admitted:
+            if held.entry_id in self.ownership:  # else cancelled or taken over meanwhile
+                self.batcher.add(held.entry_id)
+        for held in released.expired:
+            if held.entry_id not in self.ownership:
+                continue
+            item, ours = self.ownership.release(held.entry_id)
+            if not ours:
+                continue
+            req = item.request
+            limit = self.throttle.limits[held.tenant]
+            self.acks.add_error(
+                item.entry_id, req.id, req.job_id, errors.RATE_LIMITED,
+                f"tenant {held.tenant!r} is over its rate limit ({limit.describe()}, --tenant-limits); the "
+                f"request ({held.tokens} tokens) waited {now - held.since:.1f}s and its deadline passed - at "
+                "`$.deadline`",
+                attempt=item.attempt, enqueued_at=item.enqueued_at, request=req)
+
     def _admit(self) -> None:
         idle = not self.engine.has_unfinished()
         batch = self.batcher.poll(engine_idle=idle)

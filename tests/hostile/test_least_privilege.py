@@ -22,7 +22,7 @@ from mqinfer.schemas import keys
 from mqinfer.client import Client, Producer
 from mqinfer.server import _free_port, server_binary
 from tests.faults.faultkit import STREAM, pending_by_consumer, requests, spawn, submit
-from tests.helpers import rows, wait_until
+from tests.helpers import mqinfer_cmd, rows, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 ACL_FILE = ROOT / "ops" / "acl" / "users.acl"
@@ -157,6 +157,28 @@ def _http_get(port: int) -> bytes:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return response.read()
+
+
+def test_rate_limits_run_under_the_worker_user_and_a_user_without_them_refuses_to_start(acl_server, tmp_path):
+    """The worker user may run the bucket script (every command in it is checked against the
+    user); a worker whose user may not (an ACL file written without the script's commands) does not
+    serve unlimited: it exits 2 with a message before it loads its model."""
+    from mqinfer.workers.buckets import TokenBuckets
+    from mqinfer.workers.tenant_limits import TenantLimit
+
+    buckets = TokenBuckets(acl_server.client("worker"), {"gold": TenantLimit(100, 1)})
+    buckets.check()
+    assert buckets.take("gold", [10, 10]) == (1, pytest.approx(1.0, abs=0.01))
+    worker_rules = next(line for line in ACL_FILE.read_text().splitlines() if line.startswith("user worker "))
+    rules = [r for r in worker_rules.split()[2:] if not r.startswith(">") and r not in ("+time", "+hmget", "+pexpire")]
+    admin = acl_server.client("admin")
+    admin.execute_command("ACL", "SETUSER", "oldworker", "reset", ">old-password", *rules)
+    proc = subprocess.run([*mqinfer_cmd("worker"), "--redis", f"redis://oldworker:old-password@127.0.0.1:"
+                           f"{acl_server.port}/0", "--out", str(tmp_path / "out"), "--tenant-limits", "gold=100"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "--tenant-limits cannot be enforced: this Redis user may not run the rate-limit script" in proc.stderr
+    assert "Traceback" not in proc.stderr and "loading" not in proc.stderr.lower()
 
 
 def test_rq_user_runs_a_json_job_and_nothing_else(acl_server):

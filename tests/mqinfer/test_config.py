@@ -223,3 +223,46 @@ def test_every_commands_help_renders():
     assert {"mqinfer run", "mqinfer submit", "mqinfer jobs submit"} <= set(helps)
     for prog in ("mqinfer run", "mqinfer submit", "mqinfer jobs submit"):
         assert "within 10% of an even share" in helps[prog], prog
+
+
+def test_tenant_limits_from_every_source_reach_the_worker_and_child_workers(monkeypatch, tmp_path):
+    opts = _resolve(["--tenant-limits", "gold = 200:2, std=50"])
+    assert opts["tenant_limits"] == "gold=200:2,std=50"  # checked and written one way
+    config = worker_config(opts, redis_url="redis://h", out=Path("o"))
+    assert {t: (s.tokens_per_s, s.requests_per_s) for t, s in config.tenant_limit_map.items()} == {
+        "gold": (200.0, 2.0), "std": (50.0, None)}
+    option = next(o for o in WORKER_OPTIONS if o.name == "tenant_limits")
+    assert _resolve(option.argv(opts["tenant_limits"]))["tenant_limits"] == "gold=200:2,std=50"
+    assert "tenant_limits" in {o.name for o in RUN_CMD}  # `run` takes it and hands it to its workers
+    monkeypatch.setenv("MQINFER_TENANT_LIMITS", "a=3")
+    assert _resolve([])["tenant_limits"] == "a=3"
+    monkeypatch.delenv("MQINFER_TENANT_LIMITS")
+    assert _resolve([], _config(tmp_path, 'tenant-limits = "b=4:1"\n'))["tenant_limits"] == "b=4:1"
+    assert _resolve([])["tenant_limits"] is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("a=", r"the tokens per second of tenant 'a' must be a number, got ''"),
+    ("a=-1", r"the tokens per second of tenant 'a' must be a finite number > 0, got '-1'"),
+    ("a=x", r"the tokens per second of tenant 'a' must be a number, got 'x'"),
+    ("a=1,a=2", r"tenant 'a' is given twice"),
+])
+def test_bad_tenant_limits_name_the_flag_the_source_and_the_entry(monkeypatch, tmp_path, value, message):
+    with pytest.raises(ConfigError, match=r"--tenant-limits \(from command line\): tenant limits: " + message):
+        _resolve(["--tenant-limits", value])
+    with pytest.raises(ConfigError, match=r"--tenant-limits \(from config file key tenant_limits\): "):
+        _resolve([], _config(tmp_path, f'tenant-limits = "{value}"\n'))
+    monkeypatch.setenv("MQINFER_TENANT_LIMITS", value)
+    with pytest.raises(ConfigError, match=r"--tenant-limits \(from environment MQINFER_TENANT_LIMITS\): "):
+        _resolve([])
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(redis_url="redis://h", out_dir=Path("o"), tenant_limits=value)
+
+
+def test_a_bad_tenant_limit_exits_2_with_message():
+    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
+                          "--tenant-limits", "gold=200,batch=-1"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2
+    assert ("--tenant-limits (from command line): tenant limits: the tokens per second of tenant 'batch' must be "
+            "a finite number > 0, got '-1'") in out.stderr

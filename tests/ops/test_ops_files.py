@@ -24,6 +24,7 @@ from mqinfer.ops.metrics import WorkerMetrics
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.costs import Meter, WorkModel
+from mqinfer.workers.tenant_limits import TenantLimit
 
 OPS = Path(__file__).resolve().parents[2] / "ops"
 RULES = OPS / "alerts" / "mqinfer-rules.yml"
@@ -46,6 +47,7 @@ def exported() -> set[str]:
     m.watch_stream(None, "mqinfer:{requests}", "workers")
     m.watch_budgets(BudgetGuard(Budgets(tenants={"acme": 1.0}), None, "requests"))
     m.charge("acme", 1.0)
+    m.track_rate_limits({"acme": TenantLimit(100.0, 2.0)}, lambda: {"acme": 1})
     text = generate_latest(m.registry).decode()
     # The text format shows a counter's creation time as a family of its own: not a metric.
     return {f.name for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
