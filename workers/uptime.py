@@ -44,10 +44,16 @@ log = logging.getLogger("mqinfer.worker")
 # A record outlives its worker's last beat by a week.
 RECORD_TTL_S = 7 * 24 * 3600
 
-# KEYS: record. ARGV: now, billed_s ('' = unchanged), started_at, model, price, ttl, closed ('1' or '').
+# KEYS: record. ARGV: now, billed_s ('' = unchanged), started_at, model, price, ttl, closed ('1' or ''),
+# fresh ('1': the first beat of a worker, which starts the record over: a worker restarted under the
+# same consumer name settles its previous life's record first).
 # Writes the beat (and the fields a record needs, so that one lost with a server restart is whole
 # again); returns the lost seconds another worker billed for this one since the last beat ('0' if none).
 _BEAT = """
+if ARGV[8] == '1' then
+  redis.call('HDEL', KEYS[1], 'billed_s', 'lost_s', 'closed', 'claim', 'claim_at', 'claim_upto', 'claim_s',
+             'claim_done', 'claim_seen')
+end
 local credit = '0'
 local upto = redis.call('HGET', KEYS[1], 'claim_upto')
 if upto and redis.call('HGET', KEYS[1], 'claim_seen') ~= upto then
@@ -66,9 +72,8 @@ return credit
 # when the caller is to bill the record's lost time now; nil when there is nothing to bill: no
 # record, stopped cleanly, alive, billed already, or being billed by another claimer.
 _CLAIM = """
-if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('HGET', KEYS[1], 'closed') == '1' then return nil end
 local started = redis.call('HGET', KEYS[1], 'started_at')
-if not started then return nil end
+if not started or redis.call('HGET', KEYS[1], 'closed') == '1' then return nil end
 local now = tonumber(ARGV[2])
 local beat_text = redis.call('HGET', KEYS[1], 'beat') or started
 local beat = tonumber(beat_text)
@@ -118,10 +123,10 @@ class UptimeRecord:
         self.credit_s = 0.0
         self._beat = redis_client.register_script(_BEAT)
 
-    def beat(self, now: float, *, billed_s: float | None = None, closed: bool = False) -> None:
+    def beat(self, now: float, *, billed_s: float | None = None, closed: bool = False, fresh: bool = False) -> None:
         credit = float(text(self._beat(keys=[self.key], args=[
             repr(now), "" if billed_s is None else repr(billed_s), repr(self.started_at), self.model,
-            repr(self.price), RECORD_TTL_S, "1" if closed else ""])))
+            repr(self.price), RECORD_TTL_S, "1" if closed else "", "1" if fresh else ""])))
         if credit > 0:
             log.warning("this worker was taken for dead (no beat for --claim-idle-ms) and %.3fs of its time "
                         "were billed as lost by another worker: its next idle rows give them back", credit)
@@ -160,8 +165,11 @@ class LostTime:
         self.skip = skip
         # (record key, claim_upto) of lost rows buffered here and not yet durable.
         self.unconfirmed: list[tuple[str, str]] = []
-        self._claim = redis_client.register_script(_CLAIM)
-        self._confirm = redis_client.register_script(_CONFIRM)
+
+    def previous_life(self, now: float) -> list[CostRow]:
+        """The ``lost`` row of an earlier worker of this consumer name (a restart with a fixed
+        ``--consumer``) that was killed: it is this worker's to bill, before its record starts over."""
+        return self.claim([self.consumer], now, dead_after_s=0.0)
 
     def scan(self, now: float) -> list[CostRow]:
         """The ``lost`` rows of the group's dead workers that this worker is to write now."""
@@ -174,15 +182,16 @@ class LostTime:
                  and not self.skip(text(c["name"]))]
         return self.claim(names, now)
 
-    def claim(self, names: list[str], now: float) -> list[CostRow]:
-        """Bill the workers ``names`` whose records show them dead and not yet billed."""
+    def claim(self, names: list[str], now: float, *, dead_after_s: float | None = None) -> list[CostRow]:
+        """Bill the workers ``names`` whose records show them dead (no beat for ``dead_after_s``,
+        default ``--claim-idle-ms``) and not yet billed."""
         if not names:
             return []
+        dead_after_s = self.dead_after_s if dead_after_s is None else dead_after_s
         pipe = self.redis.pipeline(transaction=False)
         record_keys = [keys.worker_uptime(self.stream, name) for name in names]
-        for key in record_keys:
-            self._claim(keys=[key], args=[self.consumer, repr(now), self.dead_after_s, self.dead_after_s],
-                        client=pipe)
+        for key in record_keys:  # EVAL: a script in a pipeline would need SCRIPT EXISTS (not in the worker ACL)
+            pipe.eval(_CLAIM, 1, key, self.consumer, repr(now), dead_after_s, self.dead_after_s)
         rows, nothing_missing = [], []
         for name, key, found in zip(names, record_keys, pipe.execute()):
             if not found:
@@ -209,7 +218,7 @@ class LostTime:
     def _confirm_claims(self, claims: list[tuple[str, str]]) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for key, upto in claims:
-            self._confirm(keys=[key], args=[self.consumer, upto], client=pipe)
+            pipe.eval(_CONFIRM, 1, key, self.consumer, upto)
         pipe.execute()
 
 

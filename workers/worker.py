@@ -189,7 +189,9 @@ class Worker:
         now = self.clock()
         startup_s = self.meter.startup_done(now)
         self.acks.add_cost(self.billing.overhead("startup", startup_s, now))
-        self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s)
+        for row in self._redis(self.lost.previous_life, now) or ():
+            self.acks.add_cost(row)
+        self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s, fresh=True)
         self.metrics.ready = True
         self._last_activity = now
         log.info("worker %s ready: model %s, stream %s on %s, startup %.2fs", self.consumer, info.model_id,

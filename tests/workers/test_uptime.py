@@ -75,3 +75,19 @@ def test_a_stalled_worker_billed_as_lost_gives_the_seconds_back_from_its_idle_ro
     a.beat(T + 40.0, billed_s=3.0)
     (again,) = claimer(redis_client, "C").claim(["A"], T + 50.0)
     assert again.device_s == pytest.approx(40.0 - 3.0 - 1.5) and again.finished_at == T + 40.0
+
+
+def test_a_worker_restarted_under_the_same_name_bills_its_previous_life_then_starts_over(redis_client):
+    a = record(redis_client)
+    a.beat(T + 5.0, billed_s=1.0)  # then killed; restarted at once with the same --consumer
+    again = UptimeRecord(redis_client, "requests", "A", started_at=T + 6.0, model="tiny@abc",
+                         price_per_device_hour=36.0)
+    (row,) = claimer(redis_client, "A").previous_life(T + 6.5)  # no wait for --claim-idle-ms
+    assert (row.worker, row.device_s, row.finished_at) == ("A", pytest.approx(4.0), T + 5.0)
+    again.beat(T + 6.5, billed_s=0.0, fresh=True)
+    fields = redis_client.hgetall(keys.worker_uptime("requests", "A"))
+    assert b"claim" not in fields and b"lost_s" not in fields and fields[b"started_at"] == repr(T + 6.0).encode()
+    # Killed again: billed from its new start only.
+    again.beat(T + 9.0, billed_s=0.5)
+    (second,) = claimer(redis_client, "B").claim(["A"], T + 12.0)
+    assert second.device_s == pytest.approx(9.0 - 6.0 - 0.5)
