@@ -14,7 +14,8 @@ running requests had used. So each worker keeps a small hash,
 * ``closed``: it stopped cleanly, every second written.
 
 A worker that finds another one dead (its consumer idle in the group, and its beat older than
-``--claim-idle-ms``: the test that lets its entries be taken over) bills what is missing,
+``--claim-idle-ms``, the test that lets its entries be taken over, and than ``MIN_DEAD_AFTER_S``)
+bills what is missing,
 ``beat - started_at - billed_s - lost_s`` (``lost_s``: lost time billed for it before), as a
 ``lost`` cost row under the dead worker's name, its model and price, finished at its last beat.
 The claim is one script on the hash, so of two claimers only one bills. The claimer marks the
@@ -43,6 +44,10 @@ log = logging.getLogger("mqinfer.worker")
 
 # A record outlives its worker's last beat by a week.
 RECORD_TTL_S = 7 * 24 * 3600
+# A live worker beats about every second even while it waits for entries (its reads block at most
+# a second), so a worker is taken for dead after no less than this without a beat, whatever a short
+# --claim-idle-ms says.
+MIN_DEAD_AFTER_S = 3.0
 
 # KEYS: record. ARGV: now, billed_s ('' = unchanged), started_at, model, price, ttl, closed ('1' or ''),
 # fresh ('1': the first beat of a worker, which starts the record over: a worker restarted under the
@@ -161,7 +166,7 @@ class LostTime:
         self.stream_key = keys.request_stream(stream)
         self.group = group
         self.consumer = consumer
-        self.dead_after_s = claim_idle_ms / 1000.0
+        self.dead_after_s = max(claim_idle_ms / 1000.0, MIN_DEAD_AFTER_S)
         self.skip = skip
         # (record key, claim_upto) of lost rows buffered here and not yet durable.
         self.unconfirmed: list[tuple[str, str]] = []
@@ -222,4 +227,4 @@ class LostTime:
         pipe.execute()
 
 
-__all__ = ["RECORD_TTL_S", "LostTime", "UptimeRecord"]
+__all__ = ["MIN_DEAD_AFTER_S", "RECORD_TTL_S", "LostTime", "UptimeRecord"]

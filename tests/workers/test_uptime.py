@@ -9,7 +9,7 @@ from mqinfer.schemas import keys
 from mqinfer.workers.uptime import LostTime, UptimeRecord
 
 T = 1_700_000_000.0
-CLAIM_IDLE_MS = 2000  # dead after 2 s without a beat; a claim in progress is taken over after 2 s
+CLAIM_IDLE_MS = 4000  # dead after 4 s without a beat; a claim in progress is taken over after 4 s
 
 
 def record(redis_client, name: str = "A") -> UptimeRecord:
@@ -27,13 +27,13 @@ def test_a_dead_worker_is_billed_its_unwritten_time_once(redis_client):
     a.written(4.0)
     a.beat(T + 10.0, billed_s=a.billed_s)  # ...its last sign of life, then it is killed
     b, c = claimer(redis_client, "B"), claimer(redis_client, "C")
-    assert b.claim(["A"], T + 11.0) == []  # a beat 1 s ago: alive
-    (row,) = b.claim(["A"], T + 12.5)
+    assert b.claim(["A"], T + 13.0) == []  # a beat 3 s ago: alive
+    (row,) = b.claim(["A"], T + 14.5)
     assert (row.kind, row.worker, row.model, row.job_id, row.tenant) == ("lost", "A", "tiny@abc", None, None)
     # Its rows (4 s) and the lost row cover its uptime up to its last beat.
     assert row.device_s == pytest.approx(10.0 - 4.0) and row.finished_at == T + 10.0
     assert row.cost_usd == pytest.approx(6.0 * 36.0 / 3600) and row.price_per_device_hour == 36.0
-    assert c.claim(["A"], T + 12.6) == []  # being billed by B
+    assert c.claim(["A"], T + 14.6) == []  # being billed by B
     b.confirm()
     assert c.claim(["A"], T + 60.0) == [] and b.claim(["A"], T + 60.0) == []  # billed
 
@@ -43,8 +43,8 @@ def test_a_claimer_that_dies_before_its_row_is_durable_is_replaced_by_one_writin
     a.beat(T + 3.0, billed_s=1.25)
     b, c = claimer(redis_client, "B"), claimer(redis_client, "C")
     (first,) = b.claim(["A"], T + 10.0)  # B dies without confirming
-    assert c.claim(["A"], T + 11.0) == []  # its claim holds a while
-    (second,) = c.claim(["A"], T + 12.5)
+    assert c.claim(["A"], T + 12.0) == []  # its claim holds a while
+    (second,) = c.claim(["A"], T + 14.5)
     assert second == first  # identical in every column: compaction keeps one if both were written
     c.confirm()
     b.confirm()  # a late confirm of the replaced claimer changes nothing
@@ -89,5 +89,15 @@ def test_a_worker_restarted_under_the_same_name_bills_its_previous_life_then_sta
     assert b"claim" not in fields and b"lost_s" not in fields and fields[b"started_at"] == repr(T + 6.0).encode()
     # Killed again: billed from its new start only.
     again.beat(T + 9.0, billed_s=0.5)
-    (second,) = claimer(redis_client, "B").claim(["A"], T + 12.0)
+    (second,) = claimer(redis_client, "B").claim(["A"], T + 14.0)
     assert second.device_s == pytest.approx(9.0 - 6.0 - 0.5)
+
+
+def test_a_live_worker_waiting_on_the_stream_is_not_taken_for_dead_under_a_short_claim_idle_time(redis_client):
+    # Its reads block up to a second between beats: with --claim-idle-ms 1000, a beat 2 s old is
+    # still a live worker.
+    a = record(redis_client)
+    a.beat(T + 10.0, billed_s=0.0)
+    short = LostTime(redis_client, "requests", keys.GROUP, "B", claim_idle_ms=1000)
+    assert short.claim(["A"], T + 12.0) == []
+    assert len(short.claim(["A"], T + 13.0)) == 1
