@@ -27,7 +27,7 @@ from pathlib import Path
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from mqinfer.schemas.dataset import COSTS_DIR, part_files
+from mqinfer.schemas.dataset import COSTS_DIR, part_files, partition_for
 from mqinfer.schemas.rows import COST_SCHEMA
 
 log = logging.getLogger("mqinfer.jobs")
@@ -66,15 +66,30 @@ def parse_folders(value: str | Iterable[str] | None) -> list[str]:
     return out
 
 
-def job_cost(folders: Iterable[str | os.PathLike[str]], job_id: str) -> JobCost:
-    """Every cost row of ``job_id`` in the ``costs/`` datasets of ``folders`` (workers' ``--out``)."""
+def rows_since(job: dict) -> float | None:
+    """Where a registered job's cost rows can begin (its ``created_at``), for :func:`job_cost`;
+    None for a job resumed after its server forgot it, whose first rows predate its registration."""
+    if int(job.get("resumed_rows") or 0):
+        return None
+    try:
+        return float(job["created_at"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def job_cost(folders: Iterable[str | os.PathLike[str]], job_id: str, *, since: float | None = None) -> JobCost:
+    """Every cost row of ``job_id`` in the ``costs/`` datasets of ``folders`` (workers' ``--out``).
+
+    ``since`` (unix seconds; the job's creation): date partitions before its day are not read,
+    since no row of the job can have finished before the job existed."""
     files, missing = [], []
+    first_day = partition_for(since) if since is not None else None
     for folder in folders:
         root = Path(folder) / COSTS_DIR
         if not root.is_dir():
             missing.append(str(folder))
             continue
-        files += part_files(root)
+        files += [f for f in part_files(root) if first_day is None or f.parent.name >= first_day]
     table = COST_SCHEMA.empty_table()
     if files:
         dataset = ds.dataset([str(f) for f in files], format="parquet", schema=COST_SCHEMA)
@@ -96,4 +111,4 @@ def job_cost(folders: Iterable[str | os.PathLike[str]], job_id: str) -> JobCost:
     )
 
 
-__all__ = ["JobCost", "job_cost", "parse_folders"]
+__all__ = ["JobCost", "job_cost", "parse_folders", "rows_since"]

@@ -65,7 +65,7 @@ from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.schemas.prefix_order import prefix_key
 from mqinfer.schemas.routing import PrefixRouter
-from mqinfer.ops.job_cost import JobCost, job_cost
+from mqinfer.ops.job_cost import JobCost, job_cost, rows_since
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
 from mqinfer.ops.job_output import compose_output
 from mqinfer.ops.job_spool import Spool
@@ -668,4 +668,4 @@ class JobRun:
         reaches the job's result stream, and every result is collected. A ``duplicate`` row written
         later (work handed back by a worker still draining) counts in ``jobs status --worker-out``."""
         folders = json.loads(str(self.job.get("worker_out") or "[]"))
-        return job_cost(folders, self.job_id) if folders else None
+        return job_cost(folders, self.job_id, since=rows_since(self.job)) if folders else None

@@ -36,7 +36,7 @@ from rq.serializers import JSONSerializer
 
 from mqinfer.schemas import keys
 from mqinfer.schemas.keys import shard_index, shard_streams
-from mqinfer.ops.job_cost import JobCost, job_cost, parse_folders
+from mqinfer.ops.job_cost import JobCost, job_cost, parse_folders, rows_since
 from mqinfer.ops.job_output import ERRORS_JSONL, OUTPUT_JSONL, OUTPUT_PARQUET
 from mqinfer.ops.job_spool import Spool
 from mqinfer.ops.job_store import (
@@ -306,7 +306,7 @@ def job_info(client: redis.Redis, job_id: str, *, now: float | None = None,
     comes from the cost rows there, read now."""
     store = JobStore(client, job_id)
     job = store.load()
-    rows = job_cost(worker_out, job_id) if worker_out else None
+    rows = job_cost(worker_out, job_id, since=rows_since(job)) if worker_out else None
     return describe(job, in_flight=store.inflight_count(), now=now, rows=rows)
 
 

@@ -107,6 +107,15 @@ def test_without_worker_folders_the_cost_is_the_stream_figure_and_says_so(redis_
     assert "no --worker-out" in render_status(done)
 
 
+def test_days_before_the_job_existed_are_not_read(tmp_path):
+    day = 86_400.0
+    t = 1_700_000_000.0
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w1").write(
+        [cost("request", "j", "r0", 1.0, "w1", t - 2 * day), cost("request", "j", "r1", 0.5, "w1", t + 60)])
+    assert job_cost([tmp_path], "j").cost_usd == pytest.approx(1.5)
+    assert job_cost([tmp_path], "j", since=t).cost_usd == pytest.approx(0.5)
+
+
 def test_a_folder_without_cost_rows_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     got = job_cost([tmp_path / "empty"], "j")
