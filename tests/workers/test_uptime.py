@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import pytest
 
+from mqinfer.ops.compact import compact
 from mqinfer.schemas import keys
+from mqinfer.schemas.dataset import DatasetWriter
+from mqinfer.schemas.rows import COST_SCHEMA
 from mqinfer.workers.uptime import LostTime, UptimeRecord
+from tests.helpers import rows
 
 T = 1_700_000_000.0
 CLAIM_IDLE_MS = 4000  # dead after 4 s without a beat; a claim in progress is taken over after 4 s
@@ -38,7 +42,8 @@ def test_a_dead_worker_is_billed_its_unwritten_time_once(redis_client):
     assert c.claim(["A"], T + 60.0) == [] and b.claim(["A"], T + 60.0) == []  # billed
 
 
-def test_a_claimer_that_dies_before_its_row_is_durable_is_replaced_by_one_writing_the_same_row(redis_client):
+def test_a_claimer_that_dies_before_its_row_is_durable_is_replaced_by_one_writing_the_same_row(redis_client,
+                                                                                                tmp_path):
     a = record(redis_client)
     a.beat(T + 3.0, billed_s=1.25)
     b, c = claimer(redis_client, "B"), claimer(redis_client, "C")
@@ -46,6 +51,10 @@ def test_a_claimer_that_dies_before_its_row_is_durable_is_replaced_by_one_writin
     assert c.claim(["A"], T + 12.0) == []  # its claim holds a while
     (second,) = c.claim(["A"], T + 14.5)
     assert second == first  # identical in every column: compaction keeps one if both were written
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "B").write([first])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "C").write([second])
+    compact(tmp_path)
+    assert [(r["kind"], r["worker"]) for r in rows(tmp_path / "costs")] == [("lost", "A")]
     c.confirm()
     b.confirm()  # a late confirm of the replaced claimer changes nothing
     assert claimer(redis_client, "D").claim(["A"], T + 100.0) == []
