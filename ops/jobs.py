@@ -245,7 +245,8 @@ def _cost(job: dict, status: str, rows: JobCost | None) -> tuple[float | None, d
                                "device_s": rows.device_s, "rows": rows.rows, "stream_usd": stream,
                                "missing_folders": list(rows.missing)}
     return stream, {"source": "result_stream", "provisional": status not in FINAL_STATUSES, "usd": stream,
-                    "stream_usd": stream, "worker_out": json.loads(str(job.get("worker_out") or "[]"))}
+                    "request_usd": None, "duplicate_usd": None, "device_s": None, "rows": None,
+                    "stream_usd": stream, "missing_folders": []}
 
 
 def describe(job: dict, *, in_flight: int = 0, now: float | None = None, rows: JobCost | None = None) -> dict:
