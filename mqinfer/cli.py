@@ -62,8 +62,8 @@ REPORT_BUDGETS = Option("budgets", str, None, "TOML file of per-tenant budgets: 
                         metavar="FILE")
 PLOT = Option("plot", str, None, "Also write PNG charts into DIR (needs matplotlib).", metavar="DIR")
 BASIS = Option("basis", str, "usage", "usage: each group pays for its requests' device time. allocation: also for a "
-               "share of the workers' startup and idle time, per worker and hour, in proportion to its requests' "
-               "device time there (new columns alloc_usd and total_usd; totals unchanged).",
+               "share of the workers' startup, idle and lost time, per worker and hour, in proportion to its "
+               "requests' device time there (new columns alloc_usd and total_usd; totals unchanged).",
                choices=("usage", "allocation"))
 
 COMMON = [LOG_LEVEL, LOG_FORMAT]
@@ -138,8 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     rc = command(
         "costs", "Cost by tenant, model, request type, job or worker.", REPORT_COSTS_CMD, under=rsub,
         description="Cost by tenant, model, request type, job or worker. Under the groups, in every format: "
-        "`billed` (the request rows, what the groups add up to), `overhead` (startup + idle rows), "
-        "`duplicate` (cost rows of results that compaction discarded) and `TOTAL` (every row: the three "
+        "`billed` (the request rows, what the groups add up to), `overhead` (startup + idle + lost rows; "
+        "`lost`: what a killed worker used and never wrote), `duplicate` (cost rows of results that compaction discarded) and `TOTAL` (every row: the three "
         "added up); only `billed` is charged to a tenant. Run it after `mqinfer compact DIR`: before, "
         "a retried request's rows each count as a request, and a warning on stderr says how many. "
         "A [report] table of the --config file overrides its top level here.",

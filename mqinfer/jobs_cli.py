@@ -42,6 +42,17 @@ WATCH = Option("watch", bool, False, "Refresh until the job ends (a progress bar
                "completed, 1 otherwise.")
 INTERVAL = Option("interval", float, 1.0, "Seconds between refreshes.", metavar="S")
 LIMIT = Option("limit", int, 50, "At most this many.", metavar="N")
+WORKER_OUT = Option("worker_out", str, None, "The inference workers' --out folders (comma-separated), whose costs/ "
+                    "datasets hold the job's cost rows. Given at submit, the job's last task reads them when it ends "
+                    "(they must be readable where `mqinfer jobs worker` runs) and its cost becomes the sum of every "
+                    "cost row of the job: each attempt of a retried request and work done twice included. Without "
+                    "them the cost is the running sum of the costs the workers put on the job's result stream, one "
+                    "attempt per request.", metavar="DIR[,DIR...]")
+STATUS_WORKER_OUT = dataclasses.replace(WORKER_OUT, help="Read the job's cost from the cost rows in these "
+                                        "inference workers' --out folders (comma-separated) now, whatever its status. "
+                                        "Without it: while the job runs, the running sum of the costs on its result "
+                                        "stream (shown as provisional); once it ended, the figure its last task read "
+                                        "from the cost rows of the folders given at submit.")
 
 JOBS_REDIS = Option("jobs_redis", str, None, "A plain Redis server for the rq queue and the job state, when the "
                     "request streams live elsewhere: --redis is then the inference workers' server (a Redis "
@@ -57,9 +68,9 @@ JOB_ORDER = dataclasses.replace(ORDER, help="The order the job's requests enter 
                                 "input = the file's order. The output is in input order either way.")
 
 SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, ROUTE, JOB_ORDER, DEADLINE, MAX_IN_FLIGHT,
-                  CHUNK_SIZE, QUEUE, LEASE_S, SUBMIT_JSON, LOG_LEVEL]
+                  CHUNK_SIZE, QUEUE, LEASE_S, WORKER_OUT, SUBMIT_JSON, LOG_LEVEL]
 WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, WORKER_NAME, BURST, LOG_LEVEL]
-STATUS_OPTIONS = [REDIS, JOBS_REDIS, STATUS_JSON, WATCH, INTERVAL, LOG_LEVEL]
+STATUS_OPTIONS = [REDIS, JOBS_REDIS, STATUS_WORKER_OUT, STATUS_JSON, WATCH, INTERVAL, LOG_LEVEL]
 LIST_OPTIONS = [REDIS, JOBS_REDIS, LIMIT, LIST_JSON, LOG_LEVEL]
 CANCEL_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, LOG_LEVEL]
 
@@ -99,8 +110,11 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("input", metavar="INPUT", help="Input file.")
     command("worker", "Run an rq worker for bulk-job tasks (they import no torch).", WORKER_OPTIONS,
             cmd_worker, required=("redis",))
-    p = command("status", "Show a job: status, counts, tokens, cost so far, throughput, ETA (reads the jobs "
-                "server: --jobs-redis, else --redis).", STATUS_OPTIONS, cmd_status)
+    p = command("status", "Show a job: status, counts, tokens, cost, throughput, ETA (reads the jobs server: "
+                "--jobs-redis, else --redis). The cost comes from the job's cost rows (every attempt of every "
+                "request) once the job ended with --worker-out given at submit, or now with --worker-out here; "
+                "otherwise it is the running sum on the job's result stream, provisional while the job runs.",
+                STATUS_OPTIONS, cmd_status)
     p.add_argument("job_id", metavar="ID", help="Job id.")
     command("list", "List jobs, newest first (on --jobs-redis, else --redis).", LIST_OPTIONS, cmd_list)
     p = command("cancel", "Cancel a job: requests not started end as cancelled; rows already finished are "
@@ -160,13 +174,14 @@ def _data_client(opts: dict, *, needed: bool = True):
 
 # -- handlers --------------------------------------------------------------------------------
 def cmd_submit(args, opts: dict) -> int:
+    from mqinfer.ops.job_cost import parse_folders
     from mqinfer.ops.jobs import parse_deadline, submit_job
 
     result = submit_job(
         _client(opts), args.input, opts["out"], stream=opts["stream"], deadline=parse_deadline(opts["deadline"]),
         max_in_flight=opts["max_in_flight"], chunk_size=opts["chunk_size"], queue_name=opts["queue"],
         lease_s=opts["lease_s"], shards=opts["shards"], order=opts["order"], route=opts["route"],
-        data=_data_client(opts),
+        data=_data_client(opts), worker_out=parse_folders(opts["worker_out"]),
     )
     if opts["json"]:
         print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))
@@ -187,13 +202,15 @@ def cmd_worker(args, opts: dict) -> int:
 
 
 def cmd_status(args, opts: dict) -> int:
+    from mqinfer.ops.job_cost import parse_folders
     from mqinfer.ops.jobs import job_info
 
     interval = opts["interval"]
     if interval <= 0:
         raise ValueError(f"--interval must be > 0, got {interval}")
     client = _client(opts)
-    info = job_info(client, args.job_id)
+    worker_out = parse_folders(opts["worker_out"])
+    info = job_info(client, args.job_id, worker_out=worker_out)
     if not opts["watch"]:
         print(json.dumps(info, indent=2) if opts["json"] else render_status(info))
         return 0
@@ -209,6 +226,8 @@ def cmd_status(args, opts: dict) -> int:
             last_line, last_print = line, now
         time.sleep(interval)
         info = job_info(client, args.job_id)
+    if worker_out:  # once, at the end: reading every cost row is not for each refresh
+        info = job_info(client, args.job_id, worker_out=worker_out)
     if tty:
         print("\r\x1b[2K" + progress_line(info), file=sys.stderr, flush=True)
     print(json.dumps(info, indent=2) if opts["json"] else render_status(info))
@@ -271,6 +290,21 @@ def progress_line(info: dict, width: int = 30) -> str:
     return line
 
 
+def _cost_line(info: dict) -> str:
+    cost = info["cost"]
+    if info["cost_usd"] is None:
+        return "none collected yet"
+    if cost["source"] == "cost_rows":
+        line = (f"${cost['usd']:.6f} from {cost['rows']} cost rows (requests ${cost['request_usd']:.6f}, "
+                f"work done twice ${cost['duplicate_usd']:.6f})")
+        if cost["missing_folders"]:
+            line += f"; no costs/ in {', '.join(cost['missing_folders'])}"
+        return line
+    if cost["provisional"]:
+        return f"${cost['usd']:.6f} so far (provisional: from the result stream, one attempt per request)"
+    return f"${cost['usd']:.6f} (from the result stream, one attempt per request: no --worker-out was given)"
+
+
 def render_status(info: dict) -> str:
     c, t = info["counts"], info["tokens"]
     fmt = {"openai": "OpenAI Batch lines", "native": "native requests",
@@ -284,8 +318,7 @@ def render_status(info: dict) -> str:
         f"(invalid lines {c['invalid']}), cancelled {c['cancelled']}, expired {c['expired']}; "
         f"skipped as already done {c['skipped']}; in flight {c['in_flight']}",
         f"  tokens     {t['prompt']} prompt, {t['output']} output",
-        "  cost       " + (f"${info['cost_usd']:.6f} so far" if info["cost_usd"] is not None
-                           else "not known from the rows"),
+        "  cost       " + _cost_line(info),
     ]
     rate, trate = info["throughput"]["requests_per_s"], info["throughput"]["output_tokens_per_s"]
     if rate is not None:

@@ -1,6 +1,7 @@
 """The ``allocation`` basis of cost reports: the fleet's overhead charged to those who used it.
 
-A worker's ``startup`` and ``idle`` rows are device time no request paid for. ``allocation``
+A worker's ``startup``, ``idle`` and ``lost`` rows are device time no request paid for (``lost``:
+what a killed worker used and never wrote, billed under its name by the worker that found it dead). ``allocation``
 spreads them, per worker and per UTC hour (of ``finished_at``, the hour each row counts in), over
 the report's groups in proportion to the device seconds their ``request`` rows used on that
 worker in that hour. Overhead of a worker-hour without any request stays unallocated: nobody used
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 BASES = ("usage", "allocation")
-OVERHEAD_KINDS = ("startup", "idle")
+OVERHEAD_KINDS = ("startup", "idle", "lost")
 
 
 @dataclass

@@ -65,6 +65,7 @@ from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.schemas.prefix_order import prefix_key
 from mqinfer.schemas.routing import PrefixRouter
+from mqinfer.ops.job_cost import JobCost, job_cost, rows_since
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
 from mqinfer.ops.job_output import compose_output
 from mqinfer.ops.job_spool import Spool
@@ -640,14 +641,31 @@ class JobRun:
             row_parts=self.store.part_names(), ending=ending, openai=self.job.get("format") in ("openai", "mixed"),
             now=now,
         )
-        self.store.finish(self.token, {
+        fields = {
             "status": ending, f"{ending}_at": now, "output_rows": summary.rows, "completed": summary.completed,
             "failed": summary.failed, "cancelled": summary.cancelled, "expired": summary.expired,
             "prompt_tokens": summary.prompt_tokens, "output_tokens": summary.output_tokens,
-        }, expect_status=FINALIZING)
+        }
+        cost = self._final_cost()
+        if cost is not None:
+            fields.update({"rows_cost_usd": cost.cost_usd, "rows_request_usd": cost.request_usd,
+                           "rows_duplicate_usd": cost.duplicate_usd, "rows_device_s": cost.device_s,
+                           "rows_cost_count": cost.rows})
+        self.store.finish(self.token, fields, expect_status=FINALIZING)
         # The index duplicates the input and the output has everything now; a resubmission of the
         # same input into this folder validates it again anyway.
         self.spool.reset_index()
         self.spool.clean()
-        log.info("job %s %s: %d rows in %s", self.job_id, ending, summary.rows, self.spool.out)
+        log.info("job %s %s: %d rows in %s; cost %s", self.job_id, ending, summary.rows, self.spool.out,
+                 f"${cost.cost_usd:.6f} from {cost.rows} cost rows" if cost is not None
+                 else f"${float(self.job.get('cost_usd') or 0):.6f} from the result stream (no --worker-out)")
         return True
+
+    def _final_cost(self) -> JobCost | None:
+        """The job's cost from the cost rows in the workers' folders it names, or None without any.
+
+        Every request's cost row is durable by now: a worker writes it before the request's result
+        reaches the job's result stream, and every result is collected. A ``duplicate`` row written
+        later (work handed back by a worker still draining) counts in ``jobs status --worker-out``."""
+        folders = json.loads(str(self.job.get("worker_out") or "[]"))
+        return job_cost(folders, self.job_id, since=rows_since(self.job)) if folders else None

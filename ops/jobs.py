@@ -36,6 +36,7 @@ from rq.serializers import JSONSerializer
 
 from mqinfer.schemas import keys
 from mqinfer.schemas.keys import shard_index, shard_streams
+from mqinfer.ops.job_cost import JobCost, job_cost, parse_folders, rows_since
 from mqinfer.ops.job_output import ERRORS_JSONL, OUTPUT_JSONL, OUTPUT_PARQUET
 from mqinfer.ops.job_spool import Spool
 from mqinfer.ops.job_store import (
@@ -101,7 +102,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
                stream: str = "requests", deadline: float | None = None,
                max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, chunk_size: int = DEFAULT_CHUNK_SIZE,
                queue_name: str = QUEUE_NAME, lease_s: float = DEFAULT_LEASE_S, shards: int = 1,
-               order: str = "prefix", route: str = "prefix", data=None) -> SubmitResult:
+               order: str = "prefix", route: str = "prefix", data=None,
+               worker_out: list[str] | None = None) -> SubmitResult:
     """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task.
 
     ``client`` holds the job and the rq queue. ``data`` is the server (or cluster) of the request
@@ -110,6 +112,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     prompt (``route="prefix"``) or by a hash of their id (``"id"``). ``order="prefix"`` feeds the
     requests of each part of INDEX_PART_LINES input lines in prefix-tree order, ``"input"`` in the
     file's order; the output is in input order either way (see :mod:`mqinfer.ops.job_tasks`).
+    ``worker_out``: the inference workers' ``--out`` folders, whose cost rows give the job's final
+    cost (:mod:`mqinfer.ops.job_cost`) when it ends.
     """
     if max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
@@ -169,7 +173,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         "max_in_flight": max_in_flight, "chunk_size": chunk_size, "lease_s": repr(float(lease_s)),
         "created_at": repr(now), "chain": chain, "task": task_id, "beat": repr(now), "total": 0, "invalid": 0,
         "val_parts": 0, "fed": 0, "skipped": 0, "collected": 0, "row_parts": len(parts),
-        "resumed_rows": adopted,
+        "resumed_rows": adopted, "worker_out": json.dumps(parse_folders(worker_out)),
     }, parts=parts)
     enqueue_task(client, queue_name, job_id, chain, task_id)
     return SubmitResult(job_id, resumed, adopted)
@@ -222,8 +226,32 @@ def _i(job: dict, name: str) -> int:
     return value if isinstance(value, int) else 0
 
 
-def describe(job: dict, *, in_flight: int = 0, now: float | None = None) -> dict:
-    """The public view of a job hash: counts, tokens, cost, throughput, ETA, outputs."""
+def _cost(job: dict, status: str, rows: JobCost | None) -> tuple[float | None, dict]:
+    """The job's cost and where it comes from (the ``cost`` object of ``jobs status --json``).
+
+    ``cost_rows``: every cost row of the job, read now (``rows``) or when the job ended (the
+    ``rows_*`` fields that its last task wrote): the final figure. ``result_stream``: the costs the
+    workers put on the job's result stream, summed as rows were collected, one attempt per
+    request: provisional while the job runs, and all there is for a job that names no worker
+    folders."""
+    if rows is None and _f(job, "rows_cost_usd") is not None:
+        rows = JobCost(cost_usd=_f(job, "rows_cost_usd") or 0.0, device_s=_f(job, "rows_device_s") or 0.0,
+                       rows=_i(job, "rows_cost_count"), request_usd=_f(job, "rows_request_usd") or 0.0,
+                       duplicate_usd=_f(job, "rows_duplicate_usd") or 0.0)
+    stream = _f(job, "cost_usd") if _i(job, "cost_rows") else None
+    if rows is not None:
+        return rows.cost_usd, {"source": "cost_rows", "provisional": False, "usd": rows.cost_usd,
+                               "request_usd": rows.request_usd, "duplicate_usd": rows.duplicate_usd,
+                               "device_s": rows.device_s, "rows": rows.rows, "stream_usd": stream,
+                               "missing_folders": list(rows.missing)}
+    return stream, {"source": "result_stream", "provisional": status not in FINAL_STATUSES, "usd": stream,
+                    "request_usd": None, "duplicate_usd": None, "device_s": None, "rows": None,
+                    "stream_usd": stream, "missing_folders": []}
+
+
+def describe(job: dict, *, in_flight: int = 0, now: float | None = None, rows: JobCost | None = None) -> dict:
+    """The public view of a job hash: counts, tokens, cost, throughput, ETA, outputs. ``rows``: the
+    job's cost rows read now (``jobs status --worker-out``), else the figure its hash holds."""
     now = time.time() if now is None else now
     status = str(job.get("status"))
     finished = status in (COMPLETED, CANCELLED, EXPIRED) and "output_rows" in job
@@ -252,6 +280,7 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None) -> dict
             outputs["jsonl"] = str(Path(out) / OUTPUT_JSONL)
             outputs["errors"] = str(Path(out) / ERRORS_JSONL)
     deadline = _f(job, "deadline")
+    cost_usd, cost = _cost(job, status, rows)
     return {
         "id": job.get("id"), "status": status, "input": job.get("input"), "out": out,
         "stream": job.get("stream"), "format": job.get("format") or None,
@@ -261,7 +290,7 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None) -> dict
         "counts": {"total": total, **counts, "invalid": invalid, "skipped": _i(job, "skipped"),
                    "in_flight": in_flight, "fed": _i(job, "fed"), "done": done},
         "tokens": {"prompt": _i(job, "prompt_tokens"), "output": _i(job, "output_tokens")},
-        "cost_usd": _f(job, "cost_usd") if _i(job, "cost_rows") else None,
+        "cost_usd": cost_usd, "cost": cost,
         "throughput": {"requests_per_s": rate, "output_tokens_per_s": token_rate},
         "eta_s": eta,
         "validated": bool(_i(job, "validated")),
@@ -272,10 +301,14 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None) -> dict
     }
 
 
-def job_info(client: redis.Redis, job_id: str, *, now: float | None = None) -> dict:
+def job_info(client: redis.Redis, job_id: str, *, now: float | None = None,
+             worker_out: list[str] | None = None) -> dict:
+    """``describe`` of a registered job; with ``worker_out`` (workers' ``--out`` folders) its cost
+    comes from the cost rows there, read now."""
     store = JobStore(client, job_id)
     job = store.load()
-    return describe(job, in_flight=store.inflight_count(), now=now)
+    rows = job_cost(worker_out, job_id, since=rows_since(job)) if worker_out else None
+    return describe(job, in_flight=store.inflight_count(), now=now, rows=rows)
 
 
 def list_jobs(client: redis.Redis, *, limit: int = 50) -> list[dict]:

@@ -9,7 +9,8 @@ PNG charts when matplotlib is installed.
   decode / recomputed split, KV block-seconds, dollars, and dollars per million tokens: all
   tokens, input tokens (the prefill share of the cost) and output tokens (the decode share).
 * **Totals**, the same lines in every format: ``billed`` (the ``request`` rows, what the groups
-  add up to), ``overhead`` (the ``startup`` and ``idle`` rows), ``duplicate`` (cost rows of
+  add up to), ``overhead`` (the ``startup``, ``idle`` and ``lost`` rows; ``lost``: the time a
+  killed worker used and never wrote), ``duplicate`` (cost rows of
   results that compaction discarded) and ``TOTAL`` (every row: the three lines added up). Only
   ``billed`` is charged to anyone; the others are the fleet's time that went to no one. Each
   kind's share of all device time is listed too.
@@ -36,7 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from mqinfer.ops.allocation import BASES, allocate_overhead
+from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
@@ -116,14 +117,14 @@ class Totals:
     cost_usd: float = 0.0
     # The ``request`` rows summed like a group (key {}): what the groups add up to.
     billed: GroupCost = field(default_factory=_no_requests)
-    # ``startup`` + ``idle`` rows, and ``duplicate`` rows: time that bills nobody.
+    # ``startup`` + ``idle`` + ``lost`` rows, and ``duplicate`` rows: time that bills nobody.
     overhead: Spend = field(default_factory=Spend)
     # ``--basis allocation``: the part of ``overhead`` spread over the groups, and the rest
     # (worker-hours in which no request ran).
     allocated: Spend = field(default_factory=Spend)
     unallocated: Spend = field(default_factory=Spend)
     duplicate: Spend = field(default_factory=Spend)
-    # Per kind (request, idle, startup, duplicate).
+    # Per kind (request, idle, startup, duplicate, lost).
     device_s_by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_KINDS, 0.0))
     cost_usd_by_kind: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COST_KINDS, 0.0))
     # Each kind's fraction of all device seconds (0 when there are none).
@@ -198,7 +199,7 @@ def cost_report(
 
     ``since`` (inclusive) and ``until`` (exclusive) bound ``finished_at``, in unix seconds.
     Groups are ordered by cost, highest first; ``top`` is how many of the most expensive
-    requests to list. ``basis`` ``allocation`` also spreads the startup and idle time over the
+    requests to list. ``basis`` ``allocation`` also spreads the startup, idle and lost time over the
     groups (ops/allocation.py), and orders them by cost plus that share.
     """
     if basis not in BASES:
@@ -231,8 +232,8 @@ def cost_report(
     if totals.device_s > 0:
         totals.device_share_by_kind = {k: v / totals.device_s for k, v in totals.device_s_by_kind.items()}
     totals.overhead = Spend(
-        device_s=totals.device_s_by_kind["startup"] + totals.device_s_by_kind["idle"],
-        cost_usd=totals.cost_usd_by_kind["startup"] + totals.cost_usd_by_kind["idle"],
+        device_s=sum(totals.device_s_by_kind[k] for k in OVERHEAD_KINDS),
+        cost_usd=sum(totals.cost_usd_by_kind[k] for k in OVERHEAD_KINDS),
     )
     totals.duplicate = Spend(device_s=totals.device_s_by_kind["duplicate"],
                              cost_usd=totals.cost_usd_by_kind["duplicate"])

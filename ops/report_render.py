@@ -22,7 +22,7 @@ from mqinfer.schemas.rows import COST_KINDS
 # ``billed`` has every group field; the others only device_s and cost_usd.
 SUMMARY_LINES = (
     ("billed", "billed (requests)"),
-    ("overhead", "overhead (startup + idle)"),
+    ("overhead", "overhead (startup + idle + lost)"),
     ("duplicate", "duplicate (not billed)"),
     ("total", "TOTAL (every row)"),
 )
@@ -158,12 +158,11 @@ def _render_table(report: Report) -> str:
     if report.hourly:
         out += ["", "per hour (UTC):"]
         out += _aligned(
-            ["hour", "requests", "prompt_tokens", "output_tokens", "request_s", "idle_s", "startup_s", "duplicate_s",
-             "cost_usd"],
+            ["hour", "requests", "prompt_tokens", "output_tokens", *(f"{k}_s" for k in COST_KINDS), "cost_usd"],
             [[h.hour, str(h.requests), str(h.prompt_tokens), str(h.output_tokens)]
              + [_fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS]
              + [_fmt_number("cost_usd", h.cost_usd)] for h in report.hourly],
-            [False] + [True] * 8,
+            [False] + [True] * (4 + len(COST_KINDS)),
         )
     if report.budgets is not None:
         out += ["", "budgets:"]
@@ -216,7 +215,8 @@ def plot(report: Report, directory: str | os.PathLike[str]) -> list[Path]:
     # try to read them as dates).
     positions = list(range(len(report.hourly)))
     bottom = [0.0] * len(positions)
-    colors = {"request": "tab:blue", "idle": "tab:gray", "startup": "tab:orange", "duplicate": "tab:red"}
+    colors = {"request": "tab:blue", "idle": "tab:gray", "startup": "tab:orange", "duplicate": "tab:red",
+              "lost": "tab:purple"}
     for kind in COST_KINDS:
         values = [h.device_s_by_kind[kind] for h in report.hourly]
         ax.bar(positions, values, bottom=bottom, label=kind, color=colors[kind])

@@ -56,6 +56,13 @@ def inflight_hash(stream: str) -> str:
     return f"mqinfer:{{{stream}}}:inflight"
 
 
+def worker_uptime(stream: str, consumer: str) -> str:
+    """Hash of one worker of stream ``S``: when its timeline began, its last heartbeat, the device
+    seconds of the cost rows it has written, its model and price, and the claim of whoever bills the
+    time it used and never wrote (the ``lost`` cost row) once it is found dead."""
+    return f"mqinfer:{{{stream}}}:uptime:{consumer}"
+
+
 def gap_marker(stream: str, last_delivered_id: str) -> str:
     """Taken (SET NX) by the one worker that reports entries trimmed before delivery after this id."""
     return f"mqinfer:{{{stream}}}:gap:{last_delivered_id}"

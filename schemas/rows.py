@@ -16,7 +16,7 @@ import msgspec
 import pyarrow as pa
 
 FINISH_REASONS = ("stop", "length", "error", "expired", "cancelled")
-COST_KINDS = ("request", "idle", "startup", "duplicate")
+COST_KINDS = ("request", "idle", "startup", "duplicate", "lost")
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 
@@ -115,9 +115,11 @@ class ResultRow(msgspec.Struct, kw_only=True):
 
 
 class CostRow(msgspec.Struct, kw_only=True):
-    """Where device time went: one row per request, plus ``idle`` and ``startup`` rows per worker."""
+    """Where device time went: one row per request, plus ``idle`` and ``startup`` rows per worker,
+    and a ``lost`` row for the time a killed worker used but never wrote (written by the worker
+    that found it dead, with the dead worker's name)."""
 
-    kind: Literal["request", "idle", "startup", "duplicate"]
+    kind: Literal["request", "idle", "startup", "duplicate", "lost"]
     job_id: str | None = None
     id: str | None = None
     tenant: str | None = None

@@ -5,7 +5,8 @@ ends without running (invalid, refused, cancelled before it started, lost) gets 
 a zero ``request`` cost row; the worker's own time goes to ``startup`` and ``idle`` rows; device
 time that no row of this worker will carry (a request handed back, or taken over by another
 worker) becomes a ``duplicate`` row, which bills nobody. So a worker's rows add up to its uptime
-(see :mod:`mqinfer.workers.costs`). A copy of a request answered on its reply stream without
+(see :mod:`mqinfer.workers.costs`); the ``lost`` row of a worker killed before it wrote its rows is
+written by the worker that finds it dead (:mod:`mqinfer.workers.uptime`). A copy of a request answered on its reply stream without
 computing it gets a ``duplicate_id`` error row that is sent, never written.
 """
 

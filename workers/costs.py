@@ -45,8 +45,9 @@ Work that no result row will carry (a request handed back on shutdown, or droppe
 another worker took its entry over) is written as a ``duplicate`` row: work done twice is
 billed once. So the ``device_s`` of every row a worker writes adds up to its uptime (from the
 start of its ``startup`` row to the ``finished_at`` of its last row), and ``cost_usd`` to uptime
-times the price. A worker killed outright loses what it had not written yet: its rows then add
-up to less than its uptime, never more.
+times the price. A worker killed outright loses what it had not written yet; the worker that
+finds it dead writes that time as a ``lost`` row under its name (:mod:`.uptime`), so that its
+rows add up to its uptime up to its last heartbeat again (less, never more).
 """
 
 from __future__ import annotations
@@ -266,7 +267,18 @@ def wasted_work_row(meter: RequestMeter, *, job_id: str | None, request_id: str,
     )
 
 
+def lost_row(worker: str, model: str, price_per_device_hour: float, device_s: float, finished_at: float) -> CostRow:
+    """A ``lost`` row: device time a dead worker used and never wrote, billed to nobody, under its name.
+    Every argument comes from the dead worker's record, so two claimers build identical rows."""
+    return CostRow(
+        kind="lost", job_id=None, id=None, tenant=None, model=model or None, request_type=None, prompt_tokens=0,
+        cached_prompt_tokens=0, output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=device_s,
+        recomputed_s=0.0, kv_block_s=0.0, cost_usd=device_s * price_per_device_hour / 3600.0,
+        price_per_device_hour=price_per_device_hour, worker=worker, finished_at=finished_at,
+    )
+
+
 __all__ = [
     "IDLE_RATIO_TAU_S", "Meter", "RequestMeter", "WorkModel", "kv_block_shares", "process_start_time",
-    "wasted_work_row",
+    "lost_row", "wasted_work_row",
 ]

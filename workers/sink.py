@@ -85,6 +85,12 @@ class Sinks:
         with self._lock:
             return len(self._results) + len(self._costs)
 
+    def buffered_device_s(self, worker: str) -> float:
+        """Device seconds of the buffered cost rows of ``worker`` (a worker also writes ``lost`` rows
+        under the name of a dead one)."""
+        with self._lock:
+            return sum(row.device_s for _, row in self._costs if row.worker == worker)
+
     def should_flush(self) -> bool:
         with self._lock:
             if not self._results and not self._costs:

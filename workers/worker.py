@@ -6,7 +6,9 @@ producers' duplicates), pass on the requests of rate-limited tenants whose bucke
 their tokens (:mod:`.throttle`), admit what the dual-threshold batcher releases, step the
 engine, send reply messages and progress (:mod:`.replies`), keep the entries it runs its own and
 apply cancels (:mod:`.ownership`), and turn finished requests into rows (:mod:`.billing`) that
-are written durably before their entries are acked (:mod:`.acks`).
+are written durably before their entries are acked (:mod:`.acks`). Its uptime record in Redis
+(its beat, and the device seconds its rows hold) lets another worker bill the time it used and
+never wrote if it is killed; it bills dead workers' time itself in turn (:mod:`.uptime`).
 
 SIGTERM drains: no new reads, finish what runs within ``drain_timeout_s``, hand the rest back,
 flush, ack, exit 0. A worker that cannot write its rows exits 3 without acking them. At stop it
@@ -43,13 +45,14 @@ from mqinfer.workers.config import WorkerConfig
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time
 from mqinfer.workers.engine import EngineInputError, LLMEngine
 from mqinfer.workers.idempotency import Idempotency
-from mqinfer.workers.ingest import DeadLetters, Ingest, announced, ensure_group
+from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.ownership import Ownership
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.sink import Sinks
 from mqinfer.workers.throttle import Throttle
+from mqinfer.workers.uptime import LostTime, UptimeRecord
 
 log = logging.getLogger("mqinfer.worker")
 
@@ -95,6 +98,9 @@ class Worker:
         self.ingest: Ingest | None = None
         # With --tenant-limits: requests of limited tenants waiting on their buckets.
         self.throttle: Throttle | None = None
+        self.uptime: UptimeRecord | None = None
+        self.lost: LostTime | None = None
+        self._last_lost_scan = float("-inf")
         self._wait_gauges: tuple[Gauge, Gauge, Gauge] | None = None
         self._last_activity = self.started
         self._redis = Backoff(clock=clock, busy=lambda: self.engine.has_unfinished())
@@ -176,9 +182,16 @@ class Worker:
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, port)
+        self.uptime = UptimeRecord(self.redis, cfg.stream, self.consumer, started_at=self.meter.start,
+                                   model=info.model_id, price_per_device_hour=cfg.price_per_device_hour)
+        self.lost = LostTime(self.redis, cfg.stream, cfg.group, self.consumer, claim_idle_ms=cfg.claim_idle_ms,
+                             skip=lambda name: name == HANDBACK_CONSUMER)
         now = self.clock()
         startup_s = self.meter.startup_done(now)
         self.acks.add_cost(self.billing.overhead("startup", startup_s, now))
+        for row in self._redis(self.lost.previous_life, now) or ():
+            self.acks.add_cost(row)
+        self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s, fresh=True)
         self.metrics.ready = True
         self._last_activity = now
         log.info("worker %s ready: model %s, stream %s on %s, startup %.2fs", self.consumer, info.model_id,
@@ -243,7 +256,12 @@ class Worker:
         if self.replies.due(now):
             self._redis(self.replies.send, self.redis, now)
         if self._redis(self.ownership.keepalive, now):
+            self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s)
             self._redis(self.ownership.cancel_cancelled_jobs)
+        if now - self._last_lost_scan >= min(self.config.claim_idle_ms / 2000.0, 5.0):
+            self._last_lost_scan = now
+            for row in self._redis(self.lost.scan, now) or ():
+                self.acks.add_cost(row)
         if self.acks.rows_buffered and (self.acks.should_flush() or not self.engine.has_unfinished()):
             self._flush()
         elif self.acks.pending and not self.acks.rows_buffered:
@@ -375,10 +393,20 @@ class Worker:
         now = self.clock()
         if not self.engine.has_unfinished():
             self.meter.idle_until(now)
-        idle = self.meter.take_idle()
+        idle = self.uptime.idle_to_bill(self.meter.take_idle())
         if idle > 0:
             self.acks.add_cost(self.billing.overhead("idle", idle, now))
-        self.acks.write()
+        # The record counts the rows before they are written: killed while writing, this worker is
+        # billed less than its uptime, never more.
+        writing_s = self.acks.sinks.buffered_device_s(self.consumer)
+        self._redis(self.uptime.before_write, now, writing_s)
+        try:
+            self.acks.write()
+        except SinkError:
+            self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s)  # what is written, only
+            raise
+        self.uptime.written(writing_s)
+        self._redis(self.lost.confirm)
         self._redis(self.acks.ack)
 
     # -- stopping ----------------------------------------------------------------------------
@@ -406,6 +434,8 @@ class Worker:
             ownership.inflight.clear()
         self.meter.idle_until(self.clock())
         self._flush()
+        self._redis.retry_now()
+        self._redis(self.uptime.close, self.clock())  # every second written: nothing to bill as lost
         for _ in range(_FINAL_ACK_TRIES):  # acks of durable rows: keep trying a while if the server is away
             if not self.acks.pending:
                 break

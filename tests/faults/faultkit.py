@@ -188,6 +188,26 @@ def compact_and_check(out: Path, expected: set[tuple[str | None, str]], client=N
                    {(r["job_id"], r["id"]): r for r in results})
 
 
+def check_lost_time(out: Path, worker: str, died: float, beat_s: float) -> dict:
+    """After ``worker`` was killed at ``died`` (unix time) and others took over: exactly one ``lost``
+    row bills it, and its rows with that one cover its uptime, from the start of its startup row to
+    its last heartbeat (the lost row's finished_at), which is within ``beat_s`` (plus scheduling
+    slack) of its death. Returns the lost row."""
+    costs = rows(out / "costs")
+    lost = [c for c in costs if c["kind"] == "lost"]
+    assert [c["worker"] for c in lost] == [worker], lost
+    (row,) = lost
+    assert row["job_id"] is None and row["tenant"] is None and row["device_s"] > 0
+    assert abs(row["cost_usd"] - row["device_s"] * row["price_per_device_hour"] / 3600) < 1e-12
+    mine = [c for c in costs if c["worker"] == worker]
+    (startup,) = [c for c in mine if c["kind"] == "startup"]
+    began = startup["finished_at"].timestamp() - startup["device_s"]
+    last_beat = row["finished_at"].timestamp()
+    assert abs(sum(c["device_s"] for c in mine) - (last_beat - began)) < 1e-3
+    assert 0 <= died - last_beat <= beat_s + 0.5, (died, last_beat)
+    return row
+
+
 def record(case: str, **figures) -> None:
     """Append one case's figures to ``$MQINFER_FAULT_REPORT`` (when set)."""
     path = os.environ.get("MQINFER_FAULT_REPORT")

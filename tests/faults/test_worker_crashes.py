@@ -8,10 +8,14 @@ checks that every submitted request has exactly one row and one billed cost row.
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 
+from mqinfer.ops.report import cost_report
+
 from tests.faults.faultkit import (
+    check_lost_time,
     compact,
     compact_and_check,
     killed,
@@ -36,6 +40,7 @@ def test_kill_9_mid_decode_then_another_worker_reclaims(redis_url, redis_client,
     a = spawn(redis_url, out, "A", "--max-num-seqs", "4", "--claim-idle-ms", "1000", "--flush-rows", "1",
               faults="worker.after_step=kill@60")
     a.wait()
+    died = time.time()
     assert killed(a), a.log()
     held = pending_ids(redis_client, "A")
     assert len(held) == 4, held  # it died holding the four it was decoding
@@ -50,6 +55,15 @@ def test_kill_9_mid_decode_then_another_worker_reclaims(redis_url, redis_client,
     attempts = {k: r["attempt"] for k, r in outcome.by_key.items()}
     assert sorted(attempts.values()).count(2) == 4  # the re-claimed ones count a second delivery
     assert all(r["output_tokens"] == 40 for r in outcome.by_key.values())
+    # B found A dead and billed the time A used and never wrote (the steps of the four requests it
+    # was decoding) as one lost row: A's rows cover its uptime again, and the reports count it.
+    lost = check_lost_time(out, "A", died, beat_s=1000 / 3000)
+    totals = cost_report(out, basis="allocation").totals
+    every_row = sum(c["device_s"] for c in rows(out / "costs"))
+    assert totals.device_s_by_kind["lost"] == pytest.approx(lost["device_s"])
+    assert totals.device_s == pytest.approx(every_row)
+    assert totals.billed.device_s + totals.allocated.device_s + totals.unallocated.device_s \
+        + totals.duplicate.device_s == pytest.approx(every_row)
     record("kill -9 mid-decode", submitted=len(expected), rows_before=outcome.rows_before,
            rows_after=outcome.rows_after, lost=0, duplicated=outcome.duplicates_removed, worker_crashes=0,
            injected_kills=1)

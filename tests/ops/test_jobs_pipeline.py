@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mqinfer.ops.jobs import job_info, parse_deadline, submit_job
-from tests.helpers import mqinfer_cmd, stop_processes, wait_until, write_jsonl
+from tests.helpers import mqinfer_cmd, rows, stop_processes, wait_until, write_jsonl
 
 FINAL = ("completed", "failed", "cancelled", "expired")
 WORKER_FLAGS = ("--num-kv-blocks", "512", "--claim-idle-ms", "1000", "--max-wait-ms", "5",
@@ -88,7 +88,7 @@ def test_happy_path_in_input_order_through_the_cli(env):
     src = write_jsonl(env.base / "happy.jsonl", items)
     out = env.base / "happy"
     done = jobs_cli("submit", str(src), "--out", str(out), "--redis", env.url, "--max-in-flight", "4",
-                    "--chunk-size", "3")
+                    "--chunk-size", "3", "--worker-out", str(env.base / "wout"))
     assert done.returncode == 0, done.stderr
     job_id = done.stdout.strip()
     assert job_id.startswith("job-")
@@ -109,6 +109,10 @@ def test_happy_path_in_input_order_through_the_cli(env):
     assert info["counts"]["fed"] == 10 and info["counts"]["skipped"] == 0
     assert info["tokens"]["output"] == sum(r["output_tokens"] for r in got)
     assert info["outputs"]["parquet"] == str(out / "output.parquet")
+    # The job's cost is its cost rows' (the real worker's), read by its last task.
+    costs = [c for c in rows(env.base / "wout" / "costs") if c["job_id"] == job_id]
+    assert len(costs) == 10 and info["cost"]["source"] == "cost_rows" and info["cost"]["rows"] == 10
+    assert info["cost_usd"] == pytest.approx(sum(c["cost_usd"] for c in costs)) and info["cost_usd"] > 0
     listed = jobs_cli("list", "--redis", env.url)
     assert job_id in listed.stdout and "completed" in listed.stdout
 

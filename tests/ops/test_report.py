@@ -53,7 +53,7 @@ def test_groups_and_totals_equal_the_rows(out):
     t = report.totals
     all_device = sum(r.device_s for r in ROWS)
     assert t.device_s == pytest.approx(all_device) and t.cost_usd == pytest.approx(sum(r.cost_usd for r in ROWS))
-    assert t.device_s_by_kind == pytest.approx({"request": 4.5, "idle": 10.0, "startup": 4.0, "duplicate": 2.0})
+    assert t.device_s_by_kind == pytest.approx({"request": 4.5, "idle": 10.0, "startup": 4.0, "duplicate": 2.0, "lost": 0.0})
     assert t.device_share_by_kind["idle"] == pytest.approx(10.0 / all_device)
     assert sum(t.device_share_by_kind.values()) == pytest.approx(1.0)
     assert (t.requests, t.prompt_tokens, t.cached_prompt_tokens, t.output_tokens) == (4, 160, 40, 50)
@@ -86,7 +86,7 @@ def test_time_window(out):
     report = cost_report(out, since=T + 1, until=T + 3)  # since inclusive, until exclusive
     assert [(g.key["tenant"], g.requests) for g in report.groups] == [("acme", 2)]
     assert report.totals.device_s_by_kind == pytest.approx({"request": 4.0, "idle": 0.0, "startup": 0.0,
-                                                            "duplicate": 0.0})
+                                                            "duplicate": 0.0, "lost": 0.0})
     assert cost_report(out, since=T + 86_400).totals.requests == 1
 
 

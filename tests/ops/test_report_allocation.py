@@ -92,3 +92,26 @@ def test_the_command_line_flag(out):
     bad = subprocess.run(mqinfer_cmd("report", "costs", str(out), "--basis", "fair"), capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "allocation" in bad.stderr
+
+
+def test_lost_time_is_overhead_of_its_own_kind_and_spread_like_it(tmp_path):
+    # w1 was killed: 7 s it used and never wrote come back as a `lost` row under its name (written
+    # by the worker that found it dead), in the hour of T where acme and beta used w1.
+    lost = row("lost", at=T + 6, dev=7.0)
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write([*ROWS, IDLE_ALONE, lost])
+    report = cost_report(tmp_path, basis="allocation")
+    t = report.totals
+    assert t.device_s_by_kind["lost"] == pytest.approx(7.0) and t.cost_usd_by_kind["lost"] == pytest.approx(usd(7.0))
+    assert t.overhead.device_s == pytest.approx(10.0 + 4.0 + 6.0 + 7.0)
+    acme, beta = report.groups
+    assert acme.allocated_device_s == pytest.approx((10.0 + 7.0) * 3.0 / 3.5 + 4.0)
+    assert beta.allocated_device_s == pytest.approx((10.0 + 7.0) * 0.5 / 3.5)
+    # The totals are still every row's: billed + spread + unspread overhead + duplicate.
+    every_row = sum(r.device_s for r in [*ROWS, IDLE_ALONE, lost])
+    assert t.device_s == pytest.approx(every_row)
+    assert t.billed.device_s + t.allocated.device_s + t.unallocated.device_s + t.duplicate.device_s \
+        == pytest.approx(every_row)
+    table = render(report, "table")
+    assert "overhead (startup + idle + lost)" in table and "lost_s" in table
+    (lost_line,) = [line for line in table.splitlines() if line.strip().startswith("lost ")]
+    assert "7.000 s" in lost_line

@@ -129,7 +129,7 @@ def _table_summary(text: str) -> dict[str, tuple[int | None, float, float]]:
         start = header.rindex("  ", 0, end - len(column)) + 2
         return line[start:end].strip()
 
-    labels = {"billed (requests)": "billed", "overhead (startup + idle)": "overhead",
+    labels = {"billed (requests)": "billed", "overhead (startup + idle + lost)": "overhead",
               "duplicate (not billed)": "duplicate", "TOTAL (every row)": "total"}
     found = {}
     for line in lines:
@@ -185,5 +185,5 @@ def test_help_says_what_the_totals_count():
     proc = subprocess.run(mqinfer_cmd("report", "costs", "--help"), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
-    for phrase in ("`overhead` (startup + idle rows)", "`TOTAL` (every row", "mqinfer compact DIR", "`billed`"):
+    for phrase in ("`overhead` (startup + idle + lost rows", "`TOTAL` (every row", "mqinfer compact DIR", "`billed`"):
         assert phrase in text

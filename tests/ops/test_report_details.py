@@ -80,9 +80,9 @@ def test_hourly_series_adds_up_to_the_totals(out):
                                                "2023-11-16T23:00:00Z"]
     first, second, third = report.hourly
     assert (first.requests, first.prompt_tokens, first.output_tokens) == (2, 1100, 1200)
-    assert first.device_s_by_kind == pytest.approx({"request": 18.0, "idle": 0.0, "startup": 5.0, "duplicate": 10.0})
+    assert first.device_s_by_kind == pytest.approx({"request": 18.0, "idle": 0.0, "startup": 5.0, "duplicate": 10.0, "lost": 0.0})
     assert first.billed_usd == pytest.approx(18.0 * PRICE / 3600)
-    assert second.device_s_by_kind == pytest.approx({"request": 2.0, "idle": 4.0, "startup": 0.0, "duplicate": 0.0})
+    assert second.device_s_by_kind == pytest.approx({"request": 2.0, "idle": 4.0, "startup": 0.0, "duplicate": 0.0, "lost": 0.0})
     assert third.requests == 1
     assert sum(h.cost_usd for h in report.hourly) == pytest.approx(report.totals.cost_usd)
     for kind in ("request", "idle", "startup", "duplicate"):
