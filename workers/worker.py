@@ -300,7 +300,8 @@ class Worker:
             req = item.request
             try:
                 self.engine.add_request(entry_id, item.prompt_token_ids, item.sampling, arrival_time=item.enqueued_at,
-                                        priority=req.priority, deadline=req.deadline, tenant=req.tenant)
+                                        priority=req.priority, deadline=req.deadline, tenant=req.tenant,
+                                        speculative=req.speculative)
             except EngineInputError as exc:
                 self.ownership.release(entry_id)
                 self.acks.add_error(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,
