@@ -315,7 +315,7 @@ class Worker:
         scheduler = self.engine.scheduler
         self.meter.step(result.end, result.work, kv_block_shares(scheduler.kv_cache_manager,
                                                                  (w.request_id for w in result.work)))
-        self.metrics.record_step(result, scheduler)
+        self.metrics.record_step(result, scheduler, getattr(self.engine, "spec_stats", None))
         self.busy.phases(self.engine.phase_seconds)
         # A request starts when the scheduler first gives it tokens (a prompt chunk), not when it
         # joins the engine's waiting queue: its queueing delay includes the wait there.
