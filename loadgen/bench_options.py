@@ -20,7 +20,9 @@ LLAMACPP = "llamacpp"  # --compare: llama.cpp's llama-batched-bench on a GGUF of
 # speed-up and the greedy agreement of 8-bit weights or KV cache)
 UNQUANTIZED = "unquantized"
 INPUT_ORDER = "input-order"  # --compare: mqinfer again, fed in workload order and routed by id
-PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER)
+# --compare: the same mqinfer run again with --speculative none (what speculation gains or costs)
+UNSPECULATIVE = "unspeculative"
+PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE)
 
 
 def positive_int(text: str) -> int:
@@ -196,6 +198,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "llama-batched-bench on --gguf (--workload fixed only); unquantized = mqinfer again "
                         "with --quantization none --kv-cache-dtype auto (to measure either); input-order = "
                         "mqinfer again with --order input --route id (what prefix order and routing are worth); "
+                        "unspeculative = mqinfer again with --speculative none (what --speculative gains or costs); "
                         "e.g. hf,llamacpp.")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")

@@ -102,7 +102,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0
     # Proposals are added only while the step's scheduled tokens stay at or below this many, so that
     # a busy step (prefill chunks, many decodes) runs without them.
-    speculative_max_batched_tokens: int = 64
+    speculative_max_batched_tokens: int = 32
 
     def __post_init__(self) -> None:
         self._normalize_tenant_weights()
