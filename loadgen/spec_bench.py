@@ -67,15 +67,16 @@ def copy_tasks(n: int) -> list[list[dict[str, str]]]:
     return tasks
 
 
-def _engine(args: argparse.Namespace, speculative: str):
+def _engine(args: argparse.Namespace, speculative: str, **overrides: Any):
     from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.engine import LLMEngine
 
-    return LLMEngine(EngineConfig(
-        model=args.model, dtype=args.dtype, num_threads=args.num_threads, num_kv_blocks=args.num_kv_blocks,
-        max_model_len=args.max_model_len, speculative=speculative, num_speculative_tokens=args.k,
-        ngram_max=args.ngram_max, ngram_min=args.ngram_min, enable_prefix_caching=False,
-    ))
+    return LLMEngine(EngineConfig(**{
+        "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
+        "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len, "speculative": speculative,
+        "num_speculative_tokens": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
+        "enable_prefix_caching": False, **overrides,
+    }))
 
 
 def _one(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
@@ -164,10 +165,8 @@ def run_step_sweep(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for batch in args.batch_sizes:
         for s in (0, 1, 3, 7):
-            engine = _engine(argparse.Namespace(**{**vars(args), "k": max(1, s)}), "ngram")
-            engine.scheduler.config = engine.scheduler.config.__class__(**{
-                **{f: getattr(engine.scheduler.config, f) for f in engine.scheduler.config.__dataclass_fields__},
-                "speculative_max_batched_tokens": 1 << 20})
+            engine = _engine(args, "ngram", num_speculative_tokens=max(1, s),
+                             speculative_max_batched_tokens=1 << 20, max_num_batched_tokens=1 << 14)
             engine.scheduler.proposer = _FixedProposer(s) if s else None
             for i in range(batch):
                 engine.add_request(f"r{i}", [7 + i % 50] * 200,
