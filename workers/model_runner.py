@@ -220,24 +220,24 @@ class ModelRunner:
         token_ids = sample(logits, params)
         tokens = token_ids.tolist()
         sampled = result.sampled_token_ids
-        # First sampling row of each scheduled request that samples, and how many rows it emits.
-        first_row: dict[int, int] = {}
-        num_emitted: dict[int, int] = {}
-        if any_spec:
+        if not any_spec:
+            for i, token in zip(sample_of, tokens):
+                sampled[i] = token
+            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
+        else:
+            # Rows that emit a token: each request's accepted proposals' rows and the one after.
+            emits = [False] * len(sample_of)
             result.num_accepted = [0] * len(scheduled)
-        j = 0
-        while j < len(sample_of):
-            i = sample_of[j]
-            spec = scheduled[i].spec_token_ids
-            accepted = accept_proposals(spec, tokens[j : j + len(spec) + 1]) if spec else 0
-            if spec:
+            j = 0
+            while j < len(sample_of):
+                i = sample_of[j]
+                spec = scheduled[i].spec_token_ids
+                accepted = accept_proposals(spec, tokens[j : j + len(spec) + 1]) if spec else 0
                 result.num_accepted[i] = accepted
-            first_row[i] = j
-            num_emitted[i] = accepted + 1
-            sampled[i] = tokens[j + accepted]
-            j += len(spec) + 1
-        want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None
-                and j - first_row[sample_of[j]] < num_emitted[sample_of[j]]]
+                sampled[i] = tokens[j + accepted]
+                emits[j : j + accepted + 1] = [True] * (accepted + 1)
+                j += len(spec) + 1
+            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None and emits[j]]
         if want:
             result.logprobs = [None] * len(scheduled)
             for j, entry in zip(want, _logprobs(logits, token_ids, [requests[j] for j in want], want)):
