@@ -164,6 +164,29 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     return greedy_ids.index_copy(0, rows, sampled)
 
 
+def accept_proposals(proposed: Sequence[int], sampled: Sequence[int]) -> int:
+    """How many leading proposed tokens to keep: those equal to the token sampled before them.
+
+    ``sampled[j]`` is the token sampled at the position of ``proposed[j]`` (after the known tokens
+    and ``proposed[:j]``), from the request's own distribution with its temperature, top-k and
+    top-p, and ``sampled`` has one more entry, the token after the last proposal. The request then
+    emits ``proposed[:a] + [sampled[a]]`` for the returned ``a``.
+
+    This is speculative decoding's exact acceptance rule for a proposal that is a single token
+    (probability 1): keep ``t`` with probability ``p(t)``, else draw from ``p`` with ``t`` removed,
+    renormalised. Gumbel-max picks ``t`` with probability ``p(t)``, and when it picks another token
+    that token follows exactly that residual distribution. Greedy rows (argmax) give the usual
+    longest matching prefix. Because each position's randomness depends only on (seed,
+    position), a request emits the same tokens with or without proposals.
+    """
+    a = 0
+    for t, s in zip(proposed, sampled):
+        if t != s:
+            break
+        a += 1
+    return a
+
+
 @dataclass
 class Logprobs:
     """``sampled`` ``[B]``: log-probability of each row's sampled token; ``top_ids`` /
@@ -188,6 +211,7 @@ def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> Log
 __all__ = [
     "Logprobs",
     "SamplingTensors",
+    "accept_proposals",
     "apply_top_k_top_p",
     "compute_logprobs",
     "greedy",

@@ -43,7 +43,9 @@ from mqinfer.loadgen.bench_online import (
     request_rate,
     run_online,
 )
-from mqinfer.loadgen.bench_options import HALF, HF, INPUT_ORDER, LLAMACPP, UNQUANTIZED, add_bench_arguments
+from mqinfer.loadgen.bench_options import (
+    HALF, HF, INPUT_ORDER, LLAMACPP, UNQUANTIZED, UNSPECULATIVE, add_bench_arguments,
+)
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, worker_argv, worker_wait_setting
 from mqinfer.loadgen.prefix_cache import describe as describe_hits
 from mqinfer.loadgen.prefix_cache import prefix_cache_report
@@ -160,6 +162,8 @@ def _validate(args: argparse.Namespace) -> str | None:
     if args.compare and UNQUANTIZED in args.compare and args.quantization == "none" and args.kv_cache_dtype == "auto":
         return ("--compare unquantized needs --quantization w8a8|w8a16 or --kv-cache-dtype int8|fp8 (it reruns "
                 "mqinfer without them)")
+    if args.compare and UNSPECULATIVE in args.compare and args.speculative == "none":
+        return "--compare unspeculative needs --speculative ngram (it reruns mqinfer without it)"
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf or llamacpp"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -259,7 +263,8 @@ def _run(args: argparse.Namespace) -> int:
         "engine_flags": {k: getattr(args, k) for k in ("dtype", "quantization", "kv_cache_dtype", "device",
                                                        "max_num_seqs", "max_num_batched_tokens",
                                                        "num_kv_blocks", "block_size", "max_batch", "max_wait_ms",
-                                                       "num_threads")},
+                                                       "num_threads", "speculative", "num_speculative_tokens",
+                                                       "speculative_max_batched_tokens")},
         "matrix_rate_before": asdict(rate_before),
         "flops": {**asdict(flops), "total": flops.total, "params_convention": flops.params_convention},
         "systems": {},
@@ -314,6 +319,17 @@ def _run(args: argparse.Namespace) -> int:
                 agreement = token_agreement(our_outputs, plain.outputs)
                 if agreement is not None:
                     report["agreement_vs_unquantized"] = asdict(agreement)
+        if UNSPECULATIVE in compare and not args.skip_engine:
+            log("mqinfer again with --speculative none")
+            plain_args = argparse.Namespace(**{**vars(args), "speculative": "none", "mode": "offline", "rate": [],
+                                               "compare_wait": None,
+                                               "out": str(Path(args.out) / "unspeculative") if args.out else None})
+            plain = run_engine(plain_args, spec, requests, scratch / "unspeculative")
+            done("mqinfer offline, unspeculative", plain.offline, {"summary": plain.offline.to_dict()})
+            if ours is not None:
+                agreement = token_agreement(our_outputs, plain.outputs)
+                if agreement is not None:
+                    report["agreement_vs_unspeculative"] = asdict(agreement)
         if INPUT_ORDER in compare and not args.skip_engine:
             log("mqinfer again with --order input --route id")
             plain_args = argparse.Namespace(**{**vars(args), "order": "input", "route": "id", "mode": "offline",
@@ -373,6 +389,9 @@ def _run(args: argparse.Namespace) -> int:
     plain = dict(table_rows).get("mqinfer offline, unquantized")
     if ours is not None and plain is not None:
         ratios["vs_unquantized"] = ours.throughput / plain.throughput if plain.throughput else 0.0
+    unspeculative = dict(table_rows).get("mqinfer offline, unspeculative")
+    if ours is not None and unspeculative is not None:
+        ratios["vs_unspeculative"] = ours.throughput / unspeculative.throughput if unspeculative.throughput else 0.0
     unordered = dict(table_rows).get("mqinfer offline, input order")
     if ours is not None and unordered is not None:
         ratios["vs_input_order"] = ours.throughput / unordered.throughput if unordered.throughput else 0.0

@@ -20,7 +20,9 @@ LLAMACPP = "llamacpp"  # --compare: llama.cpp's llama-batched-bench on a GGUF of
 # speed-up and the greedy agreement of 8-bit weights or KV cache)
 UNQUANTIZED = "unquantized"
 INPUT_ORDER = "input-order"  # --compare: mqinfer again, fed in workload order and routed by id
-PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER)
+# --compare: the same mqinfer run again with --speculative none (what speculation gains or costs)
+UNSPECULATIVE = "unspeculative"
+PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE)
 
 
 def positive_int(text: str) -> int:
@@ -196,6 +198,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "llama-batched-bench on --gguf (--workload fixed only); unquantized = mqinfer again "
                         "with --quantization none --kv-cache-dtype auto (to measure either); input-order = "
                         "mqinfer again with --order input --route id (what prefix order and routing are worth); "
+                        "unspeculative = mqinfer again with --speculative none (what --speculative gains or costs); "
                         "e.g. hf,llamacpp.")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
@@ -226,6 +229,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: auto).")
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
                    help="KV cache storage of the workers: auto (the model's dtype), int8 or fp8 (default: auto).")
+    g.add_argument("--speculative", default="none", choices=("none", "ngram"),
+                   help="Speculative decoding of the workers (see `mqinfer worker --help`; default: none).")
+    g.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
+                   help="With --speculative: tokens proposed per request and step (default: the worker's).")
+    g.add_argument("--speculative-max-batched-tokens", type=int, default=None, metavar="T",
+                   help="With --speculative: propose only while a step holds at most this many tokens (default: "
+                        "the worker's).")
     for flag, meta, text in (
         ("--max-num-seqs", "S", "Requests running at once, at most."),
         ("--max-num-batched-tokens", "T", "Token budget of one engine step."),

@@ -34,9 +34,11 @@ def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: P
             "--stream", STREAM, "--model", model_arg, "--dtype", args.dtype, "--device", args.device,
             "--quantization", args.quantization, "--kv-cache-dtype", args.kv_cache_dtype,
             "--idle-exit-s", str(args.idle_exit_s)]
+    if getattr(args, "speculative", "none") != "none":
+        argv += ["--speculative", args.speculative]
     for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_batch",
-                 "max_wait_ms", "num_threads"):
-        value = getattr(args, name)
+                 "max_wait_ms", "num_threads", "num_speculative_tokens", "speculative_max_batched_tokens"):
+        value = getattr(args, name, None)
         if value is not None:
             argv += ["--" + name.replace("_", "-"), str(value)]
     return argv

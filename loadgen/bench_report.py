@@ -250,6 +250,13 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
         print(f"greedy agreement with the unquantized run over {a['compared']} requests: first token "
               f"{a['first_token']:.0%}, identical output {a['identical']:.0%}, common prefix "
               f"{a['common_prefix']:.0%} on average")
+    if ours is not None and "mqinfer offline, unspeculative" in throughputs:
+        print(f"mqinfer --speculative {report['engine_flags']['speculative']} / unspeculative: "
+              f"{_ratio(ours, throughputs['mqinfer offline, unspeculative'])}")
+    if "agreement_vs_unspeculative" in report:
+        a = report["agreement_vs_unspeculative"]
+        print(f"greedy agreement with the unspeculative run over {a['compared']} requests: identical output "
+              f"{a['identical']:.0%} (bf16 batches of different shapes can break near-ties)")
     if "prefix_cache" in report:
         from mqinfer.loadgen.prefix_cache import describe
 

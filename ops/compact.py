@@ -273,9 +273,14 @@ def _read(path: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa
     names = columns or schema.names
     try:
         with pq.ParquetFile(path) as parquet:
-            table = parquet.read(columns=names)
+            present = set(parquet.schema_arrow.names)
+            # A nullable column added to the schema after the file was written reads as nulls.
+            absent = [n for n in names if n not in present and schema.field(n).nullable]
+            table = parquet.read(columns=[n for n in names if n not in absent])
     except (pa.ArrowException, OSError) as exc:
         raise RuntimeError(f"cannot read {path}: {exc}") from None
+    for n in absent:
+        table = table.append_column(schema.field(n), pa.nulls(table.num_rows, schema.field(n).type))
     target = pa.schema([schema.field(n) for n in names])
     if not table.schema.equals(target):
         try:

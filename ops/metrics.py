@@ -15,7 +15,6 @@ value.
 
 Names (``_total`` is added to counters by the client library):
 
-==========================================  =========  ======================================
 ``mqinfer_num_requests_running``            gauge      requests in the engine's running set
 ``mqinfer_num_requests_waiting``            gauge      read from the stream, not running yet
 ``mqinfer_kv_cache_usage_ratio``            gauge      share of KV blocks held (0-1)
@@ -54,8 +53,17 @@ Names (``_total`` is added to counters by the client library):
 ``mqinfer_stream_entries_lost_total``       counter    entries trimmed before their row, by
                                                        ``state``: pending, undelivered
 ``mqinfer_stream_entries_trimmed_in_flight_total``  counter  trimmed while running here (finished)
+``mqinfer_spec_proposed_tokens_total``      counter    speculative decoding: proposed tokens checked,
+                                                       by ``proposer``
+``mqinfer_spec_accepted_tokens_total``      counter    proposed tokens kept, by ``proposer``
+``mqinfer_spec_emitted_tokens_total``       counter    tokens emitted in steps with proposals (the
+                                                       accepted ones plus one sampled each), by
+                                                       ``proposer``
 ``mqinfer_process_*``                       various    resident memory, CPU seconds, open fds
-==========================================  =========  ======================================
+
+Speculative decoding's acceptance rate is ``rate(mqinfer_spec_accepted_tokens_total[5m]) /
+rate(mqinfer_spec_proposed_tokens_total[5m])``; tokens per checking step are emitted /
+(emitted - accepted).
 """
 
 from __future__ import annotations
@@ -173,6 +181,14 @@ class WorkerMetrics:
             "mqinfer_rate_limited_tokens", "Tokens (prompt + max_tokens) of requests that had to wait on their "
             "tenant's rate limit.", ["tenant"], registry=r,
         )
+        spec = {name: Counter(f"mqinfer_spec_{name}_tokens", help, ["proposer"], registry=r) for name, help in (
+            ("proposed", "Speculative decoding: proposed tokens checked by the model."),
+            ("accepted", "Speculative decoding: proposed tokens kept."),
+            ("emitted", "Speculative decoding: tokens emitted in steps with proposals (accepted plus one sampled "
+                        "each)."),
+        )}
+        self._spec_counters = spec
+        self._seen_spec: dict[str, int] = {"proposed": 0, "accepted": 0, "emitted": 0}
         self.max_tenant_labels = max_tenant_labels
         self._tenant_cost: dict[str, Any] = {}
         self._limited_tenants: set[str] = set()
@@ -192,10 +208,11 @@ class WorkerMetrics:
         if counter is not None:
             counter.inc()
 
-    def record_step(self, result, scheduler) -> None:
+    def record_step(self, result, scheduler, spec_stats=None) -> None:
         """One engine step: generated tokens, inter-token latency, prefix-cache and preemption counts.
 
-        ``result`` is the engine's ``StepResult``; ``scheduler`` its ``Scheduler`` (read only).
+        ``result`` is the engine's ``StepResult``; ``scheduler`` its ``Scheduler`` (read only);
+        ``spec_stats`` the engine's ``SpecStats`` (speculative decoding's totals), if any.
         """
         now = result.end
         generated = 0
@@ -218,6 +235,11 @@ class WorkerMetrics:
         self._seen_queries = _advance(self.prefix_cache_queries, self._seen_queries, scheduler.prefix_cache_queries)
         self._seen_hits = _advance(self.prefix_cache_hits, self._seen_hits, scheduler.prefix_cache_hits)
         self._seen_preemptions = _advance(self.preemptions, self._seen_preemptions, scheduler.num_preemptions_total)
+        if spec_stats is not None and spec_stats.proposed_tokens:
+            seen = self._seen_spec
+            for name, total in (("proposed", spec_stats.proposed_tokens), ("accepted", spec_stats.accepted_tokens),
+                                ("emitted", spec_stats.emitted_tokens)):
+                seen[name] = _advance(self._spec_counters[name].labels(spec_stats.proposer), seen[name], total)
 
     def charge(self, tenant: str | None, cost_usd: float) -> None:
         """Add a finished request's cost to its tenant's counter."""

@@ -97,6 +97,12 @@ class SchedulerConfig:
     # service counts divided by its weight here; a tenant not named has weight 1. Given as a
     # mapping or (tenant, weight) pairs, kept as pairs sorted by tenant.
     tenant_weights: TenantWeights = ()
+    # Speculative decoding: a running request about to sample may carry up to this many proposed
+    # tokens, checked in the same step (0 = off; the scheduler also needs a proposer).
+    num_speculative_tokens: int = 0
+    # Proposals are added only while the step's scheduled tokens stay at or below this many, so that
+    # a busy step (prefill chunks, many decodes) runs without them.
+    speculative_max_batched_tokens: int = 32
 
     def __post_init__(self) -> None:
         self._normalize_tenant_weights()
@@ -111,6 +117,10 @@ class SchedulerConfig:
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")
         if self.preemption_mode == "swap" and self.num_swap_blocks == 0:
             raise ValueError("preemption_mode swap needs swap space: num_swap_blocks must be at least 1")
+        for name in ("num_speculative_tokens", "speculative_max_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         aging = self.priority_aging_s
         if aging is not None and (
             not isinstance(aging, (int, float)) or isinstance(aging, bool) or not math.isfinite(aging) or aging <= 0

@@ -164,6 +164,24 @@ class KVCacheManager:
         if request.status.is_finished:
             self._req_hashes.pop(rid, None)
 
+    def trim(self, request: Request, num_tokens: int) -> int:
+        """Give back the request's blocks past those ``num_tokens`` tokens need (slots written for
+        proposed tokens that were rejected). Returns the number of blocks freed.
+
+        Only blocks past the computed tokens can go, and those were never offered to the prefix
+        cache (a block is cached once full of computed tokens), so no cached hash ever covers a
+        rejected token.
+        """
+        blocks = self._req_blocks.get(request.request_id)
+        keep = self.num_blocks_for(max(num_tokens, request.num_computed_tokens))
+        if not blocks or len(blocks) <= keep:
+            return 0
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del request.block_ids[keep:]
+        self.block_pool.free(reversed(extra))
+        return len(extra)
+
     def _release_device_blocks(self, request: Request) -> None:
         rid = request.request_id
         blocks = self._req_blocks.pop(rid, None)

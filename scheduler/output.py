@@ -11,19 +11,24 @@ from mqinfer.scheduler.request import Request
 class ScheduledRequest:
     """Run ``num_new_tokens`` tokens of ``request`` this step.
 
-    The tokens are ``request.all_token_ids[c : c + num_new_tokens]`` with
-    ``c = request.num_computed_tokens`` (read before ``update_from_output``); their KV goes to
-    the slots given by ``request.block_ids``. When ``c + num_new_tokens == request.num_tokens``
-    the chunk reaches the end of the known tokens and the runner samples one token for it;
-    otherwise (a prompt chunk in the middle of chunked prefill) it samples nothing.
+    The tokens are ``request.all_token_ids[c : c + num_new_tokens - s]`` with
+    ``c = request.num_computed_tokens`` (read before ``update_from_output``), followed by the
+    ``s = len(spec_token_ids)`` proposed tokens; their KV goes to the slots given by
+    ``request.block_ids``. When the known tokens reach the end (``needs_sample``) the runner
+    samples one token after the last known one and one after each proposal, and keeps the
+    proposals up to the first one that differs from what it sampled; otherwise (a prompt chunk
+    in the middle of chunked prefill, never with proposals) it samples nothing.
     """
 
     request: Request
     num_new_tokens: int
+    # Proposed continuation (speculative decoding), counted in num_new_tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def needs_sample(self) -> bool:
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+        return (self.request.num_computed_tokens + self.num_new_tokens - len(self.spec_token_ids)
+                == self.request.num_tokens)
 
 
 @dataclass(slots=True)

@@ -101,6 +101,8 @@ class Request:
     # Who the request is for: the scheduler shares service fairly between tenants within a
     # priority level (scheduler/fair.py).
     tenant: str = "default"
+    # Whether proposed tokens may be checked for this request (speculative decoding).
+    speculative: bool = True
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -115,6 +117,8 @@ class Request:
     num_swaps: int = 0
     # Tokens whose KV was computed, dropped by a recompute preemption, and must be computed again.
     num_recompute_tokens: int = 0
+    # Proposed tokens computed and then discarded (speculative decoding's wasted work).
+    num_rejected_tokens: int = 0
     # Sampling seed fixed at creation (drawn at random when the request gave none), so that
     # seeded randomness is keyed by (seed, position) and independent of the batch.
     sampling_seed: int = 0
@@ -147,3 +151,14 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep only the first ``num_output_tokens`` output tokens (a stop string matched inside a
+        run of tokens from one step). Computed tokens are capped at what is left, so a block that
+        is cached when the request ends holds only kept tokens."""
+        drop = len(self.output_token_ids) - num_output_tokens
+        if drop <= 0:
+            return
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[len(self.all_token_ids) - drop:]
+        self.num_computed_tokens = min(self.num_computed_tokens, len(self.all_token_ids))

@@ -40,6 +40,16 @@ take as a prefix-cache hit, and evicts such protected blocks only when nothing e
 Without this, the running requests' growth could evict a prefix that a queue of waiting
 requests shares just before they are admitted, and each of them would compute it again.
 
+Speculative decoding (``SchedulerConfig.num_speculative_tokens`` K > 0 and a proposer): after
+the running requests and the admissions, while the step's scheduled tokens stay at or below
+``speculative_max_batched_tokens``, each scheduled request about to sample (and not opted out)
+asks the proposer for up to K tokens and, when it proposes some and free blocks hold their
+slots, runs them in the same chunk (``ScheduledRequest.spec_token_ids``). Proposals come last,
+so they only use what the step has spare: a full step runs none, and they never preempt. No more
+are proposed than the request can still emit (its ``max_tokens`` and context limit). In
+``update_from_output`` the accepted ones become output tokens like sampled ones; the rejected
+ones' computed tokens are rolled back and the blocks only they needed are given back.
+
 The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
 ``update_from_output()`` with the sampled tokens, strictly in that order.
 """
@@ -49,7 +59,8 @@ from __future__ import annotations
 import heapq
 import time
 from bisect import insort
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.fair import PROMPT_TOKEN_WEIGHT, OrderKey, WaitingQueue
@@ -67,10 +78,20 @@ _OrderKey = OrderKey
 PROTECTED_WAITING_REQUESTS = 64
 
 
+class Proposer(Protocol):
+    """Proposes how a request continues (speculative decoding)."""
+
+    def propose(self, request: Request, max_tokens: int) -> list[int]:
+        """At most ``max_tokens`` (>= 1) tokens that may follow ``request.all_token_ids``; [] for none."""
+        ...
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: SchedulerConfig, clock: Callable[[], float] = time.time,
+                 proposer: Proposer | None = None) -> None:
         self.config = config
         self.clock = clock
+        self.proposer = proposer if config.num_speculative_tokens > 0 else None
         self.kv_cache_manager = KVCacheManager(
             config.block_size, config.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
@@ -259,6 +280,38 @@ class Scheduler:
         # prefix blocks are shared with a running request needs less, and may come back at once
         # (for swap, the runner's out-before-in copy order keeps that correct).
         self._admit(out, budget)
+        if self.proposer is not None:
+            self._add_proposals(out)
+
+    def _add_proposals(self, out: SchedulerOutput) -> None:
+        """Give the scheduled requests about to sample their proposed tokens, while the step stays
+        within ``speculative_max_batched_tokens``; a request whose extra slots do not fit in the
+        free blocks runs without."""
+        config = self.config
+        limit = min(config.speculative_max_batched_tokens, config.max_num_batched_tokens)
+        total = out.num_batched_tokens
+        kv = self.kv_cache_manager
+        propose = self.proposer.propose
+        for sr in out.scheduled:
+            spare = limit - total
+            if spare <= 0:
+                break
+            request = sr.request
+            if not request.speculative or not sr.needs_sample:
+                continue
+            # Each accepted proposal is emitted along with one more sampled token: propose no more
+            # than the request can still emit, minus that one.
+            room = min(request.sampling.max_tokens - request.num_output_tokens,
+                       request.max_model_len - request.num_tokens) - 1
+            k = min(config.num_speculative_tokens, spare, room)
+            if k <= 0:
+                continue
+            proposal = propose(request, k)[:k]
+            if not proposal or not kv.allocate_slots(request, sr.num_new_tokens + len(proposal)):
+                continue
+            sr.spec_token_ids = list(proposal)
+            sr.num_new_tokens += len(proposal)
+            total += len(proposal)
 
     def _waiting_head(self) -> list[Request]:
         """The first ``PROTECTED_WAITING_REQUESTS`` waiting requests, in the order they would be
@@ -350,22 +403,33 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
 
-    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None]) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None],
+                           num_accepted: Sequence[int] | None = None) -> list[Request]:
         """Apply one model step: advance computed tokens, append sampled ones, apply stop rules.
 
         ``sampled_token_ids`` is aligned with ``output.scheduled``: a token where the request
-        needed a sample, None where it did not. Requests ended from outside while the step ran
-        are skipped. Returns the requests that finished in this update, their blocks freed.
+        needed a sample, None where it did not. ``num_accepted`` (also aligned; None when no
+        request had proposals) says how many leading proposed tokens each request keeps: its
+        output grows by those and then its sampled token, one at a time, up to the first that
+        meets a stop rule. Requests ended from outside while the step ran are skipped. Returns
+        the requests that finished in this update, their blocks freed.
         """
         scheduled = output.scheduled
         if len(sampled_token_ids) != len(scheduled):
             raise ValueError(
                 f"got {len(sampled_token_ids)} sampled tokens for {len(scheduled)} scheduled requests"
             )
+        if num_accepted is not None:
+            if len(num_accepted) != len(scheduled):
+                raise ValueError(f"got {len(num_accepted)} accepted counts for {len(scheduled)} scheduled requests")
+            for sr, a in zip(scheduled, num_accepted):
+                if not 0 <= a <= len(sr.spec_token_ids):
+                    raise ValueError(f"request {sr.request.request_id!r}: {a} accepted of "
+                                     f"{len(sr.spec_token_ids)} proposed tokens")
         # Check everything before changing anything, so a bad call leaves the state as it was.
         for sr, token in zip(scheduled, sampled_token_ids):
             request = sr.request
-            needs_sample = request.num_computed_tokens + sr.num_new_tokens == len(request.all_token_ids)
+            needs_sample = sr.needs_sample
             if (token is None) == needs_sample and request.status is RequestStatus.RUNNING:
                 need = "a sampled token" if needs_sample else "None (a prompt chunk samples nothing)"
                 raise ValueError(f"request {request.request_id!r} needs {need}, got {token!r}")
@@ -373,20 +437,47 @@ class Scheduler:
         finished: list[Request] = []
         # Output tokens per tenant, for the fair-share counters.
         generated: dict[str, int] = {}
-        for sr, token in zip(scheduled, sampled_token_ids):
+        kv = self.kv_cache_manager
+        for i, (sr, token) in enumerate(zip(scheduled, sampled_token_ids)):
             request = sr.request
             if request.status is not RequestStatus.RUNNING:
                 continue
-            request.num_computed_tokens += sr.num_new_tokens
-            if token is None:
+            spec = sr.spec_token_ids
+            if not spec:
+                request.num_computed_tokens += sr.num_new_tokens
+                if token is None:
+                    continue
+                request.append_output_token(token)
+                tenant = request.tenant
+                generated[tenant] = generated.get(tenant, 0) + 1
+                status = self._stop_status(request, token)
+                if status is not None:
+                    request.status = status
+                    finished.append(request)
                 continue
-            request.append_output_token(token)
+            accepted = num_accepted[i] if num_accepted is not None else 0
+            rejected = len(spec) - accepted
+            request.num_rejected_tokens += rejected
+            # The KV of the known tokens and of the accepted proposals is written; the rejected
+            # proposals' slots hold garbage that the next step overwrites.
+            computed = request.num_computed_tokens + sr.num_new_tokens - rejected
+            num_before = request.num_tokens
+            status = None
+            for t in (*spec[:accepted], token):
+                request.append_output_token(t)
+                status = self._stop_status(request, t)
+                if status is not None:
+                    break
             tenant = request.tenant
-            generated[tenant] = generated.get(tenant, 0) + 1
-            status = self._stop_status(request, token)
+            generated[tenant] = generated.get(tenant, 0) + request.num_tokens - num_before
+            # A stop rule met before the end of the run leaves accepted tokens out: never count
+            # more computed tokens than the request has.
+            request.num_computed_tokens = min(computed, request.num_tokens)
             if status is not None:
                 request.status = status
                 finished.append(request)
+            elif rejected:
+                kv.trim(request, request.num_tokens)
         if generated:
             self._waiting.charge_output(generated)
         if finished:

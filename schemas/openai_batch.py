@@ -41,6 +41,7 @@ _COMMON_PASSTHROUGH = {
     "top_k": "top_k",
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
+    "speculative": "speculative",
     "stop_token_ids": "stop_token_ids",
 }
 # Parameters accepted only at one value (what we do anyway): name -> (allowed value, type).

@@ -76,6 +76,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     logprobs: Logprobs | None = None
+    # False keeps the request out of speculative decoding (the worker's --speculative).
+    speculative: bool = True
     tenant: Label = "default"
     model: str | None = None
     request_type: Label = "default"

@@ -75,6 +75,9 @@ COST_SCHEMA = pa.schema(
         pa.field("price_per_device_hour", pa.float64(), nullable=False),
         pa.field("worker", pa.string(), nullable=False),
         pa.field("finished_at", TIMESTAMP, nullable=False),
+        # Proposed tokens computed and discarded by speculative decoding (their time is in device_s);
+        # null in rows written before the column existed.
+        pa.field("rejected_tokens", pa.int32()),
     ]
 )
 
@@ -138,6 +141,7 @@ class CostRow(msgspec.Struct, kw_only=True):
     price_per_device_hour: float = 0.0
     worker: str
     finished_at: float
+    rejected_tokens: int = 0
 
 
 def to_micros(value: float | int | dt.datetime | None) -> int | None:

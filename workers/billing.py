@@ -57,6 +57,7 @@ class Billing:
             decode_s=meter.decode_s, device_s=meter.device_s, recomputed_s=meter.recomputed_s,
             kv_block_s=meter.kv_block_s, cost_usd=self._usd(meter.device_s),
             price_per_device_hour=self.price, worker=self.worker, finished_at=now,
+            rejected_tokens=out.num_rejected_tokens,
         )
         return row, cost
 
@@ -129,4 +130,5 @@ def finished_fields(item: InFlight, out, row: ResultRow, cost: CostRow, meter: R
         "ttft_s": round(item.first_token_at - item.enqueued_at, 6) if item.first_token_at else None,
         "e2e_s": round(now - item.enqueued_at, 6), "device_s": round(meter.device_s, 6),
         "recomputed_s": round(meter.recomputed_s, 6), "cost_usd": cost.cost_usd,
+        "rejected_tokens": cost.rejected_tokens,
     }

@@ -27,6 +27,9 @@ QUANTIZATIONS = ("none", "w8a8", "w8a16")
 # How the KV cache stores K and V (kernels/kv_quant.py, which holds the same tuple, owns what
 # each means; this module stays free of torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# Speculative decoding's proposers; only these are built so far.
+SPECULATIVE = ("none", "ngram", "draft", "self")
+SPECULATIVE_BUILT = ("none", "ngram")
 
 # The scheduler's defaults, which the engine passes on to it unchanged.
 _SCHEDULER = SchedulerConfig()
@@ -127,7 +130,34 @@ class EngineConfig:
         "named has weight 1); a tenant with weight 2 gets twice the token service of one with weight 1 "
         "when both have requests waiting.", metavar="T=W,...", parse=tenant_weights_flag))
 
+    speculative: str = field(default="none", metadata=flag(
+        "Speculative decoding: propose tokens cheaply and check them all in one step, keeping exactly the "
+        "model's outputs (greedy and sampled alike). ngram = prompt lookup: what followed the last earlier "
+        "occurrence of the request's latest tokens in its prompt and output; it pays off when outputs copy "
+        "spans of their prompts. draft and self are not built yet.", choices=SPECULATIVE))
+    num_speculative_tokens: int = field(default=4, metadata=flag(
+        "With --speculative: tokens proposed per request and step, at most.", metavar="K"))
+    ngram_max: int = field(default=4, metadata=flag(
+        "With --speculative ngram: the longest run of latest tokens looked up (tried first).", metavar="N"))
+    ngram_min: int = field(default=2, metadata=flag(
+        "With --speculative ngram: the shortest run of latest tokens looked up.", metavar="N"))
+    speculative_max_batched_tokens: int = field(default=_SCHEDULER.speculative_max_batched_tokens, metadata=flag(
+        "With --speculative: propose only while a step's scheduled tokens (prefill chunks, decodes and "
+        "proposals) stay at or below this many, so that a busy worker spends its steps on other requests "
+        "instead.", metavar="T"))
+
     def __post_init__(self) -> None:
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
+        if self.speculative not in SPECULATIVE_BUILT:
+            raise ValueError(f"--speculative {self.speculative} is not built yet; use none or ngram")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.speculative_max_batched_tokens < 0:
+            raise ValueError(
+                f"speculative_max_batched_tokens must be >= 0, got {self.speculative_max_batched_tokens}")
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
         if self.dtype not in DTYPES:

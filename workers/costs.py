@@ -19,7 +19,8 @@ proportion to an estimate of the floating-point work each caused::
 
     work = n * linear_flops_per_token                      # every linear layer, per token
          + pairs(n, context_len) * attn_flops_per_pair     # q.k and p.v over the context
-         + lm_head_flops  (only if the request sampled a token this step)
+         + lm_head_flops * rows  (rows: 1 if the request sampled a token this step, 1 + s
+                                  with s proposed tokens checked, else 0)
 
 with ``n`` the request's tokens in the step, ``pairs`` the causal (query, key) pairs of a chunk
 of ``n`` tokens ending at ``context_len``, ``linear_flops_per_token = 2 * non-embedding
@@ -31,7 +32,9 @@ per decode token than a short one.
 **Per request** (the columns of a ``request`` cost row):
 
 * ``prefill_s``: its share of the steps in which it ran prompt tokens (or recomputed ones);
-* ``decode_s``: its share of the steps in which it generated one token;
+* ``decode_s``: its share of the steps in which it generated one token (or checked proposed
+  tokens: speculative decoding's rejected tokens are billed here, and counted in the row's
+  ``rejected_tokens``);
 * ``device_s = prefill_s + decode_s``;
 * ``recomputed_s``: the part of ``prefill_s`` spent recomputing KV lost to a preemption (the
   chunk's share, times the fraction of the chunk's tokens computed before);
@@ -74,6 +77,7 @@ class _Work(Protocol):
     is_prefill: bool
     num_recomputed_tokens: int
     sampled: bool
+    num_spec_tokens: int
 
 
 @dataclass(slots=True)
@@ -108,13 +112,14 @@ class WorkModel:
             lm_head_flops=2.0 * vocab_size * hidden_size,
         )
 
-    def work(self, num_tokens: int, context_len: int, sampled: bool) -> float:
+    def work(self, num_tokens: int, context_len: int, sampled: bool | int) -> float:
+        """Estimated flops of a chunk; ``sampled``: LM head rows run for it (a bool counts 0 or 1)."""
         # Causal attention over a chunk: token i of the chunk sees (context_len - n + i + 1) keys.
         pairs = num_tokens * context_len - num_tokens * (num_tokens - 1) / 2
         return (
             num_tokens * self.linear_flops_per_token
             + pairs * self.attn_flops_per_pair
-            + (self.lm_head_flops if sampled else 0.0)
+            + self.lm_head_flops * int(sampled)
         )
 
 
@@ -195,7 +200,8 @@ class Meter:
         self._ewma(span, 0.0)
         self.busy_total_s += span
         model = self.work_model
-        weights = [model.work(w.num_tokens, w.context_len, w.sampled) for w in work]
+        weights = [model.work(w.num_tokens, w.context_len, (1 + w.num_spec_tokens) if w.sampled else 0)
+                   for w in work]
         total = sum(weights)
         for w, weight in zip(work, weights):
             share = span * weight / total if total > 0 else span / len(work)

@@ -31,6 +31,7 @@ from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
+from mqinfer.workers.ngram_proposer import NgramProposer
 from mqinfer.workers.models.quant import activation_ranges, calibration_token_windows, quantize_model, smooth
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -85,6 +86,8 @@ class RequestOutput:
     first_token_time: float | None
     # Preemptions that kept the KV in host memory (a subset of num_preemptions).
     num_swaps: int = 0
+    # Proposed tokens computed and rejected so far (speculative decoding).
+    num_rejected_tokens: int = 0
 
 
 @dataclass
@@ -101,6 +104,24 @@ class StepWork:
     num_recomputed_tokens: int
     # Whether the request sampled a token this step (the LM head ran for it).
     sampled: bool = False
+    # Proposed tokens among num_tokens (speculative decoding); the LM head ran for each of them too.
+    num_spec_tokens: int = 0
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding's running totals for one proposer (``none``: all stay 0)."""
+
+    proposer: str
+    # Proposed tokens the model checked.
+    proposed_tokens: int = 0
+    # Proposed tokens kept (equal to what the model sampled there).
+    accepted_tokens: int = 0
+    # Tokens requests emitted in the steps where they had proposals: accepted ones and the one
+    # sampled after them, less any cut by a stop rule.
+    emitted_tokens: int = 0
+    # Request-steps that had proposals.
+    num_checks: int = 0
 
 
 @dataclass
@@ -247,8 +268,13 @@ class LLMEngine:
             num_swap_blocks=num_swap_blocks,
             priority_aging_s=config.priority_aging_s,
             tenant_weights=config.tenant_weight_map,
+            num_speculative_tokens=config.num_speculative_tokens if config.speculative != "none" else 0,
+            speculative_max_batched_tokens=config.speculative_max_batched_tokens,
         )
-        self.scheduler = Scheduler(self.scheduler_config, clock=clock)
+        self.proposer = (NgramProposer(config.ngram_min, config.ngram_max)
+                         if config.speculative == "ngram" else None)
+        self.spec_stats = SpecStats(config.speculative)
+        self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
                                   kv_cache_dtype=config.kv_cache_dtype)
         if config.quantization != "none":
@@ -343,7 +369,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    deadline: float | None = None, tenant: str = "default") -> None:
+                    deadline: float | None = None, tenant: str = "default", speculative: bool = True) -> None:
+        """Queue a request; ``speculative`` False keeps it out of speculative decoding."""
         if request_id in self._tracked or self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request {request_id!r} is already in the engine")
         ids = list(prompt_token_ids)
@@ -367,6 +394,7 @@ class LLMEngine:
             deadline=deadline,
             max_model_len=self.max_model_len,
             tenant=tenant,
+            speculative=speculative,
             sampling_seed=seed,
         )
         detok = (
@@ -386,6 +414,8 @@ class LLMEngine:
         whose row another worker will write)."""
         for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_CANCELLED):
             self._tracked.pop(request.request_id, None)
+            if self.proposer is not None:
+                self.proposer.forget(request.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._ended_outside)
@@ -414,15 +444,17 @@ class LLMEngine:
         work = []
         for sr in scheduler_output.scheduled:
             r, n = sr.request, sr.num_new_tokens
+            s = len(sr.spec_token_ids)
             c = r.num_computed_tokens
             tracked = self._tracked[r.request_id]
             work.append(StepWork(
                 request_id=r.request_id, num_tokens=n, context_len=c + n,
-                is_prefill=not (n == 1 and c >= r.num_prompt_tokens),
-                num_recomputed_tokens=max(0, min(c + n, tracked.high_water) - c),
-                sampled=sr.needs_sample,
+                is_prefill=not (n - s == 1 and c >= r.num_prompt_tokens),
+                num_recomputed_tokens=max(0, min(c + n - s, tracked.high_water) - c),
+                sampled=sr.needs_sample, num_spec_tokens=s,
             ))
-            tracked.high_water = max(tracked.high_water, c + n)
+            # Only known tokens count as computed before: proposals are new each time.
+            tracked.high_water = max(tracked.high_water, c + n - s)
         return work
 
     def _postprocess(self, scheduler_output: SchedulerOutput,
@@ -432,19 +464,37 @@ class LLMEngine:
         touched = {request.request_id: request for request in ended}
         self._ended_outside = []
         if ran is not None and scheduler_output.scheduled:
-            self.scheduler.update_from_output(scheduler_output, ran.sampled_token_ids)
+            scheduled = scheduler_output.scheduled
+            num_before = [sr.request.num_output_tokens for sr in scheduled]
+            self.scheduler.update_from_output(scheduler_output, ran.sampled_token_ids, ran.num_accepted)
             now = self.clock()
             logprobs = ran.logprobs or repeat(None)
-            for sr, token, lp in zip(scheduler_output.scheduled, ran.sampled_token_ids, logprobs):
+            accepted = ran.num_accepted or repeat(0)
+            stats = self.spec_stats
+            for sr, token, lp, before, a in zip(scheduled, ran.sampled_token_ids, logprobs, num_before, accepted):
                 if token is None:
                     continue
-                tracked = self._tracked[sr.request.request_id]
-                tracked.new_token_ids.append(token)
+                request = sr.request
+                tracked = self._tracked[request.request_id]
+                # One token, or with proposals the accepted ones and then the sampled one (up to
+                # the first that met a stop rule).
+                new = request.output_token_ids[before:]
+                if not new:
+                    continue
+                if sr.spec_token_ids:
+                    stats.num_checks += 1
+                    stats.proposed_tokens += len(sr.spec_token_ids)
+                    stats.accepted_tokens += a
+                    stats.emitted_tokens += len(new)
+                if len(new) == 1:
+                    tracked.new_token_ids.append(new[0])
+                else:
+                    tracked.new_token_ids.extend(new)
                 if tracked.first_token_time is None:
                     tracked.first_token_time = now
                 if lp is not None:
-                    tracked.logprobs.append(lp.to_dict())
-                touched[sr.request.request_id] = sr.request
+                    tracked.logprobs.extend(entry.to_dict() for entry in lp[: len(new)])
+                touched[request.request_id] = request
         outputs = [self._output(request) for request in touched.values()]
         # Stop strings end requests here; their blocks go back before the next schedule().
         stopped = [o.request_id for o in outputs if o.finished and not touched[o.request_id].is_finished]
@@ -481,7 +531,23 @@ class LLMEngine:
             if (finished and status is RequestStatus.FINISHED_STOPPED and new_ids
                     and self._is_stop_token(request, new_ids[-1])):
                 feed = new_ids[:-1]  # a stop token ends the text; it is not part of it
-            new_text = detok.feed(feed) if feed else ""
+            if len(feed) > 1 and detok.stop:
+                # Several tokens in one step (accepted proposals): a stop string ends the request
+                # at the token that completes it, as if they had come one step at a time.
+                new_text = ""
+                for n, token in enumerate(feed, start=1):
+                    new_text += detok.feed((token,))
+                    if detok.stopped:
+                        break
+                if detok.stopped and n < len(new_ids):
+                    dropped = len(new_ids) - n
+                    request.truncate_output(len(request.output_token_ids) - dropped)
+                    self.spec_stats.emitted_tokens -= dropped
+                    new_ids = new_ids[:n]
+                    if tracked.logprobs is not None:
+                        del tracked.logprobs[len(request.output_token_ids):]
+            else:
+                new_text = detok.feed(feed) if feed else ""
             if detok.stopped and status is not RequestStatus.FINISHED_STOPPED:
                 # A stop string matched: the request ends with "stop", even if a length limit
                 # was reached by the same token. The caller frees a still-running one.
@@ -494,6 +560,8 @@ class LLMEngine:
                 text = detok.text if status is not RequestStatus.FINISHED_ERROR else None
         if finished:
             self._tracked.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.forget(rid)
         return RequestOutput(
             request_id=rid,
             new_token_ids=new_ids,
@@ -510,6 +578,7 @@ class LLMEngine:
             num_preemptions=request.num_preemptions,
             first_token_time=tracked.first_token_time if tracked is not None else None,
             num_swaps=request.num_swaps,
+            num_rejected_tokens=request.num_rejected_tokens,
         )
 
     @staticmethod

@@ -6,6 +6,11 @@ scheduled request into one flat batch (no padding), builds the attention metadat
 slot mapping, block tables) and the sampling tensors once, runs the model under
 ``torch.inference_mode()``, puts only the rows that sample through the LM head, samples, and
 brings the results back with a single device-to-host copy.
+
+A request with proposed tokens (speculative decoding) samples at its last known token and at
+each proposal, with the randomness of each row keyed by the position it samples, exactly as
+if the tokens had come one step at a time; the proposals are kept up to the first one that
+differs from what was sampled before it (``accept_proposals``).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 
 from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metadata
 from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, kv_storage_dtype
-from mqinfer.kernels.sampling import SamplingTensors, compute_logprobs, sample
+from mqinfer.kernels.sampling import SamplingTensors, accept_proposals, compute_logprobs, sample
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request
@@ -51,11 +56,16 @@ class ModelRunnerOutput:
     """What one ``execute()`` produced, aligned with ``SchedulerOutput.scheduled``."""
 
     # The sampled token per scheduled request; None where the request sampled nothing (a prompt
-    # chunk short of the prompt's end).
+    # chunk short of the prompt's end). For a request with proposed tokens: the one sampled after
+    # its accepted proposals (at the first rejected one, or after the last).
     sampled_token_ids: list[int | None] = field(default_factory=list)
-    # Per scheduled request: its token's logprobs where it sampled and asked for them, else None.
-    # None as a whole when no request in the step asked.
-    logprobs: list[TokenLogprobs | None] | None = None
+    # Per scheduled request, how many of its proposed tokens are accepted; None as a whole when no
+    # request in the step had proposals.
+    num_accepted: list[int] | None = None
+    # Per scheduled request: where it sampled and asked for them, the logprobs of each token it
+    # emits (its accepted proposals, then its sampled token), else None. None as a whole when no
+    # request in the step asked.
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     # Seconds in (prepare inputs and block copies, forward incl. LM head, sample); on CUDA the
     # split is only indicative (kernels run asynchronously).
     phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -151,13 +161,22 @@ class ModelRunner:
         query_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
-        sample_rows: list[int] = []  # packed row of the last token of each sampling request
+        # Packed rows that sample: the last known token of each sampling request, then each of
+        # its proposed tokens (speculative decoding).
+        sample_rows: list[int] = []
         sample_of: list[int] = []  # index into `scheduled` of each sampling row
+        sample_positions: list[int] = []  # position of the token each row samples
+        any_spec = False
         row = 0
         for i, sr in enumerate(scheduled):
             request, n = sr.request, sr.num_new_tokens
             c = request.num_computed_tokens
-            if n == 1:
+            spec = sr.spec_token_ids
+            if spec:
+                any_spec = True
+                input_ids.extend(request.all_token_ids[c : c + n - len(spec)])
+                input_ids.extend(spec)
+            elif n == 1:
                 input_ids.append(request.all_token_ids[c])
             else:
                 input_ids.extend(request.all_token_ids[c : c + n])
@@ -165,9 +184,11 @@ class ModelRunner:
             seq_lens.append(c + n)
             tables.append(request.block_ids)
             row += n
-            if c + n == request.num_tokens:
-                sample_rows.append(row - 1)
-                sample_of.append(i)
+            if c + n - len(spec) == request.num_tokens:
+                for j in range(len(spec), -1, -1):
+                    sample_rows.append(row - 1 - j)
+                    sample_of.append(i)
+                    sample_positions.append(request.num_tokens + len(spec) - j)
 
         device = self.device
         metadata = build_attention_metadata(
@@ -193,18 +214,37 @@ class ModelRunner:
             top_k=[r.sampling.top_k for r in requests],
             top_p=[r.sampling.top_p for r in requests],
             seeds=[r.sampling_seed for r in requests],
-            positions=[r.num_tokens for r in requests],
+            positions=sample_positions,
             device=device,
         )
         token_ids = sample(logits, params)
-        want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
+        tokens = token_ids.tolist()
+        sampled = result.sampled_token_ids
+        if not any_spec:
+            for i, token in zip(sample_of, tokens):
+                sampled[i] = token
+            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
+        else:
+            # Rows that emit a token: each request's accepted proposals' rows and the one after.
+            emits = [False] * len(sample_of)
+            result.num_accepted = [0] * len(scheduled)
+            j = 0
+            while j < len(sample_of):
+                i = sample_of[j]
+                spec = scheduled[i].spec_token_ids
+                accepted = accept_proposals(spec, tokens[j : j + len(spec) + 1]) if spec else 0
+                result.num_accepted[i] = accepted
+                sampled[i] = tokens[j + accepted]
+                emits[j : j + accepted + 1] = [True] * (accepted + 1)
+                j += len(spec) + 1
+            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None and emits[j]]
         if want:
             result.logprobs = [None] * len(scheduled)
             for j, entry in zip(want, _logprobs(logits, token_ids, [requests[j] for j in want], want)):
-                result.logprobs[sample_of[j]] = entry
-        sampled = result.sampled_token_ids
-        for i, token in zip(sample_of, token_ids.tolist()):
-            sampled[i] = token
+                entries = result.logprobs[sample_of[j]]
+                if entries is None:
+                    entries = result.logprobs[sample_of[j]] = []
+                entries.append(entry)
         result.phase_seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return result
 

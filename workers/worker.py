@@ -318,7 +318,8 @@ class Worker:
             req = item.request
             try:
                 self.engine.add_request(entry_id, item.prompt_token_ids, item.sampling, arrival_time=item.enqueued_at,
-                                        priority=req.priority, deadline=req.deadline, tenant=req.tenant)
+                                        priority=req.priority, deadline=req.deadline, tenant=req.tenant,
+                                        speculative=req.speculative)
             except EngineInputError as exc:
                 self.ownership.release(entry_id)
                 self.acks.add_error(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,
@@ -332,7 +333,7 @@ class Worker:
         scheduler = self.engine.scheduler
         self.meter.step(result.end, result.work, kv_block_shares(scheduler.kv_cache_manager,
                                                                  (w.request_id for w in result.work)))
-        self.metrics.record_step(result, scheduler)
+        self.metrics.record_step(result, scheduler, getattr(self.engine, "spec_stats", None))
         self.busy.phases(self.engine.phase_seconds)
         # A request starts when the scheduler first gives it tokens (a prompt chunk), not when it
         # joins the engine's waiting queue: its queueing delay includes the wait there.

@@ -33,6 +33,10 @@ def test_defaults_and_pass_through_flags():
     assert pairs["--num-threads"] == "1" and pairs["--max-num-seqs"] == "32" and pairs["--block-size"] == "8" and pairs["--max-wait-ms"] == "2.5"
     assert pairs["--dtype"] == "float32" and pairs["--model"] == "tiny" and pairs["--stream"] == bench_pool.STREAM
     assert "--num-kv-blocks" not in pairs  # unset flags keep the worker's defaults
+    assert "--speculative" not in pairs
+    args = parse("--speculative", "ngram", "--num-speculative-tokens", "3")
+    pairs = dict(zip(*[iter(bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))[5:])] * 2))
+    assert pairs["--speculative"] == "ngram" and pairs["--num-speculative-tokens"] == "3"
     with pytest.raises(SystemExit):
         parse("--rate", "0")
     with pytest.raises(SystemExit):
@@ -158,6 +162,7 @@ def test_llamacpp_flags_are_checked_before_any_work(tmp_path, capsys):
     (["--rate", "2"], "online only"),
     (["--skip-engine"], "nothing to run"),
     (["--compare", "unquantized"], "--compare unquantized needs --quantization w8a8|w8a16 or --kv-cache-dtype"),
+    (["--compare", "unspeculative"], "--compare unspeculative needs --speculative ngram"),
     (["--output-len", "4,8"], "fixed lengths"),
     (["--workload", "shared-prefix", "--prompt-len", "4,8"], "does not apply"),
     (["--num-prefixes", "4"], "apply to --workload shared-prefix only"),
@@ -374,3 +379,23 @@ def test_shared_prefix_job_routed_over_two_shards_beside_input_order(tmp_path, c
     assert report["ratios"]["vs_input_order"] == pytest.approx(ours["throughput"] / other["throughput"])
     assert report["agreement_vs_input_order"]["identical"] == 1.0
     assert "mqinfer / the same with --order input --route id: " in captured.out
+
+
+def test_speculation_beside_the_unspeculative_run(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--num-requests", "4", "--workload", "fixed", "--prompt-len", "16",
+                       "--output-len", "24", "--matrix-size", "128", "--workers", "1", "--json", str(out_json),
+                       "--dtype", "float32", "--speculative", "ngram", "--compare", "unspeculative",
+                       "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    assert report["engine_flags"]["speculative"] == "ngram"
+    ours = report["systems"]["mqinfer offline"]["summary"]
+    plain = report["systems"]["mqinfer offline, unspeculative"]["summary"]
+    assert ours["num_errors"] == plain["num_errors"] == 0 and plain["num_requests"] == 4
+    assert report["ratios"]["vs_unspeculative"] == pytest.approx(ours["throughput"] / plain["throughput"])
+    # Greedy float32: speculation changes no token.
+    assert report["agreement_vs_unspeculative"]["compared"] == 4
+    assert report["agreement_vs_unspeculative"]["identical"] == 1.0
+    assert "--speculative ngram / unspeculative: " in captured.out

@@ -245,3 +245,19 @@ def test_two_compactions_do_not_run_at_once(tmp_path):
 
     compact(tmp_path, fault=second_compaction)
     assert len(inner) == 1 and "another compaction" in str(inner[0])
+
+
+def test_cost_files_written_before_rejected_tokens_existed_still_compact(tmp_path):
+    import pyarrow as pa
+
+    older = pa.schema([f for f in COST_SCHEMA if f.name != "rejected_tokens"])
+    DatasetWriter(tmp_path / "results", RESULT_SCHEMA, "w1").write([res("A", "j", "w1", T + 1),
+                                                                     res("B", "j", "w1", T + 2)])
+    DatasetWriter(tmp_path / "costs", older, "w1").write([cost("A", "j", "w1", T + 1)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write([
+        CostRow(**{**{f: getattr(cost("B", "j", "w2", T + 2), f) for f in CostRow.__struct_fields__},
+                   "rejected_tokens": 7})])
+    compact(tmp_path)
+    got = {r["id"]: r["rejected_tokens"] for path in part_files(tmp_path / "costs")
+           for r in pq.read_table(path).to_pylist()}
+    assert got == {"A": None, "B": 7}

@@ -48,10 +48,11 @@ def test_cost_schema_is_the_contract():
     assert COST_SCHEMA.names == [
         "kind", "job_id", "id", "tenant", "model", "request_type", "prompt_tokens", "cached_prompt_tokens",
         "output_tokens", "queue_s", "prefill_s", "decode_s", "device_s", "recomputed_s", "kv_block_s", "cost_usd",
-        "price_per_device_hour", "worker", "finished_at",
+        "price_per_device_hour", "worker", "finished_at", "rejected_tokens",
     ]
     types = {f.name: f.type for f in COST_SCHEMA}
-    assert all(types[n] == pa.int32() for n in ("prompt_tokens", "cached_prompt_tokens", "output_tokens"))
+    assert all(types[n] == pa.int32() for n in ("prompt_tokens", "cached_prompt_tokens", "output_tokens",
+                                                "rejected_tokens"))
     assert all(types[n] == pa.float64() for n in ("queue_s", "device_s", "cost_usd", "price_per_device_hour"))
     assert types["finished_at"] == UTC_US
 

@@ -36,6 +36,7 @@ class Work:
     is_prefill: bool = False
     num_recomputed_tokens: int = 0
     sampled: bool = True
+    num_spec_tokens: int = 0
 
 
 def test_work_model_terms():

@@ -327,8 +327,9 @@ def test_model_runner_returns_tokens_logprobs_and_phase_times(tiny_engine_factor
         assert ran.sampled_token_ids[1] is None and isinstance(ran.sampled_token_ids[0], int)
         assert ran.logprobs is None
     ran = steps[2][1]
-    entry = ran.logprobs[1]
-    assert ran.logprobs[0] is None and entry.token_id == ran.sampled_token_ids[1]
+    assert ran.logprobs[0] is None and len(ran.logprobs[1]) == 1  # one entry per emitted token
+    entry = ran.logprobs[1][0]
+    assert entry.token_id == ran.sampled_token_ids[1]
     # Greedy: the sampled token is the top one, with the top logprob.
     assert entry.top_token_ids == [entry.token_id] and entry.top_logprobs == [entry.logprob] and entry.logprob < 0
     plain = scheduler.get_request("plain")
