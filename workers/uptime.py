@@ -193,12 +193,13 @@ class LostTime:
         if not names:
             return []
         dead_after_s = self.dead_after_s if dead_after_s is None else dead_after_s
-        pipe = self.redis.pipeline(transaction=False)
+        # One EVAL per record, not a pipeline: a cluster client pipelines no scripts, and a script
+        # in a plain pipeline would need SCRIPT EXISTS (not in the worker ACL). Dead workers are few.
         record_keys = [keys.worker_uptime(self.stream, name) for name in names]
-        for key in record_keys:  # EVAL: a script in a pipeline would need SCRIPT EXISTS (not in the worker ACL)
-            pipe.eval(_CLAIM, 1, key, self.consumer, repr(now), dead_after_s, self.dead_after_s)
+        found_all = [self.redis.eval(_CLAIM, 1, key, self.consumer, repr(now), dead_after_s, self.dead_after_s)
+                     for key in record_keys]
         rows, nothing_missing = [], []
-        for name, key, found in zip(names, record_keys, pipe.execute()):
+        for name, key, found in zip(names, record_keys, found_all):
             if not found:
                 continue
             upto, lost, model, price = (text(v) for v in found)
@@ -221,10 +222,8 @@ class LostTime:
             self.unconfirmed = []
 
     def _confirm_claims(self, claims: list[tuple[str, str]]) -> None:
-        pipe = self.redis.pipeline(transaction=False)
         for key, upto in claims:
-            pipe.eval(_CONFIRM, 1, key, self.consumer, upto)
-        pipe.execute()
+            self.redis.eval(_CONFIRM, 1, key, self.consumer, upto)
 
 
 __all__ = ["MIN_DEAD_AFTER_S", "RECORD_TTL_S", "LostTime", "UptimeRecord"]
