@@ -8,7 +8,8 @@ cancels (:mod:`.ownership`), and turn finished requests into rows (:mod:`.billin
 written durably before their entries are acked (:mod:`.acks`).
 
 SIGTERM drains: no new reads, finish what runs within ``drain_timeout_s``, hand the rest back,
-flush, ack, exit 0. A worker that cannot write its rows exits 3 without acking them. At stop it
+flush, ack, exit 0. A worker that cannot write its rows exits 3 without acking them; one whose
+tensor-parallel rank died exits 4, acking nothing more (another worker claims what it held). At stop it
 logs where its busy time went and leaves the same as ``OUT/.mqinfer/workers/<consumer>.json``.
 
 Metrics and the budget guard are handed in (the command line builds them from ``mqinfer.ops``),
@@ -44,6 +45,7 @@ from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.ownership import Ownership
+from mqinfer.workers.parallel import RankFailure
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.sink import Sinks
@@ -122,6 +124,11 @@ class Worker:
             self.metrics.healthy = False
             log.error("cannot write result rows (%s): exiting unhealthy without acking them", exc.__cause__)
             code = 3
+        except RankFailure as exc:
+            # As after a crash: what this worker holds stays pending, for another worker to claim.
+            self.metrics.healthy = False
+            log.error("%s: the worker stops without acking what it holds", exc)
+            code = 4
         self.close(code)
         return code
 
@@ -145,7 +152,7 @@ class Worker:
                 num_layers=info.num_layers, num_heads=info.num_heads, head_dim=info.head_dim,
                 tied=getattr(info, "tie_word_embeddings", False),
             ),
-            start=self._startup_began(), block_size=cfg.engine.block_size,
+            start=self._startup_began(), block_size=cfg.engine.block_size, devices=engine.num_devices,
         )
         self._watch(engine)
         sinks = Sinks(out, self.consumer, flush_rows=cfg.flush_rows, flush_interval_s=cfg.flush_interval_s,
@@ -406,6 +413,8 @@ class Worker:
         """The worker stopped (drained, or unable to write): metrics off, its busy time logged and
         its exit summary written."""
         self.metrics.close()
+        if self.engine is not None:
+            self.engine.close()
         log.info("worker %s stopped; busy time %s", self.consumer, json.dumps(self.busy_summary()))
         path = summary_path(self.config.out_dir, self.consumer)
         try:
