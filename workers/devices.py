@@ -96,6 +96,13 @@ def rank_devices(device: str, devices: str | None, tensor_parallel_size: int, co
     return [f"cuda:{i}" for i in chosen]
 
 
+def engine_rank_devices(config) -> list[str]:
+    """The device of each rank of a worker with ``EngineConfig`` ``config``; ValueError for a
+    device that does not exist, naming those that do."""
+    count = 0 if config.device == "cpu" else cuda_device_count()
+    return rank_devices(config.device, config.devices, config.tensor_parallel_size, count)
+
+
 def worker_devices(num_workers: int, device: str, devices: str | None, tensor_parallel_size: int,
                    count: int) -> list[tuple[str, str | None]]:
     """``(--device, --devices)`` for each worker of ``mqinfer run``: on CUDA, worker ``i`` gets
@@ -123,5 +130,5 @@ def worker_devices(num_workers: int, device: str, devices: str | None, tensor_pa
     return out
 
 
-__all__ = ["cuda_device_count", "device_list", "parse_device", "parse_devices", "rank_devices", "uses_cuda",
+__all__ = ["cuda_device_count", "device_list", "engine_rank_devices", "parse_device", "parse_devices", "rank_devices", "uses_cuda",
            "worker_devices"]

@@ -127,13 +127,6 @@ class _Tracked:
     new_token_ids: list[int] = field(default_factory=list)
 
 
-def _rank_devices(config: EngineConfig) -> list[str]:
-    """The device of each tensor-parallel rank (one entry without tensor parallelism); ValueError
-    for a device that does not exist, naming those that do."""
-    count = 0 if config.device == "cpu" else devices.cuda_device_count()
-    return devices.rank_devices(config.device, config.devices, config.tensor_parallel_size, count)
-
-
 def _num_threads(requested: int | None, ranks: int = 1) -> int:
     """Threads per process: ``requested``, else OMP_NUM_THREADS, else the cores shared out
     between the ``ranks`` processes of a tensor-parallel worker."""
@@ -195,7 +188,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
-        rank_devices = _rank_devices(config)
+        # One device per tensor-parallel rank; ValueError for one that does not exist.
+        rank_devices = devices.engine_rank_devices(config)
         self.device = torch.device(rank_devices[0])
         tp = config.tensor_parallel_size
         threads = _num_threads(config.num_threads, tp)
