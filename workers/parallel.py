@@ -38,6 +38,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Callable
@@ -218,14 +219,14 @@ class Group:
         try:
             self.dist.all_reduce(tensor)
         except RuntimeError as exc:
-            raise _lost(exc) from None
+            raise self._lost(exc) from None
 
     def broadcast_object(self, obj=None):
         box = [obj]
         try:
             self.dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         except RuntimeError as exc:
-            raise _lost(exc) from None
+            raise self._lost(exc) from None
         return box[0]
 
     def gather_logits(self, local: torch.Tensor, shard: Shard, vocab_size: int) -> torch.Tensor | None:
@@ -240,14 +241,14 @@ class Group:
         try:
             self.dist.gather(local, parts, dst=0)
         except RuntimeError as exc:
-            raise _lost(exc) from None
+            raise self._lost(exc) from None
         return torch.cat(parts, dim=1)[:, :vocab_size] if self.rank == 0 else None
 
     def barrier(self) -> None:
         try:
             self.dist.barrier(group=self.cpu_group)
         except RuntimeError as exc:
-            raise _lost(exc) from None
+            raise self._lost(exc) from None
 
     def close(self) -> None:
         try:
@@ -255,9 +256,18 @@ class Group:
         except Exception:  # already torn down, or a peer is gone
             pass
 
-
-def _lost(exc: BaseException) -> RankFailure:
-    return RankFailure(f"a tensor-parallel rank is lost: {str(exc).splitlines()[0] if str(exc) else exc!r}")
+    def _lost(self, exc: BaseException) -> RankFailure:
+        """The failure of a collective, named by the rank that exited where rank 0 can tell."""
+        for _ in range(20):  # a rank whose sockets closed is usually gone a moment later
+            try:
+                self.check_alive()
+            except RankFailure as exited:
+                return exited
+            if self.rank != 0:
+                break
+            time.sleep(0.05)
+        text = str(exc).splitlines()[0] if str(exc) else repr(exc)
+        return RankFailure(f"a tensor-parallel collective failed: {text}")
 
 
 def _init(init_method: str, rank: int, size: int, device: str) -> Group:
