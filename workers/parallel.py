@@ -35,9 +35,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -51,9 +53,8 @@ log = logging.getLogger("mqinfer.parallel")
 
 # How long a collective waits for the other ranks before it fails (a dead rank usually fails it
 # at once: its sockets close).
-COLLECTIVE_TIMEOUT_S = 300.0
-# How long rank 0 waits for the other ranks to start, load their weights and join.
-STARTUP_TIMEOUT_S = 600.0
+# It also bounds how long rank 0 waits at start for the other ranks to load their shards.
+COLLECTIVE_TIMEOUT_S = 900.0
 
 
 class RankFailure(RuntimeError):
@@ -298,11 +299,32 @@ class Leader:
                 # SIGKILL: a rank must not outlive its worker, whatever the worker was doing.
                 self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                                    preexec_fn=die_with_parent(9)))
-            self.group = _init(init, 0, self.size, devices[0])
+            self.group = self._join(init, devices[0])
             self.group.check_alive = self.check_alive
         except BaseException:
             self.close()
             raise
+
+    def _join(self, init: str, device: str) -> Group:
+        """Join the group, watching meanwhile that the other ranks live: one that dies while
+        starting fails this at once instead of after the rendezvous timeout."""
+        joined: dict[str, object] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = _init(init, 0, self.size, device)
+            except BaseException as exc:  # handed to the waiting thread
+                joined["error"] = exc
+
+        thread = threading.Thread(target=join, name="tp-rendezvous", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            if thread.is_alive():
+                self.check_alive()
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
@@ -363,6 +385,10 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--device", required=True)
     args = parser.parse_args(argv)
+    # Rank 0 decides when this rank stops (it sends None, or dies and takes this process with it):
+    # a Ctrl-C reaching the whole process group must not end it before rank 0 has drained.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("MQINFER_LOG_LEVEL", "warning").upper(),
                         format=f"%(asctime)s rank {args.rank} %(levelname)s %(name)s: %(message)s")
     group = _init(args.init, args.rank, args.size, args.device)

@@ -199,3 +199,15 @@ def test_each_rank_reads_only_its_slices(llama, monkeypatch):
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
     assert model.lm_head.weight.shape[0] == info.vocab_size // 2
     assert info.num_heads == 4 and info.num_params == sum(t.numel() for t in whole.values())
+
+
+def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
+    import time
+
+    from mqinfer.workers.parallel import Leader, RankFailure
+
+    # Rank 1 is sent to a CUDA device this machine does not have: it exits before it joins.
+    began = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 1 exited with code 1"):
+        Leader(["cpu", "cuda:7"])
+    assert time.monotonic() - began < 300  # well before the rendezvous timeout (900 s)
