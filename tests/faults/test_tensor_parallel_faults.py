@@ -42,6 +42,7 @@ def test_a_rank_killed_mid_step_stops_the_worker_and_loses_nothing(redis_url, re
     outcome = _finish_with_another_worker(redis_url, redis_client, out, expected, "tensor-parallel rank killed",
                                           worker_crashes=1, injected_kills=1)
     assert sorted(r["attempt"] for r in outcome.by_key.values()).count(2) == 4
+    assert outcome.rows_before == 8 and outcome.duplicates_removed == 0
 
 
 @pytest.mark.slow
