@@ -140,6 +140,8 @@ class ModelRunner:
         """The final hidden states ``[n, hidden]`` of one sequence run as a single prefill into KV
         blocks 0, 1, ... (calibration and quality measurements: only while no request holds
         blocks, for at most ``num_kv_blocks * block_size`` tokens)."""
+        if self.group is not None:
+            raise ValueError("forward_sequence runs on one rank only (not tensor parallel)")
         n = len(token_ids)
         blocks = list(range(-(-n // self.block_size)))
         if not n or len(blocks) > self.config.num_kv_blocks:
