@@ -6,6 +6,12 @@ scheduled request into one flat batch (no padding), builds the attention metadat
 slot mapping, block tables) and the sampling tensors once, runs the model under
 ``torch.inference_mode()``, puts only the rows that sample through the LM head, samples, and
 brings the results back with a single device-to-host copy.
+
+Tensor parallel (``workers/parallel.py``), the runner of each rank holds that rank's shard of
+the model and its part of the KV cache. Rank 0's ``execute`` packs the step into a
+``StepPlan`` (plain data), broadcasts it, and runs its own part; the other ranks run the same
+plan through ``run_plan``. The LM head's vocabulary slices are gathered on rank 0, which alone
+samples. Without a group none of this runs.
 """
 
 from __future__ import annotations
