@@ -178,7 +178,7 @@ class Worker:
         self.metrics.ready = True
         self._last_activity = now
         log.info("worker %s ready: model %s, stream %s on %s, startup %.2fs", self.consumer, info.model_id,
-                 self.stream_key, redact(cfg.redis_url), startup_s)
+                 self.stream_key, redact(cfg.redis_url), self.meter.startup_s)
         self._redis(self.ingest.recover_own_pending)
 
     def _watch(self, engine: LLMEngine) -> None:
