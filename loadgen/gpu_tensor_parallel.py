@@ -111,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2, help="--device cpu: cores to use (and ranks of T)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="run the layouts this many times, interleaved, and report the best and median "
+                             "(a shared machine's load swings between runs)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
 
@@ -129,16 +132,32 @@ def main(argv: list[str] | None = None) -> int:
                    dict(device="cpu", devices=None, tp=1, threads=t),
                    dict(device="cpu", devices=None, tp=t, threads=1)]
     model = _checkpoint(args)
+    runs: list[list[dict]] = [[] for _ in layouts]
+    for _ in range(max(1, args.repeat)):
+        for i, layout in enumerate(layouts):
+            r = run_layout(model, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
+                           new_tokens=args.new_tokens, **layout)
+            runs[i].append(r)
+            print(f"T={r['tensor_parallel_size']} x {r['threads_per_rank']} thread(s) on "
+                  f"{r['devices'] or r['device']}: prefill {r['prefill_s']:.3f}s ({r['prefill_tokens_per_s']} tok/s), "
+                  f"decode step {r['decode_step_ms_median']} ms median ({r['decode_tokens_per_s']} tok/s), "
+                  f"KV cache {r['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB per rank, startup {r['startup_s']}s",
+                  flush=True)
     results = []
-    for layout in layouts:
-        r = run_layout(model, dtype=args.dtype, batch=args.batch, prompt_len=args.prompt_len,
-                       new_tokens=args.new_tokens, **layout)
+    for layout_runs in runs:
+        r = dict(layout_runs[0])
+        decode = sorted(x["decode_step_ms_median"] for x in layout_runs if x["decode_step_ms_median"])
+        prefill = sorted(x["prefill_s"] for x in layout_runs)
+        r.update(runs=len(layout_runs), decode_step_ms_best=decode[0] if decode else None,
+                 decode_step_ms_median_of_runs=round(statistics.median(decode), 3) if decode else None,
+                 prefill_s_best=prefill[0], prefill_s_median_of_runs=round(statistics.median(prefill), 4))
+        r["tokens_agree_across_runs"] = all(x["tokens"] == r["tokens"] for x in layout_runs)
         results.append(r)
-        print(f"T={r['tensor_parallel_size']} x {r['threads_per_rank']} thread(s) on {r['devices'] or r['device']}: "
-              f"prefill {r['prefill_s']:.3f}s ({r['prefill_tokens_per_s']} tok/s), decode step "
-              f"{r['decode_step_ms_median']} ms median ({r['decode_tokens_per_s']} tok/s), "
-              f"KV cache {r['kv_cache_bytes_per_rank'] / 2**20:.1f} MiB per rank, startup {r['startup_s']}s",
-              flush=True)
+    if args.repeat > 1:
+        for r in results:
+            print(f"T={r['tensor_parallel_size']} x {r['threads_per_rank']}: over {r['runs']} runs, decode step best "
+                  f"{r['decode_step_ms_best']} ms, median {r['decode_step_ms_median_of_runs']} ms; prefill best "
+                  f"{r['prefill_s_best']}s, median {r['prefill_s_median_of_runs']}s")
     base = results[0]["tokens"]
     failed = False
     for r in results[1:]:
@@ -151,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"model": model, "dtype": args.dtype, "batch": args.batch,
                                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                                                "results": [{k: v for k, v in r.items() if k != "tokens"}
-                                                           for r in results]}, indent=2) + "\n")
+                                                           for r in results],
+                                               "runs": [[{k: v for k, v in x.items() if k != "tokens"} for x in rs]
+                                                        for rs in runs]}, indent=2) + "\n")
     if failed:
         print("float32 greedy tokens differ between layouts", file=sys.stderr)
     return 1 if failed else 0
