@@ -309,6 +309,8 @@ class Leader:
         """Join the group, watching meanwhile that the other ranks live: one that dies while
         starting fails this at once instead of after the rendezvous timeout."""
         joined: dict[str, object] = {}
+        if device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(device))  # the current device is per thread: this one's too
 
         def join() -> None:
             try:
