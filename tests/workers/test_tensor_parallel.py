@@ -88,7 +88,21 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("family,case", [("llama", "chunked-recompute"), ("qwen2", "swap")])
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory, make_hf_checkpoint):
+    folder = tmp_path_factory.mktemp("tp-qwen3")
+    make_hf_checkpoint("qwen3", folder, seed=3, head_dim=16)
+    return folder
+
+
+CASES["int8-kv"] = {**CASES["chunked-recompute"], "kv_cache_dtype": "int8"}
+
+
+@pytest.mark.parametrize("family,case", [
+    ("llama", "chunked-recompute"),
+    ("qwen2", "swap"),
+    pytest.param("qwen3", "int8-kv", marks=pytest.mark.slow),  # q/k norms, an 8-bit KV cache with its scales
+])
 def test_two_ranks_generate_what_one_rank_does(request, family, case):
     folder = request.getfixturevalue(family)
     one, kv_one, preempted_one = _run(folder, 1, **CASES[case])
@@ -101,8 +115,8 @@ def test_two_ranks_generate_what_one_rank_does(request, family, case):
         if out.logprobs:
             assert [e["token_id"] for e in two[rid].logprobs] == [e["token_id"] for e in out.logprobs]
             assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(two[rid].logprobs, out.logprobs)) < 1e-4
-    # Llama's two KV heads: one per rank, half the cache each. Qwen2's one KV head: replicated.
-    assert kv_two == (kv_one // 2 if family == "llama" else kv_one)
+    # Two KV heads: one per rank, half the cache each. Qwen2's one KV head: replicated.
+    assert kv_two == (kv_one if family == "qwen2" else kv_one // 2)
 
 
 def test_the_split_of_heads_kv_heads_mlp_and_vocabulary():
