@@ -189,7 +189,7 @@ class LLMEngine:
         self.config = config
         self.clock = clock
         # One device per tensor-parallel rank; ValueError for one that does not exist.
-        rank_devices = devices.engine_rank_devices(config)
+        self.rank_devices = rank_devices = devices.engine_rank_devices(config)
         self.device = torch.device(rank_devices[0])
         tp = config.tensor_parallel_size
         threads = _num_threads(config.num_threads, tp)

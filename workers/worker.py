@@ -186,7 +186,7 @@ class Worker:
         cfg = self.config
         self.metrics.track_meter(self.meter)
         self.metrics.track_engine(engine.scheduler, self.batcher.__len__)
-        self.metrics.watch_memory(str(engine.device))
+        self.metrics.watch_memory(str(engine.device), *engine.rank_devices[1:])
         # Scrapes read Redis from the HTTP thread, on their own client with a short timeout.
         scrape_redis = connect_redis(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=2.0)
         self.metrics.watch_stream(scrape_redis, self.stream_key, cfg.group, clock=self.clock)
