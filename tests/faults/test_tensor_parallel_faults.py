@@ -13,7 +13,7 @@ import pytest
 from tests.faults.faultkit import compact_and_check, pending_by_consumer, pending_ids, record, requests, spawn, submit
 from tests.helpers import rows, wait_until
 
-TP2 = ("--tensor-parallel-size", "2", "--max-num-seqs", "4", "--claim-idle-ms", "1000", "--flush-rows", "1")
+TP2 = ("--device", "cpu", "--tensor-parallel-size", "2", "--max-num-seqs", "4", "--claim-idle-ms", "1000", "--flush-rows", "1")
 
 
 def _finish_with_another_worker(redis_url, redis_client, out, expected, case, **figures):
