@@ -33,7 +33,7 @@ from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
-from mqinfer.workers.parallel import Leader
+from mqinfer.workers.parallel import Leader, RankSettings
 from mqinfer.workers.models.quant import activation_ranges, calibration_token_windows, quantize_model, smooth
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -200,7 +200,7 @@ class LLMEngine:
         self.tensor_parallel: Leader | None = Leader(rank_devices) if tp > 1 else None
         try:
             if self.tensor_parallel is not None:
-                self.tensor_parallel.load({"engine": config, "num_threads": threads})
+                self.tensor_parallel.load(RankSettings(engine=config, num_threads=threads))
             self._start(config, clock)
         except BaseException:
             self.close()

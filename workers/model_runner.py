@@ -9,7 +9,7 @@ brings the results back with a single device-to-host copy.
 
 Tensor parallel (``workers/parallel.py``), the runner of each rank holds that rank's shard of
 the model and its part of the KV cache. Rank 0's ``execute`` packs the step into a
-``StepPlan`` (plain data), broadcasts it, and runs its own part; the other ranks run the same
+``StepPlan`` (plain data), sends it to the other ranks, and runs its own part; the other ranks run the same
 plan through ``run_plan``. The LM head's vocabulary slices are gathered on rank 0, which alone
 samples. Without a group none of this runs.
 """
@@ -251,7 +251,7 @@ class ModelRunner:
     def _send_plan(self, plan: StepPlan) -> None:
         """Rank 0: hand the step to the other ranks (``RankFailure`` when one is gone)."""
         self.group.check_alive()
-        self.group.broadcast_object(plan)
+        self.group.send_plan(plan)
 
     def run_plan(self, plan: StepPlan) -> None:
         """A rank other than 0: its part of one step (block copies, the forward pass with its

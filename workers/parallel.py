@@ -19,12 +19,12 @@ The split (Megatron style, one all-reduce per attention block and one per MLP bl
 
 Rank 0 is the worker process: it owns Redis, the batcher, the scheduler, the sinks and the acks.
 It starts ranks ``1..T-1`` as child processes (``python -m mqinfer.workers.tp_rank``) that die
-with it, meets them through a file store in a temporary folder, and sends them its engine
-settings; each loads only its slices of the weights (``safe_open`` + ``get_slice``). Every step
-rank 0 broadcasts the step's plan (block copies, token ids, query and context lengths, block
-tables, the rows that sample) as plain data; the other ranks run the model on it and send back
-only their logits. They never touch Redis. Process groups: NCCL on CUDA (a gloo group carries the
-plans), gloo on CPU.
+with it, meets them in a process group (NCCL on CUDA, gloo on CPU) through a file store in a
+temporary folder, and sends them its engine settings; each loads only its slices of the weights
+(``safe_open`` + ``get_slice``). Every step rank 0 sends the step's plan (block copies, token ids,
+query and context lengths, block tables, the rows that sample) as plain data, msgpack over each
+rank's standard input, where a rank waits without a timeout however long the worker is idle; the
+other ranks run the model on it and send back only their logits. They never touch Redis.
 
 A rank that dies or fails makes rank 0's next collective fail (or its liveness check notice):
 :class:`RankFailure` stops the worker, which exits without acking what it holds.
@@ -34,27 +34,30 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Callable
 
+import msgspec
 import torch
 
+from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
 
 log = logging.getLogger("mqinfer.parallel")
 
-# How long a collective waits for the other ranks before it fails (a dead rank usually fails it
-# at once: its sockets close).
-# It also bounds how long rank 0 waits at start for the other ranks to load their shards.
-COLLECTIVE_TIMEOUT_S = 900.0
+# How long a collective (inside a step, or joining the group) waits for the other ranks before it
+# fails; a dead rank usually fails it at once (its sockets close).
+COLLECTIVE_TIMEOUT_S = 300.0
 
 
 class RankFailure(RuntimeError):
@@ -181,19 +184,50 @@ def num_params(config: ModelConfig) -> int:
     return embed * (1 if config.tie_word_embeddings else 2) + config.num_layers * layer + h
 
 
-# ---------------------------------------------------------------------------------- the step plan
-@dataclass(slots=True)
-class StepPlan:
-    """One step as plain data: everything a rank needs to run the model on it."""
+# ---------------------------------------------------------------------------------- the messages
+class StepPlan(msgspec.Struct, array_like=True):
+    """One step as plain data: everything a rank needs to run the model on it (positions and
+    slot mapping follow from the lengths and block tables). Sent as msgpack."""
 
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    input_ids: list[int] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    swap_in: list[tuple[int, int]] = msgspec.field(default_factory=list)
+    input_ids: list[int] = msgspec.field(default_factory=list)
+    query_lens: list[int] = msgspec.field(default_factory=list)
+    seq_lens: list[int] = msgspec.field(default_factory=list)
+    block_tables: list[list[int]] = msgspec.field(default_factory=list)
     # Packed row of the last token of each request that samples.
-    sample_rows: list[int] = field(default_factory=list)
+    sample_rows: list[int] = msgspec.field(default_factory=list)
+
+
+class RankSettings(msgspec.Struct):
+    """What rank 0 sends the other ranks at start: the engine's settings and threads per rank."""
+
+    engine: EngineConfig
+    num_threads: int
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_PLAN_DECODER = msgspec.msgpack.Decoder(StepPlan)
+_FRAME = struct.Struct("<I")
+
+
+def _write_frame(stream, message: msgspec.Struct | None) -> None:
+    """One message on a pipe: its length, then its msgpack bytes (length 0: stop)."""
+    data = b"" if message is None else _ENCODER.encode(message)
+    stream.write(_FRAME.pack(len(data)) + data)
+    stream.flush()
+
+
+def _read_frame(stream) -> bytes | None:
+    """The next message's bytes; None for a stop or the end of the pipe (rank 0 is gone)."""
+    head = stream.read(_FRAME.size)
+    if len(head) < _FRAME.size:
+        return None
+    (size,) = _FRAME.unpack(head)
+    if not size:
+        return None
+    data = stream.read(size)
+    return data if len(data) == size else None
 
 
 # ---------------------------------------------------------------------------------- the group
@@ -202,33 +236,32 @@ def _backend(device: str) -> str:
 
 
 class Group:
-    """This process's view of the tensor-parallel group: the collectives the model and runner use.
-    A collective that fails (a rank died, or stopped answering for ``COLLECTIVE_TIMEOUT_S``) raises
-    :class:`RankFailure`."""
+    """This process's view of the tensor-parallel group: the collectives the model and runner use
+    (all-reduce, the logits' gather), which run only inside a step, when every rank is in it.
+    Rank 0 also sends each step's plan to the other ranks, over their standard input: a rank
+    waits there without any timeout however long the worker stays idle. A collective that fails
+    (a rank died, or stopped answering for ``COLLECTIVE_TIMEOUT_S``) raises :class:`RankFailure`."""
 
-    def __init__(self, rank: int, size: int, device: str) -> None:
+    def __init__(self, rank: int, size: int, device: str, leader: "Leader | None" = None) -> None:
         import torch.distributed as dist
 
         self.dist = dist
         self.rank, self.size, self.device = rank, size, torch.device(device)
-        # Plans travel as pickled objects over gloo even where the tensors use NCCL.
-        self.cpu_group = dist.new_group(backend="gloo") if _backend(device) == "nccl" else None
-        # Rank 0's liveness check of the other ranks' processes (set by Leader).
-        self.check_alive: Callable[[], None] = lambda: None
+        self.leader = leader
+
+    def check_alive(self) -> None:
+        if self.leader is not None:
+            self.leader.check_alive()
+
+    def send_plan(self, plan: StepPlan) -> None:
+        """Rank 0: the step's plan to every other rank."""
+        self.leader.send(plan)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         try:
             self.dist.all_reduce(tensor)
         except RuntimeError as exc:
             raise self._lost(exc) from None
-
-    def broadcast_object(self, obj=None):
-        box = [obj]
-        try:
-            self.dist.broadcast_object_list(box, src=0, group=self.cpu_group)
-        except RuntimeError as exc:
-            raise self._lost(exc) from None
-        return box[0]
 
     def gather_logits(self, local: torch.Tensor, shard: Shard, vocab_size: int) -> torch.Tensor | None:
         """Each rank's ``[B, its vocabulary]`` logits; rank 0 gets the whole ``[B, vocab]``."""
@@ -245,12 +278,6 @@ class Group:
             raise self._lost(exc) from None
         return torch.cat(parts, dim=1)[:, :vocab_size] if self.rank == 0 else None
 
-    def barrier(self) -> None:
-        try:
-            self.dist.barrier(group=self.cpu_group)
-        except RuntimeError as exc:
-            raise self._lost(exc) from None
-
     def close(self) -> None:
         try:
             self.dist.destroy_process_group()
@@ -259,30 +286,43 @@ class Group:
 
     def _lost(self, exc: BaseException) -> RankFailure:
         """The failure of a collective, named by the rank that exited where rank 0 can tell."""
-        for _ in range(20):  # a rank whose sockets closed is usually gone a moment later
+        for _ in range(20 if self.leader is not None else 0):  # a rank whose sockets closed is gone a moment later
             try:
                 self.check_alive()
             except RankFailure as exited:
                 return exited
-            if self.rank != 0:
-                break
             time.sleep(0.05)
         text = str(exc).splitlines()[0] if str(exc) else repr(exc)
         return RankFailure(f"a tensor-parallel collective failed: {text}")
 
 
-def _init(init_method: str, rank: int, size: int, device: str) -> Group:
+def _init(init_method: str, rank: int, size: int, device: str, leader: "Leader | None" = None) -> Group:
+    """Join the group: returns once every rank has joined."""
     import torch.distributed as dist
 
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
     dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-    return Group(rank, size, device)
+    return Group(rank, size, device, leader)
+
+
+def _use_device(device: str) -> None:
+    """Take ``device`` for this process; ValueError when it cannot run here (checked before the
+    rank joins the group, where a failure would keep the others waiting)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_backend_available(_backend(device)):
+        raise ValueError(f"this PyTorch build has no {_backend(device)} backend for {device}")
+    if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ValueError(f"device {device} does not exist here")
+        torch.cuda.set_device(index)
 
 
 class Leader:
-    """Rank 0: starts the other ranks, joins the group with them, and watches that they live."""
+    """Rank 0: starts the other ranks, joins the group with them, sends them their messages (over
+    their standard input) and hears from them when they are ready (over their standard output),
+    and watches that they live. A rank that dies closes its pipes, so rank 0 never waits on it."""
 
     def __init__(self, devices: list[str]) -> None:
         from mqinfer.procs import die_with_parent
@@ -290,43 +330,36 @@ class Leader:
         self.size = len(devices)
         self._dir = tempfile.mkdtemp(prefix="mqinfer-tp-")
         init = "file://" + os.path.join(self._dir, "rendezvous")
-        env = dict(os.environ)
         self.procs: list[subprocess.Popen] = []
+        self.group: Group | None = None
         try:
+            _use_device(devices[0])
             for rank in range(1, self.size):
                 argv = [sys.executable, "-P", "-m", "mqinfer.workers.tp_rank", "--init", init, "--rank", str(rank),
                         "--size", str(self.size), "--device", devices[rank]]
                 # SIGKILL: a rank must not outlive its worker, whatever the worker was doing.
-                self.procs.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                self.procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                    preexec_fn=die_with_parent(9)))
-            self.group = self._join(init, devices[0])
-            self.group.check_alive = self.check_alive
+            self._hear("started")  # every rank has its device and is about to join
+            self.group = _init(init, 0, self.size, devices[0], self)
         except BaseException:
             self.close()
             raise
 
-    def _join(self, init: str, device: str) -> Group:
-        """Join the group, watching meanwhile that the other ranks live: one that dies while
-        starting fails this at once instead of after the rendezvous timeout."""
-        joined: dict[str, object] = {}
-        if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))  # the current device is per thread: this one's too
-
-        def join() -> None:
-            try:
-                joined["group"] = _init(init, 0, self.size, device)
-            except BaseException as exc:  # handed to the waiting thread
-                joined["error"] = exc
-
-        thread = threading.Thread(target=join, name="tp-rendezvous", daemon=True)
-        thread.start()
-        while thread.is_alive():
-            thread.join(0.2)
-            if thread.is_alive():
+    def _hear(self, word: str) -> None:
+        """Wait for a line ``word`` from every other rank, failing at once if one exits instead."""
+        waiting = {proc.stdout.fileno(): rank for rank, proc in enumerate(self.procs, start=1)}
+        while waiting:
+            ready, _, _ = select.select(list(waiting), [], [], 1.0)
+            for fd in ready:
+                rank = waiting.pop(fd)
+                line = self.procs[rank - 1].stdout.readline().decode(errors="replace").strip()
+                if line != word:
+                    self.procs[rank - 1].wait(timeout=30)
+                    self.check_alive()
+                    raise RankFailure(f"tensor-parallel rank {rank} said {line!r} instead of {word!r}")
+            if waiting:
                 self.check_alive()
-        if "error" in joined:
-            raise joined["error"]
-        return joined["group"]
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
@@ -334,31 +367,35 @@ class Leader:
             if code is not None:
                 raise RankFailure(f"tensor-parallel rank {rank} exited with code {code}")
 
-    def load(self, settings: dict) -> None:
+    def send(self, message: msgspec.Struct | None) -> None:
+        """One message to every other rank (None: stop)."""
+        for rank, proc in enumerate(self.procs, start=1):
+            try:
+                _write_frame(proc.stdin, message)
+            except (BrokenPipeError, OSError) as exc:
+                self.check_alive()
+                raise RankFailure(f"tensor-parallel rank {rank} is gone ({exc})") from None
+
+    def load(self, settings: RankSettings) -> None:
         """Send the other ranks the engine settings, so that they load their shards while this
         rank loads its own."""
         self.check_alive()
-        self.group.broadcast_object(settings)
+        self.send(settings)
 
-    def ready(self, scheduler_config) -> None:
+    def ready(self, scheduler_config: SchedulerConfig) -> None:
         """Send the KV cache's size (the scheduler's settings) and wait until every rank has built
-        its cache. ``RankFailure`` when one failed on the way."""
-        self.check_alive()
-        try:
-            self.group.broadcast_object(scheduler_config)
-            self.group.barrier()
-        except RankFailure as exc:
-            raise RankFailure(f"{exc} while starting (its log is above)") from None
-        self.check_alive()
+        its cache. ``RankFailure`` when one failed on the way (its log is above)."""
+        self.send(scheduler_config)
+        self._hear("ready")
 
     def close(self) -> None:
         """Tell the other ranks to stop, wait a little, then end those that remain."""
-        group = getattr(self, "group", None)
-        self.group = None
-        if group is not None and all(p.poll() is None for p in self.procs):
+        group, self.group = self.group, None
+        for proc in self.procs:
             try:
-                group.broadcast_object(None)
-            except Exception:  # a rank is gone: nothing to tell it
+                _write_frame(proc.stdin, None)
+                proc.stdin.close()
+            except OSError:  # a rank is gone: nothing to tell it
                 pass
         for proc in self.procs:
             try:
@@ -366,6 +403,8 @@ class Leader:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+            if proc.stdout is not None:
+                proc.stdout.close()
         if group is not None:
             group.close()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -373,11 +412,10 @@ class Leader:
 
 def follower_main(argv: list[str] | None = None) -> int:
     """A rank other than 0: join the group, load this rank's shard, then run every plan rank 0
-    sends until it sends None."""
+    sends on standard input until it sends a stop or goes away."""
     import argparse
 
     from mqinfer.schemas import faults
-    from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.loader import load_model, resolve_dtype
     from mqinfer.workers.model_runner import ModelRunner
 
@@ -387,37 +425,44 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--device", required=True)
     args = parser.parse_args(argv)
-    # Rank 0 decides when this rank stops (it sends None, or dies and takes this process with it):
-    # a Ctrl-C reaching the whole process group must not end it before rank 0 has drained.
+    # Rank 0 decides when this rank stops (it sends a stop, or goes away and takes this process
+    # with it): a Ctrl-C reaching the whole process group must not end it before rank 0 has drained.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=os.environ.get("MQINFER_LOG_LEVEL", "warning").upper(),
                         format=f"%(asctime)s rank {args.rank} %(levelname)s %(name)s: %(message)s")
+    # Standard output is this rank's line to rank 0: keep it for that alone, and send whatever else
+    # would print there (Python or native code) to standard error, the worker's log.
+    inbox, outbox = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    _use_device(args.device)
+    outbox.write(b"started\n")
+    outbox.flush()
     group = _init(args.init, args.rank, args.size, args.device)
-    settings = group.broadcast_object()
-    if settings is None:
+    data = _read_frame(inbox)
+    if data is None:
         return 0
-    config: EngineConfig = settings["engine"]
+    settings = msgspec.msgpack.decode(data, type=RankSettings)
+    config = settings.engine
     device = torch.device(args.device)
     if device.type == "cpu":
-        torch.set_num_threads(settings["num_threads"])
+        torch.set_num_threads(settings.num_threads)
     model, info = load_model(config.model, device, config.dtype, shard=(args.rank, args.size))
-    scheduler_config = group.broadcast_object()
-    if scheduler_config is None:  # rank 0 failed while starting
+    data = _read_frame(inbox)
+    if data is None:  # rank 0 failed while starting
         return 0
+    scheduler_config = msgspec.msgpack.decode(data, type=SchedulerConfig)
     runner = ModelRunner(model, info, scheduler_config, device, resolve_dtype(info.dtype),
                          kv_cache_dtype=config.kv_cache_dtype, group=group)
-    group.barrier()
+    outbox.write(b"ready\n")
+    outbox.flush()
     with torch.inference_mode():
-        while True:
-            plan = group.broadcast_object()
-            if plan is None:
-                break
+        while (data := _read_frame(inbox)) is not None:
             faults.hit("tp.rank_step")
-            runner.run_plan(plan)
+            runner.run_plan(_PLAN_DECODER.decode(data))
     group.close()
     return 0
 
 
-__all__ = ["Group", "Leader", "RankFailure", "Shard", "StepPlan", "follower_main", "num_params",
+__all__ = ["Group", "Leader", "RankFailure", "RankSettings", "Shard", "StepPlan", "follower_main", "num_params",
            "read_safetensors_shard"]
