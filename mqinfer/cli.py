@@ -277,7 +277,13 @@ def cmd_worker(args, opts: dict) -> int:
     from mqinfer.schemas.connection import connect_redis
     from mqinfer.workers.worker import Worker
 
+    from mqinfer.workers import devices
+
     config = worker_config(opts, redis_url=opts["redis"], out=Path(opts["out"]))
+    try:  # a device that does not exist is refused before anything waits for Redis
+        devices.engine_rank_devices(config.engine)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     # The worker gets its metrics and budget guard from here: workers/ never imports ops/.
     guard = None
     if config.budgets is not None:

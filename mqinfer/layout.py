@@ -70,7 +70,8 @@ def cuda_available() -> bool:
 def choose_layout(opts: dict, *, cores: int | None = None, gpu: bool | None = None,
                   memory: int | None = None) -> tuple[int, int | None, str]:
     """(workers, threads per worker, why) for ``opts`` (``workers``: a count or "auto",
-    ``num_threads``, ``device``, ``shards``, ``model``). An explicit worker count wins."""
+    ``num_threads``, ``device``, ``shards``, ``model``, optionally ``tensor_parallel_size``). An
+    explicit worker count wins."""
     if opts["workers"] != "auto":
         return opts["workers"], opts["num_threads"], "--workers"
     if gpu is None:
@@ -79,9 +80,12 @@ def choose_layout(opts: dict, *, cores: int | None = None, gpu: bool | None = No
         return max(1, opts["shards"]), opts["num_threads"], "a GPU: one worker"
     cores = cores or usable_cores()
     threads = opts["num_threads"] or 1
-    workers = max(1, cores // threads)
+    ranks = opts.get("tensor_parallel_size") or 1  # each rank of a tensor-parallel worker is a process
+    workers = max(1, cores // (threads * ranks))
     memory = available_memory() if memory is None else memory
     why = f"{cores} cores, {threads} thread{'s' if threads > 1 else ''} per worker"
+    if ranks > 1:
+        why = f"{cores} cores, {ranks} ranks of {threads} thread{'s' if threads > 1 else ''} per worker"
     if memory:
         fits = max(1, (memory // 2) // max(1, model_bytes(opts["model"])))
         if fits < workers:

@@ -56,6 +56,7 @@ def check_run_flags(opts: dict) -> None:
     from mqinfer.cli import worker_config
 
     worker_config(opts, redis_url=opts["redis"] or "unix:///unused", out=Path(opts["out"]))
+    placement(opts)  # refuses devices that do not exist
     model = Path(opts["model"])
     is_gguf = model.suffix.lower() == ".gguf" and model.is_file()
     if opts["model"] != "tiny" and not (model.is_dir() or is_gguf):
@@ -272,8 +273,9 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
             # Worker i reads shard i mod N. They join their consumer groups before anything is
             # submitted, so that the first one ready leaves the others their share.
+            places = placement(opts)
             workers = [
-                subprocess.Popen(worker_argv(opts, out, i, streams[i % len(streams)]), env=env,
+                subprocess.Popen(worker_argv(opts, out, i, streams[i % len(streams)], places[i]), env=env,
                                  stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True,
                                  preexec_fn=die_with_parent())
                 for i in range(opts["workers"])
@@ -301,14 +303,33 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
                 server.stop()
 
 
-def worker_argv(opts: dict, out: Path, index: int, stream: str) -> list[str]:
-    """A worker's command line. The Redis URL, which may hold a password, goes through the
-    environment (MQINFER_REDIS), not argv, where `ps` would show it."""
+def placement(opts: dict) -> list[tuple[str, str | None]]:
+    """(--device, --devices) of each worker: spread over the CUDA devices (``workers.devices``).
+    ValueError, naming the devices that exist, for one that does not."""
+    from mqinfer.layout import cuda_available
+    from mqinfer.workers import devices
+
+    device = opts["device"]
+    maybe_cuda = device.startswith("cuda") or opts.get("devices") or (device == "auto" and cuda_available())
+    count = devices.cuda_device_count() if maybe_cuda else 0
+    try:
+        return devices.worker_devices(opts["workers"], device, opts.get("devices"),
+                                      opts.get("tensor_parallel_size") or 1, count)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def worker_argv(opts: dict, out: Path, index: int, stream: str,
+                device: tuple[str, str | None] | None = None) -> list[str]:
+    """A worker's command line; ``device``: its (--device, --devices) from :func:`placement`. The
+    Redis URL, which may hold a password, goes through the environment (MQINFER_REDIS), not argv,
+    where `ps` would show it."""
     argv = [*mqinfer_command("worker"), "--out", str(out), "--stream", stream]
+    placed = {} if device is None else {"device": device[0], "devices": device[1]}
     for opt in [*ENGINE_OPTIONS, *WORKER_OPTIONS, LOG_FORMAT]:
         if opt.name == "consumer":
             continue
-        value = opts.get(opt.name)
+        value = placed[opt.name] if opt.name in placed else opts.get(opt.name)
         if value is None:
             continue
         if opt.name == "metrics_port" and value:

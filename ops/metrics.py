@@ -299,9 +299,11 @@ class WorkerMetrics:
         """Export the stream's lag, pending count and queueing delay (``client``: a redis.Redis)."""
         self.registry.register(_StreamCollector(client, stream_key, group, clock))
 
-    def watch_memory(self, device: str = "cpu") -> None:
-        """Export the memory utilisation of ``device`` (``cpu``, ``cuda`` or ``cuda:N``)."""
-        self.registry.register(_MemoryCollector(str(device)))
+    def watch_memory(self, device: str = "cpu", *other_ranks: str) -> None:
+        """Export the memory utilisation of ``device`` (``cpu``, ``cuda`` or ``cuda:N``).
+        ``other_ranks``: the devices of a tensor-parallel worker's other ranks; where the ranks
+        have devices of their own, one series per rank, labelled ``rank``."""
+        self.registry.register(_MemoryCollector([str(device), *map(str, other_ranks)]))
 
     def watch_budgets(self, guard, client=None) -> None:
         """Export each budgeted tenant's budget and spend (``guard``: an ``ops.budgets.BudgetGuard``;
@@ -451,8 +453,10 @@ class _StreamCollector:
 
 
 class _MemoryCollector:
-    def __init__(self, device: str) -> None:
-        self.device = device
+    def __init__(self, devices: list[str]) -> None:
+        self.devices = devices
+        # Ranks on one host memory (CPU) share one value: a label only where they differ.
+        self.per_rank = len(set(devices)) > 1
 
     def describe(self):
         return [GaugeMetricFamily("mqinfer_memory_utilization_ratio", "")]
@@ -460,15 +464,18 @@ class _MemoryCollector:
     def collect(self):
         family = GaugeMetricFamily(
             "mqinfer_memory_utilization_ratio",
-            "Share of the device's memory in use by any process (0-1); for a CPU worker, host memory.",
+            "Share of the device's memory in use by any process (0-1); for a CPU worker, host memory; "
+            "per tensor-parallel rank (label rank) where the ranks have devices of their own.",
+            labels=["rank"] if self.per_rank else None,
         )
-        try:
-            value = memory_utilization(self.device)
-        except Exception as exc:  # a scrape must not fail because a driver call did
-            log.debug("memory utilisation unavailable: %s", exc)
-            value = None
-        if value is not None:
-            family.add_metric([], value)
+        for rank, device in enumerate(self.devices if self.per_rank else self.devices[:1]):
+            try:
+                value = memory_utilization(device)
+            except Exception as exc:  # a scrape must not fail because a driver call did
+                log.debug("memory utilisation unavailable: %s", exc)
+                value = None
+            if value is not None:
+                family.add_metric([str(rank)] if self.per_rank else [], value)
         return [family]
 
 

@@ -8,7 +8,8 @@ fires on the N-th time the point is reached (default: the first), and only then.
 Points: ``sink.before_rename`` (a Parquet part file of either dataset is written and fsynced
 under its temporary name), ``sink.results.before_rename`` and ``sink.costs.before_rename`` (the
 same, for one dataset only), ``sink.after_write`` (rows are durable, before the ack),
-``worker.after_step`` (each engine step), ``compact.<step>`` (each step of compaction, as
+``worker.after_step`` (each engine step), ``tp.rank_step`` (each step of a tensor-parallel
+rank other than 0, before it runs the model), ``compact.<step>`` (each step of compaction, as
 :func:`mqinfer.ops.compact.compact` names them: ``temp_written``, ``journal_written``,
 ``rename:<i>``, ``delete:<i>``, and ``recover:...`` while finishing an interrupted run).
 The fault suite in ``tests/faults/`` and ``RELIABILITY.md`` show each one in use.

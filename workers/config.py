@@ -18,10 +18,10 @@ from mqinfer.scheduler.config import (
     PREEMPTION_MODES, SchedulerConfig, format_tenant_weights, parse_tenant_weights,
 )
 from mqinfer.schemas import keys
+from mqinfer.workers.devices import parse_device, parse_devices
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
 from mqinfer.workers.tenant_limits import TenantLimit, format_tenant_limits, parse_tenant_limits
 
-DEVICES = ("auto", "cpu", "cuda")  # the flag's choices; the dataclass also takes cuda:N
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("none", "w8a8", "w8a16")
 # How the KV cache stores K and V (kernels/kv_quant.py, which holds the same tuple, owns what
@@ -84,7 +84,19 @@ class EngineConfig:
     model: str = field(default="tiny", metadata=flag(
         "`tiny` (built-in smoke-test model), a local Hugging Face checkpoint folder, or a llama.cpp "
         "`.gguf` file (tokenizer and chat template from its metadata).", metavar="M"))
-    device: str = field(default="auto", metadata=flag("Where the model runs.", choices=DEVICES))
+    device: str = field(default="auto", metadata=flag(
+        "Where the model runs: auto (CUDA where a device exists, else cpu), cpu, cuda (device 0) or cuda:N. "
+        "A device that does not exist is refused, naming those that do.", metavar="auto|cpu|cuda|cuda:N",
+        parse=parse_device))
+    devices: str | None = field(default=None, metadata=flag(
+        "CUDA device indices to use, e.g. 0,1,2,3 (default: every CUDA device). `run` spreads its workers over "
+        "them: worker i on device i mod count, or on T consecutive ones with --tensor-parallel-size T; a "
+        "worker's tensor-parallel ranks run on them in order.", metavar="I,J,...", parse=parse_devices))
+    tensor_parallel_size: int = field(default=1, metadata=flag(
+        "Split the model over T devices (T processes of one worker, over torch.distributed: NCCL on CUDA, gloo "
+        "on CPU): attention heads, the MLP and the vocabulary are divided between the ranks, and so are the "
+        "weights and the KV cache. The way to run a model too big for one device (there is no pipeline "
+        "parallelism). Heads, KV heads (or T over them) and the MLP width must divide by T.", metavar="T"))
     dtype: str = field(default="auto", metadata=flag(
         "Weight and activation dtype (auto = the checkpoint's own).", choices=DTYPES))
     quantization: str = field(default="none", metadata=flag(
@@ -158,8 +170,14 @@ class EngineConfig:
         if self.speculative_max_batched_tokens < 0:
             raise ValueError(
                 f"speculative_max_batched_tokens must be >= 0, got {self.speculative_max_batched_tokens}")
-        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        parse_device(self.device)  # raises ValueError naming the form expected
+        if self.devices is not None:
+            parse_devices(self.devices)
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.quantization != "none":
+            raise ValueError(f"--quantization {self.quantization} does not combine with --tensor-parallel-size "
+                             f"{self.tensor_parallel_size}; use --quantization none")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:

@@ -44,6 +44,10 @@ per decode token than a short one.
   each holder, so a shared prefix is not counted twice.
 * ``cost_usd = device_s * price_per_device_hour / 3600``.
 
+**Several devices.** A tensor-parallel worker occupies ``devices`` devices (its ranks) for each
+interval, so every interval it bills (startup, idle, steps) counts ``devices`` times its wall
+seconds; its rows add up to its uptime times ``devices``.
+
 Work that no result row will carry (a request handed back on shutdown, or dropped because
 another worker took its entry over) is written as a ``duplicate`` row: work done twice is
 billed once. So the ``device_s`` of every row a worker writes adds up to its uptime (from the
@@ -152,6 +156,8 @@ class Meter:
     start: float
     # Tokens per KV block: estimates blocks held in a request's last step, when they are freed.
     block_size: int = 16
+    # Devices the worker occupies (its tensor-parallel ranks): billed seconds are wall seconds times this.
+    devices: int = 1
     mark: float = field(init=False)
     idle_s: float = 0.0
     startup_s: float = 0.0
@@ -164,14 +170,16 @@ class Meter:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.devices < 1:
+            raise ValueError(f"devices must be >= 1, got {self.devices}")
         self.mark = self.start
 
     def startup_done(self, now: float) -> float:
-        """Close the startup interval; returns its length."""
+        """Close the startup interval; returns its device seconds (its length times ``devices``)."""
         startup = max(now - self.mark, 0.0)
         self.mark = max(now, self.mark)
         self.startup_s += startup
-        return startup
+        return startup * self.devices
 
     def idle_until(self, now: float) -> None:
         """The engine had nothing to run from the last mark until ``now``."""
@@ -180,7 +188,7 @@ class Meter:
             self.mark = now
 
     def take_idle(self) -> float:
-        """Idle seconds not yet written as a row; resets them."""
+        """Idle device seconds not yet written as a row; resets them."""
         idle, self.idle_s = self.idle_s, 0.0
         return idle
 
@@ -203,8 +211,9 @@ class Meter:
         weights = [model.work(w.num_tokens, w.context_len, (1 + w.num_spec_tokens) if w.sampled else 0)
                    for w in work]
         total = sum(weights)
+        billed = span * self.devices
         for w, weight in zip(work, weights):
-            share = span * weight / total if total > 0 else span / len(work)
+            share = billed * weight / total if total > 0 else billed / len(work)
             m = self.requests.get(w.request_id)
             if m is None:
                 m = self.requests[w.request_id] = RequestMeter()
@@ -225,7 +234,7 @@ class Meter:
         return self.requests.pop(request_id, None) or RequestMeter()
 
     def _idle(self, seconds: float) -> None:
-        self.idle_s += seconds
+        self.idle_s += seconds * self.devices
         self.idle_total_s += seconds
         self._ewma(seconds, 1.0)
 

@@ -14,6 +14,7 @@ row instead of failing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -28,10 +29,12 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
+from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
+from mqinfer.workers.parallel import Leader, RankSettings
 from mqinfer.workers.models.quant import activation_ranges, calibration_token_windows, quantize_model, smooth
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -145,15 +148,9 @@ class _Tracked:
     new_token_ids: list[int] = field(default_factory=list)
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    return torch.device(device)
-
-
-def _num_threads(requested: int | None) -> int:
+def _num_threads(requested: int | None, ranks: int = 1) -> int:
+    """Threads per process: ``requested``, else OMP_NUM_THREADS, else the cores shared out
+    between the ``ranks`` processes of a tensor-parallel worker."""
     if requested is not None:
         return requested
     env = os.environ.get("OMP_NUM_THREADS", "")
@@ -161,7 +158,7 @@ def _num_threads(requested: int | None) -> int:
         return int(env)
     # Every core this process may run on (torch's default counts physical cores only). Note
     # that on a CPU shared with other busy processes, fewer threads can be much faster.
-    return max(1, len(os.sched_getaffinity(0)))
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 def _physical_memory() -> int:
@@ -212,10 +209,27 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
-        self.device = _resolve_device(config.device)
+        # One device per tensor-parallel rank; ValueError for one that does not exist.
+        self.rank_devices = rank_devices = devices.engine_rank_devices(config)
+        self.device = torch.device(rank_devices[0])
+        tp = config.tensor_parallel_size
+        threads = _num_threads(config.num_threads, tp)
         if self.device.type == "cpu":
-            torch.set_num_threads(_num_threads(config.num_threads))
-        model, info = load_model(config.model, self.device, config.dtype)
+            torch.set_num_threads(threads)
+        # Tensor parallel: the other ranks' processes, started now so that they load their shards
+        # while this one loads its own. Closed if anything below fails.
+        self.tensor_parallel: Leader | None = Leader(rank_devices) if tp > 1 else None
+        try:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.load(RankSettings(engine=config, num_threads=threads))
+            self._start(config, clock)
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, config: EngineConfig, clock: Callable[[], float]) -> None:
+        tp = config.tensor_parallel_size
+        model, info = load_model(config.model, self.device, config.dtype, shard=(0, tp) if tp > 1 else None)
         self.model = model
         self.info = info
         self.tokenizer: Tokenizer | None = (
@@ -232,12 +246,15 @@ class LLMEngine:
                 f"does not implement; set max_model_len <= {info.sliding_window}"
             )
         self.max_model_len = max_len
-        # Real bytes per block: an 8-bit cache's values and scales.
-        block_bytes = info.kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
+        # Real bytes per block: an 8-bit cache's values and scales. Tensor parallel: of this rank's
+        # KV heads, as every rank holds as many.
+        kv_info = info if model.shard is None else dataclasses.replace(
+            info, num_kv_heads=model.shard.kv_heads[1] - model.shard.kv_heads[0])
+        block_bytes = kv_info.kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            num_blocks, why = _default_num_kv_blocks(info, self.device, config, max_len)
+            num_blocks, why = _default_num_kv_blocks(kv_info, self.device, config, max_len)
             log.info("KV cache sized automatically: %d blocks x %d tokens (%.1f MiB): %s", num_blocks,
                      config.block_size, num_blocks * block_bytes / 2**20, why)
         num_swap_blocks = 0
@@ -275,8 +292,12 @@ class LLMEngine:
                          if config.speculative == "ngram" else None)
         self.spec_stats = SpecStats(config.speculative)
         self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
+        group = None
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.ready(self.scheduler_config)
+            group = self.tensor_parallel.group
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
-                                  kv_cache_dtype=config.kv_cache_dtype)
+                                  kv_cache_dtype=config.kv_cache_dtype, group=group)
         if config.quantization != "none":
             self._quantize(config)
         self.eos_token_ids = frozenset(info.eos_token_ids) or (
@@ -296,12 +317,24 @@ class LLMEngine:
         self.num_steps = 0
         log.info(
             "engine ready: %s (%s, %s%s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB, %s), "
-            "max_model_len %d",
+            "max_model_len %d%s",
             info.model_id, info.architecture, info.dtype,
             "" if config.quantization == "none" else f" {config.quantization}", f"{info.num_params:,}", self.device,
             num_blocks, config.block_size, self.runner.kv_cache_bytes / 2**20,
             info.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype, max_len,
+            f", tensor parallel over {tp} ranks (this rank's share of the KV cache shown)" if tp > 1 else "",
         )
+
+    @property
+    def num_devices(self) -> int:
+        """Devices the engine's steps occupy (its tensor-parallel ranks): each step bills them all."""
+        return self.config.tensor_parallel_size
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
+        leader, self.tensor_parallel = getattr(self, "tensor_parallel", None), None
+        if leader is not None:
+            leader.close()
 
     def _quantize(self, config: EngineConfig) -> None:
         """Swap in the int8 projections; for w8a8 first fold SmoothQuant's factors into the

@@ -27,6 +27,7 @@ import torch
 from mqinfer.kernels import kv_quant
 from mqinfer.workers.models import LlamaForCausalLM, ModelConfig
 from mqinfer.workers.models.config import ModelLoadError
+from mqinfer.workers.parallel import Shard, num_params, read_safetensors_shard
 
 log = logging.getLogger("mqinfer.loader")
 
@@ -291,11 +292,15 @@ def _hash_files(config_bytes: bytes, files: list[Path]) -> str:
     return digest.hexdigest()[:8]
 
 
-def _iter_checkpoint(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(files: list[Path], shard: Shard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files; with ``shard``, only that rank's slices of the split ones."""
     from safetensors import SafetensorError, safe_open
 
     for path in files:
         try:
+            if shard is not None:
+                yield from read_safetensors_shard(str(path), shard)
+                continue
             with safe_open(str(path), framework="pt", device="cpu") as fh:
                 for name in fh.keys():
                     yield name, fh.get_tensor(name)
@@ -314,8 +319,8 @@ def _eos_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _build(config: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
-           source: str) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+           source: str, shard: Shard | None = None) -> LlamaForCausalLM:
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, shard=shard)
     loaded = model.load_weights(weights)
     missing = model.checkpoint_weight_names() - loaded
     if missing:
@@ -324,14 +329,34 @@ def _build(config: ModelConfig, weights, dtype: torch.dtype, device: torch.devic
     return model.eval()
 
 
+def _sliced(weights, shard: Shard | None):
+    """Whole tensors already in memory, cut to ``shard``'s parts."""
+    if shard is None:
+        yield from weights
+        return
+    for name, tensor in weights:
+        yield name, shard.take(name, tensor)
+
+
 def load_model(
-    path_or_tiny: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto"
+    path_or_tiny: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto",
+    shard: tuple[int, int] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Load ``"tiny"``, a local HF checkpoint folder or a ``.gguf`` file onto ``device`` in ``dtype``.
 
+    ``shard = (rank, size)``: that tensor-parallel rank's part only (``workers/parallel.py``); a
+    checkpoint folder's safetensors are read slice by slice, so a rank reads its own bytes and the
+    replicated tensors (embedding, norms) only. ``ModelInfo`` describes the whole model either way.
     ``ModelLoadError`` names the missing file, unsupported architecture or bad tensor.
     """
     device = torch.device(device)
+    split: Shard | None = None
+
+    def split_for(config: ModelConfig) -> Shard | None:
+        nonlocal split
+        if shard is not None:
+            split = Shard.of(config, *shard)
+        return split
     if path_or_tiny == TINY:
         hf = dict(TINY_HF_CONFIG)
         config = ModelConfig.from_hf(hf, "tiny")
@@ -341,7 +366,7 @@ def load_model(
         for name in sorted(tensors):
             digest.update(name.encode())
             digest.update(tensors[name].numpy().tobytes())
-        model = _build(config, tensors.items(), torch_dtype, device, "tiny")
+        model = _build(config, _sliced(tensors.items(), split_for(config)), torch_dtype, device, "tiny", split)
         name, model_id, path = TINY, f"{TINY}@{digest.hexdigest()[:8]}", None
         eos_ids = config.eos_token_ids
     elif path_or_tiny.lower().endswith(".gguf"):
@@ -351,7 +376,8 @@ def load_model(
         hf = checkpoint.hf_config
         config = ModelConfig.from_hf(hf, path_or_tiny)
         torch_dtype = resolve_dtype(dtype, hf, device)
-        model = _build(config, checkpoint.weights(), torch_dtype, device, path_or_tiny)
+        model = _build(config, _sliced(checkpoint.weights(), split_for(config)), torch_dtype, device, path_or_tiny,
+                       split)
         name = Path(path_or_tiny).resolve().name
         model_id = f"{name}@{checkpoint.digest(_FULL_HASH_LIMIT, _SAMPLE_BYTES)}"
         path = path_or_tiny
@@ -370,7 +396,7 @@ def load_model(
         generation = _read_json(gen_path) if gen_path.exists() else {}
         torch_dtype = resolve_dtype(dtype, hf, device)
         files = _weight_files(folder)
-        model = _build(config, _iter_checkpoint(files), torch_dtype, device, str(folder))
+        model = _build(config, _iter_checkpoint(files, split_for(config)), torch_dtype, device, str(folder), split)
         name = folder.resolve().name
         model_id = f"{name}@{_hash_files(config_bytes, files)}"
         path = str(folder)
@@ -390,7 +416,7 @@ def load_model(
         dtype=_dtype_name(torch_dtype),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
-        num_params=sum(p.numel() for p in model.parameters()),
+        num_params=sum(p.numel() for p in model.parameters()) if split is None else num_params(config),
         sliding_window=config.sliding_window,
         path=path,
     )

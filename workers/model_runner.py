@@ -11,6 +11,12 @@ A request with proposed tokens (speculative decoding) samples at its last known 
 each proposal, with the randomness of each row keyed by the position it samples, exactly as
 if the tokens had come one step at a time; the proposals are kept up to the first one that
 differs from what was sampled before it (``accept_proposals``).
+
+Tensor parallel (``workers/parallel.py``), the runner of each rank holds that rank's shard of
+the model and its part of the KV cache. Rank 0's ``execute`` packs the step into a
+``StepPlan`` (plain data), sends it to the other ranks, and runs its own part; the other ranks run the same
+plan through ``run_plan``. The LM head's vocabulary slices are gathered on rank 0, which alone
+samples. Without a group none of this runs.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request
 from mqinfer.workers.loader import ModelInfo
 from mqinfer.workers.models import LlamaForCausalLM
+from mqinfer.workers.parallel import Group, StepPlan
 from mqinfer.workers.swap import HostKVCache
 
 
@@ -80,14 +87,26 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
+        group: Group | None = None,
     ) -> None:
+        """``group``: the tensor-parallel group when ``model`` is one rank's shard; the KV cache
+        then holds that rank's KV heads only, and ``execute`` (rank 0) sends each step's plan to
+        the other ranks, which call ``run_plan``."""
         self.model = model
         self.info = info
         self.config = scheduler_config
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = scheduler_config.block_size
-        shape = (scheduler_config.num_kv_blocks, self.block_size, info.num_kv_heads, info.head_dim)
+        self.group = group
+        shard = model.shard
+        num_heads, num_kv_heads = info.num_heads, info.num_kv_heads
+        if shard is not None:
+            num_heads, num_kv_heads = shard.q_heads[1] - shard.q_heads[0], shard.kv_heads[1] - shard.kv_heads[0]
+            if group is None:
+                raise ValueError("a model shard runs only within its tensor-parallel group")
+            model.reduce = group.all_reduce
+        shape = (scheduler_config.num_kv_blocks, self.block_size, num_kv_heads, info.head_dim)
         self._buffers: list[mmap.mmap] = []
         # K and V in the model's dtype (auto), or 8-bit with a float32 scale per (slot, KV head).
         self.kv_cache_dtype = kv_cache_dtype
@@ -101,7 +120,7 @@ class ModelRunner:
                 pin_memory=self.device.type == "cuda", quantized=kv_cache_dtype != "auto",
             )
         self.workspace = AttentionWorkspace()
-        self.num_queries_per_kv = info.num_heads // info.num_kv_heads
+        self.num_queries_per_kv = num_heads // num_kv_heads
         model.rotary.extend(scheduler_config.max_model_len)
 
     def _layer_cache(self, shape: tuple[int, ...], dtype: torch.dtype, quantized: bool) -> LayerKVCache:
@@ -137,6 +156,8 @@ class ModelRunner:
         """The final hidden states ``[n, hidden]`` of one sequence run as a single prefill into KV
         blocks 0, 1, ... (calibration and quality measurements: only while no request holds
         blocks, for at most ``num_kv_blocks * block_size`` tokens)."""
+        if self.group is not None:
+            raise ValueError("forward_sequence runs on one rank only (not tensor parallel)")
         n = len(token_ids)
         blocks = list(range(-(-n // self.block_size)))
         if not n or len(blocks) > self.config.num_kv_blocks:
@@ -150,20 +171,15 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``."""
         t0 = time.perf_counter()
-        if output.swap_out or output.swap_in:
-            # Out before in: a block swapped in may be one another request just gave up.
-            self.host_cache.swap_out(self.kv_caches, output.swap_out)
-            self.host_cache.swap_in(self.kv_caches, output.swap_in)
         scheduled = output.scheduled
-        if not scheduled:
-            return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
-        input_ids: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        plan = StepPlan(swap_out=output.swap_out, swap_in=output.swap_in)
+        input_ids = plan.input_ids
+        query_lens = plan.query_lens
+        seq_lens = plan.seq_lens
+        tables = plan.block_tables
         # Packed rows that sample: the last known token of each sampling request, then each of
         # its proposed tokens (speculative decoding).
-        sample_rows: list[int] = []
+        sample_rows = plan.sample_rows
         sample_of: list[int] = []  # index into `scheduled` of each sampling row
         sample_positions: list[int] = []  # position of the token each row samples
         any_spec = False
@@ -189,24 +205,19 @@ class ModelRunner:
                     sample_rows.append(row - 1 - j)
                     sample_of.append(i)
                     sample_positions.append(request.num_tokens + len(spec) - j)
-
-        device = self.device
-        metadata = build_attention_metadata(
-            query_lens, seq_lens, tables, self.block_size, self.num_queries_per_kv,
-            device=device, workspace=self.workspace,
-        )
-        ids = torch.tensor(input_ids, dtype=torch.int64).to(device)
-        t1 = time.perf_counter()
-        hidden = self.model(ids, metadata.positions, self.kv_caches, metadata)
+        if self.group is not None:
+            self._send_plan(plan)
+        if not scheduled:
+            self._copy_blocks(plan)
+            return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
+        hidden, t1 = self._forward(plan)
         result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled))
         if not sample_rows:
             result.phase_seconds = (t1 - t0, time.perf_counter() - t1, 0.0)
             return result
 
-        rows = torch.tensor(sample_rows, dtype=torch.int64).to(device)
-        # Logits stay in the model's dtype: greedy rows need only the argmax, and sample() and
-        # compute_logprobs() convert what they need to float32 themselves.
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        device = self.device
+        logits = self._logits(hidden, sample_rows)
         t2 = time.perf_counter()
         requests = [scheduled[i].request for i in sample_of]
         params = SamplingTensors.from_lists(
@@ -247,6 +258,50 @@ class ModelRunner:
                 entries.append(entry)
         result.phase_seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         return result
+
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        if plan.swap_out or plan.swap_in:
+            # Out before in: a block swapped in may be one another request just gave up.
+            self.host_cache.swap_out(self.kv_caches, plan.swap_out)
+            self.host_cache.swap_in(self.kv_caches, plan.swap_in)
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, float]:
+        """The block copies, then the model over the plan's packed tokens: (hidden states, the
+        time the inputs were ready)."""
+        self._copy_blocks(plan)
+        metadata = build_attention_metadata(
+            plan.query_lens, plan.seq_lens, plan.block_tables, self.block_size, self.num_queries_per_kv,
+            device=self.device, workspace=self.workspace,
+        )
+        ids = torch.tensor(plan.input_ids, dtype=torch.int64).to(self.device)
+        t1 = time.perf_counter()
+        return self.model(ids, metadata.positions, self.kv_caches, metadata), t1
+
+    def _logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor | None:
+        """The LM head on the sampling rows: ``[B, vocab]``; tensor parallel, each rank's vocabulary
+        slice gathered on rank 0 (None on the other ranks)."""
+        rows = torch.tensor(sample_rows, dtype=torch.int64).to(self.device)
+        # Logits stay in the model's dtype: greedy rows need only the argmax, and sample() and
+        # compute_logprobs() convert what they need to float32 themselves.
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if self.group is None:
+            return logits
+        return self.group.gather_logits(logits, self.model.shard, self.info.vocab_size)
+
+    def _send_plan(self, plan: StepPlan) -> None:
+        """Rank 0: hand the step to the other ranks (``RankFailure`` when one is gone)."""
+        self.group.check_alive()
+        self.group.send_plan(plan)
+
+    def run_plan(self, plan: StepPlan) -> None:
+        """A rank other than 0: its part of one step (block copies, the forward pass with its
+        all-reduces, its logits sent to rank 0)."""
+        if not plan.query_lens:
+            self._copy_blocks(plan)
+            return
+        hidden, _ = self._forward(plan)
+        if plan.sample_rows:
+            self._logits(hidden, plan.sample_rows)
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request],

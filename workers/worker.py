@@ -11,7 +11,8 @@ are written durably before their entries are acked (:mod:`.acks`). Its uptime re
 never wrote if it is killed; it bills dead workers' time itself in turn (:mod:`.uptime`).
 
 SIGTERM drains: no new reads, finish what runs within ``drain_timeout_s``, hand the rest back,
-flush, ack, exit 0. A worker that cannot write its rows exits 3 without acking them. At stop it
+flush, ack, exit 0. A worker that cannot write its rows exits 3 without acking them; one whose
+tensor-parallel rank died exits 4, acking nothing more (another worker claims what it held). At stop it
 logs where its busy time went and leaves the same as ``OUT/.mqinfer/workers/<consumer>.json``.
 
 Metrics and the budget guard are handed in (the command line builds them from ``mqinfer.ops``),
@@ -48,6 +49,7 @@ from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.ownership import Ownership
+from mqinfer.workers.parallel import RankFailure
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.sink import Sinks
@@ -133,6 +135,11 @@ class Worker:
             self.metrics.healthy = False
             log.error("cannot write result rows (%s): exiting unhealthy without acking them", exc.__cause__)
             code = 3
+        except RankFailure as exc:
+            # As after a crash: what this worker holds stays pending, for another worker to claim.
+            self.metrics.healthy = False
+            log.error("%s: the worker stops without acking what it holds", exc)
+            code = 4
         self.close(code)
         return code
 
@@ -162,7 +169,7 @@ class Worker:
                 num_layers=info.num_layers, num_heads=info.num_heads, head_dim=info.head_dim,
                 tied=getattr(info, "tie_word_embeddings", False),
             ),
-            start=self._startup_began(), block_size=cfg.engine.block_size,
+            start=self._startup_began(), block_size=cfg.engine.block_size, devices=engine.num_devices,
         )
         self._watch(engine)
         sinks = Sinks(out, self.consumer, flush_rows=cfg.flush_rows, flush_interval_s=cfg.flush_interval_s,
@@ -195,7 +202,7 @@ class Worker:
         self.metrics.ready = True
         self._last_activity = now
         log.info("worker %s ready: model %s, stream %s on %s, startup %.2fs", self.consumer, info.model_id,
-                 self.stream_key, redact(cfg.redis_url), startup_s)
+                 self.stream_key, redact(cfg.redis_url), self.meter.startup_s)
         self._redis(self.ingest.recover_own_pending)
 
     def _watch(self, engine: LLMEngine) -> None:
@@ -208,7 +215,7 @@ class Worker:
         else:
             self.metrics.track_engine(engine.scheduler, lambda: len(self.batcher) + len(throttle))
             self.metrics.track_rate_limits(throttle.limits, throttle.waiting_by_tenant)
-        self.metrics.watch_memory(str(engine.device))
+        self.metrics.watch_memory(str(engine.device), *engine.rank_devices[1:])
         # Scrapes read Redis from the HTTP thread, on their own client with a short timeout.
         scrape_redis = connect_redis(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=2.0)
         self.metrics.watch_stream(scrape_redis, self.stream_key, cfg.group, clock=self.clock)
@@ -477,6 +484,8 @@ class Worker:
         """The worker stopped (drained, or unable to write): metrics off, its busy time logged and
         its exit summary written."""
         self.metrics.close()
+        if self.engine is not None:
+            self.engine.close()
         log.info("worker %s stopped; busy time %s", self.consumer, json.dumps(self.busy_summary()))
         path = summary_path(self.config.out_dir, self.consumer)
         try:

@@ -256,6 +256,8 @@ def test_workers_auto_layout():
     # Half of 40 MiB holds one copy of a 16 MiB model: one worker, with every core.
     assert choose_layout(base, cores=4, gpu=False, memory=40 << 20)[:2] == (1, 4)
     assert choose_layout({**base, "workers": 3, "num_threads": 2}, cores=2, gpu=False)[:2] == (3, 2)  # explicit wins
+    # Each rank of a tensor-parallel worker is a process of its own: two ranks fill two cores.
+    assert choose_layout({**base, "tensor_parallel_size": 2}, cores=2, gpu=False, memory=16 * gib)[:2] == (1, 1)
 
 
 def test_run_with_int8_weights(tmp_path):

@@ -145,6 +145,21 @@ def test_memory_utilization_of_the_host():
     assert 0.0 < samples(m)["mqinfer_memory_utilization_ratio"] < 1.0
 
 
+def test_memory_utilization_per_tensor_parallel_rank(monkeypatch):
+    from mqinfer.ops import metrics
+
+    used = {"cuda:0": 0.25, "cuda:1": 0.5, "cpu": 0.125}
+    monkeypatch.setattr(metrics, "memory_utilization", lambda device: used[device])
+    m = WorkerMetrics()
+    m.watch_memory("cuda:0", "cuda:1")  # two ranks on two GPUs: a series each
+    s = samples(m)
+    assert s['mqinfer_memory_utilization_ratio{rank="0"}'] == 0.25
+    assert s['mqinfer_memory_utilization_ratio{rank="1"}'] == 0.5
+    m = WorkerMetrics()
+    m.watch_memory("cpu", "cpu")  # two ranks on one host's memory: one value, no label
+    assert samples(m)["mqinfer_memory_utilization_ratio"] == 0.125
+
+
 def test_health_and_readiness_endpoints():
     m = WorkerMetrics()
     port = m.serve(0)

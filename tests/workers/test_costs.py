@@ -194,3 +194,21 @@ def test_process_start_time_is_this_process_start():
 def test_meter_rejects_a_bad_block_size():
     with pytest.raises(ValueError, match="block_size"):
         Meter(MODEL, start=0.0, block_size=0)
+
+
+def test_a_tensor_parallel_worker_bills_every_device_it_occupies():
+    # Two ranks: each interval's wall seconds count twice, split among requests as on one device.
+    one, two = Meter(MODEL, start=0.0, block_size=4), Meter(MODEL, start=0.0, block_size=4, devices=2)
+    for meter in (one, two):
+        assert meter.startup_done(3.0) == 3.0 * meter.devices
+        meter.idle_until(4.0)
+        meter.step(5.0, [Work("a", 8, 8, is_prefill=True), Work("b", 1, 20)], {"a": 2.0, "b": 5.0})
+        meter.step(5.5, [], {})
+    assert two.take_idle() == pytest.approx(2 * one.take_idle()) == pytest.approx(3.0)
+    for rid in ("a", "b"):
+        a1, a2 = one.pop(rid), two.pop(rid)
+        assert a2.device_s == pytest.approx(2 * a1.device_s) and a2.kv_block_s == pytest.approx(a1.kv_block_s)
+    # The wall-clock totals (metrics) stay wall clock.
+    assert two.startup_s + two.idle_total_s + two.busy_total_s == pytest.approx(5.5)
+    with pytest.raises(ValueError, match="devices must be >= 1"):
+        Meter(MODEL, start=0.0, devices=0)

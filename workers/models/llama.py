@@ -22,7 +22,7 @@ the same bit for bit (``MQINFER_CPU_OPS=torch`` runs the PyTorch ops instead).
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from mqinfer.kernels import linear as dense
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from mqinfer.kernels.kv_quant import LayerKVCache
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    from mqinfer.workers.parallel import Shard
 
 # One cache per layer: a LayerKVCache, or a plain (k_cache, v_cache) pair.
 KVCaches = Sequence[LayerKVCache | tuple[torch.Tensor, torch.Tensor]]
@@ -389,24 +392,35 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         max_len: int | None = None,
+        shard: "Shard | None" = None,
     ) -> None:
+        """``shard``: this rank's part of a tensor-parallel model (``workers/parallel.py``): its
+        heads, KV heads, MLP width and LM head rows only; the caller sets ``reduce``."""
         super().__init__()
         device = torch.device(device)
         self.config = config
         self.dtype = dtype
-        self.model = _Backbone(config, dtype, device)
-        self.lm_head = LMHead(
-            self.model.embed_tokens.weight
-            if config.tie_word_embeddings
-            else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
-        )
+        self.shard = shard
+        local = shard.local_config(config) if shard is not None else config
+        self.model = _Backbone(local, dtype, device)
+        if shard is None:
+            head = (self.model.embed_tokens.weight if config.tie_word_embeddings
+                    else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+        elif config.tie_word_embeddings:  # this rank's rows of the (replicated) embedding
+            head = nn.Parameter(self.model.embed_tokens.weight.data[shard.vocab[0]:shard.vocab[1]],
+                                requires_grad=False)
+        else:
+            head = _empty_param(shard.vocab[1] - shard.vocab[0], config.hidden_size, dtype=dtype, device=device)
+        self.lm_head = LMHead(head)
+        # Tensor parallel: sums each attention and MLP block's partial output over the ranks, in place.
+        self.reduce: Callable[[torch.Tensor], None] | None = None
         self.activations = Activations()
         # Tables for long-context models are large; start small, the runner extends them to
         # its max_model_len.
         self.rotary = RotaryEmbedding(config, max_len or min(config.max_position_embeddings, 4096), device)
-        q_size = config.num_heads * config.head_dim
-        kv_size = config.num_kv_heads * config.head_dim
-        inter = config.intermediate_size
+        q_size = local.num_heads * local.head_dim
+        kv_size = local.num_kv_heads * local.head_dim
+        inter = local.intermediate_size
         self._shard_offsets = {
             "qkv_proj": (0, q_size, q_size + kv_size, q_size + 2 * kv_size),
             "gate_up_proj": (0, inter, 2 * inter),
@@ -439,10 +453,15 @@ class LlamaForCausalLM(nn.Module):
         normed = buffers.get("normed", num_tokens, hidden, weight) if h.device.type == "cpu" else None
         h, x = self._add_norm(h, None, layers[0].input_layernorm if len(layers) else self.model.norm,
                               normed if len(layers) else None)
+        reduce = self.reduce
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             a = layer.self_attn(x, rope, LayerKVCache(*kv), attn_metadata, buffers)
+            if reduce is not None:
+                reduce(a)
             h, x = self._add_norm(h, a, layer.post_attention_layernorm, normed)
             m = layer.mlp(x, buffers)
+            if reduce is not None:
+                reduce(m)
             last = i + 1 == len(layers)
             h, x = self._add_norm(h, m, self.model.norm if last else layers[i + 1].input_layernorm,
                                   None if last else normed)

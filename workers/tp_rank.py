@@ -1,0 +1,9 @@
+"""Entry point of a tensor-parallel rank other than 0 (``python -m mqinfer.workers.tp_rank``),
+started by its worker (:class:`mqinfer.workers.parallel.Leader`)."""
+
+import sys
+
+from mqinfer.workers.parallel import follower_main
+
+if __name__ == "__main__":
+    sys.exit(follower_main())
