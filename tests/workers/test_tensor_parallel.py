@@ -225,3 +225,19 @@ def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
     with pytest.raises(RankFailure, match="rank 1 exited with code 1"):
         Leader(["cpu", "cuda:999"])
     assert time.monotonic() - began < 300  # well before the rendezvous timeout (900 s)
+
+
+def test_two_ranks_check_speculative_proposals_as_one_rank_generates(llama):
+    # Proposals ride in the step plan like any other query tokens; only rank 0 accepts them.
+    one, _, _ = _run(llama, 1, **CASES["chunked-recompute"])
+    config = EngineConfig(model=str(llama), device="cpu", num_threads=1, tensor_parallel_size=2,
+                          speculative="ngram", ngram_min=1, **CASES["chunked-recompute"])
+    engine = LLMEngine(config)
+    try:
+        two = _generate(engine, _prompts(engine.info.vocab_size))
+        stats = engine.spec_stats
+    finally:
+        engine.close()
+    assert stats.accepted_tokens > 0, stats  # proposals were checked and some kept
+    for rid, out in one.items():
+        assert two[rid].output_token_ids == out.output_token_ids, rid
