@@ -10,7 +10,9 @@ brings the results back with a single device-to-host copy.
 A request with proposed tokens (speculative decoding) samples at its last known token and at
 each proposal, with the randomness of each row keyed by the position it samples, exactly as
 if the tokens had come one step at a time; the proposals are kept up to the first one that
-differs from what was sampled before it (``accept_proposals``).
+differs from what was sampled before it (``accept_proposals``). With a layer-skip draft
+(``draft_layers``, the ``self`` proposer) the runner first computes the proposals themselves,
+after the block copies and before the verification pass (workers/self_proposer.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request
 from mqinfer.workers.loader import ModelInfo
 from mqinfer.workers.models import LlamaForCausalLM
+from mqinfer.workers.self_proposer import LayerSkipDraft
 from mqinfer.workers.swap import HostKVCache
 
 
@@ -80,6 +83,7 @@ class ModelRunner:
         device: torch.device | str,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
+        draft_layers: int | None = None,
     ) -> None:
         self.model = model
         self.info = info
@@ -103,6 +107,11 @@ class ModelRunner:
         self.workspace = AttentionWorkspace()
         self.num_queries_per_kv = info.num_heads // info.num_kv_heads
         model.rotary.extend(scheduler_config.max_model_len)
+        # The self proposer's draft: the model's first draft_layers layers over this KV cache.
+        self.draft: LayerSkipDraft | None = None
+        if draft_layers is not None:
+            self.draft = LayerSkipDraft(model, self.kv_caches, draft_layers, self.block_size,
+                                        self.num_queries_per_kv, self.device, self.workspace)
 
     def _layer_cache(self, shape: tuple[int, ...], dtype: torch.dtype, quantized: bool) -> LayerKVCache:
         if not quantized:
@@ -157,6 +166,12 @@ class ModelRunner:
         scheduled = output.scheduled
         if not scheduled:
             return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
+        # The draft's forwards count as forward time.
+        draft_s = 0.0
+        if self.draft is not None:
+            td = time.perf_counter()
+            self.draft.fill(scheduled)
+            draft_s = time.perf_counter() - td
         input_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
@@ -200,7 +215,7 @@ class ModelRunner:
         hidden = self.model(ids, metadata.positions, self.kv_caches, metadata)
         result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled))
         if not sample_rows:
-            result.phase_seconds = (t1 - t0, time.perf_counter() - t1, 0.0)
+            result.phase_seconds = (t1 - t0 - draft_s, time.perf_counter() - t1 + draft_s, 0.0)
             return result
 
         rows = torch.tensor(sample_rows, dtype=torch.int64).to(device)
@@ -245,7 +260,7 @@ class ModelRunner:
                 if entries is None:
                     entries = result.logprobs[sample_of[j]] = []
                 entries.append(entry)
-        result.phase_seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        result.phase_seconds = (t1 - t0 - draft_s, t2 - t1 + draft_s, time.perf_counter() - t2)
         return result
 
 
