@@ -61,18 +61,27 @@ def _engine(model: str, speculative: str = "none", **kw) -> LLMEngine:
 
 
 def _run(engine, items, add_after: dict[int, list] | None = None):
-    """Run (id, prompt, sampling, speculative) items to the end; ``add_after[step]`` join later."""
+    """Run (id, prompt, sampling, speculative) items to the end; ``add_after[step]`` join later.
+    After every step, each running request holds only the blocks its tokens need (the blocks of
+    rejected proposals went back)."""
+    ids = [item[0] for item in items]
     for rid, prompt, sampling, spec in items:
         engine.add_request(rid, prompt, sampling, speculative=spec)
     finished, deltas = {}, {}
     step = 0
+    kv = engine.scheduler.kv_cache_manager
     while engine.has_unfinished() or (add_after and any(s >= step for s in add_after)):
         for rid, prompt, sampling, spec in (add_after or {}).get(step, []):
             engine.add_request(rid, prompt, sampling, speculative=spec)
+            ids.append(rid)
         for out in engine.step().outputs:
             deltas.setdefault(out.request_id, []).append(out.new_token_ids)
             if out.finished:
                 finished[out.request_id] = out
+        for rid in ids:
+            request = engine.scheduler.get_request(rid)
+            if request is not None:
+                assert len(request.block_ids) <= kv.num_blocks_for(request.num_tokens), rid
         step += 1
         assert step < 2000
     return finished, deltas
