@@ -130,7 +130,8 @@ def run_copy(args: argparse.Namespace) -> dict[str, Any]:
     tpot = {m: t["seconds"] / max(1, t["tokens"]) for m, t in totals.items()}
     report = {
         "model": args.model, "num_requests": len(prompts), "max_tokens": args.max_tokens,
-        "speculative": spec, "k": args.k, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max, "num_threads": args.num_threads,
+        "speculative": spec, "k": args.k, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
+        "num_threads": args.num_threads,
         "draft_layers": engines[spec].runner.draft.num_layers if engines[spec].runner.draft else None,
         "ms_per_output_token": {m: 1000 * v for m, v in tpot.items()},
         "speedup": tpot["none"] / tpot[spec] if tpot[spec] > 0 else None,
