@@ -8,7 +8,8 @@ need no data set. It needs a real model with a tokenizer and a chat template (a 
 folder or a ``.gguf`` file); a random model does not copy.
 
 For each request, alone in the engine, it measures the time from submission to the last token
-and the tokens produced, with ``--speculative none`` and with ``ngram`` on the same engine
+and the tokens produced, with ``--speculative none`` and with the proposer named by
+``--speculative`` (``ngram``, the default, or ``self`` with ``--draft-layers``) on the same engine
 settings, in one process, taking turns request by request so that both see the same machine
 load. It prints the time per output token of each and their ratio, the acceptance rate and
 the tokens emitted per checking step, and whether the greedy outputs agree token for token.
@@ -18,6 +19,7 @@ decoding requests each checking s proposals), the measurement behind
 ``--speculative-max-batched-tokens``: speculation is cheap while a step's time stays flat.
 
     python -m mqinfer.loadgen.spec_bench --model MODEL [--num-requests 12] [--max-tokens 96]
+        [--speculative ngram|self] [--draft-layers L]
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ def _engine(args: argparse.Namespace, speculative: str, **overrides: Any):
         "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
         "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len, "speculative": speculative,
         "num_speculative_tokens": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
-        "enable_prefix_caching": False, **overrides,
+        "draft_layers": args.draft_layers, "enable_prefix_caching": False, **overrides,
     }))
 
 
@@ -95,7 +97,8 @@ def _one(engine, rid: str, prompt: list[int], max_tokens: int) -> tuple[float, l
 
 
 def run_copy(args: argparse.Namespace) -> dict[str, Any]:
-    engines = {mode: _engine(args, mode) for mode in ("none", "ngram")}
+    spec = args.speculative
+    engines = {mode: _engine(args, mode) for mode in ("none", spec)}
     tokenizer = engines["none"].tokenizer
     if tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer: the copy workload is text")
@@ -115,21 +118,23 @@ def run_copy(args: argparse.Namespace) -> dict[str, Any]:
             t["tokens"] += len(tokens)
             t["steps"] += steps
             outs[mode] = (seconds, tokens, steps)
-        same += outs["none"][1] == outs["ngram"][1]
+        same += outs["none"][1] == outs[spec][1]
         per_request.append({"prompt_tokens": len(prompt), **{m: {"seconds": s, "tokens": len(t), "steps": st}
                                                              for m, (s, t, st) in outs.items()}})
         none_tpot = outs["none"][0] / max(1, len(outs["none"][1]))
-        ngram_tpot = outs["ngram"][0] / max(1, len(outs["ngram"][1]))
+        spec_tpot = outs[spec][0] / max(1, len(outs[spec][1]))
         print(f"request {i}: {len(prompt)} prompt tokens, {len(outs['none'][1])} output tokens; ms/token none "
-              f"{1000 * none_tpot:.1f}, ngram {1000 * ngram_tpot:.1f} ({none_tpot / ngram_tpot:.2f}x)",
+              f"{1000 * none_tpot:.1f}, {spec} {1000 * spec_tpot:.1f} ({none_tpot / spec_tpot:.2f}x)",
               file=sys.stderr, flush=True)
-    stats = engines["ngram"].spec_stats
+    stats = engines[spec].spec_stats
     tpot = {m: t["seconds"] / max(1, t["tokens"]) for m, t in totals.items()}
     report = {
         "model": args.model, "num_requests": len(prompts), "max_tokens": args.max_tokens,
-        "k": args.k, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max, "num_threads": args.num_threads,
+        "speculative": spec, "k": args.k, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
+        "num_threads": args.num_threads,
+        "draft_layers": engines[spec].runner.draft.num_layers if engines[spec].runner.draft else None,
         "ms_per_output_token": {m: 1000 * v for m, v in tpot.items()},
-        "speedup": tpot["none"] / tpot["ngram"] if tpot["ngram"] > 0 else None,
+        "speedup": tpot["none"] / tpot[spec] if tpot[spec] > 0 else None,
         "tokens_per_step": {m: t["tokens"] / max(1, t["steps"]) for m, t in totals.items()},
         "acceptance_rate": stats.accepted_tokens / stats.proposed_tokens if stats.proposed_tokens else None,
         "tokens_per_check": stats.emitted_tokens / stats.num_checks if stats.num_checks else None,
@@ -137,10 +142,10 @@ def run_copy(args: argparse.Namespace) -> dict[str, Any]:
         "identical_outputs": f"{same}/{len(prompts)}",
         "requests": per_request,
     }
-    print(f"time per output token: none {report['ms_per_output_token']['none']:.1f} ms, ngram "
-          f"{report['ms_per_output_token']['ngram']:.1f} ms: {report['speedup']:.2f}x; acceptance "
+    print(f"time per output token: none {report['ms_per_output_token']['none']:.1f} ms, {spec} "
+          f"{report['ms_per_output_token'][spec]:.1f} ms: {report['speedup']:.2f}x; acceptance "
           f"{report['acceptance_rate'] or 0:.2f}, {report['tokens_per_check'] or 0:.2f} tokens per checking step, "
-          f"{report['tokens_per_step']['ngram']:.2f} tokens per step; identical greedy outputs "
+          f"{report['tokens_per_step'][spec]:.2f} tokens per step; identical greedy outputs "
           f"{report['identical_outputs']}")
     return report
 
@@ -198,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens (default: 4).")
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--speculative", choices=("ngram", "self"), default="ngram",
+                   help="The proposer compared with no speculation (default: ngram).")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="With --speculative self: the draft's layers (default: half the model's).")
     p.add_argument("--step-sweep", action="store_true", help="Measure step time against query tokens instead.")
     p.add_argument("--batch-sizes", type=lambda t: [int(v) for v in t.split(",")], default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--sweep-steps", type=int, default=8)

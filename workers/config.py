@@ -29,7 +29,7 @@ QUANTIZATIONS = ("none", "w8a8", "w8a16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # Speculative decoding's proposers; only these are built so far.
 SPECULATIVE = ("none", "ngram", "draft", "self")
-SPECULATIVE_BUILT = ("none", "ngram")
+SPECULATIVE_BUILT = ("none", "ngram", "self")
 
 # The scheduler's defaults, which the engine passes on to it unchanged.
 _SCHEDULER = SchedulerConfig()
@@ -146,13 +146,19 @@ class EngineConfig:
         "Speculative decoding: propose tokens cheaply and check them all in one step, keeping exactly the "
         "model's outputs (greedy and sampled alike). ngram = prompt lookup: what followed the last earlier "
         "occurrence of the request's latest tokens in its prompt and output; it pays off when outputs copy "
-        "spans of their prompts. draft and self are not built yet.", choices=SPECULATIVE))
+        "spans of their prompts. self = layer-skip self-speculation: the model's own first --draft-layers "
+        "layers, its final norm and its head propose greedily (no second checkpoint). draft is not built "
+        "yet.", choices=SPECULATIVE))
     num_speculative_tokens: int = field(default=4, metadata=flag(
         "With --speculative: tokens proposed per request and step, at most.", metavar="K"))
     ngram_max: int = field(default=4, metadata=flag(
         "With --speculative ngram: the longest run of latest tokens looked up (tried first).", metavar="N"))
     ngram_min: int = field(default=2, metadata=flag(
         "With --speculative ngram: the shortest run of latest tokens looked up.", metavar="N"))
+    draft_layers: int | None = field(default=None, metadata=flag(
+        "With --speculative self: how many of the model's first layers the draft runs, between 1 and "
+        "the model's layers less one (default: half of them, rounded down). Fewer layers propose "
+        "faster and are accepted less often.", metavar="L"))
     speculative_max_batched_tokens: int = field(default=_SCHEDULER.speculative_max_batched_tokens, metadata=flag(
         "With --speculative: propose only while a step's scheduled tokens (prefill chunks, decodes and "
         "proposals) stay at or below this many, so that a busy worker spends its steps on other requests "
@@ -162,7 +168,9 @@ class EngineConfig:
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
         if self.speculative not in SPECULATIVE_BUILT:
-            raise ValueError(f"--speculative {self.speculative} is not built yet; use none or ngram")
+            raise ValueError(f"--speculative {self.speculative} is not built yet; use none, ngram or self")
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise ValueError(f"draft_layers must be at least 1, got {self.draft_layers}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -175,6 +183,9 @@ class EngineConfig:
             parse_devices(self.devices)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.speculative == "self":
+            raise ValueError(f"--speculative self does not combine with --tensor-parallel-size "
+                             f"{self.tensor_parallel_size} (the draft runs on one rank); use ngram or none")
         if self.tensor_parallel_size > 1 and self.quantization != "none":
             raise ValueError(f"--quantization {self.quantization} does not combine with --tensor-parallel-size "
                              f"{self.tensor_parallel_size}; use --quantization none")

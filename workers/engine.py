@@ -35,6 +35,7 @@ from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
 from mqinfer.workers.parallel import Leader, RankSettings
+from mqinfer.workers.self_proposer import SelfProposer, resolve_draft_layers
 from mqinfer.workers.models.quant import activation_ranges, calibration_token_windows, quantize_model, smooth
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -288,8 +289,16 @@ class LLMEngine:
             num_speculative_tokens=config.num_speculative_tokens if config.speculative != "none" else 0,
             speculative_max_batched_tokens=config.speculative_max_batched_tokens,
         )
-        self.proposer = (NgramProposer(config.ngram_min, config.ngram_max)
-                         if config.speculative == "ngram" else None)
+        draft_layers = None
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        elif config.speculative == "self":
+            draft_layers = resolve_draft_layers(config.draft_layers, info.num_layers, info.name)
+            self.proposer = SelfProposer()
+            log.info("speculative decoding: self, a draft of the model's first %d of %d layers",
+                     draft_layers, info.num_layers)
+        else:
+            self.proposer = None
         self.spec_stats = SpecStats(config.speculative)
         self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
         group = None
@@ -297,7 +306,8 @@ class LLMEngine:
             self.tensor_parallel.ready(self.scheduler_config)
             group = self.tensor_parallel.group
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
-                                  kv_cache_dtype=config.kv_cache_dtype, group=group)
+                                  kv_cache_dtype=config.kv_cache_dtype, group=group,
+                                  draft_layers=draft_layers)
         if config.quantization != "none":
             self._quantize(config)
         self.eos_token_ids = frozenset(info.eos_token_ids) or (

@@ -10,9 +10,11 @@ brings the results back with a single device-to-host copy.
 A request with proposed tokens (speculative decoding) samples at its last known token and at
 each proposal, with the randomness of each row keyed by the position it samples, exactly as
 if the tokens had come one step at a time; the proposals are kept up to the first one that
-differs from what was sampled before it (``accept_proposals``).
+differs from what was sampled before it (``accept_proposals``). With a layer-skip draft
+(``draft_layers``, the ``self`` proposer) the runner first computes the proposals themselves,
+after the block copies and before the verification pass (workers/self_proposer.py).
 
-Tensor parallel (``workers/parallel.py``), the runner of each rank holds that rank's shard of
+With tensor parallelism (``workers/parallel.py``) the runner of each rank holds that rank's shard of
 the model and its part of the KV cache. Rank 0's ``execute`` packs the step into a
 ``StepPlan`` (plain data), sends it to the other ranks, and runs its own part; the other ranks run the same
 plan through ``run_plan``. The LM head's vocabulary slices are gathered on rank 0, which alone
@@ -37,6 +39,7 @@ from mqinfer.scheduler.request import Request
 from mqinfer.workers.loader import ModelInfo
 from mqinfer.workers.models import LlamaForCausalLM
 from mqinfer.workers.parallel import Group, StepPlan
+from mqinfer.workers.self_proposer import LayerSkipDraft
 from mqinfer.workers.swap import HostKVCache
 
 
@@ -88,6 +91,7 @@ class ModelRunner:
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
         group: Group | None = None,
+        draft_layers: int | None = None,
     ) -> None:
         """``group``: the tensor-parallel group when ``model`` is one rank's shard; the KV cache
         then holds that rank's KV heads only, and ``execute`` (rank 0) sends each step's plan to
@@ -122,6 +126,11 @@ class ModelRunner:
         self.workspace = AttentionWorkspace()
         self.num_queries_per_kv = num_heads // num_kv_heads
         model.rotary.extend(scheduler_config.max_model_len)
+        # The self proposer's draft: the model's first draft_layers layers over this KV cache.
+        self.draft: LayerSkipDraft | None = None
+        if draft_layers is not None:
+            self.draft = LayerSkipDraft(model, self.kv_caches, draft_layers, self.block_size,
+                                        self.num_queries_per_kv, self.device, self.workspace)
 
     def _layer_cache(self, shape: tuple[int, ...], dtype: torch.dtype, quantized: bool) -> LayerKVCache:
         if not quantized:
@@ -173,6 +182,16 @@ class ModelRunner:
         t0 = time.perf_counter()
         scheduled = output.scheduled
         plan = StepPlan(swap_out=output.swap_out, swap_in=output.swap_in)
+        # The draft's forwards count as forward time.
+        draft_s = 0.0
+        if self.draft is not None and scheduled:
+            # The draft writes into KV blocks, so this step's block copies go first (a block
+            # swapped out may be given to another request in this same step).
+            self._copy_blocks(plan)
+            plan.swap_out, plan.swap_in = [], []
+            td = time.perf_counter()
+            self.draft.fill(scheduled)
+            draft_s = time.perf_counter() - td
         input_ids = plan.input_ids
         query_lens = plan.query_lens
         seq_lens = plan.seq_lens
@@ -213,7 +232,7 @@ class ModelRunner:
         hidden, t1 = self._forward(plan)
         result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled))
         if not sample_rows:
-            result.phase_seconds = (t1 - t0, time.perf_counter() - t1, 0.0)
+            result.phase_seconds = (t1 - t0 - draft_s, time.perf_counter() - t1 + draft_s, 0.0)
             return result
 
         device = self.device
@@ -256,7 +275,7 @@ class ModelRunner:
                 if entries is None:
                     entries = result.logprobs[sample_of[j]] = []
                 entries.append(entry)
-        result.phase_seconds = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        result.phase_seconds = (t1 - t0 - draft_s, t2 - t1 + draft_s, time.perf_counter() - t2)
         return result
 
     def _copy_blocks(self, plan: StepPlan) -> None:

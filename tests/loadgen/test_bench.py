@@ -37,6 +37,10 @@ def test_defaults_and_pass_through_flags():
     args = parse("--speculative", "ngram", "--num-speculative-tokens", "3")
     pairs = dict(zip(*[iter(bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))[5:])] * 2))
     assert pairs["--speculative"] == "ngram" and pairs["--num-speculative-tokens"] == "3"
+    assert "--draft-layers" not in pairs
+    args = parse("--speculative", "self", "--draft-layers", "2")
+    pairs = dict(zip(*[iter(bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))[5:])] * 2))
+    assert pairs["--speculative"] == "self" and pairs["--draft-layers"] == "2"
     with pytest.raises(SystemExit):
         parse("--rate", "0")
     with pytest.raises(SystemExit):

@@ -31,3 +31,13 @@ def test_copy_run_and_step_sweep_on_the_tiny_model(tmp_path, capsys):
     rows = json.loads(sweep.read_text())["steps"]
     assert [(r["batch"], r["query_tokens"]) for r in rows] == [(2, 2), (2, 4), (2, 8), (2, 16)]
     assert all(r["step_ms"] > 0 for r in rows)
+
+
+def test_copy_run_with_self_speculation_on_the_tiny_model(tmp_path):
+    out = tmp_path / "self.json"
+    assert spec_bench.main(["--model", "tiny", "--num-requests", "1", "--max-tokens", "8", "--dtype", "float32",
+                            "--speculative", "self", "--draft-layers", "3", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["speculative"] == "self" and report["draft_layers"] == 3
+    assert set(report["ms_per_output_token"]) == {"none", "self"} and report["identical_outputs"] == "1/1"
+    assert report["proposed_tokens"] > 0

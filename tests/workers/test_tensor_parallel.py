@@ -241,3 +241,10 @@ def test_two_ranks_check_speculative_proposals_as_one_rank_generates(llama):
     assert stats.accepted_tokens > 0, stats  # proposals were checked and some kept
     for rid, out in one.items():
         assert two[rid].output_token_ids == out.output_token_ids, rid
+
+
+def test_a_layer_skip_draft_is_refused_over_several_ranks():
+    # The draft's forwards run on rank 0 alone, whose collectives the other ranks would not join.
+    with pytest.raises(ValueError, match="--speculative self does not combine with --tensor-parallel-size 2"):
+        EngineConfig(model="tiny", device="cpu", tensor_parallel_size=2, speculative="self")
+    EngineConfig(model="tiny", device="cpu", tensor_parallel_size=2, speculative="ngram")

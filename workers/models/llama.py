@@ -433,10 +433,22 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: KVCaches,
         attn_metadata: AttentionMetadata,
+        num_layers: int | None = None,
     ) -> torch.Tensor:
-        """Final (normalised) hidden states ``[T, hidden]`` of the packed tokens."""
-        if len(kv_caches) != len(self.model.layers):
-            raise ValueError(f"expected {len(self.model.layers)} KV cache pairs, got {len(kv_caches)}")
+        """Final (normalised) hidden states ``[T, hidden]`` of the packed tokens.
+
+        With ``num_layers`` L, only the first L decoder layers run, followed by the final norm:
+        the layer-skip draft of self-speculation (workers/self_proposer.py), whose logits come
+        from ``compute_logits`` as the full model's do. ``kv_caches`` then holds the first L
+        layers' caches.
+        """
+        layers = self.model.layers
+        if num_layers is not None:
+            if not 1 <= num_layers <= len(layers):
+                raise ValueError(f"num_layers must be between 1 and {len(layers)}, got {num_layers}")
+            layers = layers[:num_layers]
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} KV cache pairs, got {len(kv_caches)}")
         buffers = self.activations
         weight = self.model.embed_tokens.weight
         num_tokens, hidden = input_ids.shape[0], weight.shape[1]
@@ -445,7 +457,6 @@ class LlamaForCausalLM(nn.Module):
         rope = RotaryInputs(self.rotary, positions, h.dtype)
         if h.device.type == "cpu" and positions.numel():
             self._check_step_indices(positions, attn_metadata.slot_mapping, kv_caches[0][0] if kv_caches else None)
-        layers = self.model.layers
         # Each residual add runs inside the RMSNorm that follows it (one pass over the rows
         # instead of two): h is the residual stream, x the normalised input of the next block
         # (in one buffer: each x is consumed before the next is written). The last norm's
