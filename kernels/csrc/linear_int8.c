@@ -1,4 +1,5 @@
-/* Dense layers with int8 weights and int8 activations (w8a8) on CPUs with AVX2 but no AVX-512:
+/* Dense layers with int8 weights and int8 activations (w8a8) on CPUs with AVX2 but no AVX-512,
+   and on CPUs with AVX-512 VNNI (its own kernel, further down):
    out = (x_q W_q^T) * x_scale * w_scale (+ bias), float32 in and out, int32 sums.
 
    Quantization. W is quantized once, at load, per output feature (symmetric, [-127, 127], by
@@ -11,7 +12,8 @@
    instructions, where one float32 FMA does 8. An unsigned operand made by adding 128 to one
    side would let a pair reach 2 * 255 * 127 and saturate; instead the unsigned operand is
    |x_q| and the sign of x_q moves onto the weight (vpsignb), so a pair is at most 2 * 127 * 127
-   = 32258 < 32767 and every int32 sum is exact.
+   = 32258 < 32767 and every int32 sum is exact. With VNNI, vpdpbusd sums into 32 bits without
+   saturating, and the unsigned operand is x_q + 128 (see the VNNI kernel).
 
    Layout. W is packed into panels of 16 output features, like the float32 kernel's; within a
    panel, each group of 4 input features holds the 16 features' 4 bytes feature-major

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from mqinfer.kernels import linear_int8 as q8
 
 needs_kernel = pytest.mark.skipif(not q8.native_available(),
-                                  reason="the native int8 kernel serves AVX2 CPUs without AVX-512")
+                                  reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
 
 
 @pytest.fixture

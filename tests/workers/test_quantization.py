@@ -71,7 +71,7 @@ def test_the_swap_touches_only_the_decoder_projections(qwen2):
         quantize_model(model, "int4")
 
 
-@pytest.mark.skipif(not q8.native_available(), reason="the native int8 kernel serves AVX2 CPUs without AVX-512")
+@pytest.mark.skipif(not q8.native_available(), reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
 def test_w8a8_native_and_pytorch_paths_give_the_same_tokens_and_logprobs(qwen2, monkeypatch):
     native = _generate(qwen2, PROMPTS, quantization="w8a8")
     monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
