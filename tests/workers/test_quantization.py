@@ -79,6 +79,28 @@ def test_w8a8_native_and_pytorch_paths_give_the_same_tokens_and_logprobs(qwen2, 
     assert _generate(qwen2, PROMPTS, quantization="w8a8") == native
 
 
+@pytest.mark.skipif(not q8.native_available(), reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_half_precision_rows_take_the_native_kernel_with_the_bits_of_pytorch(dtype, monkeypatch):
+    torch.manual_seed(4)
+    linear = Linear(96, 40, True, dtype, "cpu")
+    with torch.no_grad():
+        linear.weight.normal_()
+        linear.bias.normal_()
+    layer = Int8Linear(linear, "w8a8")
+    calls = []
+    kernel = q8.linear
+    monkeypatch.setattr(q8, "linear", lambda *a, **kw: calls.append(a[0].dtype) or kernel(*a, **kw))
+    x = torch.randn(7, 96).to(dtype)
+    expected = q8.reference_linear(x, layer.qweight, layer.scale, layer.bias)
+    got = layer(x)
+    assert calls == [torch.float32] and got.dtype == dtype and torch.equal(got, expected)
+    out = torch.full((7, 40), float("nan"), dtype=dtype)
+    assert layer(x, out) is out and torch.equal(out, expected)
+    # The fused SwiGLU takes float32 rows only: half-precision rows round the projection first.
+    assert layer.swiglu(x, 32) is None
+
+
 def _dequantize_projections(model: torch.nn.Module) -> None:
     """Each decoder projection's float weight replaced by its int8 weight times its scales, the
     weight a w8a16 layer computes with."""
