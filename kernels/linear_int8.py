@@ -83,6 +83,13 @@ def native_available() -> bool:
     return _library() is not None
 
 
+def native_takes_bf16() -> bool:
+    """Whether the native kernel here also takes bfloat16 rows and writes bfloat16 (the AVX-512
+    VNNI kernel): ``reference_linear``'s bits, and for ``swiglu`` those of the bfloat16
+    projection followed by ``cpu_ops.silu_mul``."""
+    return native_available() and dense_library("mqinfer_qlinear_takes_bf16") is not None
+
+
 def _panel_order(values: torch.Tensor, out_features: int, swiglu: bool) -> torch.Tensor:
     """One value per output feature (``[out]``, or ``[2 * inter]`` gate then up for SwiGLU) in
     the packed panels' column order, zero-padded to whole panels."""
@@ -160,8 +167,8 @@ def _threads(rows: int, weight: Int8Weight) -> int:
 
 
 def linear(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
-    """w8a8 ``x [T, in] -> [T, out]`` (float32, CPU) with the weight's own bias, into ``out``
-    (contiguous float32) when given."""
+    """w8a8 ``x [T, in] -> [T, out]`` (float32, CPU; or bfloat16 where ``native_takes_bf16()``)
+    with the weight's own bias, into ``out`` (contiguous, ``x``'s dtype) when given."""
     if weight.swiglu:
         raise ValueError("a weight packed for SwiGLU goes to swiglu(), not linear()")
     return _run(x, weight, out, 0)
@@ -169,7 +176,8 @@ def linear(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None = None)
 
 def swiglu(x: torch.Tensor, weight: Int8Weight, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` ``[T, I]`` from the w8a8 gate/up projection: bit for bit the
-    projection followed by ``cpu_ops.silu_mul`` (``vector_chunk`` as there)."""
+    projection followed by ``cpu_ops.silu_mul`` (``vector_chunk`` as there). Rows as in
+    ``linear``."""
     if not weight.swiglu:
         raise ValueError("swiglu() needs a weight packed with swiglu=True")
     if vector_chunk < 0 or vector_chunk % 8:
@@ -180,14 +188,15 @@ def swiglu(x: torch.Tensor, weight: Int8Weight, vector_chunk: int, out: torch.Te
 def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_chunk: int) -> torch.Tensor:
     lib = native.load()
     rows, features = x.shape
-    x, out = checked_io(x, weight.in_features, weight.out_features, out)
+    dtypes = (torch.float32, torch.bfloat16) if native_takes_bf16() else (torch.float32,)
+    x, out = checked_io(x, weight.in_features, weight.out_features, out, dtypes)
     scratch = _scratch(int(lib.mqinfer_qlinear_scratch_size(rows, features)))
     args = native.QLinearArgs(
         x=x.data_ptr(), packed=weight.data.data_ptr(), scales=weight.scales.data_ptr(),
         bias=None if weight.bias is None else weight.bias.data_ptr(), out=out.data_ptr(),
         scratch=scratch.data_ptr(), rows=rows, in_features=features, out_features=weight.out_features,
         x_stride=x.stride(0) if rows > 1 else features, out_stride=weight.out_features,
-        swiglu=int(weight.swiglu), vector_chunk=vector_chunk,
+        swiglu=int(weight.swiglu), vector_chunk=vector_chunk, is_bf16=int(x.dtype == torch.bfloat16),
     )
     status = lib.mqinfer_qlinear(ctypes.byref(args), _threads(rows, weight))
     if status != 0:
@@ -195,5 +204,5 @@ def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_c
     return out
 
 
-__all__ = ["Int8Weight", "int_matmul", "linear", "native_available", "pack", "pack_for", "quantize_rows",
+__all__ = ["Int8Weight", "int_matmul", "linear", "native_available", "native_takes_bf16", "pack", "pack_for", "quantize_rows",
            "quantize_weight", "reference_linear", "swiglu"]

@@ -37,7 +37,7 @@
 
 /* AVX-512 with VNNI: the kernel further down multiplies with vpdpbusd, and the packed weight
    carries each panel column's sum (times 128) after the panels. */
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define QLINEAR_VNNI 1
 #else
 #define QLINEAR_VNNI 0
@@ -239,7 +239,10 @@ static int qlinear_part(const void *ctx, int part, int num_parts) {
     return 0;
 }
 
+int mqinfer_qlinear_takes_bf16(void) { return 0; }
+
 int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
+    if (args->is_bf16) return -2;
     if (args->rows <= 0 || args->out_features <= 0) return 0;
     const int64_t M = args->rows, K = args->in_features, kp = padded_k(K);
     uint8_t *qa = (uint8_t *)args->scratch;
@@ -270,21 +273,28 @@ int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
    32 registers), each step 4 weight loads and 6 broadcasts for 24 vpdpbusd. */
 
 int mqinfer_qlinear_available(void) { return 1; }
+int mqinfer_qlinear_takes_bf16(void) { return 1; }
 
 #define VNNI_ROWS 6
 #define VNNI_PANELS 4
 
 /* One row: q + 128 into qu (kp bytes, 128 past K), the row's scale into *scale. The rounding
    is the AVX2 kernel's (round-half-even of x * (127 / max|x|)). */
-static void quantize_row_u8(const float *x, int64_t K, int64_t kp, uint8_t *qu, float *scale) {
+/* Lanes m of x[k..k+15] (float32, or bfloat16 widened exactly), zero elsewhere. */
+static inline __m512 load_row16(const void *x, int64_t k, __mmask16 m, int is_bf16) {
+    if (!is_bf16) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static void quantize_row_u8(const void *x, int is_bf16, int64_t K, int64_t kp, uint8_t *qu, float *scale) {
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     __m512 vmax = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_and_ps(_mm512_loadu_ps(x + k), abs_mask));
-    if (k < K) {
-        const __mmask16 m = (__mmask16)((1u << (K - k)) - 1);
-        vmax = _mm512_max_ps(vmax, _mm512_and_ps(_mm512_maskz_loadu_ps(m, x + k), abs_mask));
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        vmax = _mm512_max_ps(vmax, _mm512_and_ps(load_row16(x, k, m, is_bf16), abs_mask));
     }
+    int64_t k;
     const float amax = _mm512_reduce_max_ps(vmax);
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     *scale = amax / 127.0f;
@@ -292,7 +302,7 @@ static void quantize_row_u8(const float *x, int64_t K, int64_t kp, uint8_t *qu, 
     const __m512i offset = _mm512_set1_epi32(128);
     for (k = 0; k < K; k += 16) {
         const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
-        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + k), vinv));
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_row16(x, k, m, is_bf16), vinv));
         /* |q| <= 127, so q + 128 is a byte and the truncating narrow keeps it. */
         _mm512_mask_cvtepi32_storeu_epi8(qu + k, m, _mm512_add_epi32(q, offset));
     }
@@ -301,15 +311,54 @@ static void quantize_row_u8(const float *x, int64_t K, int64_t kp, uint8_t *qu, 
 
 static inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
 
+/* bfloat16 as PyTorch rounds float32 to it (nearest even; NaN to the quiet NaN 0x7fc0), in the
+   low 16 bits of each lane; and that value back as float32. */
+static inline __m512i bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+static inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+static inline uint16_t bf16_of(float f) {
+    return (uint16_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(bf16_bits(_mm512_set1_ps(f))));
+}
+static inline float bf16_round(float f) { return _mm512_cvtss_f32(round_bf16(_mm512_set1_ps(f))); }
+
+/* SwiGLU into bfloat16, bit for bit the projection rounded to bfloat16 followed by
+   mqinfer_silu_mul on it: gate and up rounded, silu(gate) rounded, the product rounded. */
+static inline void store_swiglu_bf16(uint16_t *o, __m512 f, int mode) {
+    const __m512 r = round_bf16(f);
+    const __m256 g = _mm512_castps512_ps256(r), u = high_half(r);
+    if (mode == STORE_SWIGLU) {
+        const __m256 e = exp_f32x8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+        const __m256 sl = _mm512_castps512_ps256(round_bf16(_mm512_castps256_ps512(
+            _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)))));
+        const __m512i bits = bf16_bits(_mm512_castps256_ps512(_mm256_mul_ps(sl, u)));
+        _mm_storeu_si128((__m128i *)o, _mm256_cvtepi32_epi16(_mm512_castsi512_si256(bits)));
+    } else {
+        float gs[8], us[8];
+        _mm256_storeu_ps(gs, g);
+        _mm256_storeu_ps(us, u);
+        for (int i = 0; i < 8; i++) o[i] = bf16_of(bf16_round(gs[i] / (1.0f + expf(-gs[i]))) * us[i]);
+    }
+}
+
 /* One accumulator (a row's 16 panel columns) to out: sum - 128 x column sums, scaled as the
-   reference does, then plain or SwiGLU (dense_store.h) into o. */
-static inline void vnni_store(float *o, __m512i acc, __m512i sums128, float row_scale, const float *scales,
-                              const float *bias, int mode) {
+   reference does, then plain or SwiGLU (dense_store.h) into o, float32 or bfloat16. */
+static inline void vnni_store(void *o, int out_bf16, __m512i acc, __m512i sums128, float row_scale,
+                              const float *scales, const float *bias, int mode) {
     __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, sums128)),
                                            _mm512_set1_ps(row_scale)), _mm512_loadu_ps(scales));
     if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias));
-    if (mode == STORE_PLAIN) _mm512_storeu_ps(o, f);
-    else store_row(o, _mm512_castps512_ps256(f), high_half(f), mode);
+    if (out_bf16) {
+        if (mode == STORE_PLAIN) _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16_bits(f)));
+        else store_swiglu_bf16((uint16_t *)o, f, mode);
+    } else if (mode == STORE_PLAIN) {
+        _mm512_storeu_ps((float *)o, f);
+    } else {
+        store_row((float *)o, _mm512_castps512_ps256(f), high_half(f), mode);
+    }
 }
 
 typedef struct {
@@ -318,7 +367,8 @@ typedef struct {
     const int8_t *panel;     /* the first panel of the tile (panels kp * PANEL bytes apart) */
     const int32_t *sums128;  /* its 128 x column sums (PANEL per panel) */
     const float *scales, *bias; /* its first column's scale and bias (bias NULL: none) */
-    float *out;              /* where the tile's first row and column go */
+    char *out;               /* where the tile's first row and column go */
+    int64_t esize;           /* bytes per output value: 4 (float32) or 2 (bfloat16) */
     int64_t kp, ldo;
     int64_t width;           /* output columns per panel: 16, or 8 for SwiGLU */
     int64_t last_cols;       /* output columns of the tile's last panel (less than width at the edge) */
@@ -329,13 +379,14 @@ typedef struct {
 static inline void vnni_put(const vnni_tile *t, int i, int j, int last, __m512i acc) {
     const __m512i sums = _mm512_loadu_si512((const void *)(t->sums128 + j * PANEL));
     const float *sc = t->scales + j * PANEL, *bi = t->bias ? t->bias + j * PANEL : NULL;
-    float *o = t->out + i * t->ldo + j * t->width;
+    char *o = t->out + (i * t->ldo + j * t->width) * t->esize;
+    const int out_bf16 = t->esize == 2;
     if (!last || t->last_cols == t->width) {
-        vnni_store(o, acc, sums, t->row_scales[i], sc, bi, t->mode_of[j]);
+        vnni_store(o, out_bf16, acc, sums, t->row_scales[i], sc, bi, t->mode_of[j]);
     } else {
         float edge[PANEL];
-        vnni_store(edge, acc, sums, t->row_scales[i], sc, bi, t->mode_of[j]);
-        memcpy(o, edge, sizeof(float) * (size_t)t->last_cols);
+        vnni_store(edge, out_bf16, acc, sums, t->row_scales[i], sc, bi, t->mode_of[j]);
+        memcpy(o, edge, (size_t)(t->esize * t->last_cols));
     }
 }
 
@@ -398,8 +449,8 @@ static int vnni_quantize_part(const void *ctx, int part, int num_parts) {
     const mqinfer_qlinear_args *a = job->a;
     const int64_t first = a->rows * part / num_parts, last = a->rows * (part + 1) / num_parts;
     for (int64_t r = first; r < last; r++)
-        quantize_row_u8((const float *)a->x + r * a->x_stride, a->in_features, job->kp, job->qu + r * job->kp,
-                        job->row_scales + r);
+        quantize_row_u8((const char *)a->x + r * a->x_stride * (a->is_bf16 ? 2 : 4), a->is_bf16 != 0,
+                        a->in_features, job->kp, job->qu + r * job->kp, job->row_scales + r);
     return 0;
 }
 
@@ -419,7 +470,8 @@ static int vnni_part(const void *ctx, int part, int num_parts) {
     const int8_t *packed = (const int8_t *)a->packed;
     const int32_t *sums128 = (const int32_t *)(packed + panels * PANEL * kp);
     const float *scales = (const float *)a->scales, *bias = (const float *)a->bias;
-    float *out = (float *)a->out;
+    const int64_t esize = a->is_bf16 ? 2 : 4;
+    char *out = (char *)a->out;
     for (int64_t r0 = 0; r0 < M; r0 += mb) {
         const int64_t rows = M - r0 < mb ? M - r0 : mb;
         for (int64_t p = first; p < last; p += VNNI_PANELS) {
@@ -431,6 +483,7 @@ static int vnni_part(const void *ctx, int part, int num_parts) {
             t.bias = bias ? bias + p * PANEL : NULL;
             t.kp = kp;
             t.ldo = a->out_stride;
+            t.esize = esize;
             t.width = width;
             t.last_cols = N - (p + nr - 1) * width < width ? N - (p + nr - 1) * width : width;
             for (int j = 0; j < nr; j++)
@@ -439,7 +492,7 @@ static int vnni_part(const void *ctx, int part, int num_parts) {
                 const int mr = (int)(r0 + rows - r < VNNI_ROWS ? r0 + rows - r : VNNI_ROWS);
                 t.qu = job->qu + r * kp;
                 t.row_scales = job->row_scales + r;
-                t.out = out + r * a->out_stride + p * width;
+                t.out = out + (r * a->out_stride + p * width) * esize;
                 vnni_tiles[mr - 1][nr - 1](&t);
             }
         }
@@ -469,6 +522,7 @@ int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
 
 /* Without AVX2, or with AVX-512 but no VNNI, the callers use the PyTorch path. */
 int mqinfer_qlinear_available(void) { return 0; }
+int mqinfer_qlinear_takes_bf16(void) { return 0; }
 
 int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
     (void)args; (void)num_threads;

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from mqinfer.kernels import cpu_ops
 from mqinfer.kernels import linear_int8 as q8
 from mqinfer.kernels import linear_w8a16 as w16
 from mqinfer.scheduler.request import SamplingParams
@@ -94,11 +95,20 @@ def test_w8a8_half_precision_rows_take_the_native_kernel_with_the_bits_of_pytorc
     x = torch.randn(7, 96).to(dtype)
     expected = q8.reference_linear(x, layer.qweight, layer.scale, layer.bias)
     got = layer(x)
-    assert calls == [torch.float32] and got.dtype == dtype and torch.equal(got, expected)
+    # bfloat16 rows go in as they are where the kernel takes them, else widened to float32.
+    direct = dtype == torch.bfloat16 and q8.native_takes_bf16()
+    assert calls == [dtype if direct else torch.float32]
+    assert got.dtype == dtype and torch.equal(got, expected)
     out = torch.full((7, 40), float("nan"), dtype=dtype)
     assert layer(x, out) is out and torch.equal(out, expected)
-    # The fused SwiGLU takes float32 rows only: half-precision rows round the projection first.
-    assert layer.swiglu(x, 32) is None
+    # The fused SwiGLU: on bfloat16 rows the kernel's, with the bits of the unfused path (the
+    # projection rounded to bfloat16, then silu_mul); elsewhere none (the caller goes unfused).
+    chunk = cpu_ops.silu_vector_chunk(dtype)
+    fused = layer.swiglu(x, chunk)
+    if direct and cpu_ops.cpu_ops_available():
+        assert torch.equal(fused, cpu_ops.silu_mul(expected))
+    else:
+        assert fused is None
 
 
 def _dequantize_projections(model: torch.nn.Module) -> None:

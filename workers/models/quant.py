@@ -20,9 +20,9 @@ amplified channels that only the chat markers use, and chat answers degenerated.
 Modes:
 - ``w8a8``: activations quantized per token on the fly, exact int32 sums, float32 out
   (``kernels/linear_int8.py``: the native kernel on CPUs with AVX2 or AVX-512 VNNI, for
-  float32 rows and, widened to float32, bfloat16 and float16 ones; ``torch._int_mm``
-  elsewhere). The fused SwiGLU runs on float32 rows only: with half-precision rows the
-  projection is rounded to that dtype before SiLU, as the unfused path does.
+  float32 rows, bfloat16 ones with the VNNI kernel, and otherwise bfloat16 and float16 rows
+  widened to float32 for the plain projection; ``torch._int_mm`` elsewhere). All of them give
+  ``reference_linear``'s bits.
 - ``w8a16``: activations stay in the model dtype; the weight holds a quarter of float32's
   memory. On CPU with float32 activations the native kernel (``kernels/linear_w8a16.py``)
   widens it inside the matmul, bit for bit the float32 kernel on the dequantized weight. On
@@ -73,14 +73,21 @@ class Int8Linear(nn.Module):
         self.packed_swiglu = None
 
     def _native(self, x: torch.Tensor, fused: bool = False) -> bool:
-        """Whether ``x`` goes through the native kernel: float32 rows on CPU; for w8a8's plain
-        projection also bfloat16 and float16 rows (widened to float32 for the kernel, the result
-        rounded back: the bits of ``reference_linear``, which quantizes ``x.float()`` too)."""
+        """Whether ``x`` goes through the native kernel: float32 rows on CPU; for w8a8 also
+        bfloat16 rows where the kernel takes them, and otherwise, for the plain projection,
+        bfloat16 and float16 rows widened to float32 for the kernel and the result rounded back
+        (the bits of ``reference_linear``, which quantizes ``x.float()`` too)."""
         if x.device.type != "cpu" or x.dim() != 2:
             return False
-        if x.dtype != torch.float32 and (self.mode != "w8a8" or fused or x.dtype not in HALF_DTYPES):
-            return False
-        return q8.native_available() if self.mode == "w8a8" else w16.native_available()
+        if self.mode == "w8a16" or x.dtype == torch.float32:
+            return x.dtype == torch.float32 and (q8 if self.mode == "w8a8" else w16).native_available()
+        if x.dtype == torch.bfloat16 and q8.native_takes_bf16():
+            return True
+        return not fused and x.dtype in HALF_DTYPES and q8.native_available()
+
+    def _widened(self, x: torch.Tensor) -> bool:
+        """Whether the native w8a8 call takes ``x`` widened to float32 (see ``_native``)."""
+        return x.dtype != torch.float32 and not (x.dtype == torch.bfloat16 and q8.native_takes_bf16())
 
     def _kernels(self):
         """The native kernel module of this layer's mode (same pack / linear / swiglu calls)."""
@@ -97,7 +104,7 @@ class Int8Linear(nn.Module):
             kernels = self._kernels()
             if self.packed is None:
                 self.packed = kernels.pack(self.qweight, self.scale, self.bias)
-            if x.dtype != torch.float32:
+            if self._widened(x):
                 result = kernels.linear(x.float(), self.packed)
                 return result.to(x.dtype) if out is None else out.copy_(result)
             return kernels.linear(x, self.packed, out)
@@ -105,7 +112,8 @@ class Int8Linear(nn.Module):
         return result if out is None else out.copy_(result)
 
     def swiglu(self, x: torch.Tensor, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """As ``Linear.swiglu``: the native kernel's fused SwiGLU (float32 rows), else None."""
+        """As ``Linear.swiglu``: the native kernel's fused SwiGLU (float32 rows, or bfloat16 ones
+        where the kernel takes them), else None."""
         if not self._native(x, fused=True):
             return None
         kernels = self._kernels()
