@@ -4,8 +4,8 @@ weights, float activations).
 Owns the quantization rules (``quantize_weight``: symmetric per output feature, once at load;
 ``quantize_rows``: symmetric per row of activations, on every call), the native w8a8 kernel's
 packed weight (``Int8Weight``, ``pack``) and calls (``linear``, ``swiglu``), and the PyTorch
-path that runs wherever that kernel does not (``reference_linear``: ``torch._int_mm``, oneDNN's
-VNNI kernels on AVX-512 CPUs and cuBLAS on CUDA).
+path that runs wherever that kernel does not (``reference_linear``: ``torch._int_mm``, oneDNN on
+CPUs, cuBLAS on CUDA).
 
 Both paths compute the same thing and, on CPU, the same bits: exact int32 sums of
 ``q_x * q_w``, then ``((float)sum * x_scale) * w_scale + bias`` in float32.
@@ -13,11 +13,11 @@ Both paths compute the same thing and, on CPU, the same bits: exact int32 sums o
 Why a native kernel. On a CPU with AVX2 and no VNNI, ``torch._int_mm`` runs at about 1 GOP/s;
 ``csrc/linear_int8.c`` multiplies with ``vpmaddubsw`` and reaches close to twice the float32
 kernel's rate at the model's shapes. On a CPU with AVX-512 VNNI the same file multiplies with
-``vpdpbusd`` (the weight packed with its column sums, see there): at the standard benchmark
-model's shapes on two Zen 4 cores it ran at 1.2-2.8x bfloat16 ``F.linear``'s rate from 1 to
-2048 rows, and at 1 to 64 rows well above ``torch._int_mm``, which also has to be fed by
-``quantize_rows`` in PyTorch. ``MQINFER_CPU_LINEAR=torch`` turns it off with the float32
-kernel.
+``vpdpbusd`` (the weight packed with its column sums, see there), and takes bfloat16 rows as
+well (``native_takes_bf16``): at the standard benchmark model's shapes on two Zen 4 cores it
+ran at 1.2-2.8x bfloat16 ``F.linear``'s rate from 1 to 2048 rows, and 1.5-3x the PyTorch path
+(``reference_linear``) up to 256 rows. ``MQINFER_CPU_LINEAR=torch`` turns it off with the
+float32 kernel.
 """
 
 from __future__ import annotations
