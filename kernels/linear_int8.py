@@ -15,7 +15,7 @@ Why a native kernel. On a CPU with AVX2 and no VNNI, ``torch._int_mm`` runs at a
 kernel's rate at the model's shapes. On a CPU with AVX-512 VNNI the same file multiplies with
 ``vpdpbusd`` (the weight packed with its column sums, see there), and takes bfloat16 rows as
 well (``native_takes_bf16``): at the standard benchmark model's shapes on two Zen 4 cores it
-ran at 1.2-2.8x bfloat16 ``F.linear``'s rate from 1 to 2048 rows, and 1.5-3x the PyTorch path
+ran at 1.2-2.8x bfloat16 ``F.linear``'s rate from 1 to 2048 rows, and 1.2-3.9x the PyTorch path
 (``reference_linear``) up to 256 rows. ``MQINFER_CPU_LINEAR=torch`` turns it off with the
 float32 kernel.
 """
