@@ -111,7 +111,7 @@ def test_strided_input_given_output_and_errors():
     out = torch.full((10, 24), float("nan"))
     assert q8.linear(x, packed, out) is out
     assert torch.equal(out, q8.reference_linear(x.contiguous(), qweight, scale))
-    with pytest.raises(ValueError, match="float32 CPU tensor"):
+    with pytest.raises(ValueError, match="x must be a float32( or bfloat16)? CPU tensor"):
         q8.linear(torch.randn(10, 63), packed)
     with pytest.raises(ValueError, match="out must be"):
         q8.linear(x, packed, torch.empty(10, 23))
