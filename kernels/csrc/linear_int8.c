@@ -1,6 +1,7 @@
 /* Dense layers with int8 weights and int8 activations (w8a8) on CPUs with AVX2 but no AVX-512,
    and on CPUs with AVX-512 VNNI (its own kernel, further down):
-   out = (x_q W_q^T) * x_scale * w_scale (+ bias), float32 in and out, int32 sums.
+   out = (x_q W_q^T) * x_scale * w_scale (+ bias), float32 in and out (or bfloat16, with the VNNI
+   kernel), int32 sums.
 
    Quantization. W is quantized once, at load, per output feature (symmetric, [-127, 127], by
    the caller). x is quantized here, per row: scale = max|x| / 127, q = round-half-even(x *
@@ -278,8 +279,6 @@ int mqinfer_qlinear_takes_bf16(void) { return 1; }
 #define VNNI_ROWS 6
 #define VNNI_PANELS 4
 
-/* One row: q + 128 into qu (kp bytes, 128 past K), the row's scale into *scale. The rounding
-   is the AVX2 kernel's (round-half-even of x * (127 / max|x|)). */
 /* Lanes m of x[k..k+15] (float32, or bfloat16 widened exactly), zero elsewhere. */
 static inline __m512 load_row16(const void *x, int64_t k, __mmask16 m, int is_bf16) {
     if (!is_bf16) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
@@ -287,6 +286,8 @@ static inline __m512 load_row16(const void *x, int64_t k, __mmask16 m, int is_bf
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* One row: q + 128 into qu (kp bytes, 128 past K), the row's scale into *scale. The rounding
+   is the AVX2 kernel's (round-half-even of x * (127 / max|x|)). */
 static void quantize_row_u8(const void *x, int is_bf16, int64_t K, int64_t kp, uint8_t *qu, float *scale) {
     const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
     __m512 vmax = _mm512_setzero_ps();
