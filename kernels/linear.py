@@ -50,21 +50,23 @@ def _library() -> ctypes.CDLL | None:
     return dense_library()
 
 
-def checked_io(x: torch.Tensor, in_features: int, out_features: int,
-               out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (float32, CPU, ``[T, in_features]``; made contiguous where its rows are not laid
-    out as the kernels read them) and the output ``[T, out_features]`` (``out``, checked, or a
-    new tensor) for a native dense-layer call."""
+def checked_io(x: torch.Tensor, in_features: int, out_features: int, out: torch.Tensor | None,
+               dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (one of ``dtypes``, float32 unless told, CPU, ``[T, in_features]``; made contiguous
+    where its rows are not laid out as the kernels read them) and the output ``[T, out_features]``
+    in ``x``'s dtype (``out``, checked, or a new tensor) for a native dense-layer call."""
     rows, features = x.shape
-    if features != in_features or x.dtype != torch.float32 or x.device.type != "cpu":
-        raise ValueError(f"x must be a float32 CPU tensor [T, {in_features}], got "
+    if features != in_features or x.dtype not in dtypes or x.device.type != "cpu":
+        names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"x must be a {names} CPU tensor [T, {in_features}], got "
                          f"{list(x.shape)} {x.dtype} on {x.device}")
     if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
         x = x.contiguous()
     if out is None:
-        out = torch.empty(rows, out_features, dtype=torch.float32)
-    elif out.shape != (rows, out_features) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 tensor [{rows}, {out_features}], got "
+        out = torch.empty(rows, out_features, dtype=x.dtype)
+    elif out.shape != (rows, out_features) or out.dtype != x.dtype or not out.is_contiguous():
+        name = str(x.dtype).removeprefix("torch.")
+        raise ValueError(f"out must be a contiguous {name} tensor [{rows}, {out_features}], got "
                          f"{list(out.shape)} {out.dtype}")
     return x, out
 

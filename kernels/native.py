@@ -128,7 +128,7 @@ class QLinearArgs(ctypes.Structure):
     _fields_ = [
         ("x", _ptr), ("packed", _ptr), ("scales", _ptr), ("bias", _ptr), ("out", _ptr),
         ("scratch", _ptr), ("rows", _i64), ("in_features", _i64), ("out_features", _i64),
-        ("x_stride", _i64), ("out_stride", _i64), ("swiglu", _i64), ("vector_chunk", _i64),
+        ("x_stride", _i64), ("out_stride", _i64), ("swiglu", _i64), ("vector_chunk", _i64), ("is_bf16", _i64),
     ]
 
 
@@ -167,6 +167,7 @@ _SIGNATURES = {
     "mqinfer_linear_pack_swiglu": (None, [_ptr, _i64, _i64, _ptr]),
     "mqinfer_linear": (ctypes.c_int, [ctypes.POINTER(LinearArgs), ctypes.c_int]),
     "mqinfer_qlinear_available": (ctypes.c_int, []),
+    "mqinfer_qlinear_takes_bf16": (ctypes.c_int, []),
     "mqinfer_qlinear_packed_size": (_i64, [_i64, _i64, ctypes.c_int]),
     "mqinfer_qlinear_pack": (None, [_ptr, _i64, _i64, ctypes.c_int, _ptr]),
     "mqinfer_qlinear_scratch_size": (_i64, [_i64, _i64]),

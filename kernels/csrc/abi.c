@@ -67,13 +67,13 @@ const int64_t mqinfer_layout_linear_args[] = {
 };
 
 const int64_t mqinfer_layout_qlinear_args[] = {
-    sizeof(mqinfer_qlinear_args), 13,
+    sizeof(mqinfer_qlinear_args), 14,
     AT(mqinfer_qlinear_args, x), AT(mqinfer_qlinear_args, packed), AT(mqinfer_qlinear_args, scales),
     AT(mqinfer_qlinear_args, bias), AT(mqinfer_qlinear_args, out), AT(mqinfer_qlinear_args, scratch),
     AT(mqinfer_qlinear_args, rows), AT(mqinfer_qlinear_args, in_features),
     AT(mqinfer_qlinear_args, out_features), AT(mqinfer_qlinear_args, x_stride),
     AT(mqinfer_qlinear_args, out_stride), AT(mqinfer_qlinear_args, swiglu),
-    AT(mqinfer_qlinear_args, vector_chunk),
+    AT(mqinfer_qlinear_args, vector_chunk), AT(mqinfer_qlinear_args, is_bf16),
 };
 
 const int64_t mqinfer_layout_w8a16_args[] = {

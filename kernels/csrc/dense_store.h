@@ -2,11 +2,11 @@
    they are (16 outputs), or as SwiGLU's 8 outputs silu(gate) * up with the vectorised
    exponential, or with std::exp (for the columns where PyTorch's SiLU uses it: past the last
    whole vector_chunk of a row). Shared so that the float32 and the int8 kernels round SwiGLU
-   the same way as mqinfer_silu_mul. Only for sources built for AVX2 without AVX-512. */
+   the same way as mqinfer_silu_mul. For sources built for AVX2 (or AVX-512, which has it). */
 #ifndef MQINFER_DENSE_STORE_H
 #define MQINFER_DENSE_STORE_H
 
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #include <math.h>
 

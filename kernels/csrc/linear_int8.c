@@ -1,5 +1,7 @@
-/* Dense layers with int8 weights and int8 activations (w8a8) on CPUs with AVX2 but no AVX-512:
-   out = (x_q W_q^T) * x_scale * w_scale (+ bias), float32 in and out, int32 sums.
+/* Dense layers with int8 weights and int8 activations (w8a8) on CPUs with AVX2 but no AVX-512,
+   and on CPUs with AVX-512 VNNI (its own kernel, further down):
+   out = (x_q W_q^T) * x_scale * w_scale (+ bias), float32 in and out (or bfloat16, with the VNNI
+   kernel), int32 sums.
 
    Quantization. W is quantized once, at load, per output feature (symmetric, [-127, 127], by
    the caller). x is quantized here, per row: scale = max|x| / 127, q = round-half-even(x *
@@ -11,7 +13,8 @@
    instructions, where one float32 FMA does 8. An unsigned operand made by adding 128 to one
    side would let a pair reach 2 * 255 * 127 and saturate; instead the unsigned operand is
    |x_q| and the sign of x_q moves onto the weight (vpsignb), so a pair is at most 2 * 127 * 127
-   = 32258 < 32767 and every int32 sum is exact.
+   = 32258 < 32767 and every int32 sum is exact. With VNNI, vpdpbusd sums into 32 bits without
+   saturating, and the unsigned operand is x_q + 128 (see the VNNI kernel).
 
    Layout. W is packed into panels of 16 output features, like the float32 kernel's; within a
    panel, each group of 4 input features holds the 16 features' 4 bytes feature-major
@@ -33,13 +36,21 @@
 #define PANEL 16
 #define GROUP 4
 
+/* AVX-512 with VNNI: the kernel further down multiplies with vpdpbusd, and the packed weight
+   carries each panel column's sum (times 128) after the panels. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define QLINEAR_VNNI 1
+#else
+#define QLINEAR_VNNI 0
+#endif
+
 static int64_t padded_k(int64_t in_features) { return (in_features + GROUP - 1) / GROUP * GROUP; }
 
 static int64_t panel_width(int swiglu) { return swiglu ? PANEL / 2 : PANEL; }
 
 int64_t mqinfer_qlinear_packed_size(int64_t out_features, int64_t in_features, int swiglu) {
-    const int64_t width = panel_width(swiglu);
-    return (out_features + width - 1) / width * PANEL * padded_k(in_features);
+    const int64_t width = panel_width(swiglu), panels = (out_features + width - 1) / width;
+    return panels * PANEL * padded_k(in_features) + (QLINEAR_VNNI ? panels * PANEL * (int64_t)sizeof(int32_t) : 0);
 }
 
 void mqinfer_qlinear_pack(const int8_t *weight, int64_t out_features, int64_t in_features, int swiglu,
@@ -59,6 +70,17 @@ void mqinfer_qlinear_pack(const int8_t *weight, int64_t out_features, int64_t in
                         n < out_features && k < in_features ? weight[row * in_features + k] : 0;
                 }
             }
+#if QLINEAR_VNNI
+    /* 128 x each panel column's sum over k, panel after panel: what the +128 offset of the
+       activations adds to each sum (see the VNNI kernel). */
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t c = 0; c < PANEL; c++) {
+            int32_t sum = 0;
+            for (int64_t k = 0; k < kp; k++) sum += packed[(p * kp + (k - k % GROUP)) * PANEL + c * GROUP + k % GROUP];
+            const int32_t scaled = sum * 128;
+            memcpy(packed + panels * PANEL * kp + (p * PANEL + c) * (int64_t)sizeof(int32_t), &scaled, sizeof(scaled));
+        }
+#endif
 }
 
 int64_t mqinfer_qlinear_scratch_size(int64_t rows, int64_t in_features) {
@@ -218,7 +240,10 @@ static int qlinear_part(const void *ctx, int part, int num_parts) {
     return 0;
 }
 
+int mqinfer_qlinear_takes_bf16(void) { return 0; }
+
 int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
+    if (args->is_bf16) return -2;
     if (args->rows <= 0 || args->out_features <= 0) return 0;
     const int64_t M = args->rows, K = args->in_features, kp = padded_k(K);
     uint8_t *qa = (uint8_t *)args->scratch;
@@ -234,10 +259,271 @@ int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
     return mq_parallel(qlinear_part, &job, (int)parts, num_threads) ? -1 : 0;
 }
 
+#elif QLINEAR_VNNI
+#include <immintrin.h>
+
+/* AVX-512 with VNNI. vpdpbusd multiplies unsigned by signed bytes and adds each group of 4
+   products into a 32-bit lane (no intermediate saturation): 64 multiply-adds in one
+   instruction. The unsigned operand is the activation plus 128 (q + 128 in [1, 255]), so each
+   lane sums (q + 128) w = q w + 128 w, and the packed weight's 128 x column sums take the second
+   term off again. Both are int32 arithmetic modulo 2^32 and the true sum of q w fits in int32,
+   so the result is exact: the same int32 as the AVX2 kernel's and torch._int_mm's.
+
+   One 64-byte vector of a panel is its 16 features x 4 inputs (the packing's [K/4][16][4]), so
+   the packing is the AVX2 kernel's; a tile is up to 6 rows x 4 panels (24 accumulators of the
+   32 registers), each step 4 weight loads and 6 broadcasts for 24 vpdpbusd. */
+
+int mqinfer_qlinear_available(void) { return 1; }
+int mqinfer_qlinear_takes_bf16(void) { return 1; }
+
+#define VNNI_ROWS 6
+#define VNNI_PANELS 4
+
+/* Lanes m of x[k..k+15] (float32, or bfloat16 widened exactly), zero elsewhere. */
+static inline __m512 load_row16(const void *x, int64_t k, __mmask16 m, int is_bf16) {
+    if (!is_bf16) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
+    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* One row: q + 128 into qu (kp bytes, 128 past K), the row's scale into *scale. The rounding
+   is the AVX2 kernel's (round-half-even of x * (127 / max|x|)). */
+static void quantize_row_u8(const void *x, int is_bf16, int64_t K, int64_t kp, uint8_t *qu, float *scale) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+    __m512 vmax = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        vmax = _mm512_max_ps(vmax, _mm512_and_ps(load_row16(x, k, m, is_bf16), abs_mask));
+    }
+    int64_t k;
+    const float amax = _mm512_reduce_max_ps(vmax);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    *scale = amax / 127.0f;
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i offset = _mm512_set1_epi32(128);
+    for (k = 0; k < K; k += 16) {
+        const __mmask16 m = K - k >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (K - k)) - 1);
+        const __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load_row16(x, k, m, is_bf16), vinv));
+        /* |q| <= 127, so q + 128 is a byte and the truncating narrow keeps it. */
+        _mm512_mask_cvtepi32_storeu_epi8(qu + k, m, _mm512_add_epi32(q, offset));
+    }
+    for (k = K; k < kp; k++) qu[k] = 128;
+}
+
+static inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
+
+/* bfloat16 as PyTorch rounds float32 to it (nearest even; NaN to the quiet NaN 0x7fc0), in the
+   low 16 bits of each lane; and that value back as float32. */
+static inline __m512i bf16_bits(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+static inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
+static inline uint16_t bf16_of(float f) {
+    return (uint16_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(bf16_bits(_mm512_set1_ps(f))));
+}
+static inline float bf16_round(float f) { return _mm512_cvtss_f32(round_bf16(_mm512_set1_ps(f))); }
+
+/* SwiGLU into bfloat16, bit for bit the projection rounded to bfloat16 followed by
+   mqinfer_silu_mul on it: gate and up rounded, silu(gate) rounded, the product rounded. */
+static inline void store_swiglu_bf16(uint16_t *o, __m512 f, int mode) {
+    const __m512 r = round_bf16(f);
+    const __m256 g = _mm512_castps512_ps256(r), u = high_half(r);
+    if (mode == STORE_SWIGLU) {
+        const __m256 e = exp_f32x8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
+        const __m256 sl = _mm512_castps512_ps256(round_bf16(_mm512_castps256_ps512(
+            _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)))));
+        const __m512i bits = bf16_bits(_mm512_castps256_ps512(_mm256_mul_ps(sl, u)));
+        _mm_storeu_si128((__m128i *)o, _mm256_cvtepi32_epi16(_mm512_castsi512_si256(bits)));
+    } else {
+        float gs[8], us[8];
+        _mm256_storeu_ps(gs, g);
+        _mm256_storeu_ps(us, u);
+        for (int i = 0; i < 8; i++) o[i] = bf16_of(bf16_round(gs[i] / (1.0f + expf(-gs[i]))) * us[i]);
+    }
+}
+
+/* One accumulator (a row's 16 panel columns) to out: sum - 128 x column sums, scaled as the
+   reference does, then plain or SwiGLU (dense_store.h) into o, float32 or bfloat16. */
+static inline void vnni_store(void *o, int out_bf16, __m512i acc, __m512i sums128, float row_scale,
+                              const float *scales, const float *bias, int mode) {
+    __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc, sums128)),
+                                           _mm512_set1_ps(row_scale)), _mm512_loadu_ps(scales));
+    if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias));
+    if (out_bf16) {
+        if (mode == STORE_PLAIN) _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16_bits(f)));
+        else store_swiglu_bf16((uint16_t *)o, f, mode);
+    } else if (mode == STORE_PLAIN) {
+        _mm512_storeu_ps((float *)o, f);
+    } else {
+        store_row((float *)o, _mm512_castps512_ps256(f), high_half(f), mode);
+    }
+}
+
+typedef struct {
+    const uint8_t *qu;       /* the tile's first row of q + 128 (row stride kp) */
+    const float *row_scales; /* and its scale */
+    const int8_t *panel;     /* the first panel of the tile (panels kp * PANEL bytes apart) */
+    const int32_t *sums128;  /* its 128 x column sums (PANEL per panel) */
+    const float *scales, *bias; /* its first column's scale and bias (bias NULL: none) */
+    char *out;               /* where the tile's first row and column go */
+    int64_t esize;           /* bytes per output value: 4 (float32) or 2 (bfloat16) */
+    int64_t kp, ldo;
+    int64_t width;           /* output columns per panel: 16, or 8 for SwiGLU */
+    int64_t last_cols;       /* output columns of the tile's last panel (less than width at the edge) */
+    int mode_of[VNNI_PANELS];
+} vnni_tile;
+
+/* Row i of panel j's accumulator to the output (a partial last panel through a buffer). */
+static inline void vnni_put(const vnni_tile *t, int i, int j, int last, __m512i acc) {
+    const __m512i sums = _mm512_loadu_si512((const void *)(t->sums128 + j * PANEL));
+    const float *sc = t->scales + j * PANEL, *bi = t->bias ? t->bias + j * PANEL : NULL;
+    char *o = t->out + (i * t->ldo + j * t->width) * t->esize;
+    const int out_bf16 = t->esize == 2;
+    if (!last || t->last_cols == t->width) {
+        vnni_store(o, out_bf16, acc, sums, t->row_scales[i], sc, bi, t->mode_of[j]);
+    } else {
+        float edge[PANEL];
+        vnni_store(edge, out_bf16, acc, sums, t->row_scales[i], sc, bi, t->mode_of[j]);
+        memcpy(o, edge, (size_t)(t->esize * t->last_cols));
+    }
+}
+
+/* The accumulators are named variables, not an array, so that the compiler keeps all of them
+   in registers. */
+#define VNNI_ACC(i) __m512i a##i##0 = _mm512_setzero_si512(), a##i##1 = a##i##0, a##i##2 = a##i##0, a##i##3 = a##i##0;
+#define VNNI_STEP(i)                                                                             \
+    if (MR > i) {                                                                                \
+        int32_t v;                                                                               \
+        memcpy(&v, qu + i * kp + k, sizeof(v));                                                  \
+        const __m512i xv = _mm512_set1_epi32(v);                                                 \
+        a##i##0 = _mm512_dpbusd_epi32(a##i##0, xv, w0);                                         \
+        if (NR > 1) a##i##1 = _mm512_dpbusd_epi32(a##i##1, xv, w1);                              \
+        if (NR > 2) a##i##2 = _mm512_dpbusd_epi32(a##i##2, xv, w2);                              \
+        if (NR > 3) a##i##3 = _mm512_dpbusd_epi32(a##i##3, xv, w3);                              \
+    }
+#define VNNI_PUT(i, j) if (MR > i && NR > j) vnni_put(t, i, j, j == NR - 1, a##i##j);
+#define VNNI_PUT_PANEL(j) VNNI_PUT(0, j) VNNI_PUT(1, j) VNNI_PUT(2, j) VNNI_PUT(3, j) VNNI_PUT(4, j) VNNI_PUT(5, j)
+
+static inline __attribute__((always_inline)) void vnni_tile_run(const vnni_tile *t, const int MR, const int NR) {
+    VNNI_ACC(0) VNNI_ACC(1) VNNI_ACC(2) VNNI_ACC(3) VNNI_ACC(4) VNNI_ACC(5)
+    const int64_t kp = t->kp, stride = kp * PANEL;
+    const uint8_t *qu = t->qu;
+    const int8_t *w = t->panel;
+    for (int64_t k = 0; k < kp; k += GROUP) {
+        const __m512i w0 = _mm512_loadu_si512((const void *)(w + k * PANEL));
+        const __m512i w1 = NR > 1 ? _mm512_loadu_si512((const void *)(w + stride + k * PANEL)) : w0;
+        const __m512i w2 = NR > 2 ? _mm512_loadu_si512((const void *)(w + 2 * stride + k * PANEL)) : w0;
+        const __m512i w3 = NR > 3 ? _mm512_loadu_si512((const void *)(w + 3 * stride + k * PANEL)) : w0;
+        VNNI_STEP(0) VNNI_STEP(1) VNNI_STEP(2) VNNI_STEP(3) VNNI_STEP(4) VNNI_STEP(5)
+    }
+    VNNI_PUT_PANEL(0) VNNI_PUT_PANEL(1) VNNI_PUT_PANEL(2) VNNI_PUT_PANEL(3)
+}
+
+#define VNNI_TILE(MR, NR) static void vnni_tile_##MR##_##NR(const vnni_tile *t) { vnni_tile_run(t, MR, NR); }
+#define VNNI_TILES(MR) VNNI_TILE(MR, 1) VNNI_TILE(MR, 2) VNNI_TILE(MR, 3) VNNI_TILE(MR, 4)
+VNNI_TILES(1) VNNI_TILES(2) VNNI_TILES(3) VNNI_TILES(4) VNNI_TILES(5) VNNI_TILES(6)
+#define VNNI_ROW(MR) {vnni_tile_##MR##_1, vnni_tile_##MR##_2, vnni_tile_##MR##_3, vnni_tile_##MR##_4}
+typedef void (*vnni_tile_fn)(const vnni_tile *);
+static const vnni_tile_fn vnni_tiles[VNNI_ROWS][VNNI_PANELS] = {
+    VNNI_ROW(1), VNNI_ROW(2), VNNI_ROW(3), VNNI_ROW(4), VNNI_ROW(5), VNNI_ROW(6)};
+
+typedef struct {
+    const mqinfer_qlinear_args *a;
+    uint8_t *qu;
+    float *row_scales;
+    int64_t kp;
+} vnni_job;
+
+/* Rows per block: the block's q + 128 rows (rows x kp bytes) about 96 KiB, in L2 while every
+   panel of the part passes over them. */
+static int64_t vnni_block_rows(int64_t kp) {
+    int64_t rows = ((int64_t)96 * 1024 / (kp > 0 ? kp : 1)) / VNNI_ROWS * VNNI_ROWS;
+    return rows < VNNI_ROWS ? VNNI_ROWS : rows;
+}
+
+/* Part `part` of the activations' quantization: a contiguous range of rows. */
+static int vnni_quantize_part(const void *ctx, int part, int num_parts) {
+    const vnni_job *job = (const vnni_job *)ctx;
+    const mqinfer_qlinear_args *a = job->a;
+    const int64_t first = a->rows * part / num_parts, last = a->rows * (part + 1) / num_parts;
+    for (int64_t r = first; r < last; r++)
+        quantize_row_u8((const char *)a->x + r * a->x_stride * (a->is_bf16 ? 2 : 4), a->is_bf16 != 0,
+                        a->in_features, job->kp, job->qu + r * job->kp, job->row_scales + r);
+    return 0;
+}
+
+/* Part `part` of the product: a contiguous range of whole tiles' panels, every row. */
+static int vnni_part(const void *ctx, int part, int num_parts) {
+    const vnni_job *job = (const vnni_job *)ctx;
+    const mqinfer_qlinear_args *a = job->a;
+    const int64_t M = a->rows, N = a->out_features, kp = job->kp;
+    const int swiglu = a->swiglu != 0;
+    const int64_t width = panel_width(swiglu), panels = (N + width - 1) / width;
+    const int64_t groups = (panels + VNNI_PANELS - 1) / VNNI_PANELS;
+    const int64_t first = groups * part / num_parts * VNNI_PANELS;
+    int64_t last = groups * (part + 1) / num_parts * VNNI_PANELS;
+    if (last > panels) last = panels;
+    const int64_t body = a->vector_chunk > 0 ? N / a->vector_chunk * a->vector_chunk : 0;
+    const int64_t mb = vnni_block_rows(kp);
+    const int8_t *packed = (const int8_t *)a->packed;
+    const int32_t *sums128 = (const int32_t *)(packed + panels * PANEL * kp);
+    const float *scales = (const float *)a->scales, *bias = (const float *)a->bias;
+    const int64_t esize = a->is_bf16 ? 2 : 4;
+    char *out = (char *)a->out;
+    for (int64_t r0 = 0; r0 < M; r0 += mb) {
+        const int64_t rows = M - r0 < mb ? M - r0 : mb;
+        for (int64_t p = first; p < last; p += VNNI_PANELS) {
+            const int nr = (int)(last - p < VNNI_PANELS ? last - p : VNNI_PANELS);
+            vnni_tile t;
+            t.panel = packed + p * kp * PANEL;
+            t.sums128 = sums128 + p * PANEL;
+            t.scales = scales + p * PANEL;
+            t.bias = bias ? bias + p * PANEL : NULL;
+            t.kp = kp;
+            t.ldo = a->out_stride;
+            t.esize = esize;
+            t.width = width;
+            t.last_cols = N - (p + nr - 1) * width < width ? N - (p + nr - 1) * width : width;
+            for (int j = 0; j < nr; j++)
+                t.mode_of[j] = !swiglu ? STORE_PLAIN : (p + j + 1) * width <= body ? STORE_SWIGLU : STORE_SWIGLU_TAIL;
+            for (int64_t r = r0; r < r0 + rows; r += VNNI_ROWS) {
+                const int mr = (int)(r0 + rows - r < VNNI_ROWS ? r0 + rows - r : VNNI_ROWS);
+                t.qu = job->qu + r * kp;
+                t.row_scales = job->row_scales + r;
+                t.out = out + (r * a->out_stride + p * width) * esize;
+                vnni_tiles[mr - 1][nr - 1](&t);
+            }
+        }
+    }
+    return 0;
+}
+
+int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
+    if (args->rows <= 0 || args->out_features <= 0) return 0;
+    const int64_t M = args->rows, kp = padded_k(args->in_features);
+    /* The scratch (mqinfer_qlinear_scratch_size) holds 2 x kp bytes per row; this kernel uses
+       one row of q + 128 and the scale. */
+    vnni_job job = {args, (uint8_t *)args->scratch, NULL, kp};
+    job.row_scales = (float *)(job.qu + 2 * M * kp);
+    const int64_t width = panel_width(args->swiglu != 0);
+    const int64_t groups = ((args->out_features + width - 1) / width + VNNI_PANELS - 1) / VNNI_PANELS;
+    int64_t threads = num_threads < 1 ? 1 : num_threads;
+    /* Quantizing a row costs about as much as a few panels of its product: worth the pool
+       only for many rows. */
+    const int64_t qparts = M >= 64 ? (threads < M ? threads : M) : 1;
+    if (mq_parallel(vnni_quantize_part, &job, (int)qparts, num_threads)) return -1;
+    const int64_t parts = threads < groups ? threads : groups;
+    return mq_parallel(vnni_part, &job, (int)parts, num_threads) ? -1 : 0;
+}
+
 #else
 
-/* Without AVX2, or with AVX-512, the callers use the PyTorch path. */
+/* Without AVX2, or with AVX-512 but no VNNI, the callers use the PyTorch path. */
 int mqinfer_qlinear_available(void) { return 0; }
+int mqinfer_qlinear_takes_bf16(void) { return 0; }
 
 int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
     (void)args; (void)num_threads;

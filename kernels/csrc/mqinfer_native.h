@@ -190,7 +190,10 @@ int mqinfer_linear(const mqinfer_linear_args *args, int num_threads);
    (panels x 16: the output features in panel order, zero past the last). scratch holds
    mqinfer_qlinear_scratch_size(rows, in_features) bytes, 4-byte aligned. swiglu and
    vector_chunk as in mqinfer_linear_args. Returns 0, or -2 when the library has no kernel
-   for this CPU (mqinfer_qlinear_available() == 0). */
+   for this CPU (mqinfer_qlinear_available() == 0). With is_bf16, x and out are bfloat16 (x
+   widened exactly; out rounded to nearest even from the float32 result, and for SwiGLU the
+   projection rounded to bfloat16 before silu_mul's bfloat16 arithmetic) where
+   mqinfer_qlinear_takes_bf16() says so; elsewhere the call returns -2. */
 typedef struct {
     const void *x;
     const void *packed;
@@ -205,9 +208,12 @@ typedef struct {
     int64_t out_stride;
     int64_t swiglu;
     int64_t vector_chunk;
+    int64_t is_bf16;
 } mqinfer_qlinear_args;
 
 int mqinfer_qlinear_available(void);
+/* Whether mqinfer_qlinear takes is_bf16 = 1 (the AVX-512 VNNI kernel only). */
+int mqinfer_qlinear_takes_bf16(void);
 /* Bytes of the packed form of an int8 [out_features, in_features] weight ([2 * out_features,
    in_features], gate rows first, with swiglu). */
 int64_t mqinfer_qlinear_packed_size(int64_t out_features, int64_t in_features, int swiglu);

@@ -11,8 +11,10 @@ import torch.nn.functional as F
 
 from mqinfer.kernels import linear_int8 as q8
 
+needs_bf16 = pytest.mark.skipif(not q8.native_takes_bf16(),
+                                reason="the native int8 kernel here takes float32 rows only (bfloat16: AVX-512 VNNI)")
 needs_kernel = pytest.mark.skipif(not q8.native_available(),
-                                  reason="the native int8 kernel serves AVX2 CPUs without AVX-512")
+                                  reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
 
 
 @pytest.fixture
@@ -109,7 +111,7 @@ def test_strided_input_given_output_and_errors():
     out = torch.full((10, 24), float("nan"))
     assert q8.linear(x, packed, out) is out
     assert torch.equal(out, q8.reference_linear(x.contiguous(), qweight, scale))
-    with pytest.raises(ValueError, match="float32 CPU tensor"):
+    with pytest.raises(ValueError, match="x must be a float32( or bfloat16)? CPU tensor"):
         q8.linear(torch.randn(10, 63), packed)
     with pytest.raises(ValueError, match="out must be"):
         q8.linear(x, packed, torch.empty(10, 23))
@@ -139,3 +141,38 @@ def test_fused_swiglu_gives_the_bits_of_the_projection_then_silu_mul(rows, in_fe
     assert torch.equal(fused, unfused)
     with pytest.raises(ValueError, match="swiglu"):
         q8.swiglu(x, q8.pack(qweight, scale, bias), chunk)
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 6, 7, 64])
+@pytest.mark.parametrize("in_features,out_features", [(3, 15), (37, 50), (512, 768), (1538, 33)])
+def test_bfloat16_rows_give_the_bits_of_the_reference(rows, in_features, out_features):
+    torch.manual_seed(rows + in_features * 3 + out_features)
+    x = torch.randn(rows, in_features).bfloat16()
+    qweight, scale = q8.quantize_weight(torch.randn(out_features, in_features))
+    bias = torch.randn(out_features).bfloat16()
+    packed = q8.pack(qweight, scale, bias)
+    got = q8.linear(x, packed)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, q8.reference_linear(x, qweight, scale, bias))
+    with pytest.raises(ValueError, match="out must be a contiguous bfloat16"):
+        q8.linear(x, packed, torch.empty(rows, out_features))
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("in_features,inter", [(5, 3), (64, 20), (512, 1408), (100, 77)])
+def test_bfloat16_fused_swiglu_gives_the_bits_of_the_bfloat16_projection_then_silu_mul(rows, in_features, inter):
+    from mqinfer.kernels import cpu_ops
+
+    if not cpu_ops.cpu_ops_available():
+        pytest.skip("the native ops library is not built here")
+    torch.manual_seed(rows * 5 + in_features + inter)
+    x = torch.randn(rows, in_features).bfloat16()
+    weight = torch.randn(2 * inter, in_features) * 2  # gates past the exponential's range too
+    bias = torch.randn(2 * inter)
+    qweight, scale = q8.quantize_weight(weight)
+    chunk = cpu_ops.silu_vector_chunk(torch.bfloat16)
+    fused = q8.swiglu(x, q8.pack(qweight, scale, bias, swiglu=True), chunk)
+    assert fused.dtype == torch.bfloat16 and fused.shape == (rows, inter)
+    assert torch.equal(fused, cpu_ops.silu_mul(q8.reference_linear(x, qweight, scale, bias)))

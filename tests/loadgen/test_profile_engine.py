@@ -97,7 +97,7 @@ def test_op_timing_names_the_int8_layers(small_checkpoint):
     from mqinfer.loadgen.op_timer import timing_ops
 
     if not q8.native_available():
-        pytest.skip("the native int8 kernel serves AVX2 CPUs without AVX-512")
+        pytest.skip("no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
     engine = build_engine(small_checkpoint, _args(quantization="w8a8"))
     originals = (q8.linear, q8.swiglu)
     with timing_ops(engine.model) as times:

@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from mqinfer.kernels import cpu_ops
 from mqinfer.kernels import linear_int8 as q8
 from mqinfer.kernels import linear_w8a16 as w16
 from mqinfer.scheduler.request import SamplingParams
@@ -71,12 +72,43 @@ def test_the_swap_touches_only_the_decoder_projections(qwen2):
         quantize_model(model, "int4")
 
 
-@pytest.mark.skipif(not q8.native_available(), reason="the native int8 kernel serves AVX2 CPUs without AVX-512")
+@pytest.mark.skipif(not q8.native_available(), reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
 def test_w8a8_native_and_pytorch_paths_give_the_same_tokens_and_logprobs(qwen2, monkeypatch):
     native = _generate(qwen2, PROMPTS, quantization="w8a8")
     monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
     assert not q8.native_available()
     assert _generate(qwen2, PROMPTS, quantization="w8a8") == native
+
+
+@pytest.mark.skipif(not q8.native_available(), reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a8_half_precision_rows_take_the_native_kernel_with_the_bits_of_pytorch(dtype, monkeypatch):
+    torch.manual_seed(4)
+    linear = Linear(96, 40, True, dtype, "cpu")
+    with torch.no_grad():
+        linear.weight.normal_()
+        linear.bias.normal_()
+    layer = Int8Linear(linear, "w8a8")
+    calls = []
+    kernel = q8.linear
+    monkeypatch.setattr(q8, "linear", lambda *a, **kw: calls.append(a[0].dtype) or kernel(*a, **kw))
+    x = torch.randn(7, 96).to(dtype)
+    expected = q8.reference_linear(x, layer.qweight, layer.scale, layer.bias)
+    got = layer(x)
+    # bfloat16 rows go in as they are where the kernel takes them, else widened to float32.
+    direct = dtype == torch.bfloat16 and q8.native_takes_bf16()
+    assert calls == [dtype if direct else torch.float32]
+    assert got.dtype == dtype and torch.equal(got, expected)
+    out = torch.full((7, 40), float("nan"), dtype=dtype)
+    assert layer(x, out) is out and torch.equal(out, expected)
+    # The fused SwiGLU: on bfloat16 rows the kernel's, with the bits of the unfused path (the
+    # projection rounded to bfloat16, then silu_mul); elsewhere none (the caller goes unfused).
+    chunk = cpu_ops.silu_vector_chunk(dtype)
+    fused = layer.swiglu(x, chunk)
+    if direct and cpu_ops.cpu_ops_available():
+        assert torch.equal(fused, cpu_ops.silu_mul(expected))
+    else:
+        assert fused is None
 
 
 def _dequantize_projections(model: torch.nn.Module) -> None:

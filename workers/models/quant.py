@@ -19,7 +19,10 @@ amplified channels that only the chat markers use, and chat answers degenerated.
 
 Modes:
 - ``w8a8``: activations quantized per token on the fly, exact int32 sums, float32 out
-  (``kernels/linear_int8.py``: the native AVX2 kernel on CPU, ``torch._int_mm`` elsewhere).
+  (``kernels/linear_int8.py``: the native kernel on CPUs with AVX2 or AVX-512 VNNI, for
+  float32 rows, bfloat16 ones with the VNNI kernel, and otherwise bfloat16 and float16 rows
+  widened to float32 for the plain projection; ``torch._int_mm`` elsewhere). All of them give
+  ``reference_linear``'s bits.
 - ``w8a16``: activations stay in the model dtype; the weight holds a quarter of float32's
   memory. On CPU with float32 activations the native kernel (``kernels/linear_w8a16.py``)
   widens it inside the matmul, bit for bit the float32 kernel on the dequantized weight. On
@@ -42,6 +45,7 @@ from mqinfer.kernels import linear_w8a16 as w16
 from mqinfer.workers.models.llama import MLP, Attention, DecoderLayer, Linear
 
 MODES = ("none", "w8a8", "w8a16")
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Modules whose docstrings calibrate the activation ranges: none of them is in the quality
 # tool's text, so the perplexity it reports is not measured on the calibration data.
 CALIBRATION_MODULES = ("email.message", "http.client", "unittest", "urllib.parse", "zipfile", "tarfile",
@@ -68,10 +72,22 @@ class Int8Linear(nn.Module):
         self.packed = None
         self.packed_swiglu = None
 
-    def _native(self, x: torch.Tensor) -> bool:
-        if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2:
+    def _native(self, x: torch.Tensor, fused: bool = False) -> bool:
+        """Whether ``x`` goes through the native kernel: float32 rows on CPU; for w8a8 also
+        bfloat16 rows where the kernel takes them, and otherwise, for the plain projection,
+        bfloat16 and float16 rows widened to float32 for the kernel and the result rounded back
+        (the bits of ``reference_linear``, which quantizes ``x.float()`` too)."""
+        if x.device.type != "cpu" or x.dim() != 2:
             return False
-        return q8.native_available() if self.mode == "w8a8" else w16.native_available()
+        if self.mode == "w8a16" or x.dtype == torch.float32:
+            return x.dtype == torch.float32 and (q8 if self.mode == "w8a8" else w16).native_available()
+        if x.dtype == torch.bfloat16 and q8.native_takes_bf16():
+            return True
+        return not fused and x.dtype in HALF_DTYPES and q8.native_available()
+
+    def _widened(self, x: torch.Tensor) -> bool:
+        """Whether the native w8a8 call takes ``x`` widened to float32 (see ``_native``)."""
+        return x.dtype != torch.float32 and not (x.dtype == torch.bfloat16 and q8.native_takes_bf16())
 
     def _kernels(self):
         """The native kernel module of this layer's mode (same pack / linear / swiglu calls)."""
@@ -88,13 +104,17 @@ class Int8Linear(nn.Module):
             kernels = self._kernels()
             if self.packed is None:
                 self.packed = kernels.pack(self.qweight, self.scale, self.bias)
+            if self._widened(x):
+                result = kernels.linear(x.float(), self.packed)
+                return result.to(x.dtype) if out is None else out.copy_(result)
             return kernels.linear(x, self.packed, out)
         result = self._torch(x)
         return result if out is None else out.copy_(result)
 
     def swiglu(self, x: torch.Tensor, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """As ``Linear.swiglu``: the native kernel's fused SwiGLU, else None."""
-        if not self._native(x):
+        """As ``Linear.swiglu``: the native kernel's fused SwiGLU (float32 rows, or bfloat16 ones
+        where the kernel takes them), else None."""
+        if not self._native(x, fused=True):
             return None
         kernels = self._kernels()
         if self.packed_swiglu is None:
