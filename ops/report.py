@@ -43,9 +43,10 @@ from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
 GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
-_SUMMED = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "prefill_s", "decode_s",
+_SUMMED = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "rejected_tokens", "device_s", "prefill_s", "decode_s",
            "recomputed_s", "kv_block_s", "cost_usd", "input_usd")
-_GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "prefill_s",
+_GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "rejected_tokens", "device_s",
+                 "prefill_s",
                  "decode_s", "recomputed_s", "kv_block_s", "cost_usd", "usd_per_1m_tokens",
                  "usd_per_1m_input_tokens", "usd_per_1m_output_tokens")
 # The group columns of the text table (CSV and JSON have every field).
@@ -73,6 +74,8 @@ class GroupCost:
     decode_s: float = 0.0
     recomputed_s: float = 0.0
     kv_block_s: float = 0.0
+    # Speculative decoding's proposed tokens that were computed and rejected (billed in device_s).
+    rejected_tokens: int = 0
     # The prefill share of cost_usd per million prompt tokens, the decode share per million
     # output tokens; None without such tokens.
     usd_per_1m_input_tokens: float | None = None
@@ -109,6 +112,7 @@ class Totals:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
+    rejected_tokens: int = 0
     usd_per_1m_tokens: float | None = None
     usd_per_1m_input_tokens: float | None = None
     usd_per_1m_output_tokens: float | None = None
@@ -256,6 +260,7 @@ def cost_report(
     b.total_usd = b.cost_usd + b.allocated_usd
     totals.requests, totals.prompt_tokens = b.requests, b.prompt_tokens
     totals.cached_prompt_tokens, totals.output_tokens = b.cached_prompt_tokens, b.output_tokens
+    totals.rejected_tokens = b.rejected_tokens
     totals.usd_per_1m_tokens = b.usd_per_1m_tokens
     totals.usd_per_1m_input_tokens = b.usd_per_1m_input_tokens
     totals.usd_per_1m_output_tokens = b.usd_per_1m_output_tokens
@@ -348,6 +353,8 @@ def _group(row: dict, by: list[str]) -> GroupCost:
         decode_s=s["decode_s"],
         recomputed_s=s["recomputed_s"],
         kv_block_s=s["kv_block_s"],
+        # Rows written before the column existed read as null.
+        rejected_tokens=s["rejected_tokens"] or 0,
         usd_per_1m_input_tokens=_per_million(s["input_usd"], s["prompt_tokens"]),
         usd_per_1m_output_tokens=_per_million(s["cost_usd"] - s["input_usd"], s["output_tokens"]),
     )

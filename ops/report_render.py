@@ -49,10 +49,15 @@ def _group_fields(report: Report) -> tuple[str, ...]:
 
 
 def _table_fields(report: Report) -> tuple[str, ...]:
-    if report.basis != "allocation":
-        return _TABLE_FIELDS
-    i = _TABLE_FIELDS.index("cost_usd") + 1
-    return _TABLE_FIELDS[:i] + _ALLOCATION_TABLE_FIELDS + _TABLE_FIELDS[i:]
+    fields = _TABLE_FIELDS
+    if report.totals.rejected_tokens:
+        # Speculative decoding ran: the proposed tokens it computed and rejected, after the outputs.
+        i = fields.index("output_tokens") + 1
+        fields = fields[:i] + ("rejected_tokens",) + fields[i:]
+    if report.basis == "allocation":
+        i = fields.index("cost_usd") + 1
+        fields = fields[:i] + _ALLOCATION_TABLE_FIELDS + fields[i:]
+    return fields
 
 
 def _summary(totals: Totals) -> dict[str, GroupCost | Spend]:

@@ -139,3 +139,31 @@ def test_missing_folder_or_dataset(tmp_path):
         cost_report(tmp_path / "missing")
     with pytest.raises(FileNotFoundError, match="no costs/ dataset in"):
         cost_report(tmp_path)
+
+
+def test_rejected_tokens_are_summed_and_shown_when_speculation_ran(tmp_path):
+    import msgspec
+    import pyarrow as pa
+
+    # One file from before the column existed (read as null, counted as 0), one with it.
+    older = pa.schema([f for f in COST_SCHEMA if f.name != "rejected_tokens"])
+    DatasetWriter(tmp_path / "costs", older, "w1").write([row("request", "acme", rid="1", at=T + 1, p=5, o=5, dev=1.0)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write([
+        msgspec.structs.replace(row("request", "acme", rid="2", at=T + 2, p=5, o=9, dev=1.0), rejected_tokens=7),
+        msgspec.structs.replace(row("request", "beta", rid="3", at=T + 3, p=5, o=9, dev=1.0), rejected_tokens=3),
+    ])
+    report = cost_report(tmp_path)
+    assert {g.key["tenant"]: g.rejected_tokens for g in report.groups} == {"acme": 7, "beta": 3}
+    assert report.totals.rejected_tokens == report.totals.billed.rejected_tokens == 10
+    table = render(report, "table")
+    header = table.splitlines()[0].split()
+    assert header[header.index("output_tokens") + 1] == "rejected_tokens"
+    billed = next(line for line in table.splitlines() if line.startswith("billed"))
+    assert billed.split()[6] == "10"  # label (2 words), requests, prompt, cached, output, rejected
+    csv_rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert {r["tenant"]: r["rejected_tokens"] for r in csv_rows if r["row"] == "group"} == {"acme": "7", "beta": "3"}
+    assert json.loads(render(report, "json"))["totals"]["rejected_tokens"] == 10
+
+
+def test_no_rejected_tokens_column_in_the_table_without_speculation(out):
+    assert "rejected_tokens" not in render(cost_report(out), "table")
