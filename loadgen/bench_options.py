@@ -238,6 +238,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-max-batched-tokens", type=int, default=None, metavar="T",
                    help="With --speculative: propose only while a step holds at most this many tokens (default: "
                         "the worker's).")
+    g.add_argument("--speculative-policy", default=None, choices=("adaptive", "fixed"),
+                   help="With --speculative: how many proposals each request runs (see `mqinfer worker "
+                        "--help`; default: the worker's, adaptive).")
     for flag, meta, text in (
         ("--max-num-seqs", "S", "Requests running at once, at most."),
         ("--max-num-batched-tokens", "T", "Token budget of one engine step."),

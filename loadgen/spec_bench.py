@@ -77,7 +77,8 @@ def _engine(args: argparse.Namespace, speculative: str, **overrides: Any):
         "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
         "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len, "speculative": speculative,
         "num_speculative_tokens": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
-        "draft_layers": args.draft_layers, "enable_prefix_caching": False, **overrides,
+        "draft_layers": args.draft_layers, "speculative_policy": args.speculative_policy,
+        "enable_prefix_caching": False, **overrides,
     }))
 
 
@@ -171,7 +172,8 @@ def run_step_sweep(args: argparse.Namespace) -> dict[str, Any]:
     for batch in args.batch_sizes:
         for s in (0, 1, 3, 7):
             engine = _engine(args, "ngram", num_speculative_tokens=max(1, s),
-                             speculative_max_batched_tokens=1 << 20, max_num_batched_tokens=1 << 14)
+                             speculative_max_batched_tokens=1 << 20, max_num_batched_tokens=1 << 14,
+                             speculative_policy="fixed")
             engine.scheduler.proposer = _FixedProposer(s) if s else None
             for i in range(batch):
                 engine.add_request(f"r{i}", [7 + i % 50] * 200,
@@ -207,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="The proposer compared with no speculation (default: ngram).")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="With --speculative self: the draft's layers (default: half the model's).")
+    p.add_argument("--speculative-policy", choices=("adaptive", "fixed"), default="adaptive",
+                   help="How many proposals each request runs (see `mqinfer worker --help`; default: adaptive, "
+                        "the worker's default).")
     p.add_argument("--step-sweep", action="store_true", help="Measure step time against query tokens instead.")
     p.add_argument("--batch-sizes", type=lambda t: [int(v) for v in t.split(",")], default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--sweep-steps", type=int, default=8)

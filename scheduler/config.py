@@ -103,6 +103,10 @@ class SchedulerConfig:
     # Proposals are added only while the step's scheduled tokens stay at or below this many, so that
     # a busy step (prefill chunks, many decodes) runs without them.
     speculative_max_batched_tokens: int = 32
+    # Within that ceiling, True: each request runs only the proposals the speculation policy
+    # (scheduler/speculation.py) expects to pay for themselves; False: every request that can
+    # runs up to num_speculative_tokens, whatever its acceptance so far.
+    speculative_adaptive: bool = True
 
     def __post_init__(self) -> None:
         self._normalize_tenant_weights()
@@ -121,6 +125,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.speculative_adaptive, bool):
+            raise ValueError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         aging = self.priority_aging_s
         if aging is not None and (
             not isinstance(aging, (int, float)) or isinstance(aging, bool) or not math.isfinite(aging) or aging <= 0

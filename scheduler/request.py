@@ -117,8 +117,10 @@ class Request:
     num_swaps: int = 0
     # Tokens whose KV was computed, dropped by a recompute preemption, and must be computed again.
     num_recompute_tokens: int = 0
-    # Proposed tokens computed and then discarded (speculative decoding's wasted work).
+    # Proposed tokens computed and then discarded (speculative decoding's wasted work), and
+    # those accepted: together, every proposal checked for this request.
     num_rejected_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Sampling seed fixed at creation (drawn at random when the request gave none), so that
     # seeded randomness is keyed by (seed, position) and independent of the batch.
     sampling_seed: int = 0

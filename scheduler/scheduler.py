@@ -44,7 +44,9 @@ Speculative decoding (``SchedulerConfig.num_speculative_tokens`` K > 0 and a pro
 the running requests and the admissions, while the step's scheduled tokens stay at or below
 ``speculative_max_batched_tokens``, each scheduled request about to sample (and not opted out)
 asks the proposer for up to K tokens and, when it proposes some and free blocks hold their
-slots, runs them in the same chunk (``ScheduledRequest.spec_token_ids``). Proposals come last,
+slots, runs them in the same chunk (``ScheduledRequest.spec_token_ids``). Fewer than K, or none,
+when the speculation policy (scheduler/speculation.py) finds them not worth their cost: from the
+engine's measured step times and the request's acceptance rate so far. Proposals come last,
 so they only use what the step has spare: a full step runs none, and they never preempt. No more
 are proposed than the request can still emit (its ``max_tokens`` and context limit). In
 ``update_from_output`` the accepted ones become output tokens like sampled ones; the rejected
@@ -67,6 +69,7 @@ from mqinfer.scheduler.fair import PROMPT_TOKEN_WEIGHT, OrderKey, WaitingQueue
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus
+from mqinfer.scheduler.speculation import SpeculationPolicy
 
 # (arrival_time + priority * aging, priority, arrival_time, sequence number of add_request): the
 # scheduling order, smallest first. Without aging, the first item is the priority itself.
@@ -92,6 +95,8 @@ class Scheduler:
         self.config = config
         self.clock = clock
         self.proposer = proposer if config.num_speculative_tokens > 0 else None
+        # How many proposals each request runs, from measured step times and acceptance.
+        self.speculation = SpeculationPolicy()
         self.kv_cache_manager = KVCacheManager(
             config.block_size, config.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
@@ -283,15 +288,21 @@ class Scheduler:
         if self.proposer is not None:
             self._add_proposals(out)
 
+    def record_step_time(self, num_tokens: int, seconds: float) -> None:
+        """The model runner's time for a step of ``num_tokens`` tokens, for the speculation
+        policy's cost model (scheduler/speculation.py)."""
+        self.speculation.record_step(num_tokens, seconds)
+
     def _add_proposals(self, out: SchedulerOutput) -> None:
         """Give the scheduled requests about to sample their proposed tokens, while the step stays
-        within ``speculative_max_batched_tokens``; a request whose extra slots do not fit in the
-        free blocks runs without."""
+        within ``speculative_max_batched_tokens``, as many as the speculation policy finds worth
+        their cost; a request whose extra slots do not fit in the free blocks runs without."""
         config = self.config
         limit = min(config.speculative_max_batched_tokens, config.max_num_batched_tokens)
         total = out.num_batched_tokens
         kv = self.kv_cache_manager
         propose = self.proposer.propose
+        policy = self.speculation if config.speculative_adaptive else None
         for sr in out.scheduled:
             spare = limit - total
             if spare <= 0:
@@ -306,6 +317,12 @@ class Scheduler:
             k = min(config.num_speculative_tokens, spare, room)
             if k <= 0:
                 continue
+            if policy is not None:
+                rate = policy.request_rate(request.num_accepted_tokens + request.num_rejected_tokens,
+                                           request.num_accepted_tokens)
+                k = policy.depth(rate, total, k)
+                if k <= 0:
+                    continue
             proposal = propose(request, k)[:k]
             if not proposal or not kv.allocate_slots(request, sr.num_new_tokens + len(proposal)):
                 continue
@@ -458,6 +475,8 @@ class Scheduler:
             accepted = num_accepted[i] if num_accepted is not None else 0
             rejected = len(spec) - accepted
             request.num_rejected_tokens += rejected
+            request.num_accepted_tokens += accepted
+            self.speculation.record_check(len(spec), accepted)
             # The KV of the known tokens and of the accepted proposals is written; the rejected
             # proposals' slots hold garbage that the next step overwrites.
             computed = request.num_computed_tokens + sr.num_new_tokens - rejected

@@ -29,6 +29,7 @@ QUANTIZATIONS = ("none", "w8a8", "w8a16")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 # Speculative decoding's proposers; only these are built so far.
 SPECULATIVE = ("none", "ngram", "draft", "self")
+SPECULATIVE_POLICIES = ("adaptive", "fixed")
 SPECULATIVE_BUILT = ("none", "ngram", "self")
 
 # The scheduler's defaults, which the engine passes on to it unchanged.
@@ -163,6 +164,12 @@ class EngineConfig:
         "With --speculative: propose only while a step's scheduled tokens (prefill chunks, decodes and "
         "proposals) stay at or below this many, so that a busy worker spends its steps on other requests "
         "instead.", metavar="T"))
+    speculative_policy: str = field(default="adaptive", metadata=flag(
+        "With --speculative, within that ceiling: adaptive = a request runs only the proposals expected to "
+        "pay for themselves, judged from the worker's measured step times (a fixed part and a part per "
+        "token) and the request's acceptance rate so far, so speculation fades as the worker fills up "
+        "and for requests whose proposals keep failing; fixed = every request that can runs up to K "
+        "proposals whatever its acceptance (for measuring a proposer).", choices=SPECULATIVE_POLICIES))
 
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE:
@@ -175,6 +182,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min} and {self.ngram_max}")
+        if self.speculative_policy not in SPECULATIVE_POLICIES:
+            raise ValueError(f"speculative_policy must be adaptive or fixed, got {self.speculative_policy!r}")
         if self.speculative_max_batched_tokens < 0:
             raise ValueError(
                 f"speculative_max_batched_tokens must be >= 0, got {self.speculative_max_batched_tokens}")

@@ -288,6 +288,7 @@ class LLMEngine:
             tenant_weights=config.tenant_weight_map,
             num_speculative_tokens=config.num_speculative_tokens if config.speculative != "none" else 0,
             speculative_max_batched_tokens=config.speculative_max_batched_tokens,
+            speculative_adaptive=config.speculative_policy == "adaptive",
         )
         draft_layers = None
         if config.speculative == "ngram":
@@ -478,6 +479,8 @@ class LLMEngine:
         # A step may hold only block copies (swap preemption); they must still happen now.
         ran = None if scheduler_output.is_empty else self.runner.execute(scheduler_output)
         t2 = time.perf_counter()
+        if ran is not None and scheduler_output.num_batched_tokens:
+            self.scheduler.record_step_time(scheduler_output.num_batched_tokens, t2 - t1)
         outputs = self._postprocess(scheduler_output, ran)
         self._account(t0, t1, t2, ran)
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())

@@ -41,6 +41,10 @@ def test_defaults_and_pass_through_flags():
     args = parse("--speculative", "self", "--draft-layers", "2")
     pairs = dict(zip(*[iter(bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))[5:])] * 2))
     assert pairs["--speculative"] == "self" and pairs["--draft-layers"] == "2"
+    assert "--speculative-policy" not in pairs
+    args = parse("--speculative", "ngram", "--speculative-policy", "fixed")
+    pairs = dict(zip(*[iter(bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))[5:])] * 2))
+    assert pairs["--speculative-policy"] == "fixed"
     with pytest.raises(SystemExit):
         parse("--rate", "0")
     with pytest.raises(SystemExit):

@@ -56,7 +56,9 @@ def damped(tmp_path_factory) -> str:
 
 
 def _engine(model: str, speculative: str = "none", **kw) -> LLMEngine:
-    config = {"num_kv_blocks": 128, "dtype": "float32", "num_speculative_tokens": 3, **kw}
+    # fixed: every request proposes whenever it can, so that the checks below do not depend on timing.
+    config = {"num_kv_blocks": 128, "dtype": "float32", "num_speculative_tokens": 3, "speculative_policy": "fixed",
+              **kw}
     return LLMEngine(EngineConfig(model=model, num_threads=1, speculative=speculative, **config))
 
 

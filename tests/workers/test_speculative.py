@@ -31,7 +31,8 @@ def llama_folder(tmp_path_factory, make_hf_checkpoint):
 
 
 def _engine(model: str = "tiny", speculative: str = "none", **kw) -> LLMEngine:
-    config = {"num_kv_blocks": 256, "dtype": "float32", **kw}
+    # fixed: every request proposes whenever it can, so that the checks below do not depend on timing.
+    config = {"num_kv_blocks": 256, "dtype": "float32", "speculative_policy": "fixed", **kw}
     return LLMEngine(EngineConfig(model=model, num_threads=1, speculative=speculative, **config))
 
 

@@ -231,7 +231,7 @@ def test_two_ranks_check_speculative_proposals_as_one_rank_generates(llama):
     # Proposals ride in the step plan like any other query tokens; only rank 0 accepts them.
     one, _, _ = _run(llama, 1, **CASES["chunked-recompute"])
     config = EngineConfig(model=str(llama), device="cpu", num_threads=1, tensor_parallel_size=2,
-                          speculative="ngram", ngram_min=1, **CASES["chunked-recompute"])
+                          speculative="ngram", ngram_min=1, speculative_policy="fixed", **CASES["chunked-recompute"])
     engine = LLMEngine(config)
     try:
         two = _generate(engine, _prompts(engine.info.vocab_size))
