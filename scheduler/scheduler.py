@@ -288,10 +288,12 @@ class Scheduler:
         if self.proposer is not None:
             self._add_proposals(out)
 
-    def record_step_time(self, num_tokens: int, seconds: float) -> None:
-        """The model runner's time for a step of ``num_tokens`` tokens, for the speculation
-        policy's cost model (scheduler/speculation.py)."""
-        self.speculation.record_step(num_tokens, seconds)
+    def record_step_time(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0,
+                         draft_depth: int = 0) -> None:
+        """The model runner's time for a step of ``num_tokens`` tokens, ``draft_seconds`` of it in
+        ``draft_depth`` draft forwards, for the speculation policy's cost model
+        (scheduler/speculation.py)."""
+        self.speculation.record_step(num_tokens, seconds, draft_seconds, draft_depth)
 
     def _add_proposals(self, out: SchedulerOutput) -> None:
         """Give the scheduled requests about to sample their proposed tokens, while the step stays
@@ -303,6 +305,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         propose = self.proposer.propose
         policy = self.speculation if config.speculative_adaptive else None
+        # For the policy: the step's expected useful tokens (known ones, and proposals weighted by
+        # their chance of acceptance) and the deepest run of proposals so far (draft forwards).
+        useful = float(total)
+        depth = 0
         for sr in out.scheduled:
             spare = limit - total
             if spare <= 0:
@@ -320,7 +326,7 @@ class Scheduler:
             if policy is not None:
                 rate = policy.request_rate(request.num_accepted_tokens + request.num_rejected_tokens,
                                            request.num_accepted_tokens)
-                k = policy.depth(rate, total, k)
+                k = policy.depth(rate, k, num_tokens=total, useful_tokens=useful, draft_depth=depth)
                 if k <= 0:
                     continue
             proposal = propose(request, k)[:k]
@@ -329,6 +335,9 @@ class Scheduler:
             sr.spec_token_ids = list(proposal)
             sr.num_new_tokens += len(proposal)
             total += len(proposal)
+            if policy is not None:
+                useful += sum(rate ** j for j in range(1, len(proposal) + 1))
+                depth = max(depth, len(proposal))
 
     def _waiting_head(self) -> list[Request]:
         """The first ``PROTECTED_WAITING_REQUESTS`` waiting requests, in the order they would be

@@ -1,31 +1,36 @@
 """How many proposed tokens a request runs in a step: the adaptive rule of speculative decoding.
 
-A proposed token is worth computing when it is expected to pay for itself. Two measurements decide:
+A proposed token is worth computing when it is expected to pay for itself. Measurements decide:
 
-- **The step's cost per token.** The model runner's forward time of each step, against the
-  number of tokens it ran, fitted as ``t(n) = a + b * n`` by least squares over recent steps
-  (older ones forgotten geometrically). ``a`` is what a step costs whatever it runs (reading the
-  weights, launching work), ``b`` what each token adds.
+- **The step's cost per token.** The model runner's time for each step, less any draft model's
+  forwards, against the number of tokens it ran, fitted as ``t(n) = a + b * n`` by least squares
+  over recent steps (older ones forgotten geometrically). ``a`` is what a step costs whatever it
+  runs (reading the weights, launching work), ``b`` what each token adds.
+- **The draft's cost per depth** ``c`` (proposers that run a model, such as ``self``): a draft
+  runs one forward per proposal depth for all the requests it proposes for, so the step's
+  deepest run of proposals ``D`` adds ``c * D`` seconds, measured by the model runner.
 - **The request's acceptance rate** ``alpha``: the share of its proposed tokens that were accepted,
   starting from the proposer's recent rate (its prior) and moving to the request's own as it
   checks proposals. The proposer's rate forgets its evidence step by step and leans on a fixed
   prior of its own, so that when nothing is being proposed it drifts back and new requests try
   again: a bad spell never switches speculation off for good.
 
-With ``n`` tokens scheduled, the step does ``n`` tokens of useful work in ``a + b * n`` seconds.
-A proposal at depth ``j`` (the j-th of a request's run) is kept only if all ``j - 1`` before it
-are, so it adds ``alpha ** j`` useful tokens on average, for ``b`` more seconds. Adding it keeps
-the step's useful work per second from falling exactly when
+A step of ``n`` tokens takes ``T = a + b * n + c * D`` seconds and does ``U`` tokens of useful
+work: its known tokens, and each proposal weighted by its chance of acceptance. A proposal at
+depth ``j`` (the j-th of a request's run) is kept only if all ``j - 1`` before it are, so it adds
+``alpha ** j`` useful tokens on average, for ``b`` more seconds, plus ``c`` when it deepens the
+step's draft. Adding it keeps the step's useful work per second from falling exactly when
 
-    alpha ** j >= b * n / (a + b * n)
+    alpha ** j >= (b + c * [j > D]) * U / T
 
-The right side is the per-token share of the step's time. In a nearly empty step it is close to
-0 (weights dominate: even unlikely proposals are almost free), and in a step full of prefill
-chunks and decodes it approaches 1 (every proposed token displaces one that was sure to be useful),
-so speculation fades out as load rises, per request in order of how well it has been guessing.
+In a nearly empty step the right side is close to 0 for a proposer that costs nothing (the fixed
+part dominates: even unlikely proposals are almost free), and in a step full of prefill chunks
+and decodes it approaches 1 (every proposed token displaces one that was sure to be useful), so
+speculation fades out as load rises, per request in order of how well it has been guessing. A
+draft's forward costs a good part of a step, so its proposals run only while it guesses well.
 
-Until the fit has seen steps of different sizes (or when it finds no cost per token), only the
-fixed ceiling ``SchedulerConfig.speculative_max_batched_tokens`` applies; it applies always.
+Until the fit has seen steps of different sizes (or when it finds no cost per token), ``b`` counts
+as 0; the fixed ceiling ``SchedulerConfig.speculative_max_batched_tokens`` applies always.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ PRIOR_ACCEPTANCE = 0.5
 PRIOR_WEIGHT = 4.0
 # Per step, the weight kept by older measurements (about the last 1 / (1 - DECAY) steps count).
 DECAY = 0.98
+# The weight of each step's draft seconds per forward in their running average.
+DRAFT_SMOOTHING = 0.1
 # The fit needs its step sizes to spread by at least this many tokens (standard deviation).
 MIN_SPREAD_TOKENS = 1.0
 
@@ -75,18 +82,6 @@ class StepCostModel:
         a = self._t / w - b * mean_n
         return max(a, 0.0), b
 
-    def token_share(self, num_tokens: int) -> float:
-        """``b * n / (a + b * n)``: the part of an n-token step's time that its tokens add, 0 when
-        the fit is not ready or finds no cost per token."""
-        fitted = self.fit()
-        if fitted is None:
-            return 0.0
-        a, b = fitted
-        if b <= 0.0:
-            return 0.0
-        per_token = b * num_tokens
-        return per_token / (a + per_token)
-
 
 @dataclass
 class AcceptanceRate:
@@ -116,11 +111,19 @@ class SpeculationPolicy:
     def __init__(self) -> None:
         self.step_cost = StepCostModel()
         self.acceptance = AcceptanceRate()
+        # Seconds per draft forward (None until a draft has run), averaged over recent steps.
+        self.draft_forward_s: float | None = None
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        """One step of the model runner: how many tokens it ran, and its forward seconds."""
+    def record_step(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0,
+                    draft_depth: int = 0) -> None:
+        """One step of the model runner: how many tokens it ran and its seconds, of which
+        ``draft_seconds`` in ``draft_depth`` forwards of a draft model."""
         if num_tokens > 0 and seconds >= 0.0:
-            self.step_cost.record(num_tokens, seconds)
+            self.step_cost.record(num_tokens, max(0.0, seconds - draft_seconds))
+        if draft_depth > 0 and draft_seconds > 0.0:
+            per = draft_seconds / draft_depth
+            last = self.draft_forward_s
+            self.draft_forward_s = per if last is None else last + DRAFT_SMOOTHING * (per - last)
         self.acceptance.age()
 
     def record_check(self, proposed: int, accepted: int) -> None:
@@ -133,14 +136,28 @@ class SpeculationPolicy:
         prior = self.acceptance.rate
         return (num_accepted + PRIOR_WEIGHT * prior) / (num_proposed + PRIOR_WEIGHT)
 
-    def depth(self, rate: float, num_tokens: int, limit: int) -> int:
-        """How many proposals (at most ``limit``) to add to a step that already has ``num_tokens``:
-        each next one while ``rate ** j`` is at least the token share of the step with it."""
+    def depth(self, rate: float, limit: int, *, num_tokens: int, useful_tokens: float | None = None,
+              draft_depth: int = 0) -> int:
+        """How many proposals (at most ``limit``) a request with acceptance ``rate`` adds to a step
+        that already has ``num_tokens`` tokens, ``useful_tokens`` of them expected useful (default:
+        all) and proposals ``draft_depth`` deep: each next one while ``rate ** j`` is at least its
+        marginal seconds times the step's useful tokens per second with it."""
+        fitted = self.step_cost.fit()
+        a, b = fitted if fitted is not None else (0.0, 0.0)
+        b = max(b, 0.0)
+        c = self.draft_forward_s or 0.0
+        if b == 0.0 and c == 0.0:
+            return limit
+        useful = float(num_tokens) if useful_tokens is None else useful_tokens
         k = 0
         expected = 1.0
         while k < limit:
+            j = k + 1
             expected *= rate
-            if expected < self.step_cost.token_share(num_tokens + k + 1):
+            marginal = b + (c if j > draft_depth else 0.0)
+            seconds = a + b * (num_tokens + j) + c * max(draft_depth, j)
+            if seconds <= 0.0 or expected * seconds < marginal * (useful + expected):
                 break
-            k += 1
+            useful += expected
+            k = j
         return k

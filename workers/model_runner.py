@@ -79,6 +79,9 @@ class ModelRunnerOutput:
     # Seconds in (prepare inputs and block copies, forward incl. LM head, sample); on CUDA the
     # split is only indicative (kernels run asynchronously).
     phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    # Of the forward seconds, those the draft model spent proposing (``self``): one forward per
+    # proposal depth, whatever the batch, a cost the speculation policy weighs apart.
+    draft_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -230,7 +233,7 @@ class ModelRunner:
             self._copy_blocks(plan)
             return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
         hidden, t1 = self._forward(plan)
-        result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled))
+        result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled), draft_seconds=draft_s)
         if not sample_rows:
             result.phase_seconds = (t1 - t0 - draft_s, time.perf_counter() - t1 + draft_s, 0.0)
             return result

@@ -15,19 +15,18 @@ from tests.scheduler.test_speculative_scheduler import GuessingProposer, SpecMod
 
 def test_step_cost_fit_recovers_a_line():
     model = StepCostModel()
-    assert model.fit() is None and model.token_share(10) == 0.0
+    assert model.fit() is None
     for n in (1, 5, 2, 9, 33, 4, 17) * 3:
         model.record(n, 0.020 + 0.0005 * n)
     a, b = model.fit()
     assert a == pytest.approx(0.020, rel=1e-6) and b == pytest.approx(0.0005, rel=1e-6)
-    assert model.token_share(40) == pytest.approx(0.02 / 0.04)
 
 
 def test_step_cost_fit_waits_for_steps_of_different_sizes():
     model = StepCostModel()
     for _ in range(50):
         model.record(8, 0.01)
-    assert model.fit() is None and model.token_share(100) == 0.0
+    assert model.fit() is None
 
 
 def _policy(a: float, b: float) -> SpeculationPolicy:
@@ -40,15 +39,33 @@ def _policy(a: float, b: float) -> SpeculationPolicy:
 def test_depth_follows_acceptance_and_load():
     # Steps whose time is nearly all fixed cost: even poor guesses are worth running.
     flat = _policy(a=0.05, b=1e-6)
-    assert flat.depth(0.3, num_tokens=1, limit=4) == 4
-    # A fixed cost of 10 tokens' worth: at 1 token scheduled, depth j needs 0.5**j >= (1+j)/(11+j).
+    assert flat.depth(0.3, 4, num_tokens=1) == 4
+    # A fixed cost of 10 tokens' worth. One request decoding (1 useful token): depth j runs while
+    # 0.5**j * (a + b * (1 + j)) >= b * (1 + 0.5 + ... + 0.5**j): 0.00325 >= 0.00175 at j = 2,
+    # 0.00175 < 0.001875 at j = 3.
     mixed = _policy(a=0.010, b=0.001)
-    assert mixed.depth(0.5, num_tokens=1, limit=4) == 2
-    assert mixed.depth(0.9, num_tokens=1, limit=4) == 4
+    assert mixed.depth(0.5, 4, num_tokens=1) == 2
+    assert mixed.depth(0.9, 4, num_tokens=1) == 4
     # The same rates in a step already holding 200 tokens: nothing is worth proposing.
-    assert mixed.depth(0.9, num_tokens=200, limit=4) == 0
+    assert mixed.depth(0.9, 4, num_tokens=200) == 0
     # Without a fit (no steps of different sizes yet) only the caller's limit applies.
-    assert SpeculationPolicy().depth(0.01, num_tokens=500, limit=3) == 3
+    assert SpeculationPolicy().depth(0.01, 3, num_tokens=500) == 3
+
+
+def test_a_draft_forward_is_weighed_per_depth():
+    """A draft forward costing half a step: worth it only for a request that guesses well, and
+    once a step's draft runs that deep, other requests' proposals to that depth cost only b."""
+    policy = _policy(a=0.010, b=0.0001)
+    for _ in range(20):
+        policy.record_step(5, 0.010 + 0.0005 + 0.020, draft_seconds=0.020, draft_depth=4)
+    assert policy.draft_forward_s == pytest.approx(0.005)
+    assert policy.step_cost.fit()[0] == pytest.approx(0.010, rel=0.05)
+    # One decoding request: the first proposal must be accepted more often than about 1 in 3.
+    assert policy.depth(0.2, 4, num_tokens=1) == 0
+    assert policy.depth(0.95, 4, num_tokens=1) == 4
+    # Within a depth the draft already runs, a middling guesser is cheap to add.
+    assert policy.depth(0.45, 4, num_tokens=6, useful_tokens=3.0, draft_depth=4) == 4
+    assert policy.depth(0.45, 4, num_tokens=6, useful_tokens=3.0, draft_depth=0) < 4
 
 
 def test_request_rate_moves_from_the_prior_to_its_own_record():
@@ -65,13 +82,13 @@ def test_the_proposers_rate_recovers_when_nothing_is_proposed():
     requests try proposing again instead of never."""
     policy = _policy(a=0.010, b=0.001)
     policy.record_check(50, 0)
-    assert policy.depth(policy.request_rate(0, 0), num_tokens=1, limit=4) == 0
+    assert policy.depth(policy.request_rate(0, 0), 4, num_tokens=1) == 0
     for i in range(400):
         n = 1 + i % 8
         policy.record_step(n, 0.010 + 0.001 * n)
     assert policy.step_cost.fit() is not None
     assert policy.request_rate(0, 0) == pytest.approx(PRIOR_ACCEPTANCE, abs=0.01)
-    assert policy.depth(policy.request_rate(0, 0), num_tokens=1, limit=4) >= 1
+    assert policy.depth(policy.request_rate(0, 0), 4, num_tokens=1) >= 1
 
 
 def test_scheduler_stops_proposing_for_a_request_whose_guesses_fail():
