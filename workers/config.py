@@ -27,10 +27,9 @@ QUANTIZATIONS = ("none", "w8a8", "w8a16")
 # How the KV cache stores K and V (kernels/kv_quant.py, which holds the same tuple, owns what
 # each means; this module stays free of torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-# Speculative decoding's proposers; only these are built so far.
+# Speculative decoding's proposers.
 SPECULATIVE = ("none", "ngram", "draft", "self")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
-SPECULATIVE_BUILT = ("none", "ngram", "self")
 
 # The scheduler's defaults, which the engine passes on to it unchanged.
 _SCHEDULER = SchedulerConfig()
@@ -148,8 +147,9 @@ class EngineConfig:
         "model's outputs (greedy and sampled alike). ngram = prompt lookup: what followed the last earlier "
         "occurrence of the request's latest tokens in its prompt and output; it pays off when outputs copy "
         "spans of their prompts. self = layer-skip self-speculation: the model's own first --draft-layers "
-        "layers, its final norm and its head propose greedily (no second checkpoint). draft is not built "
-        "yet.", choices=SPECULATIVE))
+        "layers, its final norm and its head propose greedily (no second checkpoint). draft = a smaller "
+        "checkpoint with the same tokenizer (--draft-model) proposes greedily over its own KV cache, which "
+        "takes as many blocks as the model's and shares their block ids.", choices=SPECULATIVE))
     num_speculative_tokens: int = field(default=4, metadata=flag(
         "With --speculative: tokens proposed per request and step, at most.", metavar="K"))
     ngram_max: int = field(default=4, metadata=flag(
@@ -160,6 +160,11 @@ class EngineConfig:
         "With --speculative self: how many of the model's first layers the draft runs, between 1 and "
         "the model's layers less one (default: half of them, rounded down). Fewer layers propose "
         "faster and are accepted less often.", metavar="L"))
+    draft_model: str | None = field(default=None, metadata=flag(
+        "With --speculative draft: the draft checkpoint, in any form --model takes (a "
+        "checkpoint folder, a .gguf file, tiny). Its vocabulary must be the model's (the same tokenizer); it "
+        "runs unquantized on the model's device in the model's dtype, and its KV cache, in --kv-cache-dtype, "
+        "counts against the memory that sizes the KV blocks.", metavar="M"))
     speculative_max_batched_tokens: int = field(default=_SCHEDULER.speculative_max_batched_tokens, metadata=flag(
         "With --speculative: propose only while a step's scheduled tokens (prefill chunks, decodes and "
         "proposals) stay at or below this many, so that a busy worker spends its steps on other requests "
@@ -174,8 +179,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative not in SPECULATIVE:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE)}, got {self.speculative!r}")
-        if self.speculative not in SPECULATIVE_BUILT:
-            raise ValueError(f"--speculative {self.speculative} is not built yet; use none, ngram or self")
+        if self.speculative == "draft" and not self.draft_model:
+            raise ValueError("--speculative draft needs --draft-model (a smaller checkpoint with the model's "
+                             "tokenizer)")
         if self.draft_layers is not None and self.draft_layers < 1:
             raise ValueError(f"draft_layers must be at least 1, got {self.draft_layers}")
         if self.num_speculative_tokens < 1:
@@ -192,8 +198,8 @@ class EngineConfig:
             parse_devices(self.devices)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
-        if self.tensor_parallel_size > 1 and self.speculative == "self":
-            raise ValueError(f"--speculative self does not combine with --tensor-parallel-size "
+        if self.tensor_parallel_size > 1 and self.speculative in ("self", "draft"):
+            raise ValueError(f"--speculative {self.speculative} does not combine with --tensor-parallel-size "
                              f"{self.tensor_parallel_size} (the draft runs on one rank); use ngram or none")
         if self.tensor_parallel_size > 1 and self.quantization != "none":
             raise ValueError(f"--quantization {self.quantization} does not combine with --tensor-parallel-size "

@@ -31,6 +31,7 @@ from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.draft_proposer import DraftProposer, check_draft_model
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
@@ -176,13 +177,15 @@ def _max_usable_blocks(config: EngineConfig, max_model_len: int) -> int:
 
 
 def _default_num_kv_blocks(info: ModelInfo, device: torch.device, config: EngineConfig,
-                           max_model_len: int) -> tuple[int, str]:
+                           max_model_len: int, draft_block_bytes: int = 0) -> tuple[int, str]:
     """The KV cache size when ``num_kv_blocks`` is not given, and why (for the log).
 
     As many blocks as can be used (:func:`_max_usable_blocks`), within a share of memory; never
-    fewer than one full-length sequence needs (plus one block), so every prompt can run.
+    fewer than one full-length sequence needs (plus one block), so every prompt can run. A draft
+    model's cache has a block for every block of the model's (``draft_block_bytes`` each), so
+    the memory holds both caches.
     """
-    block_bytes = info.kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
+    block_bytes = info.kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size + draft_block_bytes
     usable = _max_usable_blocks(config, max_model_len)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -199,6 +202,8 @@ def _default_num_kv_blocks(info: ModelInfo, device: torch.device, config: Engine
     usable_why = (f"max_num_seqs {config.max_num_seqs} x {-(-max_model_len // config.block_size)} blocks "
                   f"for max_model_len {max_model_len}")
     budget_why = f"memory budget {max(0, budget) / 2**20:.1f} MiB ({where})"
+    if draft_block_bytes:
+        budget_why += ", for the model's and the draft's KV caches together"
     if usable <= affordable:
         return max(usable, floor), f"{usable_why}, within the {budget_why}"
     if affordable >= floor:
@@ -247,6 +252,14 @@ class LLMEngine:
                 f"does not implement; set max_model_len <= {info.sliding_window}"
             )
         self.max_model_len = max_len
+        # The draft proposer's model, loaded before the KV cache is sized (its weights take memory,
+        # and its cache has a block for every block of the model's).
+        draft: tuple[torch.nn.Module, ModelInfo] | None = None
+        draft_block_bytes = 0
+        if config.speculative == "draft":
+            draft = load_model(config.draft_model, self.device, info.dtype)
+            check_draft_model(draft[1], info, max_len)
+            draft_block_bytes = draft[1].kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
         # Real bytes per block: an 8-bit cache's values and scales. Tensor parallel: of this rank's
         # KV heads, as every rank holds as many.
         kv_info = info if model.shard is None else dataclasses.replace(
@@ -255,9 +268,9 @@ class LLMEngine:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            num_blocks, why = _default_num_kv_blocks(kv_info, self.device, config, max_len)
+            num_blocks, why = _default_num_kv_blocks(kv_info, self.device, config, max_len, draft_block_bytes)
             log.info("KV cache sized automatically: %d blocks x %d tokens (%.1f MiB): %s", num_blocks,
-                     config.block_size, num_blocks * block_bytes / 2**20, why)
+                     config.block_size, num_blocks * (block_bytes + draft_block_bytes) / 2**20, why)
         num_swap_blocks = 0
         if config.preemption_mode == "swap":
             num_swap_blocks = num_swap_blocks_for(int(config.swap_space_gib * 2**30), block_bytes)
@@ -291,24 +304,31 @@ class LLMEngine:
             speculative_adaptive=config.speculative_policy == "adaptive",
         )
         draft_layers = None
-        if config.speculative == "ngram":
-            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
-        elif config.speculative == "self":
+        if config.speculative == "self":
             draft_layers = resolve_draft_layers(config.draft_layers, info.num_layers, info.name)
-            self.proposer = SelfProposer()
             log.info("speculative decoding: self, a draft of the model's first %d of %d layers",
                      draft_layers, info.num_layers)
-        else:
-            self.proposer = None
-        self.spec_stats = SpecStats(config.speculative)
-        self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
         group = None
         if self.tensor_parallel is not None:
             self.tensor_parallel.ready(self.scheduler_config)
             group = self.tensor_parallel.group
         self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
                                   kv_cache_dtype=config.kv_cache_dtype, group=group,
-                                  draft_layers=draft_layers)
+                                  draft_layers=draft_layers, draft_model=draft)
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
+        elif config.speculative == "self":
+            self.proposer = SelfProposer()
+        elif config.speculative == "draft":
+            self.proposer = DraftProposer(self.runner.draft)
+            dinfo = draft[1]
+            log.info("speculative decoding: draft model %s (%s, %d layers, %s params), its KV cache %.1f MiB",
+                     dinfo.model_id, dinfo.dtype, dinfo.num_layers, f"{dinfo.num_params:,}",
+                     self.runner.draft.kv_cache_bytes / 2**20)
+        else:
+            self.proposer = None
+        self.spec_stats = SpecStats(config.speculative)
+        self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
         if config.quantization != "none":
             self._quantize(config)
         self.eos_token_ids = frozenset(info.eos_token_ids) or (

@@ -11,8 +11,10 @@ A request with proposed tokens (speculative decoding) samples at its last known 
 each proposal, with the randomness of each row keyed by the position it samples, exactly as
 if the tokens had come one step at a time; the proposals are kept up to the first one that
 differs from what was sampled before it (``accept_proposals``). With a layer-skip draft
-(``draft_layers``, the ``self`` proposer) the runner first computes the proposals themselves,
-after the block copies and before the verification pass (workers/self_proposer.py).
+(``draft_layers``, the ``self`` proposer, workers/self_proposer.py) or a draft model
+(``draft_model``, the ``draft`` proposer, workers/draft_proposer.py, over a second KV cache
+with the same block ids) the runner first computes the proposals themselves, after the block
+copies and before the verification pass.
 
 With tensor parallelism (``workers/parallel.py``) the runner of each rank holds that rank's shard of
 the model and its part of the KV cache. Rank 0's ``execute`` packs the step into a
@@ -36,7 +38,8 @@ from mqinfer.kernels.sampling import SamplingTensors, accept_proposals, compute_
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request
-from mqinfer.workers.loader import ModelInfo
+from mqinfer.workers.draft_proposer import ModelDraft
+from mqinfer.workers.loader import ModelInfo, resolve_dtype
 from mqinfer.workers.models import LlamaForCausalLM
 from mqinfer.workers.parallel import Group, StepPlan
 from mqinfer.workers.self_proposer import LayerSkipDraft
@@ -95,10 +98,13 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         group: Group | None = None,
         draft_layers: int | None = None,
+        draft_model: tuple[LlamaForCausalLM, ModelInfo] | None = None,
     ) -> None:
         """``group``: the tensor-parallel group when ``model`` is one rank's shard; the KV cache
         then holds that rank's KV heads only, and ``execute`` (rank 0) sends each step's plan to
-        the other ranks, which call ``run_plan``."""
+        the other ranks, which call ``run_plan``. ``draft_layers`` (self-speculation) and
+        ``draft_model`` (a draft checkpoint and its info) choose the draft that fills in
+        placeholder proposals; at most one of them."""
         self.model = model
         self.info = info
         self.config = scheduler_config
@@ -130,10 +136,23 @@ class ModelRunner:
         self.num_queries_per_kv = num_heads // num_kv_heads
         model.rotary.extend(scheduler_config.max_model_len)
         # The self proposer's draft: the model's first draft_layers layers over this KV cache.
-        self.draft: LayerSkipDraft | None = None
+        # The draft proposer's: a second model over a KV cache of its own, with the same blocks.
+        self.draft: LayerSkipDraft | ModelDraft | None = None
+        if draft_layers is not None and draft_model is not None:
+            raise ValueError("a model runner takes draft_layers or draft_model, not both")
         if draft_layers is not None:
             self.draft = LayerSkipDraft(model, self.kv_caches, draft_layers, self.block_size,
                                         self.num_queries_per_kv, self.device, self.workspace)
+        elif draft_model is not None:
+            if group is not None:
+                raise ValueError("a draft model runs on one rank only (not tensor parallel)")
+            dmodel, dinfo = draft_model
+            dshape = (scheduler_config.num_kv_blocks, self.block_size, dinfo.num_kv_heads, dinfo.head_dim)
+            dcaches = [self._layer_cache(dshape, kv_storage_dtype(kv_cache_dtype, resolve_dtype(dinfo.dtype)),
+                                         kv_cache_dtype != "auto") for _ in range(dinfo.num_layers)]
+            dmodel.rotary.extend(scheduler_config.max_model_len)
+            self.draft = ModelDraft(dmodel, dinfo, dcaches, self.block_size, self.device,
+                                    scheduler_config.max_num_batched_tokens)
 
     def _layer_cache(self, shape: tuple[int, ...], dtype: torch.dtype, quantized: bool) -> LayerKVCache:
         if not quantized:
@@ -160,7 +179,8 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
-        """Bytes of the device KV cache, every layer's K, V and (8-bit) scales."""
+        """Bytes of the device KV cache, every layer's K, V and (8-bit) scales (a draft model's
+        cache not included: ``draft.kv_cache_bytes``)."""
         return sum(cache.nbytes for cache in self.kv_caches)
 
     @torch.inference_mode()
