@@ -243,8 +243,10 @@ def test_two_ranks_check_speculative_proposals_as_one_rank_generates(llama):
         assert two[rid].output_token_ids == out.output_token_ids, rid
 
 
-def test_a_layer_skip_draft_is_refused_over_several_ranks():
+def test_a_layer_skip_draft_or_a_draft_model_is_refused_over_several_ranks():
     # The draft's forwards run on rank 0 alone, whose collectives the other ranks would not join.
     with pytest.raises(ValueError, match="--speculative self does not combine with --tensor-parallel-size 2"):
         EngineConfig(model="tiny", device="cpu", tensor_parallel_size=2, speculative="self")
+    with pytest.raises(ValueError, match="--speculative draft does not combine with --tensor-parallel-size 2"):
+        EngineConfig(model="tiny", device="cpu", tensor_parallel_size=2, speculative="draft", draft_model="tiny")
     EngineConfig(model="tiny", device="cpu", tensor_parallel_size=2, speculative="ngram")
