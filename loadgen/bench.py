@@ -163,7 +163,9 @@ def _validate(args: argparse.Namespace) -> str | None:
         return ("--compare unquantized needs --quantization w8a8|w8a16 or --kv-cache-dtype int8|fp8 (it reruns "
                 "mqinfer without them)")
     if args.compare and UNSPECULATIVE in args.compare and args.speculative == "none":
-        return "--compare unspeculative needs --speculative ngram or self (it reruns mqinfer without it)"
+        return "--compare unspeculative needs --speculative ngram, self or draft (it reruns mqinfer without it)"
+    if args.speculative == "draft" and not args.draft_model:
+        return "--speculative draft needs --draft-model (a smaller checkpoint with the model's tokenizer)"
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf or llamacpp"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -265,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
                                                        "num_kv_blocks", "block_size", "max_batch", "max_wait_ms",
                                                        "num_threads", "speculative", "num_speculative_tokens",
                                                        "speculative_max_batched_tokens", "speculative_policy",
-                                                       "draft_layers")},
+                                                       "draft_layers", "draft_model")},
         "matrix_rate_before": asdict(rate_before),
         "flops": {**asdict(flops), "total": flops.total, "params_convention": flops.params_convention},
         "systems": {},

@@ -229,10 +229,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: auto).")
     g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
                    help="KV cache storage of the workers: auto (the model's dtype), int8 or fp8 (default: auto).")
-    g.add_argument("--speculative", default="none", choices=("none", "ngram", "self"),
+    g.add_argument("--speculative", default="none", choices=("none", "ngram", "self", "draft"),
                    help="Speculative decoding of the workers (see `mqinfer worker --help`; default: none).")
     g.add_argument("--draft-layers", type=positive_int, default=None, metavar="L",
                    help="With --speculative self: the draft's layers (default: the worker's, half the model's).")
+    g.add_argument("--draft-model", default=None, metavar="M",
+                   help="With --speculative draft: the draft checkpoint, a folder or .gguf file with the model's "
+                        "tokenizer (see loadgen/draft_checkpoint.py).")
     g.add_argument("--num-speculative-tokens", type=positive_int, default=None, metavar="K",
                    help="With --speculative: tokens proposed per request and step (default: the worker's).")
     g.add_argument("--speculative-max-batched-tokens", type=int, default=None, metavar="T",

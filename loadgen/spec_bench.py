@@ -9,7 +9,8 @@ folder or a ``.gguf`` file); a random model does not copy.
 
 For each request, alone in the engine, it measures the time from submission to the last token
 and the tokens produced, with ``--speculative none`` and with the proposer named by
-``--speculative`` (``ngram``, the default, or ``self`` with ``--draft-layers``) on the same engine
+``--speculative`` (``ngram``, the default, ``self`` with ``--draft-layers``, or ``draft`` with
+``--draft-model``, which loadgen/draft_checkpoint.py can cut from the model) on the same engine
 settings, in one process, taking turns request by request so that both see the same machine
 load. It prints the time per output token of each and their ratio, the acceptance rate and
 the tokens emitted per checking step, and whether the greedy outputs agree token for token.
@@ -19,7 +20,7 @@ decoding requests each checking s proposals), the measurement behind
 ``--speculative-max-batched-tokens``: speculation is cheap while a step's time stays flat.
 
     python -m mqinfer.loadgen.spec_bench --model MODEL [--num-requests 12] [--max-tokens 96]
-        [--speculative ngram|self] [--draft-layers L]
+        [--speculative ngram|self|draft] [--draft-layers L] [--draft-model M]
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def _engine(args: argparse.Namespace, speculative: str, **overrides: Any):
         "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,
         "num_kv_blocks": args.num_kv_blocks, "max_model_len": args.max_model_len, "speculative": speculative,
         "num_speculative_tokens": args.k, "ngram_max": args.ngram_max, "ngram_min": args.ngram_min,
-        "draft_layers": args.draft_layers, "speculative_policy": args.speculative_policy,
-        "enable_prefix_caching": False, **overrides,
+        "draft_layers": args.draft_layers, "draft_model": args.draft_model,
+        "speculative_policy": args.speculative_policy, "enable_prefix_caching": False, **overrides,
     }))
 
 
@@ -133,7 +134,8 @@ def run_copy(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model, "num_requests": len(prompts), "max_tokens": args.max_tokens,
         "speculative": spec, "k": args.k, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max,
         "num_threads": args.num_threads,
-        "draft_layers": engines[spec].runner.draft.num_layers if engines[spec].runner.draft else None,
+        "draft_layers": engines[spec].runner.draft.num_layers if spec == "self" else None,
+        "draft_model": engines[spec].runner.draft.info.model_id if spec == "draft" else None,
         "ms_per_output_token": {m: 1000 * v for m, v in tpot.items()},
         "speedup": tpot["none"] / tpot[spec] if tpot[spec] > 0 else None,
         "tokens_per_step": {m: t["tokens"] / max(1, t["steps"]) for m, t in totals.items()},
@@ -205,13 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=4, help="--num-speculative-tokens (default: 4).")
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
-    p.add_argument("--speculative", choices=("ngram", "self"), default="ngram",
+    p.add_argument("--speculative", choices=("ngram", "self", "draft"), default="ngram",
                    help="The proposer compared with no speculation (default: ngram).")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="With --speculative self: the draft's layers (default: half the model's).")
     p.add_argument("--speculative-policy", choices=("adaptive", "fixed"), default="adaptive",
                    help="How many proposals each request runs (see `mqinfer worker --help`; default: adaptive, "
                         "the worker's default).")
+    p.add_argument("--draft-model", default=None,
+                   help="With --speculative draft: the draft checkpoint (a folder or .gguf file with the model's "
+                        "tokenizer).")
     p.add_argument("--step-sweep", action="store_true", help="Measure step time against query tokens instead.")
     p.add_argument("--batch-sizes", type=lambda t: [int(v) for v in t.split(",")], default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--sweep-steps", type=int, default=8)

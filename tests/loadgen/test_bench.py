@@ -45,6 +45,10 @@ def test_defaults_and_pass_through_flags():
     args = parse("--speculative", "ngram", "--speculative-policy", "fixed")
     pairs = dict(zip(*[iter(bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))[5:])] * 2))
     assert pairs["--speculative-policy"] == "fixed"
+    assert "--draft-model" not in pairs
+    args = parse("--speculative", "draft", "--draft-model", "/m/draft")
+    pairs = dict(zip(*[iter(bench_pool.worker_argv(args, "tiny", "unix://:pw@/tmp/s.sock", Path("/tmp/out"))[5:])] * 2))
+    assert pairs["--speculative"] == "draft" and pairs["--draft-model"] == "/m/draft"
     with pytest.raises(SystemExit):
         parse("--rate", "0")
     with pytest.raises(SystemExit):
@@ -171,6 +175,7 @@ def test_llamacpp_flags_are_checked_before_any_work(tmp_path, capsys):
     (["--skip-engine"], "nothing to run"),
     (["--compare", "unquantized"], "--compare unquantized needs --quantization w8a8|w8a16 or --kv-cache-dtype"),
     (["--compare", "unspeculative"], "--compare unspeculative needs --speculative ngram"),
+    (["--speculative", "draft"], "--speculative draft needs --draft-model"),
     (["--output-len", "4,8"], "fixed lengths"),
     (["--workload", "shared-prefix", "--prompt-len", "4,8"], "does not apply"),
     (["--num-prefixes", "4"], "apply to --workload shared-prefix only"),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from mqinfer.loadgen import spec_bench
 
 
@@ -40,4 +42,27 @@ def test_copy_run_with_self_speculation_on_the_tiny_model(tmp_path):
     report = json.loads(out.read_text())
     assert report["speculative"] == "self" and report["draft_layers"] == 3
     assert set(report["ms_per_output_token"]) == {"none", "self"} and report["identical_outputs"] == "1/1"
+    assert report["proposed_tokens"] > 0
+
+
+def test_copy_run_with_a_draft_model_cut_from_the_model(tmp_path):
+    """The draft checkpoint helper cuts the model's first layers into a folder; with all but one of
+    the tiny model's 4 layers the draft is often right, and the outputs stay the model's."""
+    from mqinfer.loadgen import draft_checkpoint
+    from mqinfer.workers.loader import load_model, save_tiny_checkpoint
+
+    folder = save_tiny_checkpoint(tmp_path / "tiny")
+    assert draft_checkpoint.main(["--model", str(folder), "--layers", "3", "--out", str(tmp_path / "d")]) == 0
+    draft, info = load_model(str(tmp_path / "d"))
+    assert (info.num_layers, info.vocab_size, info.dtype) == (3, 264, "float32")
+    full = load_model("tiny")[0].state_dict()
+    kept = draft.state_dict()
+    assert kept and all(not k.startswith("model.layers.3.") for k in kept)
+    assert all(torch.equal(v, full[k]) for k, v in kept.items())
+    out = tmp_path / "draft.json"
+    assert spec_bench.main(["--model", "tiny", "--num-requests", "1", "--max-tokens", "8", "--dtype", "float32",
+                            "--speculative", "draft", "--draft-model", str(tmp_path / "d"), "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["speculative"] == "draft" and report["draft_model"].startswith("d@")
+    assert report["draft_layers"] is None and report["identical_outputs"] == "1/1"
     assert report["proposed_tokens"] > 0
