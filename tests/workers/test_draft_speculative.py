@@ -370,3 +370,13 @@ def test_worker_bills_rejected_tokens_and_counts_proposals(redis_url, redis_clie
     text = generate_latest(h.metrics.registry).decode()
     assert f'mqinfer_spec_accepted_tokens_total{{proposer="draft"}} {float(stats.accepted_tokens)}' in text
     assert f'mqinfer_spec_proposed_tokens_total{{proposer="draft"}} {float(stats.proposed_tokens)}' in text
+
+
+def test_an_8bit_kv_cache_holds_the_draft_too(target, small):
+    items = [(f"q{i}", p, GREEDY, True) for i, p in enumerate(_prompts(2, seed=13))]
+    plain, _ = _run(_engine(target, kv_cache_dtype="int8"), items)
+    engine = _engine(target, small, kv_cache_dtype="int8")
+    assert all(cache[0].dtype == torch.int8 and cache[2] is not None for cache in engine.runner.draft.kv_caches)
+    spec, _ = _run(engine, items)
+    _same(spec, plain)
+    assert engine.spec_stats.accepted_tokens > engine.spec_stats.proposed_tokens / 2
