@@ -39,8 +39,8 @@ slots the draft resumes from are the request's own, unchanged since it wrote the
 
 - A request's blocks change only by growing (new blocks past its tokens), by trimming blocks
   past its tokens (the draft's trusted positions are all below the request's token count), and
-  by preemption, after which the block ids differ (recompute: new blocks or cached ones; swap:
-  the draft cache is not swapped). Every preemption raises ``Request.num_preemptions``, and a
+  by preemption, after which the block ids may differ (recompute: new blocks or cached ones;
+  swap: other blocks, and the draft's cache is not swapped). Every preemption raises ``Request.num_preemptions``, and a
   request whose count moved since the draft last ran starts again from its first token.
 - A request the draft has not seen (new, or admitted with prefix-cache hits) starts from its
   first token. The blocks of its hits were written by the model for another request, and the
