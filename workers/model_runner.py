@@ -82,8 +82,9 @@ class ModelRunnerOutput:
     # Seconds in (prepare inputs and block copies, forward incl. LM head, sample); on CUDA the
     # split is only indicative (kernels run asynchronously).
     phase_seconds: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    # Of the forward seconds, those the draft model spent proposing (``self``): one forward per
-    # proposal depth, whatever the batch, a cost the speculation policy weighs apart.
+    # Of the forward seconds, those the draft spent proposing (``self``, ``draft``): one forward
+    # per proposal depth, whatever the batch, a cost the speculation policy weighs apart (a draft
+    # model's catch-up over tokens it has not run yet is counted in it too).
     draft_seconds: float = 0.0
 
 

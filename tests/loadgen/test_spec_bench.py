@@ -61,7 +61,8 @@ def test_copy_run_with_a_draft_model_cut_from_the_model(tmp_path):
     assert all(torch.equal(v, full[k]) for k, v in kept.items())
     out = tmp_path / "draft.json"
     assert spec_bench.main(["--model", "tiny", "--num-requests", "1", "--max-tokens", "8", "--dtype", "float32",
-                            "--speculative", "draft", "--draft-model", str(tmp_path / "d"), "--json", str(out)]) == 0
+                            "--speculative", "draft", "--draft-model", str(tmp_path / "d"), "--speculative-policy",
+                            "fixed", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["speculative"] == "draft" and report["draft_model"].startswith("d@")
     assert report["draft_layers"] is None and report["identical_outputs"] == "1/1"

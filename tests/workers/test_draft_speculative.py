@@ -85,7 +85,9 @@ def unrelated(tmp_path_factory) -> str:
 
 
 def _engine(model: str, draft: str | None = None, **kw) -> LLMEngine:
-    config = {"num_kv_blocks": 128, "dtype": "float32", "num_speculative_tokens": 3, **kw}
+    # fixed: every request proposes whenever it can, so that the checks below do not depend on timing.
+    config = {"num_kv_blocks": 128, "dtype": "float32", "num_speculative_tokens": 3, "speculative_policy": "fixed",
+              **kw}
     if draft is not None:
         config.update(speculative="draft", draft_model=draft)
     return LLMEngine(EngineConfig(model=model, num_threads=1, **config))
@@ -353,7 +355,7 @@ def test_the_automatic_kv_size_holds_the_draft_cache_too(target, small, monkeypa
 
 def test_worker_bills_rejected_tokens_and_counts_proposals(redis_url, redis_client, tmp_path, target, small):
     engine = EngineConfig(model=target, num_threads=1, dtype="float32", num_kv_blocks=64, speculative="draft",
-                          draft_model=small)
+                          draft_model=small, speculative_policy="fixed")
     h = WorkerHarness(redis_url, tmp_path / "out", engine=engine).start()
     try:
         for i, p in enumerate(_prompts(3, seed=11)):
