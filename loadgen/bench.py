@@ -36,7 +36,7 @@ from typing import Any
 from mqinfer.layout import choose_layout, cuda_available
 from mqinfer.loadgen import llamacpp
 from mqinfer.loadgen.bench_model import ModelSpec, hf_folder, resolve_model
-from mqinfer.loadgen.bench_offline import overhead_share, run_offline
+from mqinfer.loadgen.bench_offline import overhead_share, run_offline, speculation_summary
 from mqinfer.loadgen.bench_online import (
     OnlinePoint,
     half_rate,
@@ -77,6 +77,7 @@ class EngineRun:
     overhead: dict[str, Any] | None = None  # offline only: see overhead_share
     prefix_cache: dict[str, Any] | None = None  # offline only: see loadgen/prefix_cache.py
     routing: dict[str, Any] | None = None  # offline with --shards > 1: the work per shard, the spill
+    speculation: dict[str, Any] | None = None  # offline with --speculative: see speculation_summary
 
 
 def _with_wait(args: argparse.Namespace, max_wait_ms: float | str | None) -> argparse.Namespace:
@@ -123,8 +124,9 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
                            "spilled": router.spilled, "routed": router.routed}
                 log(f"routing {args.route}: work per shard {router.load}, {router.spilled} of {router.routed} "
                     "requests spilled over")
-            return EngineRun(summarize(timings), [], timings, outputs,
-                             overhead=overhead_share(workers.busy_summaries()), prefix_cache=hits, routing=routing)
+            summaries = workers.busy_summaries()
+            return EngineRun(summarize(timings), [], timings, outputs, overhead=overhead_share(summaries),
+                             prefix_cache=hits, routing=routing, speculation=speculation_summary(summaries))
         offline, timings, outputs, half = None, [], {}, None
         if HALF in args.rate:
             # Its own workers, stopped before the online runs: they start with an empty prefix cache.
@@ -293,6 +295,8 @@ def _run(args: argparse.Namespace) -> int:
             ours, online, our_timings, our_outputs = run.offline, run.online, run.timings, run.outputs
             if run.overhead is not None:
                 report["overhead"] = run.overhead
+            if run.speculation is not None:
+                report["speculation"] = run.speculation
             if run.prefix_cache is not None:
                 report["prefix_cache"] = run.prefix_cache
             if run.routing is not None:

@@ -31,6 +31,21 @@ def overhead_share(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
             "outside_forward_share": 1.0 - forward / busy}
 
 
+def speculation_summary(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Speculative decoding's totals over the workers' exit summaries: tokens proposed, accepted
+    and emitted in checking steps, request-steps that checked proposals, with the acceptance rate
+    and tokens per checking step; None when no worker speculated."""
+    found = [s["speculation"] for s in summaries if s.get("speculation")]
+    if not found:
+        return None
+    total = {name: sum(int(s.get(name) or 0) for s in found)
+             for name in ("proposed_tokens", "accepted_tokens", "emitted_tokens", "num_checks", "steps")}
+    proposed, checks = total["proposed_tokens"], total["num_checks"]
+    return {"proposer": found[0].get("proposer"), "workers": len(found), **total,
+            "acceptance": total["accepted_tokens"] / proposed if proposed else None,
+            "tokens_per_check": total["emitted_tokens"] / checks if checks else None}
+
+
 def run_offline(args: argparse.Namespace, requests: list[dict[str, Any]], producer, pool: WorkerPool, out: Path,
                 job_id: str) -> tuple[list[RequestTiming], dict[str, list[int]]]:
     """Every request submitted, then the workers started; stopped when all are done (their busy

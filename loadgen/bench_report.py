@@ -220,6 +220,14 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
         parts = ", ".join(f"{k} {v:.2f}s" for k, v in o["phases_s"].items())
         print(f"overhead: {o['outside_forward_share']:.1%} of the workers' busy time ({o['busy_s']:.2f}s) is outside "
               f"the forward pass ({parts})")
+    if "speculation" in report:
+        s = report["speculation"]
+        if s["num_checks"]:
+            print(f"speculation ({s['proposer']}): {s['proposed_tokens']} proposed tokens checked in {s['num_checks']} "
+                  f"request-steps of {s['steps']} engine steps; acceptance {s['acceptance']:.2f}, "
+                  f"{s['tokens_per_check']:.2f} tokens per checking step")
+        else:
+            print(f"speculation ({s['proposer']}): nothing proposed in {s['steps']} engine steps")
     if "rate_half" in report:
         half = report["rate_half"]
         print(f"--rate half: offline throughput {half['offline_req_s']:.3g} req/s, so online at {half['rate']:g} req/s")

@@ -21,6 +21,7 @@ and so is the clock: a test drives :meth:`Worker.iteration` by hand on a clock i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -476,9 +477,14 @@ class Worker:
         """What a stopped worker leaves for benchmarks: its busy-time summary, how many requests it
         finished, how many result rows it wrote and its uptime (from the process's start)."""
         now = self.clock()
-        return {"consumer": self.consumer, "exit_code": code, **self.busy_summary(),
-                "requests_finished": self.acks.requests_finished, "result_rows": self.acks.rows_written,
-                "uptime_s": round(max(0.0, now - self.meter.start), 4), "stopped_at": now}
+        summary = {"consumer": self.consumer, "exit_code": code, **self.busy_summary(),
+                   "requests_finished": self.acks.requests_finished, "result_rows": self.acks.rows_written,
+                   "uptime_s": round(max(0.0, now - self.meter.start), 4), "stopped_at": now}
+        engine = self.engine
+        if engine is not None and engine.spec_stats.proposer != "none":
+            # Speculative decoding's totals, and the engine's steps to put them against.
+            summary["speculation"] = {**dataclasses.asdict(engine.spec_stats), "steps": engine.num_steps}
+        return summary
 
     def close(self, code: int = 0) -> None:
         """The worker stopped (drained, or unable to write): metrics off, its busy time logged and

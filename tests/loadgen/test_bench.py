@@ -412,3 +412,8 @@ def test_speculation_beside_the_unspeculative_run(tmp_path, capsys):
     assert report["agreement_vs_unspeculative"]["compared"] == 4
     assert report["agreement_vs_unspeculative"]["identical"] == 1.0
     assert "--speculative ngram / unspeculative: " in captured.out
+    # The workers' speculation totals, summed from their exit summaries.
+    spec = report["speculation"]
+    assert spec["proposer"] == "ngram" and spec["workers"] == 1 and spec["steps"] > 0
+    assert spec["proposed_tokens"] >= spec["accepted_tokens"] >= 0
+    assert "speculation (ngram): " in captured.out
