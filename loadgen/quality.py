@@ -1,8 +1,10 @@
 """What 8-bit weights and an 8-bit KV cache cost in quality, measured on a real model.
 
     python -m mqinfer.loadgen.quality --model M [--quantization none,w8a8,w8a16] [--kv-cache-dtype auto,int8]
+        [--quantize-lm-head on,off]
 
-For every combination of ``--quantization`` and ``--kv-cache-dtype`` it runs the engine itself
+For every combination of ``--quantization`` and ``--kv-cache-dtype`` (and for ``w8a8``, of
+``--quantize-lm-head``) it runs the engine itself
 (the same model code, kernels and KV cache a worker uses) and reports:
 
 - **perplexity** on a fixed English text: the docstrings of a fixed list of Python standard
@@ -65,6 +67,7 @@ def reference_text(modules: tuple[str, ...] = TEXT_MODULES) -> str:
 class Result:
     quantization: str
     kv_cache_dtype: str
+    lm_head: str  # "int8" (w8a8's head quantized too) or "dtype" (the model dtype)
     perplexity: float
     tokens_scored: int
     kv_blocks: int
@@ -73,11 +76,12 @@ class Result:
     common_prefix: float | None = None  # mean share of the longer output in common from the start
 
 
-def _engine(args: argparse.Namespace, quantization: str, kv_cache_dtype: str):
+def _engine(args: argparse.Namespace, quantization: str, kv_cache_dtype: str, lm_head: str):
     from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.engine import LLMEngine
 
     options: dict[str, Any] = dict(model=args.model, device="cpu", dtype=args.dtype, quantization=quantization,
+                                   quantize_lm_head=lm_head == "int8",
                                    num_threads=args.num_threads, max_num_seqs=len(PROMPTS),
                                    smoothquant_alpha=args.smoothquant_alpha,
                                    num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=False)
@@ -136,7 +140,7 @@ def _choices(allowed: tuple[str, ...]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from mqinfer.workers.config import QUANTIZATIONS
+    from mqinfer.workers.config import QUANTIZATIONS, EngineConfig
 
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.quality", description=__doc__.split("\n\n")[0],
                                      epilog="Example: python -m mqinfer.loadgen.quality --model ./smollm2 --json q.json")
@@ -145,8 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="Weight modes to measure; the first is the baseline (default: none,w8a8,w8a16).")
     parser.add_argument("--kv-cache-dtype", type=_choices(("auto", "int8", "fp8")), default=["auto", "int8"],
                         metavar="D[,D...]", help="KV cache dtypes to measure; the first is the baseline (default: auto,int8).")
-    parser.add_argument("--smoothquant-alpha", type=float, default=0.5, metavar="A",
-                        help="SmoothQuant's alpha for w8a8 (0 = off; default: 0.7, the engine's default).")
+    parser.add_argument("--quantize-lm-head", type=_choices(("on", "off")), default=None, metavar="on|off[,...]",
+                        help="For w8a8: the LM head in int8 too (on) or in the model dtype (off); both (on,off) "
+                             "measures each (default: the engine's, " + ("on" if EngineConfig.quantize_lm_head else "off")
+                             + "). The other modes keep the head in the model dtype.")
+    parser.add_argument("--smoothquant-alpha", type=float, default=EngineConfig.smoothquant_alpha, metavar="A",
+                        help=f"SmoothQuant's alpha for w8a8 (0 = off; default: {EngineConfig.smoothquant_alpha:g}, "
+                             "the engine's default).")
     parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"),
                         help="Model dtype (default: float32, the reference).")
     parser.add_argument("--window", type=int, default=512, help="Tokens per perplexity window (default: 512).")
@@ -164,49 +173,52 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Result] = []
     baseline_outputs: dict[str, list[int]] | None = None
     ids: list[int] | None = None
-    for quantization in args.quantization:
-        for kv in args.kv_cache_dtype:
-            _log(f"--quantization {quantization} --kv-cache-dtype {kv}: loading {args.model}")
-            try:
-                engine = _engine(args, quantization, kv)
-            except (TypeError, ValueError) as exc:
-                print(f"quality: cannot build the engine with --quantization {quantization} --kv-cache-dtype "
-                      f"{kv}: {exc}", file=sys.stderr)
-                return 2
-            if engine.tokenizer is None:
-                print(f"quality: {args.model} has no tokenizer; perplexity needs one", file=sys.stderr)
-                return 2
-            if ids is None:
-                ids = engine.tokenizer.encode(text)[: args.max_text_tokens]
-                _log(f"text: {len(ids)} tokens of docstrings from {len(TEXT_MODULES)} modules "
-                     f"(Python {platform.python_version()})")
-            t = time.perf_counter()
-            ppl, scored = perplexity(engine, ids, min(args.window, engine.max_model_len))
-            outputs = greedy_outputs(engine, args.max_tokens)
-            result = Result(quantization, kv, ppl, scored, engine.scheduler_config.num_kv_blocks, time.perf_counter() - t)
-            if baseline_outputs is None:
-                baseline_outputs = outputs
-            else:
-                from mqinfer.loadgen.metrics import token_agreement
+    head_choices = args.quantize_lm_head or ["on" if EngineConfig.quantize_lm_head else "off"]
+    runs = [(quantization, kv, "int8" if quantization == "w8a8" and head == "on" else "dtype")
+            for quantization in args.quantization for kv in args.kv_cache_dtype
+            for head in (head_choices if quantization == "w8a8" else ["off"])]
+    for quantization, kv, lm_head in runs:
+        _log(f"--quantization {quantization} --kv-cache-dtype {kv} (LM head: {lm_head}): loading {args.model}")
+        try:
+            engine = _engine(args, quantization, kv, lm_head)
+        except (TypeError, ValueError) as exc:
+            print(f"quality: cannot build the engine with --quantization {quantization} --kv-cache-dtype "
+                  f"{kv}: {exc}", file=sys.stderr)
+            return 2
+        if engine.tokenizer is None:
+            print(f"quality: {args.model} has no tokenizer; perplexity needs one", file=sys.stderr)
+            return 2
+        if ids is None:
+            ids = engine.tokenizer.encode(text)[: args.max_text_tokens]
+            _log(f"text: {len(ids)} tokens of docstrings from {len(TEXT_MODULES)} modules "
+                 f"(Python {platform.python_version()})")
+        t = time.perf_counter()
+        ppl, scored = perplexity(engine, ids, min(args.window, engine.max_model_len))
+        outputs = greedy_outputs(engine, args.max_tokens)
+        result = Result(quantization, kv, lm_head, ppl, scored, engine.scheduler_config.num_kv_blocks, time.perf_counter() - t)
+        if baseline_outputs is None:
+            baseline_outputs = outputs
+        else:
+            from mqinfer.loadgen.metrics import token_agreement
 
-                agreement = token_agreement(outputs, baseline_outputs)
-                if agreement is not None:
-                    result.identical, result.common_prefix = agreement.identical, agreement.common_prefix
-            results.append(result)
-            _log(f"perplexity {ppl:.4f} over {scored} tokens ({result.seconds:.1f}s)")
-            del engine
+            agreement = token_agreement(outputs, baseline_outputs)
+            if agreement is not None:
+                result.identical, result.common_prefix = agreement.identical, agreement.common_prefix
+        results.append(result)
+        _log(f"perplexity {ppl:.4f} over {scored} tokens ({result.seconds:.1f}s)")
+        del engine
 
     base = results[0]
     print(f"quality of {args.model} ({args.dtype}); text: {base.tokens_scored} tokens scored in windows of "
           f"{args.window} (docstrings, Python {platform.python_version()}); greedy: {len(PROMPTS)} chat prompts x "
           f"{args.max_tokens} tokens, against the first row")
-    print(f"{'quantization':<13} {'kv cache':<9} {'perplexity':>10} {'vs first':>9} {'identical':>9} "
+    print(f"{'quantization':<13} {'kv cache':<9} {'lm head':<7} {'perplexity':>10} {'vs first':>9} {'identical':>9} "
           f"{'common prefix':>13} {'KV blocks':>9}")
     for r in results:
         change = r.perplexity / base.perplexity - 1
         same = "-" if r.identical is None else f"{r.identical:.0%}"
         prefix = "-" if r.common_prefix is None else f"{r.common_prefix:.0%}"
-        print(f"{r.quantization:<13} {r.kv_cache_dtype:<9} {r.perplexity:>10.4f} {change:>+9.2%} {same:>9} "
+        print(f"{r.quantization:<13} {r.kv_cache_dtype:<9} {r.lm_head:<7} {r.perplexity:>10.4f} {change:>+9.2%} {same:>9} "
               f"{prefix:>13} {r.kv_blocks:>9}")
     if args.json:
         with open(args.json, "w") as f:

@@ -379,8 +379,10 @@ class LLMEngine:
                 smoothed = smooth(self.model, ranges, config.smoothquant_alpha)
             else:
                 log.info("no tokenizer: w8a8 without SmoothQuant calibration")
-        swapped = quantize_model(self.model, config.quantization)
-        log.info("quantization %s: %d projections hold int8 weights%s", config.quantization, swapped,
+        swapped = quantize_model(self.model, config.quantization, lm_head=config.quantize_lm_head)
+        head = config.quantization == "w8a8" and config.quantize_lm_head
+        log.info("quantization %s: %d projections hold int8 weights%s%s", config.quantization, swapped,
+                 " (the LM head among them)" if head else "",
                  f" ({smoothed} smoothed, alpha {config.smoothquant_alpha:g})" if smoothed else "")
 
     # -- requests in --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """--quantization w8a8 / w8a16 in the model and the engine: the layer swap touches only the
-decoder projections, the native and PyTorch w8a8 paths give the same tokens and logprobs bit for
+decoder projections (and, with w8a8's --quantize-lm-head, the LM head, as an int8 copy beside
+a tied embedding), the native and PyTorch w8a8 paths give the same tokens and logprobs bit for
 bit, the native w8a16 engine gives those of the float32 engine on the dequantized weights bit for
 bit (and the PyTorch w8a16 path the same tokens, logprobs to rounding), and quantized outputs
 stay close to the float model's."""
@@ -19,7 +20,7 @@ from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
-from mqinfer.workers.models.llama import Linear
+from mqinfer.workers.models.llama import Linear, LMHead
 from mqinfer.workers.models.quant import Int8Linear, quantize_model
 
 
@@ -70,6 +71,56 @@ def test_the_swap_touches_only_the_decoder_projections(qwen2):
     assert quantize_model(model, "w8a8") == 0  # already swapped
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(model, "int4")
+
+
+@pytest.fixture(scope="module")
+def qwen2_tied(tmp_path_factory, make_hf_checkpoint):
+    """A random Qwen2 whose LM head is its embedding table (tied), float32."""
+    folder = tmp_path_factory.mktemp("qwen2_tied")
+    make_hf_checkpoint("qwen2", folder, seed=5, tie_word_embeddings=True)
+    return str(folder)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lm_head_swap_gives_an_int8_copy_and_keeps_the_embedding(qwen2, qwen2_tied, tied):
+    model, _ = load_model(qwen2_tied if tied else qwen2, "cpu", "float32")
+    head, embed = model.lm_head, model.model.embed_tokens.weight
+    float_weight = head.weight.detach().clone()
+    assert (head.weight is embed) == tied
+    # Only w8a8 takes the head.
+    model16, _ = load_model(qwen2, "cpu", "float32")
+    assert quantize_model(model16, "w8a16", lm_head=True) == 4 * len(model16.model.layers)
+    assert isinstance(model16.lm_head, LMHead)
+    assert quantize_model(model, "w8a8", lm_head=True) == 4 * len(model.model.layers) + 1
+    swapped = model.lm_head
+    assert isinstance(swapped, Int8Linear) and swapped.bias is None and swapped.qweight.dtype == torch.int8
+    assert swapped.out_features == float_weight.shape[0] and swapped.in_features == float_weight.shape[1]
+    # The embedding keeps its float table (the head's int8 copy is its own), bit for bit.
+    assert model.model.embed_tokens.weight is embed and torch.equal(embed.detach(), float_weight if tied else embed)
+    error = (swapped.qweight.float() * swapped.scale[:, None] - float_weight).abs()
+    assert bool((error <= swapped.scale[:, None] * 0.5 * (1 + 1e-6)).all())
+    # compute_logits goes through it: reference_linear's bits, and close to the float head
+    # (relative to the logits' spread: measured about 1% of it on this random model).
+    torch.manual_seed(0)
+    hidden = torch.randn(5, float_weight.shape[1])
+    logits = model.compute_logits(hidden)
+    assert torch.equal(logits, q8.reference_linear(hidden, swapped.qweight, swapped.scale))
+    exact = hidden @ float_weight.t()
+    assert float((logits - exact).abs().max()) < 0.03 * float(exact.std())
+    out = torch.full_like(exact, float("nan"))
+    assert model.compute_logits(hidden, out) is out and torch.equal(out, logits)
+    assert quantize_model(model, "w8a8", lm_head=True) == 0  # already swapped
+
+
+def test_the_engine_quantizes_the_lm_head_with_w8a8_unless_told_not_to(qwen2_tied):
+    def head_of(**kw):
+        return LLMEngine(EngineConfig(model=qwen2_tied, num_threads=1, num_kv_blocks=64, **kw)).model.lm_head
+
+    assert EngineConfig().quantize_lm_head
+    assert isinstance(head_of(quantization="w8a8"), Int8Linear)
+    assert isinstance(head_of(quantization="w8a8", quantize_lm_head=False), LMHead)
+    assert isinstance(head_of(quantization="w8a16"), LMHead)
+    assert isinstance(head_of(), LMHead)
 
 
 @pytest.mark.skipif(not q8.native_available(), reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
