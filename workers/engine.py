@@ -375,7 +375,8 @@ class LLMEngine:
             window = min(512, self.max_model_len, self.scheduler_config.num_kv_blocks * config.block_size)
             windows = calibration_token_windows(self.tokenizer, window) if self.tokenizer is not None else []
             if windows:
-                ranges = activation_ranges(self.model, lambda: [self.runner.forward_sequence(w) for w in windows])
+                ranges = activation_ranges(self.model, lambda: [self.runner.forward_sequence(w) for w in windows],
+                                           lm_head=config.quantize_lm_head)
                 smoothed = smooth(self.model, ranges, config.smoothquant_alpha)
             else:
                 log.info("no tokenizer: w8a8 without SmoothQuant calibration")

@@ -226,3 +226,28 @@ def test_smoothing_keeps_the_float_model_and_flattens_the_activations(qwen2):
     for proj, r in ranges.items():
         spread = lambda t: float(t.max() / t.clamp(min=1e-6).median())  # noqa: E731
         assert spread(after[proj]) <= spread(r) + 1e-6
+
+
+def test_smoothing_the_lm_head_keeps_the_function_and_the_tied_embedding(qwen2_tied):
+    from mqinfer.workers.models.quant import activation_ranges, smooth
+
+    engine = LLMEngine(EngineConfig(model=qwen2_tied, num_threads=1, num_kv_blocks=64))
+    runner, model = engine.runner, engine.model
+    embed = model.model.embed_tokens.weight
+    table = embed.detach().clone()
+    assert model.lm_head.weight is embed
+    ids = [3 + (i * 37) % 290 for i in range(200)]
+    hidden = runner.forward_sequence(ids).clone()
+    before = model.compute_logits(hidden).clone()
+    assert model.lm_head not in activation_ranges(model, lambda: runner.forward_sequence(ids))
+    ranges = activation_ranges(model, lambda: runner.forward_sequence(ids), lm_head=True)
+    torch.testing.assert_close(ranges[model.lm_head], hidden.abs().amax(dim=0))
+    assert smooth(model, ranges, 0.7) == 3 * len(model.model.layers) + 1
+    # The head has a weight of its own; the embedding table is untouched, bit for bit.
+    assert model.lm_head.weight is not embed and model.model.embed_tokens.weight is embed
+    assert torch.equal(embed.detach(), table)
+    # The same logits in float32, to rounding, from a flatter final hidden state.
+    smoothed = runner.forward_sequence(ids)
+    torch.testing.assert_close(model.compute_logits(smoothed), before, rtol=1e-4, atol=1e-4)
+    spread = lambda t: float(t.max() / t.clamp(min=1e-6).median())  # noqa: E731
+    assert spread(smoothed.abs().amax(dim=0)) < spread(hidden.abs().amax(dim=0))
