@@ -103,4 +103,6 @@ def test_op_timing_names_the_int8_layers(small_checkpoint):
     with timing_ops(engine.model) as times:
         fig = run_engine(engine, standard_workload(vocab_size=300, n=4, seed=5))
     assert times.calls["dense qkv_proj (int8)"] == 2 * fig.steps and times.flops["dense down_proj (int8)"] > 0
+    # w8a8 quantizes the LM head too (--quantize-lm-head): once per step, on the sampled rows.
+    assert times.calls["dense lm_head (int8)"] == fig.steps and "dense lm_head" not in times.calls
     assert (q8.linear, q8.swiglu) == originals
