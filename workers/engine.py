@@ -383,7 +383,7 @@ class LLMEngine:
         swapped = quantize_model(self.model, config.quantization, lm_head=config.quantize_lm_head)
         head = config.quantization == "w8a8" and config.quantize_lm_head
         log.info("quantization %s: %d projections hold int8 weights%s%s", config.quantization, swapped,
-                 " (the LM head among them)" if head else "",
+                 ", the LM head among them" if head else "",
                  f" ({smoothed} smoothed, alpha {config.smoothquant_alpha:g})" if smoothed else "")
 
     # -- requests in --------------------------------------------------------------------------

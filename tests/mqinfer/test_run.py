@@ -269,7 +269,8 @@ def test_run_with_int8_weights(tmp_path):
     check_once(out, ["r0", "r1", "r2", "r3"])
     assert all(len(r["output_token_ids"]) == 6 for r in rows(out / "results"))
     # The worker (its log at info level on the run's stderr) says what it quantized.
-    assert "quantization w8a8: 16 projections hold int8 weights (12 smoothed, alpha 0.7)" in proc.stderr
+    assert ("quantization w8a8: 17 projections hold int8 weights, the LM head among them (13 smoothed, alpha 0.7)"
+            in proc.stderr)
 
 
 def test_prefix_order_and_routing_give_the_same_rows_as_input_order(tmp_path):
