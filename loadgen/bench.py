@@ -44,7 +44,7 @@ from mqinfer.loadgen.bench_online import (
     run_online,
 )
 from mqinfer.loadgen.bench_options import (
-    HALF, HF, INPUT_ORDER, LLAMACPP, UNQUANTIZED, UNSPECULATIVE, add_bench_arguments,
+    HALF, HF, INPUT_ORDER, LLAMACPP, UNQUANTIZED, UNSPECULATIVE, VARIANTS, add_bench_arguments,
 )
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, worker_argv, worker_wait_setting
 from mqinfer.loadgen.prefix_cache import describe as describe_hits
@@ -152,6 +152,40 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
         server.stop()
 
 
+def _variant_args(args: argparse.Namespace, variant: str | None, folder: str) -> argparse.Namespace:
+    """The arguments of an offline rerun of mqinfer: with ``variant``'s one change (None: as
+    given), writing under ``--out``'s ``folder`` when there is an ``--out``."""
+    change = {UNQUANTIZED: {"quantization": "none", "kv_cache_dtype": "auto"},
+              UNSPECULATIVE: {"speculative": "none"},
+              INPUT_ORDER: {"order": "input", "route": "id"},
+              None: {}}[variant]
+    return argparse.Namespace(**{**vars(args), **change, "mode": "offline", "rate": [], "compare_wait": None,
+                                 "out": str(Path(args.out) / folder) if args.out else None})
+
+
+def _more_rounds(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], scratch: Path,
+                 variant: str, first: tuple[float, float]) -> dict[str, Any]:
+    """Rounds 2..R of mqinfer against ``variant``, alternating which runs first; ``first`` is
+    round 1's (mqinfer, variant) throughput. Every round's figures, their ratios and the median."""
+    import statistics
+
+    pairs = [first]
+    for r in range(1, args.rounds):
+        order = [variant, None] if r % 2 else [None, variant]
+        got: dict[str | None, float] = {}
+        for which in order:
+            folder = f"round-{r + 1}-{which or 'mqinfer'}"
+            log(f"round {r + 1} of {args.rounds}: {which or 'mqinfer'}")
+            run = run_engine(_variant_args(args, which, folder), spec, requests, scratch / folder)
+            got[which] = run.offline.throughput
+        pairs.append((got[None], got[variant]))
+        log(f"round {r + 1}: mqinfer {got[None]:.1f} tok/s, {variant} {got[variant]:.1f} tok/s")
+    ratios = [ours / other if other else 0.0 for ours, other in pairs]
+    return {"order": ["mqinfer first" if r % 2 == 0 else f"{variant} first" for r in range(len(pairs))],
+            "mqinfer_tok_s": [p[0] for p in pairs], "variant_tok_s": [p[1] for p in pairs],
+            "ratios": ratios, "median_ratio": statistics.median(ratios)}
+
+
 def _validate(args: argparse.Namespace) -> str | None:
     if args.mode == "online" and not args.rate:
         return "--mode online needs --rate R (requests per second; several comma-separated for a sweep)"
@@ -168,6 +202,9 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--compare unspeculative needs --speculative ngram, self or draft (it reruns mqinfer without it)"
     if args.speculative == "draft" and not args.draft_model:
         return "--speculative draft needs --draft-model (a smaller checkpoint with the model's tokenizer)"
+    if args.rounds > 1 and (args.mode != "offline" or args.skip_engine
+                            or not any(v in (args.compare or []) for v in VARIANTS)):
+        return "--rounds applies to --mode offline with --compare unquantized, unspeculative or input-order"
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf or llamacpp"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -316,11 +353,7 @@ def _run(args: argparse.Namespace) -> int:
                      {"summary": p.summary.to_dict(), "budget": budget_dict(p)})
         if UNQUANTIZED in compare and not args.skip_engine:
             log("mqinfer again with --quantization none --kv-cache-dtype auto")
-            plain_args = argparse.Namespace(**{**vars(args), "quantization": "none", "kv_cache_dtype": "auto",
-                                               "mode": "offline", "rate": [],
-                                               "compare_wait": None,
-                                               "out": str(Path(args.out) / "unquantized") if args.out else None})
-            plain = run_engine(plain_args, spec, requests, scratch / "unquantized")
+            plain = run_engine(_variant_args(args, UNQUANTIZED, "unquantized"), spec, requests, scratch / "unquantized")
             done("mqinfer offline, unquantized", plain.offline, {"summary": plain.offline.to_dict()})
             if ours is not None:
                 agreement = token_agreement(our_outputs, plain.outputs)
@@ -328,10 +361,8 @@ def _run(args: argparse.Namespace) -> int:
                     report["agreement_vs_unquantized"] = asdict(agreement)
         if UNSPECULATIVE in compare and not args.skip_engine:
             log("mqinfer again with --speculative none")
-            plain_args = argparse.Namespace(**{**vars(args), "speculative": "none", "mode": "offline", "rate": [],
-                                               "compare_wait": None,
-                                               "out": str(Path(args.out) / "unspeculative") if args.out else None})
-            plain = run_engine(plain_args, spec, requests, scratch / "unspeculative")
+            plain = run_engine(_variant_args(args, UNSPECULATIVE, "unspeculative"), spec, requests,
+                               scratch / "unspeculative")
             done("mqinfer offline, unspeculative", plain.offline, {"summary": plain.offline.to_dict()})
             if ours is not None:
                 agreement = token_agreement(our_outputs, plain.outputs)
@@ -339,16 +370,21 @@ def _run(args: argparse.Namespace) -> int:
                     report["agreement_vs_unspeculative"] = asdict(agreement)
         if INPUT_ORDER in compare and not args.skip_engine:
             log("mqinfer again with --order input --route id")
-            plain_args = argparse.Namespace(**{**vars(args), "order": "input", "route": "id", "mode": "offline",
-                                               "rate": [], "compare_wait": None,
-                                               "out": str(Path(args.out) / "input-order") if args.out else None})
-            plain = run_engine(plain_args, spec, requests, scratch / "input-order")
+            plain = run_engine(_variant_args(args, INPUT_ORDER, "input-order"), spec, requests, scratch / "input-order")
             done("mqinfer offline, input order", plain.offline,
                  {"summary": plain.offline.to_dict(), "prefix_cache": plain.prefix_cache, "routing": plain.routing})
             if ours is not None:
                 agreement = token_agreement(our_outputs, plain.outputs)
                 if agreement is not None:
                     report["agreement_vs_input_order"] = asdict(agreement)
+        if args.rounds > 1 and ours is not None:
+            rows = dict(table_rows)
+            report["rounds"] = {}
+            for variant, name in VARIANTS.items():
+                if variant in compare:
+                    report["rounds"][variant] = _more_rounds(args, spec, requests, scratch, variant,
+                                                             (ours.throughput, rows[name].throughput))
+                    save_json(args.json, report)
         static_best = continuous = None
         if HF in compare:
             from mqinfer.loadgen import hf_baseline
@@ -402,6 +438,8 @@ def _run(args: argparse.Namespace) -> int:
     unordered = dict(table_rows).get("mqinfer offline, input order")
     if ours is not None and unordered is not None:
         ratios["vs_input_order"] = ours.throughput / unordered.throughput if unordered.throughput else 0.0
+    for variant, r in report.get("rounds", {}).items():
+        ratios[f"vs_{variant.replace('-', '_')}_median"] = r["median_ratio"]
     llama = report.get("llamacpp")
     if llama is not None and llama["mqinfer"] is not None:
         best = next(r for r in llama["runs"] if r["threads"] == llama["best_threads"])

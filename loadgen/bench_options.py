@@ -23,6 +23,9 @@ INPUT_ORDER = "input-order"  # --compare: mqinfer again, fed in workload order a
 # --compare: the same mqinfer run again with --speculative none (what speculation gains or costs)
 UNSPECULATIVE = "unspeculative"
 PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE)
+# The --compare entries that rerun mqinfer with one thing changed, and their systems' names.
+VARIANTS = {UNQUANTIZED: "mqinfer offline, unquantized", UNSPECULATIVE: "mqinfer offline, unspeculative",
+            INPUT_ORDER: "mqinfer offline, input order"}
 
 
 def positive_int(text: str) -> int:
@@ -200,6 +203,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "mqinfer again with --order input --route id (what prefix order and routing are worth); "
                         "unspeculative = mqinfer again with --speculative none (what --speculative gains or costs); "
                         "e.g. hf,llamacpp.")
+    g.add_argument("--rounds", type=positive_int, default=1, metavar="R",
+                   help="With --compare unquantized, unspeculative or input-order (offline): run mqinfer and each "
+                        "such variant R times, alternating which goes first (round 1 mqinfer first, round 2 the "
+                        "variant first, ...), and report every round's ratio and their median: on a shared or "
+                        "noisy machine one pair of runs can differ by more than the effect measured. The table "
+                        "shows round 1 (default: 1).")
     g.add_argument("--hf-batch-sizes", type=positive_int_list, default=[16, 64, 256], metavar="B[,B...]",
                    help="Static batch sizes for --compare hf (default: 16,64,256).")
     g.add_argument("--hf-max-batch-tokens", type=positive_int, default=None, metavar="T",

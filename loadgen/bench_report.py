@@ -265,6 +265,9 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
         a = report["agreement_vs_unspeculative"]
         print(f"greedy agreement with the unspeculative run over {a['compared']} requests: identical output "
               f"{a['identical']:.0%} (bf16 batches of different shapes can break near-ties)")
+    for variant, r in report.get("rounds", {}).items():
+        print(f"mqinfer / {variant} over {len(r['ratios'])} rounds (alternating which ran first): "
+              + ", ".join(f"{x:.2f}x" for x in r["ratios"]) + f"; median {r['median_ratio']:.2f}x")
     if "prefix_cache" in report:
         from mqinfer.loadgen.prefix_cache import describe
 

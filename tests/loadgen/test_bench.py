@@ -181,6 +181,10 @@ def test_llamacpp_flags_are_checked_before_any_work(tmp_path, capsys):
     (["--num-prefixes", "4"], "apply to --workload shared-prefix only"),
     (["--mode", "online", "--rate", "2", "--shards", "2"], "--shards applies to --mode offline only"),
     (["--order", "input", "--compare", "input-order"], "--compare input-order needs --order prefix"),
+    (["--rounds", "2"], "--rounds applies to --mode offline with --compare unquantized"),
+    (["--rounds", "2", "--compare", "hf"], "--rounds applies to --mode offline with --compare unquantized"),
+    (["--rounds", "2", "--mode", "online", "--rate", "2", "--speculative", "ngram", "--compare", "unspeculative"],
+     "--rounds applies to --mode offline"),
 ])
 def test_inconsistent_flags_exit_2_before_any_work(argv, message, capsys):
     assert bench.run_bench(parse(*argv)) == 2
@@ -417,3 +421,28 @@ def test_speculation_beside_the_unspeculative_run(tmp_path, capsys):
     assert spec["proposer"] == "ngram" and spec["workers"] == 1 and spec["steps"] > 0
     assert spec["proposed_tokens"] >= spec["accepted_tokens"] >= 0
     assert "speculation (ngram): " in captured.out
+
+
+def test_rounds_alternate_which_runs_first_and_report_the_median(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--num-requests", "3", "--workload", "fixed", "--prompt-len", "8",
+                       "--output-len", "8", "--matrix-size", "128", "--workers", "1", "--json", str(out_json),
+                       "--dtype", "float32", "--speculative", "ngram", "--compare", "unspeculative",
+                       "--rounds", "3", "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    rounds = report["rounds"]["unspeculative"]
+    assert rounds["order"] == ["mqinfer first", "unspeculative first", "mqinfer first"]
+    assert len(rounds["mqinfer_tok_s"]) == len(rounds["variant_tok_s"]) == 3
+    # Round 1 is the table's pair; every ratio is its round's pair, and the median is theirs.
+    ours = report["systems"]["mqinfer offline"]["summary"]["throughput"]
+    plain = report["systems"]["mqinfer offline, unspeculative"]["summary"]["throughput"]
+    assert (rounds["mqinfer_tok_s"][0], rounds["variant_tok_s"][0]) == (ours, plain)
+    assert rounds["ratios"] == pytest.approx([a / b for a, b in zip(rounds["mqinfer_tok_s"], rounds["variant_tok_s"])])
+    assert rounds["median_ratio"] == pytest.approx(sorted(rounds["ratios"])[1])
+    assert report["ratios"]["vs_unspeculative_median"] == rounds["median_ratio"]
+    # Round 2 ran the variant first.
+    lines = [line for line in captured.err.splitlines() if "round 2 of 3: " in line]
+    assert [line.split("round 2 of 3: ")[1] for line in lines] == ["unspeculative", "mqinfer"]
+    assert "mqinfer / unspeculative over 3 rounds (alternating which ran first): " in captured.out
