@@ -8,46 +8,21 @@ layers is often right, and each checks that proposals were accepted (and some re
 
 from __future__ import annotations
 
-import json
-import random
-from pathlib import Path
-
 import pytest
-from safetensors.torch import load_file, save_file
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.loader import make_random_checkpoint
-
-LAYERS = 3
-VOCAB = 300
+from tests.workers.spec_helpers import LAYERS, VOCAB
+from tests.workers.spec_helpers import prompts as _prompts
+from tests.workers.spec_helpers import random_checkpoint as _checkpoint
+from tests.workers.spec_helpers import run as _run
+from tests.workers.spec_helpers import same as _same
 
 
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread):
     pass
-
-
-def _checkpoint(folder: Path, damp_last: float = 1.0, keep_layers: int | None = None) -> str:
-    """A random 3-layer Llama checkpoint (the same weights every time); the last layer's output
-    projections scaled by ``damp_last``; with ``keep_layers`` only the first that many layers."""
-    make_random_checkpoint(folder, dtype="float32", seed=0, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                           vocab_size=VOCAB, max_position_embeddings=512)
-    path = folder / "model.safetensors"
-    tensors = load_file(str(path))
-    last = f"model.layers.{LAYERS - 1}."
-    for name in (last + "self_attn.o_proj.weight", last + "mlp.down_proj.weight"):
-        tensors[name] = tensors[name] * damp_last
-    if keep_layers is not None:
-        tensors = {k: v for k, v in tensors.items()
-                   if not k.startswith("model.layers.") or int(k.split(".")[2]) < keep_layers}
-        config = json.loads((folder / "config.json").read_text())
-        config["num_hidden_layers"] = keep_layers
-        (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(path), metadata={"format": "pt"})
-    return str(folder)
 
 
 @pytest.fixture(scope="module")
@@ -60,44 +35,6 @@ def _engine(model: str, speculative: str = "none", **kw) -> LLMEngine:
     config = {"num_kv_blocks": 128, "dtype": "float32", "num_speculative_tokens": 3, "speculative_policy": "fixed",
               **kw}
     return LLMEngine(EngineConfig(model=model, num_threads=1, speculative=speculative, **config))
-
-
-def _run(engine, items, add_after: dict[int, list] | None = None):
-    """Run (id, prompt, sampling, speculative) items to the end; ``add_after[step]`` join later.
-    After every step, each running request holds only the blocks its tokens need (the blocks of
-    rejected proposals went back)."""
-    ids = [item[0] for item in items]
-    for rid, prompt, sampling, spec in items:
-        engine.add_request(rid, prompt, sampling, speculative=spec)
-    finished, deltas = {}, {}
-    step = 0
-    kv = engine.scheduler.kv_cache_manager
-    while engine.has_unfinished() or (add_after and any(s >= step for s in add_after)):
-        for rid, prompt, sampling, spec in (add_after or {}).get(step, []):
-            engine.add_request(rid, prompt, sampling, speculative=spec)
-            ids.append(rid)
-        for out in engine.step().outputs:
-            deltas.setdefault(out.request_id, []).append(out.new_token_ids)
-            if out.finished:
-                finished[out.request_id] = out
-        for rid in ids:
-            request = engine.scheduler.get_request(rid)
-            if request is not None:
-                assert len(request.block_ids) <= kv.num_blocks_for(request.num_tokens), rid
-        step += 1
-        assert step < 2000
-    return finished, deltas
-
-
-def _prompts(n: int, seed: int = 0, length: int = 12) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(length // 2, length))] for _ in range(n)]
-
-
-def _same(a: dict, b: dict) -> None:
-    assert set(a) == set(b)
-    for rid in a:
-        assert (a[rid].output_token_ids, a[rid].finish_reason) == (b[rid].output_token_ids, b[rid].finish_reason), rid
 
 
 def _check_stats(engine: LLMEngine, finished: dict) -> None:
