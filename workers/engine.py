@@ -502,10 +502,12 @@ class LLMEngine:
         # A step may hold only block copies (swap preemption); they must still happen now.
         ran = None if scheduler_output.is_empty else self.runner.execute(scheduler_output)
         t2 = time.perf_counter()
-        if ran is not None and scheduler_output.num_batched_tokens:
-            depth = max((len(sr.spec_token_ids) for sr in scheduler_output.scheduled), default=0)
-            self.scheduler.record_step_time(scheduler_output.num_batched_tokens, t2 - t1,
-                                            ran.draft_seconds, depth if ran.draft_seconds > 0.0 else 0)
+        if ran is not None and self.proposer is not None and scheduler_output.num_batched_tokens:
+            # The speculation policy's measurements (only a speculating engine has a policy to feed).
+            depth = 0
+            if ran.draft_seconds > 0.0:
+                depth = max(len(sr.spec_token_ids) for sr in scheduler_output.scheduled)
+            self.scheduler.record_step_time(scheduler_output.num_batched_tokens, t2 - t1, ran.draft_seconds, depth)
         outputs = self._postprocess(scheduler_output, ran)
         self._account(t0, t1, t2, ran)
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
