@@ -49,8 +49,10 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # A true division, as the kernel's: ``QMAX / amax`` in PyTorch is amax.reciprocal() * QMAX,
     # which rounds differently in the last bit.
     inv = torch.where(amax > 0, torch.full_like(amax, QMAX) / amax, torch.zeros_like(amax))
+    # A row so small that the quotient overflows (max|x| below about 4e-37) counts as zero.
+    inv = torch.where(torch.isinf(inv), torch.zeros_like(inv), inv)
     q = torch.round(x * inv[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
-    return q, amax / QMAX
+    return q, torch.where(inv > 0, amax / QMAX, torch.zeros_like(amax))
 
 
 def int_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
@@ -58,7 +60,13 @@ def int_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
     (on CUDA more than 16 rows and K, N multiples of 8), else int64 products on the same device."""
     rows, k = qx.shape
     n = qw.shape[0]
-    if qx.device.type != "cuda" or (rows > 16 and k % 8 == 0 and n % 8 == 0):
+    if qx.device.type == "cuda":
+        usable = rows > 16 and k % 8 == 0 and n % 8 == 0
+    else:
+        # On CPU, torch._int_mm returns uninitialised memory for a single input feature (and
+        # more than one output feature).
+        usable = k > 1
+    if usable:
         return torch._int_mm(qx, qw.t())
     return (qx.long() @ qw.long().t()).int()
 

@@ -5,7 +5,8 @@
 
    Quantization. W is quantized once, at load, per output feature (symmetric, [-127, 127], by
    the caller). x is quantized here, per row: scale = max|x| / 127, q = round-half-even(x *
-   (127 / max|x|)), so q is in [-127, 127] too; a zero row has scale 0 and q = 0.
+   (127 / max|x|)), so q is in [-127, 127] too; a zero row, and a row so small that 127 / max|x|
+   overflows (max|x| below about 4e-37), has scale 0 and q = 0.
 
    Why these instructions. Without VNNI the fastest int8 product on AVX2 is vpmaddubsw
    (unsigned 8-bit times signed 8-bit, adjacent pairs summed into 16 bits, saturating) followed
@@ -26,6 +27,7 @@
    ((float)sum * x_scale) * w_scale, then + bias. The result of a row does not depend on the
    other rows or on the thread count, and the tests hold it bit for bit to the same arithmetic
    in PyTorch. */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -43,6 +45,14 @@
 #else
 #define QLINEAR_VNNI 0
 #endif
+
+/* 127 / max|x|, the row's quantization multiplier; 0 for a zero row and for a row so small
+   (max|x| below about 4e-37) that the quotient overflows: such a row quantizes to zeros with a
+   zero scale. */
+static inline float row_inverse(float amax) {
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    return inv <= 3.4028234663852886e38f ? inv : 0.0f;
+}
 
 static int64_t padded_k(int64_t in_features) { return (in_features + GROUP - 1) / GROUP * GROUP; }
 
@@ -105,8 +115,8 @@ static void quantize_row(const float *x, int64_t K, int64_t kp, int8_t *qs, uint
     amax = lanes[0];
     for (int i = 1; i < 8; i++) amax = lanes[i] > amax ? lanes[i] : amax;
     for (; k < K; k++) amax = fabsf(x[k]) > amax ? fabsf(x[k]) : amax;
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    *scale = amax / 127.0f;
+    const float inv = row_inverse(amax);
+    *scale = inv > 0.0f ? amax / 127.0f : 0.0f;
     const __m256 vinv = _mm256_set1_ps(inv);
     /* packs interleave the 128-bit lanes; this puts the 8 dwords back in order. */
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -297,8 +307,8 @@ static void quantize_row_u8(const void *x, int is_bf16, int64_t K, int64_t kp, u
     }
     int64_t k;
     const float amax = _mm512_reduce_max_ps(vmax);
-    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-    *scale = amax / 127.0f;
+    const float inv = row_inverse(amax);
+    *scale = inv > 0.0f ? amax / 127.0f : 0.0f;
     const __m512 vinv = _mm512_set1_ps(inv);
     const __m512i offset = _mm512_set1_epi32(128);
     for (k = 0; k < K; k += 16) {
@@ -326,18 +336,38 @@ static inline uint16_t bf16_of(float f) {
 }
 static inline float bf16_round(float f) { return _mm512_cvtss_f32(round_bf16(_mm512_set1_ps(f))); }
 
-/* SwiGLU into bfloat16, bit for bit the projection rounded to bfloat16 followed by
-   mqinfer_silu_mul on it: gate and up rounded, silu(gate) rounded, the product rounded. */
-static inline void store_swiglu_bf16(uint16_t *o, __m512 f, int mode) {
-    const __m512 r = round_bf16(f);
-    const __m256 g = _mm512_castps512_ps256(r), u = high_half(r);
-    if (mode == STORE_SWIGLU) {
+/* silu of every bfloat16 gate value, as mqinfer_silu_mul's vector body computes it (the
+   vectorised exponential, the division, rounded to bfloat16), indexed by the gate's 16 bits and
+   held as float32: a gate is a bfloat16 value, so the SwiGLU epilogue looks its silu up (one
+   gather of 8 lanes) instead of computing an exponential and a division per value, with the
+   same bits. 256 KiB, filled on first use. */
+static uint16_t silu_bf16_table[(1 << 16) + 1];
+static pthread_once_t silu_bf16_once = PTHREAD_ONCE_INIT;
+static void fill_silu_bf16_table(void) {
+    for (int32_t b = 0; b < (1 << 16); b += 8) {
+        const __m256 g = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), 16));
         const __m256 e = exp_f32x8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
-        const __m256 sl = _mm512_castps512_ps256(round_bf16(_mm512_castps256_ps512(
-            _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)))));
+        const __m512i sl = bf16_bits(_mm512_castps256_ps512(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e))));
+        _mm_storeu_si128((__m128i *)(silu_bf16_table + b), _mm256_cvtepi32_epi16(_mm512_castsi512_si256(sl)));
+    }
+}
+
+/* SwiGLU into bfloat16, bit for bit the projection rounded to bfloat16 followed by
+   mqinfer_silu_mul on it: gate and up rounded, silu(gate) rounded (the table), the product
+   rounded. */
+static inline void store_swiglu_bf16(uint16_t *o, __m512 f, int mode) {
+    if (mode == STORE_SWIGLU) {
+        const __m512i bits16 = bf16_bits(f);
+        const __m256 u = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm512_extracti64x4_epi64(bits16, 1), 16));
+        const __m256 sl = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_i32gather_epi32(
+            (const int *)silu_bf16_table, _mm512_castsi512_si256(bits16), 2), 16));
         const __m512i bits = bf16_bits(_mm512_castps256_ps512(_mm256_mul_ps(sl, u)));
         _mm_storeu_si128((__m128i *)o, _mm256_cvtepi32_epi16(_mm512_castsi512_si256(bits)));
     } else {
+        const __m512 r = round_bf16(f);
+        const __m256 g = _mm512_castps512_ps256(r), u = high_half(r);
         float gs[8], us[8];
         _mm256_storeu_ps(gs, g);
         _mm256_storeu_ps(us, u);
@@ -503,6 +533,7 @@ static int vnni_part(const void *ctx, int part, int num_parts) {
 
 int mqinfer_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
     if (args->rows <= 0 || args->out_features <= 0) return 0;
+    if (args->swiglu && args->is_bf16) pthread_once(&silu_bf16_once, fill_silu_bf16_table);
     const int64_t M = args->rows, kp = padded_k(args->in_features);
     /* The scratch (mqinfer_qlinear_scratch_size) holds 2 x kp bytes per row; this kernel uses
        one row of q + 128 and the scale. */

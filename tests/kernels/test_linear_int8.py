@@ -38,6 +38,19 @@ def test_quantize_rows_is_symmetric_per_row_and_within_half_a_step():
     assert bool((err <= scale[:, None] * 0.5 * (1 + 1e-6) + 1e-30).all())
 
 
+def test_rows_too_small_to_scale_quantize_to_zero_in_pytorch_and_in_the_kernel():
+    # 127 / max|x| overflows below about 4e-37: such rows count as zero rows, not as garbage.
+    x = torch.tensor([[1e-38, 0.0, -5e-39, 2e-38], [1e-36, -1e-37, 0.0, 1e-40], [1.0, -2.0, 0.5, 0.0]])
+    q, scale = q8.quantize_rows(x)
+    assert not q[0].any() and float(scale[0]) == 0.0
+    assert int(q[1].abs().max()) == 127 and float(scale[1]) > 0.0  # 1e-36 still scales
+    qweight, wscale = q8.quantize_weight(torch.randn(24, 4))
+    expected = q8.reference_linear(x, qweight, wscale)
+    assert not expected[0].any()
+    if q8.native_available():
+        assert torch.equal(q8.linear(x, q8.pack(qweight, wscale)), expected)
+
+
 def test_int_matmul_is_exact():
     torch.manual_seed(1)
     a = torch.randint(-127, 128, (5, 4100), dtype=torch.int8)
@@ -176,3 +189,34 @@ def test_bfloat16_fused_swiglu_gives_the_bits_of_the_bfloat16_projection_then_si
     fused = q8.swiglu(x, q8.pack(qweight, scale, bias, swiglu=True), chunk)
     assert fused.dtype == torch.bfloat16 and fused.shape == (rows, inter)
     assert torch.equal(fused, cpu_ops.silu_mul(q8.reference_linear(x, qweight, scale, bias)))
+
+
+@needs_bf16
+def test_bfloat16_fused_swiglu_over_every_finite_gate_value():
+    """Gates covering the whole bfloat16 range (each finite bit pattern: both signs, every
+    exponent, subnormals and zeros), one row per gate value and one input feature, so each row's
+    gates are its input scaled back: the fused SwiGLU's silu agrees with silu_mul's on all."""
+    from mqinfer.kernels import cpu_ops
+
+    if not cpu_ops.cpu_ops_available():
+        pytest.skip("the native ops library is not built here")
+    patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = patterns[torch.isfinite(patterns.float())][:, None]
+    chunk = cpu_ops.silu_vector_chunk(torch.bfloat16)
+    inter = max(chunk, 8)  # whole vector chunks: the vectorised silu, not the scalar tail
+    weight = torch.cat((torch.ones(inter, 1), torch.linspace(-3.0, 3.0, inter)[:, None]))
+    qweight, scale = q8.quantize_weight(weight)
+    projection = q8.reference_linear(x, qweight, scale, None)
+    # Between the rows that quantize to zero (max|x| below about 4e-37) and those whose scaling
+    # back overflows, every gate keeps its input's bits: most of the bfloat16 range.
+    middle = (x[:, 0].float().abs() > 1e-36) & (x[:, 0].float().abs() < 1e36)
+    assert float(middle.float().mean()) > 0.9
+    assert torch.equal(projection[middle, 0].view(torch.int16), x[middle, 0].view(torch.int16))
+    fused = q8.swiglu(x, q8.pack(qweight, scale, None, swiglu=True), chunk)
+    assert torch.equal(fused.view(torch.int16), cpu_ops.silu_mul(projection).view(torch.int16))
+
+
+def test_int_matmul_is_exact_for_a_single_input_feature():
+    qx = torch.tensor([[127], [-127], [3]], dtype=torch.int8)
+    qw = torch.tensor([[127], [1], [-5], [0]], dtype=torch.int8)
+    assert torch.equal(q8.int_matmul(qx, qw), (qx.long() @ qw.long().t()).int())
