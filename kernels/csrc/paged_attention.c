@@ -142,14 +142,42 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mask_mov_ps(at_clamp, inside, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
 }
-/* A block is one 4 KiB page for common shapes, and hardware prefetchers stop at page ends:
-   ask for the next block's rows (of this KV head) while this one is being read. */
-#define prefetch_rows(BASE, ROWS, STRIDE, D)                                                      \
-    do {                                                                                          \
-        for (int64_t r_ = 0; r_ < (ROWS); r_++)                                                   \
-            for (int64_t c_ = 0; c_ < (int64_t)((D) * sizeof(*(BASE))); c_ += 64)                 \
-                _mm_prefetch((const char *)((BASE) + r_ * (STRIDE)) + c_, _MM_HINT_T0);          \
-    } while (0)
+/* Prefetching. A block is one 4 KiB page for common shapes and blocks lie anywhere in the
+   cache, so the hardware prefetchers, which stop at page ends, cannot run ahead of the reads;
+   when decoding, every block comes from memory. So while a block is read, the block
+   PREFETCH_BLOCKS further along the kernel's reading order is asked for: keys of KV head 0 block
+   by block, then its values, then head 1's keys, ..., then the next token's keys. One row of
+   that block per row read: asking for a whole block at once fills the CPU's queue of
+   outstanding misses and stalls it, where spread out the requests overlap the arithmetic
+   (measured here: decoding's attention about a quarter faster, prompts unchanged). */
+#define PREFETCH_BLOCKS 2
+
+/* The start of KV head h's first row in the block PREFETCH_BLOCKS past block blk of token t's
+   keys (kind 0) or values (kind 1), in that order; NULL past the call's last token. */
+static inline const char *prefetch_target(const mqinfer_attention_args *j, int64_t t, int64_t token_end,
+                                          int64_t h, int kind, int64_t blk, int64_t elem) {
+    const int64_t bs = j->block_size;
+    int64_t blocks = (j->positions[t] + bs) / bs, b = blk + PREFETCH_BLOCKS;
+    while (b >= blocks) {
+        b -= blocks;
+        if (kind == 0) {
+            kind = 1;
+        } else {
+            kind = 0;
+            if (++h == j->num_kv_heads) {
+                if (++t >= token_end) return NULL;
+                h = 0;
+                blocks = (j->positions[t] + bs) / bs;
+            }
+        }
+    }
+    const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;
+    const char *cache = (const char *)(kind ? j->v_cache : j->k_cache);
+    return cache + (table[b] * bs * j->num_kv_heads + h) * j->head_dim * elem;
+}
+static inline void prefetch_row(const char *row, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
+}
 
 /* The horizontal sums of 16 vectors at once: lane r of the result is a[r]'s lanes added in
    exactly the tree _mm512_reduce_add_ps uses (256-bit halves, then 128-bit quarters, then
@@ -192,13 +220,15 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
                 const int64_t n = len - first < bs ? len - first : bs;                            \
                 const T *kb = kc + (table[blk] * bs * hkv + h) * D;                               \
-                if (first + bs < len) prefetch_rows(kc + (table[blk + 1] * bs * hkv + h) * D, bs, hkv * D, D); \
+                const char *ahead = prefetch_target(j, t, token_end, h, 0, blk, sizeof(T));        \
+                const int64_t row_bytes = hkv * D * sizeof(T), head_bytes = D * sizeof(T);          \
                 int64_t o = 0;                                                                    \
                 for (; o + 16 <= n; o += 16) {                                                    \
                     /* 16 keys at a time: their partial dot products are summed across lanes  \
                        together (reduce16_add_ps), the same additions as 16 reduce_add_ps. */ \
                     __m512 part[G][16];                                                           \
                     for (int r = 0; r < 16; r++) {                                                \
+                        if (ahead) prefetch_row(ahead + (o + r) * row_bytes, head_bytes);         \
                         __m512 kv[NV];                                                            \
                         for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + (o + r) * hkv * D + 16 * v); \
                         for (int i = 0; i < G; i++) {                                             \
@@ -211,6 +241,7 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                         _mm512_storeu_ps(scores + i * len + first + o, reduce16_add_ps(part[i]));  \
                 }                                                                                 \
                 for (; o < n; o++) {                                                              \
+                    if (ahead) prefetch_row(ahead + o * row_bytes, head_bytes);                   \
                     __m512 kv[NV];                                                                \
                     for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + o * hkv * D + 16 * v);        \
                     for (int i = 0; i < G; i++) {                                                 \
@@ -254,8 +285,10 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
                 const int64_t n = len - first < bs ? len - first : bs;                            \
                 const T *vb = vc + (table[blk] * bs * hkv + h) * D;                               \
-                if (first + bs < len) prefetch_rows(vc + (table[blk + 1] * bs * hkv + h) * D, bs, hkv * D, D); \
+                const char *ahead = prefetch_target(j, t, token_end, h, 1, blk, sizeof(T));        \
+                const int64_t row_bytes = hkv * D * sizeof(T), head_bytes = D * sizeof(T);          \
                 for (int64_t o = 0; o < n; o++) {                                                 \
+                    if (ahead) prefetch_row(ahead + o * row_bytes, head_bytes);                   \
                     __m512 vv[NV];                                                                \
                     for (int v = 0; v < NV; v++) vv[v] = VLOAD(vb + o * hkv * D + 16 * v);        \
                     for (int i = 0; i < G; i++) {                                                 \
