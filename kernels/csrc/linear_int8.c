@@ -404,6 +404,9 @@ typedef struct {
     int64_t width;           /* output columns per panel: 16, or 8 for SwiGLU */
     int64_t last_cols;       /* output columns of the tile's last panel (less than width at the edge) */
     int mode_of[VNNI_PANELS];
+    const char *ahead;       /* weight bytes to prefetch while this tile runs (NULL: none), */
+    int64_t ahead_lines;     /* how many 64-byte lines of them, */
+    int64_t lines_per_step;  /* and how many per step of k */
 } vnni_tile;
 
 /* Row i of panel j's accumulator to the output (a partial last panel through a buffer). */
@@ -442,7 +445,14 @@ static inline __attribute__((always_inline)) void vnni_tile_run(const vnni_tile 
     const int64_t kp = t->kp, stride = kp * PANEL;
     const uint8_t *qu = t->qu;
     const int8_t *w = t->panel;
+    const char *ahead = t->ahead;
+    int64_t ahead_left = ahead ? t->ahead_lines : 0;
     for (int64_t k = 0; k < kp; k += GROUP) {
+        if (ahead_left > 0) {
+            for (int64_t i = 0; i < t->lines_per_step; i++) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+            ahead += 64 * t->lines_per_step;
+            ahead_left -= t->lines_per_step;
+        }
         const __m512i w0 = _mm512_loadu_si512((const void *)(w + k * PANEL));
         const __m512i w1 = NR > 1 ? _mm512_loadu_si512((const void *)(w + stride + k * PANEL)) : w0;
         const __m512i w2 = NR > 2 ? _mm512_loadu_si512((const void *)(w + 2 * stride + k * PANEL)) : w0;
@@ -519,8 +529,27 @@ static int vnni_part(const void *ctx, int part, int num_parts) {
             t.last_cols = N - (p + nr - 1) * width < width ? N - (p + nr - 1) * width : width;
             for (int j = 0; j < nr; j++)
                 t.mode_of[j] = !swiglu ? STORE_PLAIN : (p + j + 1) * width <= body ? STORE_SWIGLU : STORE_SWIGLU_TAIL;
-            for (int64_t r = r0; r < r0 + rows; r += VNNI_ROWS) {
+            /* The part's next panels (the next group, or its first one again for the next block
+               of rows) come from memory while this group's tiles run: their lines are asked for
+               a few per step of k, spread over the tiles. A whole group asked for at once would
+               fill the queue of outstanding misses and stall. */
+            const int64_t next = p + VNNI_PANELS < last ? p + VNNI_PANELS : r0 + rows < M ? first : -1;
+            const int64_t tiles = (rows + VNNI_ROWS - 1) / VNNI_ROWS;
+            int64_t ahead_bytes = 0, tile_lines = 0;
+            if (next >= 0) {
+                const int64_t next_panels = last - next < VNNI_PANELS ? last - next : VNNI_PANELS;
+                ahead_bytes = next_panels * kp * PANEL;
+                tile_lines = (ahead_bytes / 64 + tiles - 1) / tiles;
+                t.lines_per_step = (tile_lines + kp / GROUP - 1) / (kp / GROUP);
+            }
+            for (int64_t r = r0, tile = 0; r < r0 + rows; r += VNNI_ROWS, tile++) {
                 const int mr = (int)(r0 + rows - r < VNNI_ROWS ? r0 + rows - r : VNNI_ROWS);
+                t.ahead = NULL;
+                if (next >= 0 && tile * tile_lines * 64 < ahead_bytes) {
+                    t.ahead = (const char *)(packed + next * kp * PANEL) + tile * tile_lines * 64;
+                    const int64_t left = (ahead_bytes - tile * tile_lines * 64 + 63) / 64;
+                    t.ahead_lines = left < tile_lines ? left : tile_lines;
+                }
                 t.qu = job->qu + r * kp;
                 t.row_scales = job->row_scales + r;
                 t.out = out + (r * a->out_stride + p * width) * esize;
