@@ -13,11 +13,11 @@
    time, the same fused operations, hence the same bits. The weighted sum keeps half of one
    query head's output in two sets of registers (even and odd keys: two independent chains
    of multiply-adds) and walks the V rows once per query head and half. Decoding reads every
-   sequence's cache from memory once per layer, so for the first token of a sequence the next
-   block's keys and the block's values are prefetched while its keys are scored; a prompt's
-   later tokens find them in cache. 8-bit caches (int8, float8 e4m3) have versions of their
-   own with float32 activations: rows are converted 8 lanes at a time as they are loaded and
-   the rows' scales applied to the scores and the softmax weights. */
+   sequence's cache from memory once per layer, so rows are prefetched two blocks ahead in
+   the order they are read (attention_common.h); a prompt's later tokens find them in cache.
+   8-bit caches (int8, float8 e4m3) have versions of their own with float32 activations: rows
+   are converted 8 lanes at a time as they are loaded and the rows' scales applied to the
+   scores and the softmax weights. */
 #include <float.h>
 #include <stdint.h>
 #include <string.h>

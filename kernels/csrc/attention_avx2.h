@@ -85,13 +85,6 @@ static inline __m256 reduce8_add(const __m256 *a) {
     return _mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* Ask for the next block's rows of this KV head while this one is read (a block is often one
-   page, and hardware prefetchers stop at page ends). */
-static inline void prefetch_rows(const char *base, int64_t rows, int64_t stride_bytes, int64_t row_bytes) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch(base + r * stride_bytes + c, _MM_HINT_T0);
-}
-
 /* The weighted sum's accumulators: two sets of CW vectors of one query head's output. */
 #define CHUNK_VECTORS(G, NV) ((NV) < 4 ? (NV) : 4)
 
@@ -103,6 +96,7 @@ static inline void prefetch_rows(const char *base, int64_t rows, int64_t stride_
 void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
     enum { D = DV, G = GV, NV = DV / 8, CW = CHUNK_VECTORS(GV, DV / 8) };                        \
     const int64_t hkv = j->num_kv_heads, bs = j->block_size, rs = hkv * D;                     \
+    const int64_t row_bytes = rs * (int64_t)sizeof(TKV), head_bytes = D * (int64_t)sizeof(TKV); \
     float *scores = buf;                                                                        \
     const T *q = (const T *)j->q;                                                               \
     const TKV *kc = (const TKV *)j->k_cache, *vc = (const TKV *)j->v_cache;                    \
@@ -111,9 +105,6 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
     for (int64_t t = token_begin; t < token_end; t++) {                                         \
         const int64_t len = j->positions[t] + 1;                                                \
         const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;            \
-        /* The first token of its sequence here reads that sequence's cache from memory; the  \
-           next ones (a prompt's) find it in cache and skip the prefetches. */                 \
-        const int cold = t == token_begin || j->seq_of_token[t - 1] != j->seq_of_token[t];      \
         for (int64_t h = 0; h < hkv; h++) {                                                     \
             __m256 qv[G][NV];                                                                   \
             float inv_sum[G];                                                                   \
@@ -125,16 +116,13 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
                 const TKV *kb = kc + (table[blk] * bs * hkv + h) * D;                           \
                 /* An 8-bit cache's key scales of this block and KV head, one per slot. */     \
                 const float *ksb = SCALED ? j->k_scale + table[blk] * bs * hkv + h : NULL;      \
-                if (cold) {                                                                     \
-                    if (first + bs < len)                                                       \
-                        prefetch_rows((const char *)(kc + (table[blk + 1] * bs * hkv + h) * D), bs, \
-                                      rs * (int64_t)sizeof(TKV), D * (int64_t)sizeof(TKV));     \
-                    prefetch_rows((const char *)(vc + (table[blk] * bs * hkv + h) * D), n,      \
-                                  rs * (int64_t)sizeof(TKV), D * (int64_t)sizeof(TKV));         \
-                }                                                                               \
+                /* Prefetching: attention_common.h. */                                         \
+                const char *ahead = prefetch_target(j, t, token_end, h, 0, blk, sizeof(TKV));       \
                 int64_t o = 0;                                                                  \
                 for (; o + 8 <= n; o += 8) {                                                    \
                     const TKV *k8 = kb + o * rs;                                                \
+                    if (ahead)                                                                  \
+                        for (int r = 0; r < 8; r++) prefetch_row(ahead + (o + r) * row_bytes, head_bytes); \
                     __m256 ks8 = _mm256_setzero_ps();                                           \
                     if (SCALED) {                                                               \
                         const float *p_ = ksb + o * hkv;                                        \
@@ -154,6 +142,7 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
                 }                                                                               \
                 for (; o < n; o++) {                                                            \
                     const TKV *k = kb + o * rs;                                                 \
+                    if (ahead) prefetch_row(ahead + o * row_bytes, head_bytes);                 \
                     for (int i = 0; i < G; i++) {                                               \
                         __m256 acc = _mm256_mul_ps(qv[i][0], VLOADKV(k));                       \
                         for (int v = 1; v < NV; v++) acc = _mm256_fmadd_ps(qv[i][v], VLOADKV(k + 8 * v), acc); \
@@ -211,8 +200,15 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
                         const int64_t n = len - first < bs ? len - first : bs;                  \
                         const TKV *vb = vc + (table[blk] * bs * hkv + h) * D + 8 * c;           \
                         const float *w = scores + i * len + first;                              \
+                        /* The first sweep over the values reads them from memory. */          \
+                        const char *ahead = c == 0 && i == 0                                    \
+                            ? prefetch_target(j, t, token_end, h, 1, blk, sizeof(TKV)) : NULL;  \
                         int64_t o = 0;                                                          \
                         for (; o + 2 <= n; o += 2) {                                            \
+                            if (ahead) {                                                        \
+                                prefetch_row(ahead + o * row_bytes, head_bytes);                \
+                                prefetch_row(ahead + (o + 1) * row_bytes, head_bytes);          \
+                            }                                                                   \
                             const __m256 w0 = _mm256_broadcast_ss(w + o), w1 = _mm256_broadcast_ss(w + o + 1); \
                             for (int v = 0; v < CW; v++) {                                      \
                                 even[v] = _mm256_fmadd_ps(w0, VLOADKV(vb + o * rs + 8 * v), even[v]); \

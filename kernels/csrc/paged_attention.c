@@ -1,7 +1,7 @@
 /* Paged attention on CPU: reads the paged KV cache in place, one (query token, KV head) at a
    time, with no gather, no padding and float32 accumulation; the KV head's g query heads share
-   every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 4 query
-   heads per KV head), AVX2 versions (attention_avx2.c) for heads 64 or 128 wide with 1 to 8
+   every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 3 or 4
+   query heads per KV head, as in SmolLM2 and the Llama 3 family), AVX2 versions (attention_avx2.c) for heads 64 or 128 wide with 1 to 8
    query heads per KV head, the portable loops for every other shape and CPU. 8-bit caches
    (int8, float8 e4m3, with a float32 scale per row) are read by the AVX2 versions and the
    portable loops, with float32 activations.
@@ -142,43 +142,6 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_mask_mov_ps(at_clamp, inside, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
 }
-/* Prefetching. A block is one 4 KiB page for common shapes and blocks lie anywhere in the
-   cache, so the hardware prefetchers, which stop at page ends, cannot run ahead of the reads;
-   when decoding, every block comes from memory. So while a block is read, the block
-   PREFETCH_BLOCKS further along the kernel's reading order is asked for: keys of KV head 0 block
-   by block, then its values, then head 1's keys, ..., then the next token's keys. One row of
-   that block per row read: asking for a whole block at once fills the CPU's queue of
-   outstanding misses and stalls it, where spread out the requests overlap the arithmetic
-   (measured here: decoding's attention about a quarter faster, prompts unchanged). */
-#define PREFETCH_BLOCKS 2
-
-/* The start of KV head h's first row in the block PREFETCH_BLOCKS past block blk of token t's
-   keys (kind 0) or values (kind 1), in that order; NULL past the call's last token. */
-static inline const char *prefetch_target(const mqinfer_attention_args *j, int64_t t, int64_t token_end,
-                                          int64_t h, int kind, int64_t blk, int64_t elem) {
-    const int64_t bs = j->block_size;
-    int64_t blocks = (j->positions[t] + bs) / bs, b = blk + PREFETCH_BLOCKS;
-    while (b >= blocks) {
-        b -= blocks;
-        if (kind == 0) {
-            kind = 1;
-        } else {
-            kind = 0;
-            if (++h == j->num_kv_heads) {
-                if (++t >= token_end) return NULL;
-                h = 0;
-                blocks = (j->positions[t] + bs) / bs;
-            }
-        }
-    }
-    const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;
-    const char *cache = (const char *)(kind ? j->v_cache : j->k_cache);
-    return cache + (table[b] * bs * j->num_kv_heads + h) * j->head_dim * elem;
-}
-static inline void prefetch_row(const char *row, int64_t bytes) {
-    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(row + c, _MM_HINT_T0);
-}
-
 /* The horizontal sums of 16 vectors at once: lane r of the result is a[r]'s lanes added in
    exactly the tree _mm512_reduce_add_ps uses (256-bit halves, then 128-bit quarters, then
    pairs {0,1}+{2,3}, then the last two), so scores are bit for bit those of the one-at-a-time
@@ -308,6 +271,10 @@ DEFINE_ATTEND_AVX512(attend_f32_64_4, float, vload_f32, vstore_f32, keep_f32, ke
 DEFINE_ATTEND_AVX512(attend_bf16_64_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 64, 4)
 DEFINE_ATTEND_AVX512(attend_f32_128_4, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 128, 4)
 DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 128, 4)
+DEFINE_ATTEND_AVX512(attend_f32_64_3, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 64, 3)
+DEFINE_ATTEND_AVX512(attend_bf16_64_3, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 64, 3)
+DEFINE_ATTEND_AVX512(attend_f32_128_3, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 128, 3)
+DEFINE_ATTEND_AVX512(attend_bf16_128_3, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 128, 3)
 #define HAVE_SPECIALISED 1
 #endif
 
@@ -356,6 +323,10 @@ static int attention_part(const void *ctx, int part, int num_parts) {
         if (j->is_bf16) attend_bf16_64_4(j, begin, end, buf); else attend_f32_64_4(j, begin, end, buf);
     } else if (!j->kv_quant && D == 128 && g == 4) {
         if (j->is_bf16) attend_bf16_128_4(j, begin, end, buf); else attend_f32_128_4(j, begin, end, buf);
+    } else if (!j->kv_quant && D == 64 && g == 3) {
+        if (j->is_bf16) attend_bf16_64_3(j, begin, end, buf); else attend_f32_64_3(j, begin, end, buf);
+    } else if (!j->kv_quant && D == 128 && g == 3) {
+        if (j->is_bf16) attend_bf16_128_3(j, begin, end, buf); else attend_f32_128_3(j, begin, end, buf);
     } else
 #endif
     if (mq_attend_avx2(j, begin, end, buf)) {

@@ -148,7 +148,7 @@ def test_random_batches_match_reference(data, block_size, g, seed):
 # 128 x 1..8 query heads per KV head), each against the reference.
 @needs_native
 @pytest.mark.parametrize("head_dim,g", [(16, 1), (16, 4), (32, 2), (64, 12), (64, 1), (64, 3), (64, 4), (64, 7),
-                                        (128, 2), (128, 4), (128, 5), (128, 8)])
+                                        (128, 2), (128, 3), (128, 4), (128, 5), (128, 8)])
 def test_native_kernel_matches_reference(head_dim, g):
     query_lens = [1, 7, 1, 33, 1, 16, 5, 1]
     seq_lens = [1, 7, 40, 33, 32, 50, 21, 300]
