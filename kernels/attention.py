@@ -11,7 +11,7 @@ block_size + pos % block_size``. Queries come packed: ``[T, num_heads, head_dim]
 tokens of every scheduled sequence back to back, no padding.
 
 8-bit caches (``--kv-cache-dtype int8|fp8``, ``kernels/kv_quant.py``): K and V are int8 or
-float8_e4m3fn with a float32 scale per (slot, KV head), ``k_scale`` / ``v_scale``
+float8_e4m3fn with a bfloat16 scale per (slot, KV head), ``k_scale`` / ``v_scale``
 ``[num_blocks, block_size, num_kv_heads]``, passed beside the caches. ``store_kv`` quantizes as
 it writes; every attention backend dequantizes as it reads and returns the queries' dtype.
 Without scales every function does exactly what it does for a cache in the model's dtype.

@@ -90,6 +90,12 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _scale_bits(bits):
+    """bfloat16 scales, handed over as their int16 bits, as float32 (exactly)."""
+    return ((bits.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _dequantize(x, scale, KV_QUANT: tl.constexpr):
     """Stored 8-bit rows ``x`` [N, D] (int8, or float8 e4m3 bytes) times ``scale`` [N], float32."""
     if KV_QUANT == 1:
@@ -222,7 +228,7 @@ def _paged_attention_kernel(
             other=0.0,
         )
         if KV_QUANT != 0:
-            ks = tl.load(k_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0.0)
+            ks = _scale_bits(tl.load(k_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0))
             k = _dequantize(k, ks, KV_QUANT).to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
@@ -241,7 +247,7 @@ def _paged_attention_kernel(
             other=0.0,
         )
         if KV_QUANT != 0:
-            vs = tl.load(v_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0.0)
+            vs = _scale_bits(tl.load(v_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0))
             v = _dequantize(v, vs, KV_QUANT).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
@@ -453,8 +459,8 @@ def plan_paged_attention(
             q,
             as_raw(k_cache),
             as_raw(v_cache),
-            k_scale if kv_quant else q,  # not read without quantization
-            v_scale if kv_quant else q,
+            k_scale.view(torch.int16) if kv_quant else q,  # not read without quantization
+            v_scale.view(torch.int16) if kv_quant else q,
             out,
             part_acc,
             part_max,

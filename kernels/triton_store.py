@@ -9,7 +9,7 @@ PyTorch path, and needs no contiguous copy of ``k``/``v`` first.
 
 8-bit caches (``k_scale`` / ``v_scale`` given, see ``kernels/kv_quant.py``): each row is
 quantized as ``kv_quant.quantize_kv`` does (scale = max|x| / QMAX, round half to even, clamp)
-and its float32 scale stored beside it. float8 e4m3 caches are handed to the kernels as their
+and its bfloat16 scale stored beside it. float8 e4m3 caches are handed to the kernels as their
 bytes (uint8) and encoded by integer arithmetic (``_encode_fp8``): the same code on every GPU
 and under the interpreter, which has no float8 type.
 
@@ -87,14 +87,18 @@ def _store_rows_quantized(x, dst, scale_dst, mask, heads, QUANT: tl.constexpr, N
     ``scale_dst`` (one per head)."""
     x = x.to(tl.float32)
     qmax = 127.0 if QUANT == 1 else 448.0
-    scale = tl.max(tl.abs(x), 1) / qmax
+    # The scale rounded up to bfloat16 (kv_quant.scale_up_to_bfloat16), stored as its 16 bits
+    # (the scale tensors are handed over as int16).
+    bits = (tl.max(tl.abs(x), 1) / qmax).to(tl.int32, bitcast=True)
+    scale_bits = (bits >> 16) + ((bits & 0xFFFF) != 0).to(tl.int32)
+    scale = (scale_bits << 16).to(tl.float32, bitcast=True)
     divisor = tl.where(scale > 0, scale, 1.0)
     y = tl.minimum(tl.maximum(x / divisor[:, None], -qmax), qmax)
     if QUANT == 1:
         tl.store(dst, _round_half_even(y).to(tl.int8), mask=mask)
     else:
         tl.store(dst, _encode_fp8(y).to(tl.uint8), mask=mask)
-    tl.store(scale_dst, scale, mask=heads < NUM_KV_HEADS)
+    tl.store(scale_dst, scale_bits.to(tl.int16), mask=heads < NUM_KV_HEADS)
 
 
 @triton.jit
@@ -217,8 +221,8 @@ def plan_store_kv(
         as_raw(k_cache),
         as_raw(v_cache),
         slot_mapping,
-        k_scale if quant else slot_mapping,  # not read without quantization
-        v_scale if quant else slot_mapping,
+        k_scale.view(torch.int16) if quant else slot_mapping,  # not read without quantization
+        v_scale.view(torch.int16) if quant else slot_mapping,
         num_blocks * block_size,
         k.stride(0),
         k.stride(1),

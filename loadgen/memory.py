@@ -56,7 +56,7 @@ interesting one: ``--workload shared-prefix``).
 ``--kv-cache-dtype`` stores it. The memory is what ``--kv-budget`` slots take as ``auto`` for
 ``--model`` (its layers, KV heads, head size and dtype on this machine); each dtype gets as many
 blocks of the first block size as fit in it at that dtype's real bytes per block (8-bit values
-plus their float32 scales), and the paged run (and the engine with ``--engine``, which then
+plus their bfloat16 scales), and the paged run (and the engine with ``--engine``, which then
 runs with that KV cache dtype) reports concurrent sequences at saturation. Allocation depends
 only on token counts, so the dtype changes the figures only through the number of blocks.
 """

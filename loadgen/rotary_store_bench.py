@@ -17,6 +17,7 @@ import torch
 
 from mqinfer.kernels import cpu_ops
 from mqinfer.kernels.attention import store_kv
+from mqinfer.kernels.kv_quant import SCALE_DTYPE
 
 BLOCK_SIZE = 16
 
@@ -49,7 +50,8 @@ def _case(tokens: int, hq: int, hkv: int, d: int, cache_dtype: torch.dtype, two_
     k_cache, v_cache = torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype)
     scales = {}
     if cache_dtype in (torch.int8, torch.float8_e4m3fn):
-        scales = {"k_scale": torch.zeros(shape[:3]), "v_scale": torch.zeros(shape[:3])}
+        scales = {"k_scale": torch.zeros(shape[:3], dtype=SCALE_DTYPE),
+                  "v_scale": torch.zeros(shape[:3], dtype=SCALE_DTYPE)}
     if two_pass:
         k_rot, v_copy = torch.empty(tokens, hkv, d), torch.empty(tokens, hkv, d)
         rows = torch.arange(tokens)

@@ -116,8 +116,8 @@ class EngineConfig:
         "SmolLM2-135M-Instruct (w8a8 +1.15% against bfloat16 instead of +0.55%). --no-quantize-lm-head "
         "keeps it in --dtype; the other --quantization modes always do."))
     kv_cache_dtype: str = field(default="auto", metadata=flag(
-        "KV cache storage: auto (the model's dtype), or int8 / fp8 (float8 e4m3) with a float32 scale per "
-        "token and KV head: 3.8x less KV memory than float32 (1.9x less than bfloat16), so more sequences "
+        "KV cache storage: auto (the model's dtype), or int8 / fp8 (float8 e4m3) with a bfloat16 scale per "
+        "token and KV head: 3.9x less KV memory than float32 (1.9x less than bfloat16), so more sequences "
         "fit, at a small cost in accuracy.", choices=KV_CACHE_DTYPES))
     block_size: int = field(default=_SCHEDULER.block_size, metadata=flag("Tokens per KV cache block.", metavar="B"))
     num_kv_blocks: int | None = field(default=None, metadata=flag(

@@ -122,7 +122,7 @@ class ModelRunner:
             model.reduce = group.all_reduce
         shape = (scheduler_config.num_kv_blocks, self.block_size, num_kv_heads, info.head_dim)
         self._buffers: list[mmap.mmap] = []
-        # K and V in the model's dtype (auto), or 8-bit with a float32 scale per (slot, KV head).
+        # K and V in the model's dtype (auto), or 8-bit with a bfloat16 scale per (slot, KV head).
         self.kv_cache_dtype = kv_cache_dtype
         kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         self.kv_caches = [self._layer_cache(shape, kv_dtype, kv_cache_dtype != "auto") for _ in range(info.num_layers)]

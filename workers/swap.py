@@ -1,7 +1,7 @@
 """Swap space for swap preemption: the host-memory KV blocks and the copies to and from them.
 
 Owns ``HostKVCache``: for every layer a K and a V tensor of ``[num_blocks, block_size,
-num_kv_heads, head_dim]`` in host memory (and for an 8-bit cache their float32 scales,
+num_kv_heads, head_dim]`` in host memory (and for an 8-bit cache their bfloat16 scales,
 ``[num_blocks, block_size, num_kv_heads]``), a pool separate from the device cache, and the two
 copies the scheduler asks for (``SchedulerOutput.swap_out`` / ``swap_in``). Which block goes
 where is the KV cache manager's decision; this module only moves the bytes: a block is row

@@ -115,7 +115,7 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
                 const int64_t n = len - first < bs ? len - first : bs;                          \
                 const TKV *kb = kc + (table[blk] * bs * hkv + h) * D;                           \
                 /* An 8-bit cache's key scales of this block and KV head, one per slot. */     \
-                const float *ksb = SCALED ? j->k_scale + table[blk] * bs * hkv + h : NULL;      \
+                const uint16_t *ksb = SCALED ? j->k_scale + table[blk] * bs * hkv + h : NULL;      \
                 /* Prefetching: attention_common.h. */                                         \
                 const char *ahead = prefetch_target(j, t, token_end, h, 0, blk, sizeof(TKV));       \
                 int64_t o = 0;                                                                  \
@@ -125,9 +125,11 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
                         for (int r = 0; r < 8; r++) prefetch_row(ahead + (o + r) * row_bytes, head_bytes); \
                     __m256 ks8 = _mm256_setzero_ps();                                           \
                     if (SCALED) {                                                               \
-                        const float *p_ = ksb + o * hkv;                                        \
-                        ks8 = _mm256_setr_ps(p_[0], p_[hkv], p_[2 * hkv], p_[3 * hkv], p_[4 * hkv], \
-                                             p_[5 * hkv], p_[6 * hkv], p_[7 * hkv]);            \
+                        const uint16_t *p_ = ksb + o * hkv;                                     \
+                        ks8 = _mm256_setr_ps(bf16_to_float(p_[0]), bf16_to_float(p_[hkv]),      \
+                                             bf16_to_float(p_[2 * hkv]), bf16_to_float(p_[3 * hkv]), \
+                                             bf16_to_float(p_[4 * hkv]), bf16_to_float(p_[5 * hkv]), \
+                                             bf16_to_float(p_[6 * hkv]), bf16_to_float(p_[7 * hkv])); \
                     }                                                                           \
                     for (int i = 0; i < G; i++) {                                               \
                         __m256 part[8];                                                         \
@@ -147,7 +149,7 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
                         __m256 acc = _mm256_mul_ps(qv[i][0], VLOADKV(k));                       \
                         for (int v = 1; v < NV; v++) acc = _mm256_fmadd_ps(qv[i][v], VLOADKV(k + 8 * v), acc); \
                         float s1 = reduce1_add(acc);                                            \
-                        if (SCALED) s1 *= ksb[o * hkv];                                         \
+                        if (SCALED) s1 *= bf16_to_float(ksb[o * hkv]);                                         \
                         scores[i * len + first + o] = s1;                                       \
                     }                                                                           \
                 }                                                                               \
@@ -184,9 +186,9 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
             if (SCALED)  /* each weight times its value row's scale */                          \
                 for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {             \
                     const int64_t n = len - first < bs ? len - first : bs;                      \
-                    const float *vsb = j->v_scale + table[blk] * bs * hkv + h;                  \
+                    const uint16_t *vsb = j->v_scale + table[blk] * bs * hkv + h;                  \
                     for (int64_t o = 0; o < n; o++) {                                           \
-                        const float vs = vsb[o * hkv];                                          \
+                        const float vs = bf16_to_float(vsb[o * hkv]);                                          \
                         for (int i = 0; i < G; i++) scores[i * len + first + o] *= vs;          \
                     }                                                                           \
                 }                                                                               \

@@ -351,8 +351,8 @@ void mqinfer_silu_mul(const mqinfer_silu_mul_args *args, int num_threads) {
 
 /* ------------------------------------------------------------------ 8-bit KV rows */
 /* The quantizing store of kv_quant.quantize_kv, operation for operation: scale = max|x| / QMAX
-   (one float32 division, as PyTorch's tensor / scalar is), divisor = scale or 1 for an
-   all-zero row, each value x / divisor (a true division: PyTorch divides, it does not
+   (one float32 division, as PyTorch's tensor / scalar is) rounded up to the bfloat16 that is
+   stored, divisor = that scale or 1 for an all-zero row, each value x / divisor (a true division: PyTorch divides, it does not
    multiply by a reciprocal), clamped to [-QMAX, QMAX], then rounded to nearest even into int8
    or converted to float8 e4m3. The maximum is exact in any order, so the vector and scalar
    versions agree bit for bit. Inputs are taken as finite (a NaN or infinity in a row is not
@@ -416,8 +416,14 @@ static inline void store_bytes8(uint8_t *dst, __m256i lanes, int is_signed) {
 }
 #endif
 
+/* A non-negative float32 rounded up (toward +infinity) to bfloat16, as kv_quant.scale_up_to_bfloat16. */
+static inline uint16_t bf16_round_up(float f) {
+    const uint32_t u = float_bits(f);
+    return (uint16_t)((u >> 16) + ((u & 0xffffu) != 0));
+}
+
 /* Quantizes the D floats of x into dst (int8 or e4m3 bytes) and writes the row's scale. */
-static void quantize_row(const float *x, int64_t D, int kv_quant, uint8_t *dst, float *scale_out) {
+static void quantize_row(const float *x, int64_t D, int kv_quant, uint8_t *dst, uint16_t *scale_out) {
     const float qmax = kv_quant == KV_QUANT_INT8 ? 127.0f : 448.0f;
     float amax = 0.0f;
     int64_t d = 0;
@@ -432,9 +438,10 @@ static void quantize_row(const float *x, int64_t D, int kv_quant, uint8_t *dst, 
     }
 #endif
     for (; d < D; d++) { const float v = fabsf(x[d]); amax = v > amax ? v : amax; }
-    const float scale = amax / qmax;
+    const uint16_t scale_bits = bf16_round_up(amax / qmax);
+    const float scale = bits_float((uint32_t)scale_bits << 16);
     const float divisor = scale > 0.0f ? scale : 1.0f;
-    *scale_out = scale;
+    *scale_out = scale_bits;
     d = 0;
 #ifdef __AVX2__
     {

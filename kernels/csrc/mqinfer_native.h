@@ -31,7 +31,7 @@
    Token t attends to positions 0..positions[t] of sequence seq_of_token[t]; max_len bounds
    positions[t] + 1. Indices are trusted: the caller checks them.
    kv_quant: 0, the caches hold the activations' type (is_bf16); 1, int8, or 2, float8 e4m3
-   (finite values only), each row of head_dim values scaled by its float32 k_scale / v_scale
+   (finite values only), each row of head_dim values scaled by its bfloat16 k_scale / v_scale
    [num_blocks, block_size, num_kv_heads] (value = stored * scale); q and out are then float32
    (is_bf16 0). k_scale and v_scale are NULL when kv_quant is 0. */
 typedef struct {
@@ -52,8 +52,8 @@ typedef struct {
     int64_t max_len;
     float scale;
     int32_t is_bf16;
-    const float *k_scale;
-    const float *v_scale;
+    const uint16_t *k_scale;  /* bfloat16 bits */
+    const uint16_t *v_scale;
     int32_t kv_quant;
 } mqinfer_attention_args;
 
@@ -124,7 +124,7 @@ void mqinfer_silu_mul(const mqinfer_silu_mul_args *args, int num_threads);
    stride v_stride) copied to v_cache slot slots[t]. Caches [num_slots, num_kv_heads,
    head_dim], contiguous. Indices are trusted: the caller checks them.
    kv_quant: 0, the caches hold the activations' type (is_bf16) and k_scale / v_scale are
-   NULL; 1, int8, or 2, float8 e4m3 caches (bytes), with float32 k_scale / v_scale
+   NULL; 1, int8, or 2, float8 e4m3 caches (bytes), with bfloat16 k_scale / v_scale
    [num_slots, num_kv_heads]: each rotated k row and each v row is quantized as
    kv_quant.quantize_kv does it, its scale written to the same (slot, head). */
 typedef struct {
@@ -143,8 +143,8 @@ typedef struct {
     int64_t num_kv_heads;
     int64_t head_dim;
     int32_t is_bf16;
-    float *k_scale;
-    float *v_scale;
+    uint16_t *k_scale;  /* bfloat16 bits */
+    uint16_t *v_scale;
     int32_t kv_quant;
 } mqinfer_rotary_args;
 

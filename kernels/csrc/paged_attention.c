@@ -3,7 +3,7 @@
    every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 3 or 4
    query heads per KV head, as in SmolLM2 and the Llama 3 family), AVX2 versions (attention_avx2.c) for heads 64 or 128 wide with 1 to 8
    query heads per KV head, the portable loops for every other shape and CPU. 8-bit caches
-   (int8, float8 e4m3, with a float32 scale per row) are read by the AVX2 versions and the
+   (int8, float8 e4m3, with a bfloat16 scale per row) are read by the AVX2 versions and the
    portable loops, with float32 activations.
 
    Work is cut into runs of consecutive tokens of about equal cost (a token's cost grows with
@@ -44,7 +44,7 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                 for (int64_t o = 0; o < n; o++) {                                                 \
                     const TKV *k = kb + o * hkv * D;                                              \
                     if (SCALED) {                                                                 \
-                        const float ks = j->k_scale[(table[blk] * bs + o) * hkv + h];             \
+                        const float ks = bf16_to_float(j->k_scale[(table[blk] * bs + o) * hkv + h]); \
                         for (int64_t d = 0; d < D; d++) row[d] = LOADKV(k[d]) * ks;               \
                     } else {                                                                      \
                         for (int64_t d = 0; d < D; d++) row[d] = LOADKV(k[d]);                    \
@@ -70,7 +70,7 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                 for (int64_t o = 0; o < n; o++) {                                                 \
                     const TKV *v = vb + o * hkv * D;                                              \
                     if (SCALED) {                                                                 \
-                        const float vs = j->v_scale[(table[blk] * bs + o) * hkv + h];             \
+                        const float vs = bf16_to_float(j->v_scale[(table[blk] * bs + o) * hkv + h]); \
                         for (int64_t d = 0; d < D; d++) row[d] = LOADKV(v[d]) * vs;               \
                     } else {                                                                      \
                         for (int64_t d = 0; d < D; d++) row[d] = LOADKV(v[d]);                    \

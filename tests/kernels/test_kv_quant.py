@@ -40,9 +40,10 @@ def test_choices_and_storage():
     assert kv_storage_dtype("int8", torch.float32) == INT8 and kv_storage_dtype("fp8", torch.float32) == FP8
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, got 'int4'"):
         kv_storage_dtype("int4", torch.float32)
-    # 4 layers, 2 KV heads of 64: float32 4096 bytes per token, 8-bit 2 * 4 * 2 * (64 + 4) = 1088.
+    # 4 layers, 2 KV heads of 64: float32 4096 bytes per token, bfloat16 2048, 8-bit with a
+    # bfloat16 scale per row 2 * 4 * 2 * (64 + 2) = 1056: 1.94x the tokens of bfloat16.
     assert kv_bytes_per_token(4, 2, 64, 4) == 4096 and kv_bytes_per_token(4, 2, 64, 2) == 2048
-    assert kv_bytes_per_token(4, 2, 64, 4, "int8") == kv_bytes_per_token(4, 2, 64, 2, "fp8") == 1088
+    assert kv_bytes_per_token(4, 2, 64, 4, "int8") == kv_bytes_per_token(4, 2, 64, 2, "fp8") == 1056
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8])
@@ -52,16 +53,25 @@ def test_round_trip_bounds(dtype):
     x[7] = 0.0  # an all-zero row: scale 0, reads back as zeros
     x[9, 1, :3] = torch.tensor([5.0, -5.0, 1e-30])  # ties of max |x| on both signs
     values, scale = quantize_kv(x, dtype)
-    assert values.dtype == dtype and scale.dtype == torch.float32 and scale.shape == x.shape[:2]
+    assert values.dtype == dtype and scale.dtype == torch.bfloat16 and scale.shape == x.shape[:2]
     back = dequantize_kv(values, scale)
-    assert torch.equal(scale[7], torch.zeros(NUM_KV_HEADS)) and torch.equal(back[7], torch.zeros_like(back[7]))
+    assert torch.equal(scale[7].float(), torch.zeros(NUM_KV_HEADS)) and torch.equal(back[7], torch.zeros_like(back[7]))
     qmax = 127.0 if dtype == INT8 else 448.0
     amax = x.abs().amax(-1)
-    assert torch.equal(scale, amax / qmax)
-    # The largest magnitude of each row is stored as +-QMAX (exactly representable in both formats).
-    assert torch.equal(values.float().abs().amax(-1)[amax > 0], torch.full_like(amax[amax > 0], qmax))
+    exact = amax / qmax
+    # The scale is max|x| / QMAX rounded up to the next bfloat16: never below it, less than one
+    # bfloat16 step (2^-7 relative) above, and the nearest bfloat16 at or above it.
+    s32 = scale.float()
+    assert bool((s32 >= exact).all()) and bool((s32 <= exact * (1 + 2**-7)).all())
+    below = (scale.view(torch.int16) - 1).view(torch.bfloat16).float()  # the bfloat16 just below
+    assert bool((below < exact)[amax > 0].all())
+    # No stored magnitude passes QMAX, and each row's largest is within one step of it.
+    stored_max = values.float().abs().amax(-1)[amax > 0]
+    assert bool((stored_max <= qmax).all())
+    # (x / scale >= QMAX / (1 + 2^-7): 126.02 rounds to 126 or 127; 444.5 to e4m3's 416 or 448.)
+    assert bool((stored_max >= (126.0 if dtype == INT8 else 416.0)).all())
     err = (back - x).abs()
-    s = scale[..., None]
+    s = s32[..., None]
     if dtype == INT8:
         # Rounding to the nearest step of `scale`: at most half a step, plus float32 rounding of
         # the division and of the product (a few ulps of |x|).
@@ -77,7 +87,7 @@ def test_fp8_quantization_rounds_like_torch_and_saturates():
     # Rows whose max is 448 store every value as torch's own float32 -> e4m3 conversion does.
     x = torch.tensor([[448.0, -448.0, 17.0, 0.3, 1e-3, -2.0**-8, 2.0**-10, 240.0]])
     values, scale = quantize_kv(x, FP8)
-    assert float(scale) == 1.0
+    assert float(scale) == 1.0 and scale.dtype == torch.bfloat16
     assert torch.equal(values.view(torch.uint8), x.to(FP8).view(torch.uint8))
 
 
@@ -92,7 +102,7 @@ def _step(query_lens, seq_lens, block_size, g, head_dim, dtype, seed, q_dtype=to
     tables = [[ids.pop() for _ in range(-(-s // block_size) + rng.randint(0, 1))] for s in seq_lens]
     shape = (num_blocks, block_size, NUM_KV_HEADS, head_dim)
     cache = LayerKVCache(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
-                         torch.zeros(shape[:3]), torch.zeros(shape[:3]))
+                         torch.zeros(shape[:3], dtype=torch.bfloat16), torch.zeros(shape[:3], dtype=torch.bfloat16))
     whole = build_attention_metadata(seq_lens, seq_lens, tables, block_size, g)
     num_ctx = sum(seq_lens)
     k = torch.randn(num_ctx, NUM_KV_HEADS, head_dim, generator=gen) * 3
@@ -140,8 +150,8 @@ def test_native_kernel_decodes_every_stored_value_exactly(dtype, head_dim):
     stored = flat.view(torch.int8) if dtype == INT8 else flat.view(FP8)
     cache_v = stored.expand(rows, NUM_KV_HEADS, head_dim).reshape(rows, 1, NUM_KV_HEADS, head_dim).contiguous()
     cache_k = torch.zeros_like(cache_v)
-    v_scale = torch.full((rows, 1, NUM_KV_HEADS), 0.37)
-    k_scale = torch.ones(rows, 1, NUM_KV_HEADS)
+    v_scale = torch.full((rows, 1, NUM_KV_HEADS), 0.37, dtype=torch.bfloat16)
+    k_scale = torch.ones(rows, 1, NUM_KV_HEADS, dtype=torch.bfloat16)
     md = build_attention_metadata([1] * rows, [1] * rows, [[b] for b in range(rows)], 1, 1)
     q = torch.randn(rows, NUM_KV_HEADS, head_dim)
     out = paged_attention(q, cache_k, cache_v, md, 1.0, backend="native", k_scale=k_scale, v_scale=v_scale)
@@ -167,7 +177,8 @@ def test_bfloat16_queries_over_int8_cache(head_dim):
 def test_store_writes_values_and_scales_at_the_mapped_slots_only(dtype):
     shape = (4, 8, NUM_KV_HEADS, 16)
     k_cache, v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
-    k_scale, v_scale = torch.full(shape[:3], -1.0), torch.full(shape[:3], -1.0)
+    k_scale = torch.full(shape[:3], -1.0, dtype=torch.bfloat16)
+    v_scale = torch.full(shape[:3], -1.0, dtype=torch.bfloat16)
     k, v = torch.randn(3, NUM_KV_HEADS, 16), torch.randn(3, NUM_KV_HEADS, 16)
     slots = torch.tensor([9, 0, 31])
     store_kv(k, v, k_cache, v_cache, slots, k_scale, v_scale)
@@ -185,9 +196,12 @@ def test_scales_are_checked():
     k_cache, v_cache = torch.zeros(shape, dtype=INT8), torch.zeros(shape, dtype=INT8)
     k, slots = torch.randn(1, NUM_KV_HEADS, 16), torch.tensor([0])
     with pytest.raises(ValueError, match="needs both k_scale and v_scale"):
-        store_kv(k, k, k_cache, v_cache, slots, torch.zeros(shape[:3]), None)
-    with pytest.raises(ValueError, match=r"k_scale must be a contiguous float32 \[2, 4, 2\]"):
-        store_kv(k, k, k_cache, v_cache, slots, torch.zeros(2, 4), torch.zeros(shape[:3]))
+        store_kv(k, k, k_cache, v_cache, slots, torch.zeros(shape[:3], dtype=torch.bfloat16), None)
+    with pytest.raises(ValueError, match=r"k_scale must be a contiguous bfloat16 \[2, 4, 2\]"):
+        store_kv(k, k, k_cache, v_cache, slots, torch.zeros(2, 4, dtype=torch.bfloat16),
+                 torch.zeros(shape[:3], dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"got torch.float32"):
+        store_kv(k, k, k_cache, v_cache, slots, torch.zeros(shape[:3]), torch.zeros(shape[:3]))
     md = build_attention_metadata([1], [1], [[0]], 4, 1)
     with pytest.raises(ValueError, match="needs both"):
         paged_attention(torch.randn(1, NUM_KV_HEADS, 16), k_cache, v_cache, md, 1.0, backend="native")
@@ -207,8 +221,9 @@ def test_fused_rotary_store_into_8bit_cache_matches_the_reference(dtype):
     cos, sin = torch.cat([freqs.cos()] * 2, -1).contiguous(), torch.cat([freqs.sin()] * 2, -1).contiguous()
     slots = torch.randperm(24, generator=gen)[:n]
     shape = (3, 8, hkv, d)
-    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), torch.zeros(shape[:3]),
-               torch.zeros(shape[:3])) for _ in range(2)]
+    caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
+               torch.zeros(shape[:3], dtype=torch.bfloat16), torch.zeros(shape[:3], dtype=torch.bfloat16))
+              for _ in range(2)]
     q_fused = cpu_ops.rotary_store_kv(qk.clone(), v, hq, cos, sin, pos, caches[0][0], caches[0][1], slots,
                                       k_scale=caches[0][2], v_scale=caches[0][3])
     q_ref = cpu_ops.reference_rotary_store_kv(qk.clone(), v, hq, cos, sin, pos, caches[1][0], caches[1][1], slots,

@@ -161,12 +161,13 @@ def test_8bit_cache_store_and_attention(dtype):
     v[8, 1, :5] = 1e-3
     caches = []
     for store in (attention.store_kv, triton_attention.store_kv):
-        cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype), torch.zeros(shape[:3]),
-                 torch.zeros(shape[:3]))
+        cache = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype),
+                 torch.zeros(shape[:3], dtype=torch.bfloat16), torch.zeros(shape[:3], dtype=torch.bfloat16))
         store(k, v, *cache[:2], whole.slot_mapping, *cache[2:])
         caches.append(cache)
     for a, b in zip(*caches):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == dtype else a, b.view(torch.uint8) if b.dtype == dtype else b)
+        assert torch.equal(a.view(torch.uint8) if a.dtype == dtype else a.view(torch.int16),
+                           b.view(torch.uint8) if b.dtype == dtype else b.view(torch.int16))
     k_cache, v_cache, k_scale, v_scale = caches[1]
     scale = head_dim**-0.5
     for query_lens, splits in (([1] * 3, 2), ([1, 9, 17], None)):

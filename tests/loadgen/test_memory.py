@@ -196,11 +196,11 @@ def test_kv_cache_dtypes_compare_blocks_and_concurrency_in_the_same_memory(tmp_p
     assert "| KV cache dtype |" in capsys.readouterr().out
     kv = json.loads(out.read_text())["kv_cache_dtypes"]
     auto, int8 = kv["rows"]
-    # The tiny model: 1024 slots of float32 KV (4096 bytes a token) = 4 MiB; 8-bit with scales
-    # takes 1088 bytes a token, so 240 blocks of 16 fit where float32 has 64.
+    # The tiny model: 1024 slots of float32 KV (4096 bytes a token) = 4 MiB; 8-bit with bfloat16
+    # scales takes 1056 bytes a token, so 248 blocks of 16 fit where float32 has 64.
     assert kv["memory_bytes"] == 1024 * 4096 and kv["model"] == "tiny"
-    assert (auto["num_kv_blocks"], int8["num_kv_blocks"]) == (64, (4 << 20) // (1088 * 16)) == (64, 240)
-    assert int8["bytes_per_block"] == 1088 * 16 and int8["blocks_ratio"] == pytest.approx(240 / 64)
+    assert (auto["num_kv_blocks"], int8["num_kv_blocks"]) == (64, (4 << 20) // (1056 * 16)) == (64, 248)
+    assert int8["bytes_per_block"] == 1056 * 16 and int8["blocks_ratio"] == pytest.approx(248 / 64)
     assert auto["saturated_steps"] > 0 and int8["concurrent_mean"] > 3 * auto["concurrent_mean"]
     assert int8["concurrency_ratio"] == pytest.approx(int8["concurrent_mean"] / auto["concurrent_mean"])
     with pytest.raises(SystemExit):

@@ -20,8 +20,8 @@ from mqinfer.workers.loader import load_model
 from tests.helpers import rows, write_jsonl
 
 # The tiny model: 4 layers, 2 KV heads of 64, float32. Per token: float32 K and V 4096 bytes;
-# 8-bit values 1024 bytes plus a float32 scale per (layer, K/V, KV head) 64 bytes.
-TINY_F32_BYTES, TINY_8BIT_BYTES = 2 * 4 * 2 * 64 * 4, 2 * 4 * 2 * (64 + 4)
+# 8-bit values 1024 bytes plus a bfloat16 scale per (layer, K/V, KV head) 32 bytes.
+TINY_F32_BYTES, TINY_8BIT_BYTES = 2 * 4 * 2 * 64 * 4, 2 * 4 * 2 * (64 + 2)
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +49,7 @@ def test_automatic_size_counts_real_bytes_per_block(monkeypatch):
     blocks = {d: engine_module._default_num_kv_blocks(info, torch.device("cpu"), EngineConfig(kv_cache_dtype=d), 2048)[0]
               for d in ("auto", "int8")}
     assert blocks == {"auto": (16 << 20) // (TINY_F32_BYTES * 16), "int8": (16 << 20) // (TINY_8BIT_BYTES * 16)}
-    assert blocks["int8"] / blocks["auto"] > 3.7  # 4096 / 1088 = 3.76 against float32 KV
+    assert blocks["int8"] / blocks["auto"] > 3.8  # 4096 / 1056 = 3.88 against float32 KV, 1.94 against bfloat16
     engine = LLMEngine(EngineConfig(num_threads=1, kv_cache_dtype="int8", num_kv_blocks=10,
                                     preemption_mode="swap", swap_space_gib=0.001))
     cache = engine.runner.kv_caches[0]
@@ -107,14 +107,17 @@ def test_greedy_with_8bit_kv_follows_auto_kv(which, small_llama):
     int8, _ = _generate(model, vocab, "int8")
     fp8, _ = _generate(model, vocab, "fp8")
     # Random weights give nearly flat distributions, where a last-place change can flip a greedy
-    # choice and everything after it. Measured on these prompts: int8 keeps 91% (tiny) and 96%
-    # (llama) of tokens before each request's first flip, fp8 (3 mantissa bits) 59% and 72%; the
-    # logprobs of the tokens both produced differ by at most 0.006 / 0.022 (int8) and 0.019 / 0.068
-    # (fp8). The bounds leave room for other CPUs' last-place differences.
+    # choice and everything after it, so the share of tokens before each request's first flip
+    # moves a lot with any change to the rounding, and the logprobs are the finer measure.
+    # Measured on these prompts (on a Zen 4 CPU): int8 keeps 77% (tiny) and 100% (llama) of
+    # tokens before the first flip, fp8 (3 mantissa bits) 53% and 52%; the logprobs of the tokens
+    # both produced differ by at most 0.007 / 0.020 (int8) and 0.016 / 0.062 (fp8). A cache read
+    # wrongly flips at once and moves logprobs by whole units. The bounds leave room for other
+    # CPUs' last-place differences.
     share, worst = _agreement(base, int8)
-    assert share >= 0.8 and worst < 0.05, (share, worst)
+    assert share >= 0.65 and worst < 0.05, (share, worst)
     share, worst = _agreement(base, fp8)
-    assert share >= 0.5 and worst < 0.15, (share, worst)
+    assert share >= 0.4 and worst < 0.15, (share, worst)
 
 
 def test_preemption_and_prefix_cache_keep_8bit_outputs_exact():

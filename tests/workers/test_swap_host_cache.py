@@ -115,15 +115,15 @@ def test_8bit_blocks_and_scales_go_out_and_come_back_bit_for_bit(dtype):
         if dtype == torch.float8_e4m3fn:  # no NaN codes: compare by bytes anyway
             k[(k & 0x7F) == 0x7F] = 0
             v[(v & 0x7F) == 0x7F] = 0
-        return LayerKVCache(k.view(dtype), v.view(dtype), torch.rand(10, *BLOCK[:2], generator=g),
-                            torch.rand(10, *BLOCK[:2], generator=g))
+        return LayerKVCache(k.view(dtype), v.view(dtype), torch.rand(10, *BLOCK[:2], generator=g).bfloat16(),
+                            torch.rand(10, *BLOCK[:2], generator=g).bfloat16())
 
     caches = [layer() for _ in range(3)]
     raw = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
     original = [[raw(t).clone() for t in c.tensors()] for c in caches]
     host = HostKVCache(6, 3, BLOCK, dtype, quantized=True)
-    # Values (1 byte) and the float32 scales of each (slot, KV head).
-    assert host.nbytes == 3 * 2 * 6 * 4 * 2 * (8 + 4)
+    # Values (1 byte) and the bfloat16 scales of each (slot, KV head).
+    assert host.nbytes == 3 * 2 * 6 * 4 * 2 * (8 + 2)
     host.swap_out(caches, [(7, 2), (1, 0), (4, 5)])
     for c in caches:
         for t in c.tensors():
