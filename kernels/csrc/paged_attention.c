@@ -1,10 +1,11 @@
 /* Paged attention on CPU: reads the paged KV cache in place, one (query token, KV head) at a
    time, with no gather, no padding and float32 accumulation; the KV head's g query heads share
    every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 3 or 4
-   query heads per KV head, as in SmolLM2 and the Llama 3 family), AVX2 versions (attention_avx2.c) for heads 64 or 128 wide with 1 to 8
-   query heads per KV head, the portable loops for every other shape and CPU. 8-bit caches
-   (int8, float8 e4m3, with a bfloat16 scale per row) are read by the AVX2 versions and the
-   portable loops, with float32 activations.
+   query heads per KV head, as in SmolLM2 and the Llama 3 family), AVX2 versions
+   (attention_avx2.c) for heads 64 or 128 wide with 1 to 8 query heads per KV head, the
+   portable loops for every other shape and CPU. 8-bit caches (int8, float8 e4m3, with a
+   bfloat16 scale per row) are read with float32 activations: int8 ones by the AVX-512 versions
+   where the shape has one, the rest by the AVX2 versions and the portable loops.
 
    Work is cut into runs of consecutive tokens of about equal cost (a token's cost grows with
    its context), one run per thread; each token is computed by one thread in one fixed order,
@@ -105,6 +106,10 @@ static inline __m512 vload_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
+/* 16 int8 values of an 8-bit cache row as floats (its scale applies later). */
+static inline __m512 vload_int8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
 static inline void vstore_bf16(uint16_t *p, __m512 v) {
     __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -163,13 +168,14 @@ static inline __m512 reduce16_add_ps(const __m512 *a) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
 }
 
-#define DEFINE_ATTEND_AVX512(NAME, T, VLOAD, VSTORE, ROUNDW, ROUNDW16, DV, GV)                              \
+#define DEFINE_ATTEND_AVX512(NAME, T, TKV, VLOAD, VLOADKV, VSTORE, ROUNDW, ROUNDW16, SCALED, DV, GV)       \
 static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
     float inv_sum[GV];                                                                            \
     enum { D = DV, G = GV, NV = DV / 16 };                                                        \
     const int64_t hkv = j->num_kv_heads, bs = j->block_size;                                      \
     float *scores = buf;                                                                          \
-    const T *q = (const T *)j->q, *kc = (const T *)j->k_cache, *vc = (const T *)j->v_cache;      \
+    const T *q = (const T *)j->q;                                                                 \
+    const TKV *kc = (const TKV *)j->k_cache, *vc = (const TKV *)j->v_cache;                      \
     T *out = (T *)j->out;                                                                         \
     const __m512 scale = _mm512_set1_ps(j->scale);                                                \
     for (int64_t t = token_begin; t < token_end; t++) {                                           \
@@ -182,9 +188,11 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                     qv[i][v] = _mm512_mul_ps(VLOAD(q + t * j->q_token_stride + (h * G + i) * D + 16 * v), scale); \
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
                 const int64_t n = len - first < bs ? len - first : bs;                            \
-                const T *kb = kc + (table[blk] * bs * hkv + h) * D;                               \
-                const char *ahead = prefetch_target(j, t, token_end, h, 0, blk, sizeof(T));        \
-                const int64_t row_bytes = hkv * D * sizeof(T), head_bytes = D * sizeof(T);          \
+                const TKV *kb = kc + (table[blk] * bs * hkv + h) * D;                             \
+                /* An 8-bit cache's key scales of this block and KV head, one per slot. */   \
+                const uint16_t *ksb = SCALED ? j->k_scale + table[blk] * bs * hkv + h : NULL;    \
+                const char *ahead = prefetch_target(j, t, token_end, h, 0, blk, sizeof(TKV));      \
+                const int64_t row_bytes = hkv * D * sizeof(TKV), head_bytes = D * sizeof(TKV);      \
                 int64_t o = 0;                                                                    \
                 for (; o + 16 <= n; o += 16) {                                                    \
                     /* 16 keys at a time: their partial dot products are summed across lanes  \
@@ -193,24 +201,33 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                     for (int r = 0; r < 16; r++) {                                                \
                         if (ahead) prefetch_row(ahead + (o + r) * row_bytes, head_bytes);         \
                         __m512 kv[NV];                                                            \
-                        for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + (o + r) * hkv * D + 16 * v); \
+                        for (int v = 0; v < NV; v++) kv[v] = VLOADKV(kb + (o + r) * hkv * D + 16 * v); \
                         for (int i = 0; i < G; i++) {                                             \
                             __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);                          \
                             for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[i][v], kv[v], acc); \
                             part[i][r] = acc;                                                     \
                         }                                                                         \
                     }                                                                             \
+                    __m512 ks16 = _mm512_setzero_ps();                                            \
+                    if (SCALED) {  /* the 16 keys' scales */                                      \
+                        float ks[16];                                                             \
+                        for (int r = 0; r < 16; r++) ks[r] = bf16_to_float(ksb[(o + r) * hkv]);   \
+                        ks16 = _mm512_loadu_ps(ks);                                               \
+                    }                                                                             \
                     for (int i = 0; i < G; i++)                                                   \
-                        _mm512_storeu_ps(scores + i * len + first + o, reduce16_add_ps(part[i]));  \
+                        _mm512_storeu_ps(scores + i * len + first + o,                            \
+                                         SCALED ? _mm512_mul_ps(reduce16_add_ps(part[i]), ks16)   \
+                                                : reduce16_add_ps(part[i]));                      \
                 }                                                                                 \
                 for (; o < n; o++) {                                                              \
                     if (ahead) prefetch_row(ahead + o * row_bytes, head_bytes);                   \
                     __m512 kv[NV];                                                                \
-                    for (int v = 0; v < NV; v++) kv[v] = VLOAD(kb + o * hkv * D + 16 * v);        \
+                    for (int v = 0; v < NV; v++) kv[v] = VLOADKV(kb + o * hkv * D + 16 * v);      \
                     for (int i = 0; i < G; i++) {                                                 \
                         __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);                              \
                         for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[i][v], kv[v], acc); \
-                        scores[i * len + first + o] = _mm512_reduce_add_ps(acc);                  \
+                        const float s1 = _mm512_reduce_add_ps(acc);                               \
+                        scores[i * len + first + o] = SCALED ? s1 * bf16_to_float(ksb[o * hkv]) : s1; \
                     }                                                                             \
                 }                                                                                 \
             }                                                                                     \
@@ -242,18 +259,27 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                 for (; p + 16 <= len; p += 16) _mm512_storeu_ps(s + p, ROUNDW16(_mm512_loadu_ps(s + p))); \
                 for (; p < len; p++) s[p] = ROUNDW(s[p]);                                         \
             }                                                                                     \
+            if (SCALED)  /* each weight times its value row's scale */                            \
+                for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {               \
+                    const int64_t n = len - first < bs ? len - first : bs;                        \
+                    const uint16_t *vsb = j->v_scale + table[blk] * bs * hkv + h;                 \
+                    for (int64_t o = 0; o < n; o++) {                                             \
+                        const float vs = bf16_to_float(vsb[o * hkv]);                             \
+                        for (int i = 0; i < G; i++) scores[i * len + first + o] *= vs;            \
+                    }                                                                             \
+                }                                                                                 \
             __m512 acc[G][NV];                                                                    \
             for (int i = 0; i < G; i++)                                                           \
                 for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();                     \
             for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
                 const int64_t n = len - first < bs ? len - first : bs;                            \
-                const T *vb = vc + (table[blk] * bs * hkv + h) * D;                               \
-                const char *ahead = prefetch_target(j, t, token_end, h, 1, blk, sizeof(T));        \
-                const int64_t row_bytes = hkv * D * sizeof(T), head_bytes = D * sizeof(T);          \
+                const TKV *vb = vc + (table[blk] * bs * hkv + h) * D;                             \
+                const char *ahead = prefetch_target(j, t, token_end, h, 1, blk, sizeof(TKV));      \
+                const int64_t row_bytes = hkv * D * sizeof(TKV), head_bytes = D * sizeof(TKV);      \
                 for (int64_t o = 0; o < n; o++) {                                                 \
                     if (ahead) prefetch_row(ahead + o * row_bytes, head_bytes);                   \
                     __m512 vv[NV];                                                                \
-                    for (int v = 0; v < NV; v++) vv[v] = VLOAD(vb + o * hkv * D + 16 * v);        \
+                    for (int v = 0; v < NV; v++) vv[v] = VLOADKV(vb + o * hkv * D + 16 * v);      \
                     for (int i = 0; i < G; i++) {                                                 \
                         const __m512 w = _mm512_set1_ps(scores[i * len + first + o]);            \
                         for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(w, vv[v], acc[i][v]); \
@@ -267,14 +293,18 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
         }                                                                                         \
     }                                                                                             \
 }
-DEFINE_ATTEND_AVX512(attend_f32_64_4, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 64, 4)
-DEFINE_ATTEND_AVX512(attend_bf16_64_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 64, 4)
-DEFINE_ATTEND_AVX512(attend_f32_128_4, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 128, 4)
-DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 128, 4)
-DEFINE_ATTEND_AVX512(attend_f32_64_3, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 64, 3)
-DEFINE_ATTEND_AVX512(attend_bf16_64_3, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 64, 3)
-DEFINE_ATTEND_AVX512(attend_f32_128_3, float, vload_f32, vstore_f32, keep_f32, keep_f32x16, 128, 3)
-DEFINE_ATTEND_AVX512(attend_bf16_128_3, uint16_t, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 128, 3)
+DEFINE_ATTEND_AVX512(attend_f32_64_4, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 64, 4)
+DEFINE_ATTEND_AVX512(attend_bf16_64_4, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 64, 4)
+DEFINE_ATTEND_AVX512(attend_f32_128_4, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 128, 4)
+DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 128, 4)
+DEFINE_ATTEND_AVX512(attend_f32_64_3, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 64, 3)
+DEFINE_ATTEND_AVX512(attend_bf16_64_3, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 64, 3)
+DEFINE_ATTEND_AVX512(attend_f32_128_3, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 128, 3)
+DEFINE_ATTEND_AVX512(attend_bf16_128_3, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 128, 3)
+DEFINE_ATTEND_AVX512(attend_f32_int8_64_3, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 64, 3)
+DEFINE_ATTEND_AVX512(attend_f32_int8_64_4, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 64, 4)
+DEFINE_ATTEND_AVX512(attend_f32_int8_128_3, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 128, 3)
+DEFINE_ATTEND_AVX512(attend_f32_int8_128_4, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 128, 4)
 #define HAVE_SPECIALISED 1
 #endif
 
@@ -317,9 +347,13 @@ static int attention_part(const void *ctx, int part, int num_parts) {
     float *buf = (float *)malloc(sizeof(float) * (g * j->max_len + 2 * g * D + D + g));
     if (!buf) return -1;
 #ifdef HAVE_SPECIALISED
-    /* The AVX-512 versions read caches in the activations' type only; 8-bit caches go to the
-       AVX2 versions (every AVX-512 CPU has AVX2 and FMA) or the portable loops. */
-    if (!j->kv_quant && D == 64 && g == 4) {
+    /* The AVX-512 versions read caches in the activations' type, or int8 caches with float32
+       activations; float8 caches go to the AVX2 versions (every AVX-512 CPU has AVX2 and FMA)
+       or the portable loops. */
+    if (j->kv_quant == 1 && !j->is_bf16 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
+        if (D == 64) { if (g == 4) attend_f32_int8_64_4(j, begin, end, buf); else attend_f32_int8_64_3(j, begin, end, buf); }
+        else { if (g == 4) attend_f32_int8_128_4(j, begin, end, buf); else attend_f32_int8_128_3(j, begin, end, buf); }
+    } else if (!j->kv_quant && D == 64 && g == 4) {
         if (j->is_bf16) attend_bf16_64_4(j, begin, end, buf); else attend_f32_64_4(j, begin, end, buf);
     } else if (!j->kv_quant && D == 128 && g == 4) {
         if (j->is_bf16) attend_bf16_128_4(j, begin, end, buf); else attend_f32_128_4(j, begin, end, buf);

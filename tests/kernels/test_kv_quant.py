@@ -122,9 +122,10 @@ BACKENDS = ["torch", pytest.param("native", marks=needs_native)]
 
 @pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("head_dim, g", [(16, 1), (16, 3), (64, 4), (128, 2), (64, 8)])
+@pytest.mark.parametrize("head_dim, g", [(16, 1), (16, 3), (64, 4), (64, 3), (128, 4), (128, 3), (128, 2), (64, 8)])
 def test_attention_over_8bit_cache_matches_reference(dtype, backend, head_dim, g):
-    # head 16: the native kernel's portable loops; 64 / 128: its AVX2 versions where the CPU has them.
+    # head 16: the native kernel's portable loops; 64 / 128 with 3 or 4 query heads per KV head:
+    # its AVX-512 versions for int8 where the CPU has them; the others: its AVX2 versions.
     cache, md, q, tables = _step(QUERY_LENS, SEQ_LENS, 16, g, head_dim, dtype, seed=head_dim + g)
     scale = head_dim**-0.5
     out = paged_attention(q, cache.k, cache.v, md, scale, backend=backend, k_scale=cache.k_scale,
