@@ -183,15 +183,7 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
                 for (; p + 8 <= len; p += 8) _mm256_storeu_ps(s + p, ROUNDW8(_mm256_loadu_ps(s + p))); \
                 for (; p < len; p++) s[p] = ROUNDW(s[p]);                                       \
             }                                                                                   \
-            if (SCALED)  /* each weight times its value row's scale */                          \
-                for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {             \
-                    const int64_t n = len - first < bs ? len - first : bs;                      \
-                    const uint16_t *vsb = j->v_scale + table[blk] * bs * hkv + h;                  \
-                    for (int64_t o = 0; o < n; o++) {                                           \
-                        const float vs = bf16_to_float(vsb[o * hkv]);                                          \
-                        for (int i = 0; i < G; i++) scores[i * len + first + o] *= vs;          \
-                    }                                                                           \
-                }                                                                               \
+            if (SCALED) weights_times_value_scales(j, table, h, G, len, scores);                \
             for (int c = 0; c < NV; c += CW)                                                    \
                 for (int i = 0; i < G; i++) {                                                   \
                     /* Even and odd keys in two sets of accumulators: two independent chains  \

@@ -103,6 +103,21 @@ static inline void prefetch_row(const char *row, int64_t bytes) {
     for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row + c, 0, 3);
 }
 
+/* An 8-bit cache: each softmax weight of KV head h's g query heads (scores: g rows of len, the
+   weights of token positions 0..len - 1) times its value row's scale, before the weighted sum. */
+static inline void weights_times_value_scales(const mqinfer_attention_args *j, const int64_t *table, int64_t h,
+                                              int64_t g, int64_t len, float *scores) {
+    const int64_t bs = j->block_size, hkv = j->num_kv_heads;
+    for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {
+        const int64_t n = len - first < bs ? len - first : bs;
+        const uint16_t *vsb = j->v_scale + table[blk] * bs * hkv + h;
+        for (int64_t o = 0; o < n; o++) {
+            const float vs = bf16_to_float(vsb[o * hkv]);
+            for (int64_t i = 0; i < g; i++) scores[i * len + first + o] *= vs;
+        }
+    }
+}
+
 /* Tokens token_begin..token_end - 1 of a call by an AVX2 version, with buf holding at least
    (num_heads / num_kv_heads) * max_len floats. Returns 1, or 0 (doing nothing) where the
    library has no AVX2 version for the call's shape (or was built without AVX2 and FMA). */

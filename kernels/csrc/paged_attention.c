@@ -259,15 +259,7 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
                 for (; p + 16 <= len; p += 16) _mm512_storeu_ps(s + p, ROUNDW16(_mm512_loadu_ps(s + p))); \
                 for (; p < len; p++) s[p] = ROUNDW(s[p]);                                         \
             }                                                                                     \
-            if (SCALED)  /* each weight times its value row's scale */                            \
-                for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {               \
-                    const int64_t n = len - first < bs ? len - first : bs;                        \
-                    const uint16_t *vsb = j->v_scale + table[blk] * bs * hkv + h;                 \
-                    for (int64_t o = 0; o < n; o++) {                                             \
-                        const float vs = bf16_to_float(vsb[o * hkv]);                             \
-                        for (int i = 0; i < G; i++) scores[i * len + first + o] *= vs;            \
-                    }                                                                             \
-                }                                                                                 \
+            if (SCALED) weights_times_value_scales(j, table, h, G, len, scores);                  \
             __m512 acc[G][NV];                                                                    \
             for (int i = 0; i < G; i++)                                                           \
                 for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();                     \
