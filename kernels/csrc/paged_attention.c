@@ -285,18 +285,26 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
         }                                                                                         \
     }                                                                                             \
 }
-DEFINE_ATTEND_AVX512(attend_f32_64_4, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 64, 4)
-DEFINE_ATTEND_AVX512(attend_bf16_64_4, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 64, 4)
-DEFINE_ATTEND_AVX512(attend_f32_128_4, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 128, 4)
-DEFINE_ATTEND_AVX512(attend_bf16_128_4, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 128, 4)
-DEFINE_ATTEND_AVX512(attend_f32_64_3, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 64, 3)
-DEFINE_ATTEND_AVX512(attend_bf16_64_3, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 64, 3)
-DEFINE_ATTEND_AVX512(attend_f32_128_3, float, float, vload_f32, vload_f32, vstore_f32, keep_f32, keep_f32x16, 0, 128, 3)
-DEFINE_ATTEND_AVX512(attend_bf16_128_3, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16, round_to_bf16, round_to_bf16x16, 0, 128, 3)
-DEFINE_ATTEND_AVX512(attend_f32_int8_64_3, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 64, 3)
-DEFINE_ATTEND_AVX512(attend_f32_int8_64_4, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 64, 4)
-DEFINE_ATTEND_AVX512(attend_f32_int8_128_3, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 128, 3)
-DEFINE_ATTEND_AVX512(attend_f32_int8_128_4, float, int8_t, vload_f32, vload_int8, vstore_f32, keep_f32, keep_f32x16, 1, 128, 4)
+/* Each shape's three versions: float32 or bfloat16 activations over a cache of their own type,
+   and float32 activations over an int8 cache. */
+#define DEFINE_AVX512_FOR(DV, GV)                                                                 \
+DEFINE_ATTEND_AVX512(attend_f32_##DV##_##GV, float, float, vload_f32, vload_f32, vstore_f32, keep_f32,   \
+                     keep_f32x16, 0, DV, GV)                                                      \
+DEFINE_ATTEND_AVX512(attend_bf16_##DV##_##GV, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16,  \
+                     round_to_bf16, round_to_bf16x16, 0, DV, GV)                                  \
+DEFINE_ATTEND_AVX512(attend_f32_int8_##DV##_##GV, float, int8_t, vload_f32, vload_int8, vstore_f32,     \
+                     keep_f32, keep_f32x16, 1, DV, GV)
+DEFINE_AVX512_FOR(64, 3)
+DEFINE_AVX512_FOR(64, 4)
+DEFINE_AVX512_FOR(128, 3)
+DEFINE_AVX512_FOR(128, 4)
+typedef void (*attend512_fn)(const mqinfer_attention_args *, int64_t, int64_t, float *);
+#define AVX512_KINDS(DV, GV) {attend_f32_##DV##_##GV, attend_bf16_##DV##_##GV, attend_f32_int8_##DV##_##GV}
+/* [g == 4][head_dim == 128][kind]; kind: float32, bfloat16, int8 cache (float32 activations). */
+static const attend512_fn avx512_versions[2][2][3] = {
+    {AVX512_KINDS(64, 3), AVX512_KINDS(128, 3)},
+    {AVX512_KINDS(64, 4), AVX512_KINDS(128, 4)},
+};
 #define HAVE_SPECIALISED 1
 #endif
 
@@ -342,17 +350,9 @@ static int attention_part(const void *ctx, int part, int num_parts) {
     /* The AVX-512 versions read caches in the activations' type, or int8 caches with float32
        activations; float8 caches go to the AVX2 versions (every AVX-512 CPU has AVX2 and FMA)
        or the portable loops. */
-    if (j->kv_quant == 1 && !j->is_bf16 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
-        if (D == 64) { if (g == 4) attend_f32_int8_64_4(j, begin, end, buf); else attend_f32_int8_64_3(j, begin, end, buf); }
-        else { if (g == 4) attend_f32_int8_128_4(j, begin, end, buf); else attend_f32_int8_128_3(j, begin, end, buf); }
-    } else if (!j->kv_quant && D == 64 && g == 4) {
-        if (j->is_bf16) attend_bf16_64_4(j, begin, end, buf); else attend_f32_64_4(j, begin, end, buf);
-    } else if (!j->kv_quant && D == 128 && g == 4) {
-        if (j->is_bf16) attend_bf16_128_4(j, begin, end, buf); else attend_f32_128_4(j, begin, end, buf);
-    } else if (!j->kv_quant && D == 64 && g == 3) {
-        if (j->is_bf16) attend_bf16_64_3(j, begin, end, buf); else attend_f32_64_3(j, begin, end, buf);
-    } else if (!j->kv_quant && D == 128 && g == 3) {
-        if (j->is_bf16) attend_bf16_128_3(j, begin, end, buf); else attend_f32_128_3(j, begin, end, buf);
+    const int avx512_kind = j->kv_quant == 0 ? (j->is_bf16 != 0) : j->kv_quant == 1 && !j->is_bf16 ? 2 : -1;
+    if (avx512_kind >= 0 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
+        avx512_versions[g == 4][D == 128][avx512_kind](j, begin, end, buf);
     } else
 #endif
     if (mq_attend_avx2(j, begin, end, buf)) {
