@@ -338,9 +338,10 @@ static inline float bf16_round(float f) { return _mm512_cvtss_f32(round_bf16(_mm
 
 /* silu of every bfloat16 gate value, as mqinfer_silu_mul's vector body computes it (the
    vectorised exponential, the division, rounded to bfloat16), indexed by the gate's 16 bits and
-   held as float32: a gate is a bfloat16 value, so the SwiGLU epilogue looks its silu up (one
-   gather of 8 lanes) instead of computing an exponential and a division per value, with the
-   same bits. 256 KiB, filled on first use. */
+   held as bfloat16 bits: a gate is a bfloat16 value, so the SwiGLU epilogue looks its silu up
+   instead of computing an exponential and a division per value, with the same bits. One gather
+   reads 8 lanes of 32 bits at byte offset 2 x index, whose low half is the entry (hence one
+   entry of padding at the end). 128 KiB, filled on first use. */
 static uint16_t silu_bf16_table[(1 << 16) + 1];
 static pthread_once_t silu_bf16_once = PTHREAD_ONCE_INIT;
 static void fill_silu_bf16_table(void) {
