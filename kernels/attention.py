@@ -495,9 +495,9 @@ def native_paged_attention(
         check_scales(k_cache, v_cache, k_scale, v_scale)
         if q.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"the native kernel takes float32 or bfloat16 queries, got {q.dtype}")
-        # Over an 8-bit cache the kernel reads and writes float32 activations only (one set of
-        # versions instead of two); a bfloat16 model's q and output are converted here.
-        result_dtype, dtype = q.dtype, torch.float32
+        # Over an 8-bit cache the activations keep the model's dtype; the kernel computes in
+        # float32 and rounds a bfloat16 output once.
+        dtype = q.dtype
     elif dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != dtype:
         raise ValueError(f"the native kernel takes float32 or bfloat16 caches, got {dtype} / {v_cache.dtype}")
     if q.device.type != "cpu" or k_cache.device.type != "cpu":
@@ -540,7 +540,7 @@ def native_paged_attention(
     status = lib.mqinfer_paged_attention(ctypes.byref(args), torch.get_num_threads())
     if status != 0:
         raise MemoryError("the native attention kernel could not allocate its buffers")
-    return out if not kv_quant else out.to(result_dtype)
+    return out
 
 
 def reference_paged_attention(

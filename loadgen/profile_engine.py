@@ -55,7 +55,7 @@ def build_engine(model: str, args: argparse.Namespace):
         model=model, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.num_threads,
         num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-        enable_prefix_caching=False, quantization=args.quantization,
+        enable_prefix_caching=False, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
     return LLMEngine(config)
 
@@ -138,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     parser.add_argument("--quantization", default="none", choices=("none", "w8a8", "w8a16"),
                         help="8-bit weights for the engine (default: none).")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+                        help="KV cache storage: the model dtype (auto) or 8 bits with a scale per token and KV "
+                             "head (default: auto).")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         warm_up(hf, requests)
 
     print(f"profile_engine: {stats.num_requests} standard requests (seed {args.seed}), {stats.prompt_tokens} prompt "
-          f"+ {stats.output_tokens} output tokens, {args.dtype}, {torch.get_num_threads()} threads, "
+          f"+ {stats.output_tokens} output tokens, {args.dtype}, KV cache {args.kv_cache_dtype}, {torch.get_num_threads()} threads, "
           f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}")
     ratios = []
     for k in range(args.repeat):

@@ -15,9 +15,9 @@
    of multiply-adds) and walks the V rows once per query head and half. Decoding reads every
    sequence's cache from memory once per layer, so rows are prefetched two blocks ahead in
    the order they are read (attention_common.h); a prompt's later tokens find them in cache.
-   8-bit caches (int8, float8 e4m3) have versions of their own with float32 activations: rows
-   are converted 8 lanes at a time as they are loaded and the rows' scales applied to the
-   scores and the softmax weights. */
+   8-bit caches (int8, float8 e4m3) have versions of their own, with float32 or bfloat16
+   activations: rows are converted 8 lanes at a time as they are loaded and the rows' scales
+   applied to the scores and the softmax weights, which stay float32. */
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
@@ -42,12 +42,12 @@ DEFINE_FOR_G(6)
 DEFINE_FOR_G(7)
 DEFINE_FOR_G(8)
 
-typedef void (*attend_fn)(const mqinfer_attention_args *, int64_t, int64_t, float *);
-#define KINDS_FOR(DV, GV) \
-    {attend2_f32_##DV##_##GV, attend2_bf16_##DV##_##GV, attend2_f32_int8_##DV##_##GV, attend2_f32_fp8_##DV##_##GV}
+#define KINDS_FOR(DV, GV)                                                                        \
+    {attend2_f32_##DV##_##GV, attend2_bf16_##DV##_##GV, attend2_f32_int8_##DV##_##GV,                \
+     attend2_bf16_int8_##DV##_##GV, attend2_f32_fp8_##DV##_##GV, attend2_bf16_fp8_##DV##_##GV}
 #define ROW_FOR_G(GV) {KINDS_FOR(64, GV), KINDS_FOR(128, GV)}
-/* [g - 1][head_dim == 128][kind]; kind: float32, bfloat16, int8 cache, float8 cache. */
-static const attend_fn versions[8][2][4] = {
+/* [g - 1][head_dim == 128][attention_kind]. */
+static const attend_fn versions[8][2][6] = {
     ROW_FOR_G(1), ROW_FOR_G(2), ROW_FOR_G(3), ROW_FOR_G(4),
     ROW_FOR_G(5), ROW_FOR_G(6), ROW_FOR_G(7), ROW_FOR_G(8),
 };
@@ -55,8 +55,7 @@ static const attend_fn versions[8][2][4] = {
 int mq_attend_avx2(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) {
     const int64_t g = j->num_heads / j->num_kv_heads, D = j->head_dim;
     if (g < 1 || g > 8 || (D != 64 && D != 128)) return 0;
-    const int kind = j->kv_quant == 1 ? 2 : j->kv_quant == 2 ? 3 : (j->is_bf16 != 0);
-    versions[g - 1][D == 128][kind](j, token_begin, token_end, buf);
+    versions[g - 1][D == 128][attention_kind(j)](j, token_begin, token_end, buf);
     return 1;
 }
 

@@ -225,8 +225,9 @@ void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_en
 }
 
 #define ATTEND_AVX2_ARGS const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf
-#define DECLARE_8BIT_FOR_D_G(DV, GV) \
-    void attend2_f32_int8_##DV##_##GV(ATTEND_AVX2_ARGS); void attend2_f32_fp8_##DV##_##GV(ATTEND_AVX2_ARGS);
+#define DECLARE_8BIT_FOR_D_G(DV, GV)                                                              \
+    void attend2_f32_int8_##DV##_##GV(ATTEND_AVX2_ARGS); void attend2_f32_fp8_##DV##_##GV(ATTEND_AVX2_ARGS); \
+    void attend2_bf16_int8_##DV##_##GV(ATTEND_AVX2_ARGS); void attend2_bf16_fp8_##DV##_##GV(ATTEND_AVX2_ARGS);
 #define DECLARE_8BIT_FOR_G(GV) DECLARE_8BIT_FOR_D_G(64, GV) DECLARE_8BIT_FOR_D_G(128, GV)
 DECLARE_8BIT_FOR_G(1) DECLARE_8BIT_FOR_G(2) DECLARE_8BIT_FOR_G(3) DECLARE_8BIT_FOR_G(4)
 DECLARE_8BIT_FOR_G(5) DECLARE_8BIT_FOR_G(6) DECLARE_8BIT_FOR_G(7) DECLARE_8BIT_FOR_G(8)

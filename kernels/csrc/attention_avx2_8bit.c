@@ -1,6 +1,7 @@
-/* The AVX2 attention kernel's versions for 8-bit caches (int8, float8 e4m3) with float32
-   activations: rows converted 8 lanes at a time as they are loaded, the rows' scales applied to
-   the scores and the softmax weights (attention_avx2.c dispatches to them). */
+/* The AVX2 attention kernel's versions for 8-bit caches (int8, float8 e4m3) with float32 or
+   bfloat16 activations: rows converted 8 lanes at a time as they are loaded, the rows' scales
+   applied to the scores and the softmax weights, which stay float32 (attention_avx2.c
+   dispatches to them). */
 #include <float.h>
 #include <stdint.h>
 #include <string.h>
@@ -14,6 +15,10 @@
 DEFINE_ATTEND_AVX2(attend2_f32_int8_##DV##_##GV, float, int8_t, v8_load_f32, v8_load_int8, v8_store_f32,        \
                    keep_f32, v8_keep_f32, 1, DV, GV)                                                        \
 DEFINE_ATTEND_AVX2(attend2_f32_fp8_##DV##_##GV, float, uint8_t, v8_load_f32, v8_load_fp8, v8_store_f32,         \
+                   keep_f32, v8_keep_f32, 1, DV, GV)                                                        \
+DEFINE_ATTEND_AVX2(attend2_bf16_int8_##DV##_##GV, uint16_t, int8_t, v8_load_bf16, v8_load_int8, v8_store_bf16,  \
+                   keep_f32, v8_keep_f32, 1, DV, GV)                                                        \
+DEFINE_ATTEND_AVX2(attend2_bf16_fp8_##DV##_##GV, uint16_t, uint8_t, v8_load_bf16, v8_load_fp8, v8_store_bf16,   \
                    keep_f32, v8_keep_f32, 1, DV, GV)
 #define DEFINE_8BIT_FOR_G(GV) DEFINE_8BIT_FOR_D_G(64, GV) DEFINE_8BIT_FOR_D_G(128, GV)
 DEFINE_8BIT_FOR_G(1)

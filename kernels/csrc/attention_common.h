@@ -11,6 +11,15 @@
 #include "mqinfer_native.h"
 #include "native_common.h"
 
+/* One version of the kernel: tokens token_begin..token_end - 1 of a call, buf its scratch. */
+typedef void (*attend_fn)(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf);
+
+/* The versions a call needs: 0 float32 and 1 bfloat16 activations over a cache of their own
+   type; 2 and 3 float32 and bfloat16 activations over an int8 cache; 4 and 5 over a float8 one. */
+static inline int attention_kind(const mqinfer_attention_args *j) {
+    return j->kv_quant == 0 ? (j->is_bf16 != 0) : 2 * j->kv_quant + (j->is_bf16 != 0);
+}
+
 static inline float bf16_to_float(uint16_t x) {
     uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
 }

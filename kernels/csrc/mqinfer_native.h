@@ -32,8 +32,9 @@
    positions[t] + 1. Indices are trusted: the caller checks them.
    kv_quant: 0, the caches hold the activations' type (is_bf16); 1, int8, or 2, float8 e4m3
    (finite values only), each row of head_dim values scaled by its bfloat16 k_scale / v_scale
-   [num_blocks, block_size, num_kv_heads] (value = stored * scale); q and out are then float32
-   (is_bf16 0). k_scale and v_scale are NULL when kv_quant is 0. */
+   [num_blocks, block_size, num_kv_heads] (value = stored * scale); q and out are float32 or
+   bfloat16 (is_bf16), the arithmetic float32 either way, a bfloat16 out rounded once from it.
+   k_scale and v_scale are NULL when kv_quant is 0. */
 typedef struct {
     const void *q;
     const void *k_cache;

@@ -93,9 +93,12 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
 #define STORE_F32(x) (x)
 DEFINE_ATTEND(attend_f32, float, float, LOAD_F32, LOAD_F32, STORE_F32, keep_f32, 0)
 DEFINE_ATTEND(attend_bf16, uint16_t, uint16_t, bf16_to_float, bf16_to_float, float_to_bf16, round_to_bf16, 0)
-/* 8-bit caches, float32 activations (the caller converts bfloat16 ones). */
+/* 8-bit caches, float32 or bfloat16 activations; either way the softmax weights stay float32
+   and a bfloat16 output is rounded once, from the float32 result. */
 DEFINE_ATTEND(attend_f32_int8, float, int8_t, LOAD_F32, int8_to_float, STORE_F32, keep_f32, 1)
 DEFINE_ATTEND(attend_f32_fp8, float, uint8_t, LOAD_F32, fp8e4m3_to_float, STORE_F32, keep_f32, 1)
+DEFINE_ATTEND(attend_bf16_int8, uint16_t, int8_t, bf16_to_float, int8_to_float, float_to_bf16, keep_f32, 1)
+DEFINE_ATTEND(attend_bf16_fp8, uint16_t, uint8_t, bf16_to_float, fp8e4m3_to_float, float_to_bf16, keep_f32, 1)
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -285,23 +288,25 @@ static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t t
         }                                                                                         \
     }                                                                                             \
 }
-/* Each shape's three versions: float32 or bfloat16 activations over a cache of their own type,
-   and float32 activations over an int8 cache. */
+/* Each shape's four versions: float32 or bfloat16 activations over a cache of their own type,
+   then over an int8 cache. */
 #define DEFINE_AVX512_FOR(DV, GV)                                                                 \
 DEFINE_ATTEND_AVX512(attend_f32_##DV##_##GV, float, float, vload_f32, vload_f32, vstore_f32, keep_f32,   \
                      keep_f32x16, 0, DV, GV)                                                      \
 DEFINE_ATTEND_AVX512(attend_bf16_##DV##_##GV, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16,  \
                      round_to_bf16, round_to_bf16x16, 0, DV, GV)                                  \
 DEFINE_ATTEND_AVX512(attend_f32_int8_##DV##_##GV, float, int8_t, vload_f32, vload_int8, vstore_f32,     \
+                     keep_f32, keep_f32x16, 1, DV, GV)                                            \
+DEFINE_ATTEND_AVX512(attend_bf16_int8_##DV##_##GV, uint16_t, int8_t, vload_bf16, vload_int8, vstore_bf16, \
                      keep_f32, keep_f32x16, 1, DV, GV)
 DEFINE_AVX512_FOR(64, 3)
 DEFINE_AVX512_FOR(64, 4)
 DEFINE_AVX512_FOR(128, 3)
 DEFINE_AVX512_FOR(128, 4)
-typedef void (*attend512_fn)(const mqinfer_attention_args *, int64_t, int64_t, float *);
-#define AVX512_KINDS(DV, GV) {attend_f32_##DV##_##GV, attend_bf16_##DV##_##GV, attend_f32_int8_##DV##_##GV}
-/* [g == 4][head_dim == 128][kind]; kind: float32, bfloat16, int8 cache (float32 activations). */
-static const attend512_fn avx512_versions[2][2][3] = {
+#define AVX512_KINDS(DV, GV) \
+    {attend_f32_##DV##_##GV, attend_bf16_##DV##_##GV, attend_f32_int8_##DV##_##GV, attend_bf16_int8_##DV##_##GV}
+/* [g == 4][head_dim == 128][attention_kind]: kinds 0 to 3 (no float8 caches). */
+static const attend_fn avx512_versions[2][2][4] = {
     {AVX512_KINDS(64, 3), AVX512_KINDS(128, 3)},
     {AVX512_KINDS(64, 4), AVX512_KINDS(128, 4)},
 };
@@ -347,18 +352,19 @@ static int attention_part(const void *ctx, int part, int num_parts) {
     float *buf = (float *)malloc(sizeof(float) * (g * j->max_len + 2 * g * D + D + g));
     if (!buf) return -1;
 #ifdef HAVE_SPECIALISED
-    /* The AVX-512 versions read caches in the activations' type, or int8 caches with float32
-       activations; float8 caches go to the AVX2 versions (every AVX-512 CPU has AVX2 and FMA)
-       or the portable loops. */
-    const int avx512_kind = j->kv_quant == 0 ? (j->is_bf16 != 0) : j->kv_quant == 1 && !j->is_bf16 ? 2 : -1;
-    if (avx512_kind >= 0 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
-        avx512_versions[g == 4][D == 128][avx512_kind](j, begin, end, buf);
+    /* The AVX-512 versions read caches in the activations' type or int8 caches; float8 caches
+       go to the AVX2 versions (every AVX-512 CPU has AVX2 and FMA) or the portable loops. */
+    const int kind = attention_kind(j);
+    if (kind < 4 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
+        avx512_versions[g == 4][D == 128][kind](j, begin, end, buf);
     } else
 #endif
     if (mq_attend_avx2(j, begin, end, buf)) {
-    } else if (j->kv_quant == 1) attend_f32_int8(j, begin, end, buf);
-    else if (j->kv_quant == 2) attend_f32_fp8(j, begin, end, buf);
-    else if (j->is_bf16) attend_bf16(j, begin, end, buf); else attend_f32(j, begin, end, buf);
+    } else {
+        static const attend_fn portable[6] = {attend_f32, attend_bf16, attend_f32_int8, attend_bf16_int8,
+                                                 attend_f32_fp8, attend_bf16_fp8};
+        portable[attention_kind(j)](j, begin, end, buf);
+    }
     free(buf);
     return 0;
 }

@@ -159,19 +159,36 @@ def test_native_kernel_decodes_every_stored_value_exactly(dtype, head_dim):
     assert torch.equal(out, dequantize_kv(cache_v.view(rows, NUM_KV_HEADS, head_dim), v_scale.view(rows, NUM_KV_HEADS)))
 
 
-@needs_native
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim", [16, 64])
-def test_bfloat16_queries_over_int8_cache(head_dim):
+def test_bfloat16_queries_over_int8_cache(backend, head_dim):
     cache, md, q, tables = _step(QUERY_LENS, SEQ_LENS, 16, 2, head_dim, INT8, seed=3, q_dtype=torch.bfloat16)
     scale = head_dim**-0.5
     ref = reference_paged_attention(q.float(), cache.k, cache.v, QUERY_LENS, SEQ_LENS, tables, scale,
                                     cache.k_scale, cache.v_scale)
-    for backend in ("native", "torch"):
-        out = paged_attention(q, cache.k, cache.v, md, scale, backend=backend, k_scale=cache.k_scale,
-                              v_scale=cache.v_scale)
-        assert out.dtype == torch.bfloat16
-        # bfloat16 keeps 8 bits of mantissa: outputs of magnitude ~1 are within a few 2^-8.
-        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    out = paged_attention(q, cache.k, cache.v, md, scale, backend=backend, k_scale=cache.k_scale,
+                          v_scale=cache.v_scale)
+    assert out.dtype == torch.bfloat16
+    # bfloat16 keeps 8 bits of mantissa: outputs of magnitude ~1 are within a few 2^-8.
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
+@pytest.mark.parametrize("head_dim, g", [(16, 1), (16, 3), (64, 4), (64, 3), (128, 4), (128, 3), (128, 2), (64, 8)])
+def test_native_bfloat16_activations_over_8bit_cache_round_the_float32_result_once(dtype, head_dim, g):
+    # Over an 8-bit cache the native kernel widens bfloat16 queries exactly, computes in float32
+    # and rounds the output once, to nearest even: bit for bit its float32 result rounded by
+    # torch. Head 16: the portable loops; 64 / 128 with 3 or 4 query heads per KV head: the
+    # AVX-512 versions for int8 where the CPU has them; the others: the AVX2 versions.
+    cache, md, q, _ = _step(QUERY_LENS, SEQ_LENS, 16, g, head_dim, dtype, seed=head_dim * g, q_dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    out = paged_attention(q, cache.k, cache.v, md, scale, backend="native", k_scale=cache.k_scale,
+                          v_scale=cache.v_scale)
+    wide = paged_attention(q.float(), cache.k, cache.v, md, scale, backend="native", k_scale=cache.k_scale,
+                           v_scale=cache.v_scale)
+    assert out.dtype == torch.bfloat16 and wide.dtype == torch.float32
+    assert torch.equal(out, wide.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [INT8, FP8], ids=["int8", "fp8"])
