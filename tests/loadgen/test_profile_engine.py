@@ -22,7 +22,7 @@ def small_checkpoint(tmp_path_factory):
 
 def _args(**kw) -> argparse.Namespace:
     base = dict(dtype="float32", max_num_seqs=8, max_num_batched_tokens=256, num_threads=1, num_kv_blocks=256,
-                block_size=16, quantization="none")
+                block_size=16, quantization="none", kv_cache_dtype="auto")
     return argparse.Namespace(**{**base, **kw})
 
 
@@ -41,6 +41,16 @@ def test_run_engine_generates_every_token_and_accounts_the_steps(small_checkpoin
     # Greedy and seeded by nothing else: a second run of the same requests gives the same tokens.
     again = run_engine(engine, [dict(r, id=r["id"] + "-again") for r in requests])
     assert {k[: -len("-again")]: v for k, v in again.outputs.items()} == fig.outputs
+
+
+def test_kv_cache_dtype_reaches_the_engine(small_checkpoint, capsys):
+    import torch
+
+    engine = build_engine(small_checkpoint, _args(kv_cache_dtype="int8"))
+    assert {cache.k.dtype for cache in engine.runner.kv_caches} == {torch.int8}
+    code = main(["--model", small_checkpoint, "--num-requests", "2", "--dtype", "float32", "--num-threads", "1",
+                 "--max-num-seqs", "8", "--kv-cache-dtype", "fp8", "--hf-batch-size", "0"])
+    assert code == 0 and "KV cache fp8" in capsys.readouterr().out
 
 
 def test_main_prints_phases_and_the_ratio_to_transformers(small_checkpoint, capsys):
