@@ -130,6 +130,39 @@ def prefill_latency(engine, prompt_len: int, repeats: int = 5) -> float:
     return statistics.median(once(k) for k in range(repeats))
 
 
+def step_medians(engine, batch: int = 64, context: int = 200, prefill: int = 512,
+                 steps: int = 150, prefills: int = 40) -> tuple[float, float]:
+    """Median seconds of a decoding step (``batch`` sequences with ``context``-token prompts) and
+    of a step where one ``prefill``-token prompt joins them: medians over many steps hold still
+    on a noisy machine where a whole run's throughput moves by 10%."""
+    import statistics
+
+    from mqinfer.scheduler.request import SamplingParams
+
+    vocab = engine.info.vocab_size
+    longest = steps + prefills + 4
+    for b in range(batch):
+        ids = [3 + (b * 31 + i * 7) % (vocab - 3) for i in range(context)]
+        engine.add_request(f"decode-{b}", ids, SamplingParams(max_tokens=longest, temperature=0.0, ignore_eos=True))
+    engine.step()
+    engine.step()
+
+    def timed_step() -> float:
+        t = time.perf_counter()
+        engine.step()
+        return time.perf_counter() - t
+
+    decode = [timed_step() for _ in range(steps)]
+    joined = []
+    for k in range(prefills):
+        ids = [3 + (k * 131 + i * 17) % (vocab - 3) for i in range(prefill)]
+        engine.add_request(f"join-{k}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        joined.append(timed_step())
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(decode), statistics.median(joined)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.profile_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64, help="Requests of the standard workload (default: 64).")
@@ -155,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Also time the model's kernels op by op over one more run (CPU: the native kernels "
                              "torch.profiler cannot see into), with each dense layer's multiply-add rate.")
     parser.add_argument("--top", type=int, default=20, help="Rows of the torch.profiler table (default: 20).")
+    parser.add_argument("--step-medians", action="store_true",
+                        help="Only time steps: the median decoding step of 64 sequences, and the median step "
+                             "where a 512-token prompt joins them; then exit.")
     parser.add_argument("--prefill-latency", default=None, metavar="L[,L...]",
                         help="Only time one request alone per prompt length (its prefill step: the least time to "
                              "first token such a prompt can have), e.g. 16,136,256; then exit.")
@@ -162,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_requests < 1 or args.repeat < 1:
         parser.error("--num-requests and --repeat must be at least 1")
 
+    from mqinfer.procs import short_openmp_spin
+
+    short_openmp_spin()  # the OpenMP setting a worker runs with (transformers measured no different)
     import torch
 
     from mqinfer.loadgen.checkpoint import make_standard_checkpoint, read_config
@@ -184,6 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         for n in lengths:
             print(f"prompt of {n} tokens alone: first token after {prefill_latency(engine, n) * 1000:.1f} ms "
                   f"(median of 5, {torch.get_num_threads()} threads)")
+        return 0
+    if args.step_medians:
+        decode, joined = step_medians(engine)
+        print(f"decoding step (64 sequences) median {decode * 1e3:.2f} ms; step where a 512-token prompt "
+              f"joins them median {joined * 1e3:.2f} ms ({torch.get_num_threads()} threads)")
         return 0
     warm = [dict(r, id=f"warm-{r['id']}", max_tokens=4) for r in requests[:8]]
     run_engine(engine, warm)

@@ -36,6 +36,7 @@ from mqinfer.config import (
     resolve,
 )
 from mqinfer.layout import parse_workers
+from mqinfer.procs import short_openmp_spin
 
 OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datasets go here.", metavar="DIR")
 WORKERS = Option("workers", parse_workers, "auto", "Worker processes to run, or auto: on a CPU one per core with one "
@@ -180,6 +181,7 @@ def config_keys(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    short_openmp_spin()  # before anything imports torch: the worker, run and bench commands do
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.command:

@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from mqinfer.loadgen.checkpoint import make_llama_checkpoint
-from mqinfer.loadgen.profile_engine import PHASES, build_engine, main, run_engine
+from mqinfer.loadgen.profile_engine import PHASES, build_engine, main, run_engine, step_medians
 from mqinfer.loadgen.workload import standard_workload
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -76,6 +76,16 @@ def test_prefill_latency_times_one_request_alone(small_checkpoint, capsys):
     assert all(float(line.split("after ")[1].split(" ms")[0]) > 0 for line in lines)
     with pytest.raises(SystemExit):
         main(["--model", small_checkpoint, "--prefill-latency", "4,x"])
+
+
+def test_step_medians_time_decoding_and_joining_steps(small_checkpoint):
+    engine = build_engine(small_checkpoint, _args())
+    steps_before = engine.num_steps
+    decode, joined = step_medians(engine, batch=4, context=10, prefill=20, steps=5, prefills=3)
+    assert decode > 0 and joined > 0
+    # Two warm steps, the timed ones, then the decoding sequences run to their end.
+    assert engine.num_steps - steps_before >= 2 + 5 + 3
+    assert not engine.has_unfinished()
 
 
 def test_op_timing_clocks_the_kernels_and_puts_them_back(small_checkpoint):
