@@ -4,8 +4,9 @@
    query heads per KV head, as in SmolLM2 and the Llama 3 family), AVX2 versions
    (attention_avx2.c) for heads 64 or 128 wide with 1 to 8 query heads per KV head, the
    portable loops for every other shape and CPU. 8-bit caches (int8, float8 e4m3, with a
-   bfloat16 scale per row) are read with float32 activations: int8 ones by the AVX-512 versions
-   where the shape has one, the rest by the AVX2 versions and the portable loops.
+   bfloat16 scale per row) are read with float32 or bfloat16 activations and float32
+   arithmetic: int8 ones by the AVX-512 versions where the shape has one, the rest by the AVX2
+   versions and the portable loops.
 
    Work is cut into runs of consecutive tokens of about equal cost (a token's cost grows with
    its context), one run per thread; each token is computed by one thread in one fixed order,
@@ -362,7 +363,7 @@ static int attention_part(const void *ctx, int part, int num_parts) {
     if (mq_attend_avx2(j, begin, end, buf)) {
     } else {
         static const attend_fn portable[6] = {attend_f32, attend_bf16, attend_f32_int8, attend_bf16_int8,
-                                                 attend_f32_fp8, attend_bf16_fp8};
+                                              attend_f32_fp8, attend_bf16_fp8};
         portable[attention_kind(j)](j, begin, end, buf);
     }
     free(buf);
