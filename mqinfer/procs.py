@@ -67,9 +67,9 @@ def short_openmp_spin() -> bool:
     ships) with the native kernels (their own thread pool, ``kernels/csrc/thread_pool.c``). By
     default libgomp's workers spin for 300,000 iterations after every parallel region, on the
     cores the native kernels' threads are about to need, so every switch costs those kernels
-    part of a core. Sleeping after about 3,000 iterations measured 10-12% more throughput for one
-    engine with two threads on two cores; sleeping at once (``OMP_WAIT_POLICY=passive``) was
-    slower than the default, as each matmul then waits for its threads to wake. A process with
+    part of a core. Sleeping after about 3,000 iterations measured 8-12% shorter engine steps
+    with two threads on two cores (BENCHMARKS.md); sleeping at once (``OMP_WAIT_POLICY=passive``)
+    was slower than the default, as each matmul then waits for its threads to wake. A process with
     one thread has no OpenMP workers and is unaffected. Child processes inherit the setting.
     """
     if "torch" in sys.modules or "GOMP_SPINCOUNT" in os.environ or "OMP_WAIT_POLICY" in os.environ:

@@ -17,11 +17,16 @@ print(short_openmp_spin(), os.environ.get("GOMP_SPINCOUNT"), os.environ.get("OMP
 """
 
 
-def _probe(before: str = "", **env: str) -> str:
+def _run(code: str, **env: str) -> str:
+    """``code``'s output in a fresh interpreter whose environment has no OpenMP setting but ``env``."""
     clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    out = subprocess.run([sys.executable, "-c", PROBE.format(before=before)], env={**clean, **env},
-                         capture_output=True, text=True, timeout=120, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env={**clean, **env}, capture_output=True, text=True,
+                         timeout=120, check=True)
     return out.stdout.strip()
+
+
+def _probe(before: str = "", **env: str) -> str:
+    return _run(PROBE.format(before=before), **env)
 
 
 def test_set_before_torch_when_the_user_set_nothing():
@@ -42,10 +47,7 @@ def test_too_late_once_torch_is_imported():
 
 
 def test_the_mqinfer_command_sets_it_before_it_dispatches():
-    clean = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
     code = ("import os\nfrom mqinfer.cli import main\n"
             "try:\n    main(['worker', '--help'])\nexcept SystemExit:\n    pass\n"
             "print('GOMP_SPINCOUNT=' + str(os.environ.get('GOMP_SPINCOUNT')))")
-    out = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True, text=True, timeout=120,
-                         check=True)
-    assert out.stdout.strip().splitlines()[-1] == f"GOMP_SPINCOUNT={OPENMP_SPIN_COUNT}"
+    assert _run(code).splitlines()[-1] == f"GOMP_SPINCOUNT={OPENMP_SPIN_COUNT}"
