@@ -31,6 +31,7 @@ from mqinfer.client_actions import (
     EndReadTurn,
     Plan,
     ReadBacklog,
+    RegisterLane,
     ReadReplies,
     Sleep,
     TakeReadTurn,
@@ -45,6 +46,7 @@ from mqinfer.client_core import (
     as_request,
 )
 from mqinfer.schemas import keys
+from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.connection import connect, connect_redis, is_cluster
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.replies import (
@@ -75,30 +77,65 @@ T = TypeVar("T")
 
 # -- the low-level producer ------------------------------------------------------------------
 class Producer:
-    """Adds requests to ``mqinfer:{stream}``; ``client`` may be an existing redis.Redis."""
+    """Adds requests to ``mqinfer:{stream}`` or to their lanes (``lanes``, as for :class:`Client`);
+    ``client`` may be an existing redis.Redis."""
+
+    # A lane registered this recently is not registered again (the registry's "last used" time
+    # need not be exact: workers drop a lane only after an hour unused and empty).
+    REREGISTER_S = 60.0
 
     def __init__(self, redis_url: str | None = None, *, stream: str = "requests",
-                 client: redis.Redis | None = None, fmt: str = "msgpack") -> None:
+                 client: redis.Redis | None = None, fmt: str = "msgpack", lanes: str = lane_scheme.DEFAULT_LANES,
+                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES) -> None:
         if client is None and redis_url is None:
             raise ValueError("Producer needs a redis_url or a client")
         self.redis = client if client is not None else connect(redis_url)
         self.stream = stream
         self.stream_key = keys.request_stream(stream)
         self.fmt = fmt
+        self.lanes = lane_scheme.parse_lanes(lanes)
+        self.max_lanes = lane_scheme.check_max_lanes(max_lanes)
+        self._register = self.redis.register_script(lane_scheme.REGISTER_SCRIPT)
+        # lane -> (stream key it maps to, when registered)
+        self._lane_keys: dict[str, tuple[str, float]] = {}
+        self._group_ready = False
 
-    def ensure_group(self) -> None:
+    def ensure_group(self, stream_key: str | None = None) -> None:
         """Create the workers' consumer group at the stream's start, so nothing added is missed."""
         try:
-            self.redis.xgroup_create(self.stream_key, keys.GROUP, id="0", mkstream=True)
+            self.redis.xgroup_create(stream_key or self.stream_key, keys.GROUP, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    def stream_key_for(self, req: Request) -> str:
+        """The stream key ``req`` goes to: its lane's (registered, with its group), or the plain one."""
+        if not self._group_ready:
+            self.ensure_group()
+            self._group_ready = True
+        lane = lane_scheme.lane_name(self.lanes, req.tenant, req.job_id)
+        if lane is None:
+            return self.stream_key
+        cached = self._lane_keys.get(lane)
+        now = time.monotonic()
+        if cached is not None and now - cached[1] < self.REREGISTER_S:
+            return cached[0]
+        used, fresh = self._register(
+            keys=[lane_scheme.registry_key(self.stream), lane_scheme.registry_version_key(self.stream)],
+            args=[lane, time.time(), self.max_lanes, lane_scheme.shared_lane(lane, self.max_lanes),
+                  lane_scheme.shared_count(self.max_lanes)])
+        used = used.decode() if isinstance(used, bytes) else str(used)
+        stream_key = keys.request_stream(lane_scheme.lane_stream(self.stream, used))
+        self.ensure_group(stream_key)
+        if int(fresh):
+            self.redis.xadd(self.stream_key, {lane_scheme.NOTICE_FIELD: used})
+        self._lane_keys[lane] = (stream_key, now)
+        return stream_key
+
     def submit(self, request: Request | dict[str, Any], *, job_id: str | None = None) -> str:
         """Validate and add one request; returns its stream entry id."""
         req = as_request(request, job_id)
-        self.ensure_group()
-        entry_id = self.redis.xadd(self.stream_key, encode_entry(req, fmt=self.fmt))
+        entry_id = self.redis.xadd(self.stream_key_for(req), encode_entry(req, fmt=self.fmt))
         return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
     def submit_many(self, requests: Iterable[Request | dict[str, Any]], *, job_id: str | None = None,
@@ -107,15 +144,15 @@ class Producer:
 
         Every request of a chunk is validated before the chunk is sent.
         """
-        self.ensure_group()
         sent = 0
         chunk: list[Request] = []
 
         def send() -> None:
             nonlocal sent
+            targets = [self.stream_key_for(req) for req in chunk]
             pipe = self.redis.pipeline(transaction=False)
-            for req in chunk:
-                pipe.xadd(self.stream_key, encode_entry(req, fmt=self.fmt))
+            for req, stream_key in zip(chunk, targets):
+                pipe.xadd(stream_key, encode_entry(req, fmt=self.fmt))
             pipe.execute()
             sent += len(chunk)
             chunk.clear()
@@ -151,18 +188,21 @@ class Client:
                  cluster: bool = False, client: redis.Redis | None = None, reply_to: str | None = None,
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack",
-                 cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix") -> None:
+                 cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix", lanes: str = lane_scheme.DEFAULT_LANES,
+                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES) -> None:
         if client is None and redis_url is None:
             raise ValueError("Client needs a redis_url or a client")
         self._core = ClientCore(stream=stream, shards=shards, reply_to=reply_to, max_backlog=max_backlog,
                                 backpressure=backpressure, backpressure_timeout_s=backpressure_timeout_s,
-                                fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route)
+                                fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route,
+                                lanes=lanes, max_lanes=max_lanes)
         self._owns_redis = client is None
         self.redis = client if client is not None else connect_redis(redis_url, cluster=cluster)
         self._core.cluster = is_cluster(self.redis)
         self._state_lock = threading.Lock()  # the core: every step of a plan runs under it
         self._read_lock = threading.Lock()  # the read turn: one thread reads the reply streams at a time
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
+        self._register_lane = self.redis.register_script(lane_scheme.REGISTER_SCRIPT)
 
     @property
     def reply_to(self) -> str:
@@ -226,6 +266,9 @@ class Client:
                 pipe.xinfo_groups(stream_key)
                 pipe.xlen(stream_key)
                 return pipe.execute()
+            case RegisterLane(registry, version_key, lane, max_lanes, shared, reserved):
+                return self._register_lane(keys=[registry, version_key],
+                                           args=[lane, time.time(), max_lanes, shared, reserved])
             case CreateGroup(stream_key, group):
                 return self.redis.xgroup_create(stream_key, group, id="0", mkstream=True)
             case AddCancel(key, member, ttl_s):
@@ -251,9 +294,10 @@ class Client:
         reqs = self._core.prepare(requests, job_id, reply)
         return self._run(self._core.submit(reqs, chunk_size))
 
-    def backlog(self, shard: int = 0) -> int:
-        """Requests of one stream not yet finished: unread plus read and unacked."""
-        return self._run(self._core.backlog(shard))
+    def backlog(self, shard: int = 0, *, tenant: str = "default", job_id: str | None = None) -> int:
+        """Requests not yet finished (unread plus read and unacked) in the stream that a request of
+        ``tenant`` and ``job_id`` goes to: its lane, or the plain stream (of one shard)."""
+        return self._run(self._core.backlog(shard, tenant=tenant, job_id=job_id))
 
     # -- replies -----------------------------------------------------------------------------
     def result(self, request_id: str, timeout: float | None = 60.0, *, job_id: str | None = None) -> ResultRow:

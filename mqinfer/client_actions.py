@@ -30,6 +30,19 @@ class AddEntries:
 
 
 @dataclass(frozen=True, slots=True)
+class RegisterLane:
+    """Run ``mqinfer.schemas.lanes.REGISTER_SCRIPT`` with KEYS ``[registry, version_key]`` and ARGV
+    ``[lane, now, max_lanes, shared, reserved]``; result: ``[lane used, 1 if it was new]``."""
+
+    registry: str
+    version_key: str
+    lane: str
+    max_lanes: int
+    shared: str
+    reserved: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReadBacklog:
     """``XINFO GROUPS stream_key`` and ``XLEN stream_key`` in one pipeline; result: both replies."""
 
@@ -80,6 +93,6 @@ class EndReadTurn:
     """Hand the read turn back. A driver also hands it back when a plan ends holding it."""
 
 
-Action = CreateGroup | AddEntries | ReadBacklog | ReadReplies | AddCancel | DeleteStream | Sleep | \
+Action = CreateGroup | AddEntries | RegisterLane | ReadBacklog | ReadReplies | AddCancel | DeleteStream | Sleep | \
     TakeReadTurn | EndReadTurn
 Plan = Generator[Action, Any, T]

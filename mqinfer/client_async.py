@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any, TypeVar
 
@@ -17,11 +18,13 @@ from mqinfer.client_actions import (
     EndReadTurn,
     Plan,
     ReadBacklog,
+    RegisterLane,
     ReadReplies,
     Sleep,
     TakeReadTurn,
 )
 from mqinfer.client_core import ClientCore
+from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.replies import CANCEL_SCRIPT, CANCEL_TTL_S, ReplyEvent
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.rows import ResultRow
@@ -38,12 +41,14 @@ class AsyncClient:
                  cluster: bool = False, client=None, reply_to: str | None = None,
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack",
-                 cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix") -> None:
+                 cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix", lanes: str = lane_scheme.DEFAULT_LANES,
+                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES) -> None:
         if client is None and redis_url is None:
             raise ValueError("AsyncClient needs a redis_url or a client")
         self._core = ClientCore(stream=stream, shards=shards, reply_to=reply_to, max_backlog=max_backlog,
                                 backpressure=backpressure, backpressure_timeout_s=backpressure_timeout_s,
-                                fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route)
+                                fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route,
+                                lanes=lanes, max_lanes=max_lanes)
         self._owns_redis = client is None
         if client is None:
             client = _async_connect(redis_url, cluster)
@@ -53,6 +58,7 @@ class AsyncClient:
         self._core.cluster = isinstance(client, redis.asyncio.cluster.RedisCluster)
         self._read_lock = asyncio.Lock()  # the read turn: one coroutine reads the reply streams at a time
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)
+        self._register_lane = self.redis.register_script(lane_scheme.REGISTER_SCRIPT)
 
     @property
     def reply_to(self) -> str:
@@ -107,6 +113,9 @@ class AsyncClient:
                 pipe.xinfo_groups(stream_key)
                 pipe.xlen(stream_key)
                 return await pipe.execute()
+            case RegisterLane(registry, version_key, lane, max_lanes, shared, reserved):
+                return await self._register_lane(keys=[registry, version_key],
+                                           args=[lane, time.time(), max_lanes, shared, reserved])
             case CreateGroup(stream_key, group):
                 return await self.redis.xgroup_create(stream_key, group, id="0", mkstream=True)
             case AddCancel(key, member, ttl_s):
@@ -130,9 +139,10 @@ class AsyncClient:
         reqs = self._core.prepare(requests, job_id, reply)
         return await self._run(self._core.submit(reqs, chunk_size))
 
-    async def backlog(self, shard: int = 0) -> int:
-        """Requests of one stream not yet finished: unread plus read and unacked."""
-        return await self._run(self._core.backlog(shard))
+    async def backlog(self, shard: int = 0, *, tenant: str = "default", job_id: str | None = None) -> int:
+        """Requests not yet finished (unread plus read and unacked) in the stream that a request of
+        ``tenant`` and ``job_id`` goes to: its lane, or the plain stream (of one shard)."""
+        return await self._run(self._core.backlog(shard, tenant=tenant, job_id=job_id))
 
     async def result(self, request_id: str, timeout: float | None = 60.0, *,
                      job_id: str | None = None) -> ResultRow:

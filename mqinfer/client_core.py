@@ -32,11 +32,13 @@ from mqinfer.client_actions import (
     Plan,
     ReadBacklog,
     ReadReplies,
+    RegisterLane,
     Sleep,
     TakeReadTurn,
 )
 from mqinfer.client_replies import ReplyBook, RequestKey
 from mqinfer.schemas import errors, keys
+from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.schemas.routing import PrefixRouter
@@ -126,7 +128,8 @@ class ClientCore:
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack", cancel_ttl_s: int = CANCEL_TTL_S,
                  cluster: bool = False, clock: Callable[[], float] = time.monotonic,
-                 route: str = "prefix") -> None:
+                 route: str = "prefix", lanes: str = lane_scheme.DEFAULT_LANES,
+                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES) -> None:
         if backpressure not in ("wait", "raise"):
             raise ValueError(f"backpressure must be 'wait' or 'raise', got {backpressure!r}")
         if max_backlog is not None and max_backlog < 1:
@@ -137,6 +140,8 @@ class ClientCore:
             raise ValueError(f"cancel_ttl_s must be >= 1, got {cancel_ttl_s}")
         if not stream or "{" in stream or "}" in stream:
             raise ValueError(f"invalid stream name {stream!r} (braces would break its hash tag)")
+        self.lanes = lane_scheme.parse_lanes(lanes)
+        self.max_lanes = lane_scheme.check_max_lanes(max_lanes)
         self.stream = stream
         self.streams = shard_streams(stream, shards)
         self.stream_keys = [keys.request_stream(s) for s in self.streams]
@@ -194,16 +199,36 @@ class ClientCore:
         for req, shard in zip(reqs, self.router.assign(reqs)):
             groups.setdefault(shard, []).append(req)
         for shard, group in groups.items():
-            stream_key = self.stream_keys[shard]
-            yield from self._ensure_group(stream_key)
-            start = 0
-            while start < len(group):
-                room = yield from self._room(shard)
-                chunk = group[start:start + min(chunk_size, room)]
-                self.remember(chunk)  # before sending: a quick reply must not be forgotten
-                yield AddEntries(stream_key, [encode_entry(req, fmt=self.fmt) for req in chunk])
-                start += len(chunk)
+            by_lane: dict[str | None, list[Request]] = {}
+            for req in group:
+                by_lane.setdefault(lane_scheme.lane_name(self.lanes, req.tenant, req.job_id), []).append(req)
+            for lane, lane_group in by_lane.items():
+                stream_key = yield from self._lane_key(shard, lane)
+                start = 0
+                while start < len(lane_group):
+                    room = yield from self._room(stream_key)
+                    chunk = lane_group[start:start + min(chunk_size, room)]
+                    self.remember(chunk)  # before sending: a quick reply must not be forgotten
+                    yield AddEntries(stream_key, [encode_entry(req, fmt=self.fmt) for req in chunk])
+                    start += len(chunk)
         return [r.id for r in reqs]
+
+    def _lane_key(self, shard: int, lane: str | None) -> Plan[str]:
+        """The stream key of a lane of a shard, registered (bounded by ``max_lanes``) and with its
+        group; a new lane's notice goes to the plain stream, waking a worker blocked reading."""
+        stream = self.streams[shard]
+        plain_key = self.stream_keys[shard]
+        yield from self._ensure_group(plain_key)
+        if lane is None:
+            return plain_key
+        used, fresh = yield RegisterLane(
+            lane_scheme.registry_key(stream), lane_scheme.registry_version_key(stream), lane, self.max_lanes,
+            lane_scheme.shared_lane(lane, self.max_lanes), lane_scheme.shared_count(self.max_lanes))
+        stream_key = keys.request_stream(lane_scheme.lane_stream(stream, as_text(used)))
+        yield from self._ensure_group(stream_key)
+        if int(fresh):
+            yield AddEntries(plain_key, [{lane_scheme.NOTICE_FIELD: as_text(used)}])
+        return stream_key
 
     def remember(self, reqs: list[Request]) -> None:
         """Note where the replies of requests about to be sent will come."""
@@ -228,30 +253,39 @@ class ClientCore:
         self._groups_made.add(stream_key)
 
     # -- backpressure ------------------------------------------------------------------------
-    def backlog(self, shard: int = 0) -> Plan[int]:
-        """Requests of one stream not yet finished: unread plus read and unacked."""
+    def backlog(self, shard: int = 0, *, tenant: str = lane_scheme.DEFAULT_TENANT,
+                job_id: str | None = None) -> Plan[int]:
+        """Requests not yet finished in the stream (of one shard) that a request of ``tenant`` and
+        ``job_id`` goes to: its lane's (see ``lanes``), or the plain stream's. Unread plus read and
+        unacked."""
         if not 0 <= shard < len(self.stream_keys):
             raise ValueError(f"shard must be in 0..{len(self.stream_keys) - 1}, got {shard}")
+        lane = lane_scheme.lane_name(self.lanes, tenant, job_id)
+        return (yield from self._backlog(keys.request_stream(lane_scheme.lane_stream(self.streams[shard], lane))))
+
+    def _backlog(self, stream_key: str) -> Plan[int]:
         try:
-            groups, xlen = yield ReadBacklog(self.stream_keys[shard])
+            groups, xlen = yield ReadBacklog(stream_key)
         except redis.exceptions.ResponseError:  # no such stream yet
             return 0
         return backlog_from(groups, xlen)
 
-    def _room(self, shard: int) -> Plan[int]:
-        """How many requests may be sent to this shard now: waits for room, or raises."""
+    def _room(self, stream_key: str) -> Plan[int]:
+        """How many requests may be sent to this stream (a lane, or the plain stream) now: waits
+        for room, or raises. Each lane has its own backlog limit, so one tenant's backlog holds
+        back only that tenant's producers."""
         limit = self.max_backlog
         if limit is None:
             return UNLIMITED
         started = self.clock()
         attempt = 0
         while True:
-            backlog = yield from self.backlog(shard)
+            backlog = yield from self._backlog(stream_key)
             if backlog < limit:
                 return limit - backlog
             waited = self.clock() - started
             if self.backpressure == "raise" or waited >= self.backpressure_timeout_s:
-                raise BackpressureError(self.stream_keys[shard], backlog, limit, waited)
+                raise BackpressureError(stream_key, backlog, limit, waited)
             yield Sleep(min(wait_step(attempt), self.backpressure_timeout_s - waited))
             attempt += 1
 

@@ -25,6 +25,7 @@ from mqinfer.schemas.rows import CostRow, ResultRow
 from mqinfer.workers.billing import Billing
 from mqinfer.workers.idempotency import Idempotency, waiting_reply_streams
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.lanes import by_lane, split, stream_of
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.sink import Sinks
 
@@ -153,15 +154,30 @@ class Acks:
         ids = [p.entry_id for p in pending]
         pipe = self.redis.pipeline(transaction=True)
         charged = self.budget_guard.charge(pipe, ids) if self.budget_guard is not None else []
-        pipe.xack(self.stream_key, self.group, *ids)
-        pipe.xdel(self.stream_key, *ids)  # acked entries leave the stream; pending ones never do
-        pipe.hdel(self.inflight_key, *ids)
-        waiting: list[tuple[int, ResultRow]] = []
-        for p in pending:
-            if p.row is not None:
-                position = self.idempotency.queue_ack(pipe, p.entry_id, p.row, p.keep_final)
-                if position is not None:
-                    waiting.append((position, p.row))
+        # Each lane's entries leave their stream, its in-flight hash and their idempotency records
+        # change in one transaction in the lane's slot: on one server, all lanes' in the one
+        # transaction with the rest; in a Redis Cluster, each lane's in its own, after the one that
+        # counts the rows done (so that a crash between them can only leave a row counted done whose
+        # entry is delivered again, and compaction keeps one row).
+        lane_pipes = []
+        waiting: list[tuple[object, int, ResultRow]] = []
+        rows = {p.entry_id: p for p in pending}
+        for lane, qids in by_lane(ids).items():
+            lane_pipe = pipe if lane is None or not self.redis_cluster else self.redis.pipeline(transaction=True)
+            if lane_pipe is not pipe:
+                lane_pipes.append(lane_pipe)
+            lane_stream = stream_of(self.stream, lane)
+            stream_key = keys.request_stream(lane_stream)
+            raw = [split(q)[0] for q in qids]
+            lane_pipe.xack(stream_key, self.group, *raw)
+            lane_pipe.xdel(stream_key, *raw)  # acked entries leave the stream; pending ones never do
+            lane_pipe.hdel(keys.inflight_hash(lane_stream), *raw)
+            for qid in qids:
+                p = rows[qid]
+                if p.row is not None:
+                    position = self.idempotency.queue_ack(lane_pipe, p.entry_id, p.row, p.keep_final)
+                    if position is not None:
+                        waiting.append((lane_pipe, position, p.row))
         done: dict[str, list[str]] = {}
         for p in pending:
             if p.row is not None and p.row.job_id is not None:
@@ -183,13 +199,15 @@ class Acks:
             if row is not None and row.job_id is not None and self.jobs.wants_rows(row.job_id):
                 results_pipe.xadd(keys.job_results_stream(row.job_id),
                                   {"id": row.id, "row": msgspec.json.encode(row), "cost_usd": repr(p.cost_usd)})
-        results = pipe.execute()
+        results = {id(pipe): pipe.execute()}
+        for lane_pipe in lane_pipes:
+            results[id(lane_pipe)] = lane_pipe.execute()
         if counted:
             generated.sent(self.clock())
         for entry_id in ids:
             self.idempotency.forget(entry_id)
-        for position, row in waiting:
-            for reply_to in waiting_reply_streams(results[position]):
+        for lane_pipe, position, row in waiting:
+            for reply_to in waiting_reply_streams(results[id(lane_pipe)][position]):
                 self.replies.final(reply_to, row)
         self.replies.send(self.redis, self.clock())
         if results_pipe is not pipe:

@@ -18,6 +18,7 @@ from mqinfer.scheduler.config import (
     PREEMPTION_MODES, SchedulerConfig, format_tenant_weights, parse_tenant_weights,
 )
 from mqinfer.schemas import keys
+from mqinfer.schemas.lanes import DEFAULT_LANES, DEFAULT_MAX_LANES, check_max_lanes, parse_lanes
 from mqinfer.workers.devices import parse_device, parse_devices
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
 from mqinfer.workers.tenant_limits import TenantLimit, format_tenant_limits, parse_tenant_limits
@@ -248,6 +249,15 @@ class WorkerConfig:
     stream: str = field(default="requests", metadata=flag(
         "Stream name S: requests go to key mqinfer:{S}.", metavar="S"))
     group: str = field(default=keys.GROUP, metadata=flag("Consumer group name.", metavar="G"))
+    lanes: str = field(default=DEFAULT_LANES, metadata=flag(
+        "Lanes: requests wait in one stream per tenant (tenant), per bulk job (job), per both (tenant,job), "
+        "or all in the plain stream mqinfer:{S} (none). Producers put each request into its lane; workers "
+        "read the plain stream and every lane, the lanes that have had the least service (by "
+        "--tenant-weights) first, so that one tenant's or job's backlog does not hold the others back. "
+        "A worker with none reads only the plain stream.", metavar="MODE", parse=parse_lanes))
+    max_lanes: int = field(default=DEFAULT_MAX_LANES, metadata=flag(
+        "At most this many lanes: past it, new tenants (or jobs) share a few hashed lanes. A worker reads "
+        "at most this many.", metavar="N"))
     consumer: str | None = field(default=None, metadata=flag(
         "Consumer name (default: hostname-pid-random).", metavar="C"))
     max_batch: int = field(default=64, metadata=flag(
@@ -328,6 +338,8 @@ class WorkerConfig:
             if not ok:
                 raise ValueError(message)
         parse_tenant_limits(self.tenant_limits)  # raises ValueError naming a bad entry
+        object.__setattr__(self, "lanes", parse_lanes(self.lanes))
+        check_max_lanes(self.max_lanes)
 
     @property
     def tenant_limit_map(self) -> dict[str, TenantLimit]:

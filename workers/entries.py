@@ -25,7 +25,8 @@ class InFlight:
 
 
 def entry_time(entry_id: str) -> float:
-    """Unix seconds at which the server added the entry (its id's millisecond part)."""
+    """Unix seconds at which the server added the entry (its id's millisecond part; a lane's
+    qualified id ``<id>@<lane>`` works too)."""
     try:
         return int(entry_id.split("-", 1)[0]) / 1000.0
     except ValueError:
@@ -34,7 +35,7 @@ def entry_time(entry_id: str) -> float:
 
 def entry_order(entry_id: str) -> tuple[int, int]:
     """A sort key that orders entry ids as the stream does (``10-0`` after ``9-5``)."""
-    ms, _, seq = entry_id.partition("-")
+    ms, _, seq = entry_id.partition("@")[0].partition("-")
     return int(ms), int(seq or 0)
 
 

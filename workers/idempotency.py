@@ -28,6 +28,7 @@ from mqinfer.schemas.request import Request
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.workers.billing import Billing
 from mqinfer.workers.entries import text
+from mqinfer.workers.lanes import split, stream_of
 from mqinfer.workers.replies import Replies
 
 log = logging.getLogger("mqinfer.worker")
@@ -155,21 +156,28 @@ class Idempotency:
         self.records: dict[str, tuple[str, str]] = {}
         self._claim = redis_client.register_script(_CLAIM_SCRIPT)
 
-    def record_key(self, request_id: str, job_id: str | None) -> str:
-        return keys.idempotency_key(self.stream, job_id, request_id)
+    def record_key(self, request_id: str, job_id: str | None, lane: str | None = None) -> str:
+        """A request's record, in the slot of the lane its entries come in (records, like the
+        in-flight hash, change in the same transaction as the lane's acks)."""
+        return keys.idempotency_key(stream_of(self.stream, lane), job_id, request_id)
 
     def claim(self, entry_id: str, request: Request) -> Claim:
         """Take the request's record for this entry (and name the request in the in-flight hash).
 
-        Without records (a time to live of 0) every entry is new."""
+        ``entry_id`` is the worker's qualified id (``<id>@<lane>`` for a lane's entry); the record
+        holds the id within the lane's stream. Without records (a time to live of 0) every entry
+        is new."""
         if not self.ttl_s:
             return Claim("new")
-        record = self.record_key(request.id, request.job_id)
+        raw_id, lane = split(entry_id)
+        lane_stream = stream_of(self.stream, lane)
+        record = self.record_key(request.id, request.job_id, lane)
         digest = content_digest(request)
         known = json.dumps([request.job_id, request.id, request.tenant, request.request_type])
         outcome, first, state, stored = self._claim(
-            keys=[record, self.inflight_key, self.stream_key, final_row_key(record), waiters_key(record)],
-            args=[entry_id, digest, max(1, math.ceil(self.ttl_s)), known, request.reply_to or "", MAX_WAITERS])
+            keys=[record, keys.inflight_hash(lane_stream), keys.request_stream(lane_stream), final_row_key(record),
+                  waiters_key(record)],
+            args=[raw_id, digest, max(1, math.ceil(self.ttl_s)), known, request.reply_to or "", MAX_WAITERS])
         claim = Claim(text(outcome), text(first), text(state), stored)
         if not claim.duplicate:
             if claim.outcome == "takeover":
@@ -253,7 +261,7 @@ class Idempotency:
             ttl = max(1, math.ceil(self.ttl_s or 1))
             if keep_final:
                 pipe.set(final_row_key(record), _ROW_ENCODER.encode(row), ex=ttl)
-            pipe.set(record, f"{entry_id} {digest} done", xx=True, keepttl=True)
+            pipe.set(record, f"{split(entry_id)[0]} {digest} done", xx=True, keepttl=True)
         position = len(pipe)
         pipe.get(waiters_key(record))
         pipe.set(waiters_key(record), "", px=1, xx=True)

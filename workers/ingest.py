@@ -24,6 +24,7 @@ import redis
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.schemas import errors, keys
+from mqinfer.schemas.lanes import NOTICE_FIELD
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request, to_sampling_kwargs
 from mqinfer.schemas.stream import decode_entry
@@ -33,6 +34,7 @@ from mqinfer.workers.engine import EngineInputError
 from mqinfer.workers.entries import InFlight, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.lanes import Lane, LaneSet, expected_service, qualify, split
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.tenant_limits import request_tokens
 from mqinfer.workers.throttle import Throttle
@@ -64,6 +66,12 @@ def _recover_job_id(fields: dict) -> str | None:
     if isinstance(job_id, str) and 0 < len(job_id) <= 128 and job_id.isprintable():
         return job_id
     return None
+
+
+def _is_notice(fields: dict) -> bool:
+    """A new lane's notice on the plain stream (no request in it)."""
+    names = {text(k) for k in fields}
+    return NOTICE_FIELD in names and not names & {"r", "json"}
 
 
 def ensure_group(redis_client, stream_key: str, group: str) -> None:
@@ -163,7 +171,12 @@ class Ingest:
         self.blocked_s = 0.0
         self.last_accept = float("-inf")
         self._last_autoclaim = 0.0
-        self._autoclaim_cursor = "0-0"
+        weights = engine.scheduler_config
+        self.lanes = LaneSet(redis_client, config.stream, config.group, enabled=config.lanes != "none",
+                             max_lanes=config.max_lanes, weight_of=weights.weight_of, clock=clock)
+        # Reads that block span the lanes in one command, except in a Redis Cluster (one command
+        # cannot span slots): there they block on the plain stream for a short while at most.
+        self.cluster = config.redis_cluster
 
     def ensure_group(self) -> None:
         ensure_group(self.redis, self.stream_key, self.config.group)
@@ -222,14 +235,18 @@ class Ingest:
         group = next((g for g in groups if text(g["name"]) == self.config.group), None)
         if group is None:
             return room
-        lag = int(group.get("lag") or 0)
+        return self._share(room, startable, int(group.get("lag") or 0), int(group["pending"]), consumers)
+
+    def _share(self, room: int, startable: int, lag: int, pending: int, consumers) -> int:
+        """The fair share's arithmetic (see :meth:`_fair_share`), from the group's unread (lag) and
+        pending counts over every lane and the plain stream's consumers."""
         if not lag and startable:  # nothing unread, or the server cannot tell
             return room
         names = {text(c["name"]): c for c in consumers}
         others = [c for name, c in names.items()
                   if name not in (HANDBACK_CONSUMER, self.consumer) and c["idle"] < LIVE_CONSUMER_MS]
         live = len(others) + 1
-        share = -(-(lag + int(group["pending"])) // live) - len(self.ownership)
+        share = -(-(lag + pending) // live) - len(self.ownership)
         # Servers before Redis 7.2 report no "inactive" (never given an entry: -1).
         newcomer = any(c.get("inactive") == -1 for c in others)
         return max(1 if startable and not newcomer else 0, min(room, share))
@@ -260,12 +277,17 @@ class Ingest:
             return
         if now - self._last_autoclaim >= min(self.config.claim_idle_ms / 2000.0, 5.0):
             self._last_autoclaim = now
-            self.ownership.check_undelivered_loss()
+            for lane in self.lanes:
+                self.ownership.check_undelivered_loss(lane.name)
             claimed = self._autoclaim(room)
             room -= claimed
             startable = max(0, startable - claimed)
             if room <= 0:
                 return
+        self.lanes.refresh(now)
+        if self.lanes.multi:
+            self._read_lanes(room, startable)
+            return
         room = self._fair_share(room, startable)
         if room <= 0:
             return
@@ -283,18 +305,97 @@ class Ingest:
         finally:
             if block is not None:
                 self.blocked_s += time.perf_counter() - t_read
+        self._take(response)
+
+    def _take(self, response) -> None:
+        """Accept what an XREADGROUP over one or more lanes returned."""
         new = []
-        for _key, entries in response or []:
+        lane_by_key = {lane.key: lane.name for lane in self.lanes}
+        for key, entries in response or []:
+            lane = lane_by_key.get(text(key))
             for entry_id, fields in entries:
-                entry_id = text(entry_id)
-                if entry_id in self.ownership:
+                qid = qualify(text(entry_id), lane)
+                if qid in self.ownership:
                     # Delivered again while running here (a group rewound with XGROUP SETID, a
                     # server restarted from an append-only file that lost its last second).
                     continue
-                self.accept(entry_id, fields, attempt=1)
-                new.append(entry_id)
+                self.accept(qid, fields, attempt=1)
+                new.append(qid)
         if new:
             self.ownership.apply_cancels([e for e in new if e in self.ownership])
+
+    def _read_lanes(self, room: int, startable: int) -> None:
+        """A read over the plain stream and the lanes: one look at every lane's unread and pending
+        counts, the fair share of them for this worker (as on one stream), shared out among the
+        lanes by their counters (:class:`LaneSet`), then one pipelined read of that many from each.
+        With nothing unread anywhere, one read that blocks on all the lanes."""
+        lanes = list(self.lanes)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xinfo_consumers(self.stream_key, self.config.group)
+        for lane in lanes:
+            pipe.xinfo_groups(lane.key)
+            pipe.xlen(lane.key)
+        replies = pipe.execute(raise_on_error=False)
+        consumers = replies[0] if not isinstance(replies[0], Exception) else []
+        unread: dict[str | None, int] = {}
+        total_unread = total_pending = 0
+        for n, lane in enumerate(lanes):
+            groups, length = replies[1 + 2 * n], replies[2 + 2 * n]
+            group = None if isinstance(groups, Exception) else next(
+                (g for g in groups if text(g["name"]) == self.config.group), None)
+            if group is None:  # a lane whose group is gone (or not yet made): made at the stream's start
+                self.lanes.ensure_group(lane)
+                count = 0 if isinstance(length, Exception) else int(length)
+                pending = 0
+            else:
+                pending = int(group.get("pending") or 0)
+                lag = group.get("lag")
+                count = int(lag) if lag is not None else max(0, int(length) - pending)
+            unread[lane.name] = count
+            total_unread += count
+            total_pending += pending
+        self.lanes.observe(unread)
+        if total_unread == 0:
+            self._block_on_lanes(room, lanes)
+            return
+        share = self._share(room, startable, total_unread, total_pending, consumers)
+        if share <= 0:
+            return
+        plan = self.lanes.share_out(share)
+        pipe = self.redis.pipeline(transaction=False)
+        for lane, count in plan:
+            pipe.xreadgroup(self.config.group, self.consumer, {lane.key: ">"}, count=count)
+        replies = pipe.execute(raise_on_error=False)
+        for (lane, _count), reply in zip(plan, replies):
+            if isinstance(reply, redis.exceptions.ResponseError) and "NOGROUP" in str(reply):
+                self.lanes.ensure_group(lane)
+            elif isinstance(reply, Exception):
+                raise reply
+            else:
+                self._take(reply)
+
+    def _block_on_lanes(self, room: int, lanes: list[Lane]) -> None:
+        """Nothing unread: wait for the first arrival on any lane (a new lane's notice arrives on
+        the plain stream, which is among them)."""
+        block = self._block_ms()
+        if block is None:
+            return
+        streams = {lane.key: ">" for lane in lanes}
+        if self.cluster:
+            streams = {self.stream_key: ">"}
+            block = min(block, 100)
+        t_read = time.perf_counter()
+        try:
+            response = self.redis.xreadgroup(self.config.group, self.consumer, streams, count=room, block=block)
+        except redis.exceptions.ResponseError as exc:
+            if "NOGROUP" in str(exc):
+                for lane in lanes:
+                    self.lanes.ensure_group(lane)
+                return
+            raise
+        finally:
+            self.blocked_s += time.perf_counter() - t_read
+        self._take(response)
 
     def _pause(self) -> None:
         """Nothing may be read: with nothing to step either (only rate-limited requests held), wait
@@ -308,51 +409,68 @@ class Ingest:
 
     def recover_own_pending(self) -> None:
         """Entries already pending under this consumer name (a restart with a fixed --consumer)."""
-        response = self.redis.xreadgroup(self.config.group, self.consumer, {self.stream_key: "0"}, count=10_000)
-        for _key, entries in response or []:
-            for entry_id, fields in entries:
-                entry_id = text(entry_id)
-                if fields:
-                    self.accept(entry_id, fields, attempt=self.delivery_count(entry_id), redelivered=True)
-                else:
-                    self.ownership.ack_lost(entry_id)
+        self.lanes.refresh(self.clock(), force=True)
+        for lane in self.lanes:
+            try:
+                response = self.redis.xreadgroup(self.config.group, self.consumer, {lane.key: "0"}, count=10_000)
+            except redis.exceptions.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    continue
+                raise
+            for _key, entries in response or []:
+                for entry_id, fields in entries:
+                    qid = qualify(text(entry_id), lane.name)
+                    if fields:
+                        self.accept(qid, fields, attempt=self.delivery_count(qid), redelivered=True)
+                    else:
+                        self.ownership.ack_lost(qid)
 
-    def delivery_count(self, entry_id: str) -> int:
-        info = self.redis.xpending_range(self.stream_key, self.config.group, entry_id, entry_id, 1)
+    def delivery_count(self, qid: str) -> int:
+        entry_id, lane = split(qid)
+        info = self.redis.xpending_range(self.ownership.lane_key(lane), self.config.group, entry_id, entry_id, 1)
         return int(info[0]["times_delivered"]) if info else 1
 
     def _autoclaim(self, room: int) -> int:
-        """Take over entries idle longer than --claim-idle-ms (their worker is presumed dead)."""
+        """Take over entries idle longer than --claim-idle-ms (their worker is presumed dead), from
+        every lane."""
+        claimed = 0
+        for lane in self.lanes:
+            if room - claimed <= 0:
+                break
+            claimed += self._autoclaim_lane(lane, room - claimed)
+        return claimed
+
+    def _autoclaim_lane(self, lane: Lane, room: int) -> int:
         try:
             result = self.redis.xautoclaim(
-                self.stream_key, self.config.group, self.consumer, self.config.claim_idle_ms,
-                start_id=self._autoclaim_cursor, count=room,
+                lane.key, self.config.group, self.consumer, self.config.claim_idle_ms,
+                start_id=lane.claim_cursor, count=room,
             )
         except redis.exceptions.ResponseError as exc:
             if "NOGROUP" in str(exc):
-                self.ensure_group()
+                self.lanes.ensure_group(lane)
                 return 0
             raise
         # The server scans at most COUNT*10 pending entries per call: keep the cursor so that a
         # long pending list is walked in full over successive calls.
-        self._autoclaim_cursor = text(result[0]) if result else "0-0"
+        lane.claim_cursor = text(result[0]) if result else "0-0"
         entries = result[1] if len(result) > 1 else []
         deleted = result[2] if len(result) > 2 else []
         written = self.acks.holds() if deleted else set()
         for entry_id in deleted:  # pending, but trimmed from the stream: its content is gone
-            entry_id = text(entry_id)
-            if entry_id in written:
+            qid = qualify(text(entry_id), lane.name)
+            if qid in written:
                 continue  # its row is written, only the ack is to come
-            if entry_id in self.ownership:  # running here: the scan dropped it from our pending list
-                self.ownership.trimmed_while_running(entry_id)
+            if qid in self.ownership:  # running here: the scan dropped it from our pending list
+                self.ownership.trimmed_while_running(qid)
                 continue
-            self.ownership.ack_lost(entry_id)
+            self.ownership.ack_lost(qid)
         for entry_id, fields in entries:
-            entry_id = text(entry_id)
-            if entry_id in self.ownership:
+            qid = qualify(text(entry_id), lane.name)
+            if qid in self.ownership:
                 continue
             self.metrics.redeliveries.inc()
-            self.accept(entry_id, fields, attempt=self.delivery_count(entry_id), redelivered=True)
+            self.accept(qid, fields, attempt=self.delivery_count(qid), redelivered=True)
         return len(entries)
 
     # -- one entry -------------------------------------------------------------------------------
@@ -364,6 +482,10 @@ class Ingest:
         """
         enqueued_at = entry_time(entry_id)
         self.last_accept = self.clock()
+        if _is_notice(fields):  # a producer registered a new lane: read it from now on
+            self.lanes.refresh(self.last_accept, force=True)
+            self.acks.add_without_row(entry_id)
+            return
         try:
             request = decode_entry(fields, max_entry_bytes=self.config.max_entry_bytes)
         except RequestError as exc:
@@ -409,6 +531,7 @@ class Ingest:
             return
         self.ownership.take(InFlight(entry_id, request, attempt, enqueued_at, prompt_token_ids=prompt_ids,
                                      sampling=sampling))
+        self.lanes.charge(split(entry_id)[1], request.tenant, expected_service(len(prompt_ids), request.max_tokens))
         if self.throttle is not None and self.throttle.limits_tenant(request.tenant):
             tokens = request_tokens(len(prompt_ids), request.max_tokens, self.engine.scheduler_config.max_model_len)
             self.throttle.add(entry_id, request.tenant, tokens, request.deadline)

@@ -30,6 +30,7 @@ from mqinfer.workers.entries import InFlight, entry_order, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.lanes import by_lane, key_of, qualify, split, stream_of
 from mqinfer.workers.throttle import Throttle
 
 log = logging.getLogger("mqinfer.worker")
@@ -66,7 +67,12 @@ class Ownership:
         self.detached: set[str] = set()
         self._cancels_allowed = True
         self._last_keepalive = 0.0
-        self._gap_reported: str | None = None
+        # Per lane: the last delivered id after which a gap was reported.
+        self._gap_reported: dict[str | None, str] = {}
+
+    def lane_key(self, lane: str | None) -> str:
+        """The stream key of a lane (the plain stream for None)."""
+        return key_of(self.config.stream, lane)
 
     def __contains__(self, entry_id: str) -> bool:
         return entry_id in self.inflight
@@ -111,28 +117,35 @@ class Ownership:
         mine += [p.entry_id for p in self.acks.pending if p.entry_id not in self.detached]
         if not mine:
             return True
+        for lane, qids in by_lane(mine).items():
+            self._keep_lane(lane, qids)
+        return True
+
+    def _keep_lane(self, lane: str | None, mine: list[str]) -> None:
+        """The keepalive of one lane's entries (qualified ids)."""
+        stream_key = self.lane_key(lane)
         owned = set()
         for start in range(0, len(mine), KEEPALIVE_CHUNK):
-            chunk = mine[start:start + KEEPALIVE_CHUNK]
+            chunk = [split(q)[0] for q in mine[start:start + KEEPALIVE_CHUNK]]
             lo, hi = min(chunk, key=entry_order), max(chunk, key=entry_order)
-            for p in self.redis.xpending_range(self.stream_key, self.config.group, lo, hi, len(chunk) * 4 + 10,
+            for p in self.redis.xpending_range(stream_key, self.config.group, lo, hi, len(chunk) * 4 + 10,
                                                consumername=self.consumer):
-                owned.add(text(p["message_id"]))
+                owned.add(qualify(text(p["message_id"]), lane))
         still = [e for e in mine if e in owned]
         if still:
-            kept = {text(e) for e in self.redis.xclaim(self.stream_key, self.config.group, self.consumer, 0, still,
-                                                       justid=True)}
+            kept = {qualify(text(e), lane) for e in self.redis.xclaim(
+                stream_key, self.config.group, self.consumer, 0, [split(q)[0] for q in still], justid=True)}
             # XCLAIM drops entries that are gone from the stream from our pending list.
             self.sort_out_gone([e for e in still if e not in kept], pending_elsewhere=[])
             self.apply_cancels(still)
         gone = [e for e in mine if e not in owned]
         if gone:
             pipe = self.redis.pipeline(transaction=False)
-            for entry_id in gone:
-                pipe.xpending_range(self.stream_key, self.config.group, entry_id, entry_id, 1)
+            for qid in gone:
+                entry_id = split(qid)[0]
+                pipe.xpending_range(stream_key, self.config.group, entry_id, entry_id, 1)
             owners = pipe.execute()
             self.sort_out_gone(gone, pending_elsewhere=[e for e, o in zip(gone, owners) if o])
-        return True
 
     def trimmed_while_running(self, entry_id: str) -> None:
         """A claim scan reported an entry running here as deleted from the stream."""
@@ -227,16 +240,17 @@ class Ownership:
 
         An entry trimmed from the stream while it ran here cannot be handed back: its request is
         added again as a new entry, which takes over its idempotency record."""
-        for entry_id in entry_ids:
-            self.idempotency.forget(entry_id)
-            if entry_id in self.detached:
-                new_id = self.redis.xadd(self.stream_key, encode_entry(self.inflight[entry_id].request))
+        for qid in entry_ids:
+            self.idempotency.forget(qid)
+            entry_id, lane = split(qid)
+            if qid in self.detached:
+                new_id = self.redis.xadd(self.lane_key(lane), encode_entry(self.inflight[qid].request))
                 log.warning("entry %s was trimmed while running here: its request is sent again as %s",
-                            entry_id, text(new_id))
+                            qid, text(new_id))
                 continue
-            attempt = self.inflight[entry_id].attempt
+            attempt = self.inflight[qid].attempt
             self.redis.xclaim(
-                self.stream_key, self.config.group, HANDBACK_CONSUMER, 0, [entry_id],
+                self.lane_key(lane), self.config.group, HANDBACK_CONSUMER, 0, [entry_id],
                 idle=self.config.claim_idle_ms + 1, retrycount=max(0, attempt - 1), justid=True,
             )
         log.info("handed back %d unfinished entries", len(entry_ids))
@@ -250,7 +264,9 @@ class Ownership:
         registered bulk job sends it again itself; without a name, a dead letter keeps the entry id.
         """
         self.metrics.lost_entries["pending"].inc()
-        raw = self.redis.hget(self.inflight_key, entry_id)
+        qid = entry_id
+        entry_id, lane = split(qid)
+        raw = self.redis.hget(keys.inflight_hash(stream_of(self.config.stream, lane)), entry_id)
         known = None
         try:
             known = json.loads(raw) if raw is not None else None
@@ -258,42 +274,43 @@ class Ownership:
             pass
         if not (isinstance(known, list) and len(known) == 4 and isinstance(known[1], str)):
             log.warning("entry %s was pending but is no longer in the stream (trimmed): its request is lost "
-                        "and its id unknown", entry_id)
-            self.dead_letters.send(entry_id, {}, RequestError(
+                        "and its id unknown", qid)
+            self.dead_letters.send(qid, {}, RequestError(
                 errors.LOST, "the entry was removed from the stream (trimmed) while pending; its content is gone"))
             return
         job_id, request_id, tenant, request_type = known
         log.warning("entry %s (request %r, job %r) was pending but is no longer in the stream (trimmed): "
-                    "its request is lost", entry_id, request_id, job_id)
-        record_key = self.idempotency.record_key(request_id, job_id)
+                    "its request is lost", qid, request_id, job_id)
+        record_key = self.idempotency.record_key(request_id, job_id, lane)
         record = self.redis.get(record_key)
         if record is not None and (text(record).split(" ", 1)[0] != entry_id or text(record).endswith(" done")):
-            self.acks.add_without_row(entry_id)
+            self.acks.add_without_row(qid)
             return
         if self.jobs.registered(job_id):  # `mqinfer jobs` sends its lost requests again
-            self.acks.add_without_row(entry_id)
+            self.acks.add_without_row(qid)
             return
         if record is not None:  # the record is this entry's: copies waiting for it get the lost row
-            self.idempotency.adopt(entry_id, record_key)
-        attempt = self.redis.xpending_range(self.stream_key, self.config.group, entry_id, entry_id, 1)
+            self.idempotency.adopt(qid, record_key)
+        attempt = self.redis.xpending_range(self.lane_key(lane), self.config.group, entry_id, entry_id, 1)
         self.acks.add_error(
-            entry_id, request_id, job_id, errors.LOST,
+            qid, request_id, job_id, errors.LOST,
             "the stream entry was removed (trimmed) while pending, before the request finished; send it again",
             attempt=int(attempt[0]["times_delivered"]) if attempt else 1, enqueued_at=entry_time(entry_id),
             # Stands in for the request whose content is gone: only its labels are read.
             request=Request(id=request_id, prompt="", tenant=tenant, request_type=request_type),
         )
 
-    def check_undelivered_loss(self) -> None:
+    def check_undelivered_loss(self, lane: str | None = None) -> None:
         """Notice entries removed from the stream before the group read them (XTRIM below the backlog).
 
         Workers delete only entries they acked, so when no entry older than the group's last
         delivered one is left, entries added minus entries read minus entries left is how many
         were removed unread. One worker reports each gap (a marker key taken with NX).
         """
+        stream_key = self.lane_key(lane)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.xinfo_stream(self.stream_key)
-        pipe.xinfo_groups(self.stream_key)
+        pipe.xinfo_stream(stream_key)
+        pipe.xinfo_groups(stream_key)
         try:
             stream, groups = pipe.execute()
         except redis.exceptions.ResponseError:
@@ -308,16 +325,16 @@ class Ownership:
         if length and first is not None and entry_order(text(first)) <= entry_order(last):
             return  # pending entries are left at the head: a trim cannot have passed them
         missing = int(added) - int(read) - length
-        if missing <= 0 or self._gap_reported == last:
+        if missing <= 0 or self._gap_reported.get(lane) == last:
             return
-        self._gap_reported = last
-        if not self.redis.set(keys.gap_marker(self.config.stream, last), self.consumer, nx=True,
+        self._gap_reported[lane] = last
+        if not self.redis.set(keys.gap_marker(stream_of(self.config.stream, lane), last), self.consumer, nx=True,
                               ex=GAP_MARKER_TTL_S):
             return  # another worker reported this gap
         self.metrics.lost_entries["undelivered"].inc(missing)
         log.error("%d entries after %s were removed from %s before any worker read them (XTRIM or MAXLEN "
                   "below the backlog?): their requests are lost and their ids unknown", missing, last,
-                  self.stream_key)
+                  stream_key)
         self.dead_letters.record_gap({
             "entry_id": last, "error_code": errors.LOST, "count": missing, "worker": self.consumer,
             "error": f"{missing} entries after {last} were removed from the stream before any worker read them",

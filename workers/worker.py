@@ -36,6 +36,7 @@ import redis
 from prometheus_client import Gauge
 
 from mqinfer.scheduler.batcher import DynamicBatcher
+from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT
 from mqinfer.schemas import errors, faults, keys
 from mqinfer.schemas.connection import connect_redis, redact
 from mqinfer.schemas.dataset import remove_temp_files
@@ -49,6 +50,7 @@ from mqinfer.workers.engine import EngineInputError, LLMEngine
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.lanes import lane_of
 from mqinfer.workers.ownership import Ownership
 from mqinfer.workers.parallel import RankFailure
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
@@ -388,6 +390,9 @@ class Worker:
         fields = finished_fields(item, out, row, cost, meter)
         self.acks.add_row(item.entry_id, row, cost, reply_to=item.request.reply_to, computed=True,
                           log_line=("finished %s", (json.dumps(fields),), fields))
+        # The lane was charged the request's max_tokens when it was read: correct it.
+        self.ingest.lanes.settle(lane_of(item.entry_id),
+                                 OUTPUT_TOKEN_WEIGHT * (len(out.output_token_ids) - item.request.max_tokens))
         self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         self.metrics.e2e.observe(max(0.0, now - item.enqueued_at))
         self.metrics.charge(item.request.tenant, cost.cost_usd)
@@ -458,13 +463,14 @@ class Worker:
                 time.sleep(0.5)
         self._redis.retry_now()
         self._redis(self.replies.send, self.redis, self.clock(), force=True)  # the last progress counts
-        try:
-            pending = self.redis.xpending_range(self.stream_key, self.config.group, "-", "+", 1,
-                                                consumername=self.consumer)
-            if not pending:
-                self.redis.xgroup_delconsumer(self.stream_key, self.config.group, self.consumer)
-        except redis.exceptions.RedisError:
-            log.warning("could not remove consumer %s from the group", self.consumer)
+        for lane in self.ingest.lanes:
+            try:
+                pending = self.redis.xpending_range(lane.key, self.config.group, "-", "+", 1,
+                                                    consumername=self.consumer)
+                if not pending:
+                    self.redis.xgroup_delconsumer(lane.key, self.config.group, self.consumer)
+            except redis.exceptions.RedisError:
+                log.warning("could not remove consumer %s from the group of %s", self.consumer, lane.key)
         if self.acks.pending:
             log.warning("%d durable rows stay unacked (redis unavailable): they will be redelivered and "
                         "deduplicated by compaction", len(self.acks.pending))
