@@ -24,6 +24,8 @@ from mqinfer.config import (
     ORDER,
     REDIS,
     REDIS_CLUSTER,
+    LANES,
+    MAX_LANES,
     ROUTE,
     SHARDS,
     STREAM,
@@ -71,7 +73,7 @@ COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
 RUN_CMD = [OUT, REDIS, STREAM, SHARDS, ROUTE, WORKERS, JOB_ID, FRESH, ORDER, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
-SUBMIT_CMD = [REDIS, STREAM, SHARDS, ROUTE, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
+SUBMIT_CMD = [REDIS, STREAM, SHARDS, ROUTE, LANES, MAX_LANES, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
 REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, BASIS]
 
@@ -327,7 +329,8 @@ def _submit_sharded(opts: dict, redis_url: str, requests) -> tuple[int, str]:
     from mqinfer.client import Client
 
     client = Client(redis_url, stream=opts["stream"], shards=opts["shards"], cluster=opts["redis_cluster"],
-                    fmt=opts.get("format", "msgpack"), route=opts.get("route", "prefix"))
+                    fmt=opts.get("format", "msgpack"), route=opts.get("route", "prefix"),
+                    lanes=opts["lanes"], max_lanes=opts["max_lanes"])
     try:
         sent = len(client.submit_many(requests, reply=False))
     finally:
@@ -359,8 +362,11 @@ def cmd_submit(args, opts: dict) -> int:
     if opts["shards"] > 1 or opts["redis_cluster"]:
         sent, where = _submit_sharded(opts, opts["redis"], requests)
     else:
-        producer = Producer(opts["redis"], stream=opts["stream"], fmt=opts["format"])
-        sent, where = producer.submit_many(requests), producer.stream_key
+        producer = Producer(opts["redis"], stream=opts["stream"], fmt=opts["format"], lanes=opts["lanes"],
+                            max_lanes=opts["max_lanes"])
+        sent = producer.submit_many(requests)
+        used = producer.lane_keys
+        where = producer.stream_key + (f" and {len(used)} lanes" if used else "")
     print(f"submitted {sent} requests to {where}"
           + (f"; {len(invalid) + len(duplicates)} lines not sent" if invalid or duplicates else ""))
     return 1 if invalid or duplicates else 0

@@ -108,6 +108,11 @@ class Producer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
+    @property
+    def lane_keys(self) -> list[str]:
+        """The stream keys of the lanes this producer has written to, sorted."""
+        return sorted({key for key, _ in self._lane_keys.values()})
+
     def stream_key_for(self, req: Request) -> str:
         """The stream key ``req`` goes to: its lane's (registered, with its group), or the plain one."""
         if not self._group_ready:

@@ -159,6 +159,9 @@ _WORKER_FIELDS = {o.name: o for o in options_from(WorkerConfig)}
 # Stream and cluster flags are shared with the producer commands (submit, jobs).
 STREAM = _WORKER_FIELDS["stream"]
 REDIS_CLUSTER = _WORKER_FIELDS["redis_cluster"]
+# Lanes: producers choose a request's lane, workers read them all.
+LANES = _WORKER_FIELDS["lanes"]
+MAX_LANES = _WORKER_FIELDS["max_lanes"]
 # Without --stream: `run` gives each worker its shard's stream itself.
 WORKER_OPTIONS = [o for o in _WORKER_FIELDS.values() if o is not STREAM]
 

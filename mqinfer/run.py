@@ -26,6 +26,7 @@ from pathlib import Path
 from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, WORKER_OPTIONS, ConfigError
 from mqinfer.layout import choose_layout
 from mqinfer.procs import die_with_parent, mqinfer_command
+from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.prefix_order import prefix_order
 
 STATE_DIR = ".mqinfer"
@@ -287,11 +288,12 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
 
                 _submit_sharded(opts, redis_url, todo)
             else:
-                Producer(stream=opts["stream"], client=client).submit_many(todo)
+                Producer(stream=opts["stream"], client=client, lanes=opts["lanes"],
+                         max_lanes=opts["max_lanes"]).submit_many(todo)
             print(f"job {job_id}: submitted {len(todo)} requests", file=sys.stderr, flush=True)
             generated_keys = [keys.generated_tokens(s) for s in streams]
             return _wait_done(client, done_keys, len(requests), workers, generated_keys, job_id,
-                              [keys.request_stream(s) for s in streams], opts["group"])
+                              [k for s in streams for k in lane_scheme.stream_keys(client, s)], opts["group"])
         except Interrupted:
             print("\nmqinfer run: stopping: workers finish what they run and write it "
                   f"(up to --drain-timeout-s {opts['drain_timeout_s']:g}s)", file=sys.stderr, flush=True)

@@ -86,6 +86,17 @@ redis.call('DEL', KEYS[1])
 return 1
 """
 
+# Removes a lane from the registry unless a producer used it since ``cutoff``. KEYS: registry,
+# version. ARGV: lane, cutoff. Returns 1 when removed.
+UNREGISTER_SCRIPT = """
+local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not score then return 0 end
+if tonumber(score) > tonumber(ARGV[2]) then return 0 end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('INCR', KEYS[2])
+return 1
+"""
+
 
 def parse_lanes(value: str) -> str:
     """A ``--lanes`` value, normalised (``job,tenant`` is ``tenant,job``); ValueError names the choices."""
@@ -167,3 +178,31 @@ def lane_stream_keys(stream: str, lanes) -> list[str]:
 def valid_lane(lane: str) -> bool:
     """A registry member that this scheme could have made (anything else is ignored by readers)."""
     return _VALID_LANE.fullmatch(lane) is not None
+
+
+def registered(redis_client, stream: str) -> list[str]:
+    """The lanes of ``stream`` in its registry (members this scheme could not have made are left out)."""
+    names = [m.decode() if isinstance(m, bytes) else str(m)
+             for m in redis_client.zrange(registry_key(stream), 0, -1)]
+    return [n for n in names if valid_lane(n)]
+
+
+def stream_keys(redis_client, stream: str) -> list[str]:
+    """The stream keys of the plain stream and of every registered lane of ``stream``."""
+    return lane_stream_keys(stream, registered(redis_client, stream))
+
+
+def remove_lane(redis_client, stream: str, lane: str, group: str = keys.GROUP, *, cutoff: float | None = None,
+                unregister=None, drop_empty=None) -> bool:
+    """Remove a lane whose stream is empty with nothing pending: its stream, then its registry
+    entry (unless a producer used it after ``cutoff``; None: whenever it was used). False when the
+    lane still holds entries. A producer that adds to it afterwards registers it again."""
+    drop_empty = drop_empty or redis_client.register_script(DROP_EMPTY_SCRIPT)
+    unregister = unregister or redis_client.register_script(UNREGISTER_SCRIPT)
+    if not valid_lane(lane):
+        return False
+    if not int(drop_empty(keys=[keys.request_stream(lane_stream(stream, lane))], args=[group])):
+        return False
+    unregister(keys=[registry_key(stream), registry_version_key(stream)],
+               args=[lane, 1e18 if cutoff is None else cutoff])
+    return True

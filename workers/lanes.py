@@ -42,17 +42,6 @@ LANE_IDLE_S = 3600.0
 # How often (at most) one worker of the stream sweeps idle lanes.
 SWEEP_EVERY_S = 60.0
 
-# Removes a lane from the registry unless a producer used it since ``cutoff``. KEYS: registry,
-# version. ARGV: lane, cutoff. Returns 1 when removed.
-_UNREGISTER_SCRIPT = """
-local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if not score then return 0 end
-if tonumber(score) > tonumber(ARGV[2]) then return 0 end
-redis.call('ZREM', KEYS[1], ARGV[1])
-redis.call('INCR', KEYS[2])
-return 1
-"""
-
 
 def qualify(entry_id: str, lane: str | None) -> str:
     """The worker's id of an entry of ``lane`` (None: the plain stream)."""
@@ -127,7 +116,7 @@ class LaneSet:
         self._version: bytes | None = None
         self._last_check = float("-inf")
         self._last_sweep = float("-inf")
-        self._unregister = redis_client.register_script(_UNREGISTER_SCRIPT)
+        self._unregister = redis_client.register_script(scheme.UNREGISTER_SCRIPT)
         self._drop_empty = redis_client.register_script(scheme.DROP_EMPTY_SCRIPT)
         self._groups_made: set[str] = set()
 
@@ -253,23 +242,7 @@ class LaneSet:
         idle = self.redis.zrangebyscore(scheme.registry_key(self.stream), "-inf", cutoff)
         removed = 0
         for name in (text(m) for m in idle):
-            if remove_lane(self.redis, self.stream, name, self.group, cutoff=cutoff,
+            if scheme.remove_lane(self.redis, self.stream, name, self.group, cutoff=cutoff,
                            unregister=self._unregister, drop_empty=self._drop_empty):
                 removed += 1
         return removed
-
-
-def remove_lane(redis_client, stream: str, lane: str, group: str = keys.GROUP, *, cutoff: float | None = None,
-                unregister=None, drop_empty=None) -> bool:
-    """Remove a lane whose stream is empty with nothing pending: its stream, then its registry
-    entry (unless a producer used it after ``cutoff``; None: whenever it was used). False when the
-    lane still holds entries. A producer that adds to it afterwards registers it again."""
-    drop_empty = drop_empty or redis_client.register_script(scheme.DROP_EMPTY_SCRIPT)
-    unregister = unregister or redis_client.register_script(_UNREGISTER_SCRIPT)
-    if not scheme.valid_lane(lane):
-        return False
-    if not int(drop_empty(keys=[key_of(stream, lane)], args=[group])):
-        return False
-    unregister(keys=[scheme.registry_key(stream), scheme.registry_version_key(stream)],
-               args=[lane, 1e18 if cutoff is None else cutoff])
-    return True
