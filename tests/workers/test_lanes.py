@@ -1,0 +1,149 @@
+"""Lanes through a real worker: no head-of-line blocking at the queue, weights honoured at the
+queue (entries read), and every request ending with one row when its worker dies holding entries
+of several lanes.
+
+The in-process harness (real engine with the tiny model, the embedded server, a clock the test
+moves) makes the order deterministic; the crash test runs real worker processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from mqinfer.client import Client, Producer
+from mqinfer.ops.compact import compact
+from mqinfer.schemas import keys
+from mqinfer.schemas import lanes as scheme
+from mqinfer.workers.config import EngineConfig
+from tests.helpers import rows, start_worker, wait_exit, wait_until
+from tests.workers.harness import WorkerHarness, request
+
+
+def _harness(redis_url, out, tenant_weights=None, **config):
+    # Four requests run at once, at most four read at a time: a waiting queue of 8 while full.
+    engine = EngineConfig(num_threads=1, max_num_seqs=4, tenant_weights=tenant_weights)
+    return WorkerHarness(redis_url, out, max_batch=4, engine=engine, **config).start()
+
+
+@pytest.mark.parametrize("lanes", ["tenant", "none"])
+def test_a_light_tenant_behind_a_backlog_is_not_held_back_by_it(redis_url, tmp_path, lanes):
+    """300 requests of a bulk tenant, then 15 of an interactive one. With lanes, the interactive
+    ones are read at once and all finish before a quarter of the backlog; in the one stream
+    (``none``) they wait behind it, and the same check fails - the case the lanes exist for."""
+    producer = Producer(redis_url, lanes=lanes)
+    producer.submit_many([request(f"b{i}", max_tokens=4, tenant="bulk") for i in range(300)])
+    producer.submit_many([request(f"i{i}", max_tokens=4, tenant="interactive") for i in range(15)])
+    worker = _harness(redis_url, tmp_path / "out", lanes=lanes)
+    try:
+        def light_done():
+            finished = [r for r in worker.results() if r["id"].startswith("i")]
+            return len(finished) == 15
+
+        worker.until(lambda: light_done() or len(worker.results()) >= 150, max_turns=3000, advance_s=0.01,
+                     what="the interactive requests, or half the backlog")
+        bulk_done = sum(1 for r in worker.results() if r["id"].startswith("b"))
+        if lanes == "tenant":
+            assert light_done() and bulk_done < 300 / 4, bulk_done
+        else:
+            assert not light_done() and bulk_done >= 300 / 4
+    finally:
+        worker.worker.redis.close()
+
+
+def test_weights_hold_at_the_queue_across_lanes(redis_url, tmp_path):
+    """Two tenants both backlogged with weights 2:1 get 2:1 of the entries read (the same shape of
+    request, so 2:1 of the tokens too), within 5%."""
+    producer = Producer(redis_url)
+    producer.submit_many([request(f"a{i}", max_tokens=4, tenant="alpha") for i in range(200)])
+    producer.submit_many([request(f"b{i}", max_tokens=4, tenant="beta") for i in range(200)])
+    worker = _harness(redis_url, tmp_path / "out", tenant_weights="alpha=2,beta=1")
+    try:
+        lanes = worker.worker.ingest.lanes
+        alpha = lanes.get(scheme.lane_name("tenant", "alpha", None))
+        beta = lanes.get(scheme.lane_name("tenant", "beta", None))
+
+        def read_total():
+            return alpha is not None and beta is not None and alpha.read_entries + beta.read_entries >= 150
+
+        worker.until(lambda: (alpha := lanes.get(scheme.lane_name("tenant", "alpha", None))) is not None,
+                     what="the lanes seen")
+        alpha = lanes.get(scheme.lane_name("tenant", "alpha", None))
+        beta = lanes.get(scheme.lane_name("tenant", "beta", None))
+        worker.until(read_total, max_turns=3000, advance_s=0.01, what="150 entries read")
+        ratio = alpha.read_entries / beta.read_entries
+        assert abs(ratio / 2.0 - 1.0) <= 0.05, (alpha.read_entries, beta.read_entries)
+        # And in the rows: what finished so far follows the same split.
+        done = worker.results()
+        a, b = sum(r["tenant"] == "alpha" for r in done), sum(r["tenant"] == "beta" for r in done)
+        assert 1.6 <= a / max(1, b) <= 2.4, (a, b)
+    finally:
+        worker.worker.redis.close()
+
+
+def test_a_new_lane_is_read_by_a_worker_blocked_on_the_others(redis_url, redis_client, tmp_path):
+    """A worker blocked in XREADGROUP on the lanes it knows is woken by a new lane's notice on the
+    plain stream, and serves the new lane's request."""
+    out = tmp_path / "out"
+    proc = start_worker(redis_url, out, "--num-threads", "1", "--idle-exit-s", "20", "--flush-interval-s", "0.1",
+                        "--consumer", "W")
+    try:
+        stream = keys.request_stream("requests")
+        wait_until(lambda: any(c["name"] in (b"W", "W") and c["pending"] == 0
+                               for c in _consumers(redis_client, stream)), timeout=90, what="the worker reading")
+        with Client(redis_url) as client:
+            client.submit({**request("n1", max_tokens=3), "tenant": "newcomer"})
+            row = client.result("n1", timeout=60)
+        assert row.finish_reason == "length" and row.tenant == "newcomer"
+        lane = scheme.lane_name("tenant", "newcomer", None)
+        assert lane in scheme.registered(redis_client, "requests")
+        # The notice was taken and acked: nothing is left on the plain stream.
+        wait_until(lambda: redis_client.xlen(stream) == 0, timeout=10, what="the notice acked")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code, err = wait_exit(proc, timeout=60)
+    assert code == 0, err[-3000:]
+
+
+def _consumers(client, stream):
+    try:
+        return client.xinfo_consumers(stream, keys.GROUP)
+    except Exception:
+        return []
+
+
+def test_a_worker_killed_holding_entries_of_several_lanes_loses_nothing(redis_url, redis_client, tmp_path):
+    """Worker A is killed (SIGKILL) while it holds entries of three lanes and the plain stream;
+    worker B claims them, and every request ends with exactly one row after compaction."""
+    out = tmp_path / "out"
+    tenants = ["default", "t1", "t2", "t3"]
+    ids = [f"{t}-{i}" for t in tenants for i in range(6)]
+    Producer(redis_url).submit_many([request(f"{t}-{i}", max_tokens=64, tenant=t) for t in tenants for i in range(6)])
+    a = start_worker(redis_url, out, "--num-threads", "1", "--consumer", "A", "--claim-idle-ms", "500",
+                     "--max-num-seqs", "8")
+    lane_keys = scheme.stream_keys(redis_client, "requests")
+    assert len(lane_keys) == 4
+
+    def a_holds_several_lanes():
+        held = 0
+        for key in lane_keys:
+            if redis_client.xpending_range(key, keys.GROUP, "-", "+", 10, consumername="A"):
+                held += 1
+        return held >= 3
+
+    try:
+        wait_until(a_holds_several_lanes, timeout=120, what="A holding entries of several lanes")
+    finally:
+        os.kill(a.pid, signal.SIGKILL)
+        a.communicate()
+    b = start_worker(redis_url, out, "--num-threads", "1", "--consumer", "B", "--claim-idle-ms", "500",
+                     "--idle-exit-s", "3", "--flush-interval-s", "0.1")
+    code, err = wait_exit(b, timeout=240)
+    assert code == 0, err[-3000:]
+    compact(out)
+    results = rows(out / "results")
+    assert sorted(r["id"] for r in results) == sorted(ids)
+    assert all(r["finish_reason"] == "length" and r["output_tokens"] == 64 for r in results)
+    for key in lane_keys:
+        assert redis_client.xlen(key) == 0 and redis_client.xpending(key, keys.GROUP)["pending"] == 0
