@@ -128,7 +128,7 @@ class Producer:
         used, fresh = self._register(
             keys=[lane_scheme.registry_key(self.stream), lane_scheme.registry_version_key(self.stream)],
             args=[lane, time.time(), self.max_lanes, lane_scheme.shared_lane(lane, self.max_lanes),
-                  lane_scheme.shared_count(self.max_lanes)])
+                  lane_scheme.shared_count(self.max_lanes), lane_scheme.WAKE_AFTER_S])
         used = used.decode() if isinstance(used, bytes) else str(used)
         stream_key = keys.request_stream(lane_scheme.lane_stream(self.stream, used))
         self.ensure_group(stream_key)
@@ -273,7 +273,8 @@ class Client:
                 return pipe.execute()
             case RegisterLane(registry, version_key, lane, max_lanes, shared, reserved):
                 return self._register_lane(keys=[registry, version_key],
-                                           args=[lane, time.time(), max_lanes, shared, reserved])
+                                           args=[lane, time.time(), max_lanes, shared, reserved,
+                                                 lane_scheme.WAKE_AFTER_S])
             case CreateGroup(stream_key, group):
                 return self.redis.xgroup_create(stream_key, group, id="0", mkstream=True)
             case AddCancel(key, member, ttl_s):

@@ -32,7 +32,8 @@ class AddEntries:
 @dataclass(frozen=True, slots=True)
 class RegisterLane:
     """Run ``mqinfer.schemas.lanes.REGISTER_SCRIPT`` with KEYS ``[registry, version_key]`` and ARGV
-    ``[lane, now, max_lanes, shared, reserved]``; result: ``[lane used, 1 if it was new]``."""
+    ``[lane, now, max_lanes, shared, reserved, WAKE_AFTER_S]``; result: ``[lane used, 1 when a notice
+    is due]``."""
 
     registry: str
     version_key: str

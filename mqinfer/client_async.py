@@ -115,7 +115,8 @@ class AsyncClient:
                 return await pipe.execute()
             case RegisterLane(registry, version_key, lane, max_lanes, shared, reserved):
                 return await self._register_lane(keys=[registry, version_key],
-                                           args=[lane, time.time(), max_lanes, shared, reserved])
+                                           args=[lane, time.time(), max_lanes, shared, reserved,
+                                                 lane_scheme.WAKE_AFTER_S])
             case CreateGroup(stream_key, group):
                 return await self.redis.xgroup_create(stream_key, group, id="0", mkstream=True)
             case AddCancel(key, member, ttl_s):

@@ -295,9 +295,12 @@ class WorkerMetrics:
         """Export a ``workers.costs.Meter``'s time totals and batch idle ratio."""
         self.registry.register(_MeterCollector(meter))
 
-    def watch_stream(self, client, stream_key: str, group: str, clock: Callable[[], float] = time.time) -> None:
-        """Export the stream's lag, pending count and queueing delay (``client``: a redis.Redis)."""
-        self.registry.register(_StreamCollector(client, stream_key, group, clock))
+    def watch_stream(self, client, stream_key: str, group: str, clock: Callable[[], float] = time.time,
+                     lanes: Callable[[], dict[str, str]] | None = None) -> None:
+        """Export the stream's lag, pending count and queueing delay (``client``: a redis.Redis),
+        over the plain stream and its lanes (``lanes()``: lane name -> stream key, the lanes the
+        worker reads), in total and per lane (label ``lane``; the plain stream is ``plain``)."""
+        self.registry.register(_StreamCollector(client, stream_key, group, clock, lanes))
 
     def watch_memory(self, device: str = "cpu", *other_ranks: str) -> None:
         """Export the memory utilisation of ``device`` (``cpu``, ``cuda`` or ``cuda:N``).
@@ -387,16 +390,19 @@ class _MeterCollector:
 
 
 class _StreamCollector:
-    """``XINFO GROUPS`` at scrape time, cached briefly; nothing exported while Redis is away."""
+    """``XINFO GROUPS`` of the plain stream and of each lane at scrape time, cached briefly; nothing
+    exported while Redis is away."""
 
-    def __init__(self, client, stream_key: str, group: str, clock: Callable[[], float]) -> None:
+    def __init__(self, client, stream_key: str, group: str, clock: Callable[[], float],
+                 lanes: Callable[[], dict[str, str]] | None = None) -> None:
         self.client = client
         self.stream_key = stream_key
         self.group = group
         self.clock = clock
+        self.lanes = lanes
         self._lock = threading.Lock()
         self._cached_at = float("-inf")
-        self._cached: tuple[int, int, float] | None = None
+        self._cached: dict[str, tuple[int, int, int, float]] | None = None
 
     def describe(self):
         return list(self._families(None))
@@ -404,30 +410,45 @@ class _StreamCollector:
     def collect(self):
         return list(self._families(self._read()))
 
-    def _read(self) -> tuple[int, int, float] | None:
+    def _read(self) -> dict[str, tuple[int, int, int, float]] | None:
         with self._lock:
             now = time.monotonic()
             if now - self._cached_at < _STREAM_CACHE_S:
                 return self._cached
             try:
-                self._cached = self._query()
+                self._cached = self._query_all()
             except Exception as exc:  # any Redis trouble: skip this scrape, never fail it
                 log.debug("stream metrics unavailable: %s", exc)
                 self._cached = None
             self._cached_at = now
             return self._cached
 
-    def _query(self) -> tuple[int, int, float] | None:
-        key = self.stream_key
+    def _query_all(self) -> dict[str, tuple[int, int, int, float]] | None:
+        """lane -> (unread, pending, length, age of the oldest unread entry)."""
+        plain = self._query(self.stream_key)
+        if plain is None:
+            return None
+        found = {"plain": plain}
+        for lane, key in (self.lanes() if self.lanes is not None else {}).items():
+            try:
+                values = self._query(key)
+            except Exception:  # a lane removed meanwhile: no series for it
+                values = None
+            if values is not None:
+                found[lane] = values
+        return found
+
+    def _query(self, key: str) -> tuple[int, int, int, float] | None:
         info = next((g for g in self.client.xinfo_groups(key) if _text(g.get("name")) == self.group), None)
         if info is None:
             return None
         pending = int(info.get("pending") or 0)
+        length = int(self.client.xlen(key))
         lag = info.get("lag")
         if lag is None:
             # The server cannot count undelivered entries (a gap in entries-read). Workers
             # delete entries once acked, so what the stream holds is pending or undelivered.
-            lag = max(0, int(self.client.xlen(key)) - pending)
+            lag = max(0, length - pending)
         lag = int(lag)
         delay = 0.0
         if lag > 0:
@@ -436,20 +457,31 @@ class _StreamCollector:
             if first:
                 ms = int(_text(first[0][0]).split("-", 1)[0])
                 delay = max(0.0, self.clock() - ms / 1000.0)
-        return lag, pending, delay
+        return lag, pending, length, delay
 
     @staticmethod
-    def _families(values: tuple[int, int, float] | None):
-        lag = GaugeMetricFamily("mqinfer_stream_lag", "Entries of the request stream not yet delivered to a worker "
-                                "plus those delivered and not yet acknowledged.")
-        pending = GaugeMetricFamily("mqinfer_stream_pending", "Entries delivered and not yet acknowledged.")
-        delay = GaugeMetricFamily("mqinfer_queueing_delay_seconds", "Age of the oldest request in the stream that "
-                                  "no worker has read yet (0 when none waits).")
+    def _families(values: dict[str, tuple[int, int, int, float]] | None):
+        lag = GaugeMetricFamily("mqinfer_stream_lag", "Entries of the request stream and its lanes not yet "
+                                "delivered to a worker plus those delivered and not yet acknowledged.")
+        pending = GaugeMetricFamily("mqinfer_stream_pending", "Entries delivered and not yet acknowledged, "
+                                    "over the stream and its lanes.")
+        delay = GaugeMetricFamily("mqinfer_queueing_delay_seconds", "Age of the oldest request in the stream or "
+                                  "its lanes that no worker has read yet (0 when none waits).")
+        lane_length = GaugeMetricFamily("mqinfer_lane_length", "Entries in one lane's stream (unread or pending); "
+                                        "lane plain is the plain stream.", labels=["lane"])
+        lane_lag = GaugeMetricFamily("mqinfer_lane_lag", "Entries of one lane not yet delivered to a worker.",
+                                     labels=["lane"])
+        lane_age = GaugeMetricFamily("mqinfer_lane_oldest_age_seconds", "Age of the oldest unread entry of one "
+                                     "lane (0 when none waits).", labels=["lane"])
         if values is not None:
-            lag.add_metric([], values[0] + values[1])
-            pending.add_metric([], values[1])
-            delay.add_metric([], values[2])
-        return lag, pending, delay
+            lag.add_metric([], sum(v[0] + v[1] for v in values.values()))
+            pending.add_metric([], sum(v[1] for v in values.values()))
+            delay.add_metric([], max(v[3] for v in values.values()))
+            for lane, (unread, _pending, length, age) in sorted(values.items()):
+                lane_length.add_metric([lane], length)
+                lane_lag.add_metric([lane], unread)
+                lane_age.add_metric([lane], age)
+        return lag, pending, delay, lane_length, lane_lag, lane_age
 
 
 class _MemoryCollector:

@@ -19,7 +19,8 @@ lists the live lanes; workers read it again whenever its version counter
 that counts the registry, and past ``max_lanes - shared`` dedicated lanes a new tenant (or job)
 hashes onto one of ``shared`` lanes (``shared-<i>``), so the registry never holds more than
 ``max_lanes``. A new lane also gets a notice entry (field ``lane``) on the plain stream, which
-wakes a worker blocked reading; workers drop notices without a row.
+wakes a worker blocked reading (and so does a lane's first request after ``WAKE_AFTER_S`` unused);
+workers drop notices without a row.
 """
 
 from __future__ import annotations
@@ -44,13 +45,20 @@ _SLUG_CHARS = 24
 _SLUG_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 _VALID_LANE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
+# A lane no producer used for this long gets a notice again with its next request: it wakes a
+# worker blocked reading and, where workers scale to zero on the plain stream's lag (KEDA,
+# ops/deploy/keda.yaml), starts one.
+WAKE_AFTER_S = 30
 # Registers a lane, bounded. KEYS: registry, version counter. ARGV: lane, now, max lanes, shared
-# lane (the one this value hashes onto when the registry is full), shared lanes reserved.
-# Returns {lane used, 1 when it was new}.
+# lane (the one this value hashes onto when the registry is full), shared lanes reserved, seconds
+# unused after which a known lane is woken again. Returns {lane used, 1 when a notice is due: the
+# lane is new, or was unused that long}.
 REGISTER_SCRIPT = """
 local lane = ARGV[1]
-if redis.call('ZSCORE', KEYS[1], lane) then
+local last = redis.call('ZSCORE', KEYS[1], lane)
+if last then
   redis.call('ZADD', KEYS[1], ARGV[2], lane)
+  if tonumber(last) < tonumber(ARGV[2]) - tonumber(ARGV[6]) then return {lane, 1} end
   return {lane, 0}
 end
 local limit = tonumber(ARGV[3])
@@ -61,9 +69,12 @@ if redis.call('ZCARD', KEYS[1]) < limit - tonumber(ARGV[5]) then
 end
 lane = ARGV[4]
 local fresh = 0
-if not redis.call('ZSCORE', KEYS[1], lane) then
+last = redis.call('ZSCORE', KEYS[1], lane)
+if not last then
   fresh = 1
   redis.call('INCR', KEYS[2])
+elseif tonumber(last) < tonumber(ARGV[2]) - tonumber(ARGV[6]) then
+  fresh = 1
 end
 redis.call('ZADD', KEYS[1], ARGV[2], lane)
 return {lane, fresh}

@@ -221,7 +221,8 @@ class Worker:
         self.metrics.watch_memory(str(engine.device), *engine.rank_devices[1:])
         # Scrapes read Redis from the HTTP thread, on their own client with a short timeout.
         scrape_redis = connect_redis(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=2.0)
-        self.metrics.watch_stream(scrape_redis, self.stream_key, cfg.group, clock=self.clock)
+        self.metrics.watch_stream(scrape_redis, self.stream_key, cfg.group, clock=self.clock,
+                                  lanes=lambda: {lane.name: lane.key for lane in self.ingest.lanes if lane.name})
         if self.budget_guard is not None:
             self.metrics.watch_budgets(self.budget_guard, scrape_redis)
         r = self.metrics.registry

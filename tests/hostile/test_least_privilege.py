@@ -111,7 +111,9 @@ def test_worker_runs_under_its_acl_user_and_is_refused_anything_else(acl_server,
         # The streaming client as the producer: back-pressure reads, replies, a cancel, its reply
         # stream deleted when it closes.
         with Client(acl_server.url("producer"), max_backlog=100) as client:
+            # One of them in a lane of its own (a tenant other than the default).
             streamed = requests("acl-client", 2, 4)
+            streamed[1]["tenant"] = "acl-lane"
             client.submit_many(streamed)
             for item in streamed:
                 assert client.result(item["id"], timeout=60, job_id="acl-client").output_tokens == 4
@@ -133,7 +135,8 @@ def test_worker_runs_under_its_acl_user_and_is_refused_anything_else(acl_server,
     w = acl_server.client("worker")
     for refused in (lambda: w.flushall(), lambda: w.get("session:admin"), lambda: w.set("other", "x"),
                     lambda: w.keys("*"), lambda: w.config_get("*"), lambda: w.delete(STREAM),
-                    lambda: w.xadd("other:stream", {"a": 1}), lambda: w.execute_command("SHUTDOWN")):
+                    lambda: w.xadd("other:stream", {"a": 1}), lambda: w.execute_command("SHUTDOWN"),
+                    lambda: w.delete(keys.inflight_hash("requests:lane:x"))):
         with pytest.raises(redis.exceptions.NoPermissionError):
             refused()
     p = acl_server.client("producer")
@@ -141,7 +144,11 @@ def test_worker_runs_under_its_acl_user_and_is_refused_anything_else(acl_server,
                     lambda: p.xadd(keys.request_stream("other"), {"a": 1}), lambda: p.flushall(),
                     lambda: p.xack(STREAM, keys.GROUP, "0-1"), lambda: p.xadd("mqinfer:reply:mine", {"a": 1}),
                     lambda: p.delete(STREAM), lambda: p.expire(STREAM, 1), lambda: p.xtrim(STREAM, maxlen=0),
-                    lambda: p.xadd(keys.dead_letter_stream("requests"), {"a": 1}), lambda: p.zadd("other", {"a": 1})):
+                    lambda: p.xadd(keys.dead_letter_stream("requests"), {"a": 1}), lambda: p.zadd("other", {"a": 1}),
+                    lambda: p.xadd(keys.inflight_hash("requests:lane:x"), {"a": 1}),
+                    lambda: p.xrange(keys.request_stream("requests:lane:x")),
+                    lambda: p.xadd(keys.request_stream("other:lane:x"), {"a": 1}),
+                    lambda: p.delete(keys.request_stream("requests:lane:x"))):
         with pytest.raises(redis.exceptions.NoPermissionError):
             refused()
     admin.xadd("mqinfer:reply:mine", {"token": 1})

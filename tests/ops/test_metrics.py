@@ -126,6 +126,25 @@ def test_stream_lag_pending_and_queueing_delay(redis_client):
     assert "mqinfer_stream_lag" not in samples(other)  # nothing to report, and no failed scrape
 
 
+def test_stream_metrics_count_every_lane_in_total_and_per_lane(redis_client):
+    plain = keys.request_stream("lanetest")
+    lane = keys.request_stream("lanetest:lane:t-a-1")
+    for key, n in ((plain, 1), (lane, 3)):
+        redis_client.xgroup_create(key, keys.GROUP, id="0", mkstream=True)
+        for i in range(n):
+            redis_client.xadd(key, {"json": "{}"}, id=f"{1_000_000 + i * 1000}-0")
+    redis_client.xreadgroup(keys.GROUP, "someone", {lane: ">"}, count=1)
+    m = WorkerMetrics()
+    m.watch_stream(redis_client, plain, keys.GROUP, clock=lambda: 1_010.0, lanes=lambda: {"t-a-1": lane})
+    s = samples(m)
+    assert s["mqinfer_stream_lag"] == 4 and s["mqinfer_stream_pending"] == 1
+    assert s['mqinfer_lane_length{lane="plain"}'] == 1 and s['mqinfer_lane_length{lane="t-a-1"}'] == 3
+    assert s['mqinfer_lane_lag{lane="t-a-1"}'] == 2
+    # The lane's oldest unread entry was added at 1_001 s; the plain stream's at 1_000 s.
+    assert s['mqinfer_lane_oldest_age_seconds{lane="t-a-1"}'] == pytest.approx(9.0)
+    assert s["mqinfer_queueing_delay_seconds"] == pytest.approx(10.0)
+
+
 def test_budget_gauges(redis_client):
     guard = BudgetGuard(Budgets(tenants={"acme": 2.5, "beta": 1.0}), redis_client, "requests")
     redis_client.hincrbyfloat(spend_key("requests"), "acme", 0.75)

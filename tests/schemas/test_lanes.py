@@ -97,3 +97,18 @@ def test_remove_lane_only_when_empty(redis_client, redis_url):
     assert redis_client.get(lanes.registry_version_key("requests")) != version
     with pytest.raises(redis.exceptions.ResponseError):
         redis_client.xinfo_groups(key)
+
+
+def test_a_lane_unused_for_a_while_wakes_the_workers_again(redis_client, redis_url):
+    """Its next request puts a notice on the plain stream (which wakes a blocked worker, and which
+    a deployment scaled to zero on the plain stream's lag sees); one in steady use does not."""
+    plain = keys.request_stream("requests")
+    with Client(redis_url) as client:
+        client.submit({"id": "a1", "prompt": "x", "tenant": "alice"}, reply=False)
+        client.submit({"id": "a2", "prompt": "x", "tenant": "alice"}, reply=False)
+        assert redis_client.xlen(plain) == 1  # the new lane's notice only
+        lane = lanes.lane_name("tenant", "alice", None)
+        redis_client.zadd(lanes.registry_key("requests"), {lane: 1.0})  # last used long ago
+        client.submit({"id": "a3", "prompt": "x", "tenant": "alice"}, reply=False)
+        assert redis_client.xlen(plain) == 2
+    assert [f[b"lane"].decode() for _, f in redis_client.xrange(plain)] == [lane, lane]
