@@ -75,6 +75,8 @@ RUN_CMD = [OUT, REDIS, STREAM, SHARDS, ROUTE, WORKERS, JOB_ID, FRESH, ORDER, *EN
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
 SUBMIT_CMD = [REDIS, STREAM, SHARDS, ROUTE, LANES, MAX_LANES, REDIS_CLUSTER, JOB_ID, FORMAT, *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
+LANES_FORMAT = Option("format", str, "table", "Output format.", choices=("table", "json"))
+LANES_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, LANES_FORMAT, *COMMON]
 REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, BASIS]
 
 log = logging.getLogger("mqinfer")
@@ -133,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                 required=("redis",))
     p.add_argument("input", metavar="INPUT", help="JSONL or Parquet file of requests.")
     command("redis", "Run an embedded Redis-compatible server in the foreground and print its URL.", REDIS_CMD)
+    command("lanes", "List the plain request stream and its lanes (--lanes) with their backlogs: entries, "
+            "unread, pending, the age of the oldest unread entry, and when a producer last wrote to each.",
+            LANES_CMD, required=("redis",))
     p = command("compact", "Rewrite DIR/results keeping one row per (job_id, id); mark discarded "
                 "duplicates' cost rows as `duplicate`.", COMMON)
     p.add_argument("dir", metavar="DIR", help="Output folder of a job or worker.")
@@ -221,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(opts.get("log_level", "info"), opts.get("log_format", "text"))
     handler = {
         "run": cmd_run, "worker": cmd_worker, "submit": cmd_submit, "redis": cmd_redis,
-        "compact": cmd_compact, "report": cmd_report,
+        "compact": cmd_compact, "report": cmd_report, "lanes": cmd_lanes,
     }[args.command]
     import redis
 
@@ -370,6 +375,22 @@ def cmd_submit(args, opts: dict) -> int:
     print(f"submitted {sent} requests to {where}"
           + (f"; {len(invalid) + len(duplicates)} lines not sent" if invalid or duplicates else ""))
     return 1 if invalid or duplicates else 0
+
+
+def cmd_lanes(args, opts: dict) -> int:
+    from mqinfer.ops.lanes import format_lanes, lane_statuses
+    from mqinfer.schemas.connection import connect_redis
+    from mqinfer.schemas.keys import shard_streams
+
+    client = connect_redis(opts["redis"], cluster=opts["redis_cluster"])
+    try:
+        for stream in shard_streams(opts["stream"], opts["shards"]):
+            if opts["shards"] > 1 and opts["format"] == "table":
+                print(f"stream {stream}:")
+            print(format_lanes(lane_statuses(client, stream), opts["format"]))
+    finally:
+        client.close()
+    return 0
 
 
 # -- redis -----------------------------------------------------------------------------------
