@@ -102,6 +102,37 @@ def test_a_worker_on_the_cluster_computes_acks_and_bills_every_request(cluster, 
     direct.close()
 
 
+def test_lanes_on_the_cluster_each_in_its_own_slot_and_all_served(cluster, tmp_path):
+    """Lanes of three tenants and the plain stream: each lane's keys share the lane's slot (its
+    ack is one transaction there), the worker reads them all, and every request has one row."""
+    from mqinfer.schemas import lanes as scheme
+
+    tenants = ["default", "red", "green", "blue"]
+    with Client(cluster.url, cluster=True, stream="ln") as client:
+        client.submit_many([{"id": f"{t}{i}", "prompt_token_ids": [256, 65 + i], "max_tokens": 4, "tenant": t,
+                             "ignore_eos": True, "temperature": 0.0} for t in tenants for i in range(3)],
+                           job_id="jl", reply=False)
+    direct = cluster.client()
+    names = scheme.registered(direct, "ln")
+    assert len(names) == 3
+    slot = redis.cluster.key_slot
+    for name in names:
+        lane_stream = scheme.lane_stream("ln", name)
+        stream_slot = slot(keys.request_stream(lane_stream).encode())
+        for key in (keys.inflight_hash(lane_stream), keys.idempotency_key(lane_stream, "jl", "x")):
+            assert slot(key.encode()) == stream_slot
+    out = tmp_path / "out"
+    worker = start_worker(cluster.url, out, "--redis-cluster", "--stream", "ln", "--num-threads", "1",
+                          "--num-kv-blocks", "256", "--flush-interval-s", "0.1", "--idle-exit-s", "2")
+    code, err = wait_exit(worker, timeout=120)
+    assert code == 0, err[-4000:]
+    assert sorted(r["id"] for r in rows(out / "results")) == sorted(f"{t}{i}" for t in tenants for i in range(3))
+    for key in scheme.stream_keys(direct, "ln"):
+        assert direct.xlen(key) == 0 and direct.xpending(key, keys.GROUP)["pending"] == 0
+    assert direct.scard(keys.job_done_set("ln", "jl")) == 12
+    direct.close()
+
+
 @pytest.mark.slow
 def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path):
     n = 36
