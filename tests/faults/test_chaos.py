@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from mqinfer.schemas import lanes
 from tests.faults.faultkit import compact_and_check, pending_by_consumer, record, spawn, submit
 from tests.helpers import rows
 
@@ -23,6 +24,7 @@ from tests.helpers import rows
 # while Python has no handler for it (still importing, or already shutting down: -15), which is a
 # kill like -9 for what the worker leaves behind. Anything else (1, 2: an exception) is a crash.
 EXPLAINED = {0, 3, -signal.SIGKILL, -signal.SIGTERM}
+TENANTS = ["default", "t1", "t2", "t3"]
 FAULTS = [None, None, "worker.after_step=kill@{n}", "sink.after_write=kill@{k}", "sink.results.before_rename=kill@{k}",
           "sink.costs.before_rename=kill@{k}", "sink.results.before_rename=enospc@{k}"]
 
@@ -32,8 +34,10 @@ def test_random_faults_on_a_long_job_still_give_every_request_exactly_once(redis
     seed = int(os.environ.get("MQINFER_CHAOS_SEED", str(int(time.time()))))
     duration = float(os.environ.get("MQINFER_CHAOS_S", "60"))
     rng = random.Random(seed)
+    # Four tenants: three lanes and the plain stream (the default tenant's), so faults hit lanes too.
     items = [{"id": f"c{i}", "job_id": "chaos", "prompt_token_ids": [256] + [65 + i % 26] * rng.randint(1, 40),
-              "max_tokens": rng.randint(4, 96), "ignore_eos": True, "temperature": 0.0} for i in range(200)]
+              "max_tokens": rng.randint(4, 96), "ignore_eos": True, "temperature": 0.0, "tenant": TENANTS[i % 4]}
+             for i in range(200)]
     expected = submit(redis_url, items)
     out = tmp_path / "out"
     live, exits, faults_sent, counter, born = [], [], [], 0, {}
@@ -86,7 +90,8 @@ def test_random_faults_on_a_long_job_still_give_every_request_exactly_once(redis
     finally:
         for w in live:
             w.kill()
-    assert pending_by_consumer(redis_client) == {}
+    for stream in lanes.stream_keys(redis_client, "requests"):
+        assert pending_by_consumer(redis_client, stream) == {}, stream
     rows_before = len(rows(out / "results"))
     outcome = compact_and_check(out, expected, redis_client)
     record(f"chaos: random faults for {duration:.0f} s (seed {seed})", submitted=len(expected),

@@ -17,6 +17,7 @@ from mqinfer.ops.compact import compact
 from mqinfer.schemas import keys
 from mqinfer.schemas import lanes as scheme
 from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.lanes import lane_of
 from tests.helpers import rows, start_worker, wait_exit, wait_until
 from tests.workers.harness import WorkerHarness, request
 
@@ -147,3 +148,42 @@ def test_a_worker_killed_holding_entries_of_several_lanes_loses_nothing(redis_ur
     assert all(r["finish_reason"] == "length" and r["output_tokens"] == 64 for r in results)
     for key in lane_keys:
         assert redis_client.xlen(key) == 0 and redis_client.xpending(key, keys.GROUP)["pending"] == 0
+
+
+def test_a_drain_hands_back_what_waits_in_every_lane(redis_url, redis_client, tmp_path):
+    """Requests read from several lanes into the engine's waiting queue have never run: a draining
+    worker hands each back in its own lane, claimable at once without counting a delivery."""
+    producer = Producer(redis_url)
+    producer.submit_many([request(f"{t}{i}", max_tokens=20, tenant=t) for i in range(5) for t in ("x", "y", "default")])
+    worker = _harness(redis_url, tmp_path / "out")
+    worker.until(lambda: worker.worker.engine.scheduler.num_waiting >= 4, what="requests waiting in the engine")
+    held = set(worker.worker.ownership.inflight)
+    assert {lane_of(qid) for qid in held} >= {scheme.lane_name("tenant", "x", None),
+                                            scheme.lane_name("tenant", "y", None)}
+    worker.stop()
+    finished = {r["id"] for r in worker.results()}
+    handed_back = 0
+    for key in scheme.stream_keys(redis_client, "requests"):
+        for p in redis_client.xpending_range(key, keys.GROUP, "-", "+", 100):
+            assert p["consumer"] == b"mqinfer-handback" and p["times_delivered"] == 0
+            handed_back += 1
+    assert handed_back == len(held) - len(finished) and handed_back >= 4
+
+
+def test_an_entry_trimmed_from_a_lane_while_pending_ends_with_a_lost_row(redis_url, redis_client, tmp_path):
+    """A dead worker's pending entry trimmed from its lane: its request is named in the lane's
+    in-flight hash, and ends with a ``lost`` error row from the worker that claims the gap."""
+    lane = scheme.lane_name("tenant", "acme", None)
+    lane_stream = scheme.lane_stream("requests", lane)
+    key = keys.request_stream(lane_stream)
+    Producer(redis_url).submit(request("gone", tenant="acme"))
+    entry = redis_client.xreadgroup(keys.GROUP, "dead-worker", {key: ">"})[0][1][0][0].decode()
+    redis_client.hset(keys.inflight_hash(lane_stream), entry, '[null, "gone", "acme", "default"]')
+    redis_client.xclaim(key, keys.GROUP, "dead-worker", 0, [entry], idle=60_000, justid=True)
+    redis_client.xdel(key, entry)  # what XTRIM does to it
+    worker = _harness(redis_url, tmp_path / "out")
+    worker.until(lambda: worker.results(), max_turns=200, advance_s=0.6, what="the lost row")
+    (row,) = worker.results()
+    assert (row["id"], row["tenant"], row["finish_reason"], row["error_code"]) == ("gone", "acme", "error", "lost")
+    assert redis_client.xpending(key, keys.GROUP)["pending"] == 0
+    assert not redis_client.hexists(keys.inflight_hash(lane_stream), entry)
