@@ -187,3 +187,19 @@ def test_an_entry_trimmed_from_a_lane_while_pending_ends_with_a_lost_row(redis_u
     assert (row["id"], row["tenant"], row["finish_reason"], row["error_code"]) == ("gone", "acme", "error", "lost")
     assert redis_client.xpending(key, keys.GROUP)["pending"] == 0
     assert not redis_client.hexists(keys.inflight_hash(lane_stream), entry)
+
+
+def test_a_request_sent_twice_into_its_lane_is_computed_once(redis_url, redis_client, tmp_path):
+    """Idempotency holds per lane: a request's copies go to the same lane (its tenant's), and the
+    lane's records see the second copy."""
+    producer = Producer(redis_url)
+    producer.submit(request("twice", tenant="acme"))
+    producer.submit(request("twice", tenant="acme"))
+    producer.submit(request("other", tenant="acme"))
+    worker = _harness(redis_url, tmp_path / "out")
+    worker.until(lambda: len(worker.results()) == 2 and not worker.worker.acks.pending, max_turns=300,
+                 advance_s=0.1, what="two rows")
+    worker.turn(20, advance_s=0.1)
+    assert sorted(r["id"] for r in worker.results()) == ["other", "twice"]
+    key = keys.request_stream(scheme.lane_stream("requests", scheme.lane_name("tenant", "acme", None)))
+    assert redis_client.xlen(key) == 0 and redis_client.xpending(key, keys.GROUP)["pending"] == 0
