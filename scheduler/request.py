@@ -12,6 +12,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from mqinfer.schemas.response_format import GrammarSpec
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered: every status after PREEMPTED is a finished one."""
@@ -57,6 +59,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    # The grammar the output must follow (structured output), None for free text. The engine
+    # masks the logits of such a request so that only tokens the grammar allows can be sampled
+    # (EOS only where the grammar accepts), and ends it with "stop" when the grammar is complete.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

@@ -21,6 +21,9 @@ DUPLICATE_ID = "duplicate_id"
 BUDGET_EXCEEDED = "budget_exceeded"
 # Waited on its tenant's rate limit (--tenant-limits) until its deadline passed.
 RATE_LIMITED = "rate_limited"
+# A response_format whose schema or grammar the worker cannot compile, or one too large; also a
+# grammar that fails while the output is generated (a parser resource limit).
+INVALID_RESPONSE_FORMAT = "invalid_response_format"
 
 ALL_CODES = frozenset(
     {
@@ -38,6 +41,7 @@ ALL_CODES = frozenset(
         DUPLICATE_ID,
         BUDGET_EXCEEDED,
         RATE_LIMITED,
+        INVALID_RESPONSE_FORMAT,
     }
 )
 

@@ -7,8 +7,10 @@ template. ``Request.api`` records the endpoint (``"completions"`` or ``"chat"``)
 be written back in the OpenAI format.
 
 What we cannot honour is refused, never silently dropped: a parameter we do not implement (``n``
-other than 1, ``tools``, ``response_format``, penalties other than 0, ...) is an
-``unsupported_parameter`` error naming it; a value of the wrong type is ``invalid_request``.
+other than 1, ``tools``, penalties other than 0, ...) is an ``unsupported_parameter`` error naming
+it; a value of the wrong type is ``invalid_request``. ``response_format`` (``text``,
+``json_object``, ``json_schema``) is honoured on both endpoints; the ``regex`` and ``grammar``
+types are extensions of native requests and are ``unsupported_parameter`` here.
 A ``null`` parameter counts as absent, as in the OpenAI API. Where OpenAI and we differ in a
 default we keep ours: ``max_tokens`` is 16 unless the body says otherwise, for chat too.
 """
@@ -25,6 +27,7 @@ import msgspec
 from mqinfer.schemas import errors
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request, usable_id
+from mqinfer.schemas.response_format import OPENAI_TYPES
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _TOP_LEVEL_KEYS = ("custom_id", "method", "url", "body")
@@ -54,6 +57,8 @@ _FIXED = {
     "frequency_penalty": (0, (int, float)),
 }
 _IGNORED = frozenset({"user"})
+# response_format types of native requests only.
+_NATIVE_ONLY_FORMATS = ("regex", "grammar")
 _CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 _UNSUPPORTED_ROLES = frozenset({"tool", "function"})
 _PATH_IN_MESSAGE = re.compile(r"`\$\.([A-Za-z_]+)")
@@ -161,6 +166,21 @@ def request_from_openai(obj: dict[str, Any]) -> Request:
         raise RequestError(errors.INVALID_REQUEST, message, rid) from None
 
 
+def _response_format(value: Any, body: dict, fields: dict, origin: dict, rid: str) -> None:
+    """OpenAI's types pass on to the Request's own validation (whose error paths are rewritten to
+    point into the body); the native extensions are refused here."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind in _NATIVE_ONLY_FORMATS:
+        raise RequestError(
+            errors.UNSUPPORTED_PARAMETER,
+            f"body.response_format.type = {_show(kind)} is not supported in OpenAI Batch lines (only"
+            f" {', '.join(OPENAI_TYPES)}; {kind} is an extension of native requests) - at `$.body.response_format.type`",
+            rid,
+        )
+    fields["response_format"] = value
+    origin["response_format"] = "response_format"
+
+
 def _body_path(field: str, origin: dict[str, str]) -> str:
     if field == "id":
         return "`$.custom_id"
@@ -236,6 +256,7 @@ _COMPLETIONS_HANDLERS: dict[str, Callable[..., None]] = {
     "prompt": _completions_prompt,
     "max_tokens": _max_tokens("max_tokens"),
     "logprobs": _completions_logprobs,
+    "response_format": _response_format,
 }
 
 
@@ -337,4 +358,5 @@ _CHAT_HANDLERS: dict[str, Callable[..., None]] = {
     "max_completion_tokens": _max_tokens("max_completion_tokens"),
     "logprobs": _chat_logprobs,
     "top_logprobs": _chat_top_logprobs,
+    "response_format": _response_format,
 }

@@ -16,6 +16,7 @@ import msgspec
 
 from mqinfer.schemas import errors
 from mqinfer.schemas.errors import RequestError
+from mqinfer.schemas.response_format import ResponseFormat, grammar_spec
 
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -76,6 +77,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     logprobs: Logprobs | None = None
+    # Constrains the output to JSON, a JSON Schema, a regex or a grammar (schemas/response_format.py).
+    response_format: ResponseFormat | None = None
     # False keeps the request out of speculative decoding (the worker's --speculative).
     speculative: bool = True
     tenant: Label = "default"
@@ -238,4 +241,5 @@ def to_sampling_kwargs(req: Request) -> dict[str, Any]:
         "stop_token_ids": tuple(req.stop_token_ids),
         "ignore_eos": req.ignore_eos,
         "logprobs": req.logprobs,
+        "grammar": grammar_spec(req.response_format, "$.body.response_format" if req.api else "$.response_format"),
     }
