@@ -7,6 +7,10 @@ attribution). One step is::
     scheduler.schedule() -> runner.execute() -> postprocess: scheduler.update_from_output(),
     detokenize, match stop strings (-> scheduler.finish_requests), one output per touched request
 
+A request with a grammar (``SamplingParams.grammar``, structured output) also has its token
+masks filled while the runner computes its logits, and its matcher advanced in postprocess
+(workers/structured.py).
+
 Prompt checks that depend on the model (length, vocabulary, stop strings needing a
 tokenizer) raise ``EngineInputError`` with a stable code, so the worker can write an error
 row instead of failing.
@@ -37,6 +41,7 @@ from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
 from mqinfer.workers.parallel import Leader, RankSettings
 from mqinfer.workers.self_proposer import SelfProposer, resolve_draft_layers
+from mqinfer.workers.structured import GrammarError, StructuredOutputs, default_mask_threads
 from mqinfer.workers.models.quant import activation_ranges, calibration_token_windows, quantize_model, smooth
 from mqinfer.workers.swap import num_swap_blocks_for
 from mqinfer.workers.tokenizer import ByteTokenizer, IncrementalDetokenizer, Tokenizer, load_tokenizer
@@ -93,6 +98,9 @@ class RequestOutput:
     num_swaps: int = 0
     # Proposed tokens computed and rejected so far (speculative decoding).
     num_rejected_tokens: int = 0
+    # Set once finished, for a request with a grammar: whether its text follows the grammar (see
+    # workers/structured.py); None for free text and for error endings.
+    schema_valid: bool | None = None
 
 
 @dataclass
@@ -336,6 +344,12 @@ class LLMEngine:
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
             else frozenset()
         )
+        # Constrained requests' matchers and token masks (structured output); a model without a
+        # tokenizer cannot take grammars.
+        self.structured: StructuredOutputs | None = None
+        if self.tokenizer is not None:
+            self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, self.eos_token_ids,
+                                                mask_threads=default_mask_threads(self.device))
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
         # Requests ended between steps (cancel): reported by the next step.
@@ -362,7 +376,10 @@ class LLMEngine:
         return self.config.tensor_parallel_size
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do for one rank)."""
+        """Stop the other tensor-parallel ranks (nothing to do for one rank) and the mask thread."""
+        structured = getattr(self, "structured", None)
+        if structured is not None:
+            structured.close()
         leader, self.tensor_parallel = getattr(self, "tensor_parallel", None), None
         if leader is not None:
             leader.close()
@@ -437,7 +454,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str = "default", speculative: bool = True) -> None:
-        """Queue a request; ``speculative`` False keeps it out of speculative decoding."""
+        """Queue a request; ``speculative`` False keeps it out of speculative decoding, as does a
+        grammar (``sampling.grammar``), which must compile (else ``invalid_response_format``)."""
         if request_id in self._tracked or self.scheduler.get_request(request_id) is not None:
             raise ValueError(f"request {request_id!r} is already in the engine")
         ids = list(prompt_token_ids)
@@ -450,6 +468,14 @@ class LLMEngine:
                 "invalid_request",
                 f"stop: stop strings need a tokenizer and model {self.info.name} has none; use stop_token_ids",
             )
+        if sampling.grammar is not None:
+            if self.structured is None:
+                raise EngineInputError(
+                    "invalid_response_format",
+                    f"response_format: model {self.info.name} has no tokenizer to build token masks from"
+                    f" - at `{sampling.grammar.path}`",
+                )
+            speculative = False  # proposals would each need a mask of their own
         seed = sampling.seed & _SEED_MASK if sampling.seed is not None else self._rng.getrandbits(63)
         request = Request(
             request_id=request_id,
@@ -464,6 +490,11 @@ class LLMEngine:
             speculative=speculative,
             sampling_seed=seed,
         )
+        if sampling.grammar is not None:
+            try:
+                self.structured.add(request)
+            except GrammarError as exc:
+                raise EngineInputError("invalid_response_format", exc.message) from None
         detok = (
             IncrementalDetokenizer(self.tokenizer, sampling.stop, ids) if self.tokenizer is not None else None
         )
@@ -483,6 +514,8 @@ class LLMEngine:
             self._tracked.pop(request.request_id, None)
             if self.proposer is not None:
                 self.proposer.forget(request.request_id)
+            if self.structured is not None:
+                self.structured.forget(request.request_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._ended_outside)
@@ -499,8 +532,14 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         work = self._work(scheduler_output)
         t1 = time.perf_counter()
-        # A step may hold only block copies (swap preemption); they must still happen now.
-        ran = None if scheduler_output.is_empty else self.runner.execute(scheduler_output)
+        # Constrained requests' token masks, filled in the background while the model runs.
+        masks = self.structured.begin_step(scheduler_output.scheduled) if self.structured is not None else None
+        try:
+            # A step may hold only block copies (swap preemption); they must still happen now.
+            ran = None if scheduler_output.is_empty else self.runner.execute(scheduler_output, masks)
+        finally:
+            if masks is not None:
+                masks.wait()  # the matchers must not move while a mask is being filled
         t2 = time.perf_counter()
         if ran is not None and self.proposer is not None and scheduler_output.num_batched_tokens:
             # The speculation policy's measurements (only a speculating engine has a policy to feed).
@@ -568,12 +607,40 @@ class LLMEngine:
                 if lp is not None:
                     tracked.logprobs.extend(entry.to_dict() for entry in lp[: len(new)])
                 touched[request.request_id] = request
+        if self.structured is not None and len(self.structured):
+            self._advance_grammars(touched.values())
         outputs = [self._output(request) for request in touched.values()]
         # Stop strings end requests here; their blocks go back before the next schedule().
         stopped = [o.request_id for o in outputs if o.finished and not touched[o.request_id].is_finished]
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         return outputs
+
+    def _advance_grammars(self, requests) -> None:
+        """Feed this step's tokens to the constrained requests' matchers; a grammar that is complete
+        ends its request with "stop" (even where the same token reached a length limit: the text is
+        whole), one whose matcher failed ends it with an error."""
+        structured = self.structured
+        done, failed = [], []
+        for request in requests:
+            rid = request.request_id
+            tracked = self._tracked.get(rid)
+            if tracked is None or not tracked.new_token_ids or rid not in structured:
+                continue
+            outcome = structured.advance(request, tracked.new_token_ids)
+            if outcome is None:
+                continue
+            kind, message = outcome
+            if kind == "error":
+                failed.append((rid, message))
+            elif request.status is RequestStatus.FINISHED_LENGTH:
+                request.status = RequestStatus.FINISHED_STOPPED
+            elif not request.is_finished:
+                done.append(rid)
+        if done:
+            self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
+        for rid, message in failed:
+            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR, "invalid_response_format", message)
 
     def _account(self, t0: float, t1: float, t2: float, ran: ModelRunnerOutput | None) -> None:
         """Add this step's phase times: schedule [t0, t1], runner [t1, t2] (split by the runner's
@@ -631,10 +698,13 @@ class LLMEngine:
                 new_text += detok.flush()
                 # An error row has no text; every other ending has (possibly empty) text.
                 text = detok.text if status is not RequestStatus.FINISHED_ERROR else None
+        schema_valid = None
         if finished:
             self._tracked.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.forget(rid)
+            if self.structured is not None:
+                schema_valid = self.structured.finish(rid, status.finish_reason, detok is not None and detok.stopped)
         return RequestOutput(
             request_id=rid,
             new_token_ids=new_ids,
@@ -652,6 +722,7 @@ class LLMEngine:
             first_token_time=tracked.first_token_time if tracked is not None else None,
             num_swaps=request.num_swaps,
             num_rejected_tokens=request.num_rejected_tokens,
+            schema_valid=schema_valid,
         )
 
     @staticmethod

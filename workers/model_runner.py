@@ -43,6 +43,7 @@ from mqinfer.workers.loader import ModelInfo, resolve_dtype
 from mqinfer.workers.models import LlamaForCausalLM
 from mqinfer.workers.parallel import Group, StepPlan
 from mqinfer.workers.self_proposer import LayerSkipDraft
+from mqinfer.workers.structured import StepMasks
 from mqinfer.workers.swap import HostKVCache
 
 
@@ -201,8 +202,11 @@ class ModelRunner:
         return self.model(ids, metadata.positions, self.kv_caches, metadata)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``."""
+    def execute(self, output: SchedulerOutput, grammar_masks: StepMasks | None = None) -> ModelRunnerOutput:
+        """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``.
+
+        ``grammar_masks`` (structured output): the token masks of the constrained requests,
+        applied to their rows before sampling; logprobs stay those of the raw distribution."""
         t0 = time.perf_counter()
         scheduled = output.scheduled
         plan = StepPlan(swap_out=output.swap_out, swap_in=output.swap_in)
@@ -271,7 +275,7 @@ class ModelRunner:
             positions=sample_positions,
             device=device,
         )
-        token_ids = sample(logits, params)
+        token_ids = sample(logits if grammar_masks is None else grammar_masks.apply(logits, sample_of), params)
         tokens = token_ids.tolist()
         sampled = result.sampled_token_ids
         if not any_spec:

@@ -155,6 +155,11 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text, for libraries that build their own copy of it
+        (structured output's token masks)."""
+        return self._tok.to_str()
+
     def apply_chat_template(self, messages: list[dict]) -> str:
         validate_messages(messages)
         if not self.chat_template:

@@ -1,0 +1,376 @@
+"""Structured output: compiled grammars, each constrained request's matcher, and its token masks.
+
+A request whose ``SamplingParams.grammar`` is set (``response_format``: a JSON Schema, any JSON
+object, a regex, a Lark or GBNF grammar) gets an llguidance matcher when it joins the engine. Per
+step, for every such request that samples:
+
+1. before the forward pass, :meth:`StructuredOutputs.begin_step` starts filling the request's
+   token bitmask (one bit per vocabulary entry: may this token come next?) on a background
+   thread; llguidance releases the GIL while it computes, so the mask is ready by the time the
+   logits are;
+2. the model runner calls :meth:`StepMasks.apply` before sampling: disallowed logits become
+   -inf, on the constrained rows only (unconstrained requests in the batch pay nothing, and a
+   batch without constrained requests does not even start the thread);
+3. after the step, :meth:`StructuredOutputs.advance` feeds the sampled token to the matcher; when
+   the grammar can take nothing more the request ends with ``stop``.
+
+EOS (and the request's ``stop_token_ids``) are allowed exactly where the grammar accepts the
+output so far. The matcher lives here, not in the KV cache, so a preempted request keeps it: the
+tokens it already generated stay consumed while their KV is recomputed. Speculative decoding is
+off for constrained requests (the engine clears their ``speculative`` flag): their proposals would
+need a mask per proposed position.
+
+Compiled grammars are shared: a least-recently-used cache keyed by a digest of the grammar holds
+a matcher in its initial state per grammar (and the error of a grammar that does not compile),
+and each request starts from a copy of it.
+
+Validity: a finished request's output validated (``schema_valid``) when it ended ``stop`` with
+the grammar accepting its text: the grammar completed, or EOS or a stop token came where it
+accepted, and no stop string cut the text short. A request cut by ``max_tokens`` ends ``length``
+and is not valid.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from mqinfer.schemas.response_format import GrammarSpec
+
+if TYPE_CHECKING:
+    import llguidance
+
+    from mqinfer.scheduler.output import ScheduledRequest
+    from mqinfer.scheduler.request import Request
+    from mqinfer.workers.tokenizer import Tokenizer
+
+# Compiled grammars kept (a compiled JSON Schema is tens to hundreds of KiB).
+GRAMMAR_CACHE_SIZE = 256
+# The largest grammar source accepted (a JSON Schema as JSON text, a regex, a grammar).
+MAX_GRAMMAR_BYTES = 256 << 10
+# JSON output without free whitespace: one space after ':' and ',' as json.dumps writes it. Small
+# models given free whitespace can pad a document with newlines until max_tokens. A schema may
+# choose otherwise with llguidance's "x-guidance" key.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+class GrammarError(Exception):
+    """A grammar that cannot be used, with a message naming the field it came from."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:  # pragma: no cover - the worker extra installs it
+        raise GrammarError("response_format needs the llguidance package (pip install 'mqinfer[worker]')") from None
+    return llguidance
+
+
+class _ByteTokens:
+    """The byte tokenizer (workers/tokenizer.py ``ByteTokenizer``) as llguidance reads a tokenizer:
+    token i < 256 is the byte i; the rest are special tokens, never part of text."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = [bytes([i]) for i in range(256)] + [f"<|special_{i}|>".encode() for i in range(256, vocab_size)]
+        self.special_token_ids = list(range(256, vocab_size))
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
+
+
+def build_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the engine's tokenizer: the byte tokenizer of the tiny model, or a
+    ``tokenizers`` tokenizer (a checkpoint's tokenizer.json, or one rebuilt from a GGUF file) from
+    its JSON. ``vocab_size`` is the model's (the logits' width); ``eos_token_ids`` all end the text."""
+    llg = _llguidance()
+    from mqinfer.workers.tokenizer import ByteTokenizer, HFTokenizer
+
+    eos = sorted(eos_token_ids) or None
+    if isinstance(tokenizer, ByteTokenizer):
+        size = max(vocab_size, tokenizer.vocab_size)
+        return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer, size)), n_vocab=size, eos_token=eos)
+    if isinstance(tokenizer, HFTokenizer):
+        size = max(vocab_size, tokenizer.vocab_size)
+        return llg.LLTokenizer(tokenizer.to_json(), n_vocab=size, eos_token=eos)
+    raise GrammarError(f"response_format: no grammar support for a {type(tokenizer).__name__}")
+
+
+class GrammarCompiler:
+    """Grammars compiled against one tokenizer, the most recently used ``capacity`` of them kept."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, capacity: int = GRAMMAR_CACHE_SIZE) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.tokenizer = tokenizer
+        self.capacity = capacity
+        # key -> a matcher in its initial state, or the message of a grammar that failed.
+        self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    def matcher(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """A fresh matcher for ``spec``; GrammarError naming the problem and ``spec.path``."""
+        key = spec.key
+        compiled = self._cache.get(key)
+        if compiled is None:
+            self.misses += 1
+            compiled = self._compile(spec)
+            self._cache[key] = compiled
+            if len(self._cache) > self.capacity:
+                self._cache.popitem(last=False)
+        else:
+            self.hits += 1
+            self._cache.move_to_end(key)
+        if isinstance(compiled, str):
+            raise GrammarError(f"{compiled} - at `{spec.path}`")
+        return compiled.deep_copy()
+
+    def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher | str:
+        size = len(spec.source.encode("utf-8"))
+        what = {"json_schema": "the JSON schema", "regex": "the regex", "lark": "the Lark grammar",
+                "gbnf": "the GBNF grammar"}[spec.kind]
+        if size > MAX_GRAMMAR_BYTES:
+            return f"response_format: {what} is {size} bytes, over the limit of {MAX_GRAMMAR_BYTES} bytes"
+        llg = _llguidance()
+        try:
+            if spec.kind == "json_schema":
+                grammar = llg.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
+            else:
+                grammar = llg.grammar_from(spec.kind, spec.source)
+        except ValueError as exc:
+            return f"response_format: {what} cannot be compiled: {exc}"
+        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return f"response_format: {what} cannot be compiled: {_one_line(matcher.get_error())}"
+        return matcher
+
+
+def _one_line(message: str) -> str:
+    """llguidance's messages can carry a multi-line excerpt of the grammar: keep the first line."""
+    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+
+
+@dataclass
+class _State:
+    """One constrained request: its matcher and what ends its text besides the grammar."""
+
+    spec: GrammarSpec
+    matcher: llguidance.LLMatcher
+    # Tokens that may end the request where the grammar accepts: its EOS and stop_token_ids.
+    end_token_ids: tuple[int, ...]
+    # Tokens sampled that are part of the text (all but a final stop token), fed to the matcher.
+    num_consumed: int = 0
+    # The grammar accepts the text so far.
+    accepting: bool = False
+
+
+class StepMasks:
+    """One step's token masks: filled (in the background, or at once) from the constrained
+    requests' matchers, applied to their logits rows before sampling."""
+
+    def __init__(self, rows: dict[int, int], end_tokens: list[tuple[int, ...]], eos_token_id: int,
+                 bitmask: torch.Tensor, fill: Future | None) -> None:
+        # Index into the step's scheduled requests -> row of ``bitmask``.
+        self.rows = rows
+        self._end_tokens = end_tokens
+        self._eos = eos_token_id
+        self.bitmask = bitmask
+        self._fill = fill
+
+    def wait(self) -> None:
+        """Until the masks are filled (re-raises what the filling raised)."""
+        fill, self._fill = self._fill, None
+        if fill is not None:
+            fill.result()
+
+    def allowed(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """``[n, vocab_size]`` bool: which tokens each masked row may sample."""
+        self.wait()
+        words = self.bitmask.to(device)
+        bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
+        allowed = bits.view(words.shape[0], -1)[:, :vocab_size].bool()
+        eos_allowed = allowed[:, self._eos].clone()
+        for row, ends in enumerate(self._end_tokens):
+            ends = [t for t in ends if t < vocab_size]
+            if ends:
+                allowed[row, ends] = eos_allowed[row]
+        return allowed
+
+    def apply(self, logits: torch.Tensor, sample_of: Sequence[int]) -> torch.Tensor:
+        """``logits`` (one row per sampling row; ``sample_of[j]`` is the scheduled request of row
+        ``j``) with -inf wherever a constrained row's grammar forbids the token; a new tensor,
+        so that the raw logits stay for the logprobs. Unconstrained rows are untouched."""
+        picked = [(j, self.rows[i]) for j, i in enumerate(sample_of) if i in self.rows]
+        if not picked:
+            self.wait()
+            return logits
+        allowed = self.allowed(logits.shape[-1], logits.device)
+        sel = torch.tensor([j for j, _ in picked], dtype=torch.int64, device=logits.device)
+        mask_rows = torch.tensor([r for _, r in picked], dtype=torch.int64, device=logits.device)
+        masked = logits.index_select(0, sel).masked_fill(~allowed.index_select(0, mask_rows), float("-inf"))
+        return logits.index_copy(0, sel, masked)
+
+
+class StructuredOutputs:
+    """The engine's constrained requests: their matchers, each step's masks, their validity.
+
+    ``background`` False fills the masks on the calling thread when the step begins (the same
+    computation, for tests and measurements). ``mask_threads``: threads llguidance uses to fill
+    a step's masks (on a CPU engine the forward pass has the cores, so one is enough).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
+                 background: bool = True, mask_threads: int = 1, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self._eos_ids = tuple(sorted(eos_token_ids))
+        self.background = background
+        self._mask_threads = mask_threads
+        self._cache_size = cache_size
+        self._compiler: GrammarCompiler | None = None
+        self._executor: Any = None
+        self._thread: ThreadPoolExecutor | None = None
+        self._states: dict[str, _State] = {}
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        """Built on the first constrained request (a large vocabulary takes about a second)."""
+        if self._compiler is None:
+            llg = _llguidance()
+            tokenizer = build_tokenizer(self._tokenizer, self.vocab_size, self._eos_ids)
+            self._compiler = GrammarCompiler(tokenizer, self._cache_size)
+            self._executor = llg.LLExecutor(num_threads=self._mask_threads)
+        return self._compiler
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, request: Request) -> None:
+        """Start ``request``'s matcher; GrammarError when its grammar cannot be used."""
+        sampling = request.sampling
+        spec = sampling.grammar
+        if spec is None:
+            raise ValueError(f"request {request.request_id!r} has no grammar")
+        matcher = self.compiler.matcher(spec)
+        ends = tuple(sorted(set(request.eos_token_ids) | set(sampling.stop_token_ids)))
+        self._states[request.request_id] = _State(spec, matcher, ends, accepting=matcher.is_accepting())
+
+    def forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+
+    # -- one step -----------------------------------------------------------------------------
+    def begin_step(self, scheduled: Sequence[ScheduledRequest]) -> StepMasks | None:
+        """Start filling the masks of the constrained requests that sample in this step; None
+        when none does. The caller must ``wait()`` on the result before the matchers move on."""
+        if not self._states:
+            return None
+        rows: dict[int, int] = {}
+        matchers: list[tuple[Any, int]] = []
+        end_tokens: list[tuple[int, ...]] = []
+        for i, sr in enumerate(scheduled):
+            state = self._states.get(sr.request.request_id)
+            if state is None or not sr.needs_sample:
+                continue
+            rows[i] = len(matchers)
+            matchers.append((state.matcher, len(matchers)))
+            end_tokens.append(state.end_token_ids)
+        if not matchers:
+            return None
+        words = -(-self.compiler.tokenizer.vocab_size // 32)
+        bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
+        eos = self.compiler.tokenizer.eos_token
+        if not self.background:
+            self._fill(matchers, bitmask)
+            return StepMasks(rows, end_tokens, eos, bitmask, None)
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
+        return StepMasks(rows, end_tokens, eos, bitmask, self._thread.submit(self._fill, matchers, bitmask))
+
+    def _fill(self, matchers: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
+        # Row k of the bitmask for the matcher paired with k; llguidance writes the rows in place.
+        rows, words = bitmask.shape
+        self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, rows)
+
+    def advance(self, request: Request, new_token_ids: Sequence[int]) -> tuple[str, str | None] | None:
+        """Feed a step's new tokens to the request's matcher. Returns None while the request may go
+        on, ``("done", None)`` when the grammar is complete (nothing but EOS may follow), or
+        ``("error", message)`` when the matcher failed (a parser limit reached)."""
+        state = self._states.get(request.request_id)
+        if state is None or not new_token_ids:
+            return None
+        matcher = state.matcher
+        tokens = list(new_token_ids)
+        if request.is_finished and tokens[-1] in state.end_token_ids and _ended_by_token(request, tokens[-1]):
+            tokens.pop()  # the token that ended the request is not text
+        for token in tokens:
+            if not matcher.consume_token(token):
+                return "error", (f"response_format: the grammar rejected output token {state.num_consumed}"
+                                 f" ({token}): {_one_line(matcher.get_error())} - at `{state.spec.path}`")
+            state.num_consumed += 1
+        state.accepting = matcher.is_accepting()
+        if matcher.is_error():
+            return "error", f"response_format: {_one_line(matcher.get_error())} - at `{state.spec.path}`"
+        if matcher.is_stopped():
+            return "done", None
+        return None
+
+    def finish(self, request_id: str, finish_reason: str | None, text_cut: bool) -> bool | None:
+        """Whether the finished request's text validated (see the module docstring), forgetting
+        it; None for an unconstrained request, or one that ended in an error (it has no text)."""
+        state = self._states.pop(request_id, None)
+        if state is None or finish_reason == "error":
+            return None
+        return finish_reason == "stop" and state.accepting and not text_cut
+
+
+def _ended_by_token(request: Request, token: int) -> bool:
+    """The request ended because ``token`` is one of its stop tokens (not by a length limit)."""
+    from mqinfer.scheduler.request import RequestStatus
+
+    sampling = request.sampling
+    if request.status is not RequestStatus.FINISHED_STOPPED:
+        return False
+    return token in sampling.stop_token_ids or (token in request.eos_token_ids and not sampling.ignore_eos)
+
+
+def default_mask_threads(device: torch.device) -> int:
+    """Threads for filling masks: one beside a CPU forward pass (which has the cores); on a GPU,
+    half the cores, at most 8, so that a large batch's masks are ready before its logits."""
+    if device.type == "cpu":
+        return 1
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+__all__ = [
+    "GRAMMAR_CACHE_SIZE",
+    "GrammarCompiler",
+    "GrammarError",
+    "MAX_GRAMMAR_BYTES",
+    "StepMasks",
+    "StructuredOutputs",
+    "build_tokenizer",
+    "default_mask_threads",
+]
