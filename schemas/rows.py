@@ -51,6 +51,10 @@ RESULT_SCHEMA = pa.schema(
         pa.field("worker", pa.string(), nullable=False),
         pa.field("attempt", pa.int32(), nullable=False),
         pa.field("metadata", pa.map_(pa.string(), pa.string()), nullable=False),
+        # Whether the text follows the request's response_format (true only for a "stop" ending
+        # the grammar accepts); null for requests without one, for error rows, and in rows written
+        # before the column existed.
+        pa.field("schema_valid", pa.bool_()),
     ]
 )
 
@@ -115,6 +119,7 @@ class ResultRow(msgspec.Struct, kw_only=True):
     worker: str
     attempt: int = 1
     metadata: dict[str, str] = {}
+    schema_valid: bool | None = None
 
 
 class CostRow(msgspec.Struct, kw_only=True):

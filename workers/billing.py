@@ -48,6 +48,7 @@ class Billing:
             output_token_ids=list(out.output_token_ids), text=out.text, logprobs=out.logprobs,
             enqueued_at=item.enqueued_at, started_at=item.started_at, first_token_at=item.first_token_at,
             finished_at=now, worker=self.worker, attempt=item.attempt, metadata=dict(req.metadata),
+            schema_valid=out.schema_valid,
         )
         cost = CostRow(
             kind="request", job_id=req.job_id, id=req.id, tenant=req.tenant, model=self.model,
