@@ -27,9 +27,10 @@ def test_result_schema_is_the_contract():
     assert RESULT_SCHEMA.names == [
         "job_id", "id", "tenant", "model", "request_type", "finish_reason", "error_code", "error",
         "prompt_tokens", "output_tokens", "output_token_ids", "text", "logprobs", "enqueued_at", "started_at",
-        "first_token_at", "finished_at", "worker", "attempt", "metadata",
+        "first_token_at", "finished_at", "worker", "attempt", "metadata", "schema_valid",
     ]
     types = {f.name: f.type for f in RESULT_SCHEMA}
+    assert types["schema_valid"] == pa.bool_() and RESULT_SCHEMA.field("schema_valid").nullable
     assert types["prompt_tokens"] == types["output_tokens"] == types["attempt"] == pa.int32()
     assert types["output_token_ids"] == pa.list_(pa.int32())
     assert types["finished_at"] == types["enqueued_at"] == UTC_US
