@@ -42,7 +42,7 @@ def test_result_schema_is_the_contract():
     ]
     nullable = {f.name for f in RESULT_SCHEMA if f.nullable}
     assert nullable == {"job_id", "error_code", "error", "text", "logprobs", "enqueued_at", "started_at",
-                        "first_token_at"}
+                        "first_token_at", "schema_valid"}
 
 
 def test_cost_schema_is_the_contract():
