@@ -33,6 +33,7 @@ and is not valid.
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -179,24 +180,38 @@ class _State:
     accepting: bool = False
 
 
+@dataclass
+class MaskStats:
+    """Running totals of the token masks: how many were filled, the seconds filling them took, and
+    the seconds sampling waited for them (the part the forward pass did not hide)."""
+
+    masks: int = 0
+    steps: int = 0
+    fill_seconds: float = 0.0
+    wait_seconds: float = 0.0
+
+
 class StepMasks:
     """One step's token masks: filled (in the background, or at once) from the constrained
     requests' matchers, applied to their logits rows before sampling."""
 
     def __init__(self, rows: dict[int, int], end_tokens: list[tuple[int, ...]], eos_token_id: int,
-                 bitmask: torch.Tensor, fill: Future | None) -> None:
+                 bitmask: torch.Tensor, fill: Future | None, stats: MaskStats) -> None:
         # Index into the step's scheduled requests -> row of ``bitmask``.
         self.rows = rows
         self._end_tokens = end_tokens
         self._eos = eos_token_id
         self.bitmask = bitmask
         self._fill = fill
+        self._stats = stats
 
     def wait(self) -> None:
         """Until the masks are filled (re-raises what the filling raised)."""
         fill, self._fill = self._fill, None
         if fill is not None:
+            t0 = time.perf_counter()
             fill.result()
+            self._stats.wait_seconds += time.perf_counter() - t0
 
     def allowed(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """``[n, vocab_size]`` bool: which tokens each masked row may sample."""
@@ -246,6 +261,7 @@ class StructuredOutputs:
         self._executor: Any = None
         self._thread: ThreadPoolExecutor | None = None
         self._states: dict[str, _State] = {}
+        self.stats = MaskStats()
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -302,17 +318,23 @@ class StructuredOutputs:
         words = -(-self.compiler.tokenizer.vocab_size // 32)
         bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)
         eos = self.compiler.tokenizer.eos_token
+        self.stats.steps += 1
+        self.stats.masks += len(matchers)
         if not self.background:
             self._fill(matchers, bitmask)
-            return StepMasks(rows, end_tokens, eos, bitmask, None)
+            return StepMasks(rows, end_tokens, eos, bitmask, None, self.stats)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        return StepMasks(rows, end_tokens, eos, bitmask, self._thread.submit(self._fill, matchers, bitmask))
+        return StepMasks(rows, end_tokens, eos, bitmask, self._thread.submit(self._fill, matchers, bitmask),
+                         self.stats)
 
     def _fill(self, matchers: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
         # Row k of the bitmask for the matcher paired with k; llguidance writes the rows in place.
+        # One fill runs at a time (the step waits for it), so the total needs no lock.
+        t0 = time.perf_counter()
         rows, words = bitmask.shape
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, rows)
+        self.stats.fill_seconds += time.perf_counter() - t0
 
     def advance(self, request: Request, new_token_ids: Sequence[int]) -> tuple[str, str | None] | None:
         """Feed a step's new tokens to the request's matcher. Returns None while the request may go
