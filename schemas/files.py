@@ -9,6 +9,7 @@ Parquet batch by batch), so their size is not bounded by memory.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -160,10 +161,28 @@ def clean_parquet_row(row: dict[str, Any]) -> dict[str, Any]:
                 value = dict(value)
         elif key in _INT_FIELDS and isinstance(value, float) and math.isfinite(value) and value.is_integer():
             value = int(value)
+        elif key == "response_format":
+            value = _parquet_response_format(value)
         elif key == "deadline" and isinstance(value, dt.datetime):
             value = value.timestamp() if value.tzinfo else value.replace(tzinfo=dt.timezone.utc).timestamp()
         clean[key] = value
     return clean
+
+
+def _parquet_response_format(value: Any) -> Any:
+    """A response_format column: JSON text (the natural column type for a schema) is parsed; a
+    struct, whose shape Arrow unifies across rows, loses the null fields other rows' types added.
+    Anything else is left to the request's validation, which names the field."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    if isinstance(value, dict):
+        value = {k: v for k, v in value.items() if v is not None}
+        if isinstance(value.get("json_schema"), dict):
+            value["json_schema"] = {k: v for k, v in value["json_schema"].items() if v is not None}
+    return value
 
 
 # The former private name, still imported by ops/job_input.py.

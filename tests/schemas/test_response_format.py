@@ -133,3 +133,32 @@ def test_json_schema_keeps_large_and_nested_schemas_as_sent():
     req = msgspec.json.decode(msgspec.json.encode(native({"type": "json_schema",
                                                           "json_schema": {"name": "n", "schema": nested}})))
     assert json.loads(grammar_of(req).source) == nested
+
+
+def test_parquet_response_format_as_json_text_or_as_a_struct(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mqinfer.schemas.files import iter_input
+
+    as_text = tmp_path / "text.parquet"
+    pq.write_table(pa.table({
+        "id": ["a", "b", "c", "d"], "prompt": ["x"] * 4,
+        "response_format": [json.dumps({"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}),
+                            None, json.dumps({"type": "regex", "regex": "[0-9]+"}), "{not json"],
+    }), as_text)
+    items = list(iter_input(as_text))
+    assert json.loads(to_sampling_kwargs(items[0].request)["grammar"].source) == SCHEMA
+    assert items[1].request.response_format is None
+    assert to_sampling_kwargs(items[2].request)["grammar"] == GrammarSpec("regex", "[0-9]+")
+    assert items[3].error.code == errors.INVALID_REQUEST and "$.response_format" in items[3].error.message
+
+    # Arrow unifies the rows' structs: each gains the other rows' fields as nulls.
+    as_struct = tmp_path / "struct.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"id": "s1", "prompt": "x", "response_format": {"type": "json_object"}},
+        {"id": "s2", "prompt": "x", "response_format": {"type": "regex", "regex": "a+"}},
+    ]), as_struct)
+    first, second = (i.request for i in iter_input(as_struct))
+    assert to_sampling_kwargs(first)["grammar"].source == ANY_JSON_OBJECT
+    assert to_sampling_kwargs(second)["grammar"] == GrammarSpec("regex", "a+")
