@@ -174,6 +174,8 @@ class _State:
     matcher: llguidance.LLMatcher
     # Tokens that may end the request where the grammar accepts: its EOS and stop_token_ids.
     end_token_ids: tuple[int, ...]
+    # Those of them the mask does not already allow with llguidance's EOS.
+    extra_end_ids: tuple[int, ...] = ()
     # Tokens sampled that are part of the text (all but a final stop token), fed to the matcher.
     num_consumed: int = 0
     # The grammar accepts the text so far.
@@ -195,11 +197,12 @@ class StepMasks:
     """One step's token masks: filled (in the background, or at once) from the constrained
     requests' matchers, applied to their logits rows before sampling."""
 
-    def __init__(self, rows: dict[int, int], end_tokens: list[tuple[int, ...]], eos_token_id: int,
+    def __init__(self, rows: dict[int, int], extra_ends: list[tuple[int, tuple[int, ...]]], eos_token_id: int,
                  bitmask: torch.Tensor, fill: Future | None, stats: MaskStats) -> None:
         # Index into the step's scheduled requests -> row of ``bitmask``.
         self.rows = rows
-        self._end_tokens = end_tokens
+        # (row, tokens) that take the row's EOS bit: stop tokens and EOS ids beyond llguidance's.
+        self._extra_ends = extra_ends
         self._eos = eos_token_id
         self.bitmask = bitmask
         self._fill = fill
@@ -219,11 +222,10 @@ class StepMasks:
         words = self.bitmask.to(device)
         bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
         allowed = bits.view(words.shape[0], -1)[:, :vocab_size].bool()
-        eos_allowed = allowed[:, self._eos].clone()
-        for row, ends in enumerate(self._end_tokens):
-            ends = [t for t in ends if t < vocab_size]
-            if ends:
-                allowed[row, ends] = eos_allowed[row]
+        if self._extra_ends:
+            eos_allowed = allowed[:, self._eos].clone()
+            for row, ends in self._extra_ends:
+                allowed[row, [t for t in ends if t < vocab_size]] = eos_allowed[row]
         return allowed
 
     def apply(self, logits: torch.Tensor, sample_of: Sequence[int]) -> torch.Tensor:
@@ -235,6 +237,8 @@ class StepMasks:
             self.wait()
             return logits
         allowed = self.allowed(logits.shape[-1], logits.device)
+        if len(picked) == logits.shape[0] and all(j == r for j, r in picked):
+            return logits.masked_fill(~allowed, float("-inf"))  # every row constrained, in mask order
         sel = torch.tensor([j for j, _ in picked], dtype=torch.int64, device=logits.device)
         mask_rows = torch.tensor([r for _, r in picked], dtype=torch.int64, device=logits.device)
         masked = logits.index_select(0, sel).masked_fill(~allowed.index_select(0, mask_rows), float("-inf"))
@@ -287,7 +291,9 @@ class StructuredOutputs:
             raise ValueError(f"request {request.request_id!r} has no grammar")
         matcher = self.compiler.matcher(spec)
         ends = tuple(sorted(set(request.eos_token_ids) | set(sampling.stop_token_ids)))
-        self._states[request.request_id] = _State(spec, matcher, ends, accepting=matcher.is_accepting())
+        eos = self.compiler.tokenizer.eos_token
+        extra = tuple(t for t in ends if t != eos and t < self.vocab_size)
+        self._states[request.request_id] = _State(spec, matcher, ends, extra, accepting=matcher.is_accepting())
 
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -305,14 +311,15 @@ class StructuredOutputs:
             return None
         rows: dict[int, int] = {}
         matchers: list[tuple[Any, int]] = []
-        end_tokens: list[tuple[int, ...]] = []
+        extra_ends: list[tuple[int, tuple[int, ...]]] = []
         for i, sr in enumerate(scheduled):
             state = self._states.get(sr.request.request_id)
             if state is None or not sr.needs_sample:
                 continue
+            if state.extra_end_ids:
+                extra_ends.append((len(matchers), state.extra_end_ids))
             rows[i] = len(matchers)
             matchers.append((state.matcher, len(matchers)))
-            end_tokens.append(state.end_token_ids)
         if not matchers:
             return None
         words = -(-self.compiler.tokenizer.vocab_size // 32)
@@ -322,10 +329,10 @@ class StructuredOutputs:
         self.stats.masks += len(matchers)
         if not self.background:
             self._fill(matchers, bitmask)
-            return StepMasks(rows, end_tokens, eos, bitmask, None, self.stats)
+            return StepMasks(rows, extra_ends, eos, bitmask, None, self.stats)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        return StepMasks(rows, end_tokens, eos, bitmask, self._thread.submit(self._fill, matchers, bitmask),
+        return StepMasks(rows, extra_ends, eos, bitmask, self._thread.submit(self._fill, matchers, bitmask),
                          self.stats)
 
     def _fill(self, matchers: list[tuple[Any, int]], bitmask: torch.Tensor) -> None:
