@@ -5,7 +5,8 @@ Owns ``add_rms_norm`` (residual add + RMSNorm in one pass), ``silu_mul`` (SwiGLU
 ``silu(gate) * up`` from the fused gate/up projection), ``rotary_store_kv`` (rotary embedding
 of q and k, written in place for q and straight into the paged cache for k, with v copied to
 its cache slot; into an int8 / float8 cache both are quantized on the way, scales beside them)
-and ``greedy_argmax`` (first index of each row's maximum).
+``greedy_argmax`` (first index of each row's maximum) and ``apply_token_bitmask`` (structured
+output: -inf on the logits a grammar forbids, from llguidance's packed masks).
 
 Why. On one CPU thread the PyTorch versions of these ops run as 4-8 separate passes over the
 activations each (upcast, square, mean, rsqrt, multiply, downcast, weight; neg, cat, two
@@ -122,6 +123,50 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
         )
         _library().mqinfer_argmax(ctypes.byref(args), _threads(logits.numel()))
     return out
+
+
+# ------------------------------------------------------------------ token bitmask
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, cols: int) -> torch.Tensor:
+    """``[n, cols]`` bool from a packed ``[n, words]`` int32 mask: column j is bit j % 32 (least
+    significant first) of word j // 32; columns past ``words * 32`` are False."""
+    n, words = bitmask.shape
+    bits = ((bitmask.unsqueeze(-1) >> _BITS.to(bitmask.device)) & 1).view(n, words * 32).bool()
+    if words * 32 >= cols:
+        return bits[:, :cols]
+    return torch.cat([bits, bits.new_zeros(n, cols - words * 32)], dim=1)
+
+
+def reference_apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    allowed = unpack_bitmask(bitmask.to(logits.device), logits.shape[1])
+    rows = rows.to(logits.device)
+    logits.index_copy_(0, rows, logits.index_select(0, rows).masked_fill(~allowed, float("-inf")))
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: row ``rows[i]`` of ``logits`` ``[B, V]`` becomes -inf wherever row i of the packed
+    ``bitmask`` ``[n, words]`` (int32) has a 0 bit (see ``unpack_bitmask``). The native kernel
+    skips the all-allowed words and writes only the forbidden entries (PyTorch's ``masked_fill``
+    costs ~15 ms on ``[64, 49152]`` float32 on one thread, the kernel well under 1 ms)."""
+    n = bitmask.shape[0]
+    if rows.shape != (n,):
+        raise ValueError(f"rows must name one logits row per mask row ({n}), got shape {list(rows.shape)}")
+    if not (logits.dim() == 2 and _rows_ok(logits) and native_for(logits) and bitmask.dtype == torch.int32
+            and bitmask.device.type == "cpu" and bitmask.is_contiguous() and rows.dtype == torch.int64
+            and rows.device.type == "cpu" and rows.is_contiguous()):
+        return reference_apply_token_bitmask(logits, bitmask, rows)
+    if n == 0:
+        return None
+    if int(rows.min()) < 0 or int(rows.max()) >= logits.shape[0]:
+        raise ValueError(f"rows must be in 0..{logits.shape[0] - 1}")
+    args = native.BitmaskArgs(
+        x=logits.data_ptr(), bitmask=bitmask.data_ptr(), rows=rows.data_ptr(), n=n, cols=logits.shape[1],
+        row_stride=logits.stride(0), words=bitmask.shape[1], is_bf16=int(logits.dtype == torch.bfloat16),
+    )
+    _library().mqinfer_apply_bitmask(ctypes.byref(args), _threads(n * logits.shape[1]))
+    return None
 
 
 # ------------------------------------------------------------------ residual add + RMSNorm
@@ -285,14 +330,17 @@ def rotary_store_kv(
 
 __all__ = [
     "add_rms_norm",
+    "apply_token_bitmask",
     "cpu_ops_available",
     "greedy_argmax",
     "native_for",
     "reference_add_rms_norm",
+    "reference_apply_token_bitmask",
     "reference_greedy_argmax",
     "reference_rotary_store_kv",
     "reference_silu_mul",
     "rotary_store_kv",
     "silu_mul",
     "silu_vector_chunk",
+    "unpack_bitmask",
 ]

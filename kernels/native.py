@@ -91,6 +91,13 @@ class ArgmaxArgs(ctypes.Structure):
     ]
 
 
+class BitmaskArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("bitmask", _ptr), ("rows", _ptr), ("n", _i64), ("cols", _i64), ("row_stride", _i64),
+        ("words", _i64), ("is_bf16", _i32),
+    ]
+
+
 class RmsNormArgs(ctypes.Structure):
     _fields_ = [
         ("residual", _ptr), ("delta", _ptr), ("weight", _ptr), ("out", _ptr),
@@ -144,6 +151,7 @@ class W8A16Args(ctypes.Structure):
 _RECORDS = {
     AttentionArgs: "mqinfer_layout_attention_args",
     ArgmaxArgs: "mqinfer_layout_argmax_args",
+    BitmaskArgs: "mqinfer_layout_bitmask_args",
     RmsNormArgs: "mqinfer_layout_rms_norm_args",
     SiluMulArgs: "mqinfer_layout_silu_mul_args",
     RotaryArgs: "mqinfer_layout_rotary_args",
@@ -157,6 +165,7 @@ _SIGNATURES = {
     "mqinfer_paged_attention": (ctypes.c_int, [ctypes.POINTER(AttentionArgs), ctypes.c_int]),
     "mqinfer_attention_selftest": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
     "mqinfer_argmax": (None, [ctypes.POINTER(ArgmaxArgs), ctypes.c_int]),
+    "mqinfer_apply_bitmask": (None, [ctypes.POINTER(BitmaskArgs), ctypes.c_int]),
     "mqinfer_add_rms_norm": (ctypes.c_int, [ctypes.POINTER(RmsNormArgs), ctypes.c_int]),
     "mqinfer_silu_mul": (None, [ctypes.POINTER(SiluMulArgs), ctypes.c_int]),
     "mqinfer_rotary_store_kv": (ctypes.c_int, [ctypes.POINTER(RotaryArgs), ctypes.c_int]),

@@ -275,7 +275,12 @@ class ModelRunner:
             positions=sample_positions,
             device=device,
         )
-        token_ids = sample(logits if grammar_masks is None else grammar_masks.apply(logits, sample_of), params)
+        if grammar_masks is None:
+            token_ids = sample(logits, params)
+        else:
+            # Masked in place unless a request wants logprobs, which come from the raw logits.
+            keep_raw = any(r.sampling.logprobs is not None for r in requests)
+            token_ids = sample(grammar_masks.apply(logits, sample_of, in_place=not keep_raw), params)
         tokens = token_ids.tolist()
         sampled = result.sampled_token_ids
         if not any_spec:

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from mqinfer.kernels.cpu_ops import apply_token_bitmask, unpack_bitmask
 from mqinfer.schemas.response_format import GrammarSpec
 
 if TYPE_CHECKING:
@@ -58,7 +59,6 @@ MAX_GRAMMAR_BYTES = 256 << 10
 # models given free whitespace can pad a document with newlines until max_tokens. A schema may
 # choose otherwise with llguidance's "x-guidance" key.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class GrammarError(Exception):
@@ -207,42 +207,52 @@ class StepMasks:
         self.bitmask = bitmask
         self._fill = fill
         self._stats = stats
+        self._ready = False
 
     def wait(self) -> None:
         """Until the masks are filled (re-raises what the filling raised)."""
+        if self._ready:
+            return
         fill, self._fill = self._fill, None
         if fill is not None:
             t0 = time.perf_counter()
             fill.result()
             self._stats.wait_seconds += time.perf_counter() - t0
+        self._end_where_eos()
+        self._ready = True
 
-    def allowed(self, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    def _end_where_eos(self) -> None:
+        """Give each row's extra end tokens the row's EOS bit: they may come exactly where EOS may."""
+        words = self.bitmask.shape[1]
+        eos_word, eos_bit = divmod(self._eos, 32)
+        for row, ends in self._extra_ends:
+            on = (int(self.bitmask[row, eos_word]) >> eos_bit) & 1
+            for token in ends:
+                word, bit = divmod(token, 32)
+                if word >= words:
+                    continue
+                value = int(self.bitmask[row, word]) & 0xFFFFFFFF
+                value = value | (1 << bit) if on else value & ~(1 << bit)
+                self.bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
         """``[n, vocab_size]`` bool: which tokens each masked row may sample."""
         self.wait()
-        words = self.bitmask.to(device)
-        bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
-        allowed = bits.view(words.shape[0], -1)[:, :vocab_size].bool()
-        if self._extra_ends:
-            eos_allowed = allowed[:, self._eos].clone()
-            for row, ends in self._extra_ends:
-                allowed[row, [t for t in ends if t < vocab_size]] = eos_allowed[row]
-        return allowed
+        return unpack_bitmask(self.bitmask, vocab_size)
 
-    def apply(self, logits: torch.Tensor, sample_of: Sequence[int]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, sample_of: Sequence[int], in_place: bool = False) -> torch.Tensor:
         """``logits`` (one row per sampling row; ``sample_of[j]`` is the scheduled request of row
-        ``j``) with -inf wherever a constrained row's grammar forbids the token; a new tensor,
-        so that the raw logits stay for the logprobs. Unconstrained rows are untouched."""
+        ``j``) with -inf wherever a constrained row's grammar forbids the token, in place or (to
+        keep the raw logits for logprobs) in a copy. Unconstrained rows are untouched."""
         picked = [(j, self.rows[i]) for j, i in enumerate(sample_of) if i in self.rows]
+        self.wait()
         if not picked:
-            self.wait()
             return logits
-        allowed = self.allowed(logits.shape[-1], logits.device)
-        if len(picked) == logits.shape[0] and all(j == r for j, r in picked):
-            return logits.masked_fill(~allowed, float("-inf"))  # every row constrained, in mask order
-        sel = torch.tensor([j for j, _ in picked], dtype=torch.int64, device=logits.device)
-        mask_rows = torch.tensor([r for _, r in picked], dtype=torch.int64, device=logits.device)
-        masked = logits.index_select(0, sel).masked_fill(~allowed.index_select(0, mask_rows), float("-inf"))
-        return logits.index_copy(0, sel, masked)
+        out = logits if in_place else logits.clone()
+        mask_rows = [r for _, r in picked]
+        bitmask = self.bitmask if mask_rows == list(range(self.bitmask.shape[0])) else self.bitmask[mask_rows]
+        apply_token_bitmask(out, bitmask, torch.tensor([j for j, _ in picked], dtype=torch.int64))
+        return out
 
 
 class StructuredOutputs:

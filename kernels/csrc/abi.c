@@ -28,6 +28,13 @@ const int64_t mqinfer_layout_argmax_args[] = {
     AT(mqinfer_argmax_args, is_bf16),
 };
 
+const int64_t mqinfer_layout_bitmask_args[] = {
+    sizeof(mqinfer_bitmask_args), 8,
+    AT(mqinfer_bitmask_args, x), AT(mqinfer_bitmask_args, bitmask), AT(mqinfer_bitmask_args, rows),
+    AT(mqinfer_bitmask_args, n), AT(mqinfer_bitmask_args, cols), AT(mqinfer_bitmask_args, row_stride),
+    AT(mqinfer_bitmask_args, words), AT(mqinfer_bitmask_args, is_bf16),
+};
+
 const int64_t mqinfer_layout_rms_norm_args[] = {
     sizeof(mqinfer_rms_norm_args), 10,
     AT(mqinfer_rms_norm_args, residual), AT(mqinfer_rms_norm_args, delta),

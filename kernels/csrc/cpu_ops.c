@@ -1,5 +1,5 @@
 
-/* Fused elementwise kernels of the decoder and the greedy argmax, row-parallel. Numerics
+/* Fused elementwise kernels of the decoder, the greedy argmax and the token bitmask, row-parallel. Numerics
    follow PyTorch's CPU path rounding step by rounding step (see kernels/cpu_ops.py): every
    intermediate PyTorch rounds to the activation dtype is rounded here too, and the only fused
    multiply-adds are the fmaf calls and FMA intrinsics written out below. */
@@ -117,6 +117,39 @@ static int argmax_range(const void *p, int64_t begin, int64_t end) {
 
 void mqinfer_argmax(const mqinfer_argmax_args *args, int num_threads) {
     parallel_rows(argmax_range, args, args->rows, num_threads);
+}
+
+/* ------------------------------------------------------------------ token bitmask */
+/* One pass over the masked rows, a word (32 columns) at a time: an all-ones word (a string's
+   body allows almost every token) is skipped, an all-zeros word is filled, only mixed words
+   look at their bits. */
+static void bitmask_row(char *x, const uint32_t *words, int64_t num_words, int64_t cols, int is_bf16) {
+    const float ninf = -INFINITY;
+    const uint16_t ninf_bf16 = 0xff80u;
+    for (int64_t c0 = 0; c0 < cols; c0 += 32) {
+        const int64_t w = c0 / 32;
+        const uint32_t bits = w < num_words ? words[w] : 0u;
+        if (bits == 0xffffffffu) continue;
+        const int64_t lim = cols - c0 < 32 ? cols - c0 : 32;
+        for (int64_t b = 0; b < lim; b++) {
+            if ((bits >> b) & 1u) continue;
+            if (is_bf16) ((uint16_t *)x)[c0 + b] = ninf_bf16;
+            else ((float *)x)[c0 + b] = ninf;
+        }
+    }
+}
+
+static int bitmask_range(const void *p, int64_t begin, int64_t end) {
+    const mqinfer_bitmask_args *a = (const mqinfer_bitmask_args *)p;
+    const int64_t elem = a->is_bf16 ? 2 : 4;
+    for (int64_t i = begin; i < end; i++)
+        bitmask_row((char *)a->x + a->rows[i] * a->row_stride * elem,
+                    (const uint32_t *)(a->bitmask + i * a->words), a->words, a->cols, a->is_bf16);
+    return 0;
+}
+
+void mqinfer_apply_bitmask(const mqinfer_bitmask_args *args, int num_threads) {
+    parallel_rows(bitmask_range, args, args->n, num_threads);
 }
 
 /* ------------------------------------------------------------------ typed helpers */

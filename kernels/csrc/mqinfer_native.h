@@ -82,6 +82,24 @@ typedef struct {
 
 void mqinfer_argmax(const mqinfer_argmax_args *args, int num_threads);
 
+/* ------------------------------------------------------------------ token bitmask */
+/* Structured output's token masks, in place: for each i < n, row rows[i] of x becomes -inf at
+   every column j whose bit is 0 in row i of bitmask (word j / 32, bit j % 32, least significant
+   first); columns past words * 32 are -inf too. x [*, cols] float32 or bfloat16, row stride
+   row_stride elements, unit column stride; bitmask [n, words] contiguous. */
+typedef struct {
+    void *x;
+    const int32_t *bitmask;
+    const int64_t *rows;
+    int64_t n;
+    int64_t cols;
+    int64_t row_stride;
+    int64_t words;
+    int32_t is_bf16;
+} mqinfer_bitmask_args;
+
+void mqinfer_apply_bitmask(const mqinfer_bitmask_args *args, int num_threads);
+
 /* ------------------------------------------------------------------ residual add + RMSNorm */
 /* residual <- residual + delta (delta NULL: no add), out <- rms_norm(residual) * weight.
    residual, delta [rows, hidden] with row strides; weight [hidden]; out [rows, hidden],
@@ -266,6 +284,7 @@ int mqinfer_pool_workers(void);
    its ctypes mirrors when it loads the library. */
 extern const int64_t mqinfer_layout_attention_args[];
 extern const int64_t mqinfer_layout_argmax_args[];
+extern const int64_t mqinfer_layout_bitmask_args[];
 extern const int64_t mqinfer_layout_rms_norm_args[];
 extern const int64_t mqinfer_layout_silu_mul_args[];
 extern const int64_t mqinfer_layout_rotary_args[];

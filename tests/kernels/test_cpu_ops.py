@@ -9,14 +9,17 @@ import torch
 from mqinfer.kernels import cpu_ops
 from mqinfer.kernels.cpu_ops import (
     add_rms_norm,
+    apply_token_bitmask,
     cpu_ops_available,
     greedy_argmax,
     reference_add_rms_norm,
+    reference_apply_token_bitmask,
     reference_greedy_argmax,
     reference_rotary_store_kv,
     reference_silu_mul,
     rotary_store_kv,
     silu_mul,
+    unpack_bitmask,
 )
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="no C compiler for the native CPU ops")
@@ -41,6 +44,64 @@ def threads():
     before = torch.get_num_threads()
     yield lambda n: torch.set_num_threads(n)
     torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------ token bitmask
+def _masks(n: int, words: int, seed: int) -> torch.Tensor:
+    """Packed masks with the words structured output makes: all allowed, none, and mixed."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.randint(-(2**31), 2**31 - 1, (n, words), dtype=torch.int32, generator=g)
+    kind = torch.randint(0, 3, (n, words), generator=g)
+    return torch.where(kind == 0, torch.full_like(mask, -1), torch.where(kind == 1, torch.zeros_like(mask), mask))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("cols", "words"), [(1, 1), (31, 1), (32, 1), (33, 2), (264, 9), (49152, 1536),
+                                             (1000, 20)])  # the last: columns past the mask's words
+def test_token_bitmask_matches_the_reference(dtype, cols, words):
+    torch.manual_seed(cols)
+    logits = (torch.randn(9, cols) * 3).to(dtype)
+    logits[0, 0] = float("nan")  # a NaN where allowed stays, where forbidden becomes -inf
+    mask = _masks(5, words, cols)
+    rows = torch.tensor([7, 0, 3, 8, 2])
+    got, want = logits.clone(), logits.clone()
+    apply_token_bitmask(got, mask, rows)
+    reference_apply_token_bitmask(want, mask, rows)
+    assert _same_bits(got, want)
+    untouched = [1, 4, 5, 6]
+    assert _same_bits(got[untouched], logits[untouched])
+    allowed = unpack_bitmask(mask, cols)
+    assert torch.equal(got[rows].isneginf() & ~logits[rows].isneginf(), ~allowed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_bitmask_strided_rows_threads_and_bad_rows(dtype, threads):
+    wide = torch.randn(70, 3000).to(dtype)
+    view = wide[:, 5:2005]
+    mask = _masks(64, 63, 1)
+    rows = torch.randperm(70)[:64]
+    want = view.clone()
+    reference_apply_token_bitmask(want, mask, rows)
+    for n in (1, 3):
+        threads(n)
+        got = wide.clone()[:, 5:2005]
+        apply_token_bitmask(got, mask, rows)
+        assert _same_bits(got, want)
+    with pytest.raises(ValueError):
+        apply_token_bitmask(view.clone(), mask, rows[:3])
+    with pytest.raises(ValueError):
+        apply_token_bitmask(view.clone(), mask[:1], torch.tensor([70]))
+    half = view.half()
+    expected = half.clone()
+    reference_apply_token_bitmask(expected, mask, rows)
+    apply_token_bitmask(half, mask, rows)  # float16: the PyTorch path
+    assert torch.equal(half, expected)
+
+
+def test_unpack_bitmask_reads_least_significant_bit_first():
+    mask = torch.tensor([[0b101, -1]], dtype=torch.int32)
+    assert torch.nonzero(unpack_bitmask(mask, 40)[0]).flatten().tolist() == [0, 2, *range(32, 40)]
+    assert unpack_bitmask(mask, 70)[0, 64:].tolist() == [False] * 6
 
 
 # ------------------------------------------------------------------ greedy argmax
