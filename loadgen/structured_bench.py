@@ -20,7 +20,9 @@ forward pass did not hide (the seconds sampling waited).
 **Validity** (``--validity``): the 60 schemas with chat prompts that show the schema (a real model
 with a chat template), greedy and seeded: the share of rows that end ``stop``, the share of those
 whose text parses and validates against its schema with the ``jsonschema`` package (installed
-with the dev extra), and whether the rows' ``schema_valid`` agrees.
+with the dev extra), and whether the rows' ``schema_valid`` agrees; then the same prompts greedy
+without ``response_format``, the model left to follow the instruction alone (its text parsed as
+it is, whitespace around it allowed).
 """
 
 from __future__ import annotations
@@ -162,9 +164,12 @@ def run_validity(args: argparse.Namespace) -> dict[str, Any]:
     schemas = json_schemas(args.num_schemas)
     by_name = dict(schemas)
     report: dict[str, Any] = {"model": engine.info.model_id, "num_schemas": len(schemas), "runs": {}}
-    for label, temperature, seed in (("greedy", 0.0, None), ("seeded", args.temperature, args.seed)):
+    for label, temperature, seed in (("greedy", 0.0, None), ("seeded", args.temperature, args.seed),
+                                     ("greedy_unconstrained", 0.0, None)):
         t0 = time.perf_counter()
         for obj in structured_requests(schemas, max_tokens=args.max_tokens, temperature=temperature, seed=seed):
+            if label.endswith("unconstrained"):
+                del obj["response_format"]
             req = request_from_obj(obj)
             prompt = engine.encode_prompt(None, None, [{"role": m.role, "content": m.content} for m in req.messages])
             engine.add_request(req.id, prompt, SamplingParams(**to_sampling_kwargs(req)))
@@ -184,7 +189,7 @@ def run_validity(args: argparse.Namespace) -> dict[str, Any]:
                 ok = False
                 examples.append(f"{o.request_id}: {str(exc).splitlines()[0][:120]}")
             valid += ok
-            disagree += ok != bool(o.schema_valid)
+            disagree += o.schema_valid is not None and ok != o.schema_valid
         run = {"rows": len(outs), "stop": len(stopped), "stop_valid": valid,
                "stop_share": len(stopped) / len(outs), "valid_share_of_stop": valid / max(1, len(stopped)),
                "schema_valid_disagrees": disagree, "output_tokens": sum(len(o.output_token_ids) for o in outs.values()),
