@@ -10,8 +10,9 @@ one worker; half the available memory bounds how many copies of the model are lo
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
+
+from mqinfer.workers.devices import usable_cores
 
 
 def parse_workers(text: str) -> int | str:
@@ -26,13 +27,6 @@ def parse_workers(text: str) -> int | str:
     if value < 1:
         raise ValueError(f"expected auto or an integer >= 1, got {value}")
     return value
-
-
-def usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def model_bytes(model: str) -> int:

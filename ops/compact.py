@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mqinfer.schemas import faults
-from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA
+from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, with_device_share
 from mqinfer.schemas.dataset import COSTS_DIR, PARQUET_COMPRESSION, RESULTS_DIR, fsync_dir, part_files
 
 JOURNAL_NAME = ".compact-journal.json"
@@ -123,6 +123,8 @@ def drop_job(out_dir: str | os.PathLike[str], job_id: str) -> tuple[int, int]:
         for dataset, schema in ((RESULTS_DIR, RESULT_SCHEMA), (COSTS_DIR, COST_SCHEMA)):
             for path in part_files(out / dataset):
                 table = _read(path, schema)
+                if schema is COST_SCHEMA:
+                    table = with_device_share(table)
                 mine = pc.fill_null(pc.equal(table["job_id"], job_id), False)
                 count = pc.sum(mine).as_py() or 0
                 if not count:
@@ -395,7 +397,8 @@ def _plan_costs(files: list[Path], kept: pa.Table, writer: _TempWriter, stats: C
     kept_partition = pc.strftime(pc.cast(kept["finished_at"], RESULT_SCHEMA.field("finished_at").type),
                                  format="date=%Y-%m-%d")
     for folder, group in _by_partition(files).items():
-        tables = [_read(path, COST_SCHEMA) for path in group]
+        # Rows written before device_share existed billed one whole device: rewritten, they say so.
+        tables = [with_device_share(_read(path, COST_SCHEMA)) for path in group]
         table = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
         before = table.num_rows
         stats.costs_before += before

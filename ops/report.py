@@ -39,7 +39,7 @@ import pyarrow.dataset as ds
 
 from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
-from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA
+from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_device_share
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
 GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
@@ -300,7 +300,7 @@ def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table
     if until is not None:
         upper = ds.field("finished_at") < pa.scalar(round(until * 1_000_000), ts_type)
         condition = upper if condition is None else condition & upper
-    return dataset.to_table(filter=condition)
+    return with_device_share(dataset.to_table(filter=condition))
 
 
 def _with_input_cost(table: pa.Table) -> pa.Table:

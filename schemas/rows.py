@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 import pyarrow as pa
+import pyarrow.compute as pc
 
 FINISH_REASONS = ("stop", "length", "error", "expired", "cancelled")
 COST_KINDS = ("request", "idle", "startup", "duplicate", "lost")
@@ -82,8 +83,16 @@ COST_SCHEMA = pa.schema(
         # Proposed tokens computed and discarded by speculative decoding (their time is in device_s);
         # null in rows written before the column existed.
         pa.field("rejected_tokens", pa.int32()),
+        # The share of a priced device the row's worker held (device_s is its wall seconds times
+        # this): on CUDA one per tensor-parallel rank, on a CPU machine (one device) the worker's
+        # threads over the usable cores. Null in rows written before the column existed, which
+        # billed one whole device: read it as 1.0 (with_device_share).
+        pa.field("device_share", pa.float64()),
     ]
 )
+
+# What a cost row without a device_share (written before the column existed) held.
+LEGACY_DEVICE_SHARE = 1.0
 
 
 class TokenLogprob(msgspec.Struct, kw_only=True):
@@ -147,6 +156,20 @@ class CostRow(msgspec.Struct, kw_only=True):
     worker: str
     finished_at: float
     rejected_tokens: int = 0
+    device_share: float = 1.0
+
+
+def with_device_share(table: pa.Table) -> pa.Table:
+    """Cost rows ``table`` with ``device_share`` present and never null: rows written before the
+    column existed read as :data:`LEGACY_DEVICE_SHARE` (one whole device, as they billed)."""
+    field = COST_SCHEMA.field("device_share")
+    if "device_share" not in table.schema.names:
+        return table.append_column(field, pa.array([LEGACY_DEVICE_SHARE] * table.num_rows, pa.float64()))
+    column = table["device_share"]
+    if not column.null_count:
+        return table
+    filled = pc.fill_null(column, LEGACY_DEVICE_SHARE)
+    return table.set_column(table.schema.get_field_index("device_share"), field, filled)
 
 
 def to_micros(value: float | int | dt.datetime | None) -> int | None:

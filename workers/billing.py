@@ -25,14 +25,17 @@ from mqinfer.workers.entries import InFlight, entry_time
 
 
 class Billing:
-    """Builds rows for one worker: its name, its price and its model (known once the engine is up)."""
+    """Builds rows for one worker: its name, its price, and its model and device share (known once
+    the engine is up)."""
 
     def __init__(self, worker: str, price_per_device_hour: float, *, clock: Callable[[], float] = time.time,
-                 model: str | None = None) -> None:
+                 model: str | None = None, device_share: float = 1.0) -> None:
         self.worker = worker
         self.price = price_per_device_hour
         self.clock = clock
         self.model = model
+        # The share of a priced device this worker holds (workers/costs.py): every row says it.
+        self.device_share = device_share
 
     def _usd(self, device_s: float) -> float:
         return device_s * self.price / 3600.0
@@ -58,7 +61,7 @@ class Billing:
             decode_s=meter.decode_s, device_s=meter.device_s, recomputed_s=meter.recomputed_s,
             kv_block_s=meter.kv_block_s, cost_usd=self._usd(meter.device_s),
             price_per_device_hour=self.price, worker=self.worker, finished_at=now,
-            rejected_tokens=out.num_rejected_tokens,
+            rejected_tokens=out.num_rejected_tokens, device_share=self.device_share,
         )
         return row, cost
 
@@ -83,6 +86,7 @@ class Billing:
             request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0,
             queue_s=max(0.0, now - enqueued_at), prefill_s=0.0, decode_s=0.0, device_s=0.0, recomputed_s=0.0,
             kv_block_s=0.0, cost_usd=0.0, price_per_device_hour=self.price, worker=self.worker, finished_at=now,
+            device_share=self.device_share,
         )
         return row, cost
 
@@ -92,7 +96,7 @@ class Billing:
             kind=kind, job_id=None, id=None, tenant=None, model=self.model, request_type=None, prompt_tokens=0,
             cached_prompt_tokens=0, output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=seconds,
             recomputed_s=0.0, kv_block_s=0.0, cost_usd=self._usd(seconds), price_per_device_hour=self.price,
-            worker=self.worker, finished_at=now,
+            worker=self.worker, finished_at=now, device_share=self.device_share,
         )
 
     def wasted(self, item: InFlight, meter: RequestMeter) -> CostRow | None:
@@ -104,7 +108,7 @@ class Billing:
         return wasted_work_row(
             meter, job_id=req.job_id, request_id=req.id, tenant=req.tenant, model=self.model,
             request_type=req.request_type, prompt_tokens=len(item.prompt_token_ids), worker=self.worker,
-            price_per_device_hour=self.price, finished_at=self.clock(),
+            price_per_device_hour=self.price, finished_at=self.clock(), device_share=self.device_share,
         )
 
     def duplicate_answer(self, entry_id: str, request: Request, message: str) -> ResultRow:

@@ -278,7 +278,12 @@ class WorkerConfig:
     metrics_host: str = field(default="127.0.0.1", metadata=flag(
         "Address the metrics endpoint binds to.", metavar="ADDR"))
     price_per_device_hour: float = field(default=1.0, metadata=flag(
-        "Price of one device hour in USD, for cost_usd.", metavar="USD"))
+        "Price of one device hour in USD, for cost_usd. A CPU machine is one device.", metavar="USD"))
+    device_share: float | None = field(default=None, metadata=flag(
+        "How much of a priced device this worker bills (its cost rows' device_s is its wall time times F). "
+        "Default: on CUDA one device per tensor-parallel rank; on a CPU its threads (all its ranks') over "
+        "the usable cores, at most 1. `mqinfer run` gives each of its workers its share of the machine.",
+        metavar="F"))
     flush_rows: int = field(default=256, metadata=flag(
         "Write Parquet part files once this many rows are pending...", metavar="N"))
     flush_interval_s: float = field(default=0.5, metadata=flag(
@@ -326,6 +331,9 @@ class WorkerConfig:
             (self.max_deliveries >= 1, f"--max-deliveries must be >= 1, got {self.max_deliveries}"),
             (self.idle_exit_s is None or self.idle_exit_s >= 0, "--idle-exit-s must be >= 0"),
             (self.price_per_device_hour >= 0, "--price-per-device-hour must be >= 0"),
+            (self.device_share is None or (self.device_share > 0 and math.isfinite(self.device_share)),
+             f"--device-share must be a number > 0 (the devices this worker bills, e.g. 0.5 for half of a "
+             f"CPU machine), got {self.device_share}"),
             (self.flush_rows >= 1, "--flush-rows must be >= 1"),
             (self.flush_interval_s >= 0, "--flush-interval-s must be >= 0"),
             (bool(self.stream) and "}" not in self.stream, f"invalid --stream {self.stream!r}"),

@@ -44,17 +44,21 @@ per decode token than a short one.
   each holder, so a shared prefix is not counted twice.
 * ``cost_usd = device_s * price_per_device_hour / 3600``.
 
-**Several devices.** A tensor-parallel worker occupies ``devices`` devices (its ranks) for each
-interval, so every interval it bills (startup, idle, steps) counts ``devices`` times its wall
-seconds; its rows add up to its uptime times ``devices``.
+**The device share.** The price is per device-hour, and a worker bills its share of a priced
+device: every interval it bills (startup, idle, steps) counts ``device_share`` times its wall
+seconds, and every row it writes carries that ``device_share``. On CUDA a worker holds one device
+per tensor-parallel rank (a share of T); on a CPU the machine is one device and a worker holds
+its threads (all its ranks' threads) over the machine's usable cores, at most all of it (two
+one-thread workers on a 2-core machine bill half of it each); ``--device-share`` sets it.
 
 Work that no result row will carry (a request handed back on shutdown, or dropped because
 another worker took its entry over) is written as a ``duplicate`` row: work done twice is
 billed once. So the ``device_s`` of every row a worker writes adds up to its uptime (from the
-start of its ``startup`` row to the ``finished_at`` of its last row), and ``cost_usd`` to uptime
-times the price. A worker killed outright loses what it had not written yet; the worker that
-finds it dead writes that time as a ``lost`` row under its name (:mod:`.uptime`), so that its
-rows add up to its uptime up to its last heartbeat again (less, never more).
+start of its ``startup`` row to the ``finished_at`` of its last row) times its ``device_share``,
+and ``cost_usd`` to that times the price. A worker killed outright loses what it had not written
+yet; the worker that finds it dead writes that time as a ``lost`` row under its name
+(:mod:`.uptime`), so that its rows add up to its uptime up to its last heartbeat again (less,
+never more).
 """
 
 from __future__ import annotations
@@ -156,8 +160,9 @@ class Meter:
     start: float
     # Tokens per KV block: estimates blocks held in a request's last step, when they are freed.
     block_size: int = 16
-    # Devices the worker occupies (its tensor-parallel ranks): billed seconds are wall seconds times this.
-    devices: int = 1
+    # The share of a priced device the worker occupies (see the module docstring): billed seconds
+    # are wall seconds times this.
+    device_share: float = 1.0
     mark: float = field(init=False)
     idle_s: float = 0.0
     startup_s: float = 0.0
@@ -170,16 +175,16 @@ class Meter:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.devices < 1:
-            raise ValueError(f"devices must be >= 1, got {self.devices}")
+        if not (self.device_share > 0 and math.isfinite(self.device_share)):
+            raise ValueError(f"device_share must be a number > 0, got {self.device_share}")
         self.mark = self.start
 
     def startup_done(self, now: float) -> float:
-        """Close the startup interval; returns its device seconds (its length times ``devices``)."""
+        """Close the startup interval; returns its device seconds (its length times ``device_share``)."""
         startup = max(now - self.mark, 0.0)
         self.mark = max(now, self.mark)
         self.startup_s += startup
-        return startup * self.devices
+        return startup * self.device_share
 
     def idle_until(self, now: float) -> None:
         """The engine had nothing to run from the last mark until ``now``."""
@@ -211,7 +216,7 @@ class Meter:
         weights = [model.work(w.num_tokens, w.context_len, (1 + w.num_spec_tokens) if w.sampled else 0)
                    for w in work]
         total = sum(weights)
-        billed = span * self.devices
+        billed = span * self.device_share
         for w, weight in zip(work, weights):
             share = billed * weight / total if total > 0 else billed / len(work)
             m = self.requests.get(w.request_id)
@@ -234,7 +239,7 @@ class Meter:
         return self.requests.pop(request_id, None) or RequestMeter()
 
     def _idle(self, seconds: float) -> None:
-        self.idle_s += seconds * self.devices
+        self.idle_s += seconds * self.device_share
         self.idle_total_s += seconds
         self._ewma(seconds, 1.0)
 
@@ -268,7 +273,7 @@ def process_start_time() -> float | None:
 
 def wasted_work_row(meter: RequestMeter, *, job_id: str | None, request_id: str, tenant: str, model: str,
                     request_type: str, prompt_tokens: int, worker: str, price_per_device_hour: float,
-                    finished_at: float) -> CostRow:
+                    finished_at: float, device_share: float) -> CostRow:
     """A ``duplicate`` row for work whose result this worker will not write (handed back, or
     taken over by another worker): it keeps the worker's rows adding up to its uptime and bills
     nobody."""
@@ -278,11 +283,12 @@ def wasted_work_row(meter: RequestMeter, *, job_id: str | None, request_id: str,
         prefill_s=meter.prefill_s, decode_s=meter.decode_s, device_s=meter.device_s,
         recomputed_s=meter.recomputed_s, kv_block_s=meter.kv_block_s,
         cost_usd=meter.device_s * price_per_device_hour / 3600.0, price_per_device_hour=price_per_device_hour,
-        worker=worker, finished_at=finished_at,
+        worker=worker, finished_at=finished_at, device_share=device_share,
     )
 
 
-def lost_row(worker: str, model: str, price_per_device_hour: float, device_s: float, finished_at: float) -> CostRow:
+def lost_row(worker: str, model: str, price_per_device_hour: float, device_s: float, finished_at: float, *,
+             device_share: float) -> CostRow:
     """A ``lost`` row: device time a dead worker used and never wrote, billed to nobody, under its name.
     Every argument comes from the dead worker's record, so two claimers build identical rows."""
     return CostRow(
@@ -290,6 +296,7 @@ def lost_row(worker: str, model: str, price_per_device_hour: float, device_s: fl
         cached_prompt_tokens=0, output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=device_s,
         recomputed_s=0.0, kv_block_s=0.0, cost_usd=device_s * price_per_device_hour / 3600.0,
         price_per_device_hour=price_per_device_hour, worker=worker, finished_at=finished_at,
+        device_share=device_share,
     )
 
 

@@ -14,9 +14,38 @@ level: the command line checks flags without loading torch.
 
 from __future__ import annotations
 
+import os
 import re
 
 _CUDA_INDEX = re.compile(r"cuda:(\d+)")
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, not every core of the machine)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def cpu_threads(requested: int | None, ranks: int = 1) -> int:
+    """Model threads per process on a CPU: ``requested``, else OMP_NUM_THREADS, else the usable
+    cores shared out between the ``ranks`` processes of a tensor-parallel worker."""
+    if requested is not None:
+        return requested
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    # Every core this process may run on (torch's default counts physical cores only). Note
+    # that on a CPU shared with other busy processes, fewer threads can be much faster.
+    return max(1, usable_cores() // ranks)
+
+
+def cpu_device_share(threads: int, ranks: int = 1, cores: int | None = None) -> float:
+    """The share of a CPU machine (one priced device) that a worker occupies: all its ranks'
+    threads over the usable cores, at most the whole machine."""
+    cores = cores or usable_cores()
+    return min(1.0, threads * ranks / cores)
 
 
 def cuda_device_count() -> int:
@@ -130,5 +159,5 @@ def worker_devices(num_workers: int, device: str, devices: str | None, tensor_pa
     return out
 
 
-__all__ = ["cuda_device_count", "device_list", "engine_rank_devices", "parse_device", "parse_devices", "rank_devices", "uses_cuda",
-           "worker_devices"]
+__all__ = ["cpu_device_share", "cpu_threads", "cuda_device_count", "device_list", "engine_rank_devices", "parse_device", "parse_devices", "rank_devices", "uses_cuda",
+           "usable_cores", "worker_devices"]

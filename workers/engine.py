@@ -158,19 +158,6 @@ class _Tracked:
     new_token_ids: list[int] = field(default_factory=list)
 
 
-def _num_threads(requested: int | None, ranks: int = 1) -> int:
-    """Threads per process: ``requested``, else OMP_NUM_THREADS, else the cores shared out
-    between the ``ranks`` processes of a tensor-parallel worker."""
-    if requested is not None:
-        return requested
-    env = os.environ.get("OMP_NUM_THREADS", "")
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    # Every core this process may run on (torch's default counts physical cores only). Note
-    # that on a CPU shared with other busy processes, fewer threads can be much faster.
-    return max(1, len(os.sched_getaffinity(0)) // ranks)
-
-
 def _physical_memory() -> int:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -227,7 +214,7 @@ class LLMEngine:
         self.rank_devices = rank_devices = devices.engine_rank_devices(config)
         self.device = torch.device(rank_devices[0])
         tp = config.tensor_parallel_size
-        threads = _num_threads(config.num_threads, tp)
+        self.num_threads = threads = devices.cpu_threads(config.num_threads, tp)
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
         # Tensor parallel: the other ranks' processes, started now so that they load their shards
@@ -371,9 +358,13 @@ class LLMEngine:
         )
 
     @property
-    def num_devices(self) -> int:
-        """Devices the engine's steps occupy (its tensor-parallel ranks): each step bills them all."""
-        return self.config.tensor_parallel_size
+    def device_share(self) -> float:
+        """Priced devices the engine's steps occupy: on CUDA one per tensor-parallel rank; on a CPU
+        (the machine is one device) its ranks' threads over the usable cores, at most 1."""
+        ranks = self.config.tensor_parallel_size
+        if self.device.type == "cuda":
+            return float(ranks)
+        return devices.cpu_device_share(self.num_threads, ranks)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for one rank) and the mask thread."""

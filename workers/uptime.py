@@ -6,7 +6,7 @@ running requests had used. So each worker keeps a small hash,
 :func:`~mqinfer.schemas.keys.worker_uptime`, from the moment its engine is ready:
 
 * ``started_at``: where its timeline (its ``startup`` row) begins; ``model``; ``price`` (USD per
-  device-hour);
+  device-hour); ``share``: the share of a priced device it bills (:mod:`.costs`);
 * ``beat``: its last sign of life, written with each keepalive turn (at most a second apart);
 * ``billed_s``: the device seconds of the cost rows it wrote. It is raised *before* a flush writes
   them (and put back if the write fails), so a kill during the write can only make the dead
@@ -16,8 +16,9 @@ running requests had used. So each worker keeps a small hash,
 A worker that finds another one dead (its consumer idle in the group, and its beat older than
 ``--claim-idle-ms``, the test that lets its entries be taken over, and than ``MIN_DEAD_AFTER_S``)
 bills what is missing,
-``beat - started_at - billed_s - lost_s`` (``lost_s``: lost time billed for it before), as a
-``lost`` cost row under the dead worker's name, its model and price, finished at its last beat.
+``(beat - started_at) * share - billed_s - lost_s`` (``lost_s``: lost time billed for it before), as
+a ``lost`` cost row under the dead worker's name, its model, price and share, finished at its last
+beat. (A record without ``share``, left by a worker that predates it, counts one device.)
 The claim is one script on the hash, so of two claimers only one bills. The claimer marks the
 claim done once the row is durable; a claimer that dies first leaves a claim that another one takes
 over after ``--claim-idle-ms`` and writes the *same* row (every column comes from the hash), which
@@ -51,7 +52,7 @@ MIN_DEAD_AFTER_S = 3.0
 
 # KEYS: record. ARGV: now, billed_s ('' = unchanged), started_at, model, price, ttl, closed ('1' or ''),
 # fresh ('1': the first beat of a worker, which starts the record over: a worker restarted under the
-# same consumer name settles its previous life's record first).
+# same consumer name settles its previous life's record first), share.
 # Writes the beat (and the fields a record needs, so that one lost with a server restart is whole
 # again); returns the lost seconds another worker billed for this one since the last beat ('0' if none).
 _BEAT = """
@@ -65,7 +66,8 @@ if upto and redis.call('HGET', KEYS[1], 'claim_seen') ~= upto then
   redis.call('HSET', KEYS[1], 'claim_seen', upto)
   credit = redis.call('HGET', KEYS[1], 'claim_s') or '0'
 end
-redis.call('HSET', KEYS[1], 'beat', ARGV[1], 'started_at', ARGV[3], 'model', ARGV[4], 'price', ARGV[5])
+redis.call('HSET', KEYS[1], 'beat', ARGV[1], 'started_at', ARGV[3], 'model', ARGV[4], 'price', ARGV[5],
+           'share', ARGV[9])
 if ARGV[2] ~= '' then redis.call('HSET', KEYS[1], 'billed_s', ARGV[2]) end
 if ARGV[7] ~= '' then redis.call('HSET', KEYS[1], 'closed', ARGV[7]) end
 redis.call('EXPIRE', KEYS[1], ARGV[6])
@@ -73,7 +75,7 @@ return credit
 """
 
 # KEYS: record. ARGV: claimer, now, dead_after_s, lease_s.
-# Returns {last beat, lost seconds, model, price} (as stored, so every claimer builds the same row)
+# Returns {last beat, lost seconds, model, price, share} (as stored, so every claimer builds the same row)
 # when the caller is to bill the record's lost time now; nil when there is nothing to bill: no
 # record, stopped cleanly, alive, billed already, or being billed by another claimer.
 _CLAIM = """
@@ -88,18 +90,20 @@ if upto then
     if now - tonumber(redis.call('HGET', KEYS[1], 'claim_at')) < tonumber(ARGV[4]) then return nil end
     redis.call('HSET', KEYS[1], 'claim', ARGV[1], 'claim_at', ARGV[2])
     return {upto, redis.call('HGET', KEYS[1], 'claim_s'), redis.call('HGET', KEYS[1], 'model') or '',
-            redis.call('HGET', KEYS[1], 'price') or '0'}
+            redis.call('HGET', KEYS[1], 'price') or '0', redis.call('HGET', KEYS[1], 'share') or '1'}
   end
   if beat <= tonumber(upto) then return nil end
 end
 if now - beat < tonumber(ARGV[3]) then return nil end
 local before = tonumber(redis.call('HGET', KEYS[1], 'lost_s') or '0')
-local lost = beat - tonumber(started) - tonumber(redis.call('HGET', KEYS[1], 'billed_s') or '0') - before
+local share = tonumber(redis.call('HGET', KEYS[1], 'share') or '1')
+local lost = (beat - tonumber(started)) * share - tonumber(redis.call('HGET', KEYS[1], 'billed_s') or '0') - before
 if lost < 0 then lost = 0 end
 local lost_text = string.format('%.6f', lost)
 redis.call('HSET', KEYS[1], 'claim', ARGV[1], 'claim_at', ARGV[2], 'claim_upto', beat_text, 'claim_s', lost_text,
            'claim_done', '0', 'lost_s', string.format('%.6f', before + tonumber(lost_text)))
-return {beat_text, lost_text, redis.call('HGET', KEYS[1], 'model') or '', redis.call('HGET', KEYS[1], 'price') or '0'}
+return {beat_text, lost_text, redis.call('HGET', KEYS[1], 'model') or '', redis.call('HGET', KEYS[1], 'price') or '0',
+        redis.call('HGET', KEYS[1], 'share') or '1'}
 """
 
 # KEYS: record. ARGV: claimer, claim_upto. The claimer's row is durable: the claim is done.
@@ -116,11 +120,13 @@ class UptimeRecord:
     """This worker's own record: its beat and the device seconds of the rows it wrote."""
 
     def __init__(self, redis_client, stream: str, consumer: str, *, started_at: float, model: str,
-                 price_per_device_hour: float) -> None:
+                 price_per_device_hour: float, device_share: float = 1.0) -> None:
         self.key = keys.worker_uptime(stream, consumer)
         self.started_at = started_at
         self.model = model
         self.price = price_per_device_hour
+        # Its uptime times this is what its rows add up to (workers/costs.py).
+        self.device_share = device_share
         # Device seconds of this worker's cost rows that are durable.
         self.billed_s = 0.0
         # Lost seconds another worker billed for this one while it was stalled, not yet taken
@@ -131,7 +137,7 @@ class UptimeRecord:
     def beat(self, now: float, *, billed_s: float | None = None, closed: bool = False, fresh: bool = False) -> None:
         credit = float(text(self._beat(keys=[self.key], args=[
             repr(now), "" if billed_s is None else repr(billed_s), repr(self.started_at), self.model,
-            repr(self.price), RECORD_TTL_S, "1" if closed else "", "1" if fresh else ""])))
+            repr(self.price), RECORD_TTL_S, "1" if closed else "", "1" if fresh else "", repr(self.device_share)])))
         if credit > 0:
             log.warning("this worker was taken for dead (no beat for --claim-idle-ms) and %.3fs of its time "
                         "were billed as lost by another worker: its next idle rows give them back", credit)
@@ -202,7 +208,7 @@ class LostTime:
         for name, key, found in zip(names, record_keys, found_all):
             if not found:
                 continue
-            upto, lost, model, price = (text(v) for v in found)
+            upto, lost, model, price, share = (text(v) for v in found)
             device_s, price_per_hour = float(lost), float(price)
             if device_s <= 0:
                 nothing_missing.append((key, upto))  # no row to write: done at once
@@ -210,7 +216,7 @@ class LostTime:
             self.unconfirmed.append((key, upto))
             log.warning("worker %s is dead (last beat %.3f): billing %.3fs it used and never wrote as lost",
                         name, float(upto), device_s)
-            rows.append(lost_row(name, model, price_per_hour, device_s, float(upto)))
+            rows.append(lost_row(name, model, price_per_hour, device_s, float(upto), device_share=float(share)))
         if nothing_missing:
             self._confirm_claims(nothing_missing)
         return rows

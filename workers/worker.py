@@ -166,13 +166,15 @@ class Worker:
             self.engine = engine = LLMEngine(cfg.engine, clock=self.clock)
         info = engine.info
         self.billing.model = info.model_id
+        share = cfg.device_share if cfg.device_share is not None else engine.device_share
+        self.billing.device_share = share
         self.meter = Meter(
             WorkModel.for_model(
                 num_params=info.num_params, vocab_size=info.vocab_size, hidden_size=info.hidden_size,
                 num_layers=info.num_layers, num_heads=info.num_heads, head_dim=info.head_dim,
                 tied=getattr(info, "tie_word_embeddings", False),
             ),
-            start=self._startup_began(), block_size=cfg.engine.block_size, devices=engine.num_devices,
+            start=self._startup_began(), block_size=cfg.engine.block_size, device_share=share,
         )
         self._watch(engine)
         sinks = Sinks(out, self.consumer, flush_rows=cfg.flush_rows, flush_interval_s=cfg.flush_interval_s,
@@ -193,7 +195,8 @@ class Worker:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, port)
         self.uptime = UptimeRecord(self.redis, cfg.stream, self.consumer, started_at=self.meter.start,
-                                   model=info.model_id, price_per_device_hour=cfg.price_per_device_hour)
+                                   model=info.model_id, price_per_device_hour=cfg.price_per_device_hour,
+                                   device_share=share)
         self.lost = LostTime(self.redis, cfg.stream, cfg.group, self.consumer, claim_idle_ms=cfg.claim_idle_ms,
                              skip=lambda name: name == HANDBACK_CONSUMER)
         now = self.clock()
@@ -204,8 +207,8 @@ class Worker:
         self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s, fresh=True)
         self.metrics.ready = True
         self._last_activity = now
-        log.info("worker %s ready: model %s, stream %s on %s, startup %.2fs", self.consumer, info.model_id,
-                 self.stream_key, redact(cfg.redis_url), self.meter.startup_s)
+        log.info("worker %s ready: model %s, stream %s on %s, startup %.2fs, billing %.3g of a device",
+                 self.consumer, info.model_id, self.stream_key, redact(cfg.redis_url), self.meter.startup_s, share)
         self._redis(self.ingest.recover_own_pending)
 
     def _watch(self, engine: LLMEngine) -> None:

@@ -266,3 +266,29 @@ def test_a_bad_tenant_limit_exits_2_with_message():
     assert out.returncode == 2
     assert ("--tenant-limits (from command line): tenant limits: the tokens per second of tenant 'batch' must be "
             "a finite number > 0, got '-1'") in out.stderr
+
+
+def test_device_share_from_every_source_reaches_the_worker_and_run(monkeypatch, tmp_path):
+    opts = _resolve(["--device-share", "0.25"])
+    assert worker_config(opts, redis_url="redis://h", out=Path("o")).device_share == 0.25
+    assert "device_share" in {o.name for o in RUN_CMD}  # `run` takes it and hands it to its workers
+    monkeypatch.setenv("MQINFER_DEVICE_SHARE", "0.5")
+    assert _resolve([])["device_share"] == 0.5
+    monkeypatch.delenv("MQINFER_DEVICE_SHARE")
+    assert _resolve([], _config(tmp_path, "device-share = 0.75\n"))["device_share"] == 0.75
+    assert _resolve([])["device_share"] is None  # the worker works its share out (workers/costs.py)
+
+
+@pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])
+def test_a_device_share_that_is_not_a_positive_number_is_refused(value):
+    with pytest.raises(ValueError, match=r"--device-share must be a number > 0 \(the devices this worker bills"):
+        WorkerConfig(redis_url="redis://h", out_dir=Path("o"), device_share=value)
+
+
+def test_a_zero_device_share_exits_2_with_message():
+    for command in ("worker", "run"):
+        out = subprocess.run([sys.executable, "-m", "mqinfer", command, *(["in.jsonl"] if command == "run" else []),
+                              "--redis", "redis://127.0.0.1:1", "--out", "x", "--device-share", "0"],
+                             capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+        assert out.returncode == 2, (command, out.stderr)
+        assert "--device-share must be a number > 0" in out.stderr, (command, out.stderr)

@@ -261,3 +261,27 @@ def test_cost_files_written_before_rejected_tokens_existed_still_compact(tmp_pat
     got = {r["id"]: r["rejected_tokens"] for path in part_files(tmp_path / "costs")
            for r in pq.read_table(path).to_pylist()}
     assert got == {"A": None, "B": 7}
+
+
+def test_cost_files_written_before_device_share_existed_compact_as_one_whole_device(tmp_path):
+    import pyarrow as pa
+
+    from mqinfer.ops.compact import drop_job
+
+    older = pa.schema([f for f in COST_SCHEMA if f.name != "device_share"])
+    DatasetWriter(tmp_path / "results", RESULT_SCHEMA, "w1").write([res("A", "j", "w1", T + 1),
+                                                                     res("B", "j", "w1", T + 2)])
+    DatasetWriter(tmp_path / "costs", older, "w1").write([cost("A", "j", "w1", T + 1), cost(None, None, "w1", T + 1.5,
+                                                                                        kind="idle")])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write([
+        CostRow(**{**{f: getattr(cost("B", "j", "w2", T + 2), f) for f in CostRow.__struct_fields__},
+                   "device_share": 0.5})])
+    compact(tmp_path)
+
+    def shares():
+        return sorted((r["id"] or "-", r["device_share"]) for path in part_files(tmp_path / "costs")
+                      for r in pq.read_table(path).to_pylist())
+    assert shares() == [("-", 1.0), ("A", 1.0), ("B", 0.5)]
+    assert compact(tmp_path).files_before == compact(tmp_path).files_after  # still a fixed point
+    drop_job(tmp_path, "j")
+    assert shares() == [("-", 1.0)]

@@ -167,3 +167,31 @@ def test_rejected_tokens_are_summed_and_shown_when_speculation_ran(tmp_path):
 
 def test_no_rejected_tokens_column_in_the_table_without_speculation(out):
     assert "rejected_tokens" not in render(cost_report(out), "table")
+
+
+def test_cost_files_from_before_device_share_read_beside_new_ones(tmp_path):
+    """Old rows billed a whole device each; new rows bill a share. Reports, job costs and the
+    per-hour lines sum the device seconds as written, whatever the files hold."""
+    import msgspec
+    import pyarrow as pa
+
+    from mqinfer.ops.job_cost import job_cost
+    from mqinfer.ops.report import _read_costs
+
+    older = pa.schema([f for f in COST_SCHEMA if f.name != "device_share"])
+    DatasetWriter(tmp_path / "costs", older, "w1").write([row("request", "acme", rid="1", job="j", at=T + 1, dev=4.0),
+                                                          row("idle", at=T + 2, dev=2.0)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write([
+        msgspec.structs.replace(row("request", "acme", rid="2", job="j", at=T + 3, dev=1.5, worker="w2"),
+                                device_share=0.5),
+        msgspec.structs.replace(row("idle", at=T + 4, dev=0.5, worker="w2"), device_share=0.5),
+    ])
+    table = _read_costs(tmp_path, None, None)
+    assert sorted(table["device_share"].to_pylist()) == [0.5, 0.5, 1.0, 1.0]
+    report = cost_report(tmp_path, by=["worker"])
+    assert report.totals.device_s == pytest.approx(8.0)
+    assert {g.key["worker"]: g.device_s for g in report.groups} == {"w1": 4.0, "w2": 1.5}
+    assert sum(sum(h.device_s_by_kind.values()) for h in report.hourly) == pytest.approx(8.0)
+    assert json.loads(render(report, "json"))["totals"]["device_s"] == pytest.approx(8.0)
+    cost = job_cost([tmp_path], "j")
+    assert (cost.device_s, cost.rows) == (pytest.approx(5.5), 2)

@@ -18,6 +18,7 @@ from mqinfer.schemas.rows import (
     TokenLogprob,
     error_result_row,
     rows_to_table,
+    with_device_share,
 )
 
 UTC_US = pa.timestamp("us", tz="UTC")
@@ -49,13 +50,28 @@ def test_cost_schema_is_the_contract():
     assert COST_SCHEMA.names == [
         "kind", "job_id", "id", "tenant", "model", "request_type", "prompt_tokens", "cached_prompt_tokens",
         "output_tokens", "queue_s", "prefill_s", "decode_s", "device_s", "recomputed_s", "kv_block_s", "cost_usd",
-        "price_per_device_hour", "worker", "finished_at", "rejected_tokens",
+        "price_per_device_hour", "worker", "finished_at", "rejected_tokens", "device_share",
     ]
     types = {f.name: f.type for f in COST_SCHEMA}
     assert all(types[n] == pa.int32() for n in ("prompt_tokens", "cached_prompt_tokens", "output_tokens",
                                                 "rejected_tokens"))
-    assert all(types[n] == pa.float64() for n in ("queue_s", "device_s", "cost_usd", "price_per_device_hour"))
+    assert all(types[n] == pa.float64() for n in ("queue_s", "device_s", "cost_usd", "price_per_device_hour",
+                                                  "device_share"))
+    # Added after rows were written without it: nullable, and such rows read as one whole device.
+    assert COST_SCHEMA.field("device_share").nullable
     assert types["finished_at"] == UTC_US
+
+
+def test_cost_rows_written_before_device_share_read_as_one_device():
+    new = rows_to_table([CostRow(kind="idle", device_s=1.0, worker="w", finished_at=1.0, device_share=0.5)],
+                        COST_SCHEMA)
+    old = new.drop_columns(["device_share"])
+    assert with_device_share(old)["device_share"].to_pylist() == [1.0]
+    assert with_device_share(new)["device_share"].to_pylist() == [0.5]
+    mixed = pa.concat_tables([new, new.set_column(new.schema.get_field_index("device_share"),
+                                                  COST_SCHEMA.field("device_share"), pa.nulls(1, pa.float64()))])
+    filled = with_device_share(mixed)
+    assert filled["device_share"].to_pylist() == [0.5, 1.0] and filled.schema.equals(COST_SCHEMA)
 
 
 def test_rows_to_table_converts_and_survives_parquet(tmp_path):

@@ -178,8 +178,9 @@ def test_kv_block_shares_split_shared_prefix_blocks_among_their_holders():
 def test_wasted_work_row_bills_nobody_but_keeps_the_time():
     meter = RequestMeter(prefill_s=0.5, decode_s=1.5, recomputed_s=0.1, kv_block_s=7.0)
     row = wasted_work_row(meter, job_id="j", request_id="r1", tenant="acme", model="tiny@x", request_type="chat",
-                          prompt_tokens=12, worker="w1", price_per_device_hour=3.6, finished_at=10.0)
-    assert row.kind == "duplicate" and row.id == "r1" and row.tenant == "acme"
+                          prompt_tokens=12, worker="w1", price_per_device_hour=3.6, finished_at=10.0,
+                          device_share=0.25)
+    assert row.kind == "duplicate" and row.id == "r1" and row.tenant == "acme" and row.device_share == 0.25
     assert row.device_s == 2.0 and row.cost_usd == pytest.approx(2.0 * 3.6 / 3600)
     assert (row.prefill_s, row.decode_s, row.recomputed_s, row.kv_block_s) == (0.5, 1.5, 0.1, 7.0)
 
@@ -196,19 +197,30 @@ def test_meter_rejects_a_bad_block_size():
         Meter(MODEL, start=0.0, block_size=0)
 
 
-def test_a_tensor_parallel_worker_bills_every_device_it_occupies():
-    # Two ranks: each interval's wall seconds count twice, split among requests as on one device.
-    one, two = Meter(MODEL, start=0.0, block_size=4), Meter(MODEL, start=0.0, block_size=4, devices=2)
-    for meter in (one, two):
-        assert meter.startup_done(3.0) == 3.0 * meter.devices
+@pytest.mark.parametrize("share", [2.0, 0.5, 0.125])
+def test_a_worker_bills_its_share_of_a_device_for_every_interval(share):
+    # Two tensor-parallel ranks on CUDA (2.0), or a share of a CPU machine (one thread of 2 or 8
+    # cores): each interval's wall seconds count `share` times, split among requests as on one device.
+    one, mine = Meter(MODEL, start=0.0, block_size=4), Meter(MODEL, start=0.0, block_size=4, device_share=share)
+    for meter in (one, mine):
+        assert meter.startup_done(3.0) == 3.0 * meter.device_share
         meter.idle_until(4.0)
         meter.step(5.0, [Work("a", 8, 8, is_prefill=True), Work("b", 1, 20)], {"a": 2.0, "b": 5.0})
         meter.step(5.5, [], {})
-    assert two.take_idle() == pytest.approx(2 * one.take_idle()) == pytest.approx(3.0)
+    assert one.take_idle() == pytest.approx(1.5)
+    assert mine.take_idle() == pytest.approx(share * 1.5)
+    billed = 3.0 * share + 1.5 * share
     for rid in ("a", "b"):
-        a1, a2 = one.pop(rid), two.pop(rid)
-        assert a2.device_s == pytest.approx(2 * a1.device_s) and a2.kv_block_s == pytest.approx(a1.kv_block_s)
-    # The wall-clock totals (metrics) stay wall clock.
-    assert two.startup_s + two.idle_total_s + two.busy_total_s == pytest.approx(5.5)
-    with pytest.raises(ValueError, match="devices must be >= 1"):
-        Meter(MODEL, start=0.0, devices=0)
+        a1, a2 = one.pop(rid), mine.pop(rid)
+        billed += a2.device_s
+        assert a2.device_s == pytest.approx(share * a1.device_s) and a2.kv_block_s == pytest.approx(a1.kv_block_s)
+    # Startup, idle and steps add up to the wall time times the share...
+    assert billed == pytest.approx(5.5 * share)
+    # ...and the wall-clock totals (metrics) stay wall clock.
+    assert mine.startup_s + mine.idle_total_s + mine.busy_total_s == pytest.approx(5.5)
+
+
+@pytest.mark.parametrize("share", [0.0, -1.0, float("nan"), float("inf")])
+def test_meter_rejects_a_share_that_is_not_a_positive_number(share):
+    with pytest.raises(ValueError, match="device_share must be a number > 0"):
+        Meter(MODEL, start=0.0, device_share=share)

@@ -110,3 +110,25 @@ def test_a_live_worker_waiting_on_the_stream_is_not_taken_for_dead_under_a_short
     short = LostTime(redis_client, "requests", keys.GROUP, "B", claim_idle_ms=1000)
     assert short.claim(["A"], T + 12.0) == []
     assert len(short.claim(["A"], T + 13.0)) == 1
+
+
+def test_a_dead_worker_holding_a_share_of_the_device_is_billed_its_share_of_the_lost_time(redis_client):
+    # One thread of a 4-core machine: its rows cover a quarter of its uptime, and so does its lost row.
+    a = UptimeRecord(redis_client, "requests", "A", started_at=T, model="tiny@abc", price_per_device_hour=36.0,
+                     device_share=0.25)
+    a.beat(T + 2.0, billed_s=0.0)
+    a.before_write(T + 4.0, 1.0)
+    a.written(1.0)
+    a.beat(T + 10.0, billed_s=a.billed_s)  # then killed
+    (row,) = claimer(redis_client, "B").claim(["A"], T + 20.0)
+    assert row.device_share == 0.25
+    assert row.device_s == pytest.approx(10.0 * 0.25 - 1.0) and row.cost_usd == pytest.approx(1.5 * 36.0 / 3600)
+
+
+def test_a_record_without_a_share_counts_one_device(redis_client):
+    # Left by a worker from before records held their share: it billed whole devices.
+    a = record(redis_client)
+    a.beat(T + 8.0, billed_s=3.0)
+    redis_client.hdel(keys.worker_uptime("requests", "A"), "share")
+    (row,) = claimer(redis_client, "B").claim(["A"], T + 20.0)
+    assert (row.device_s, row.device_share) == (pytest.approx(5.0), 1.0)

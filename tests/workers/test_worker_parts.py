@@ -14,6 +14,7 @@ from mqinfer.ops.budgets import BudgetGuard, Budgets
 from mqinfer.run import _count_done, _count_generated, _Progress
 from mqinfer.schemas import faults, keys
 from mqinfer.workers.acks import SinkError
+from mqinfer.workers.devices import usable_cores
 from tests.workers.harness import GROUP, STREAM, WorkerHarness, pending, read_as, request, set_idle, submit
 
 
@@ -121,7 +122,10 @@ def test_drain_hands_back_unfinished_work_for_another_worker_at_once(harness, re
     assert h.consumer not in {c["name"].decode() for c in redis_client.xinfo_consumers(STREAM, GROUP)}
     assert h.results() == []
     [wasted] = [c for c in h.costs() if c["kind"] == "duplicate"]
-    assert wasted["id"] == "long" and wasted["device_s"] == pytest.approx(0.03) and wasted["cost_usd"] > 0
+    # The harness's worker runs one model thread: it bills that thread's share of this machine's cores.
+    share = min(1.0, 1 / usable_cores())
+    assert h.worker.meter.device_share == pytest.approx(share) and wasted["device_share"] == pytest.approx(share)
+    assert wasted["id"] == "long" and wasted["device_s"] == pytest.approx(0.03 * share) and wasted["cost_usd"] > 0
 
     h2 = harness(consumer="harness-2")
     h2.turn()  # taken at its first claim tick: the handback made it idle past the claim time
