@@ -209,9 +209,12 @@ def test_lark_and_gbnf_grammars():
         assert o.finish_reason == "stop" and o.schema_valid and re.fullmatch(pattern, o.text), (rid, o.text)
 
 
-def test_preemption_by_recompute_keeps_the_tokens_consumed():
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_the_tokens_consumed(mode):
+    swap = {"preemption_mode": "swap", "swap_space_gib": 0.05} if mode == "swap" else {}
+
     def run(num_kv_blocks: int):
-        engine = _engine(num_kv_blocks=num_kv_blocks, block_size=16, max_num_batched_tokens=256)
+        engine = _engine(num_kv_blocks=num_kv_blocks, block_size=16, max_num_batched_tokens=256, **swap)
         for i, (name, schema) in enumerate(SCHEMAS[:16]):
             engine.add_request(name, [256] + [60 + (i + k) % 60 for k in range(70)],
                                SamplingParams(max_tokens=200, temperature=0.0 if i % 2 else 1.0, seed=i,
@@ -222,6 +225,7 @@ def test_preemption_by_recompute_keeps_the_tokens_consumed():
     roomy, none = run(2048)
     tight, preemptions = run(40)
     assert none == 0 and preemptions >= 5
+    assert (sum(o.num_swaps for o in tight.values()) > 0) == (mode == "swap")
     assert {k: o.output_token_ids for k, o in tight.items()} == {k: o.output_token_ids for k, o in roomy.items()}
     schemas = dict(SCHEMAS)
     for rid, o in tight.items():
