@@ -17,9 +17,10 @@ import sys
 import time
 
 from mqinfer.config import (
-    LOG_LEVEL, ORDER, REDIS, REDIS_CLUSTER, ROUTE, SHARDS, STREAM, ConfigError, Option, add_options, load_config_file,
-    resolve,
+    LANES, LOG_LEVEL, MAX_LANES, ORDER, REDIS, REDIS_CLUSTER, ROUTE, SHARDS, STREAM, ConfigError, Option, add_options,
+    load_config_file, resolve,
 )
+from mqinfer.ops.job_lanes import DEFAULT_JOB_LANES
 
 OUT = Option("out", str, None, "Output folder: output.parquet (and output.jsonl / errors.jsonl for OpenAI "
              "Batch input) and the job's spool go here.", metavar="DIR")
@@ -67,8 +68,16 @@ JOB_ORDER = dataclasses.replace(ORDER, help="The order the job's requests enter 
                                 "blocks are cached (requests further apart than a part are not brought together); "
                                 "input = the file's order. The output is in input order either way.")
 
-SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, ROUTE, JOB_ORDER, DEADLINE, MAX_IN_FLIGHT,
-                  CHUNK_SIZE, QUEUE, LEASE_S, WORKER_OUT, SUBMIT_JSON, LOG_LEVEL]
+# A lane of its own for every job by default, so that a job submitted behind a large one is read by
+# the workers beside that one's backlog, not after it.
+JOB_LANES = dataclasses.replace(LANES, default=DEFAULT_JOB_LANES, help="The lane each of the job's requests waits "
+                                "in: a stream of its own per tenant and job (tenant,job), per job (job), per tenant "
+                                "(tenant), or the plain stream mqinfer:{S} (none). Workers read every lane by fair "
+                                "share, so one job's backlog does not hold back a job submitted after it. The job's "
+                                "own lanes are removed when it ends.")
+
+SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, ROUTE, JOB_ORDER, JOB_LANES, MAX_LANES,
+                  DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE, LEASE_S, WORKER_OUT, SUBMIT_JSON, LOG_LEVEL]
 WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, WORKER_NAME, BURST, LOG_LEVEL]
 STATUS_OPTIONS = [REDIS, JOBS_REDIS, STATUS_WORKER_OUT, STATUS_JSON, WATCH, INTERVAL, LOG_LEVEL]
 LIST_OPTIONS = [REDIS, JOBS_REDIS, LIMIT, LIST_JSON, LOG_LEVEL]
@@ -181,7 +190,8 @@ def cmd_submit(args, opts: dict) -> int:
         _client(opts), args.input, opts["out"], stream=opts["stream"], deadline=parse_deadline(opts["deadline"]),
         max_in_flight=opts["max_in_flight"], chunk_size=opts["chunk_size"], queue_name=opts["queue"],
         lease_s=opts["lease_s"], shards=opts["shards"], order=opts["order"], route=opts["route"],
-        data=_data_client(opts), worker_out=parse_folders(opts["worker_out"]),
+        data=_data_client(opts), worker_out=parse_folders(opts["worker_out"]), lanes=opts["lanes"],
+        max_lanes=opts["max_lanes"],
     )
     if opts["json"]:
         print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))

@@ -4,11 +4,14 @@ Every key of a job carries the job id as a hash tag (``mqinfer:job:{ID}...``). T
 (:func:`mqinfer.schemas.keys.job_key`) holds the status, the settings and every counter; the lock
 (``...:lock``) is held by the one rq task that advances the job now; the in-flight map
 (``...:inflight``) maps each request id sent to the request stream and not yet collected to
-``"<entry id> <index part>:<offset> <shard>"``: the shard is the request stream it was sent to,
-which routing by prefix chooses from the prompt, so it cannot be derived from the id later (a
+``"<entry id> <index part>:<offset> <shard> <lane>"``: the shard is the request stream it was sent
+to, which routing by prefix chooses from the prompt, so it cannot be derived from the id later (a
 record without one, written before shards were recorded, means the shard of the id's hash); the
-parts list (``...:parts``) names the spool files of
-result rows whose cursor update was committed.
+lane (:mod:`mqinfer.schemas.lanes`) is the lane of that shard's stream that holds the entry, left
+out for the plain stream (and in records written before lanes); entry ids are unique only within
+one stream, so looking an entry up needs both. The parts list (``...:parts``) names the spool files
+of result rows whose cursor update was committed; the lanes set (``...:lanes``) names the job's
+own lanes (``"<shard> <lane>"``), removed when the job ends.
 
 Two rq tasks of one job never run at once: a task first takes the lock (``SET NX PX``, a lease
 that a thread of the task keeps fresh) and only if the job's ``chain`` token is the one it
@@ -23,13 +26,13 @@ streams live on a cluster keeps its job state and rq queue on a separate plain s
 job's hash, lock, in-flight map and parts list live on the *jobs* server, and its request streams,
 done sets and result stream on the *data* server (the inference workers' ``--redis``). One script
 cannot span two servers, so feeding becomes three ordered steps: (1) a fenced script notes the
-requests in flight with no entry id yet (``"- <locator> <shard>"``) and moves the feed cursor,
+requests in flight with no entry id yet (``"- <locator> <shard> <lane>"``) and moves the feed cursor,
 (2) the entries are added to the data server's streams, (3) a fenced script records their entry
 ids. A crash after (1) leaves requests in flight without an entry; the periodic reconcile of the
 task finds them (an in-flight request with no entry and no row) and sends them. A crash after (2)
 leaves entries whose ids were never recorded; if a later reconcile sends them again (to the shard
-noted in step 1, the stream of the first copy), the worker's idempotency record turns the second
-copy into a duplicate, not a second computation. Collecting commits on the jobs server first and
+and lane noted in step 1, the stream of the first copy), the worker's idempotency record turns the
+second copy into a duplicate, not a second computation. Collecting commits on the jobs server first and
 trims the result stream after. The inference workers learn a job's status (to stop a cancelled
 job's requests) from a small mirror hash under the same key name on the data server, written at
 registration, cancel and the end of the job.
@@ -38,6 +41,7 @@ registration, cancel and the end of the job.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -45,7 +49,11 @@ from typing import NamedTuple
 
 import redis
 
+from mqinfer.ops.job_lanes import JOB_LANE_MODES
 from mqinfer.schemas import keys
+from mqinfer.schemas import lanes as lane_scheme
+
+log = logging.getLogger("mqinfer.jobs")
 
 QUEUE_NAME = "mqinfer-jobs"
 JOBS_INDEX = "mqinfer:jobs"  # sorted set: job id -> created_at, for `jobs list`
@@ -71,7 +79,7 @@ INT_FIELDS = frozenset({
     "max_in_flight", "chunk_size", "val_parts", "total", "invalid", "duplicates", "validated",
     "feed_part", "feed_offset", "fed", "refed", "skipped", "collected", "completed", "failed",
     "cancelled", "expired", "prompt_tokens", "output_tokens", "cost_rows", "dup_rows", "task_errors",
-    "row_parts", "resumed_rows", "output_rows", "shards", "rows_cost_count",
+    "row_parts", "resumed_rows", "output_rows", "shards", "rows_cost_count", "max_lanes",
 })
 
 
@@ -101,6 +109,10 @@ def inflight_key(job_id: str) -> str:
 
 def parts_key(job_id: str) -> str:
     return f"mqinfer:job:{{{job_id}}}:parts"
+
+
+def lanes_key(job_id: str) -> str:
+    return f"mqinfer:job:{{{job_id}}}:lanes"
 
 
 def _s(value) -> str:
@@ -163,9 +175,10 @@ end
 return {1, status}
 """
 
-# KEYS: hash, lock, inflight, then the request streams (shards). ARGV: token, feed_part,
-# feed_offset, skipped, counter name, then (id, in-flight record "<locator> <shard>", payload,
-# stream index from 0) quadruples. Returns how many were added, -1 if the lock is lost.
+# KEYS: hash, lock, inflight, then the request streams the items go to. ARGV: token, feed_part,
+# feed_offset, skipped, counter name, then (id, in-flight record "<locator> <shard>[ <lane>]",
+# payload, index of its stream among those keys, from 0) quadruples. Returns how many were added,
+# -1 if the lock is lost.
 _FEED = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local n = 0
@@ -181,7 +194,7 @@ return n
 """
 
 # Two servers, step 1. KEYS: hash, lock, inflight. ARGV: token, feed_part, feed_offset, skipped,
-# counter name, then (id, "<locator> <shard>") pairs: noted in flight without an entry id ('-').
+# counter name, then (id, "<locator> <shard>[ <lane>]") pairs: noted in flight without an entry id ('-').
 _FEED_PLAN = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local n = 0
@@ -195,7 +208,7 @@ redis.call('HINCRBY', KEYS[1], 'skipped', ARGV[4])
 return n
 """
 
-# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator> <shard>") pairs;
+# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator> <shard>[ <lane>]") pairs;
 # a request no longer in flight is left alone.
 _FEED_IDS = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
@@ -268,30 +281,44 @@ return 1
 """
 
 
+def entry_stream_key(streams: Sequence[str], shard: int, lane: str | None) -> str:
+    """The key of lane ``lane`` (None: the plain stream) of shard ``shard`` among the job's shard
+    streams ``streams`` (names)."""
+    return keys.request_stream(lane_scheme.lane_stream(streams[shard], lane))
+
+
 @dataclass(frozen=True)
 class FeedItem:
     """One request to add to the stream: its id, where it sits in the spool index, its entry payload,
-    and the request stream it goes to."""
+    and the request stream it goes to: a shard, and a lane of that shard's stream (None: the plain
+    stream)."""
 
     id: str
     locator: str
     payload: bytes
-    shard: int = 0  # index into the stream keys given to commit_feed
+    shard: int = 0  # index into the shard streams given to commit_feed
+    lane: str | None = None
 
     @property
     def flight(self) -> str:
-        """What the in-flight map keeps after the entry id: the spool locator and the shard."""
-        return f"{self.locator} {self.shard}"
+        """What the in-flight map keeps after the entry id: the spool locator, the shard, the lane."""
+        return f"{self.locator} {self.shard}" + ("" if self.lane is None else f" {self.lane}")
+
+    def stream_key(self, streams: Sequence[str]) -> str:
+        """The key of the stream this item goes to, ``streams`` being the job's shard streams."""
+        return entry_stream_key(streams, self.shard, self.lane)
 
 
 class InFlight(NamedTuple):
     """A request in flight: its stream entry (``"-"`` when a two-server feed has not recorded one),
-    where it sits in the spool index, and its shard (None in a record that predates shards being
-    recorded: then the shard of the id's hash)."""
+    where it sits in the spool index, its shard (None in a record that predates shards being
+    recorded: then the shard of the id's hash) and the lane of the shard's stream that holds the
+    entry (None: the plain stream, as for every record written before lanes)."""
 
     entry_id: str
     locator: str
     shard: int | None
+    lane: str | None = None
 
 
 @dataclass(frozen=True)
@@ -321,6 +348,7 @@ class JobStore:
         self.lock_key = lock_key(job_id)
         self.inflight_key = inflight_key(job_id)
         self.parts_key = parts_key(job_id)
+        self.lanes_key = lanes_key(job_id)
         self.results_key = keys.job_results_stream(job_id)
         self._scripts = {name: client.register_script(src) for name, src in (
             ("acquire", _ACQUIRE), ("refresh", _REFRESH), ("release", _RELEASE), ("update", _UPDATE),
@@ -346,12 +374,12 @@ class JobStore:
         return int(self.redis.hlen(self.inflight_key))
 
     def inflight(self) -> dict[str, InFlight]:
-        """Request id -> (stream entry id, spool locator, shard) of every request in flight."""
+        """Request id -> (stream entry id, spool locator, shard, lane) of every request in flight."""
         out = {}
         for rid, value in self.redis.hgetall(self.inflight_key).items():
-            entry_id, _, rest = _s(value).partition(" ")
-            locator, _, shard = rest.partition(" ")
-            out[_s(rid)] = InFlight(entry_id, locator, int(shard) if shard else None)
+            entry_id, locator, shard, lane, *_ = _s(value).split(" ") + [""] * 3
+            out[_s(rid)] = InFlight(entry_id, locator, int(shard) if shard else None,
+                                    lane if lane and lane_scheme.valid_lane(lane) else None)
         return out
 
     def part_names(self) -> list[str]:
@@ -364,7 +392,7 @@ class JobStore:
             self.data.delete(self.results_key)
             self.mirror(str(fields["status"]))
         pipe = self.redis.pipeline(transaction=True)
-        pipe.delete(self.hash_key, self.inflight_key, self.parts_key, self.lock_key)
+        pipe.delete(self.hash_key, self.inflight_key, self.parts_key, self.lock_key, self.lanes_key)
         if not self.split:
             pipe.delete(self.results_key)
         pipe.hset(self.hash_key, mapping={k: str(v) for k, v in fields.items()})
@@ -433,16 +461,20 @@ class JobStore:
             raise StatusChanged(status)
         return status
 
-    def commit_feed(self, token: str, stream_keys: Sequence[str], items: Sequence[FeedItem], *,
+    def commit_feed(self, token: str, streams: Sequence[str], items: Sequence[FeedItem], *,
                     feed_part: int | None, feed_offset: int | None, skipped: int = 0, counter: str = "fed") -> int:
-        """Add ``items`` to the request streams (``item.shard`` indexes ``stream_keys``), note them in
-        flight and move the feed cursor: at once on one server, in three ordered steps on two."""
+        """Add ``items`` to the request streams (``item.shard`` indexes the job's shard streams
+        ``streams``, by name; ``item.lane`` is a lane of that stream, registered by the caller), note
+        them in flight and move the feed cursor: at once on one server, in three ordered steps on two."""
         head: list[object] = [token, "" if feed_part is None else feed_part,
                               "" if feed_offset is None else feed_offset, skipped, counter]
+        targets = [item.stream_key(streams) for item in items]
         if not self.split:
+            stream_keys = list(dict.fromkeys(targets))
+            index = {key: n for n, key in enumerate(stream_keys)}
             args = list(head)
-            for item in items:
-                args += [item.id, item.flight, item.payload, item.shard]
+            for item, target in zip(items, targets):
+                args += [item.id, item.flight, item.payload, index[target]]
             n = int(self._scripts["feed"](keys=[self.hash_key, self.lock_key, self.inflight_key, *stream_keys],
                                           args=args))
             if n < 0:
@@ -457,8 +489,8 @@ class JobStore:
         if not items:
             return 0
         pipe = self.data.pipeline(transaction=False)
-        for item in items:
-            pipe.xadd(stream_keys[item.shard], {"r": item.payload, "v": "1"})
+        for item, target in zip(items, targets):
+            pipe.xadd(target, {"r": item.payload, "v": "1"})
         entry_ids = pipe.execute()
         args = [token]
         for item, entry_id in zip(items, entry_ids):
@@ -483,19 +515,48 @@ class JobStore:
             self.data.xtrim(self.results_key, minid=cursor)
         return n
 
+    def note_lanes(self, lanes: Iterable[tuple[int, str]]) -> None:
+        """Remember lanes of the job's own, as (shard, lane), to remove them when it ends."""
+        members = [f"{shard} {lane}" for shard, lane in lanes]
+        if members:
+            self.redis.sadd(self.lanes_key, *members)
+
     def finish(self, token: str, fields: dict[str, object], *, expect_status: str | None) -> None:
-        """Enter a final status: fenced hash update, then the job leaves the active set and its
-        transient keys go (a worker's late row re-creates the result stream; it expires)."""
+        """Enter a final status: fenced hash update, then the job leaves the active set, its
+        transient keys go (a worker's late row re-creates the result stream; it expires) and so do
+        its own lanes (:meth:`remove_lanes`)."""
         self.update(token, fields, expect_status=expect_status)
+        try:
+            self.remove_lanes()
+        except redis.RedisError as exc:  # the lanes are swept by the workers once idle anyway
+            log.warning("job %s: could not remove its lanes: %s", self.job_id, exc)
         pipe = self.redis.pipeline(transaction=False)
         pipe.srem(ACTIVE_JOBS, self.job_id)
-        pipe.delete(self.inflight_key)
+        pipe.delete(self.inflight_key, self.lanes_key)
         if not self.split:
             pipe.delete(self.results_key)
         pipe.execute()
         if self.split:
             self.data.delete(self.results_key)
             self.mirror(str(fields.get("status") or self.status()))
+
+    def remove_lanes(self) -> int:
+        """Remove the job's own lanes (``--lanes job`` or ``tenant,job``) that are empty with nothing
+        pending, stream and registry entry; returns how many. A lane that still holds entries (a
+        cancelled job's requests no worker has read yet) stays: the workers remove it once it has
+        been empty and unused for a while, as any idle lane."""
+        raw = self.redis.hmget(self.hash_key, "lanes", "stream", "shards")
+        mode, stream, shards = (_s(v) if v is not None else "" for v in raw)
+        if mode not in JOB_LANE_MODES or not stream:
+            return 0
+        streams = keys.shard_streams(stream, int(shards or 1))
+        removed = 0
+        for member in self.redis.smembers(self.lanes_key):
+            shard, _, lane = _s(member).partition(" ")
+            if not shard.isdigit() or int(shard) >= len(streams):
+                continue
+            removed += bool(lane_scheme.remove_lane(self.data, streams[int(shard)], lane))
+        return removed
 
 
 def _ms(seconds: float) -> int:

@@ -39,6 +39,15 @@ entry (and where a lost request is sent again, so that the worker's idempotency 
 stream sees a second copy), and a request counts as done when any shard's done set holds it.
 Cancelling needs no shard: workers of every stream read the job's status.
 
+**Lanes.** Within its shard's stream each request goes to its lane (the job hash's ``lanes``,
+:mod:`mqinfer.schemas.lanes`; a job registered before lanes feeds the plain streams). With
+`mqinfer jobs submit`'s default ``tenant,job`` every job has a lane of its own, so the workers read
+a job submitted behind another beside that one's backlog, not after it (each job also has its own
+``max_in_flight``, so a new job is fed at once whatever the others have out). The in-flight
+record keeps the lane with the shard: entry ids are unique only within a stream, so the reconcile
+looks an entry up in the lane it was added to, and sends a lost request back there. The job's own
+lanes are removed when it ends (:meth:`mqinfer.ops.job_store.JobStore.finish`).
+
 The tasks never import torch: rq forks a work horse per task, and a forked process must not touch
 a GPU. State lives in Redis (:mod:`mqinfer.ops.job_store`) and in the spool
 (:mod:`mqinfer.ops.job_spool`), so a task killed anywhere is simply run again.
@@ -63,15 +72,17 @@ from rq.serializers import JSONSerializer
 from mqinfer.schemas import keys
 from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 from mqinfer.schemas.keys import shard_index, shard_streams
+from mqinfer.schemas.lanes import DEFAULT_MAX_LANES, parse_lanes
 from mqinfer.schemas.prefix_order import prefix_key
 from mqinfer.schemas.routing import PrefixRouter
 from mqinfer.ops.job_cost import JobCost, job_cost, rows_since
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
+from mqinfer.ops.job_lanes import JobLanes
 from mqinfer.ops.job_output import compose_output
 from mqinfer.ops.job_spool import Spool
 from mqinfer.ops.job_store import (
     CANCELLED, CANCELLING, FAILED, FINAL_STATUSES, FINALIZING, IN_PROGRESS, QUEUE_NAME, VALIDATING,
-    CollectedRow, FeedItem, InFlight, JobNotFound, JobStore, LockLost, StatusChanged,
+    CollectedRow, FeedItem, InFlight, JobNotFound, JobStore, LockLost, StatusChanged, entry_stream_key,
 )
 from mqinfer.schemas.request import decode_request, encode_request
 from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow, rows_to_table
@@ -253,12 +264,16 @@ class JobRun:
         self.spool = Spool(str(self.job["out"]))
         stream = str(self.job["stream"])
         self.shards = int(self.job.get("shards") or 1)
-        streams = shard_streams(stream, self.shards)
-        self.stream_keys = [keys.request_stream(s) for s in streams]
-        self.done_keys = [keys.job_done_set(s, self.job_id) for s in streams]
-        # A job registered before these fields existed fed in input order and routed by id.
+        self.streams = shard_streams(stream, self.shards)
+        self.stream_keys = [keys.request_stream(s) for s in self.streams]
+        # Done sets stay keyed by the shard's plain stream, whatever lane a request went to.
+        self.done_keys = [keys.job_done_set(s, self.job_id) for s in self.streams]
+        # A job registered before these fields existed fed in input order, routed by id and fed
+        # the plain streams.
         self.order = str(self.job.get("order") or "input")
         self.router = PrefixRouter(self.shards, route=str(self.job.get("route") or "id"))
+        self.lanes = JobLanes(self.data, self.streams, parse_lanes(str(self.job.get("lanes") or "none")),
+                              int(self.job.get("max_lanes") or DEFAULT_MAX_LANES), self.job_id)
         self.deadline = float(self.job["deadline"]) if self.job.get("deadline") else None
         self._index_parts: dict[int, tuple[list, list, list, list | None]] = {}
         self._dup_lines: set[int] | None = None
@@ -529,19 +544,31 @@ class JobRun:
             if any(done):
                 skipped = sum(1 for d in done if d)
                 items = [item for item, d in zip(items, done) if not d]
-            items = self._route(items)
-            self._ensure_group()
-        self.store.commit_feed(self.token, self.stream_keys, items, feed_part=next_part, feed_offset=next_offset,
+            items = self._destine(items, route=True)
+        self.store.commit_feed(self.token, self.streams, items, feed_part=next_part, feed_offset=next_offset,
                                skipped=skipped)
         self.reload()
         return True
 
-    def _route(self, items: list[FeedItem]) -> list[FeedItem]:
-        """``items`` with the shard the router picks for each (unchanged when routing by id)."""
-        if not items or not self.router.by_prefix:
+    def _destine(self, items: list[FeedItem], *, route: bool) -> list[FeedItem]:
+        """``items`` with the stream each goes to: the shard the router picks (with ``route``;
+        unchanged when routing by id) and the lane of that shard's stream, registered, with the
+        workers' consumer groups in place."""
+        if not items:
+            return items
+        self._ensure_group()
+        route = route and self.router.by_prefix
+        if not route and self.lanes.mode == "none":
             return items
         requests = [decode_request(item.payload, fmt="msgpack") for item in items]
-        return [dataclasses.replace(item, shard=shard) for item, shard in zip(items, self.router.assign(requests))]
+        if route:
+            items = [dataclasses.replace(item, shard=shard)
+                     for item, shard in zip(items, self.router.assign(requests))]
+        if self.lanes.mode != "none":
+            items = [dataclasses.replace(item, lane=self.lanes.lane_for(item.shard, req.tenant))
+                     for item, req in zip(items, requests)]
+            self.store.note_lanes(self.lanes.take_new_own())
+        return items
 
     def collect(self, *, force: bool) -> bool:
         cursor = str(self.job.get("cursor") or "")
@@ -598,16 +625,18 @@ class JobRun:
         if in_flight:
             # '-': noted in flight by a two-server feed that never recorded the entry (it may
             # never have been sent): treated as gone unless the request has a row.
-            # Each entry is looked for in the stream it was sent to, and a lost request goes back
-            # there: a copy of it that still exists (a two-server feed cut after its XADD) is
-            # then a duplicate for that stream's idempotency record, not a second computation.
+            # Each entry is looked for in the stream it was sent to (its shard's, in its lane),
+            # and a lost request goes back there: a copy of it that still exists (a two-server
+            # feed cut after its XADD) is then a duplicate for that stream's idempotency record,
+            # not a second computation.
             rids = [rid for rid in in_flight if in_flight[rid].entry_id != "-"]
             gone = [rid for rid in in_flight if in_flight[rid].entry_id == "-"]
             pipe = self.data.pipeline(transaction=False)
             for rid in rids:
-                entry_id = in_flight[rid].entry_id
-                shard = self._flight_shard(rid, in_flight[rid])
-                pipe.xrange(self.stream_keys[shard], min=entry_id, max=entry_id, count=1)
+                record = in_flight[rid]
+                shard = self._flight_shard(rid, record)
+                pipe.xrange(entry_stream_key(self.streams, shard, record.lane), min=record.entry_id,
+                            max=record.entry_id, count=1)
             gone += [rid for rid, found in zip(rids, pipe.execute() if rids else []) if not found]
             if gone:
                 for rid, d in zip(gone, self._done(gone)):
@@ -622,8 +651,10 @@ class JobRun:
         if lost:
             log.warning("job %s: %d requests in flight lost their stream entry; sending them again",
                         self.job_id, len(lost))
-            self._ensure_group()
-            self.store.commit_feed(self.token, self.stream_keys, lost, feed_part=None, feed_offset=None,
+            # Back to the lane of the shard's stream the request belongs in (registered again, in
+            # case the workers removed it meanwhile): the lane of its first copy.
+            lost = self._destine(lost, route=False)
+            self.store.commit_feed(self.token, self.streams, lost, feed_part=None, feed_offset=None,
                                    counter="refed")
         self.store.update(self.token, {"reconciled_at": now})
         self.reload()

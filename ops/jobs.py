@@ -45,6 +45,7 @@ from mqinfer.ops.job_store import (
 )
 from mqinfer.ops.job_tasks import DEFAULT_LEASE_S, enqueue_task, new_task_id, set_data_client
 from mqinfer.schemas.files import input_format
+from mqinfer.schemas.lanes import DEFAULT_MAX_LANES, check_max_lanes, parse_lanes
 from mqinfer.schemas.routing import ROUTES
 
 ORDERS = ("prefix", "input")
@@ -103,7 +104,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
                max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, chunk_size: int = DEFAULT_CHUNK_SIZE,
                queue_name: str = QUEUE_NAME, lease_s: float = DEFAULT_LEASE_S, shards: int = 1,
                order: str = "prefix", route: str = "prefix", data=None,
-               worker_out: list[str] | None = None) -> SubmitResult:
+               worker_out: list[str] | None = None, lanes: str = "none",
+               max_lanes: int = DEFAULT_MAX_LANES) -> SubmitResult:
     """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task.
 
     ``client`` holds the job and the rq queue. ``data`` is the server (or cluster) of the request
@@ -113,7 +115,11 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     requests of each part of INDEX_PART_LINES input lines in prefix-tree order, ``"input"`` in the
     file's order; the output is in input order either way (see :mod:`mqinfer.ops.job_tasks`).
     ``worker_out``: the inference workers' ``--out`` folders, whose cost rows give the job's final
-    cost (:mod:`mqinfer.ops.job_cost`) when it ends.
+    cost (:mod:`mqinfer.ops.job_cost`) when it ends. ``lanes`` (:mod:`mqinfer.schemas.lanes`): the
+    lane of its shard's stream each request goes to, by its tenant and this job (``tenant,job``, the
+    default of `mqinfer jobs submit`: a lane per tenant of the job), registered as producers register
+    lanes, at most ``max_lanes`` in the registry; the job's own lanes are removed when it ends.
+    ``none`` (this function's default, as before lanes): the plain streams.
     """
     if max_in_flight < 1:
         raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
@@ -127,6 +133,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
     if route not in ROUTES:
         raise ValueError(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")
+    lanes = parse_lanes(lanes)
+    check_max_lanes(max_lanes)
     streams = shard_streams(stream, shards)
     now = time.time()
     if deadline is not None and deadline <= now:
@@ -167,7 +175,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     store = JobStore(client, job_id, data=data)
     store.register({
         "id": job_id, "status": VALIDATING, "input": str(source), "input_format": fmt, "out": str(out),
-        "stream": stream, "shards": shards, "order": order, "route": route,
+        "stream": stream, "shards": shards, "order": order, "route": route, "lanes": lanes,
+        "max_lanes": max_lanes,
         "data": "separate" if store.split else "same", "queue": queue_name,
         "deadline": "" if deadline is None else repr(float(deadline)),
         "max_in_flight": max_in_flight, "chunk_size": chunk_size, "lease_s": repr(float(lease_s)),
@@ -285,6 +294,7 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None, rows: J
         "id": job.get("id"), "status": status, "input": job.get("input"), "out": out,
         "stream": job.get("stream"), "format": job.get("format") or None,
         "order": job.get("order") or "input", "route": job.get("route") or "id",
+        "lanes": job.get("lanes") or "none",
         "created_at": _f(job, "created_at"), "in_progress_at": started,
         "finalizing_at": _f(job, "finalizing_at"), "ended_at": ended, "deadline": deadline,
         "counts": {"total": total, **counts, "invalid": invalid, "skipped": _i(job, "skipped"),

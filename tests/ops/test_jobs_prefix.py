@@ -9,18 +9,17 @@ import json
 import subprocess
 import time
 
-import msgspec
 import pytest
 
 from mqinfer.ops import job_tasks
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.jobs import job_info, submit_job
 from mqinfer.schemas import keys
+from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.keys import shard_index, shard_streams
-from mqinfer.schemas.request import Request
 from tests.helpers import mqinfer_cmd, shared_prefix_requests, stop_processes, write_jsonl
 from tests.ops.test_jobs_pipeline import output, start_inference
-from tests.ops.test_jobs_two_servers import _answer, _drive, _entries, _step
+from tests.ops.test_jobs_two_servers import _answer, _delete_entry, _drive, _entries, _requests_in, _step
 
 SYSTEMS = ["You are a careful assistant. ", "Answer in French. ", "Be terse. "]
 
@@ -31,9 +30,9 @@ def _interleaved(n: int, prefix: str = "r") -> list[dict]:
 
 
 def _stream_order(client, stream: str) -> list[str]:
-    """Ids of the requests in the stream, in the order they were added."""
-    return [msgspec.msgpack.decode(fields[b"r"], type=Request).id
-            for _, fields in client.xrange(keys.request_stream(stream))]
+    """Ids of the requests in the stream (the job's lane of it), in the order they were added."""
+    return [req.id for stream_key in lane_scheme.stream_keys(client, stream)
+            for _, req in _requests_in(client, stream_key)]
 
 
 def _feed_all(client, job_id: str, count: int, timeout: float = 30.0) -> None:
@@ -165,15 +164,19 @@ def test_a_routed_prefix_job_computes_what_an_input_ordered_id_routed_job_does(r
 def test_lost_entries_are_looked_for_on_the_shard_each_request_was_routed_to(redis_client, tmp_path):
     items = shared_prefix_requests(per_group=8)
     src = write_jsonl(tmp_path / "in.jsonl", items)
+    res = submit_job(redis_client, src, tmp_path / "out", stream="lr", shards=2, max_in_flight=100,
+                     lanes="tenant,job")
     # Entry ids are unique within a stream only: two shards fed in one step number their entries
-    # alike, so an entry looked for in the wrong stream could be found there. Shard 1 numbers its
-    # entries from far ahead instead, so that each entry id names one entry of the job.
-    ahead = keys.request_stream("lr-1")
+    # alike, so an entry looked for in the wrong stream could be found there. The job's lane of
+    # shard 1 numbers its entries from far ahead instead, so that each entry id names one entry of
+    # the job (and none is in the plain streams, which hold only the lanes' notices).
+    lane = lane_scheme.lane_name("tenant,job", "default", res.job_id)
+    ahead = keys.request_stream(lane_scheme.lane_stream("lr-1", lane))
     redis_client.xdel(ahead, redis_client.xadd(ahead, {"x": "1"}, id=f"{int(time.time() * 1000) + 10**9}-0"))
-    res = submit_job(redis_client, src, tmp_path / "out", stream="lr", shards=2, max_in_flight=100)
     job_key = keys.job_key(res.job_id)
     _feed_all(redis_client, res.job_id, len(items))
     sent = _entries(redis_client, "lr", 2)
+    assert {record.lane for record in JobStore(redis_client, res.job_id).inflight().values()} == {lane}
     moved = sorted(rid for rid, (shard, _, _) in sent.items() if shard != shard_index(rid, res.job_id, 2))
     stayed = sorted(set(sent) - set(moved))
     assert len(moved) >= 2 and len(stayed) >= 2  # all but certain with 16 requests
@@ -193,7 +196,7 @@ def test_lost_entries_are_looked_for_on_the_shard_each_request_was_routed_to(red
     for rid, (shard, entry_id, _) in acked.items():
         name = shard_streams("lr", 2)[shard]
         redis_client.sadd(keys.job_done_set(name, res.job_id), rid)
-        redis_client.xdel(keys.request_stream(name), entry_id)
+        _delete_entry(redis_client, name, entry_id, rid)
     reconcile()
     assert int(redis_client.hget(job_key, "refed") or 0) == 0
     assert not set(acked) & set(_entries(redis_client, "lr", 2))
@@ -202,7 +205,7 @@ def test_lost_entries_are_looked_for_on_the_shard_each_request_was_routed_to(red
     trimmed = [moved[2], stayed[0]] if len(moved) > 2 else stayed[:2]
     for rid in trimmed:
         shard, entry_id, _ = sent[rid]
-        redis_client.xdel(keys.request_stream(shard_streams("lr", 2)[shard]), entry_id)
+        _delete_entry(redis_client, shard_streams("lr", 2)[shard], entry_id, rid)
     reconcile()
     assert int(redis_client.hget(job_key, "refed")) == 2
     again = _entries(redis_client, "lr", 2)

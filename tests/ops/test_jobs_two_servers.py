@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from mqinfer.schemas import keys
+from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.job_tasks import run_task
@@ -46,14 +47,34 @@ def _step(jobs, data, job_id: str, budget_s: float = 0.2) -> None:
     run_task(jobs, job_id, _chain(jobs, job_id), budget_s=budget_s, data=data)
 
 
+def _stream_keys(data, stream: str, shards: int) -> list[str]:
+    """The keys of every shard's plain stream and of its registered lanes."""
+    return [key for name in shard_streams(stream, shards) for key in lane_scheme.stream_keys(data, name)]
+
+
+def _requests_in(data, stream_key: str) -> list[tuple[str, Request]]:
+    """(entry id, request) of the requests in one stream (a lane's notice is not one)."""
+    return [(entry_id.decode(), msgspec.msgpack.decode(fields[b"r"], type=Request))
+            for entry_id, fields in data.xrange(stream_key) if b"r" in fields]
+
+
 def _entries(data, stream: str, shards: int) -> dict[str, tuple[int, str, Request]]:
-    """Request id -> (shard, entry id, request) of every entry in the data server's shard streams."""
+    """Request id -> (shard, entry id, request) of every request in the data server's shard streams,
+    in the plain stream or in a lane of it."""
     out = {}
     for shard, name in enumerate(shard_streams(stream, shards)):
-        for entry_id, fields in data.xrange(keys.request_stream(name)):
-            req = msgspec.msgpack.decode(fields[b"r"], type=Request)
-            out[req.id] = (shard, entry_id.decode(), req)
+        for stream_key in lane_scheme.stream_keys(data, name):
+            for entry_id, req in _requests_in(data, stream_key):
+                out[req.id] = (shard, entry_id, req)
     return out
+
+
+def _delete_entry(data, shard_stream: str, entry_id: str, rid: str) -> None:
+    """Delete request ``rid``'s entry ``entry_id`` from the stream of ``shard_stream`` that holds it
+    (the plain stream or a lane: entry ids are unique only within one stream)."""
+    for stream_key in lane_scheme.stream_keys(data, shard_stream):
+        if any(eid == entry_id and req.id == rid for eid, req in _requests_in(data, stream_key)):
+            data.xdel(stream_key, entry_id)
 
 
 def _answer(data, stream: str, shards: int, job_id: str, entries) -> None:
@@ -64,7 +85,7 @@ def _answer(data, stream: str, shards: int, job_id: str, entries) -> None:
                         output_tokens=3, output_token_ids=[1, 2, 3], text="abc", finished_at=time.time(),
                         worker="w")
         data.sadd(keys.job_done_set(name, job_id), rid)
-        data.xdel(keys.request_stream(name), entry_id)
+        _delete_entry(data, name, entry_id, rid)
         data.xadd(keys.job_results_stream(job_id), {"id": rid, "row": msgspec.json.encode(row), "cost_usd": "0.5"})
 
 
@@ -81,29 +102,38 @@ def test_a_job_runs_with_its_state_on_one_server_and_its_streams_sharded_on_anot
     jobs, data = planes
     n = 40
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "prompt": f"p{i}"} for i in range(n)])
-    res = submit_job(jobs, src, tmp_path / "out", stream="two", shards=3, max_in_flight=16, chunk_size=8, data=data)
+    res = submit_job(jobs, src, tmp_path / "out", stream="two", shards=3, max_in_flight=16, chunk_size=8, data=data,
+                     lanes="tenant,job")
     job_key = keys.job_key(res.job_id)
     assert jobs.hget(job_key, "data") == b"separate" and jobs.hget(job_key, "shards") == b"3"
     assert data.hgetall(job_key) == {b"status": b"validating", b"mirror": b"1"}  # what the workers read
 
-    # Validate, then feed once: the requests go to the data server, each to its shard; nothing on
-    # the jobs server but the job's own state.
+    # Validate, then feed once: the requests go to the data server, each to the job's lane of its
+    # shard's stream; nothing on the jobs server but the job's own state.
     for _ in range(10):
         _step(jobs, data, res.job_id)
-        if data.exists(*[keys.request_stream(s) for s in shard_streams("two", 3)]):
+        if _entries(data, "two", 3):
             break
     sent = _entries(data, "two", 3)
     assert 0 < len(sent) <= 16
     for rid, (shard, _, req) in sent.items():
         assert shard == shard_index(rid, res.job_id, 3) and req.job_id == res.job_id
-    assert not any(jobs.exists(keys.request_stream(s)) for s in shard_streams("two", 3))
+    lane = lane_scheme.lane_name("tenant,job", "default", res.job_id)
+    stream_keys = _stream_keys(data, "two", 3)
+    assert stream_keys == [key for s in shard_streams("two", 3)
+                           for key in (keys.request_stream(s), keys.request_stream(lane_scheme.lane_stream(s, lane)))]
+    assert not any(jobs.exists(key) for key in stream_keys)
+    assert not any(jobs.exists(lane_scheme.registry_key(s)) for s in shard_streams("two", 3))
     in_flight = JobStore(jobs, res.job_id).inflight()
     assert set(in_flight) == set(sent)
     assert all(in_flight[rid][0] == entry_id for rid, (_, entry_id, _) in sent.items())  # ids recorded
-    assert {g["name"] for s in shard_streams("two", 3)
-            for g in data.xinfo_groups(keys.request_stream(s))} == {keys.GROUP.encode()}
+    assert {record.lane for record in in_flight.values()} == {lane}
+    assert {g["name"] for key in stream_keys for g in data.xinfo_groups(key)} == {keys.GROUP.encode()}
 
     info = _drive(jobs, data, res.job_id, "two", 3, until=("completed",))
+    # The job's lanes went with it.
+    assert not any(lane_scheme.registered(data, s) for s in shard_streams("two", 3))
+    assert not any(data.exists(key) for key in stream_keys[1::2])
     assert info["counts"]["completed"] == n and info["counts"]["in_flight"] == 0
     assert info["cost_usd"] == pytest.approx(0.5 * n)
     out = pq.read_table(tmp_path / "out" / "output.parquet").to_pylist()
@@ -146,9 +176,9 @@ def test_a_feed_cut_between_the_two_servers_is_sent_again_by_the_reconcile(plane
     n = 8
     items = [{"id": f"r{i}", "prompt": "x"} for i in range(n)] if shards == 1 else shared_prefix_requests(n // 2)
     src = write_jsonl(tmp_path / "in.jsonl", items)
-    res = submit_job(jobs, src, tmp_path / "out", stream="cut", shards=shards, max_in_flight=n, data=data)
+    res = submit_job(jobs, src, tmp_path / "out", stream="cut", shards=shards, max_in_flight=n, data=data,
+                     lanes="job")
     store = JobStore(jobs, res.job_id)
-    streams = [keys.request_stream(s) for s in shard_streams("cut", shards)]
     flaky = _DataLostAfterThePlan(data)
     with pytest.raises(redis.exceptions.ConnectionError, match="injected"):  # validates, then feeds
         run_task(jobs, res.job_id, _chain(jobs, res.job_id), budget_s=5.0, data=flaky)
@@ -156,15 +186,17 @@ def test_a_feed_cut_between_the_two_servers_is_sent_again_by_the_reconcile(plane
     # Noted in flight with no entry id, and nothing in the stream: the feed cursor moved past them.
     in_flight = store.inflight()
     assert sorted(in_flight) == sorted(d["id"] for d in items) and {v[0] for v in in_flight.values()} == {"-"}
-    assert not any(data.xlen(s) for s in streams)
+    assert not _entries(data, "cut", shards)
     assert "ConnectionError" in job_info(jobs, res.job_id)["last_task_error"]
     planned = {rid: record.shard for rid, record in in_flight.items()}
+    # Each noted with the job's lane of its shard's stream, registered before the cut.
+    assert {record.lane for record in in_flight.values()} == {lane_scheme.lane_name("job", "default", res.job_id)}
     if shards > 1:  # each prefix on its shard, where a hash of these ids would not put them
         assert len({planned[d["id"]] for d in items[0::2]}) == len({planned[d["id"]] for d in items[1::2]}) == 1
         assert planned != {rid: shard_index(rid, res.job_id, shards) for rid in planned}
 
     _step(jobs, data, res.job_id)  # within the reconcile interval: nothing is sent yet
-    assert not any(data.xlen(s) for s in streams)
+    assert not _entries(data, "cut", shards)
     jobs.hset(keys.job_key(res.job_id), "reconciled_at", "1")  # the interval has passed
     _step(jobs, data, res.job_id)
     sent = _entries(data, "cut", shards)

@@ -23,6 +23,7 @@ from mqinfer.ops.job_store import CollectedRow, FeedItem, JobStore, LockLost, St
 from mqinfer.ops.job_tasks import run_task
 from mqinfer.ops.jobs import JobConflict, cancel_job, job_info, parse_deadline, submit_job, sweep
 from mqinfer.schemas.files import iter_input
+from mqinfer.schemas.lanes import lane_name, lane_stream
 from mqinfer.schemas.request import Request, encode_request
 from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow, rows_to_table
 from tests.helpers import write_jsonl
@@ -135,14 +136,21 @@ def test_lock_is_exclusive_and_writes_are_fenced(redis_client):
 def test_feed_and_collect_commits_count_each_request_once(redis_client):
     store = _registered(redis_client)
     assert store.acquire("c1", "t", 5) == "ok"
-    stream = keys.request_stream("unit")
-    items = [FeedItem(f"r{i}", f"0:{i}", encode_request(Request(id=f"r{i}", prompt="p"))) for i in range(3)]
-    assert store.commit_feed("t", [stream], items, feed_part=0, feed_offset=3, skipped=1) == 3
-    assert redis_client.xlen(stream) == 3
+    stream, lane_key = keys.request_stream("unit"), keys.request_stream("unit:lane:j-x")
+    items = [FeedItem(f"r{i}", f"0:{i}", encode_request(Request(id=f"r{i}", prompt="p")),
+                      lane="j-x" if i == 2 else None) for i in range(3)]
+    assert store.commit_feed("t", ["unit"], items, feed_part=0, feed_offset=3, skipped=1) == 3
+    assert redis_client.xlen(stream) == 2 and redis_client.xlen(lane_key) == 1
     in_flight = store.inflight()
     assert set(in_flight) == {"r0", "r1", "r2"}
-    assert in_flight["r1"][1] == "0:1"
+    assert in_flight["r1"][1:] == ("0:1", 0, None) and in_flight["r2"][1:] == ("0:2", 0, "j-x")
     assert redis_client.xrange(stream, in_flight["r1"][0], in_flight["r1"][0])[0][1][b"r"] == items[1].payload
+    assert redis_client.xrange(lane_key, in_flight["r2"][0], in_flight["r2"][0])[0][1][b"r"] == items[2].payload
+    # Records written before shards, or before lanes, were recorded: the id's shard, the plain stream.
+    redis_client.hset(store.inflight_key, mapping={"old": "1-0 0:5", "older": "2-0 0:6 1"})
+    assert store.inflight()["old"] == ("1-0", "0:5", None, None)
+    assert store.inflight()["older"] == ("2-0", "0:6", 1, None)
+    redis_client.hdel(store.inflight_key, "old", "older")
 
     redis_client.xadd(store.results_key, {"id": "r0", "row": "{}"})
     last = redis_client.xadd(store.results_key, {"id": "r0", "row": "{}"})
@@ -158,8 +166,8 @@ def test_feed_and_collect_commits_count_each_request_once(redis_client):
     assert redis_client.xlen(store.results_key) == 1  # trimmed up to the cursor
     redis_client.delete(store.lock_key)
     with pytest.raises(LockLost):
-        store.commit_feed("t", [stream], items[:1], feed_part=0, feed_offset=4)
-    assert redis_client.xlen(stream) == 3  # nothing was added without the lock
+        store.commit_feed("t", ["unit"], items[:1], feed_part=0, feed_offset=4)
+    assert redis_client.xlen(stream) == 2  # nothing was added without the lock
 
 
 # -- output composition ----------------------------------------------------------------------
@@ -282,13 +290,15 @@ def test_validation_then_feeding_respects_the_in_flight_bound(redis_client, tmp_
     lines = [{k: v for k, v in line.items() if v is not None} for line in lines] + ["{bad"]
     src = write_jsonl(tmp_path / "in.jsonl", lines)
     res = submit_job(redis_client, src, tmp_path / "out", stream="unitfeed", max_in_flight=7, chunk_size=3,
-                     deadline=3_000_000_000.0)
+                     deadline=3_000_000_000.0, lanes="tenant,job")
     info = _drive(redis_client, res.job_id, until=("in_progress",))
     assert info["counts"]["total"] == 31 and info["counts"]["invalid"] == 1
     store = JobStore(redis_client, res.job_id)
     for _ in range(3):
         run_task(redis_client, res.job_id, redis_client.hget(store.hash_key, "chain").decode(), budget_s=0.2)
-    stream = keys.request_stream("unitfeed")
+    # Fed into the job's own lane of the stream.
+    stream = keys.request_stream(lane_stream("unitfeed", lane_name("tenant,job", "default", res.job_id)))
+    assert redis_client.xlen(keys.request_stream("unitfeed")) == 1  # the lane's notice, no request
     entries = redis_client.xrange(stream)
     assert len(entries) == 7 == store.inflight_count()  # never more than max_in_flight out
     sent = [msgspec.msgpack.decode(fields[b"r"], type=Request) for _, fields in entries]
