@@ -527,7 +527,12 @@ class LLMEngine:
         masks = self.structured.begin_step(scheduler_output.scheduled) if self.structured is not None else None
         try:
             # A step may hold only block copies (swap preemption); they must still happen now.
-            ran = None if scheduler_output.is_empty else self.runner.execute(scheduler_output, masks)
+            if scheduler_output.is_empty:
+                ran = None
+            elif masks is None:
+                ran = self.runner.execute(scheduler_output)
+            else:
+                ran = self.runner.execute(scheduler_output, masks)
         finally:
             if masks is not None:
                 masks.wait()  # the matchers must not move while a mask is being filled
