@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, WORKER_OPTIONS, ConfigError
 from mqinfer.layout import choose_layout
+from mqinfer.machine import Window, bill_remainder, settle_lost, worker_shares
 from mqinfer.procs import die_with_parent, mqinfer_command
 from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.prefix_order import prefix_order
@@ -174,10 +175,15 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
     if done_before and todo:
         print(f"job {job_id}: resuming: {len(requests) - len(todo)} of {len(requests)} requests already have "
               f"rows in {out / 'results'}", file=sys.stderr, flush=True)
+    machine = None
     if todo:
         if opts["order"] == "prefix":
             todo = prefix_order(todo)
-        status = _compute(todo, requests, done_before, out, job_id, opts, lock)
+        window = Window(devices=1.0, price_per_device_hour=opts["price_per_device_hour"])
+        try:
+            status = _compute(todo, requests, done_before, out, job_id, opts, lock, window)
+        finally:
+            machine = _bill_machine(out, job_id, window)
     else:
         status = 0
         if requests and done_before:
@@ -186,11 +192,20 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
     compact(out)
     if status == 130:
         print(f"mqinfer run: interrupted; run the same command again to resume job {job_id}", file=sys.stderr)
-        _summary(out, job_id, total, started, opts, complete=False)
+        _summary(out, job_id, total, started, opts, machine, complete=False)
         return 130
     if status != 0:
         return status
-    return _summary(out, job_id, total, started, opts)
+    return _summary(out, job_id, total, started, opts, machine)
+
+
+def _bill_machine(out: Path, job_id: str, window: Window) -> dict | None:
+    """The run's own ``idle`` row for what its workers did not cover (``mqinfer.machine``)."""
+    try:
+        return bill_remainder(out, out / STATE_DIR, job_id, window)
+    except (OSError, ValueError) as exc:
+        print(f"mqinfer run: warning: could not bill the machine time no worker covered: {exc}", file=sys.stderr)
+        return None
 
 
 def _write_invalid_rows(out: Path, job_id: str, invalid: list, opts: dict) -> None:
@@ -244,7 +259,10 @@ class _Signals:
               file=sys.stderr, flush=True)
 
 
-def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts: dict, lock) -> int:
+def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts: dict, lock,
+             window: Window) -> int:
+    """Serve ``todo`` with the run's workers; ``window`` gets the devices the run holds and when
+    its first worker started and its last one exited."""
     from mqinfer.schemas import keys
     from mqinfer.client import Producer
     from mqinfer.schemas.connection import connect_redis
@@ -252,7 +270,7 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
     from mqinfer.server import EmbeddedServer, ServerError
 
     streams = shard_streams(opts["stream"], opts["shards"])
-    server = None
+    server = client = None
     workers: list[subprocess.Popen] = []
     with _Signals() as signals:
         try:
@@ -275,12 +293,14 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             # Worker i reads shard i mod N. They join their consumer groups before anything is
             # submitted, so that the first one ready leaves the others their share.
             places = placement(opts)
-            workers = [
-                subprocess.Popen(worker_argv(opts, out, i, streams[i % len(streams)], places[i]), env=env,
-                                 stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True,
-                                 preexec_fn=die_with_parent())
-                for i in range(opts["workers"])
-            ]
+            shares, window.devices = worker_shares(opts, places)
+            window.start()
+            for i in range(opts["workers"]):
+                workers.append(subprocess.Popen(
+                    worker_argv(opts, out, i, streams[i % len(streams)], places[i], device_share=shares[i]), env=env,
+                    stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True,
+                    preexec_fn=die_with_parent()))
+            window.pids = [w.pid for w in workers]
             lock.add_children([w.pid for w in workers])
             _wait_for_workers(client, [keys.request_stream(s) for s in streams], opts["group"], workers)
             if len(streams) > 1 or opts["redis_cluster"]:
@@ -301,8 +321,26 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
         finally:
             signals.armed = False
             _stop_workers(workers, timeout_s=opts["drain_timeout_s"] + 30.0)
+            if workers:
+                window.end()
+                _settle_lost(client, streams, opts["group"], window, out)
             if server is not None:
                 server.stop()
+
+
+def _settle_lost(client, streams: list[str], group: str, window: Window, out: Path) -> None:
+    """The ``lost`` rows of workers killed during the run that no surviving worker billed."""
+    import redis
+
+    if client is None:
+        return
+    try:
+        written = settle_lost(client, streams, group, window, out)
+    except (redis.exceptions.RedisError, OSError) as exc:
+        print(f"mqinfer run: warning: could not bill the lost time of killed workers: {exc}", file=sys.stderr)
+        return
+    if written:
+        print(f"billed the lost time of {written} killed worker{'s' if written > 1 else ''}", file=sys.stderr)
 
 
 def placement(opts: dict) -> list[tuple[str, str | None]]:
@@ -322,12 +360,15 @@ def placement(opts: dict) -> list[tuple[str, str | None]]:
 
 
 def worker_argv(opts: dict, out: Path, index: int, stream: str,
-                device: tuple[str, str | None] | None = None) -> list[str]:
-    """A worker's command line; ``device``: its (--device, --devices) from :func:`placement`. The
-    Redis URL, which may hold a password, goes through the environment (MQINFER_REDIS), not argv,
-    where `ps` would show it."""
+                device: tuple[str, str | None] | None = None, device_share: float | None = None) -> list[str]:
+    """A worker's command line; ``device``: its (--device, --devices) from :func:`placement`;
+    ``device_share``: its share of the machine (``mqinfer.machine.worker_shares``), unless the
+    user's --device-share. The Redis URL, which may hold a password, goes through the environment
+    (MQINFER_REDIS), not argv, where `ps` would show it."""
     argv = [*mqinfer_command("worker"), "--out", str(out), "--stream", stream]
     placed = {} if device is None else {"device": device[0], "devices": device[1]}
+    if device_share is not None:
+        placed["device_share"] = repr(device_share)
     for opt in [*ENGINE_OPTIONS, *WORKER_OPTIONS, LOG_FORMAT]:
         if opt.name == "consumer":
             continue
@@ -490,7 +531,8 @@ def _stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
 
 
 # -- the summary --------------------------------------------------------------------------------
-def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, complete: bool = True) -> int:
+def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, machine: dict | None = None,
+             complete: bool = True) -> int:
     columns = ["id", "finish_reason", "error_code", "prompt_tokens", "output_tokens", "finished_at"]
     rows = _job_rows(out / "results", job_id, columns)
     cost = sum(r["cost_usd"] for r in _job_rows(out / "costs", job_id, ["cost_usd"], kind="request"))
@@ -516,6 +558,13 @@ def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, 
     else:
         print(f"this run: nothing computed{earlier}")
     print(f"cost: ${cost:.6f} of requests at ${opts['price_per_device_hour']}/device-hour")
+    if machine is not None:
+        # Every cost row of this run: the workers' (requests, startup, idle, ...) and the run's own
+        # idle row for what no worker covered; they add up to the machine's time.
+        devices = machine["devices"]
+        print(f"machine: {machine['wall_s']:.1f}s x {devices:g} device{'s' if devices != 1 else ''} = "
+              f"{machine['billed_device_s']:.1f} device-seconds billed, ${machine['billed_usd']:.6f} in all "
+              f"({machine['remainder_device_s']:.1f}s no worker covered, billed as idle to `run`)")
     print(f"results: {out / 'results'}  costs: {out / 'costs'}")
     if complete and n != expected:
         print(f"mqinfer run: error: expected {expected} result rows, found {n}", file=sys.stderr)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
+from mqinfer.workers.devices import usable_cores
 from tests.helpers import mqinfer_cmd, rows, wait_until
 
 STREAM = keys.request_stream("requests")
@@ -201,9 +202,12 @@ def check_lost_time(out: Path, worker: str, died: float, beat_s: float) -> dict:
     assert abs(row["cost_usd"] - row["device_s"] * row["price_per_device_hour"] / 3600) < 1e-12
     mine = [c for c in costs if c["worker"] == worker]
     (startup,) = [c for c in mine if c["kind"] == "startup"]
-    began = startup["finished_at"].timestamp() - startup["device_s"]
+    # Its rows, the lost one too, bill its share of the machine (one model thread of its cores).
+    (share,) = {c["device_share"] for c in mine}
+    assert share == min(1.0, 1 / usable_cores())
+    began = startup["finished_at"].timestamp() - startup["device_s"] / share
     last_beat = row["finished_at"].timestamp()
-    assert abs(sum(c["device_s"] for c in mine) - (last_beat - began)) < 1e-3
+    assert abs(sum(c["device_s"] for c in mine) - (last_beat - began) * share) < 1e-3
     assert 0 <= died - last_beat <= beat_s + 0.5, (died, last_beat)
     return row
 

@@ -1,4 +1,5 @@
-"""Cost attribution on real runs: every worker's rows add up to its uptime, duplicates bill nobody,
+"""Cost attribution on real runs: every worker's rows add up to its uptime times its share of the
+machine, duplicates bill nobody,
 requests of the same shape that ran side by side cost the same, and the report equals the rows.
 
 The fleet run has three workers, three tenants, a KV cache too small for the batches they run
@@ -19,35 +20,42 @@ import pytest
 
 from mqinfer.schemas import keys
 from mqinfer.ops.compact import compact
+from mqinfer.workers.devices import usable_cores
 from mqinfer.ops.report import cost_report
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, wait_until, write_jsonl
 
 PRICE = 36.0  # USD per device hour: 0.01 USD per device second
 STREAM = keys.request_stream("requests")
+# The test workers run one model thread each (tests/helpers.py): each bills that thread's share of
+# this machine, one device.
+SHARE = min(1.0, 1 / usable_cores())
 
 
-def uptime_by_worker(costs: list[dict]) -> dict[str, tuple[float, float, float]]:
-    """worker -> (uptime, sum of device_s, sum of cost_usd). Uptime runs from the start of its
-    startup row (finished_at - device_s) to the finished_at of its last row."""
+def uptime_by_worker(costs: list[dict]) -> dict[str, tuple[float, float, float, float]]:
+    """worker -> (uptime, device share, sum of device_s, sum of cost_usd). Uptime runs from the
+    start of its startup row (finished_at - device_s / device_share) to the finished_at of its last
+    row."""
     out = {}
     by_worker = defaultdict(list)
     for c in costs:
         by_worker[c["worker"]].append(c)
     for worker, mine in by_worker.items():
         (startup,) = [c for c in mine if c["kind"] == "startup"]
-        begin = startup["finished_at"].timestamp() - startup["device_s"]
+        (share,) = {c["device_share"] for c in mine}  # every row of a worker says the same share
+        begin = startup["finished_at"].timestamp() - startup["device_s"] / share
         end = max(c["finished_at"].timestamp() for c in mine)
-        out[worker] = (end - begin, sum(c["device_s"] for c in mine), sum(c["cost_usd"] for c in mine))
+        out[worker] = (end - begin, share, sum(c["device_s"] for c in mine), sum(c["cost_usd"] for c in mine))
     return out
 
 
 def assert_conserved(costs: list[dict], workers: set[str]) -> None:
     totals = uptime_by_worker(costs)
     assert set(totals) == workers
-    for worker, (uptime, device_s, cost_usd) in totals.items():
+    for worker, (uptime, share, device_s, cost_usd) in totals.items():
         assert uptime > 0
-        assert device_s == pytest.approx(uptime, rel=0.005), worker
-        assert cost_usd == pytest.approx(uptime * PRICE / 3600, rel=0.005), worker
+        assert share == pytest.approx(SHARE), worker
+        assert device_s == pytest.approx(uptime * share, rel=0.005), worker
+        assert cost_usd == pytest.approx(uptime * share * PRICE / 3600, rel=0.005), worker
 
 
 def side_by_side_pairs(results: list[dict], costs: list[dict]) -> list[tuple[dict, dict]]:
