@@ -15,7 +15,8 @@ step, for every such request that samples:
    the grammar can take nothing more the request ends with ``stop``.
 
 EOS (and the request's ``stop_token_ids``) are allowed exactly where the grammar accepts the
-output so far. The matcher lives here, not in the KV cache, so a preempted request keeps it: the
+output so far. A complete grammar ends its request even before ``min_tokens`` and whatever
+``ignore_eos`` says: nothing could follow. The matcher lives here, not in the KV cache, so a preempted request keeps it: the
 tokens it already generated stay consumed while their KV is recomputed. Speculative decoding is
 off for constrained requests (the engine clears their ``speculative`` flag): their proposals would
 need a mask per proposed position.
