@@ -195,6 +195,22 @@ def test_a_regex_ends_at_eos_where_it_accepts_and_by_itself_where_it_is_complete
     assert (out.text, out.finish_reason, out.schema_valid, out.output_token_ids) == ("aaa", "stop", True, [97] * 3)
 
 
+def test_the_grammar_ends_a_request_whatever_min_tokens_and_ignore_eos_say():
+    engine = _engine()
+    regex = GrammarSpec("regex", "[ab]{2,5}")
+    for i in range(6):
+        engine.add_request(f"m{i}", [256, i + 1], SamplingParams(max_tokens=20, min_tokens=8, temperature=1.5,
+                                                                 seed=i, grammar=regex))
+        engine.add_request(f"i{i}", [256, i + 1], SamplingParams(max_tokens=20, ignore_eos=True, temperature=1.5,
+                                                                 seed=i, grammar=regex))
+    outs = _finish(engine)
+    for i in range(6):
+        m, n = outs[f"m{i}"], outs[f"i{i}"]
+        assert m.output_token_ids == n.output_token_ids and m.text == n.text  # the same seed, the same end
+        assert m.finish_reason == "stop" and m.schema_valid and re.fullmatch("[ab]{2,5}", m.text)
+        assert len(m.output_token_ids) <= 6
+
+
 def test_lark_and_gbnf_grammars():
     engine = _engine()
     lark = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]{1,3}/'
