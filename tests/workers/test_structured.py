@@ -139,6 +139,24 @@ def test_masks_filled_in_the_background_equal_masks_filled_inline():
     assert set(bg_threads) == {"grammar-masks_0"} and set(inline_threads) == {"MainThread"}
 
 
+def test_the_mask_kernel_and_its_pytorch_reference_sample_the_same(monkeypatch):
+    """The PyTorch path is the one other devices take; on this CPU it must pick the same tokens."""
+    from mqinfer.kernels.cpu_ops import reference_apply_token_bitmask
+    from mqinfer.workers import structured
+
+    def run() -> dict:
+        engine = _engine()
+        for i, (name, schema) in enumerate(SCHEMAS[:12]):
+            engine.add_request(name, [256, 30 + i], SamplingParams(max_tokens=150, temperature=0.0 if i % 2 else 1.0,
+                                                                   seed=i, logprobs=1 if i % 3 == 0 else None,
+                                                                   grammar=_json(schema)))
+        return {k: (o.output_token_ids, o.logprobs) for k, o in _finish(engine).items()}
+
+    native = run()
+    monkeypatch.setattr(structured, "apply_token_bitmask", reference_apply_token_bitmask)
+    assert run() == native
+
+
 def test_unconstrained_requests_pay_nothing_and_are_unchanged_beside_constrained_ones():
     free = [[256, 40 + i, 41, 42] for i in range(4)]
     alone = _engine()
