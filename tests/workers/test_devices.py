@@ -100,3 +100,13 @@ def test_a_worker_refuses_a_missing_device_before_it_waits_for_redis(tmp_path):
     # This machine without CUDA, or one with fewer than 1000 devices.
     assert ("device 'cuda:999' requested but CUDA is not available" in proc.stderr
             or "device cuda:999 does not exist: this machine has" in proc.stderr), proc.stderr
+
+
+def test_a_cpu_worker_holds_its_ranks_threads_over_the_usable_cores(monkeypatch):
+    assert devices.cpu_device_share(1, cores=2) == 0.5
+    assert devices.cpu_device_share(1, ranks=2, cores=8) == 0.25  # tensor parallel: every rank's threads
+    assert devices.cpu_device_share(4, cores=2) == 1.0  # at most the machine, one device
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert devices.cpu_threads(None) == 3 and devices.cpu_threads(2) == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert devices.cpu_threads(None, ranks=2) == max(1, devices.usable_cores() // 2)
