@@ -1,4 +1,5 @@
-"""Storage rows: one result row and one cost row per finished request, and their Arrow schemas.
+"""Storage rows: one result row and one cost row per finished request (per choice of a request with
+``n`` > 1 choices, told apart by ``index``), and their Arrow schemas.
 
 ``ResultRow`` and ``CostRow`` are what workers build in Python (timestamps as float unix
 seconds); ``RESULT_SCHEMA`` and ``COST_SCHEMA`` are the public column contract of the
@@ -56,6 +57,11 @@ RESULT_SCHEMA = pa.schema(
         # the grammar accepts); null for requests without one, for error rows, and in rows written
         # before the column existed.
         pa.field("schema_valid", pa.bool_()),
+        # The choice of a request with n > 1 choices (0 to n - 1), 0 otherwise: a request is one
+        # (job_id, id) and has one row per index. Workers always write it; nullable only so that
+        # files written before the column existed still read, where null means 0
+        # (with_choice_index; compaction writes the 0).
+        pa.field("index", pa.int32()),
     ]
 )
 
@@ -88,6 +94,10 @@ COST_SCHEMA = pa.schema(
         # threads over the usable cores. Null in rows written before the column existed, which
         # billed one whole device: read it as 1.0 (with_device_share).
         pa.field("device_share", pa.float64()),
+        # The choice a request row bills (see the results' index); null for the rows of no request
+        # (idle, startup, lost) and for work no result carries; read as 0 where a request row
+        # written before the column existed has none (with_choice_index).
+        pa.field("index", pa.int32()),
     ]
 )
 
@@ -129,6 +139,7 @@ class ResultRow(msgspec.Struct, kw_only=True):
     attempt: int = 1
     metadata: dict[str, str] = {}
     schema_valid: bool | None = None
+    index: int = 0
 
 
 class CostRow(msgspec.Struct, kw_only=True):
@@ -157,6 +168,7 @@ class CostRow(msgspec.Struct, kw_only=True):
     finished_at: float
     rejected_tokens: int = 0
     device_share: float = 1.0
+    index: int | None = None
 
 
 def with_device_share(table: pa.Table) -> pa.Table:
@@ -170,6 +182,24 @@ def with_device_share(table: pa.Table) -> pa.Table:
         return table
     filled = pc.fill_null(column, LEGACY_DEVICE_SHARE)
     return table.set_column(table.schema.get_field_index("device_share"), field, filled)
+
+
+def with_choice_index(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """Rows ``table`` of ``schema`` (RESULT_SCHEMA or COST_SCHEMA) with ``index`` present: rows
+    written before the column existed are choice 0. Cost rows keep a null index where they bill no
+    request (idle, startup, lost)."""
+    field = schema.field("index")
+    if "index" in table.schema.names:
+        column = table["index"]
+        if schema is COST_SCHEMA or not column.null_count:
+            return table
+        filled = pc.fill_null(column, pa.scalar(0, pa.int32()))
+        return table.set_column(table.schema.get_field_index("index"), field, filled)
+    if schema is COST_SCHEMA:
+        values = pc.if_else(pc.is_valid(table["id"]), pa.scalar(0, pa.int32()), pa.scalar(None, pa.int32()))
+    else:
+        values = pa.array([0] * table.num_rows, pa.int32())
+    return table.append_column(field, values)
 
 
 def to_micros(value: float | int | dt.datetime | None) -> int | None:
