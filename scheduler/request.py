@@ -63,6 +63,18 @@ class SamplingParams:
     # masks the logits of such a request so that only tokens the grammar allows can be sampled
     # (EOS only where the grammar accepts), and ends it with "stop" when the grammar is complete.
     grammar: GrammarSpec | None = None
+    # Choices of the same prompt: the engine runs them as n sequences that share the prompt's KV.
+    n: int = 1
+    # Logits processing before sampling (kernels/penalties.py): OpenAI's presence and frequency
+    # penalties over the output so far, the repetition penalty over prompt and output (1 = off),
+    # and (token id, bias) pairs added to the logits, sorted by token id.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Where these fields sat in what the producer sent ("$" for a native request, "$.body" for an
+    # OpenAI Batch line), so that an error the engine finds names the field as the producer wrote it.
+    field_prefix: str = "$"
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -79,6 +91,30 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if not 1 <= self.n <= 128:
+            raise ValueError(f"n must be between 1 and 128, got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise ValueError(f"{name} must be between -2 and 2, got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if len(self.logit_bias) > 300:
+            raise ValueError(f"logit_bias may hold at most 300 tokens, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                raise ValueError(f"logit_bias: token {token} must be >= 0 and its bias between -100 and 100, got {bias}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a presence, frequency or repetition penalty applies (they read the tokens so far)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the sampler changes this request's logits before sampling: a penalty, a bias, or
+        stop tokens held back until ``min_tokens``."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

@@ -27,7 +27,7 @@ PARQUET_BATCH_ROWS = 1024
 
 # Integer fields of a Request. A Parquet column of them may have been written as float (pandas
 # turns an int column with missing values into float64), so integral floats are taken as ints.
-_INT_FIELDS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "priority"})
+_INT_FIELDS = frozenset({"max_tokens", "min_tokens", "top_k", "seed", "logprobs", "priority", "n"})
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -163,6 +163,8 @@ def clean_parquet_row(row: dict[str, Any]) -> dict[str, Any]:
             value = int(value)
         elif key == "response_format":
             value = _parquet_response_format(value)
+        elif key == "logit_bias":
+            value = _parquet_logit_bias(value)
         elif key == "deadline" and isinstance(value, dt.datetime):
             value = value.timestamp() if value.tzinfo else value.replace(tzinfo=dt.timezone.utc).timestamp()
         clean[key] = value
@@ -182,6 +184,19 @@ def _parquet_response_format(value: Any) -> Any:
         value = {k: v for k, v in value.items() if v is not None}
         if isinstance(value.get("json_schema"), dict):
             value["json_schema"] = {k: v for k, v in value["json_schema"].items() if v is not None}
+    return value
+
+
+def _parquet_logit_bias(value: Any) -> Any:
+    """A logit_bias column: a map (token id -> bias; Arrow gives it as (key, value) pairs) or JSON
+    text (``{"50256": -100}``). Anything else is left to the request's validation."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            return value
+    if isinstance(value, list) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in value):
+        return dict(value)
     return value
 
 

@@ -6,9 +6,11 @@ bodies carry ``messages``, which stay messages: the worker renders them with the
 template. ``Request.api`` records the endpoint (``"completions"`` or ``"chat"``) so that output can
 be written back in the OpenAI format.
 
-What we cannot honour is refused, never silently dropped: a parameter we do not implement (``n``
-other than 1, ``tools``, penalties other than 0, ...) is an ``unsupported_parameter`` error naming
-it; a value of the wrong type is ``invalid_request``. ``response_format`` (``text``,
+What we cannot honour is refused, never silently dropped: a parameter we do not implement
+(``best_of`` other than 1, ``tools``, ``stream``, ...) is an ``unsupported_parameter`` error naming
+it; a value of the wrong type or out of OpenAI's range is ``invalid_request``. ``n`` (1..128),
+``presence_penalty`` and ``frequency_penalty`` (-2..2), ``logit_bias`` (at most 300 token ids, each
+biased by -100..100) are OpenAI's, on both endpoints; ``repetition_penalty`` (> 0) is an extension. ``response_format`` (``text``,
 ``json_object``, ``json_schema``) is honoured on both endpoints; the ``regex`` and ``grammar``
 types are extensions of native requests and are ``unsupported_parameter`` here.
 A ``null`` parameter counts as absent, as in the OpenAI API. Where OpenAI and we differ in a
@@ -46,15 +48,22 @@ _COMMON_PASSTHROUGH = {
     "ignore_eos": "ignore_eos",
     "speculative": "speculative",
     "stop_token_ids": "stop_token_ids",
+    "n": "n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
+    "repetition_penalty": "repetition_penalty",
 }
 # Parameters accepted only at one value (what we do anyway): name -> (allowed value, type).
 _FIXED = {
-    "n": (1, int),
     "best_of": (1, int),
     "echo": (False, bool),
     "stream": (False, bool),
-    "presence_penalty": (0, (int, float)),
-    "frequency_penalty": (0, (int, float)),
+}
+# Why a fixed parameter is refused, where the bare "not supported" would leave the user guessing.
+_FIXED_WHY = {
+    "best_of": "; generating best_of candidates server-side and returning the most likely is not"
+               " implemented: ask for n choices (one row each, with their logprobs) and choose among them",
 }
 _IGNORED = frozenset({"user"})
 # response_format types of native requests only.
@@ -160,7 +169,7 @@ def request_from_openai(obj: dict[str, Any]) -> Request:
         )
 
     try:
-        return msgspec.convert(fields, Request)
+        return msgspec.convert(fields, Request, str_keys=True)
     except msgspec.ValidationError as exc:
         message = _PATH_IN_MESSAGE.sub(lambda m: _body_path(m.group(1), origin), str(exc))
         raise RequestError(errors.INVALID_REQUEST, message, rid) from None
@@ -195,7 +204,8 @@ def _check_fixed(key: str, value: Any, rid: str) -> None:
     if value != allowed:
         raise RequestError(
             errors.UNSUPPORTED_PARAMETER,
-            f"body.{key} = {_show(value)} is not supported (only {_show(allowed)}) - at `$.body.{key}`",
+            f"body.{key} = {_show(value)} is not supported (only {_show(allowed)}){_FIXED_WHY.get(key, '')}"
+            f" - at `$.body.{key}`",
             rid,
         )
 

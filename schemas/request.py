@@ -22,6 +22,9 @@ INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_ID_LENGTH = 128
 MAX_STOP_STRINGS = 16
+# OpenAI's limits: at most 128 choices per request, 300 logit_bias entries of -100..100 each.
+MAX_CHOICES = 128
+MAX_LOGIT_BIAS = 300
 REPLY_PREFIX = "mqinfer:reply:"
 
 # C0, DEL and C1 controls: they break log lines, file names and terminal output.
@@ -44,6 +47,14 @@ Logprobs = Annotated[int, msgspec.Meta(ge=0, le=20)]
 Priority = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
 ReplyTo = Annotated[str, msgspec.Meta(pattern=f"^{REPLY_PREFIX}.", max_length=512)]
 Role = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
+# OpenAI's presence and frequency penalties.
+Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
+# vLLM's and Hugging Face's repetition penalty: 1 is off, above 1 discourages repeats.
+RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+# Token id -> bias. JSON object keys are text: "50256" decodes as the token id 50256.
+LogitBias = Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -61,6 +72,11 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     mapping: ``"completions"`` or ``"chat"`` (which endpoint the line named), so that the output
     side can answer in the OpenAI format; it is None for native requests. Decoding a ``stop``
     given as a single string normalises it to a one-element list.
+
+    ``n`` asks for that many choices of the same prompt (one result row each, told apart by
+    their ``index``); the penalties and ``logit_bias`` change the logits before sampling, with
+    OpenAI's meaning (``presence_penalty`` and ``frequency_penalty`` count the output so far,
+    ``repetition_penalty`` the prompt and the output, as in vLLM and Hugging Face).
     """
 
     id: RequestId
@@ -77,6 +93,11 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     stop_token_ids: list[TokenId] = []
     ignore_eos: bool = False
     logprobs: Logprobs | None = None
+    n: NumChoices = 1
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: LogitBias = {}
     # Constrains the output to JSON, a JSON Schema, a regex or a grammar (schemas/response_format.py).
     response_format: ResponseFormat | None = None
     # False keeps the request out of speculative decoding (the worker's --speculative).
@@ -118,6 +139,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
             )
         if not math.isfinite(self.temperature):
             raise ValueError("temperature must be a finite number - at `$.temperature`")
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError("repetition_penalty must be a finite number > 0 - at `$.repetition_penalty`")
         if self.deadline is not None and not math.isfinite(self.deadline):
             raise ValueError("deadline must be a finite number of unix seconds - at `$.deadline`")
         if isinstance(self.stop, str):
@@ -214,7 +237,7 @@ def request_from_obj(obj: Any) -> Request:
 
         return request_from_openai(obj)
     try:
-        return msgspec.convert(obj, Request)
+        return msgspec.convert(obj, Request, str_keys=True)
     except msgspec.ValidationError as exc:
         raise RequestError(errors.INVALID_REQUEST, str(exc), recover_id_from_obj(obj)) from None
     except RecursionError:
@@ -230,6 +253,8 @@ def encode_request(req: Request, fmt: Literal["json", "msgpack"] = "msgpack") ->
 def to_sampling_kwargs(req: Request) -> dict[str, Any]:
     """Keyword arguments for ``mqinfer.scheduler.request.SamplingParams`` built from ``req``."""
     stop = req.stop if isinstance(req.stop, list) else [req.stop]
+    # Where the sampling fields sat in what the producer sent, for errors the engine finds.
+    prefix = "$.body" if req.api else "$"
     return {
         "max_tokens": req.max_tokens,
         "min_tokens": req.min_tokens,
@@ -241,5 +266,11 @@ def to_sampling_kwargs(req: Request) -> dict[str, Any]:
         "stop_token_ids": tuple(req.stop_token_ids),
         "ignore_eos": req.ignore_eos,
         "logprobs": req.logprobs,
-        "grammar": grammar_spec(req.response_format, "$.body.response_format" if req.api else "$.response_format"),
+        "grammar": grammar_spec(req.response_format, f"{prefix}.response_format"),
+        "n": req.n,
+        "presence_penalty": float(req.presence_penalty),
+        "frequency_penalty": float(req.frequency_penalty),
+        "repetition_penalty": float(req.repetition_penalty),
+        "logit_bias": tuple(sorted((int(t), float(b)) for t, b in req.logit_bias.items())),
+        "field_prefix": prefix,
     }

@@ -114,7 +114,7 @@ CASES: list[Case] = [
                                  "v": b"1"}, "invalid_request", "two-payloads"),
     _row("entry over 1 MiB", _j({"id": "huge-prompt", "prompt": _huge_prompt}), "invalid_request", "huge-prompt"),
     _row("openai line with a bad body", _j({"custom_id": "oa-bad", "method": "POST", "url": "/v1/completions",
-                                            "body": {"prompt": "x", "n": 5}}), "unsupported_parameter", "oa-bad"),
+                                            "body": {"prompt": "x", "best_of": 5}}), "unsupported_parameter", "oa-bad"),
     # -- valid for the schema, refused by the engine -------------------------------------------------
     _row("out-of-vocabulary token id", _j({"id": "oov-token", "prompt_token_ids": [256, 100_000]}),
          "invalid_token_id", "oov-token", decode=None),

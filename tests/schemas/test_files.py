@@ -30,7 +30,7 @@ def test_jsonl_lines_errors_and_numbering(tmp_path):
         '{"id": "b", "prompt": ',  # malformed
         json.dumps({"prompt": "no id"}),
         json.dumps({"id": "c", "prompt": "x", "max_tokens": 0}),
-        json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "n": 2}}),
+        json.dumps({"custom_id": "d", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", "best_of": 2}}),
         json.dumps({"custom_id": "e", "method": "POST", "url": "/v1/chat/completions",
                     "body": {"messages": [{"role": "user", "content": "hi"}]}}),
     ]
@@ -125,3 +125,27 @@ def test_jsonl_is_streamed(tmp_path):
         tracemalloc.stop()
     assert all(i.request is not None for i in first)
     assert peak < 2_000_000
+
+
+def test_parquet_logit_bias_as_a_map_or_json_text_and_n_as_float(tmp_path):
+    path = tmp_path / "bias.parquet"
+    table = pa.table({
+        "id": ["m", "t"],
+        "prompt": ["x", "y"],
+        "n": pa.array([2.0, None], pa.float64()),  # pandas' int column with a missing value
+        "logit_bias": pa.array([[(65, 5.0), (66, -100.0)], None], pa.map_(pa.int64(), pa.float64())),
+        "presence_penalty": [0.5, None],
+    })
+    pq.write_table(table, path)
+    items = list(iter_input(path))
+    assert [i.error for i in items] == [None, None]
+    assert (items[0].request.n, items[0].request.logit_bias, items[0].request.presence_penalty) == (
+        2, {65: 5.0, 66: -100.0}, 0.5)
+    assert items[1].request.n == 1 and items[1].request.logit_bias == {}
+    text = tmp_path / "text.parquet"
+    pq.write_table(pa.table({"id": ["t"], "prompt": ["y"], "logit_bias": ['{"70": 1.5}']}), text)
+    assert next(iter_input(text)).request.logit_bias == {70: 1.5}
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"id": ["b"], "prompt": ["y"], "logit_bias": ['{"70": 500}']}), bad)
+    error = next(iter_input(bad)).error
+    assert error.code == errors.INVALID_REQUEST and "$.logit_bias" in error.message and error.request_id == "b"

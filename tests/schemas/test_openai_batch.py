@@ -94,13 +94,10 @@ def test_chat_logprobs_forms():
 
 
 UNSUPPORTED = [
-    (line({"prompt": "x", "n": 2}), "body.n = 2 is not supported"),
-    (line({"prompt": "x", "best_of": 3}), "body.best_of = 3"),
+    (line({"prompt": "x", "best_of": 3}), "body.best_of = 3 is not supported (only 1); generating best_of"),
     (line({"prompt": "x", "echo": True}), "body.echo = true"),
     (line({"prompt": "x", "stream": True}), "body.stream = true"),
-    (line({"prompt": "x", "presence_penalty": 0.5}), "body.presence_penalty = 0.5"),
-    (line({"prompt": "x", "logit_bias": {"1": 2}}), "body.logit_bias is not supported"),
-    (chat({"messages": [{"role": "user", "content": "x"}], "n": 2}), "body.n = 2 is not supported"),
+    (chat({"messages": [{"role": "user", "content": "x"}], "best_of": 2}), "ask for n choices"),
     (chat({"messages": [{"role": "user", "content": "x"}], "tools": []}), "body.tools is not supported"),
     (chat({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "regex", "regex": "a+"}}),
      "body.response_format.type = \"regex\" is not supported"),
@@ -163,3 +160,55 @@ def test_unusable_custom_id_gives_no_request_id():
     for bad in (7, "", "x" * 129, "a\tb"):
         err = reject({"custom_id": bad, "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}})
         assert err.code == errors.INVALID_REQUEST and "$.custom_id" in err.message and err.request_id is None
+
+
+# -- n, penalties and logit_bias -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [lambda b: line({"prompt": "x", **b}),
+                                  lambda b: chat({"messages": [{"role": "user", "content": "x"}], **b})])
+def test_choices_penalties_and_logit_bias_map_on_both_endpoints(make):
+    req = decode_request(json.dumps(make({
+        "n": 4, "presence_penalty": 1.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+        "logit_bias": {"65": 100, "7": -100.0}, "min_tokens": 2, "seed": 9,
+    })))
+    assert (req.n, req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (4, 1.5, -0.5, 1.2)
+    assert req.logit_bias == {65: 100.0, 7: -100.0} and req.min_tokens == 2
+    assert decode_request(encode_request(req), fmt="msgpack") == req
+    assert decode_request(encode_request(req, "json")) == req
+    from mqinfer.scheduler.request import SamplingParams
+    from mqinfer.schemas.request import to_sampling_kwargs
+
+    params = SamplingParams(**to_sampling_kwargs(req))
+    assert (params.n, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (4, 1.5, -0.5, 1.2)
+    assert params.logit_bias == ((7, -100.0), (65, 100.0)) and params.field_prefix == "$.body"
+    assert params.penalized and params.processes_logits
+
+
+OUT_OF_RANGE = [
+    ({"n": 0}, "Expected `int` >= 1 - at `$.body.n`"),
+    ({"n": 129}, "Expected `int` <= 128 - at `$.body.n`"),
+    ({"presence_penalty": 2.01}, "Expected `float` <= 2.0 - at `$.body.presence_penalty`"),
+    ({"frequency_penalty": -2.5}, "Expected `float` >= -2.0 - at `$.body.frequency_penalty`"),
+    ({"repetition_penalty": 0}, "Expected `float` > 0.0 - at `$.body.repetition_penalty`"),
+    ({"logit_bias": {"5": 100.5}}, "Expected `float` <= 100.0 - at `$.body.logit_bias[...]`"),
+    ({"logit_bias": {"five": 1}}, "Expected `int`, got `str` - at `key` in `$.body.logit_bias`"),
+    ({"logit_bias": {"-1": 1}}, "Expected `int` >= 0 - at `key` in `$.body.logit_bias`"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "Expected `object` of length <= 300 - at `$.body.logit_bias`"),
+    ({"logit_bias": [1, 2]}, "at `$.body.logit_bias`"),
+]
+
+
+@pytest.mark.parametrize(("body", "text"), OUT_OF_RANGE)
+def test_out_of_range_sampling_parameters_name_the_body_field(body, text):
+    for obj in (line({"prompt": "x", **body}), chat({"messages": [{"role": "user", "content": "x"}], **body})):
+        err = reject(obj)
+        assert err.code == errors.INVALID_REQUEST and text in err.message and err.request_id == "c-1"
+
+
+def test_edges_of_the_ranges_are_accepted():
+    req = decode_request(json.dumps(line({
+        "prompt": "x", "n": 128, "presence_penalty": -2, "frequency_penalty": 2,
+        "logit_bias": {str(i): (-100 if i % 2 else 100) for i in range(300)},
+    })))
+    assert req.n == 128 and len(req.logit_bias) == 300 and req.presence_penalty == -2.0

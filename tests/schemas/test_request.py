@@ -217,3 +217,48 @@ def test_any_valid_request_round_trips(obj, fmt):
     req = request_from_obj(obj)
     assert decode_request(encode_request(req, fmt), fmt=fmt) == req
     assert decode_request(json.dumps(obj)) == req
+
+
+def test_choices_penalties_and_logit_bias_of_native_requests():
+    req = decode_request(json.dumps({"id": "p", "prompt": "x", "n": 3, "presence_penalty": 0.5,
+                                     "frequency_penalty": 1, "repetition_penalty": 1.3, "logit_bias": {"10": -7}}))
+    assert (req.n, req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (3, 0.5, 1.0, 1.3)
+    assert req.logit_bias == {10: -7.0}
+    for fmt in ("json", "msgpack"):
+        assert decode_request(encode_request(req, fmt), fmt=fmt) == req
+    # A dict with text keys (a client call, a Parquet row) converts the same way.
+    assert request_from_obj({"id": "p", "prompt": "x", "n": 3, "presence_penalty": 0.5, "frequency_penalty": 1,
+                             "repetition_penalty": 1.3, "logit_bias": {"10": -7}}) == req
+    params = SamplingParams(**to_sampling_kwargs(req))
+    assert params.logit_bias == ((10, -7.0),) and params.field_prefix == "$" and params.n == 3
+    plain = SamplingParams(**to_sampling_kwargs(decode_request(b'{"id": "g", "prompt": "x"}')))
+    assert not plain.processes_logits and not plain.penalized and plain.n == 1
+
+
+@pytest.mark.parametrize(("obj", "path"), [
+    ({"n": 0}, "$.n"), ({"n": 129}, "$.n"), ({"presence_penalty": -2.1}, "$.presence_penalty"),
+    ({"frequency_penalty": 3}, "$.frequency_penalty"), ({"repetition_penalty": -1}, "$.repetition_penalty"),
+    ({"logit_bias": {"1": -101}}, "$.logit_bias"), ({"logit_bias": {"x": 1}}, "$.logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "$.logit_bias"), ({"best_of": 2}, "best_of"),
+])
+def test_out_of_range_sampling_fields_name_the_field(obj, path):
+    with pytest.raises(RequestError) as info:
+        decode_request(json.dumps({"id": "a", "prompt": "x", **obj}))
+    assert info.value.code == errors.INVALID_REQUEST and path in info.value.message
+    assert info.value.request_id == "a"
+
+
+def test_an_infinite_repetition_penalty_is_refused():
+    with pytest.raises(RequestError) as info:
+        decode_request(b'{"id": "a", "prompt": "x", "repetition_penalty": 1e999}')
+    assert "$.repetition_penalty" in info.value.message
+    with pytest.raises(RequestError) as info:
+        request_from_obj({"id": "a", "prompt": "x", "repetition_penalty": float("inf")})
+    assert "$.repetition_penalty" in info.value.message
+
+
+def test_sampling_params_check_the_new_fields():
+    for bad in ({"n": 0}, {"n": 129}, {"presence_penalty": 2.5}, {"frequency_penalty": float("nan")},
+                {"repetition_penalty": 0.0}, {"logit_bias": ((1, 101.0),)}, {"logit_bias": ((-1, 1.0),)}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)

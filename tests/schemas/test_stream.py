@@ -73,7 +73,7 @@ def test_undecodable_payloads():
     assert reject({b"json": b"{not json", b"v": b"1"}).code == errors.INVALID_JSON
     err = reject({b"json": b'{"id": "e-2", "prompt": "x", "top_p": 0}'})
     assert err.code == errors.INVALID_REQUEST and "$.top_p" in err.message and err.request_id == "e-2"
-    err = reject({"r": msgspec.msgpack.encode({"id": "e-3", "prompt": "x", "n": 2})})
+    err = reject({"r": msgspec.msgpack.encode({"id": "e-3", "prompt": "x", "n": 0})})
     assert err.code == errors.INVALID_REQUEST and err.request_id == "e-3"
     assert reject({"json": "\ud800"}).code == errors.INVALID_JSON  # lone surrogate in text
     assert reject([("r", b"")]).code == errors.INVALID_REQUEST  # not a mapping

@@ -105,7 +105,7 @@ def test_run_one_command_on_200_mixed_lines(tmp_path):
         {"prompt": "no id"},
         {"id": "u", "prompt": "x", "colour": 1},
         {"id": "both", "prompt": "x", "prompt_token_ids": [1]},
-        {"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "n": 2}},
+        {"custom_id": "f", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi", "best_of": 2}},
     ]
     lines, expected = [], {}
     for i in range(200):
@@ -137,7 +137,7 @@ def test_run_one_command_on_200_mixed_lines(tmp_path):
     assert by_id["line:4"]["error_code"] == "invalid_json"
     assert by_id["line:24"]["error_code"] == "invalid_request" and "id" in by_id["line:24"]["error"]
     assert all(e["error"] for e in errors.values())
-    assert any(e["error_code"] == "unsupported_parameter" and "n" in e["error"] for e in errors.values())
+    assert any(e["error_code"] == "unsupported_parameter" and "best_of" in e["error"] for e in errors.values())
     assert len({r["job_id"] for r in results}) == 1
     costs = [c for c in rows(out / "costs") if c["kind"] == "request"]
     assert sorted(c["id"] for c in costs) == sorted(by_id)  # a cost row for every request
