@@ -53,6 +53,18 @@ def random_uniforms(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: in
     return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of choice ``index`` of a request seeded with ``seed`` (``n`` > 1): choice 0
+    keeps the seed itself (so ``n`` = 1 samples as it always did), choice i > 0 a splitmix64 mix of
+    (seed, i). A non-negative 63-bit int; the same for the same (seed, index), whatever the batch."""
+    if index == 0:
+        return seed & ((1 << 63) - 1)
+    z = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters as tensors (built once per step by the model runner).
@@ -213,6 +225,7 @@ __all__ = [
     "SamplingTensors",
     "accept_proposals",
     "apply_top_k_top_p",
+    "choice_seed",
     "compute_logprobs",
     "greedy",
     "mix64",

@@ -9,7 +9,17 @@ attribution). One step is::
 
 A request with a grammar (``SamplingParams.grammar``, structured output) also has its token
 masks filled while the runner computes its logits, and its matcher advanced in postprocess
-(workers/structured.py).
+(workers/structured.py). A request with penalties, a logit bias or ``min_tokens`` has its logits
+processed before the masks (workers/logits_processors.py).
+
+A request with ``n`` > 1 choices runs as n sequences: choice 0 under the request's id, choice i
+under :func:`choice_id` (``<id>#<i>``). The other choices wait outside the scheduler until choice
+0 has computed the prompt (or ended), and then join it: the prompt's full KV blocks are in the
+prefix cache by then, so they take them as hits and compute only the prompt's last, partial block
+themselves (without prefix caching they compute the whole prompt). Each choice samples with its own
+seed (:func:`~mqinfer.kernels.sampling.choice_seed`), so a choice's tokens do not depend on the
+others or on the batch. Outputs carry the request's id and the choice's ``index``; ``StepWork``
+carries the sequence's id (what the scheduler and the KV cache know).
 
 Prompt checks that depend on the model (length, vocabulary, stop strings needing a
 tokenizer) raise ``EngineInputError`` with a stable code, so the worker can write an error
@@ -29,14 +39,17 @@ from typing import Callable
 
 import torch
 
+from mqinfer.kernels.sampling import choice_seed
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
+from mqinfer.schemas import errors
 from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.draft_proposer import DraftProposer, check_draft_model
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
+from mqinfer.workers.logits_processors import LogitsProcessors
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
 from mqinfer.workers.parallel import Leader, RankSettings
@@ -56,6 +69,13 @@ _CPU_KV_MAX_BYTES = 4 << 30
 _CUDA_KV_MEMORY_SHARE = 0.9
 _CUDA_ACTIVATION_RESERVE = 2 << 30
 _SEED_MASK = (1 << 63) - 1
+# Separates a request's id from its choice number in the sequence id of choice i > 0.
+CHOICE_SEPARATOR = "#"
+
+
+def choice_id(request_id: str, index: int) -> str:
+    """The engine's sequence id of choice ``index`` of a request: the request's own id for choice 0."""
+    return request_id if index == 0 else f"{request_id}{CHOICE_SEPARATOR}{index}"
 
 
 class EngineInputError(Exception):
@@ -101,11 +121,14 @@ class RequestOutput:
     # Set once finished, for a request with a grammar: whether its text follows the grammar (see
     # workers/structured.py); None for free text and for error endings.
     schema_valid: bool | None = None
+    # The choice (0 to n - 1) of a request with n choices; ``request_id`` is the request's.
+    index: int = 0
 
 
 @dataclass
 class StepWork:
-    """One scheduled request's share of a step, for cost attribution."""
+    """One scheduled sequence's share of a step, for cost attribution (``request_id`` is the
+    sequence's: :func:`choice_id` of its request and choice)."""
 
     request_id: str
     num_tokens: int
@@ -138,6 +161,20 @@ class SpecStats:
 
 
 @dataclass
+class _Choices:
+    """A request with n > 1 choices while any of them is unfinished."""
+
+    # Choice 0, the one that computes the prompt.
+    first: Request
+    # Choices 1..n-1 not given to the scheduler yet (until the first has computed the prompt).
+    held: list[Request]
+    # Sequence ids of every choice, in index order.
+    ids: list[str]
+    # Choices not yet reported finished.
+    unfinished: int
+
+
+@dataclass
 class StepResult:
     outputs: list[RequestOutput]
     work: list[StepWork]
@@ -147,7 +184,7 @@ class StepResult:
 
 @dataclass
 class _Tracked:
-    """Engine-side state of an unfinished request."""
+    """Engine-side state of an unfinished sequence (a request, or one choice of it)."""
 
     request: Request
     detokenizer: IncrementalDetokenizer | None
@@ -337,8 +374,13 @@ class LLMEngine:
         if self.tokenizer is not None:
             self.structured = StructuredOutputs(self.tokenizer, info.vocab_size, self.eos_token_ids,
                                                 mask_threads=default_mask_threads(self.device))
+        # Requests whose logits are processed before sampling (penalties, logit_bias, min_tokens).
+        self.processors = LogitsProcessors(info.vocab_size, self.device)
         self._rng = random.Random(config.seed)
         self._tracked: dict[str, _Tracked] = {}
+        # Requests with n > 1 choices, by request id, and each such choice's (request id, index).
+        self._choices: dict[str, _Choices] = {}
+        self._choice_of: dict[str, tuple[str, int]] = {}
         # Requests ended between steps (cancel): reported by the next step.
         self._ended_outside: list[Request] = []
         # Seconds spent in each part of step() since start (perf_counter), for profiling:
@@ -442,18 +484,34 @@ class LLMEngine:
                 "which leaves no room to generate",
             )
 
+    def _check_logit_bias(self, sampling: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        for token, _ in sampling.logit_bias:
+            if token >= vocab:
+                raise EngineInputError(
+                    errors.INVALID_TOKEN_ID,
+                    f"logit_bias: token id {token} is outside the vocabulary (0..{vocab - 1}) of model "
+                    f"{self.info.name} - at `{sampling.field_prefix}.logit_bias`",
+                )
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str = "default", speculative: bool = True) -> None:
-        """Queue a request; ``speculative`` False keeps it out of speculative decoding, as does a
-        grammar (``sampling.grammar``), which must compile (else ``invalid_response_format``)."""
-        if request_id in self._tracked or self.scheduler.get_request(request_id) is not None:
-            raise ValueError(f"request {request_id!r} is already in the engine")
+        """Queue a request (with ``sampling.n`` choices); ``speculative`` False keeps it out of
+        speculative decoding, as do a grammar (``sampling.grammar``), which must compile (else
+        ``invalid_response_format``), and a presence, frequency or repetition penalty."""
+        n = sampling.n
+        seq_ids = [choice_id(request_id, i) for i in range(n)]
+        for rid in seq_ids:
+            if (rid in self._tracked or rid in self._choices or rid in self._choice_of
+                    or self.scheduler.get_request(rid) is not None):
+                raise ValueError(f"request {rid!r} is already in the engine")
         ids = list(prompt_token_ids)
         if not ids:
             raise EngineInputError("invalid_request", "prompt_token_ids: the prompt has no tokens")
         self._check_length(len(ids))
         self._check_token_ids(ids)
+        self._check_logit_bias(sampling)
         if sampling.stop and self.tokenizer is None:
             raise EngineInputError(
                 "invalid_request",
@@ -467,53 +525,106 @@ class LLMEngine:
                     f" - at `{sampling.grammar.path}`",
                 )
             speculative = False  # proposals would each need a mask of their own
-        seed = sampling.seed & _SEED_MASK if sampling.seed is not None else self._rng.getrandbits(63)
-        request = Request(
-            request_id=request_id,
-            prompt_token_ids=ids,
-            sampling=sampling,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=self.clock() if arrival_time is None else arrival_time,
-            priority=priority,
-            deadline=deadline,
-            max_model_len=self.max_model_len,
-            tenant=tenant,
-            speculative=speculative,
-            sampling_seed=seed,
-        )
+        if sampling.penalized:
+            speculative = False  # a proposal's row would need the counts with the proposals before it
+        arrival = self.clock() if arrival_time is None else arrival_time
+        choices = []
+        for i, rid in enumerate(seq_ids):
+            seed = choice_seed(sampling.seed, i) if sampling.seed is not None else self._rng.getrandbits(63)
+            choices.append(Request(
+                request_id=rid,
+                prompt_token_ids=ids,
+                sampling=sampling,
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                priority=priority,
+                deadline=deadline,
+                max_model_len=self.max_model_len,
+                tenant=tenant,
+                speculative=speculative,
+                sampling_seed=seed,
+            ))
         if sampling.grammar is not None:
             try:
-                self.structured.add(request)
+                for request in choices:
+                    self.structured.add(request)
             except GrammarError as exc:
+                for request in choices:
+                    self.structured.forget(request.request_id)
                 raise EngineInputError("invalid_response_format", exc.message) from None
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, sampling.stop, ids) if self.tokenizer is not None else None
-        )
-        self._tracked[request_id] = _Tracked(request, detok, [] if sampling.logprobs is not None else None)
-        self.scheduler.add_request(request)
+        for request in choices:
+            self.processors.add(request)
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, sampling.stop, ids) if self.tokenizer is not None else None
+            )
+            self._tracked[request.request_id] = _Tracked(request, detok,
+                                                         [] if sampling.logprobs is not None else None)
+        if n > 1:
+            self._choices[request_id] = _Choices(choices[0], choices[1:], seq_ids, n)
+            for i, rid in enumerate(seq_ids[1:], start=1):
+                self._choice_of[rid] = (request_id, i)
+        self.scheduler.add_request(choices[0])
 
     def cancel(self, request_id: str) -> None:
-        """End a request as cancelled (its blocks are freed now; the next step reports it)."""
-        self._ended_outside.extend(
-            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_CANCELLED)
-        )
+        """End a request (all its choices) as cancelled (their blocks are freed now; the next step
+        reports them)."""
+        group = self._choices.get(request_id)
+        if group is None:
+            self._ended_outside.extend(
+                self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_CANCELLED)
+            )
+            return
+        self._ended_outside.extend(self.scheduler.finish_requests(group.ids, RequestStatus.FINISHED_CANCELLED))
+        for request in group.held:
+            request.status = RequestStatus.FINISHED_CANCELLED
+            self._ended_outside.append(request)
+        group.held = []
 
     def withdraw(self, request_ids: list[str]) -> None:
-        """End requests without reporting them in any step (for work handed back to the stream,
-        whose row another worker will write)."""
-        for request in self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_CANCELLED):
-            self._tracked.pop(request.request_id, None)
-            if self.proposer is not None:
-                self.proposer.forget(request.request_id)
-            if self.structured is not None:
-                self.structured.forget(request.request_id)
+        """End requests (all their choices) without reporting them in any step (for work handed back
+        to the stream, whose row another worker will write)."""
+        seq_ids: list[str] = []
+        for rid in request_ids:
+            group = self._choices.pop(rid, None)
+            if group is None:
+                seq_ids.append(rid)
+                continue
+            seq_ids.extend(group.ids)
+            for request in group.held:
+                self._forget(request.request_id)
+            for sid in group.ids[1:]:
+                self._choice_of.pop(sid, None)
+        for request in self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_CANCELLED):
+            self._forget(request.request_id)
+
+    def _forget(self, seq_id: str) -> None:
+        self._tracked.pop(seq_id, None)
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
+        if self.structured is not None:
+            self.structured.forget(seq_id)
+        self.processors.forget(seq_id)
+
+    def holds(self, request_id: str) -> bool:
+        """Whether any choice of the request is still in the engine (waiting, running, or held back
+        until the first has computed the prompt)."""
+        group = self._choices.get(request_id)
+        if group is None:
+            return self.scheduler.get_request(request_id) is not None
+        return bool(group.held) or any(self.scheduler.get_request(sid) is not None for sid in group.ids)
+
+    def unstarted_request_ids(self) -> list[str]:
+        """Requests none of whose choices has run yet (the scheduler's unstarted requests, less the
+        choices of requests whose first choice has run)."""
+        return [rid for rid in self.scheduler.unstarted_request_ids() if rid not in self._choice_of]
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._ended_outside)
+        return self.scheduler.has_unfinished_requests() or bool(self._ended_outside) or bool(self._choices)
 
     def free_capacity(self) -> int:
         s = self.scheduler
-        return max(0, self.scheduler_config.max_num_seqs - s.num_running - s.num_waiting)
+        held = sum(len(group.held) for group in self._choices.values()) if self._choices else 0
+        return max(0, self.scheduler_config.max_num_seqs - s.num_running - s.num_waiting - held)
 
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> StepResult:
@@ -525,14 +636,15 @@ class LLMEngine:
         t1 = time.perf_counter()
         # Constrained requests' token masks, filled in the background while the model runs.
         masks = self.structured.begin_step(scheduler_output.scheduled) if self.structured is not None else None
+        processors = self.processors if len(self.processors) else None
         try:
             # A step may hold only block copies (swap preemption); they must still happen now.
             if scheduler_output.is_empty:
                 ran = None
-            elif masks is None:
+            elif masks is None and processors is None:
                 ran = self.runner.execute(scheduler_output)
             else:
-                ran = self.runner.execute(scheduler_output, masks)
+                ran = self.runner.execute(scheduler_output, masks, processors=processors)
         finally:
             if masks is not None:
                 masks.wait()  # the matchers must not move while a mask is being filled
@@ -607,10 +719,25 @@ class LLMEngine:
             self._advance_grammars(touched.values())
         outputs = [self._output(request) for request in touched.values()]
         # Stop strings end requests here; their blocks go back before the next schedule().
-        stopped = [o.request_id for o in outputs if o.finished and not touched[o.request_id].is_finished]
+        stopped = [request.request_id for request, o in zip(touched.values(), outputs)
+                   if o.finished and not request.is_finished]
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self._choices:
+            self._release_choices()
         return outputs
+
+    def _release_choices(self) -> None:
+        """Give the scheduler the held-back choices of requests whose first choice has computed the
+        prompt (its full blocks are in the prefix cache now) or has ended."""
+        for group in self._choices.values():
+            if not group.held:
+                continue
+            first = group.first
+            if first.num_computed_tokens >= first.num_prompt_tokens or first.is_finished:
+                for request in group.held:
+                    self.scheduler.add_request(request)
+                group.held = []
 
     def _advance_grammars(self, requests) -> None:
         """Feed this step's tokens to the constrained requests' matchers; a grammar that is complete
@@ -651,9 +778,10 @@ class LLMEngine:
         self.num_steps += 1
 
     def _output(self, request: Request) -> RequestOutput:
-        """The request's output for this step: the new tokens handed over, the cumulative lists
+        """The sequence's output for this step: the new tokens handed over, the cumulative lists
         shared (see ``RequestOutput``), so the cost follows the new tokens, not the total."""
         rid = request.request_id
+        parent, index = self._choice_of.get(rid, (rid, 0))
         tracked = self._tracked.get(rid)
         new_ids: list[int] = []
         if tracked is not None:
@@ -701,8 +829,16 @@ class LLMEngine:
                 self.proposer.forget(rid)
             if self.structured is not None:
                 schema_valid = self.structured.finish(rid, status.finish_reason, detok is not None and detok.stopped)
+            self.processors.forget(rid)
+            group = self._choices.get(parent)
+            if group is not None:
+                group.unfinished -= 1
+                if group.unfinished <= 0:
+                    del self._choices[parent]
+                    for sid in group.ids[1:]:
+                        self._choice_of.pop(sid, None)
         return RequestOutput(
-            request_id=rid,
+            request_id=parent,
             new_token_ids=new_ids,
             new_text=new_text,
             finished=finished,
@@ -719,6 +855,7 @@ class LLMEngine:
             num_swaps=request.num_swaps,
             num_rejected_tokens=request.num_rejected_tokens,
             schema_valid=schema_valid,
+            index=index,
         )
 
     @staticmethod

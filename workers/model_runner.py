@@ -40,6 +40,7 @@ from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request
 from mqinfer.workers.draft_proposer import ModelDraft
 from mqinfer.workers.loader import ModelInfo, resolve_dtype
+from mqinfer.workers.logits_processors import LogitsProcessors
 from mqinfer.workers.models import LlamaForCausalLM
 from mqinfer.workers.parallel import Group, StepPlan
 from mqinfer.workers.self_proposer import LayerSkipDraft
@@ -202,11 +203,14 @@ class ModelRunner:
         return self.model(ids, metadata.positions, self.kv_caches, metadata)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput, grammar_masks: StepMasks | None = None) -> ModelRunnerOutput:
+    def execute(self, output: SchedulerOutput, grammar_masks: StepMasks | None = None, *,
+                processors: LogitsProcessors | None = None) -> ModelRunnerOutput:
         """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``.
 
-        ``grammar_masks`` (structured output): the token masks of the constrained requests,
-        applied to their rows before sampling; logprobs stay those of the raw distribution."""
+        ``processors``: the penalties, logit biases and ``min_tokens`` of the requests that ask for
+        them, applied to their rows first; ``grammar_masks`` (structured output): the token masks of
+        the constrained requests, applied to their rows after that. Logprobs stay those of the raw
+        distribution."""
         t0 = time.perf_counter()
         scheduled = output.scheduled
         plan = StepPlan(swap_out=output.swap_out, swap_in=output.swap_in)
@@ -275,12 +279,15 @@ class ModelRunner:
             positions=sample_positions,
             device=device,
         )
-        if grammar_masks is None:
-            token_ids = sample(logits, params)
-        else:
-            # Masked in place unless a request wants logprobs, which come from the raw logits.
+        processed = logits
+        if processors is not None or grammar_masks is not None:
+            # Changed in place unless a request wants logprobs, which come from the raw logits.
             keep_raw = any(r.sampling.logprobs is not None for r in requests)
-            token_ids = sample(grammar_masks.apply(logits, sample_of, in_place=not keep_raw), params)
+            if processors is not None:
+                processed = processors.apply(logits, requests, sample_positions, keep_raw)
+            if grammar_masks is not None:
+                processed = grammar_masks.apply(processed, sample_of, in_place=processed is not logits or not keep_raw)
+        token_ids = sample(processed, params)
         tokens = token_ids.tolist()
         sampled = result.sampled_token_ids
         if not any_spec:
