@@ -1,12 +1,14 @@
 """Compaction of an output folder: one result row per request, every cost row billed once.
 
 Delivery is at least once, so a request can have several result rows (a retry after a crash, a
-re-claimed entry, an error row and a later success). Compaction keeps, per (``job_id``, ``id``),
-a non-error row if there is one, else the first written, ordering rows by ``finished_at``, then
-part file name, then row index. Cost rows are all kept, but a ``request`` row whose (``job_id``,
-``id``, ``worker``, ``finished_at``) is not the kept result's becomes ``duplicate`` (it bills
-nobody); a row written twice (every column equal, a retried write) is kept once. The rule is a
-fixed point: compacting compacted data changes nothing.
+re-claimed entry, an error row and a later success). Compaction keeps, per (``job_id``, ``id``,
+``index``) (a request with ``n`` choices has one row per choice ``index``), a non-error row if
+there is one, else the first written, ordering rows by ``finished_at``, then part file name, then
+row index. Cost rows are all kept, but a ``request`` row whose (``job_id``, ``id``, ``index``,
+``worker``, ``finished_at``) is not the kept result's becomes ``duplicate`` (it bills nobody); a
+row written twice (every column equal, a retried write) is kept once. The rule is a fixed point:
+compacting compacted data changes nothing. Rows written before the ``index`` column existed are
+choice 0, and partitions compaction rewrites say so.
 
 Rewriting is crash-safe. New files are first written under temporary names; then a journal
 listing the renames and deletions is published atomically; then it is carried out and removed.
@@ -33,7 +35,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mqinfer.schemas import faults
-from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, with_device_share
+from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, with_choice_index, with_device_share
 from mqinfer.schemas.dataset import COSTS_DIR, PARQUET_COMPRESSION, RESULTS_DIR, fsync_dir, part_files
 
 JOURNAL_NAME = ".compact-journal.json"
@@ -289,7 +291,18 @@ def _read(path: Path, schema: pa.Schema, columns: list[str] | None = None) -> pa
             table = table.select(names).cast(target)
         except (pa.ArrowException, KeyError) as exc:
             raise RuntimeError(f"{path} does not have the expected columns: {exc}") from None
+    if "index" in names and (schema is RESULT_SCHEMA or "id" in names):
+        table = with_choice_index(table, schema)  # rows from before the column: choice 0
     return table
+
+
+def _lacks_index(path: Path) -> bool:
+    """A part file written before the ``index`` column existed: rewritten with it (choice 0)."""
+    try:
+        with pq.ParquetFile(path) as parquet:
+            return "index" not in parquet.schema_arrow.names
+    except (pa.ArrowException, OSError) as exc:
+        raise RuntimeError(f"cannot read {path}: {exc}") from None
 
 
 def _by_partition(files: list[Path]) -> dict[Path, list[Path]]:
@@ -322,6 +335,7 @@ def _plan_results(files: list[Path], writer: _TempWriter, stats: CompactStats) -
         {
             "job_key": pa.array([], pa.string()),
             "id": pa.array([], pa.string()),
+            "index": pa.array([], pa.int32()),
             "worker": pa.array([], pa.string()),
             "finished_at": pa.array([], pa.int64()),
         }
@@ -334,13 +348,14 @@ def _plan_results(files: list[Path], writer: _TempWriter, stats: CompactStats) -
     key_tables = []
     rows_in_file: dict[Path, int] = {}
     for path in files:
-        t = _read(path, RESULT_SCHEMA, ["job_id", "id", "finish_reason", "finished_at", "worker"])
+        t = _read(path, RESULT_SCHEMA, ["job_id", "id", "index", "finish_reason", "finished_at", "worker"])
         rows_in_file[path] = t.num_rows
         key_tables.append(
             pa.table(
                 {
                     "job_key": _job_key(t["job_id"]),
                     "id": t["id"],
+                    "index": t["index"],
                     "is_error": pc.equal(t["finish_reason"], "error"),
                     "finished_at": _micros(t["finished_at"]),
                     "file": pa.array([rank_of_file[path]] * t.num_rows, pa.int32()),
@@ -351,11 +366,11 @@ def _plan_results(files: list[Path], writer: _TempWriter, stats: CompactStats) -
         )
     keys = pa.concat_tables(key_tables)
     stats.results_before = keys.num_rows
-    # Preference order: non-error first, then first written. Each request keeps its best row.
+    # Preference order: non-error first, then first written. Each request's choice keeps its best row.
     ranked = keys.sort_by([("is_error", "ascending"), ("finished_at", "ascending"), ("file", "ascending"),
                            ("row", "ascending")])
     ranked = ranked.append_column("rank", _arange(ranked.num_rows))
-    best = ranked.group_by(["job_key", "id"], use_threads=False).aggregate([("rank", "min")])
+    best = ranked.group_by(["job_key", "id", "index"], use_threads=False).aggregate([("rank", "min")])
     kept = ranked.take(best["rank_min"])
     stats.results_after = kept.num_rows
     stats.duplicates_removed = stats.results_before - stats.results_after
@@ -368,7 +383,7 @@ def _plan_results(files: list[Path], writer: _TempWriter, stats: CompactStats) -
     for folder, group in _by_partition(files).items():
         total = sum(rows_in_file[p] for p in group)
         keep = sum(len(kept_rows.get(rank_of_file[p], [])) for p in group)
-        if len(group) == 1 and keep == total:
+        if len(group) == 1 and keep == total and not _lacks_index(group[0]):
             continue  # already compact
         writer.deletes.extend(group)
         if keep == 0:
@@ -385,7 +400,7 @@ def _plan_results(files: list[Path], writer: _TempWriter, stats: CompactStats) -
                 out.write_table(table)
         finally:
             writer.finish(temp, out)
-    return kept.select(["job_key", "id", "worker", "finished_at"])
+    return kept.select(["job_key", "id", "index", "worker", "finished_at"])
 
 
 # -- costs ----------------------------------------------------------------------------------
@@ -406,7 +421,7 @@ def _plan_costs(files: list[Path], kept: pa.Table, writer: _TempWriter, stats: C
         stats.identical_cost_rows_removed += before - table.num_rows
         stats.cost_rows_marked_duplicate += marked
         stats.costs_after += table.num_rows
-        if len(group) == 1 and table.num_rows == before and not changed:
+        if len(group) == 1 and table.num_rows == before and not changed and not _lacks_index(group[0]):
             continue
         writer.deletes.extend(group)
         if table.num_rows == 0:
@@ -442,15 +457,16 @@ def _mark_costs(table: pa.Table, kept: pa.Table) -> tuple[pa.Table, pa.Array, bo
         {
             "job_key": _job_key(table["job_id"]),
             "id": table["id"],
+            "index": table["index"],
             "worker": table["worker"],
             "finished_at": _micros(table["finished_at"]),
             "pos": _arange(n),
         }
     ).filter(billable)
-    matched = candidates.join(kept, keys=["job_key", "id", "worker", "finished_at"], join_type="inner")
+    matched = candidates.join(kept, keys=["job_key", "id", "index", "worker", "finished_at"], join_type="inner")
     # Several rows can match one kept result only if they differ somewhere (else they were
     # dropped above); the first in file order bills, the rest are duplicates.
-    claimed = matched.group_by(["job_key", "id"], use_threads=False).aggregate([("pos", "min")])["pos_min"]
+    claimed = matched.group_by(["job_key", "id", "index"], use_threads=False).aggregate([("pos", "min")])["pos_min"]
     is_claimed = pc.is_in(_arange(n), value_set=claimed)
     old_kind = table["kind"].combine_chunks()
     new_kind = pc.if_else(billable, pc.if_else(is_claimed, "request", "duplicate"), old_kind)

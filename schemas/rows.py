@@ -185,21 +185,24 @@ def with_device_share(table: pa.Table) -> pa.Table:
 
 
 def with_choice_index(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """Rows ``table`` of ``schema`` (RESULT_SCHEMA or COST_SCHEMA) with ``index`` present: rows
-    written before the column existed are choice 0. Cost rows keep a null index where they bill no
-    request (idle, startup, lost)."""
+    """Rows ``table`` of ``schema`` (RESULT_SCHEMA or COST_SCHEMA) with ``index`` present and null
+    only where it means "no request": a row written before the column existed, or without one, is
+    choice 0; a cost row without an id (idle, startup, lost) keeps a null index."""
     field = schema.field("index")
-    if "index" in table.schema.names:
-        column = table["index"]
-        if schema is COST_SCHEMA or not column.null_count:
-            return table
-        filled = pc.fill_null(column, pa.scalar(0, pa.int32()))
-        return table.set_column(table.schema.get_field_index("index"), field, filled)
+    if "index" not in table.schema.names:
+        table = table.append_column(field, pa.nulls(table.num_rows, pa.int32()))
+    column = table["index"]
+    if not column.null_count:
+        return table
+    zero = pa.scalar(0, pa.int32())
     if schema is COST_SCHEMA:
-        values = pc.if_else(pc.is_valid(table["id"]), pa.scalar(0, pa.int32()), pa.scalar(None, pa.int32()))
+        filled = pc.if_else(pc.is_valid(column), column,
+                            pc.if_else(pc.is_valid(table["id"]), zero, pa.scalar(None, pa.int32())))
+        if filled.null_count == column.null_count:
+            return table
     else:
-        values = pa.array([0] * table.num_rows, pa.int32())
-    return table.append_column(field, values)
+        filled = pc.fill_null(column, zero)
+    return table.set_column(table.schema.get_field_index("index"), field, filled)
 
 
 def to_micros(value: float | int | dt.datetime | None) -> int | None:

@@ -285,3 +285,76 @@ def test_cost_files_written_before_device_share_existed_compact_as_one_whole_dev
     assert compact(tmp_path).files_before == compact(tmp_path).files_after  # still a fixed point
     drop_job(tmp_path, "j")
     assert shares() == [("-", 1.0)]
+
+
+# -- choices (n > 1) and rows from before the index column ---------------------------------------
+
+
+def test_one_row_per_choice_and_each_choices_cost_row_bills_once(tmp_path):
+    import msgspec
+
+    def choice(row, index):
+        return msgspec.structs.replace(row, index=index, text=f"{row.worker}/{index}")
+
+    def choice_cost(c, index):
+        return msgspec.structs.replace(c, index=index)
+
+    # w1 wrote all three choices of N; w2 (a redelivery) wrote them again later, choice 1 an error.
+    DatasetWriter(tmp_path / "results", RESULT_SCHEMA, "w1").write(
+        [choice(res("N", "j", "w1", T + 1), i) for i in range(3)])
+    DatasetWriter(tmp_path / "results", RESULT_SCHEMA, "w2").write(
+        [choice(res("N", "j", "w2", T + 2, error=i == 1), i) for i in range(3)])
+    # M: one choice failed, the other did not; each is kept as it is.
+    DatasetWriter(tmp_path / "results", RESULT_SCHEMA, "w3").write(
+        [choice(res("M", "j", "w3", T + 1, error=True), 0), choice(res("M", "j", "w3", T + 1), 1)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w1").write([choice_cost(cost("N", "j", "w1", T + 1), i)
+                                                                for i in range(3)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write([choice_cost(cost("N", "j", "w2", T + 2), i)
+                                                                for i in range(3)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w3").write([choice_cost(cost("M", "j", "w3", T + 1), i)
+                                                                for i in range(2)])
+    stats = compact(tmp_path)
+    kept = sorted((d["id"], d["index"], d["text"]) for d in map(dict, rows(tmp_path, "results")))
+    # N: every choice from w1 (w2's are later, and its choice 1 an error).
+    assert kept == [("M", 0, "w3/0"), ("M", 1, "w3/1"), ("N", 0, "w1/0"), ("N", 1, "w1/1"), ("N", 2, "w1/2")]
+    kinds = Counter((d["kind"], d["id"], d["index"], d["worker"]) for d in map(dict, rows(tmp_path, "costs")))
+    assert kinds == Counter({
+        ("request", "N", 0, "w1"): 1, ("request", "N", 1, "w1"): 1, ("request", "N", 2, "w1"): 1,
+        ("duplicate", "N", 0, "w2"): 1, ("duplicate", "N", 1, "w2"): 1, ("duplicate", "N", 2, "w2"): 1,
+        ("request", "M", 0, "w3"): 1, ("request", "M", 1, "w3"): 1,
+    })
+    assert (stats.results_after, stats.duplicates_removed, stats.cost_rows_marked_duplicate) == (5, 3, 3)
+    again = snapshot(tmp_path)
+    compact(tmp_path)
+    assert snapshot(tmp_path) == again
+
+
+def test_rows_written_before_the_index_column_are_choice_zero(tmp_path):
+    import pyarrow as pa
+
+    from mqinfer.schemas.rows import rows_to_table
+
+    old_results = rows_to_table([res("O", "j", "w1", T + 1), res("P", "j", "w1", T + 1, error=True)],
+                                RESULT_SCHEMA).drop_columns(["index"])
+    old_costs = rows_to_table([cost("O", "j", "w1", T + 1), cost("P", "j", "w1", T + 1),
+                               cost(None, None, "w1", T + 2, kind="idle")], COST_SCHEMA).drop_columns(["index"])
+    folder = tmp_path / "results" / "date=2023-11-14"
+    folder.mkdir(parents=True)
+    pq.write_table(old_results, folder / "part-old-results.parquet")
+    folder = tmp_path / "costs" / "date=2023-11-14"
+    folder.mkdir(parents=True)
+    pq.write_table(old_costs, folder / "part-old-costs.parquet")
+    # A new worker wrote P again (choice 0), successfully.
+    DatasetWriter(tmp_path / "results", RESULT_SCHEMA, "w2").write([res("P", "j", "w2", T + 3)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write(
+        [CostRow(**{**{f: getattr(cost("P", "j", "w2", T + 3), f) for f in CostRow.__struct_fields__}, "index": 0})])
+    compact(tmp_path)
+    kept = sorted((d["id"], d["index"], d["worker"]) for d in map(dict, rows(tmp_path, "results")))
+    assert kept == [("O", 0, "w1"), ("P", 0, "w2")]
+    costs = sorted((d["kind"], d["id"] or "", d["index"] if d["index"] is not None else -1, d["worker"])
+                   for d in map(dict, rows(tmp_path, "costs")))
+    assert costs == [("duplicate", "P", 0, "w1"), ("idle", "", -1, "w1"), ("request", "O", 0, "w1"),
+                     ("request", "P", 0, "w2")]
+    for path in part_files(tmp_path / "results") + part_files(tmp_path / "costs"):
+        assert "index" in pq.read_schema(path).names  # rewritten with the column
+    assert pa.types.is_int32(pq.read_schema(part_files(tmp_path / "results")[0]).field("index").type)

@@ -28,7 +28,7 @@ def test_result_schema_is_the_contract():
     assert RESULT_SCHEMA.names == [
         "job_id", "id", "tenant", "model", "request_type", "finish_reason", "error_code", "error",
         "prompt_tokens", "output_tokens", "output_token_ids", "text", "logprobs", "enqueued_at", "started_at",
-        "first_token_at", "finished_at", "worker", "attempt", "metadata", "schema_valid",
+        "first_token_at", "finished_at", "worker", "attempt", "metadata", "schema_valid", "index",
     ]
     types = {f.name: f.type for f in RESULT_SCHEMA}
     assert types["schema_valid"] == pa.bool_() and RESULT_SCHEMA.field("schema_valid").nullable
@@ -41,16 +41,18 @@ def test_result_schema_is_the_contract():
         ("token_id", pa.int32()), ("logprob", pa.float32()), ("top_token_ids", pa.list_(pa.int32())),
         ("top_logprobs", pa.list_(pa.float32())),
     ]
+    assert types["index"] == pa.int32()
     nullable = {f.name for f in RESULT_SCHEMA if f.nullable}
+    # index: nullable only so that files written before it read (as 0); workers always write it.
     assert nullable == {"job_id", "error_code", "error", "text", "logprobs", "enqueued_at", "started_at",
-                        "first_token_at", "schema_valid"}
+                        "first_token_at", "schema_valid", "index"}
 
 
 def test_cost_schema_is_the_contract():
     assert COST_SCHEMA.names == [
         "kind", "job_id", "id", "tenant", "model", "request_type", "prompt_tokens", "cached_prompt_tokens",
         "output_tokens", "queue_s", "prefill_s", "decode_s", "device_s", "recomputed_s", "kv_block_s", "cost_usd",
-        "price_per_device_hour", "worker", "finished_at", "rejected_tokens", "device_share",
+        "price_per_device_hour", "worker", "finished_at", "rejected_tokens", "device_share", "index",
     ]
     types = {f.name: f.type for f in COST_SCHEMA}
     assert all(types[n] == pa.int32() for n in ("prompt_tokens", "cached_prompt_tokens", "output_tokens",
@@ -60,6 +62,26 @@ def test_cost_schema_is_the_contract():
     # Added after rows were written without it: nullable, and such rows read as one whole device.
     assert COST_SCHEMA.field("device_share").nullable
     assert types["finished_at"] == UTC_US
+    assert types["index"] == pa.int32() and COST_SCHEMA.field("index").nullable
+
+
+def test_rows_written_before_the_index_read_as_choice_zero():
+    from mqinfer.schemas.rows import with_choice_index
+
+    result = rows_to_table([ResultRow(id="r", model="m", finish_reason="stop", finished_at=1.0, worker="w",
+                                      index=3)], RESULT_SCHEMA)
+    assert ResultRow(id="r", model="m", finish_reason="stop", finished_at=1.0, worker="w").index == 0
+    old = result.drop_columns(["index"])
+    assert with_choice_index(old, RESULT_SCHEMA)["index"].to_pylist() == [0]
+    assert with_choice_index(result, RESULT_SCHEMA)["index"].to_pylist() == [3]
+    nulls = result.set_column(result.schema.get_field_index("index"), RESULT_SCHEMA.field("index"),
+                              pa.nulls(1, pa.int32()))
+    assert with_choice_index(nulls, RESULT_SCHEMA)["index"].to_pylist() == [0]
+    costs = rows_to_table([CostRow(kind="request", id="r", worker="w", finished_at=1.0, index=2),
+                           CostRow(kind="idle", worker="w", finished_at=1.0)], COST_SCHEMA)
+    assert costs["index"].to_pylist() == [2, None]
+    filled = with_choice_index(costs.drop_columns(["index"]), COST_SCHEMA)
+    assert filled["index"].to_pylist() == [0, None] and filled.schema.equals(COST_SCHEMA)
 
 
 def test_cost_rows_written_before_device_share_read_as_one_device():
