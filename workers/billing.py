@@ -1,8 +1,11 @@
 """Billing: every result row and cost row a worker writes is built here.
 
-A request that ran gets a result row and a ``request`` cost row from its meter; a request that
-ends without running (invalid, refused, cancelled before it started, lost) gets an error row and
-a zero ``request`` cost row; the worker's own time goes to ``startup`` and ``idle`` rows; device
+A request that ran gets a result row and a ``request`` cost row from its meter, one of each per
+choice of a request with ``n`` > 1 choices (each choice's own meter: the first choice computed the
+prompt and carries its prefill, the others only the prompt's last partial block they computed
+themselves, having taken the rest from the prefix cache); a request that ends without running
+(invalid, refused, cancelled before it started, lost) gets an error row and a zero ``request`` cost
+row; the worker's own time goes to ``startup`` and ``idle`` rows; device
 time that no row of this worker will carry (a request handed back, or taken over by another
 worker) becomes a ``duplicate`` row, which bills nobody. So a worker's rows add up to its uptime
 (see :mod:`mqinfer.workers.costs`); the ``lost`` row of a worker killed before it wrote its rows is
@@ -41,7 +44,8 @@ class Billing:
         return device_s * self.price / 3600.0
 
     def request(self, item: InFlight, out, meter: RequestMeter, now: float) -> tuple[ResultRow, CostRow]:
-        """The rows of a request the engine finished (``out``: its final ``RequestOutput``)."""
+        """The rows of a request (or of one of its choices) the engine finished (``out``: its final
+        ``RequestOutput``)."""
         req = item.request
         output_tokens = len(out.output_token_ids)
         row = ResultRow(
@@ -51,7 +55,7 @@ class Billing:
             output_token_ids=list(out.output_token_ids), text=out.text, logprobs=out.logprobs,
             enqueued_at=item.enqueued_at, started_at=item.started_at, first_token_at=item.first_token_at,
             finished_at=now, worker=self.worker, attempt=item.attempt, metadata=dict(req.metadata),
-            schema_valid=out.schema_valid,
+            schema_valid=out.schema_valid, index=out.index,
         )
         cost = CostRow(
             kind="request", job_id=req.job_id, id=req.id, tenant=req.tenant, model=self.model,
@@ -61,14 +65,15 @@ class Billing:
             decode_s=meter.decode_s, device_s=meter.device_s, recomputed_s=meter.recomputed_s,
             kv_block_s=meter.kv_block_s, cost_usd=self._usd(meter.device_s),
             price_per_device_hour=self.price, worker=self.worker, finished_at=now,
-            rejected_tokens=out.num_rejected_tokens, device_share=self.device_share,
+            rejected_tokens=out.num_rejected_tokens, device_share=self.device_share, index=out.index,
         )
         return row, cost
 
     def error(self, request_id: str, job_id: str | None, code: str | None, message: str | None, *, attempt: int,
               enqueued_at: float, request: Request | None = None,
               finish_reason: str = "error") -> tuple[ResultRow, CostRow]:
-        """The rows of a request that ends without running: invalid, refused, cancelled, lost.
+        """The rows of a request that ends without running: invalid, refused, cancelled, lost. One
+        row (index 0) whatever its ``n``: no choice of it ran.
 
         ``request`` gives the labels (tenant, request type, metadata) when the entry decoded."""
         now = self.clock()
@@ -86,7 +91,7 @@ class Billing:
             request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0,
             queue_s=max(0.0, now - enqueued_at), prefill_s=0.0, decode_s=0.0, device_s=0.0, recomputed_s=0.0,
             kv_block_s=0.0, cost_usd=0.0, price_per_device_hour=self.price, worker=self.worker, finished_at=now,
-            device_share=self.device_share,
+            device_share=self.device_share, index=0,
         )
         return row, cost
 
@@ -122,10 +127,11 @@ class Billing:
 
 
 def finished_fields(item: InFlight, out, row: ResultRow, cost: CostRow, meter: RequestMeter) -> dict:
-    """The fields of a finished request's log line (``finished {...}``)."""
+    """The fields of a finished request's log line (``finished {...}``; one per choice, with ``index``,
+    for a request with n > 1 choices)."""
     req = item.request
     now = row.finished_at
-    return {
+    fields = {
         "id": req.id, "job_id": req.job_id, "tenant": req.tenant, "request_type": req.request_type,
         "model": row.model, "worker": row.worker, "attempt": item.attempt,
         "finish_reason": out.finish_reason, "error_code": out.error_code,
@@ -137,3 +143,6 @@ def finished_fields(item: InFlight, out, row: ResultRow, cost: CostRow, meter: R
         "recomputed_s": round(meter.recomputed_s, 6), "cost_usd": cost.cost_usd,
         "rejected_tokens": cost.rejected_tokens,
     }
+    if item.num_choices > 1:
+        fields["index"] = out.index
+    return fields
