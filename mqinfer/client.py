@@ -307,11 +307,21 @@ class Client:
 
     # -- replies -----------------------------------------------------------------------------
     def result(self, request_id: str, timeout: float | None = 60.0, *, job_id: str | None = None) -> ResultRow:
-        """Wait for a request's final row (its result row, as in the results dataset).
+        """Wait for a request's final row (its result row, as in the results dataset); for a request
+        with ``n`` > 1 choices, choice 0's row (:meth:`choices` gives every choice's).
 
         Raises ``ResultTimeout`` after ``timeout`` seconds (None: wait forever).
         """
         return self._run(self._core.result(request_id, job_id, timeout))
+
+    def choices(self, request_id: str, timeout: float | None = 60.0, *,
+                job_id: str | None = None) -> list[ResultRow]:
+        """Wait for a request's final message and return every choice's row, in ``index`` order (one
+        row for a request with one choice). The final message comes once all of them are written.
+
+        Raises ``ResultTimeout`` after ``timeout`` seconds (None: wait forever).
+        """
+        return self._run(self._core.choices(request_id, job_id, timeout))
 
     def stream(self, request_id: str, timeout: float | None = 60.0, *,
                job_id: str | None = None) -> Iterator[ReplyEvent]:

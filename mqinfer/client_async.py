@@ -147,8 +147,14 @@ class AsyncClient:
 
     async def result(self, request_id: str, timeout: float | None = 60.0, *,
                      job_id: str | None = None) -> ResultRow:
-        """Wait for a request's final row; ``ResultTimeout`` after ``timeout`` seconds (None: never)."""
+        """Wait for a request's final row (choice 0's with n > 1 choices); ``ResultTimeout`` after
+        ``timeout`` seconds (None: never)."""
         return await self._run(self._core.result(request_id, job_id, timeout))
+
+    async def choices(self, request_id: str, timeout: float | None = 60.0, *,
+                      job_id: str | None = None) -> list[ResultRow]:
+        """Every choice's row of a request, in index order (see ``Client.choices``)."""
+        return await self._run(self._core.choices(request_id, job_id, timeout))
 
     async def stream(self, request_id: str, timeout: float | None = 60.0, *,
                      job_id: str | None = None) -> AsyncIterator[ReplyEvent]:

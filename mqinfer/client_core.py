@@ -308,12 +308,21 @@ class ClientCore:
         return None if timeout is None else self.clock() + timeout
 
     def result(self, request_id: str, job_id: str | None, timeout: float | None) -> Plan[ResultRow]:
-        """Wait for a request's final row; ResultTimeout after ``timeout`` seconds (None: never)."""
+        """Wait for a request's final row (choice 0's, with n > 1 choices); ResultTimeout after
+        ``timeout`` seconds (None: never)."""
+        final = yield from self._final(request_id, job_id, timeout)
+        return final.row
+
+    def choices(self, request_id: str, job_id: str | None, timeout: float | None) -> Plan[list[ResultRow]]:
+        """Wait for a request's final message: every choice's row, in index order."""
+        final = yield from self._final(request_id, job_id, timeout)
+        return final.rows
+
+    def _final(self, request_id: str, job_id: str | None, timeout: float | None) -> Plan[Final]:
         key = (job_id, request_id)
         self.reply_stream_for(key)
-        final = yield from self._wait(lambda: self.replies.final(key), self.deadline(timeout),
-                                      f"no result for request {request_id!r} within {timeout}s")
-        return final.row
+        return (yield from self._wait(lambda: self.replies.final(key), self.deadline(timeout),
+                                      f"no result for request {request_id!r} within {timeout}s"))
 
     def event_stream(self, request_id: str, job_id: str | None, timeout: float | None) -> "EventStream":
         return EventStream(self, (job_id, request_id), timeout)

@@ -4,10 +4,13 @@ Reply stream messages (stream entry fields; every message has ``id``, ``type``, 
 ``worker``, and ``job_id`` when the request has one):
 
 - ``delta``: ``token_ids`` (a JSON list), ``text`` (never a partial character) and ``index`` (the
-  output position of the first token), one per engine step that produced tokens.
+  output position of the first token), one per engine step that produced tokens; with ``n`` > 1
+  choices, one per choice and step, with ``choice`` (absent for choice 0).
 - ``restart``: the request was redelivered to this worker: drop its partial output.
 - ``final``: ``row``, the result row as JSON, equal to the row in the results dataset. It is sent
-  once the row is durable, just before the request's stream entry is acked. A request submitted
+  once the row is durable, just before the request's stream entry is acked. A request with ``n`` > 1
+  choices gets one final, once every choice's row is durable: ``row`` is choice 0's and
+  ``choices`` (a JSON list) holds every choice's row in ``index`` order. A request submitted
   again (same ``job_id`` and ``id``; from this or another client) is not computed again: a copy
   with the same content gets the first copy's row (once it is written, if it still runs); a copy
   with different content gets an error row with ``error_code`` ``duplicate_id`` naming the id,
@@ -75,6 +78,8 @@ class Delta(msgspec.Struct, frozen=True):
     attempt: int
     worker: str
     type: str = "delta"
+    # The choice these tokens belong to (a request with n > 1 choices).
+    choice: int = 0
 
 
 class Restart(msgspec.Struct, frozen=True):
@@ -88,7 +93,8 @@ class Restart(msgspec.Struct, frozen=True):
 
 
 class Final(msgspec.Struct, frozen=True):
-    """The request's result row (what the results dataset holds for it)."""
+    """The request's result row (what the results dataset holds for it): ``row``, and with n > 1
+    choices every choice's row in ``choices`` (``row`` is the first of them)."""
 
     id: str
     job_id: str | None
@@ -96,11 +102,18 @@ class Final(msgspec.Struct, frozen=True):
     worker: str
     row: ResultRow
     type: str = "final"
+    choices: list[ResultRow] = []
+
+    @property
+    def rows(self) -> list[ResultRow]:
+        """Every choice's row in index order (just ``row`` for a request with one choice)."""
+        return list(self.choices) if self.choices else [self.row]
 
 
 ReplyEvent = Union[Delta, Restart, Final]
 
 _ROW_DECODER = msgspec.json.Decoder(ResultRow)
+_ROWS_DECODER = msgspec.json.Decoder(list[ResultRow])
 _IDS_DECODER = msgspec.json.Decoder(list[int])
 _JSON = msgspec.json.Encoder()
 
@@ -120,11 +133,12 @@ def parse_reply(fields: Mapping[Any, Any]) -> ReplyEvent:
         job_id = as_text(f["job_id"]) if "job_id" in f else None
         if kind == "delta":
             return Delta(rid, job_id, _IDS_DECODER.decode(f["token_ids"]), as_text(f.get("text", b"")),
-                         int(as_text(f["index"])), attempt, worker)
+                         int(as_text(f["index"])), attempt, worker, choice=int(as_text(f.get("choice", b"0"))))
         if kind == "restart":
             return Restart(rid, job_id, attempt, worker)
         if kind == "final":
-            return Final(rid, job_id, attempt, worker, _ROW_DECODER.decode(f["row"]))
+            choices = _ROWS_DECODER.decode(f["choices"]) if "choices" in f else []
+            return Final(rid, job_id, attempt, worker, _ROW_DECODER.decode(f["row"]), choices=choices)
     except KeyError as exc:
         raise ValueError(f"reply message without field {exc.args[0]!r}") from None
     except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
@@ -166,15 +180,20 @@ class ReplyWriter:
         self._add(reply_to, self._head("restart", request_id, job_id, attempt))
 
     def delta(self, reply_to: str, request_id: str, job_id: str | None, token_ids: list[int], text: str,
-              index: int, attempt: int) -> None:
+              index: int, attempt: int, choice: int = 0) -> None:
         fields = self._head("delta", request_id, job_id, attempt)
         fields.update(token_ids=_JSON.encode(token_ids), text=text, index=index)
+        if choice:
+            fields["choice"] = choice
         self._add(reply_to, fields)
 
-    def final(self, reply_to: str, row: Any) -> None:
-        """``row`` is a ResultRow (the one written to the results dataset)."""
+    def final(self, reply_to: str, row: Any, choices: list[Any] | None = None) -> None:
+        """``row`` is a ResultRow (the one written to the results dataset); ``choices`` every choice's
+        row of a request with n > 1 choices (``row`` first)."""
         fields = self._head("final", row.id, row.job_id, row.attempt)
         fields["row"] = _JSON.encode(row)
+        if choices and len(choices) > 1:
+            fields["choices"] = _JSON.encode(choices)
         self._add(reply_to, fields)
 
     def _add(self, key: str, fields: dict[str, Any]) -> None:

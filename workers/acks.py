@@ -8,6 +8,10 @@ in-flight hash, its id joins the job's done set, a registered bulk job gets the 
 stream, the tenant's spend grows by the row's cost (``--enforce-budgets``), the job's count of
 generated tokens is brought up to date, and the request's idempotency record becomes ``done``. Entries that end without a row of their own (a duplicate, a
 dead letter, a lost entry another entry carries) are acked the same way.
+
+A request with ``n`` > 1 choices has one row per choice; they are buffered together and its entry
+is acked once all of them are durable. Its job's result stream gets every row, choice 0's first
+with the cost of all of them (a bulk job counts a request once, by its first row).
 """
 
 from __future__ import annotations
@@ -45,10 +49,14 @@ class PendingAck:
 
     entry_id: str
     # None: the entry ends without a row of its own (a duplicate, a dead letter, a lost entry).
+    # Choice 0's row for a request with n > 1 choices.
     row: ResultRow | None = None
     # The row answers later copies of the request (kept with its idempotency record).
     keep_final: bool = False
+    # The cost of every row of the request.
     cost_usd: float = 0.0
+    # Every choice's row, in index order, for a request with n > 1 choices; None otherwise.
+    choices: list[ResultRow] | None = None
 
 
 class Acks:
@@ -83,16 +91,28 @@ class Acks:
                 computed: bool = False, log_line: tuple[str, tuple, dict | None]) -> None:
         """Buffer a request's rows; its entry is acked once they are durable. ``computed``: the
         engine ran it (rather than refusing or ending it before it ran)."""
-        self.sinks.add(row, cost)
-        self.pending.append(PendingAck(entry_id, row, keep_final=computed and reply_to is not None,
-                                       cost_usd=cost.cost_usd if row.job_id is not None else 0.0))
+        self.add_choices(entry_id, [row], [cost], reply_to=reply_to, computed=computed, log_lines=[log_line])
+
+    def add_choices(self, entry_id: str, rows: list[ResultRow], costs: list[CostRow], *,
+                    reply_to: str | None = None, computed: bool = False,
+                    log_lines: list[tuple[str, tuple, dict | None]]) -> None:
+        """Buffer the rows of every choice of a request (in index order, one cost row each); its
+        entry is acked once they are all durable, and its reply stream gets one final message."""
+        for row, cost in zip(rows, costs, strict=True):
+            self.sinks.add(row, cost)
+        first = rows[0]
+        cost_usd = sum(cost.cost_usd for cost in costs)
+        choices = rows if len(rows) > 1 else None
+        self.pending.append(PendingAck(entry_id, first, keep_final=computed and reply_to is not None,
+                                       cost_usd=cost_usd if first.job_id is not None else 0.0, choices=choices))
         if reply_to is not None:
-            self.replies.final_when_durable(reply_to, row)
+            self.replies.final_when_durable(reply_to, first, choices)
         if self.budget_guard is not None and computed:
-            self.budget_guard.note(entry_id, row.tenant, cost.cost_usd, row.finished_at)
-        self.metrics.finish(row.finish_reason or "error")
-        self._row_log.append(log_line)
-        self._rows_buffered += 1
+            self.budget_guard.note(entry_id, first.tenant, cost_usd, first.finished_at)
+        for row in rows:
+            self.metrics.finish(row.finish_reason or "error")
+        self._row_log.extend(log_lines)
+        self._rows_buffered += len(rows)
         self._finished_buffered += computed
 
     def add_error(self, entry_id: str, request_id: str, job_id: str | None, code: str | None,
@@ -160,7 +180,7 @@ class Acks:
         # counts the rows done (so that a crash between them can only leave a row counted done whose
         # entry is delivered again, and compaction keeps one row).
         lane_pipes = []
-        waiting: list[tuple[object, int, ResultRow]] = []
+        waiting: list[tuple[object, int, PendingAck]] = []
         rows = {p.entry_id: p for p in pending}
         for lane, qids in by_lane(ids).items():
             lane_pipe = pipe if lane is None or not self.redis_cluster else self.redis.pipeline(transaction=True)
@@ -175,9 +195,9 @@ class Acks:
             for qid in qids:
                 p = rows[qid]
                 if p.row is not None:
-                    position = self.idempotency.queue_ack(lane_pipe, p.entry_id, p.row, p.keep_final)
+                    position = self.idempotency.queue_ack(lane_pipe, p.entry_id, p.row, p.keep_final, p.choices)
                     if position is not None:
-                        waiting.append((lane_pipe, position, p.row))
+                        waiting.append((lane_pipe, position, p))
         done: dict[str, list[str]] = {}
         for p in pending:
             if p.row is not None and p.row.job_id is not None:
@@ -197,8 +217,10 @@ class Acks:
         for p in pending:
             row = p.row
             if row is not None and row.job_id is not None and self.jobs.wants_rows(row.job_id):
-                results_pipe.xadd(keys.job_results_stream(row.job_id),
-                                  {"id": row.id, "row": msgspec.json.encode(row), "cost_usd": repr(p.cost_usd)})
+                stream = keys.job_results_stream(row.job_id)
+                results_pipe.xadd(stream, {"id": row.id, "row": msgspec.json.encode(row), "cost_usd": repr(p.cost_usd)})
+                for choice in (p.choices or ())[1:]:
+                    results_pipe.xadd(stream, {"id": choice.id, "row": msgspec.json.encode(choice)})
         results = {id(pipe): pipe.execute()}
         for lane_pipe in lane_pipes:
             results[id(lane_pipe)] = lane_pipe.execute()
@@ -206,9 +228,9 @@ class Acks:
             generated.sent(self.clock())
         for entry_id in ids:
             self.idempotency.forget(entry_id)
-        for lane_pipe, position, row in waiting:
+        for lane_pipe, position, p in waiting:
             for reply_to in waiting_reply_streams(results[id(lane_pipe)][position]):
-                self.replies.final(reply_to, row)
+                self.replies.final(reply_to, p.row, p.choices)
         self.replies.send(self.redis, self.clock())
         if results_pipe is not pipe:
             results_pipe.execute()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.schemas.request import Request
@@ -22,6 +23,13 @@ class InFlight:
     first_token_at: float | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     sampling: SamplingParams | None = None
+    # A request with n > 1 choices: the choices that finished, waiting for the rest (their rows are
+    # written together), by index: (the choice's final engine output, its RequestMeter).
+    choices: dict[int, tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def num_choices(self) -> int:
+        return self.sampling.n if self.sampling is not None else 1
 
 
 def entry_time(entry_id: str) -> float:

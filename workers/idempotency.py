@@ -9,7 +9,7 @@ another client is the same request. A copy with a reply stream is answered there
 copy's final row (kept with the record when the first copy had a reply stream too), once that
 row is written if it still runs, or with a ``duplicate_id`` error row (never written) if its
 content differs. Once the first is gone without a result (lost, cancelled, failed), a new copy
-takes over.
+takes over. The stored final of a request with ``n`` > 1 choices is the list of every choice's row.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ MAX_WAITERS = 100
 _CONTENT_ENCODER = msgspec.msgpack.Encoder(order="deterministic")
 _ROW_ENCODER = msgspec.json.Encoder()
 _ROW_DECODER = msgspec.json.Decoder(ResultRow)
+_ROWS_DECODER = msgspec.json.Decoder(list[ResultRow])
 
 
 def final_row_key(record: str) -> str:
@@ -208,25 +209,32 @@ class Idempotency:
         if claim.outcome == "conflict":
             row = self.billing.duplicate_answer(entry_id, request, self.conflict_error(request, claim).message)
         elif claim.state == "done":
-            row = self._stored_row(request, claim.stored)
-            if row is None:  # computed without a reply stream of its own, so its row was not kept
-                row = self.billing.duplicate_answer(entry_id, request, (
-                    f"id {request.id!r} (job_id {request.job_id!r}) was already computed (entry {claim.first}); "
-                    "its row is in the results dataset and is not sent again - at `$.id`"))
+            rows = self._stored_rows(request, claim.stored)
+            if rows:
+                self.replies.final(request.reply_to, rows[0], rows if len(rows) > 1 else None)
+                return
+            # Computed without a reply stream of its own, so its row was not kept.
+            row = self.billing.duplicate_answer(entry_id, request, (
+                f"id {request.id!r} (job_id {request.job_id!r}) was already computed (entry {claim.first}); "
+                "its row is in the results dataset and is not sent again - at `$.id`"))
         else:
             return
         self.replies.final(request.reply_to, row)
 
     @staticmethod
-    def _stored_row(request: Request, stored) -> ResultRow | None:
+    def _stored_rows(request: Request, stored) -> list[ResultRow]:
+        """The stored final: one row, or every choice's rows (a list) for a request with n > 1 choices."""
         if not stored:
-            return None
+            return []
         try:
-            return _ROW_DECODER.decode(stored)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raw = stored.decode() if isinstance(stored, bytes) else stored
+            if raw.lstrip().startswith("["):
+                return _ROWS_DECODER.decode(raw)
+            return [_ROW_DECODER.decode(raw)]
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             log.warning("stored final row of request %r (job %r) is unreadable: %s", request.id,
                         request.job_id, exc)
-            return None
+            return []
 
     def adopt(self, entry_id: str, record: str) -> None:
         """Hold a record this worker did not take (a lost entry's), so that copies waiting for it
@@ -244,23 +252,27 @@ class Idempotency:
         records = self.redis.mget([self.records[e][0] for e in held])
         return {e for e, r in zip(held, records) if r is not None and text(r).endswith(" done")}
 
-    def queue_ack(self, pipe, entry_id: str, row: ResultRow, keep_final: bool) -> int | None:
-        """Queue on the ack transaction the record's change for a written row; returns the position
-        of the waiter list's read in ``pipe`` (None when this worker holds no record for it).
+    def queue_ack(self, pipe, entry_id: str, row: ResultRow, keep_final: bool,
+                  choices: list[ResultRow] | None = None) -> int | None:
+        """Queue on the ack transaction the record's change for a written row (``choices``: every
+        choice's row of a request with n > 1 choices, ``row`` the first); returns the position of
+        the waiter list's read in ``pipe`` (None when this worker holds no record for it).
 
-        A computed request (``stop`` or ``length``) becomes ``done``, its final row kept when its
-        copy had a reply stream; copies waiting for it are taken in the same transaction, so that a
-        copy claimed after it finds the record ``done`` (and the stored row) instead. A request that
-        ended otherwise (an error, cancelled, expired) may be sent again and is then computed again.
+        A computed request (every choice ``stop`` or ``length``) becomes ``done``, its final row (or
+        rows) kept when its copy had a reply stream; copies waiting for it are taken in the same
+        transaction, so that a copy claimed after it finds the record ``done`` (and the stored row)
+        instead. A request that ended otherwise (an error, cancelled, expired) may be sent again and
+        is then computed again.
         """
         held = self.records.get(entry_id)
         if held is None:
             return None
         record, digest = held
-        if row.finish_reason in ("stop", "length"):
+        rows = choices or [row]
+        if all(r.finish_reason in ("stop", "length") for r in rows):
             ttl = max(1, math.ceil(self.ttl_s or 1))
             if keep_final:
-                pipe.set(final_row_key(record), _ROW_ENCODER.encode(row), ex=ttl)
+                pipe.set(final_row_key(record), _ROW_ENCODER.encode(choices or row), ex=ttl)
             pipe.set(record, f"{split(entry_id)[0]} {digest} done", xx=True, keepttl=True)
         position = len(pipe)
         pipe.get(waiters_key(record))

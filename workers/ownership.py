@@ -99,8 +99,9 @@ class Ownership:
         return item, True
 
     def stop(self, entry_id: str) -> bool:
-        """Cancel a request the engine holds (its next step reports it); False when it has none."""
-        if self.engine.scheduler.get_request(entry_id) is None:
+        """Cancel a request the engine holds, every choice of it (its next step reports them); False
+        when it has none."""
+        if not self.engine.holds(entry_id):
             return False
         self.engine.cancel(entry_id)
         return True

@@ -97,8 +97,8 @@ class Replies:
     def __init__(self, worker: str, stream: str, *, maxlen: int, ttl_s: int) -> None:
         self.writer = ReplyWriter(worker, maxlen=maxlen, ttl_s=ttl_s)
         self.generated = GeneratedTokens(stream)
-        # Final messages whose rows are not durable yet: (reply stream, row).
-        self._finals: list[tuple[str, ResultRow]] = []
+        # Final messages whose rows are not durable yet: (reply stream, row, every choice's row or None).
+        self._finals: list[tuple[str, ResultRow, list[ResultRow] | None]] = []
 
     def __len__(self) -> int:
         """Messages buffered to send."""
@@ -118,20 +118,21 @@ class Replies:
         if req.reply_to is not None and (out.new_token_ids or out.new_text):
             index = len(out.output_token_ids) - len(out.new_token_ids)
             self.writer.delta(req.reply_to, req.id, req.job_id, out.new_token_ids, out.new_text, index,
-                              item.attempt)
+                              item.attempt, out.index)
 
-    def final_when_durable(self, reply_to: str, row: ResultRow) -> None:
-        self._finals.append((reply_to, row))
+    def final_when_durable(self, reply_to: str, row: ResultRow, choices: list[ResultRow] | None = None) -> None:
+        """``row``, with ``choices`` (every choice's row) for a request with n > 1 choices."""
+        self._finals.append((reply_to, row, choices))
 
     def rows_durable(self) -> None:
         """The rows buffered so far are durable: their final messages may go."""
-        for reply_to, row in self._finals:
-            self.writer.final(reply_to, row)
+        for reply_to, row, choices in self._finals:
+            self.writer.final(reply_to, row, choices)
         self._finals.clear()
 
-    def final(self, reply_to: str, row: ResultRow) -> None:
+    def final(self, reply_to: str, row: ResultRow, choices: list[ResultRow] | None = None) -> None:
         """A final message to send now (a row that is durable already, or one never written)."""
-        self.writer.final(reply_to, row)
+        self.writer.final(reply_to, row, choices)
 
     def due(self, now: float) -> bool:
         """Whether :meth:`send` has anything to send now."""

@@ -6,7 +6,9 @@ producers' duplicates), pass on the requests of rate-limited tenants whose bucke
 their tokens (:mod:`.throttle`), admit what the dual-threshold batcher releases, step the
 engine, send reply messages and progress (:mod:`.replies`), keep the entries it runs its own and
 apply cancels (:mod:`.ownership`), and turn finished requests into rows (:mod:`.billing`) that
-are written durably before their entries are acked (:mod:`.acks`). Its uptime record in Redis
+are written durably before their entries are acked (:mod:`.acks`). A request with ``n`` > 1 choices
+becomes its rows once its last choice finishes: one row per choice, written together, so that its
+entry is acked only with all of them durable. The worker's uptime record in Redis
 (its beat, and the device seconds its rows hold) lets another worker bill the time it used and
 never wrote if it is killed; it bills dead workers' time itself in turn (:mod:`.uptime`).
 
@@ -45,8 +47,8 @@ from mqinfer.workers.billing import Billing, finished_fields
 from mqinfer.workers.buckets import TokenBuckets, server_clock_unless
 from mqinfer.workers.busy import BusyTime, summary_path, write_exit_summary
 from mqinfer.workers.config import WorkerConfig
-from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time
-from mqinfer.workers.engine import EngineInputError, LLMEngine
+from mqinfer.workers.costs import Meter, RequestMeter, WorkModel, kv_block_shares, process_start_time
+from mqinfer.workers.engine import EngineInputError, LLMEngine, choice_id
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
@@ -384,22 +386,46 @@ class Worker:
         self._last_activity = result.end
 
     def _finish(self, out) -> None:
+        item = self.ownership.get(out.request_id)
+        n = item.num_choices
+        if n > 1:
+            # Each choice's meter is complete once it finished; the rows wait for the last choice.
+            item.choices[out.index] = (out, self.meter.pop(choice_id(item.entry_id, out.index)))
+            if len(item.choices) < n:
+                return
+            finished = [item.choices[i] for i in range(n)]
+        else:
+            finished = [(out, self.meter.pop(item.entry_id))]
         item, ours = self.ownership.release(out.request_id)
-        meter = self.meter.pop(item.entry_id)
         if not ours:  # another worker owns the entry now: its row wins
-            self._bill_wasted(item, meter)
+            self._bill_wasted(item, _merged(meter for _, meter in finished))
             return
         now = self.clock()
-        row, cost = self.billing.request(item, out, meter, now)
-        fields = finished_fields(item, out, row, cost, meter)
-        self.acks.add_row(item.entry_id, row, cost, reply_to=item.request.reply_to, computed=True,
-                          log_line=("finished %s", (json.dumps(fields),), fields))
+        rows, costs, log_lines = [], [], []
+        for choice, meter in finished:
+            row, cost = self.billing.request(item, choice, meter, now)
+            fields = finished_fields(item, choice, row, cost, meter)
+            rows.append(row)
+            costs.append(cost)
+            log_lines.append(("finished %s", (json.dumps(fields),), fields))
+        self.acks.add_choices(item.entry_id, rows, costs, reply_to=item.request.reply_to, computed=True,
+                              log_lines=log_lines)
         # The lane was charged the request's max_tokens when it was read: correct it.
+        output_tokens = sum(len(choice.output_token_ids) for choice, _ in finished)
         self.ingest.lanes.settle(lane_of(item.entry_id),
-                                 OUTPUT_TOKEN_WEIGHT * (len(out.output_token_ids) - item.request.max_tokens))
+                                 OUTPUT_TOKEN_WEIGHT * (output_tokens - item.request.max_tokens))
         self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
         self.metrics.e2e.observe(max(0.0, now - item.enqueued_at))
-        self.metrics.charge(item.request.tenant, cost.cost_usd)
+        self.metrics.charge(item.request.tenant, sum(cost.cost_usd for cost in costs))
+
+    def _pop_meter(self, item) -> RequestMeter:
+        """The device time of every choice of an entry's request, finished or not (for a row this
+        worker will not write)."""
+        meters = []
+        for i in range(item.num_choices):
+            done = item.choices.get(i)
+            meters.append(done[1] if done is not None else self.meter.pop(choice_id(item.entry_id, i)))
+        return _merged(meters)
 
     def _bill_wasted(self, item, meter) -> None:
         cost = self.billing.wasted(item, meter)
@@ -432,7 +458,7 @@ class Worker:
         """Finish what runs (within the drain timeout), hand back the rest, flush and ack."""
         # Entries still in the batcher, and requests waiting in the engine that have never run,
         # never started: they are handed back below, for a worker that is staying.
-        self.engine.withdraw(self.engine.scheduler.unstarted_request_ids())
+        self.engine.withdraw(self.engine.unstarted_request_ids())
         deadline = self.clock() + self.config.drain_timeout_s
         while self.engine.has_unfinished() and self.clock() < deadline:
             self._step()
@@ -443,8 +469,8 @@ class Worker:
                 self._flush()
         ownership = self.ownership
         unfinished = ownership.unfinished()
-        for entry_id, item in ownership.inflight.items():  # work that no row of ours will carry
-            self._bill_wasted(item, self.meter.pop(entry_id))
+        for item in ownership.inflight.values():  # work that no row of ours will carry
+            self._bill_wasted(item, self._pop_meter(item))
         if unfinished:
             for entry_id in unfinished:
                 ownership.stop(entry_id)
@@ -508,3 +534,17 @@ class Worker:
             write_exit_summary(path, self.exit_summary(code))
         except OSError as exc:
             log.warning("could not write the exit summary %s: %s", path, exc)
+
+
+def _merged(meters) -> RequestMeter:
+    """One meter holding the device time of several (a request's choices)."""
+    meters = list(meters)
+    if len(meters) == 1:
+        return meters[0]
+    total = RequestMeter()
+    for m in meters:
+        total.prefill_s += m.prefill_s
+        total.decode_s += m.decode_s
+        total.recomputed_s += m.recomputed_s
+        total.kv_block_s += m.kv_block_s
+    return total
