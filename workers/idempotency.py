@@ -121,6 +121,9 @@ def content_digest(request: Request) -> str:
     """A request's content hash for the idempotency record: equal for copies that differ only in
     delivery fields, however the producer ordered map keys."""
     bare = msgspec.structs.replace(request, **_DELIVERY_FIELDS)
+    if request.logit_bias:
+        # A deterministic encoding sorts map keys as text: token ids become their JSON spelling.
+        bare = msgspec.structs.replace(bare, logit_bias={str(t): b for t, b in request.logit_bias.items()})
     return hashlib.sha256(_CONTENT_ENCODER.encode(bare)).hexdigest()[:32]
 
 
