@@ -19,6 +19,9 @@ PNG charts when matplotlib is installed.
 * **Budgets** (``ops/budgets.py``): each budgeted tenant's spend in the window, per budget
   period, and whether it reached its budget; groups keyed by tenant are marked.
 
+A request with ``n`` > 1 choices has a ``request`` row per choice (``index``); it counts as one
+request (its choice-0 row), and its tokens and cost are those of every choice.
+
 Read the dataset after ``mqinfer compact``: before it, a retried request's cost rows are all
 still ``request`` and the report counts each of them as a request. The report counts the
 requests with more than one ``request`` row (:func:`uncompacted_warning` words it) instead of
@@ -39,7 +42,7 @@ import pyarrow.dataset as ds
 
 from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
-from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_device_share
+from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_choice_index, with_device_share
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
 GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
@@ -300,7 +303,7 @@ def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table
     if until is not None:
         upper = ds.field("finished_at") < pa.scalar(round(until * 1_000_000), ts_type)
         condition = upper if condition is None else condition & upper
-    return with_device_share(dataset.to_table(filter=condition))
+    return with_choice_index(with_device_share(dataset.to_table(filter=condition)), COST_SCHEMA)
 
 
 def _with_input_cost(table: pa.Table) -> pa.Table:
@@ -313,19 +316,30 @@ def _with_input_cost(table: pa.Table) -> pa.Table:
 def _aggregate(billed: pa.Table, by: list[str]) -> list[dict]:
     if not billed.num_rows:
         return []
-    return billed.group_by(by, use_threads=False).aggregate(
-        [("kind", "count")] + [(name, "sum") for name in _SUMMED]
+    return _with_first_choice(billed).group_by(by, use_threads=False).aggregate(
+        [("first_choice", "sum")] + [(name, "sum") for name in _SUMMED]
     ).to_pylist()
 
 
 def _billed_sum(billed: pa.Table) -> GroupCost:
     """Every ``request`` row summed as one group with no key."""
     row = {f"{name}_sum": pc.sum(billed[name], min_count=0).as_py() for name in _SUMMED}
-    return _group(row | {"kind_count": billed.num_rows}, [])
+    requests = pc.sum(_with_first_choice(billed)["first_choice"], min_count=0).as_py() or 0
+    return _group(row | {"first_choice_sum": requests}, [])
+
+
+def _first_choice(table: pa.Table) -> pa.ChunkedArray:
+    """Whether each row is a request's first (or only) choice: one per request."""
+    return pc.equal(pc.fill_null(table["index"], pa.scalar(0, pa.int32())), 0)
+
+
+def _with_first_choice(billed: pa.Table) -> pa.Table:
+    """``billed`` with ``first_choice`` (1 for a request's choice-0 row, else 0), which counts requests."""
+    return billed.append_column("first_choice", pc.cast(_first_choice(billed), pa.int64()))
 
 
 def _repeated_requests(billed: pa.Table) -> tuple[int, int]:
-    """How many (job_id, id) have more than one ``request`` row, and their rows beyond the first.
+    """How many (job_id, id, index) have more than one ``request`` row, and their rows beyond the first.
 
     Before compaction every attempt of a retried request still bills as ``request``; after it
     at most one row per request does.
@@ -333,7 +347,7 @@ def _repeated_requests(billed: pa.Table) -> tuple[int, int]:
     keyed = billed.filter(pc.is_valid(billed["id"]))
     if not keyed.num_rows:
         return 0, 0
-    counts = keyed.group_by(["job_id", "id"], use_threads=False).aggregate([("kind", "count")])["kind_count"]
+    counts = keyed.group_by(["job_id", "id", "index"], use_threads=False).aggregate([("kind", "count")])["kind_count"]
     repeated = counts.filter(pc.greater(counts, 1))
     return len(repeated), (pc.sum(repeated).as_py() or 0) - len(repeated)
 
@@ -342,7 +356,7 @@ def _group(row: dict, by: list[str]) -> GroupCost:
     s = {name: row[f"{name}_sum"] for name in _SUMMED}
     return GroupCost(
         key={k: row[k] for k in by},
-        requests=row["kind_count"],
+        requests=row["first_choice_sum"],
         prompt_tokens=s["prompt_tokens"],
         cached_prompt_tokens=s["cached_prompt_tokens"],
         output_tokens=s["output_tokens"],
@@ -387,7 +401,7 @@ def _hourly(table: pa.Table) -> list[HourCost]:
         "kind": table["kind"],
         "device_s": table["device_s"],
         "cost_usd": table["cost_usd"],
-        "requests": pc.cast(is_request, pa.int64()),
+        "requests": pc.cast(pc.and_(is_request, _first_choice(table)), pa.int64()),
         "prompt_tokens": pc.if_else(is_request, table["prompt_tokens"], zero),
         "output_tokens": pc.if_else(is_request, table["output_tokens"], zero),
     })

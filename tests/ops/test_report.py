@@ -195,3 +195,23 @@ def test_cost_files_from_before_device_share_read_beside_new_ones(tmp_path):
     assert json.loads(render(report, "json"))["totals"]["device_s"] == pytest.approx(8.0)
     cost = job_cost([tmp_path], "j")
     assert (cost.device_s, cost.rows) == (pytest.approx(5.5), 2)
+
+
+def test_a_request_with_choices_counts_once_with_every_choices_tokens_and_cost(tmp_path):
+    from mqinfer.ops.report import uncompacted_warning
+
+    import msgspec
+
+    base = row("request", "acme", rid="n", job="j", at=T + 1, p=40, o=6, dev=1.0)
+    rows = [msgspec.structs.replace(base, index=0, cached_prompt_tokens=0, device_s=2.0, cost_usd=2.0 * 2 / 3600),
+            msgspec.structs.replace(base, index=1, cached_prompt_tokens=32),
+            msgspec.structs.replace(base, index=2, cached_prompt_tokens=32),
+            row("request", "acme", rid="single", job="j", at=T + 2, p=5, o=1, dev=0.5)]
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w1").write(rows)
+    report = cost_report(tmp_path)
+    [acme] = report.groups
+    assert (acme.requests, acme.prompt_tokens, acme.cached_prompt_tokens, acme.output_tokens) == (2, 125, 64, 19)
+    assert acme.device_s == pytest.approx(4.5)
+    assert report.totals.requests == 2 and report.requests_counted_more_than_once == 0
+    assert uncompacted_warning(report, tmp_path) is None
+    assert sum(h.requests for h in report.hourly) == 2
