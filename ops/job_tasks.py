@@ -2,8 +2,8 @@
 
 A job is a chain of :func:`advance` tasks on the ``mqinfer-jobs`` queue (JSON serializer). Each
 task takes the job's lock, works for at most a few seconds, then puts the next task at the back
-of the queue, so one rq worker serves many jobs in turn and a small job submitted behind a huge
-one starts within seconds. What a task does depends on the job's status:
+of the queue, so one rq worker serves many jobs in turn; a task also ends as soon as another task
+joins the queue, so a job submitted behind a huge one is validated and fed at once. What a task does depends on the job's status:
 
 - ``validating``: read the next chunk of the input, validate it, write it to the spool index
   (requests ready to send, or the line's error, and with ``order`` prefix the part's feed order);
@@ -95,6 +95,7 @@ COLLECT_MAX_ROWS = 2048      # result rows read per collect step
 PART_MIN_ROWS = 256          # spool a part once this many rows wait (or max_in_flight / 4)...
 PART_MAX_AGE_S = 2.0         # ...or once the oldest waiting row is this old
 IDLE_WAIT_S = 1.0            # how long an idle task blocks for new rows when no other job waits
+WAIT_SLICE_S = 0.1           # an idle task looks at the queue this often while it waits
 RECONCILE_EVERY_S = 30.0     # how often requests in flight are checked for vanished entries
 END_GRACE_S = 60.0           # a cancelled or expired job waits this long for rows still in flight
 MAX_TASK_ERRORS = 5          # failed tasks in a row before the job itself fails
@@ -281,9 +282,20 @@ class JobRun:
         self._pending_rows = 0
         self._last_row_id: str | None = None
         self._oldest_pending: float | None = None
+        # The fewest tasks seen waiting in the queue during this task: more than that means a task
+        # came in meanwhile.
+        self._queue_low = int(self.redis.llen(self.queue_key))
 
     def out_of_budget(self) -> bool:
         return time.monotonic() >= self.ends_at
+
+    def task_arrived(self) -> bool:
+        """Whether a task joined the queue during this one: most often a job just submitted, which
+        then gets this rq worker at once (to be validated and fed) instead of after this task's
+        budget; a job's tasks take turns anyway."""
+        queued = int(self.redis.llen(self.queue_key))
+        self._queue_low = min(self._queue_low, queued)
+        return queued > self._queue_low
 
     def reload(self) -> None:
         self.job = self.store.load()
@@ -322,6 +334,8 @@ class JobRun:
             if at_end:
                 return self._end_validation()
             self.reload()
+            if self.task_arrived():
+                return False
         return False
 
     def _index_chunk(self, items, next_position: InputPosition) -> None:
@@ -441,7 +455,7 @@ class JobRun:
                 since = float(self.job.get("cancelling_at") or 0) if ending == "cancelled" else self.deadline
                 if in_flight == 0 or self.clock() - (since or 0) >= END_GRACE_S:
                     return self._to_finalizing(ending)
-            if self.out_of_budget():
+            if self.out_of_budget() or self.task_arrived():
                 return False
             if not progressed and not self._wait_for_rows():
                 return False
@@ -453,15 +467,23 @@ class JobRun:
         return True
 
     def _wait_for_rows(self) -> bool:
-        """Block briefly for new rows; False when the task should rather yield to other jobs."""
+        """Block briefly for new rows; False when the task should rather yield to other jobs: they
+        were waiting when the wait began (unless rows came and the job has sent every request: its
+        rows are then all it waits for, and collecting them at once ends it sooner), or one came in
+        during the wait (looked for every ``WAIT_SLICE_S``: see :meth:`task_arrived`)."""
         queued = int(self.redis.llen(self.queue_key))
         wait = IDLE_WAIT_S if queued == 0 else min(IDLE_WAIT_S, 0.5 / queued)
         wait = min(wait, self.ends_at - time.monotonic())
         if self._oldest_pending is not None:
             wait = min(wait, self._oldest_pending + PART_MAX_AGE_S - self.clock() + 0.01)
-        if wait > 0.01:
-            last = self._last_row_id or str(self.job.get("cursor") or "") or "0-0"
-            self.data.xread({self.store.results_key: last}, count=1, block=max(1, int(wait * 1000)))
+        ends = time.monotonic() + wait
+        last = self._last_row_id or str(self.job.get("cursor") or "") or "0-0"
+        while (left := ends - time.monotonic()) > 0.01:
+            block_ms = max(1, int(min(left, WAIT_SLICE_S) * 1000))
+            if self.data.xread({self.store.results_key: last}, count=1, block=block_ms):
+                return queued == 0 or self._feed_done()
+            if self.task_arrived():
+                return False
         return queued == 0
 
     def _index_part(self, part: int) -> tuple[list, list, list, list | None]:
