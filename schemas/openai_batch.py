@@ -10,9 +10,10 @@ What we cannot honour is refused, never silently dropped: a parameter we do not 
 (``best_of`` other than 1, ``tools``, ``stream``, ...) is an ``unsupported_parameter`` error naming
 it; a value of the wrong type or out of OpenAI's range is ``invalid_request``. ``n`` (1..128),
 ``presence_penalty`` and ``frequency_penalty`` (-2..2), ``logit_bias`` (at most 300 token ids, each
-biased by -100..100) are OpenAI's, on both endpoints; ``repetition_penalty`` (> 0) is an extension. ``response_format`` (``text``,
-``json_object``, ``json_schema``) is honoured on both endpoints; the ``regex`` and ``grammar``
-types are extensions of native requests and are ``unsupported_parameter`` here.
+biased by -100..100) are OpenAI's, on both endpoints; ``repetition_penalty`` (> 0) is an
+extension. ``response_format`` (``text``, ``json_object``, ``json_schema``) is honoured on both
+endpoints; the ``regex`` and ``grammar`` types are extensions of native requests and are
+``unsupported_parameter`` here.
 A ``null`` parameter counts as absent, as in the OpenAI API. Where OpenAI and we differ in a
 default we keep ours: ``max_tokens`` is 16 unless the body says otherwise, for chat too.
 """

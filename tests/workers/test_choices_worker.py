@@ -103,8 +103,9 @@ def test_choices_are_reproducible_alone_and_batched_and_compact_keeps_each(harne
     submit(redis_client, {**line, "job_id": "alone"})
     h.until(lambda: len(h.results()) == 4, advance_s=0.01, what="x alone")
     for i in range(12):
-        submit(redis_client, {"id": f"o{i}", "job_id": "batch", "prompt_token_ids": [256, i + 3, 9], "max_tokens": 5 + i,
-                              "temperature": 0.7, "seed": i, "n": 1 + i % 3, "frequency_penalty": 0.3 * (i % 2)})
+        submit(redis_client, {"id": f"o{i}", "job_id": "batch", "prompt_token_ids": [256, i + 3, 9],
+                              "max_tokens": 5 + i, "temperature": 0.7, "seed": i, "n": 1 + i % 3,
+                              "frequency_penalty": 0.3 * (i % 2)})
         if i == 5:
             submit(redis_client, {**line, "job_id": "batch"})
     h.until(lambda: len(h.results()) == 4 + 4 + sum(1 + i % 3 for i in range(12)), advance_s=0.01, what="all rows")
@@ -186,7 +187,8 @@ def test_openai_lines_with_the_parameters_and_out_of_range_values(harness, redis
 
     chat = {"messages": [{"role": "user", "content": "Say something"}]}
     submit(redis_client, openai("oa-chat", "/v1/chat/completions", {
-        **chat, "n": 2, "presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {"65": 100}, "temperature": 0}))
+        **chat, "n": 2, "presence_penalty": 1.0, "frequency_penalty": 0.5, "logit_bias": {"65": 100},
+        "temperature": 0}))
     submit(redis_client, openai("oa-comp", "/v1/completions", {
         "prompt": "Once", "n": 3, "repetition_penalty": 1.3, "min_tokens": 5, "temperature": 0.9}))
     submit(redis_client, openai("oa-range", "/v1/chat/completions", {**chat, "presence_penalty": 3}))

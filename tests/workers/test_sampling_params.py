@@ -305,7 +305,8 @@ def test_n_choices_share_the_prompt_and_are_seeded_independently(tiny):
 
 def test_choices_wait_for_the_first_to_compute_the_prompt_even_when_it_ends_at_once(tiny):
     prompt = _prompt(21, 40)
-    finished, work = _run(tiny, [("short", prompt, SamplingParams(max_tokens=1, temperature=0.0, n=3, ignore_eos=True))])
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, n=3, ignore_eos=True)
+    finished, _ = _run(tiny, [("short", prompt, sampling)])
     assert [finished[("short", i)].output_token_ids for i in range(3)] == [finished[("short", 0)].output_token_ids] * 3
     assert [finished[("short", i)].num_cached_tokens for i in range(3)] == [0, 32, 32]
 
