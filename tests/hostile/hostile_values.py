@@ -31,6 +31,7 @@ FIELD_NAMES = [
     "id", "prompt", "prompt_token_ids", "messages", "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
     "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "tenant", "model", "request_type", "priority",
     "deadline", "reply_to", "job_id", "metadata", "api", "custom_id", "method", "url", "body",
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
 ]
 
 ids = st.one_of(
@@ -135,6 +136,11 @@ def check_request(req: Request) -> None:
     assert 0 < req.top_p <= 1
     assert req.deadline is None or math.isfinite(req.deadline)
     assert all(isinstance(k, str) and isinstance(v, str) for k, v in req.metadata.items())
+    assert 1 <= req.n <= 128
+    assert all(math.isfinite(v) and -2 <= v <= 2 for v in (req.presence_penalty, req.frequency_penalty))
+    assert math.isfinite(req.repetition_penalty) and req.repetition_penalty > 0
+    assert len(req.logit_bias) <= 300
+    assert all(isinstance(t, int) and 0 <= t <= INT32_MAX and -100 <= b <= 100 for t, b in req.logit_bias.items())
     for fmt in ("json", "msgpack"):
         assert decode_request(encode_request(req, fmt), fmt=fmt) == req
 
