@@ -16,7 +16,7 @@ A request with ``n`` > 1 choices runs as n sequences: choice 0 under the request
 under :func:`choice_id` (``<id>#<i>``). The other choices wait outside the scheduler until choice
 0 has computed the prompt (or ended), and then join it: the prompt's full KV blocks are in the
 prefix cache by then, so they take them as hits and compute only the prompt's last, partial block
-themselves (without prefix caching they compute the whole prompt). Each choice samples with its own
+themselves (without prefix caching they do not wait, and each computes the whole prompt). Each choice samples with its own
 seed (:func:`~mqinfer.kernels.sampling.choice_seed`), so a choice's tokens do not depend on the
 others or on the batch. Outputs carry the request's id and the choice's ``index``; ``StepWork``
 carries the sequence's id (what the scheduler and the KV cache know).
@@ -68,7 +68,6 @@ _CPU_KV_MAX_BYTES = 4 << 30
 # On CUDA: this share of the memory free after loading the model, minus room for activations.
 _CUDA_KV_MEMORY_SHARE = 0.9
 _CUDA_ACTIVATION_RESERVE = 2 << 30
-_SEED_MASK = (1 << 63) - 1
 # Separates a request's id from its choice number in the sequence id of choice i > 0.
 CHOICE_SEPARATOR = "#"
 
@@ -559,11 +558,16 @@ class LLMEngine:
             )
             self._tracked[request.request_id] = _Tracked(request, detok,
                                                          [] if sampling.logprobs is not None else None)
+        self.scheduler.add_request(choices[0])
         if n > 1:
-            self._choices[request_id] = _Choices(choices[0], choices[1:], seq_ids, n)
+            # Without a prefix cache there is nothing to wait for: every choice computes the prompt.
+            sharing = self.scheduler_config.enable_prefix_caching
+            self._choices[request_id] = _Choices(choices[0], choices[1:] if sharing else [], seq_ids, n)
             for i, rid in enumerate(seq_ids[1:], start=1):
                 self._choice_of[rid] = (request_id, i)
-        self.scheduler.add_request(choices[0])
+            if not sharing:
+                for request in choices[1:]:
+                    self.scheduler.add_request(request)
 
     def cancel(self, request_id: str) -> None:
         """End a request (all its choices) as cancelled (their blocks are freed now; the next step

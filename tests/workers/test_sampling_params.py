@@ -376,3 +376,21 @@ def test_each_choice_of_a_structured_request_validates(tiny):
     for i in range(5):
         assert finished[("s", i)].schema_valid is True
         jsonschema.validate(json.loads(finished[("s", i)].text), schema)
+
+
+def test_without_prefix_caching_every_choice_computes_the_prompt_at_once():
+    engine = _engine(enable_prefix_caching=False)
+    cached = _engine()
+    try:
+        prompt = _prompt(24, 40)
+        sampling = SamplingParams(max_tokens=5, temperature=0.8, seed=3, n=3, ignore_eos=True)
+        finished, work = _run(engine, [("p", prompt, sampling)])
+        first = [w for w in work if w.is_prefill]
+        assert sorted(w.request_id for w in first) == sorted(choice_id("p", i) for i in range(3))
+        assert all(w.num_tokens == len(prompt) for w in first)
+        with_cache, _ = _run(cached, [("p", prompt, sampling)])
+        assert {k: v.output_token_ids for k, v in finished.items()} == {
+            k: v.output_token_ids for k, v in with_cache.items()}
+    finally:
+        engine.close()
+        cached.close()
