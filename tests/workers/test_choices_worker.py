@@ -211,3 +211,19 @@ def test_openai_lines_with_the_parameters_and_out_of_range_values(harness, redis
     assert "at `$.logit_bias`" in errors["native-vocab"]["error"]
     assert errors["native-n"]["error_code"] == "invalid_request" and "`$.n`" in errors["native-n"]["error"]
     assert all(r["finish_reason"] == "error" and r["index"] == 0 for r in errors.values())
+
+
+def test_a_copy_of_a_computed_request_is_answered_with_every_choice(harness, redis_client):
+    h = harness()
+    line = {"id": "dup", "job_id": "j", "prompt_token_ids": PROMPT, "n": 2, "max_tokens": 4, "temperature": 1.0,
+            "seed": 5, "ignore_eos": True, "logit_bias": {"70": 1.5}}
+    submit(redis_client, {**line, "reply_to": "mqinfer:reply:first"})
+    h.until(lambda: len(h.results()) == 2, advance_s=0.01, what="two rows")
+    h.until(lambda: not pending(redis_client), advance_s=0.3, what="the entry acked")
+    copy = submit(redis_client, {**line, "reply_to": "mqinfer:reply:copy"})
+    h.until(lambda: copy not in pending(redis_client) and redis_client.xlen("mqinfer:reply:copy"),
+            advance_s=0.3, what="the copy answered")
+    [first] = [e for e in _replies(redis_client, "mqinfer:reply:first") if e.type == "final"]
+    [answer] = [e for e in _replies(redis_client, "mqinfer:reply:copy") if e.type == "final"]
+    assert [r.index for r in answer.rows] == [0, 1] and answer.rows == first.rows
+    assert len(h.results()) == 2  # computed once
