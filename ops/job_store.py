@@ -26,14 +26,14 @@ streams live on a cluster keeps its job state and rq queue on a separate plain s
 job's hash, lock, in-flight map and parts list live on the *jobs* server, and its request streams,
 done sets and result stream on the *data* server (the inference workers' ``--redis``). One script
 cannot span two servers, so feeding becomes three ordered steps: (1) a fenced script notes the
-requests in flight with no entry id yet (``"- <locator> <shard> <lane>"``) and moves the feed cursor,
-(2) the entries are added to the data server's streams, (3) a fenced script records their entry
-ids. A crash after (1) leaves requests in flight without an entry; the periodic reconcile of the
-task finds them (an in-flight request with no entry and no row) and sends them. A crash after (2)
-leaves entries whose ids were never recorded; if a later reconcile sends them again (to the shard
-and lane noted in step 1, the stream of the first copy), the worker's idempotency record turns the
-second copy into a duplicate, not a second computation. Collecting commits on the jobs server first and
-trims the result stream after. The inference workers learn a job's status (to stop a cancelled
+requests in flight with no entry id yet (``"- <locator> <shard> <lane>"``) and moves the feed
+cursor, (2) the entries are added to the data server's streams, (3) a fenced script records their
+entry ids. A crash after (1) leaves requests in flight without an entry; the periodic reconcile of
+the task finds them (an in-flight request with no entry and no row) and sends them. A crash after
+(2) leaves entries whose ids were never recorded; if a later reconcile sends them again (to the
+shard and lane noted in step 1, the stream of the first copy), the worker's idempotency record
+turns the second copy into a duplicate, not a second computation. Collecting commits on the jobs
+server first and trims the result stream after. The inference workers learn a job's status (to stop a cancelled
 job's requests) from a small mirror hash under the same key name on the data server, written at
 registration, cancel and the end of the job.
 """
@@ -194,7 +194,8 @@ return n
 """
 
 # Two servers, step 1. KEYS: hash, lock, inflight. ARGV: token, feed_part, feed_offset, skipped,
-# counter name, then (id, "<locator> <shard>[ <lane>]") pairs: noted in flight without an entry id ('-').
+# counter name, then (id, "<locator> <shard>[ <lane>]") pairs: noted in flight without an entry id
+# ('-').
 _FEED_PLAN = """
 if redis.call('GET', KEYS[2]) ~= ARGV[1] then return -1 end
 local n = 0
@@ -208,8 +209,8 @@ redis.call('HINCRBY', KEYS[1], 'skipped', ARGV[4])
 return n
 """
 
-# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator> <shard>[ <lane>]") pairs;
-# a request no longer in flight is left alone.
+# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator> <shard>[
+# <lane>]") pairs; a request no longer in flight is left alone.
 _FEED_IDS = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 for i = 2, #ARGV, 2 do
