@@ -209,8 +209,9 @@ redis.call('HINCRBY', KEYS[1], 'skipped', ARGV[4])
 return n
 """
 
-# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, "<entry id> <locator> <shard>[
-# <lane>]") pairs; a request no longer in flight is left alone.
+# Two servers, step 3. KEYS: lock, inflight. ARGV: token, then (id, in-flight record with its
+# entry id, "<entry id> <locator> <shard>[ <lane>]") pairs; a request no longer in flight is left
+# alone.
 _FEED_IDS = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
 for i = 2, #ARGV, 2 do
