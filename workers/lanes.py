@@ -158,6 +158,13 @@ class LaneSet:
         return changed
 
     def ensure_group(self, lane: Lane) -> None:
+        """Make a lane's group (at the stream's start) where it is missing. A lane gone from the
+        registry was removed (its stream deleted as empty): it is dropped from this worker's set
+        instead, so that the worker does not make its stream again."""
+        if lane.name is not None and self.enabled and \
+                self.redis.zscore(scheme.registry_key(self.stream), lane.name) is None:
+            self.lanes.pop(lane.name, None)
+            return
         try:
             self.redis.xgroup_create(lane.key, self.group, id="0", mkstream=True)
         except redis.exceptions.ResponseError as exc:

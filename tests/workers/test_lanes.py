@@ -203,3 +203,22 @@ def test_a_request_sent_twice_into_its_lane_is_computed_once(redis_url, redis_cl
     assert sorted(r["id"] for r in worker.results()) == ["other", "twice"]
     key = keys.request_stream(scheme.lane_stream("requests", scheme.lane_name("tenant", "acme", None)))
     assert redis_client.xlen(key) == 0 and redis_client.xpending(key, keys.GROUP)["pending"] == 0
+
+
+def test_a_removed_lane_is_dropped_by_the_worker_not_made_again(redis_url, redis_client, tmp_path):
+    """A lane removed while a worker reads it (empty, unregistered, its stream deleted) is not
+    recreated by the worker's next read: nothing would ever remove that stream again."""
+    producer = Producer(redis_url)
+    producer.submit(request("a0", tenant="gone"))
+    worker = _harness(redis_url, tmp_path / "out")
+    lane = scheme.lane_name("tenant", "gone", None)
+    worker.until(lambda: len(worker.results()) == 1 and not worker.worker.acks.pending, max_turns=300,
+                 advance_s=0.1, what="the lane's request done")
+    assert scheme.remove_lane(redis_client, "requests", lane)
+    worker.turn(10, advance_s=0.3)
+    key = keys.request_stream(scheme.lane_stream("requests", lane))
+    assert not redis_client.exists(key)
+    assert worker.worker.ingest.lanes.get(lane) is None
+    # A producer that writes to it again registers it again, and the worker reads it.
+    Producer(redis_url).submit(request("a1", tenant="gone"))
+    worker.until(lambda: len(worker.results()) == 2, max_turns=300, advance_s=0.1, what="the lane back")
