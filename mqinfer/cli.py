@@ -155,6 +155,16 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("dir", metavar="DIR", help="Output folder (with costs/).")
     from mqinfer import jobs_cli
     from mqinfer.loadgen.bench_options import add_bench_arguments
+    from mqinfer.loadgen.plan_options import PLAN_CMD
+
+    p = command("plan", "How many workers a workload needs to meet a target, and what a request costs: the "
+                "real scheduler and batcher simulated with this machine's measured step times.", PLAN_CMD,
+                description="How many workers a workload needs to meet a target (--rate with SLOs, or a bulk "
+                "job's --deadline-s), with the predicted latency, throughput, cost per request and per million "
+                "tokens (start-up and warm running apart) and KEDA replica bounds. Step times come from a "
+                "calibration of this machine and model (--calibrate, once); the real scheduler and batcher are "
+                "then simulated on a simulated clock.")
+    p.add_argument("input", metavar="INPUT", nargs="?", help="JSONL or Parquet file of requests (or give --workload).")
 
     jobs_cli.add_jobs_parser(sub)
     bench = sub.add_parser("bench", help="Benchmark the whole pipeline (offline or online), optionally "
@@ -226,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging(opts.get("log_level", "info"), opts.get("log_format", "text"))
     handler = {
         "run": cmd_run, "worker": cmd_worker, "submit": cmd_submit, "redis": cmd_redis,
-        "compact": cmd_compact, "report": cmd_report, "lanes": cmd_lanes,
+        "compact": cmd_compact, "report": cmd_report, "lanes": cmd_lanes, "plan": cmd_plan,
     }[args.command]
     import redis
 
@@ -486,3 +496,10 @@ def cmd_run(args, opts: dict) -> int:
     from mqinfer.run import cmd_run as run
 
     return run(args, opts)
+
+
+# -- plan ------------------------------------------------------------------------------------
+def cmd_plan(args, opts: dict) -> int:
+    from mqinfer.loadgen.plan import cmd_plan as plan
+
+    return plan(args, opts)

@@ -1,0 +1,696 @@
+"""`mqinfer plan`: how many workers a workload needs to meet its target, and what a request costs.
+
+The concurrency cost boundary: a rate of requests (or a bulk job and its deadline) maps to a
+number of workers, and the workers' device-hours to a cost per request and per million tokens.
+The plan has three parts:
+
+1. **A step-cost model of this machine and model** (``plan_model``): one engine step's seconds
+   from its batched tokens, requests and attention pairs, fitted once by ``--calibrate`` on the
+   real engine (``plan_calibrate``) and stored under the cache folder for later plans. The same
+   calibration measures a worker's start-up time.
+2. **A simulation with the real scheduler and batcher** (``plan_sim``): the requests arrive (a
+   seeded Poisson process at ``--rate``, or all at once for a bulk job), N simulated workers read
+   them from a simulated stream and run them through ``DynamicBatcher`` and ``Scheduler``, each step
+   lasting what the model predicts. Out come each request's TTFT and TPOT, the throughput and the
+   workers' busy share.
+3. **The search and the bill**: the fewest workers whose simulated p99 TTFT and p99 TPOT meet the
+   SLOs at the rate (or whose job, start-up included, ends by the deadline); then cost = workers x
+   their share of a priced device x the price x time, warm running and start-up kept apart, and the
+   KEDA replica bounds that follow.
+
+Every request is assumed to generate its full ``max_tokens`` (the simulation has no EOS), which
+is exact for ``ignore_eos`` workloads and an upper bound otherwise. Not modelled: the worker's
+own time between steps (Redis round trips, sinks, acks), other processes on the machine, and
+workers on one machine slowing each other down; ``python -m mqinfer.loadgen.plan_check`` measures
+how far the predictions are from the real pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from mqinfer.config import ENGINE_OPTIONS, ConfigError
+from mqinfer.loadgen.plan_model import (
+    Calibration,
+    fit_path,
+    load_calibration,
+    machine_key,
+    save_calibration,
+)
+from mqinfer.loadgen.plan_options import BULK_REQUESTS, ONLINE_REQUESTS
+from mqinfer.loadgen.plan_sim import SimRequest, SimResult, WorkerSettings, simulate
+
+log = logging.getLogger("mqinfer.plan")
+
+# The online goal when --rate comes without an SLO: p99 TTFT at most this many times an idle
+# worker's (the batcher's wait plus the request's own prefill steps), a latency any rate reaches
+# with enough workers.
+IDLE_TTFT_FACTOR = 2.0
+# The search gives up once doubling the workers improves the failing figure by less than this.
+MIN_IMPROVEMENT = 0.02
+# KEDA's upper bound is the count for this many times the planned rate (headroom for a burst).
+PEAK_FACTOR = 2.0
+# Never simulate more workers than this (a target no count below it meets is reported unmet).
+MAX_WORKERS = 1024
+
+
+class NoCalibration(ConfigError):
+    """No stored step-cost fit for this model, machine and worker layout."""
+
+
+# -- the worker the plan is for ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Layout:
+    device: str  # cpu or cuda
+    num_threads: int | None  # model threads per worker (CPU)
+    device_share: float  # the share of a priced device each worker bills
+    accelerator: str | None = None  # the GPU's name on CUDA
+
+
+def engine_config(opts: dict[str, Any]):
+    """The worker's ``EngineConfig`` from resolved flags, as `mqinfer worker` builds it."""
+    from mqinfer.workers.config import EngineConfig
+
+    values = {o.field: opts[o.name] for o in ENGINE_OPTIONS if o.name in opts}
+    if "priority_aging_s" in values:
+        values["priority_aging_s"] = values["priority_aging_s"] or None
+    return EngineConfig(**values)
+
+
+def worker_layout(opts: dict[str, Any]) -> Layout:
+    """Where a planned worker runs and what share of a device it bills. On a CPU a worker has one
+    thread unless ``--num-threads`` says otherwise (the layout `--workers auto` starts)."""
+    from mqinfer.layout import cuda_available
+    from mqinfer.workers.devices import cpu_device_share
+
+    device = str(opts.get("device") or "auto")
+    cuda = device.startswith("cuda") or (device == "auto" and cuda_available())
+    ranks = opts.get("tensor_parallel_size") or 1
+    accelerator = None
+    if cuda:
+        import torch
+
+        accelerator = torch.cuda.get_device_name(int(device.partition(":")[2] or 0))
+        threads = opts.get("num_threads")
+        share = float(ranks)
+    else:
+        threads = opts.get("num_threads") or 1
+        share = cpu_device_share(threads, ranks)
+    if opts.get("device_share") is not None:
+        share = float(opts["device_share"])
+    return Layout("cuda" if cuda else "cpu", threads, share, accelerator)
+
+
+def calibration_path(opts: dict[str, Any], layout: Layout) -> Path:
+    from mqinfer.workers.devices import usable_cores
+
+    engine_key = "|".join(str(opts.get(k)) for k in ("dtype", "quantization", "kv_cache_dtype",
+                                                      "tensor_parallel_size"))
+    return fit_path(str(opts.get("model") or "tiny"), engine_key,
+                    machine_key(layout.device, layout.num_threads, usable_cores(), layout.accelerator))
+
+
+def get_calibration(opts: dict[str, Any], layout: Layout, *, calibrate: bool,
+                    progress: Callable[[str], None] = log.info) -> tuple[Calibration, Path]:
+    """The stored fit for this model and layout, measured first with ``calibrate``; NoCalibration
+    when there is none."""
+    path = calibration_path(opts, layout)
+    if calibrate:
+        from mqinfer.loadgen.plan_calibrate import calibrate as run_calibration
+
+        config = replace(engine_config(opts), device=layout.device, num_threads=layout.num_threads)
+        calibration = run_calibration(config, model_id=str(opts.get("model") or "tiny"), progress=progress)
+        save_calibration(calibration, path)
+        progress(f"calibration stored in {path}")
+        return calibration, path
+    calibration = load_calibration(path)
+    if calibration is None:
+        threads = f"{layout.num_threads} thread(s) per worker" if layout.num_threads else "default threads"
+        raise NoCalibration(
+            f"no calibration for model {opts.get('model') or 'tiny'} on this machine ({layout.device}, {threads}, "
+            f"dtype {opts.get('dtype')}, quantization {opts.get('quantization')}): run the same command with "
+            f"--calibrate once (it measures the engine's step times here, about a minute for a small model, "
+            f"and keeps them in {path})")
+    return calibration, path
+
+
+def worker_settings(opts: dict[str, Any], calibration: Calibration) -> WorkerSettings:
+    """The simulated worker's scheduler limits and batcher thresholds. KV blocks: --num-kv-blocks,
+    else as many as the calibrated worker had, or for another --max-num-seqs, the blocks its full
+    contexts need when the calibrated cache was sized by that and not by memory."""
+    from mqinfer.scheduler.config import SchedulerConfig
+
+    block_size = opts.get("block_size") or calibration.block_size
+    max_len = opts.get("max_model_len") or calibration.max_model_len
+    max_num_seqs = opts["max_num_seqs"]
+    num_blocks = opts.get("num_kv_blocks")
+    if num_blocks is None:
+        per_seq = -(-calibration.max_model_len // calibration.block_size)
+        sized_by_seqs = calibration.num_kv_blocks <= calibration.max_num_seqs * per_seq + 1
+        num_blocks = calibration.num_kv_blocks
+        if sized_by_seqs and max_num_seqs != calibration.max_num_seqs:
+            num_blocks = max(max_num_seqs * -(-max_len // block_size), -(-max_len // block_size) + 1)
+    aging = opts.get("priority_aging_s")
+    scheduler = SchedulerConfig(
+        block_size=block_size, num_kv_blocks=num_blocks, max_num_batched_tokens=opts["max_num_batched_tokens"],
+        max_num_seqs=max_num_seqs, max_model_len=max_len, enable_prefix_caching=opts.get("prefix_cache", True),
+        priority_aging_s=aging or None, tenant_weights=_tenant_weights(opts.get("tenant_weights")),
+    )
+    return WorkerSettings(scheduler, max_batch=opts["max_batch"], max_wait_ms=opts["max_wait_ms"])
+
+
+def _tenant_weights(text: str | None) -> dict[str, float]:
+    from mqinfer.scheduler.config import parse_tenant_weights
+
+    return parse_tenant_weights(text)
+
+
+# -- the requests --------------------------------------------------------------------------------
+@dataclass
+class Workload:
+    name: str  # the workload's name or the input file
+    requests: list[SimRequest]  # without arrival times
+    notes: list[str] = field(default_factory=list)
+
+
+def _tokenizer(model: str):
+    from mqinfer.workers.tokenizer import ByteTokenizer, load_tokenizer
+
+    if model == "tiny":
+        return ByteTokenizer()
+    try:
+        return load_tokenizer(model)
+    except (OSError, ValueError):
+        return None
+
+
+def read_workload_file(path: str, model: str) -> Workload:
+    """The valid requests of a JSONL or Parquet file as simulated requests: prompt ids as given, or
+    text and chat prompts tokenized by the model's tokenizer (estimated at 4 bytes a token when the
+    model has none); a request with ``n`` choices is ``n`` sequences."""
+    from mqinfer.schemas.files import iter_input
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no such input file: {path}")
+    tokenizer = None
+    invalid = estimated = 0
+    requests: list[SimRequest] = []
+    for item in iter_input(path):
+        req = item.request
+        if req is None:
+            invalid += 1
+            continue
+        if req.prompt_token_ids is not None:
+            ids = list(req.prompt_token_ids)
+        else:
+            tokenizer = tokenizer or _tokenizer(model)
+            if req.messages:
+                messages = [{"role": m.role, "content": m.content} for m in req.messages]
+                text = "".join(f"{m['role']}\n{m['content']}\n" for m in messages)
+            else:
+                messages, text = None, req.prompt or ""
+            if tokenizer is not None:
+                ids = tokenizer.encode_chat(messages) if messages else tokenizer.encode(text)
+            else:
+                estimated += 1
+                ids = [3 + (b % 250) for b in text.encode()[::4]] or [3]
+        for choice in range(getattr(req, "n", 1) or 1):
+            rid = req.id if choice == 0 else f"{req.id}#{choice}"
+            requests.append(SimRequest(rid, tuple(ids), int(req.max_tokens), priority=int(req.priority),
+                                       tenant=req.tenant))
+    if not requests:
+        raise ValueError(f"{path}: no valid request to plan for ({invalid} invalid lines)")
+    notes = []
+    if invalid:
+        notes.append(f"{invalid} invalid lines of {path} left out (they would be error rows)")
+    if estimated:
+        notes.append(f"{estimated} text prompts estimated at 4 bytes a token: model {model} has no tokenizer here")
+    return Workload(Path(path).name, requests, notes)
+
+
+def named_workload(name: str, num_requests: int, seed: int, model: str, max_model_len: int) -> Workload:
+    from mqinfer.loadgen.bench_model import resolve_model
+    from mqinfer.loadgen.workload import make_workload
+
+    spec = resolve_model(model)
+    reqs = make_workload(name, n=num_requests, seed=seed, vocab_size=spec.vocab_size,
+                         max_model_len=min(max_model_len, spec.max_model_len), min_token_id=spec.min_token_id)
+    return Workload(name, [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"])) for r in reqs])
+
+
+def with_arrivals(requests: Sequence[SimRequest], rate: float | None, count: int, seed: int) -> list[SimRequest]:
+    """``count`` requests (the given ones in turn, repeated as needed, each repeat under a new id)
+    arriving at ``rate`` per second (seeded Poisson), or all at time 0 without a rate."""
+    from mqinfer.loadgen.bench_online import poisson_arrivals
+
+    arrivals = poisson_arrivals(count, rate, seed) if rate else [0.0] * count
+    out = []
+    for i, at in enumerate(arrivals):
+        r = requests[i % len(requests)]
+        rid = r.id if i < len(requests) else f"{r.id}~{i // len(requests)}"
+        out.append(replace(r, id=rid, arrival_s=float(at)))
+    return out
+
+
+# -- evaluating a worker count -------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """What the workers must achieve: an online rate with SLOs, or a bulk job with or without a deadline."""
+
+    rate: float | None = None
+    slo_ttft_p99_s: float | None = None
+    slo_tpot_p99_s: float | None = None
+    deadline_s: float | None = None
+    # The batcher's wait (seconds) and the p99 TTFT of the requests on an idle worker: the default
+    # online goal is IDLE_TTFT_FACTOR times the latter.
+    max_wait_s: float = 0.010
+    idle_ttft_p99_s: float = 0.0
+
+    @property
+    def default_goal_s(self) -> float:
+        return IDLE_TTFT_FACTOR * self.idle_ttft_p99_s
+
+    @property
+    def online(self) -> bool:
+        return self.rate is not None
+
+    @property
+    def has_goal(self) -> bool:
+        return self.online or self.deadline_s is not None
+
+    def describe(self) -> str:
+        if self.online:
+            parts = []
+            if self.slo_ttft_p99_s is not None:
+                parts.append(f"p99 TTFT <= {_ms(self.slo_ttft_p99_s)}")
+            if self.slo_tpot_p99_s is not None:
+                parts.append(f"p99 TPOT <= {_ms(self.slo_tpot_p99_s)}")
+            goal = ", ".join(parts) or (f"p99 TTFT <= {_ms(self.default_goal_s)} ({IDLE_TTFT_FACTOR:g}x an idle "
+                                        f"worker's p99: batcher wait + own prefill)")
+            return f"{self.rate:g} requests/s, {goal}"
+        if self.deadline_s is not None:
+            return f"bulk job done within {self.deadline_s:g} s of the workers' start"
+        return "bulk job (no deadline)"
+
+
+@dataclass
+class Evaluation:
+    """One simulated worker count and what it achieved."""
+
+    workers: int
+    num_requests: int
+    num_errors: int
+    prompt_tokens: int
+    output_tokens: int
+    ttft_p50_s: float | None
+    ttft_p99_s: float | None
+    tpot_p50_s: float | None
+    tpot_p99_s: float | None
+    output_tokens_per_s: float
+    utilisation: float
+    window_s: float  # first arrival -> last finished
+    end_s: float  # simulation start -> last finished (a bulk job's run, start-up excluded)
+    num_steps: int
+    num_preemptions: int
+    met: bool = True
+    why: str = ""
+    # The worst achieved / required ratio among the target's checks (<= 1 when met).
+    excess: float = 0.0
+
+
+def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
+    from mqinfer.loadgen.metrics import percentile
+
+    if not values:
+        return None, None
+    values.sort()
+    return percentile(values, 50), percentile(values, 99)
+
+
+def summarize(sim: SimResult) -> Evaluation:
+    """Latency, throughput and busy share of a simulated run, by the bench's rules."""
+    done = [o for o in sim.outcomes if o.error is None]
+    ttft50, ttft99 = _percentiles([o.ttft_s for o in done if o.ttft_s is not None])
+    tpot50, tpot99 = _percentiles([o.tpot_s for o in done if o.tpot_s is not None])
+    output = sum(o.output_tokens for o in done)
+    starts = [o.started_s for o in done if o.started_s is not None]
+    span = sim.end_s - min(starts) if starts else 0.0
+    first_arrival = min((o.arrival_s for o in sim.outcomes), default=0.0)
+    window = sim.end_s - first_arrival
+    return Evaluation(
+        workers=sim.num_workers, num_requests=len(sim.outcomes), num_errors=len(sim.outcomes) - len(done),
+        prompt_tokens=sum(o.prompt_tokens for o in done), output_tokens=output,
+        ttft_p50_s=ttft50, ttft_p99_s=ttft99, tpot_p50_s=tpot50, tpot_p99_s=tpot99,
+        output_tokens_per_s=output / span if span > 0 else 0.0,
+        utilisation=sum(sim.busy_s) / (sim.num_workers * window) if window > 0 else 0.0,
+        window_s=window, end_s=sim.end_s, num_steps=sim.num_steps, num_preemptions=sim.num_preemptions,
+    )
+
+
+def judge(ev: Evaluation, target: Target, startup_s: float) -> Evaluation:
+    """``ev`` with whether it meets ``target``, by how much, and a line saying what was checked."""
+    checks: list[tuple[float | None, float, str]] = []  # (achieved, required, label)
+    if target.online:
+        if target.slo_ttft_p99_s is None and target.slo_tpot_p99_s is None:
+            checks.append((ev.ttft_p99_s, target.default_goal_s, "p99 TTFT"))
+        if target.slo_ttft_p99_s is not None:
+            checks.append((ev.ttft_p99_s, target.slo_ttft_p99_s, "p99 TTFT"))
+        if target.slo_tpot_p99_s is not None:
+            checks.append((ev.tpot_p99_s or 0.0, target.slo_tpot_p99_s, "p99 TPOT"))
+        texts = [f"{label} {_ms(got)} vs {_ms(need)}" for got, need, label in checks]
+    elif target.deadline_s is not None:
+        total = startup_s + ev.end_s
+        checks.append((total, target.deadline_s, "done after"))
+        texts = [f"done after {total:.1f} s (start-up {startup_s:.1f} s) vs deadline {target.deadline_s:g} s"]
+    else:
+        texts = []
+    ratios = [math.inf if got is None else got / need for got, need, _ in checks]
+    excess = max(ratios, default=0.0)
+    return replace(ev, met=excess <= 1.0, excess=excess, why="; ".join(texts) or "no target")
+
+
+def idle_ttft_p99(requests: Sequence[SimRequest], settings: WorkerSettings, model, wait_s: float) -> float:
+    """The p99 over ``requests`` of the TTFT each would have alone on an idle worker: the batcher's
+    wait, then its prompt's prefill steps (chunks of at most the step's token budget)."""
+    from mqinfer.loadgen.metrics import percentile
+    from mqinfer.loadgen.plan_model import StepShape
+
+    budget = settings.scheduler.max_num_batched_tokens
+    ttfts = []
+    for r in requests:
+        done, t = 0, wait_s
+        total = len(r.prompt_token_ids)
+        while done < total:
+            n = min(budget, total - done)
+            t += model.step_seconds(StepShape.of([(n, done + n)]))
+            done += n
+        ttfts.append(t)
+    ttfts.sort()
+    return percentile(ttfts, 99)
+
+
+def fewest_workers(evaluate: Callable[[int], Evaluation], *, lower: int = 1, upper: int = MAX_WORKERS
+                   ) -> tuple[Evaluation, list[Evaluation]]:
+    """The smallest count in ``lower..upper`` whose evaluation meets the target (doubling, then
+    bisecting; this assumes that more workers never do worse), with every count tried. When the
+    target is out of reach (``upper`` misses it, or doubling the workers no longer improves the
+    failing figure by MIN_IMPROVEMENT: the latency of a request's own steps is the floor), the best
+    count tried is returned, unmet."""
+    tried: dict[int, Evaluation] = {}
+
+    def at(n: int) -> Evaluation:
+        if n not in tried:
+            tried[n] = evaluate(n)
+        return tried[n]
+
+    upper = max(lower, upper)
+    n, last_unmet = lower, lower - 1
+    while not at(n).met:
+        gained = last_unmet < lower or at(n).excess < (1.0 - MIN_IMPROVEMENT) * at(last_unmet).excess
+        if n >= upper or not gained:
+            best = min(tried.values(), key=lambda e: (e.excess, e.workers))
+            return best, sorted(tried.values(), key=lambda e: e.workers)
+        last_unmet, n = n, min(upper, 2 * n)
+    lo, hi = last_unmet, n  # lo unmet (or below the range), hi met
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if at(mid).met:
+            hi = mid
+        else:
+            lo = mid
+    return at(hi), sorted(tried.values(), key=lambda e: e.workers)
+
+
+# -- cost ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bill:
+    worker_hour_usd: float  # one worker's share of a device-hour
+    warm_usd: float  # the workers over the run (online: over the simulated window)
+    startup_usd: float  # one start of every worker
+    cost_per_request_usd: float
+    cost_per_million_tokens_usd: float  # prompt + output tokens, as `mqinfer report costs` counts them
+    cost_per_million_output_tokens_usd: float
+    startup_share: float  # of warm + start-up
+
+    @property
+    def warm_share(self) -> float:
+        return 1.0 - self.startup_share
+
+
+def bill(ev: Evaluation, target: Target, layout: Layout, price: float, startup_s: float) -> Bill:
+    """Online: steady running, cost per request = workers x worker-hour / 3600 / rate (start-up apart,
+    once per worker start, its share shown against the simulated window). Bulk: the job's run plus
+    one start-up of every worker, over its requests."""
+    worker_hour = price * layout.device_share
+    n = ev.workers
+    startup = n * worker_hour * startup_s / 3600.0
+    done = max(1, ev.num_requests - ev.num_errors)
+    tokens = max(1, ev.prompt_tokens + ev.output_tokens)
+    if target.online:
+        warm = n * worker_hour * ev.window_s / 3600.0
+        per_request = n * worker_hour / 3600.0 / target.rate
+        per_token = per_request * done / tokens
+        per_output = per_request * done / max(1, ev.output_tokens)
+    else:
+        warm = n * worker_hour * ev.end_s / 3600.0
+        per_request = (warm + startup) / done
+        per_token = (warm + startup) / tokens
+        per_output = (warm + startup) / max(1, ev.output_tokens)
+    total = warm + startup
+    return Bill(worker_hour, warm, startup, per_request, per_token * 1e6, per_output * 1e6,
+                startup / total if total > 0 else 0.0)
+
+
+# -- the plan ------------------------------------------------------------------------------------
+def _target(opts: dict[str, Any]) -> Target:
+    from mqinfer.loadgen.bench_online import wait_budget_s
+
+    rate, deadline = opts.get("rate"), opts.get("deadline_s")
+    ttft, tpot = opts.get("slo_ttft_p99_ms"), opts.get("slo_tpot_ms")
+    if rate is not None and deadline is not None:
+        raise ConfigError("--rate (an online target) and --deadline-s (a bulk job's) exclude each other")
+    if rate is None and (ttft is not None or tpot is not None):
+        raise ConfigError("--slo-ttft-p99-ms and --slo-tpot-ms need --rate (the arrival rate they hold at)")
+    return Target(rate=rate, slo_ttft_p99_s=ttft / 1000.0 if ttft else None,
+                  slo_tpot_p99_s=tpot / 1000.0 if tpot else None, deadline_s=deadline,
+                  max_wait_s=wait_budget_s(opts["max_wait_ms"])[0])
+
+
+def _explicit_workers(opts: dict[str, Any], target: Target, layout: Layout) -> int | None:
+    """The worker count to evaluate without a search: --workers N, or without a target this
+    machine's auto layout; None to search for the fewest."""
+    from mqinfer.layout import choose_layout
+
+    if opts["workers"] != "auto":
+        return int(opts["workers"])
+    if target.has_goal:
+        return None
+    workers, _, _ = choose_layout({"workers": "auto", "num_threads": layout.num_threads, "device": layout.device,
+                                   "shards": 1, "model": opts.get("model") or "tiny",
+                                   "tensor_parallel_size": opts.get("tensor_parallel_size")})
+    return workers
+
+
+def make_plan(opts: dict[str, Any], input_path: str | None,
+              progress: Callable[[str], None] = log.info) -> dict[str, Any]:
+    """The plan for resolved flags ``opts`` (see plan_options.PLAN_CMD) as a JSON-ready dict."""
+    if input_path and opts.get("workload"):
+        raise ConfigError("give INPUT or --workload, not both")
+    if opts.get("speculative", "none") != "none":
+        raise ConfigError("the plan simulates the engine without speculative decoding; leave out --speculative")
+    target = _target(opts)
+    layout = worker_layout(opts)
+    calibration, path = get_calibration(opts, layout, calibrate=bool(opts.get("calibrate")), progress=progress)
+    if not input_path and not opts.get("workload"):
+        if opts.get("calibrate"):
+            return {"calibrated": str(path), "calibration": _calibration_dict(calibration, path)}
+        raise ConfigError("give INPUT (a JSONL or Parquet file of requests) or --workload NAME")
+    settings = worker_settings(opts, calibration)
+    model = str(opts.get("model") or "tiny")
+    count = opts.get("num_requests")
+    if input_path:
+        workload = read_workload_file(input_path, model)
+        count = count or (max(len(workload.requests), ONLINE_REQUESTS) if target.online else len(workload.requests))
+    else:
+        count = count or (ONLINE_REQUESTS if target.online else BULK_REQUESTS)
+        workload = named_workload(opts["workload"], count, opts["seed"], model, settings.scheduler.max_model_len)
+    requests = with_arrivals(workload.requests, target.rate, count, opts["seed"])
+    target = replace(target, idle_ttft_p99_s=idle_ttft_p99(requests, settings, calibration.model, target.max_wait_s))
+
+    def evaluate(n: int, reqs: list[SimRequest] = requests, goal: Target = target) -> Evaluation:
+        ev = judge(summarize(simulate(reqs, n, settings, calibration.model)), goal, calibration.startup_s)
+        progress(f"{n} worker(s): {ev.why}{'' if ev.met else ' - not met'}")
+        return ev
+
+    fixed = _explicit_workers(opts, target, layout)
+    upper = min(MAX_WORKERS, len(requests))
+    if fixed is not None:
+        chosen = evaluate(fixed)
+        tried = [chosen]
+    else:
+        chosen, tried = fewest_workers(evaluate, upper=upper)
+    costs = bill(chosen, target, layout, opts["price_per_device_hour"], calibration.startup_s)
+    keda = _keda(chosen, target, fixed, opts, requests, evaluate, calibration.startup_s, upper)
+    notes = list(workload.notes)
+    if not chosen.met and fixed is None:
+        notes.append(f"the target is out of reach: {chosen.workers} workers came closest, and more do not shorten "
+                     f"a request's own steps (an idle worker's p99 TTFT is {_ms(target.idle_ttft_p99_s)})")
+    if chosen.num_errors:
+        notes.append(f"{chosen.num_errors} requests refused by the scheduler (prompt longer than the context or "
+                     "the KV cache)")
+    return {
+        "model": model,
+        "workload": workload.name,
+        "target": {"kind": "online" if target.online else "bulk", "description": target.describe(),
+                   "rate": target.rate, "slo_ttft_p99_ms": _ms_value(target.slo_ttft_p99_s),
+                   "slo_tpot_ms": _ms_value(target.slo_tpot_p99_s), "deadline_s": target.deadline_s,
+                   "met": chosen.met, "checked": chosen.why},
+        "workers": chosen.workers,
+        "workers_searched": fixed is None,
+        "layout": {"device": layout.device, "num_threads": layout.num_threads, "device_share": layout.device_share,
+                   "accelerator": layout.accelerator},
+        "num_requests": chosen.num_requests,
+        "prompt_tokens": chosen.prompt_tokens,
+        "output_tokens": chosen.output_tokens,
+        "utilisation": chosen.utilisation,
+        "ttft_p50_s": chosen.ttft_p50_s,
+        "ttft_p99_s": chosen.ttft_p99_s,
+        "tpot_p50_s": chosen.tpot_p50_s,
+        "tpot_p99_s": chosen.tpot_p99_s,
+        "output_tokens_per_s": chosen.output_tokens_per_s,
+        "window_s": chosen.window_s,
+        "job_s": calibration.startup_s + chosen.end_s if not target.online else None,
+        "num_steps": chosen.num_steps,
+        "num_preemptions": chosen.num_preemptions,
+        "price_per_device_hour": opts["price_per_device_hour"],
+        "worker_hour_usd": costs.worker_hour_usd,
+        "cost_per_request_usd": costs.cost_per_request_usd,
+        "cost_per_million_tokens_usd": costs.cost_per_million_tokens_usd,
+        "cost_per_million_output_tokens_usd": costs.cost_per_million_output_tokens_usd,
+        "warm_cost_usd": costs.warm_usd,
+        "startup_cost_usd": costs.startup_usd,
+        "startup_s": calibration.startup_s,
+        "startup_share": costs.startup_share,
+        "warm_share": costs.warm_share,
+        "keda": keda,
+        "idle_ttft_p99_s": target.idle_ttft_p99_s,
+        "search": [{"workers": e.workers, "met": e.met, "ttft_p99_s": e.ttft_p99_s, "tpot_p99_s": e.tpot_p99_s,
+                    "utilisation": e.utilisation, "checked": e.why} for e in tried],
+        "calibration": _calibration_dict(calibration, path),
+        "notes": notes,
+    }
+
+
+def _keda(chosen: Evaluation, target: Target, fixed: int | None, opts: dict[str, Any], requests: list[SimRequest],
+          evaluate: Callable[..., Evaluation], startup_s: float, upper: int) -> dict[str, Any]:
+    """minReplicaCount / maxReplicaCount for ops/deploy/keda.yaml. Online: the planned workers stay up
+    (a cold start would add the start-up to some requests' TTFT), and the upper bound is the count
+    that meets the target at PEAK_FACTOR times the rate. Bulk: from zero to the planned workers."""
+    if not target.online:
+        return {"min_replicas": 0, "max_replicas": chosen.workers,
+                "why": "a bulk job: workers start with the job (start-up counted in the plan) and scale to zero after"}
+    if fixed is not None or not chosen.met:
+        return {"min_replicas": chosen.workers, "max_replicas": chosen.workers,
+                "why": "the given worker count" if fixed is not None else "the target is not met: no headroom known"}
+    peak = target.rate * PEAK_FACTOR
+    peak_requests = with_arrivals(requests, peak, len(requests), opts["seed"] + 1)
+    peak_target = replace(target, rate=peak)
+    at_peak, _ = fewest_workers(lambda n: evaluate(n, peak_requests, peak_target), lower=chosen.workers, upper=upper)
+    why = (f"min: the planned workers stay warm (a cold start takes {startup_s:.1f} s); max: the workers that meet "
+           f"the target at {peak:g} requests/s ({PEAK_FACTOR:g}x the rate)")
+    if not at_peak.met:
+        why += f", not met even with {at_peak.workers}"
+    return {"min_replicas": chosen.workers, "max_replicas": at_peak.workers, "peak_rate": peak, "why": why}
+
+
+def _calibration_dict(calibration: Calibration, path: Path) -> dict[str, Any]:
+    m, q = calibration.model, calibration.quality
+    return {"path": str(path), "measured_at": calibration.measured_at, "model_id": calibration.model_id,
+            "device": calibration.device, "num_threads": calibration.num_threads,
+            "step_s_fixed": m.step_s_fixed, "token_s": m.token_s, "seq_s": m.seq_s, "pair_s": m.pair_s,
+            "num_steps": q.num_steps, "median_abs_rel_error": q.median_abs_rel_error,
+            "p90_abs_rel_error": q.p90_abs_rel_error, "startup_s": calibration.startup_s,
+            "num_kv_blocks": calibration.num_kv_blocks, "calibration_s": calibration.calibration_s,
+            "machine": calibration.machine}
+
+
+# -- output --------------------------------------------------------------------------------------
+def _ms(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1000.0
+    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
+
+
+def _ms_value(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+def _usd(value: float) -> str:
+    if value == 0:
+        return "$0"
+    digits = max(2, 2 - int(math.floor(math.log10(abs(value)))) + 1)
+    return f"${value:.{min(digits, 10)}f}"
+
+
+def render(plan: dict[str, Any], fmt: str) -> str:
+    if fmt == "json":
+        return json.dumps(plan, indent=2, sort_keys=False)
+    if "calibrated" in plan:
+        c = plan["calibration"]
+        return (f"calibrated: {c['num_steps']} steps fitted (median error {100 * c['median_abs_rel_error']:.1f}%), "
+                f"start-up {c['startup_s']:.2f} s; stored in {plan['calibrated']}")
+    t, lay, k, c = plan["target"], plan["layout"], plan["keda"], plan["calibration"]
+    threads = f", {lay['num_threads']} thread(s) per worker" if lay["num_threads"] else ""
+    mean_in = plan["prompt_tokens"] / max(1, plan["num_requests"])
+    mean_out = plan["output_tokens"] / max(1, plan["num_requests"])
+    how = "the fewest that meet the target" if plan["workers_searched"] else "as given"
+    rows = [
+        ("workers", f"{plan['workers']} ({how}; each bills {lay['device_share']:.3g} of a device)"),
+        ("target", f"{t['description']}: {'met' if t['met'] else 'NOT MET'} ({t['checked']})"),
+        ("utilisation", f"{100 * plan['utilisation']:.1f}% of the workers' time in engine steps"),
+        ("TTFT p50 / p99", f"{_ms(plan['ttft_p50_s'])} / {_ms(plan['ttft_p99_s'])}"),
+        ("TPOT p50 / p99", f"{_ms(plan['tpot_p50_s'])} / {_ms(plan['tpot_p99_s'])}"),
+        ("output_tokens_per_s", f"{plan['output_tokens_per_s']:.1f} (while requests run, start-up excluded)"),
+    ]
+    if plan["job_s"] is not None:
+        rows.append(("job time", f"{plan['job_s']:.1f} s (start-up {plan['startup_s']:.1f} s + "
+                                 f"{plan['job_s'] - plan['startup_s']:.1f} s running)"))
+    rows += [
+        ("cost per request", f"{_usd(plan['cost_per_request_usd'])} at ${plan['price_per_device_hour']:g} per "
+                             f"device-hour ({_usd(plan['worker_hour_usd'])} per worker-hour)"),
+        ("cost per 1M tokens", f"{_usd(plan['cost_per_million_tokens_usd'])} (prompt + output), "
+                               f"{_usd(plan['cost_per_million_output_tokens_usd'])} per 1M output tokens"),
+        ("start-up vs warm", f"start-up {100 * plan['startup_share']:.1f}% ({_usd(plan['startup_cost_usd'])}: "
+                             f"{plan['startup_s']:.2f} s per worker start), warm {100 * plan['warm_share']:.1f}% "
+                             f"({_usd(plan['warm_cost_usd'])}"
+                             + (f" over the simulated {plan['window_s']:.0f} s)" if t["kind"] == "online" else ")")),
+        ("KEDA", f"minReplicaCount {k['min_replicas']}, maxReplicaCount {k['max_replicas']} ({k['why']})"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    head = (f"mqinfer plan: {plan['model']} on {lay['accelerator'] or c['machine'].get('processor', lay['device'])} "
+            f"({lay['device']}{threads}); workload {plan['workload']}: {plan['num_requests']} requests, "
+            f"{mean_in:.0f} prompt + {mean_out:.0f} output tokens on average")
+    lines = [head, ""] + [f"  {name:<{width}}  {value}" for name, value in rows]
+    if len(plan["search"]) > 1:
+        lines += ["", "  workers tried: " + "; ".join(
+            f"{s['workers']} ({'met' if s['met'] else 'not met'}: {s['checked']})" for s in plan["search"])]
+    lines += ["", f"  step-cost model: {1000 * c['step_s_fixed']:.3g} ms + {1e6 * c['token_s']:.3g} us/token + "
+              f"{1e6 * c['seq_s']:.3g} us/request + {1e9 * c['pair_s']:.3g} ns/attention pair; fitted on "
+              f"{c['num_steps']} steps (median error {100 * c['median_abs_rel_error']:.1f}%) at "
+              f"{c['measured_at']} ({c['path']})"]
+    lines += [f"  note: {n}" for n in plan["notes"]]
+    return "\n".join(lines)
+
+
+def cmd_plan(args, opts: dict[str, Any]) -> int:
+    """`mqinfer plan`: print the plan; exit 1 when its target is not met."""
+    plan = make_plan(opts, getattr(args, "input", None))
+    print(render(plan, opts["format"]))
+    return 0 if plan.get("target", {}).get("met", True) else 1

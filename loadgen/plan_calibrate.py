@@ -1,0 +1,203 @@
+"""Calibration for `mqinfer plan`: the real engine run on a few batch shapes, its steps timed and fitted.
+
+``calibrate(config)`` builds an ``LLMEngine`` from the worker's engine configuration (prefix
+caching off, so that repeated prompts are computed every time), runs a fixed set of scenarios
+directly on it (no Redis, no worker loop) and times every step together with its shape (batched
+tokens, requests, attention pairs):
+
+- single prompts of 16 tokens up to the step's token budget (prefill steps: many tokens, one
+  request, about L*L/2 pairs);
+- several 64-token prompts admitted in one step (many tokens and many requests, few pairs each);
+- decode batches of 1 request up to ``max_num_seqs`` at a short context (tokens = requests);
+- decode batches at a long context (the pairs grow, the tokens do not);
+- a long prompt chunk joining a running decode batch (a mixed step).
+
+The steps are fitted by ``plan_model.fit_step_costs``. Separately, a fresh process builds the same
+engine and reports when it is ready: the worker's start-up time, billed apart from warm running.
+The whole run stays within a time budget (two minutes on two cores for the tiny model); shapes
+that would not fit in it are left out and the fit says how many steps it had.
+
+``python -m mqinfer.loadgen.plan_calibrate --startup-probe JSON`` is that fresh process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mqinfer.loadgen.plan_model import Calibration, StepSample, StepShape, fit_step_costs, now_text, processor_name
+
+log = logging.getLogger("mqinfer.plan")
+
+# The engine settings a start-up probe passes on to its fresh process.
+_PROBE_FIELDS = ("model", "device", "dtype", "quantization", "kv_cache_dtype", "num_threads", "num_kv_blocks",
+                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tensor_parallel_size")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Requests added to the engine at once, run until all are done; ``late`` requests join after
+    ``late_after_steps`` steps (a prompt arriving while others decode). Each entry of ``requests``
+    and ``late`` is (count, prompt tokens, output tokens)."""
+
+    name: str
+    requests: tuple[tuple[int, int, int], ...]
+    repeats: int = 1
+    late: tuple[tuple[int, int, int], ...] = ()
+    late_after_steps: int = 0
+
+    def num_blocks(self, block_size: int) -> int:
+        """KV blocks the scenario holds at its peak (every request at its full length)."""
+        return sum(count * -(-(prompt + output) // block_size) for count, prompt, output in (*self.requests, *self.late))
+
+
+def scenarios(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_kv_blocks: int,
+              block_size: int) -> list[Scenario]:
+    """The calibration scenarios that fit the engine's limits, cheapest kinds first, so that a short
+    time budget still covers every feature."""
+    longest = min(max_num_batched_tokens, max_model_len - 1)
+    out: list[Scenario] = []
+    for length in (16, 64, 256, 1024, 2048, 4096):
+        if length <= longest:
+            out.append(Scenario(f"prefill {length}", ((1, length, 1),), repeats=3))
+    for count in (4, 16, 64):
+        if count <= max_num_seqs and count * 64 <= max_num_batched_tokens:
+            out.append(Scenario(f"prefill {count}x64", ((count, 64, 1),), repeats=2))
+    batches = sorted({b for b in (1, 8, 32, 128, 256) if b <= max_num_seqs} | {max_num_seqs})
+    for batch in batches:
+        out.append(Scenario(f"decode {batch} at 32", ((batch, 32, 12),)))
+    context = min(1024, max_model_len - 16)
+    if context > 64:
+        for batch in (4, 32):
+            if batch <= max_num_seqs:
+                out.append(Scenario(f"decode {batch} at {context}", ((batch, context, 8),)))
+    mixed = min(32, max_num_seqs - 1)
+    prompt = min(512, longest - mixed)
+    if mixed >= 1 and prompt >= 16:
+        out.append(Scenario(f"prefill {prompt} with {mixed} decoding", ((mixed, 32, 24),),
+                            late=((1, prompt, 1),), late_after_steps=4))
+    return [s for s in out if s.num_blocks(block_size) <= num_kv_blocks]
+
+
+def _prompt(length: int, salt: int) -> list[int]:
+    # Byte-range ids (valid for every model); the salt keeps prompts apart.
+    return [3 + (salt * 7919 + i * 31) % 250 for i in range(length)]
+
+
+def run_scenario(engine, scenario: Scenario, salt: int) -> list[StepSample]:
+    """Every step of one run of ``scenario`` with its shape and wall seconds."""
+    from mqinfer.scheduler.request import SamplingParams
+
+    def add(entries, tag: str) -> None:
+        k = 0
+        for count, prompt, output in entries:
+            for _ in range(count):
+                engine.add_request(f"calib-{salt}-{tag}-{k}", _prompt(prompt, salt * 1000 + k),
+                                   SamplingParams(max_tokens=output, temperature=0.0, ignore_eos=True))
+                k += 1
+
+    add(scenario.requests, "a")
+    samples: list[StepSample] = []
+    steps = 0
+    late_added = not scenario.late
+    while engine.has_unfinished() or not late_added:
+        if not late_added and steps >= scenario.late_after_steps:
+            add(scenario.late, "b")
+            late_added = True
+        t0 = time.perf_counter()
+        result = engine.step()
+        seconds = time.perf_counter() - t0
+        steps += 1
+        if result.work:
+            samples.append(StepSample(StepShape.of((w.num_tokens, w.context_len) for w in result.work), seconds))
+    return samples
+
+
+def measure_startup(config, timeout_s: float = 300.0) -> float:
+    """Seconds from starting a fresh Python process to its engine being ready (imports included)."""
+    settings = {name: getattr(config, name) for name in _PROBE_FIELDS}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "mqinfer.loadgen.plan_calibrate", "--startup-probe",
+                             json.dumps(settings)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            stdin=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        ready = time.perf_counter() - t0
+        _, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"the start-up probe took more than {timeout_s:.0f}s") from None
+    if proc.returncode != 0 or line.strip() != "ready":
+        raise RuntimeError(f"the start-up probe failed (exit {proc.returncode}): {err.strip()[-2000:]}")
+    return ready
+
+
+def calibrate(config, *, budget_s: float = 90.0, model_id: str = "",
+              progress: Callable[[str], None] = log.info) -> Calibration:
+    """Fit the step-cost model of ``config`` (an ``EngineConfig``) on this machine."""
+    import dataclasses
+
+    from mqinfer.workers.engine import LLMEngine
+
+    started = time.perf_counter()
+    progress("calibration: measuring the start-up of a fresh worker process")
+    startup_s = measure_startup(config)
+    progress(f"calibration: start-up {startup_s:.2f}s; building the engine")
+    # The KV cache as a worker sizes it, recorded for the plan; the calibration engine itself runs
+    # without prefix caching so that repeated prompts are computed again.
+    engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False))
+    try:
+        sc = engine.scheduler_config
+        chosen = scenarios(sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len, sc.num_kv_blocks,
+                           sc.block_size)
+        # Warm-up (lazy initialisation, first-touch allocations): not measured.
+        run_scenario(engine, Scenario("warm-up", ((4, 64, 8),)), salt=0)
+        samples: list[StepSample] = []
+        salt = 1
+        skipped = []
+        for scenario in chosen:
+            for _ in range(scenario.repeats):
+                if time.perf_counter() - started > budget_s:
+                    skipped.append(scenario.name)
+                    break
+                samples += run_scenario(engine, scenario, salt)
+                salt += 1
+        if skipped:
+            progress(f"calibration: time budget {budget_s:.0f}s reached; left out: {', '.join(skipped)}")
+        model, quality = fit_step_costs(samples)
+        progress(f"calibration: {quality.num_steps} steps fitted ({quality.num_dropped} outliers dropped), median "
+                 f"error {100 * quality.median_abs_rel_error:.1f}%, p90 {100 * quality.p90_abs_rel_error:.1f}%")
+        return Calibration(
+            model=model, quality=quality, startup_s=startup_s, num_kv_blocks=sc.num_kv_blocks,
+            block_size=sc.block_size, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
+            model_id=model_id or str(config.model), device=str(engine.device), num_threads=engine.num_threads,
+            machine={"processor": processor_name(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
+            measured_at=now_text(), calibration_s=time.perf_counter() - started,
+        )
+    finally:
+        engine.close()
+
+
+def _startup_probe(settings_json: str) -> int:
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
+
+    logging.disable(logging.INFO)
+    engine = LLMEngine(EngineConfig(**json.loads(settings_json)))
+    print("ready", flush=True)
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--startup-probe":
+        sys.exit(_startup_probe(sys.argv[2]))
+    print("usage: python -m mqinfer.loadgen.plan_calibrate --startup-probe JSON", file=sys.stderr)
+    sys.exit(2)

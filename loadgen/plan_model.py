@@ -1,0 +1,285 @@
+"""The step-cost model of `mqinfer plan`: how long one engine step takes, from the shape of its batch.
+
+One step's seconds are a linear function of four features::
+
+    step_s = step_s_fixed                       # per step: scheduling, launching, sampling set-up
+           + token_s    * tokens                # every token the step runs (linear layers)
+           + seq_s      * seqs                  # every request scheduled (metadata, a sampled row)
+           + pair_s     * pairs                 # attention: causal (query, key) pairs
+
+``pairs`` sums, over the scheduled requests, the pairs of a chunk of ``n`` tokens ending at
+context length ``ctx``: ``n * ctx - n * (n - 1) / 2``, the same count the cost meter splits a
+step by (workers/costs.py). A decode token at context ``ctx`` has ``ctx`` pairs; a prompt of
+``L`` tokens about ``L * L / 2``.
+
+The coefficients are fitted by non-negative least squares on *relative* errors, so that a
+2 ms decode step weighs as much as a 300 ms prefill step: TPOT is made of the small steps and
+TTFT of the large ones, and the plan needs both. Measured steps whose residual is far from the
+rest (a step that another process on the machine slowed down) are dropped and the fit is
+repeated once.
+
+A fitted model is stored as JSON under the cache folder (``plan/<model-hash>-<machine>.json``,
+see :func:`fit_path`), with what it was measured on, so that later plans reuse it. No torch here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FEATURES = ("step", "tokens", "seqs", "pairs")
+# Stored fits of another format version are not read (the user is told to calibrate again).
+FIT_VERSION = 1
+
+
+def chunk_pairs(num_tokens: int, context_len: int) -> float:
+    """Causal (query, key) pairs of a chunk of ``num_tokens`` tokens that ends at ``context_len``."""
+    return num_tokens * context_len - num_tokens * (num_tokens - 1) / 2
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step's time depends on: its batched tokens, its requests and their attention pairs."""
+
+    tokens: int
+    seqs: int
+    pairs: float
+
+    @classmethod
+    def of(cls, chunks: Iterable[tuple[int, int]]) -> "StepShape":
+        """The shape of a step that runs each ``(num_tokens, context_len)`` chunk (one per request)."""
+        tokens = seqs = 0
+        pairs = 0.0
+        for n, ctx in chunks:
+            tokens += n
+            seqs += 1
+            pairs += chunk_pairs(n, ctx)
+        return cls(tokens, seqs, pairs)
+
+    def features(self) -> tuple[float, float, float, float]:
+        return (1.0, float(self.tokens), float(self.seqs), float(self.pairs))
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds per step as a linear function of :class:`StepShape` (coefficients >= 0)."""
+
+    step_s_fixed: float
+    token_s: float
+    seq_s: float
+    pair_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("step_s_fixed", "token_s", "seq_s", "pair_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and np.isfinite(value) and value >= 0):
+                raise ValueError(f"step cost coefficient {name} must be a finite number >= 0, got {value!r}")
+
+    @property
+    def coefficients(self) -> tuple[float, float, float, float]:
+        return (self.step_s_fixed, self.token_s, self.seq_s, self.pair_s)
+
+    def step_seconds(self, shape: StepShape) -> float:
+        return (self.step_s_fixed + self.token_s * shape.tokens + self.seq_s * shape.seqs
+                + self.pair_s * shape.pairs)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: its shape and its wall seconds."""
+
+    shape: StepShape
+    seconds: float
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 200) -> np.ndarray:
+    """``argmin ||a x - b||`` subject to ``x >= 0`` (Lawson and Hanson's active-set method)."""
+    m, n = a.shape
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    tol = 10 * np.finfo(float).eps * np.linalg.norm(a, 1) * max(m, n)
+    for _ in range(max_iter):
+        w = a.T @ (b - a @ x)
+        if passive.all() or w[~passive].max(initial=-np.inf) <= tol:
+            break
+        j = int(np.argmax(np.where(passive, -np.inf, w)))
+        passive[j] = True
+        for _ in range(max_iter):
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            # Step back to the boundary: the passive variable that hits zero first leaves.
+            shrink = passive & (z <= 0)
+            alpha = np.min(x[shrink] / (x[shrink] - z[shrink]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+@dataclass(frozen=True)
+class FitQuality:
+    """How well the model explains the steps it was fitted on (relative errors)."""
+
+    num_steps: int
+    num_dropped: int  # outliers left out of the final fit
+    median_abs_rel_error: float
+    p90_abs_rel_error: float
+
+
+def fit_step_costs(samples: Sequence[StepSample], outlier_factor: float = 4.0) -> tuple[StepCostModel, FitQuality]:
+    """The non-negative coefficients that minimise the steps' squared relative errors.
+
+    Steps whose relative residual is more than ``outlier_factor`` median absolute deviations
+    from the median are dropped, and the fit repeated once on the rest.
+    """
+    usable = [s for s in samples if s.seconds > 0]
+    if len(usable) < len(FEATURES):
+        raise ValueError(f"a step-cost fit needs at least {len(FEATURES)} measured steps, got {len(usable)}")
+    x = np.array([s.shape.features() for s in usable], dtype=float)
+    t = np.array([s.seconds for s in usable], dtype=float)
+    # Columns scaled to comparable sizes (pairs run to millions) so that the solver's tolerance holds.
+    scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+
+    def solve(keep: np.ndarray) -> np.ndarray:
+        a = (x[keep] / scale) / t[keep, None]
+        return nnls(a, np.ones(int(keep.sum()))) / scale
+
+    keep = np.ones(len(t), dtype=bool)
+    coef = solve(keep)
+    rel = (x @ coef - t) / t
+    center = np.median(rel)
+    spread = np.median(np.abs(rel - center)) or 1e-12
+    keep = np.abs(rel - center) <= outlier_factor * spread
+    if keep.sum() >= len(FEATURES) and not keep.all():
+        coef = solve(keep)
+    rel = np.abs((x[keep] @ coef - t[keep]) / t[keep])
+    quality = FitQuality(int(keep.sum()), int((~keep).sum()), float(np.median(rel)), float(np.percentile(rel, 90)))
+    return StepCostModel(*(float(max(0.0, c)) for c in coef)), quality
+
+
+# -- the stored fit ------------------------------------------------------------------------------
+@dataclass
+class Calibration:
+    """A fitted step-cost model with what it was measured on and what else the plan needs."""
+
+    model: StepCostModel
+    quality: FitQuality
+    # Seconds from a worker process's start to its engine being ready (imports, model load, KV cache).
+    startup_s: float
+    # The engine's own sizes as calibrated: KV blocks (as the worker would size them), block size,
+    # context limit, and the step limits the KV sizing assumed.
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    # What the fit is valid for.
+    model_id: str
+    device: str
+    num_threads: int | None
+    machine: dict[str, Any] = field(default_factory=dict)
+    measured_at: str = ""
+    calibration_s: float = 0.0
+    version: int = FIT_VERSION
+
+    def to_json(self) -> str:
+        out = asdict(self)
+        out["model"] = asdict(self.model)
+        out["quality"] = asdict(self.quality)
+        return json.dumps(out, indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Calibration":
+        data = json.loads(text)
+        if data.get("version") != FIT_VERSION:
+            raise ValueError(f"calibration format {data.get('version')!r}, expected {FIT_VERSION}")
+        data["model"] = StepCostModel(**data["model"])
+        data["quality"] = FitQuality(**data["quality"])
+        return cls(**data)
+
+
+def cache_dir() -> Path:
+    """``$MQINFER_CACHE_DIR`` or ``$XDG_CACHE_HOME/mqinfer`` or ``~/.cache/mqinfer`` (as the bench's)."""
+    from mqinfer.loadgen.checkpoint import default_cache_dir
+
+    return default_cache_dir()
+
+
+def model_fingerprint(model: str) -> str:
+    """A short hash that changes when the model does: ``tiny`` itself, else the checkpoint's config
+    and weight files' names and sizes (a GGUF file: its path, size and modification time)."""
+    h = hashlib.sha256()
+    if model == "tiny":
+        h.update(b"tiny")
+    else:
+        path = Path(model).expanduser().resolve()
+        h.update(str(path).encode())
+        if path.is_file():
+            st = path.stat()
+            h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
+        elif path.is_dir():
+            config = path / "config.json"
+            if config.exists():
+                h.update(config.read_bytes())
+            for f in sorted(path.glob("*.safetensors")):
+                h.update(f"{f.name}:{f.stat().st_size}".encode())
+        else:
+            raise FileNotFoundError(f"--model {model}: no such checkpoint folder or file")
+    return h.hexdigest()[:12]
+
+
+def processor_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def machine_key(device: str, num_threads: int | None, cores: int, accelerator: str | None = None) -> str:
+    """A file-name-safe name for this machine and worker layout: the processor (or accelerator),
+    the usable cores, the device and the threads per worker."""
+    name = accelerator or processor_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")[:40]
+    return f"{slug}-{cores}c-{device}-t{num_threads or 'default'}"
+
+
+def fit_path(model: str, engine_key: str, machine: str) -> Path:
+    """Where the fit for ``model`` (with ``engine_key``: dtype, quantization, KV cache dtype) on
+    ``machine`` is stored."""
+    digest = hashlib.sha256(f"{model_fingerprint(model)}|{engine_key}".encode()).hexdigest()[:12]
+    return cache_dir() / "plan" / f"{digest}-{machine}.json"
+
+
+def save_calibration(calibration: Calibration, path: Path) -> None:
+    """Written to a temporary file and renamed: a plan never reads half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(calibration.to_json())
+    os.replace(tmp, path)
+
+
+def load_calibration(path: Path) -> Calibration | None:
+    """The stored fit at ``path``; None when there is none or it cannot be read."""
+    try:
+        return Calibration.from_json(path.read_text())
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def now_text() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
