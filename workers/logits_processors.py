@@ -3,10 +3,10 @@ counts their penalties read, and applying it all to a step's logits (kernels/pen
 
 A request joins when its ``SamplingParams`` ask for a presence, frequency or repetition penalty, a
 ``logit_bias``, or ``min_tokens`` (its EOS and stop tokens are held back until it has that many
-output tokens). The engine hands :meth:`LogitsProcessors.apply` to the model runner only while it
-holds such a request, and the runner calls it with the logits of the step's sampling rows: the
-rows of the requests held here are processed, the others are left as they are. A step without
-such a request pays nothing, and a request's row comes out the same alone or in any batch.
+output tokens). The engine hands the processors to the model runner only while it holds such a
+request; the runner, as it packs the step, notes the sampling rows of the requests held here and
+calls :meth:`LogitsProcessors.apply` with those rows alone. The other rows are left as they are and
+cost nothing, and a request's row comes out the same alone or in any batch.
 
 The penalties need each request's tokens so far, kept here on the logits' device and brought up
 to date incrementally: a ``[V]`` count of the output tokens (frequency and presence penalties) and
@@ -74,6 +74,11 @@ class LogitsProcessors:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._states
 
+    @property
+    def request_ids(self):
+        """The ids of the requests held (a live view, for fast membership tests)."""
+        return self._states.keys()
+
     def add(self, request: Request) -> None:
         """Hold ``request`` if its sampling parameters process logits (else do nothing). Its
         ``logit_bias`` token ids must be in the vocabulary (the engine checks them first)."""
@@ -128,17 +133,18 @@ class LogitsProcessors:
             state.counts.index_put_((new,), torch.ones_like(new, dtype=torch.int32), accumulate=True)
         state.num_counted = n
 
-    def apply(self, logits: torch.Tensor, requests: Sequence[Request], positions: Sequence[int],
-              keep_raw: bool) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[Request],
+              positions: Sequence[int], keep_raw: bool) -> torch.Tensor:
         """The logits ``[B, V]`` (row ``j`` samples for ``requests[j]`` the token at position
-        ``positions[j]``) with every held request's processing applied, float32: in place when
-        ``logits`` are float32 and ``keep_raw`` is False, else in a copy. ``logits`` themselves
-        when no row needs anything this step."""
+        ``positions[j]``) with the processing of ``rows`` (rows of requests held here) applied,
+        float32: in place when ``logits`` are float32 and ``keep_raw`` is False, else in a copy.
+        ``logits`` themselves when no row needs anything this step."""
         states = self._states
-        picked = [(j, states[r.request_id]) for j, r in enumerate(requests) if r.request_id in states]
+        picked = [(j, states[requests[j].request_id]) for j in rows]
         penalised: list[tuple[int, _State]] = []
         biased: list[tuple[int, _State]] = []
         held: list[tuple[int, _State]] = []
+        done: list[str] = []
         for j, state in picked:
             if state.penalised:
                 self._sync(state, requests[j])
@@ -147,6 +153,10 @@ class LogitsProcessors:
                 biased.append((j, state))
             if state.stop_ids is not None and positions[j] - state.num_prompt_tokens < state.min_tokens:
                 held.append((j, state))
+            elif not state.penalised and state.bias_ids is None:
+                done.append(requests[j].request_id)  # past its min_tokens: nothing left to do
+        for request_id in done:
+            states.pop(request_id, None)
         if not (penalised or biased or held):
             return logits
         if logits.dtype != torch.float32:

@@ -233,6 +233,10 @@ class ModelRunner:
         sample_rows = plan.sample_rows
         sample_of: list[int] = []  # index into `scheduled` of each sampling row
         sample_positions: list[int] = []  # position of the token each row samples
+        # Sampling rows of the requests whose logits are processed (found in this one pass, so that
+        # the other requests cost nothing more).
+        held = processors.request_ids if processors is not None else None
+        processed_rows: list[int] = []
         any_spec = False
         row = 0
         for i, sr in enumerate(scheduled):
@@ -252,6 +256,8 @@ class ModelRunner:
             tables.append(request.block_ids)
             row += n
             if c + n - len(spec) == request.num_tokens:
+                if held is not None and request.request_id in held:
+                    processed_rows.extend(range(len(sample_of), len(sample_of) + len(spec) + 1))
                 for j in range(len(spec), -1, -1):
                     sample_rows.append(row - 1 - j)
                     sample_of.append(i)
@@ -280,11 +286,11 @@ class ModelRunner:
             device=device,
         )
         processed = logits
-        if processors is not None or grammar_masks is not None:
+        if processed_rows or grammar_masks is not None:
             # Changed in place unless a request wants logprobs, which come from the raw logits.
             keep_raw = any(r.sampling.logprobs is not None for r in requests)
-            if processors is not None:
-                processed = processors.apply(logits, requests, sample_positions, keep_raw)
+            if processed_rows:
+                processed = processors.apply(logits, processed_rows, requests, sample_positions, keep_raw)
             if grammar_masks is not None:
                 processed = grammar_masks.apply(processed, sample_of, in_place=processed is not logits or not keep_raw)
         token_ids = sample(processed, params)

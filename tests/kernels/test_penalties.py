@@ -30,6 +30,12 @@ def _request(rid: str, prompt: list[int], output: list[int], **sampling) -> Requ
     return request
 
 
+def _apply(processors: LogitsProcessors, logits, requests, positions, keep_raw):
+    """As the model runner calls it: with the rows of the requests the processors hold."""
+    rows = [j for j, r in enumerate(requests) if r.request_id in processors.request_ids]
+    return processors.apply(logits, rows, requests, positions, keep_raw)
+
+
 def _reference_row(logits: torch.Tensor, request: Request) -> torch.Tensor:
     """One row, token by token, in plain Python arithmetic on float32 values."""
     sp = request.sampling
@@ -84,7 +90,7 @@ def test_a_mixed_batch_matches_the_reference_row_by_row(keep_raw):
     assert len(processors) == sum(r.sampling.processes_logits for r in requests)
     logits = torch.randn(len(requests), VOCAB, generator=torch.Generator().manual_seed(1)) * 4
     raw = logits.clone()
-    out = processors.apply(logits, requests, [r.num_tokens for r in requests], keep_raw)
+    out = _apply(processors, logits, requests, [r.num_tokens for r in requests], keep_raw)
     for j, r in enumerate(requests):
         torch.testing.assert_close(out[j], _reference_row(raw[j], r), rtol=1e-6, atol=1e-5)
     if keep_raw:
@@ -105,9 +111,9 @@ def test_counts_follow_the_output_step_by_step_and_rows_alone_equal_rows_in_a_ba
             for _ in range(rng.randint(0, 2)):
                 r.append_output_token(rng.randrange(VOCAB))
         logits = torch.randn(len(requests), VOCAB, generator=gen) * 3
-        batch = processors.apply(logits.clone(), requests, [r.num_tokens for r in requests], False)
+        batch = _apply(processors, logits.clone(), requests, [r.num_tokens for r in requests], False)
         for j, r in enumerate(requests):
-            alone = processors.apply(logits[j : j + 1].clone(), [r], [r.num_tokens], False)
+            alone = _apply(processors, logits[j : j + 1].clone(), [r], [r.num_tokens], False)
             assert torch.equal(alone[0], batch[j])
             torch.testing.assert_close(batch[j], _reference_row(logits[j], r), rtol=1e-6, atol=1e-5)
 
@@ -117,12 +123,13 @@ def test_bfloat16_logits_are_processed_in_float32_in_a_copy():
     processors = LogitsProcessors(VOCAB)
     processors.add(r)
     logits = (torch.randn(1, VOCAB) * 5).to(torch.bfloat16)
-    out = processors.apply(logits, [r], [r.num_tokens], False)
+    out = _apply(processors, logits, [r], [r.num_tokens], False)
     assert out.dtype == torch.float32 and out is not logits
     torch.testing.assert_close(out[0], _reference_row(logits[0].float(), r), rtol=1e-6, atol=1e-5)
 
 
 def test_unprocessed_requests_are_not_held_and_a_step_without_work_returns_the_logits():
+    """A request without processing is never held; one with only min_tokens is let go once past it."""
     plain = _request("p", [1, 2], [5])
     done = _request("m", [1, 2], [5, 6, 7], min_tokens=2)  # min_tokens reached: nothing left to do
     processors = LogitsProcessors(VOCAB)
@@ -130,9 +137,8 @@ def test_unprocessed_requests_are_not_held_and_a_step_without_work_returns_the_l
     processors.add(done)
     assert "p" not in processors and "m" in processors
     logits = torch.randn(2, VOCAB)
-    assert processors.apply(logits, [plain, done], [plain.num_tokens, done.num_tokens], True) is logits
-    processors.forget("m")
-    assert len(processors) == 0
+    assert _apply(processors, logits, [plain, done], [plain.num_tokens, done.num_tokens], True) is logits
+    assert len(processors) == 0  # a request past its min_tokens is let go
 
 
 def test_min_tokens_follows_each_rows_position():
@@ -142,12 +148,12 @@ def test_min_tokens_follows_each_rows_position():
     processors.add(r)
     logits = torch.zeros(3, VOCAB)
     # Rows sample output tokens 1, 2 and 3 (0-based): only the first two are before min_tokens.
-    out = processors.apply(logits, [r, r, r], [4, 5, 6], False)
+    out = _apply(processors, logits, [r, r, r], [4, 5, 6], False)
     assert out[0, EOS] == out[0, 9] == out[1, EOS] == out[1, 9] == float("-inf")
     assert out[2, EOS] == out[2, 9] == 0.0
     ignore = _request("i", [1], [], min_tokens=2, ignore_eos=True)
     processors.add(ignore)
-    out = processors.apply(torch.zeros(1, VOCAB), [ignore], [1], False)
+    out = _apply(processors, torch.zeros(1, VOCAB), [ignore], [1], False)
     assert out[0, EOS] == 0.0  # EOS does not stop a request with ignore_eos: nothing to hold back
 
 
@@ -173,7 +179,7 @@ def test_against_transformers_logits_processors(penalty):
         ])
         input_ids = torch.tensor([prompt + output])
         expected = hf(input_ids, scores.clone())
-        ours = processors.apply(scores.clone(), [r], [r.num_tokens], False)
+        ours = _apply(processors, scores.clone(), [r], [r.num_tokens], False)
         torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-5)
 
 
