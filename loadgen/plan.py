@@ -375,20 +375,23 @@ def judge(ev: Evaluation, target: Target, startup_s: float) -> Evaluation:
     return replace(ev, met=excess <= 1.0, excess=excess, why="; ".join(texts) or "no target")
 
 
-def idle_ttft_p99(requests: Sequence[SimRequest], settings: WorkerSettings, model, wait_s: float) -> float:
-    """The p99 over ``requests`` of the TTFT each would have alone on an idle worker: the batcher's
-    wait, then its prompt's prefill steps (chunks of at most the step's token budget)."""
+def idle_ttft_p99(requests: Sequence[SimRequest], settings: WorkerSettings, calibration: Calibration,
+                  wait_s: float) -> float:
+    """The p99 over ``requests`` of the TTFT each would have alone on an idle worker: the worker's
+    wake-up and the batcher's wait, then its prompt's prefill steps (chunks of at most the step's
+    token budget)."""
     from mqinfer.loadgen.metrics import percentile
     from mqinfer.loadgen.plan_model import StepShape
 
     budget = settings.scheduler.max_num_batched_tokens
+    model = calibration.model
     ttfts = []
     for r in requests:
-        done, t = 0, wait_s
+        done, t = 0, calibration.wake_s + wait_s
         total = len(r.prompt_token_ids)
         while done < total:
             n = min(budget, total - done)
-            t += model.step_seconds(StepShape.of([(n, done + n)]))
+            t += model.step_seconds(StepShape.of([(n, done + n)])) + calibration.step_overhead_s
             done += n
         ttfts.append(t)
     ttfts.sort()
@@ -521,10 +524,12 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
         count = count or (ONLINE_REQUESTS if target.online else BULK_REQUESTS)
         workload = named_workload(opts["workload"], count, opts["seed"], model, settings.scheduler.max_model_len)
     requests = with_arrivals(workload.requests, target.rate, count, opts["seed"])
-    target = replace(target, idle_ttft_p99_s=idle_ttft_p99(requests, settings, calibration.model, target.max_wait_s))
+    target = replace(target, idle_ttft_p99_s=idle_ttft_p99(requests, settings, calibration, target.max_wait_s))
 
     def evaluate(n: int, reqs: list[SimRequest] = requests, goal: Target = target) -> Evaluation:
-        ev = judge(summarize(simulate(reqs, n, settings, calibration.model)), goal, calibration.startup_s)
+        sim = simulate(reqs, n, settings, calibration.model, loop_overhead_s=calibration.step_overhead_s,
+                       wake_s=calibration.wake_s)
+        ev = judge(summarize(sim), goal, calibration.startup_s)
         progress(f"{n} worker(s): {ev.why}{'' if ev.met else ' - not met'}")
         return ev
 
@@ -617,7 +622,8 @@ def _calibration_dict(calibration: Calibration, path: Path) -> dict[str, Any]:
             "num_steps": q.num_steps, "median_abs_rel_error": q.median_abs_rel_error,
             "p90_abs_rel_error": q.p90_abs_rel_error, "startup_s": calibration.startup_s,
             "num_kv_blocks": calibration.num_kv_blocks, "calibration_s": calibration.calibration_s,
-            "machine": calibration.machine}
+            "step_overhead_s": calibration.step_overhead_s, "wake_s": calibration.wake_s,
+            "startup_source": calibration.startup_source, "machine": calibration.machine}
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -682,7 +688,8 @@ def render(plan: dict[str, Any], fmt: str) -> str:
         lines += ["", "  workers tried: " + "; ".join(
             f"{s['workers']} ({'met' if s['met'] else 'not met'}: {s['checked']})" for s in plan["search"])]
     lines += ["", f"  step-cost model: {1000 * c['step_s_fixed']:.3g} ms + {1e6 * c['token_s']:.3g} us/token + "
-              f"{1e6 * c['seq_s']:.3g} us/request + {1e9 * c['pair_s']:.3g} ns/attention pair; fitted on "
+              f"{1e6 * c['seq_s']:.3g} us/request + {1e9 * c['pair_s']:.3g} ns/attention pair, and around it "
+              f"{1000 * c['step_overhead_s']:.2g} ms per step and {1000 * c['wake_s']:.2g} ms to wake; fitted on "
               f"{c['num_steps']} steps (median error {100 * c['median_abs_rel_error']:.1f}%) at "
               f"{c['measured_at']} ({c['path']})"]
     lines += [f"  note: {n}" for n in plan["notes"]]

@@ -12,24 +12,43 @@ tokens, requests, attention pairs):
 - decode batches at a long context (the pairs grow, the tokens do not);
 - a long prompt chunk joining a running decode batch (a mixed step).
 
-The steps are fitted by ``plan_model.fit_step_costs``. Separately, a fresh process builds the same
-engine and reports when it is ready: the worker's start-up time, billed apart from warm running.
-The whole run stays within a time budget (two minutes on two cores for the tiny model); shapes
-that would not fit in it are left out and the fit says how many steps it had.
+The steps are fitted by ``plan_model.fit_step_costs``. Then a short run of the real pipeline (the
+bench's offline and online modes: an embedded server, one `mqinfer worker`, a small workload of its
+own) measures what the engine alone does not show, each by simulating the same requests and
+comparing:
+
+- the worker's start-up, from the ``startup`` cost row it bills (process start to ready);
+- ``step_overhead_s``, the worker loop's time per step around the engine (reading the stream,
+  metering, sinks): the offline run's measured span less the simulated one, over the steps;
+- ``wake_s``, how long a worker blocked on an empty stream takes to start on an arriving entry,
+  beyond the batcher's wait: the median excess queueing delay of the requests that reached an
+  idle worker, in an online run at a quarter of the offline request rate.
+
+Without the pipeline run (``pipeline=False``) both stay 0 and the start-up is that of a fresh
+process that only builds the engine. The whole calibration stays within a time budget (two
+minutes on two cores for the tiny model); shapes that would not fit in it are left out and the
+fit says how many steps it had.
 
 ``python -m mqinfer.loadgen.plan_calibrate --startup-probe JSON`` is that fresh process.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import logging
 import os
+import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from mqinfer.loadgen.plan_model import Calibration, StepSample, StepShape, fit_step_costs, now_text, processor_name
 
@@ -139,17 +158,18 @@ def measure_startup(config, timeout_s: float = 300.0) -> float:
     return ready
 
 
-def calibrate(config, *, budget_s: float = 90.0, model_id: str = "",
+def calibrate(config, *, budget_s: float = 90.0, model_id: str = "", pipeline: bool = True,
               progress: Callable[[str], None] = log.info) -> Calibration:
-    """Fit the step-cost model of ``config`` (an ``EngineConfig``) on this machine."""
-    import dataclasses
-
+    """Fit the step-cost model of ``config`` (an ``EngineConfig``) on this machine; with
+    ``pipeline``, also measure the worker loop's overheads and start-up on the real pipeline."""
     from mqinfer.workers.engine import LLMEngine
 
     started = time.perf_counter()
-    progress("calibration: measuring the start-up of a fresh worker process")
-    startup_s = measure_startup(config)
-    progress(f"calibration: start-up {startup_s:.2f}s; building the engine")
+    startup_s = None
+    if not pipeline:
+        progress("calibration: measuring the start-up of a fresh engine process")
+        startup_s = measure_startup(config)
+    progress("calibration: timing engine steps on a few batch shapes")
     # The KV cache as a worker sizes it, recorded for the plan; the calibration engine itself runs
     # without prefix caching so that repeated prompts are computed again.
     engine = LLMEngine(dataclasses.replace(config, enable_prefix_caching=False))
@@ -169,20 +189,154 @@ def calibrate(config, *, budget_s: float = 90.0, model_id: str = "",
                     break
                 samples += run_scenario(engine, scenario, salt)
                 salt += 1
-        if skipped:
-            progress(f"calibration: time budget {budget_s:.0f}s reached; left out: {', '.join(skipped)}")
-        model, quality = fit_step_costs(samples)
-        progress(f"calibration: {quality.num_steps} steps fitted ({quality.num_dropped} outliers dropped), median "
-                 f"error {100 * quality.median_abs_rel_error:.1f}%, p90 {100 * quality.p90_abs_rel_error:.1f}%")
-        return Calibration(
-            model=model, quality=quality, startup_s=startup_s, num_kv_blocks=sc.num_kv_blocks,
-            block_size=sc.block_size, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
-            model_id=model_id or str(config.model), device=str(engine.device), num_threads=engine.num_threads,
-            machine={"processor": processor_name(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
-            measured_at=now_text(), calibration_s=time.perf_counter() - started,
-        )
+        device, threads = str(engine.device), engine.num_threads
     finally:
         engine.close()
+    if skipped:
+        progress(f"calibration: time budget {budget_s:.0f}s reached; left out: {', '.join(skipped)}")
+    model, quality = fit_step_costs(samples)
+    progress(f"calibration: {quality.num_steps} steps fitted ({quality.num_dropped} outliers dropped), median "
+             f"error {100 * quality.median_abs_rel_error:.1f}%, p90 {100 * quality.p90_abs_rel_error:.1f}%")
+    calibration = Calibration(
+        model=model, quality=quality, startup_s=startup_s or 0.0, num_kv_blocks=sc.num_kv_blocks,
+        block_size=sc.block_size, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
+        model_id=model_id or str(config.model), device=device, num_threads=threads,
+        machine={"processor": processor_name(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
+        measured_at=now_text(),
+    )
+    if pipeline:
+        calibration = measure_pipeline(config, calibration, progress=progress)
+    calibration.calibration_s = time.perf_counter() - started
+    return calibration
+
+
+# -- the worker loop around the engine: a short run of the real pipeline ----------------------------
+# The pipeline run's own small workload (not the bench's, which plan_check measures against).
+PIPELINE_PROMPT_LEN = (16, 160)
+PIPELINE_OUTPUT_LEN = (8, 48)
+PIPELINE_OFFLINE_REQUESTS = 32
+PIPELINE_ONLINE_REQUESTS = 24
+PIPELINE_SEED = 1001
+PIPELINE_RATE_SHARE = 0.25  # of the offline request rate: the worker is often idle when a request comes
+
+
+def bench_args(*, model: str, workload: str, num_requests: int, seed: int, mode: str, workers: int,
+               rates: list[float] | None = None, engine: dict[str, Any] | None = None,
+               prompt_len: tuple[int, int] | None = None, output_len: tuple[int, int] | None = None
+               ) -> argparse.Namespace:
+    """The `mqinfer bench` arguments of one run of ``workers`` worker processes (the bench's defaults
+    for everything else; ``engine`` holds worker flags such as num_threads or max_num_seqs)."""
+    from mqinfer.loadgen.bench_options import add_bench_arguments
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    argv = ["--model", model, "--workload", workload, "--num-requests", str(num_requests), "--seed", str(seed),
+            "--mode", mode, "--workers", str(workers), "--order", "input", "--timeout-s", "900"]
+    if prompt_len:
+        argv += ["--prompt-len", f"{prompt_len[0]},{prompt_len[1]}"]
+    if output_len:
+        argv += ["--output-len", f"{output_len[0]},{output_len[1]}"]
+    if rates:
+        argv += ["--rate", ",".join(f"{r:g}" for r in rates)]
+    args = parser.parse_args(argv)
+    for name, value in (engine or {}).items():
+        setattr(args, name, value)
+    return args
+
+
+def worker_flags(config, calibration: Calibration) -> dict[str, Any]:
+    """The bench's worker flags for a worker like the calibrated engine (its KV cache size included)."""
+    device = "cuda" if calibration.device.startswith("cuda") else "cpu"
+    return {"dtype": config.dtype, "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+            "device": device, "num_threads": calibration.num_threads if device == "cpu" else config.num_threads,
+            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "num_kv_blocks": calibration.num_kv_blocks, "block_size": config.block_size}
+
+
+def startup_from_costs(out: Path) -> float | None:
+    """The median start-up seconds of the workers that wrote cost rows under ``out`` (their
+    ``startup`` rows' device seconds over their device share)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    costs = out / "costs"
+    if not costs.exists():
+        return None
+    table = ds.dataset(costs, format="parquet", partitioning="hive").to_table(filter=pc.field("kind") == "startup")
+    if not table.num_rows:
+        return None
+    shares = (table.column("device_share").to_pylist() if "device_share" in table.schema.names
+              else [None] * table.num_rows)
+    values = [d / (s or 1.0) for d, s in zip(table.column("device_s").to_pylist(), shares) if d is not None]
+    return statistics.median(values) if values else None
+
+
+def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None] = log.info
+                     ) -> Calibration:
+    """``calibration`` with the worker's start-up, ``step_overhead_s`` and ``wake_s`` measured on a
+    short offline and online run of the real pipeline with one worker."""
+    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_model import resolve_model
+    from mqinfer.loadgen.bench_online import poisson_arrivals, request_rate
+    from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
+    from mqinfer.loadgen.workload import make_workload
+    from mqinfer.scheduler.config import SchedulerConfig
+
+    model_arg = str(config.model)
+    spec = resolve_model(model_arg)
+    flags = worker_flags(config, calibration)
+    settings = WorkerSettings(SchedulerConfig(
+        block_size=calibration.block_size, num_kv_blocks=calibration.num_kv_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_model_len=calibration.max_model_len))
+
+    def workload(n: int, seed: int) -> list[dict[str, Any]]:
+        return make_workload("uniform", n=n, seed=seed, vocab_size=spec.vocab_size, max_model_len=spec.max_model_len,
+                             prompt_len=PIPELINE_PROMPT_LEN, output_len=PIPELINE_OUTPUT_LEN,
+                             min_token_id=spec.min_token_id)
+
+    def sim_requests(reqs: list[dict[str, Any]], arrivals: list[float]) -> list[SimRequest]:
+        return [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
+                for r, a in zip(reqs, arrivals)]
+
+    scratch = Path(tempfile.mkdtemp(prefix="mqinfer-plan-calibration-"))
+    try:
+        progress("calibration: a short offline run of the real pipeline (one worker)")
+        offline_reqs = workload(PIPELINE_OFFLINE_REQUESTS, PIPELINE_SEED)
+        args = bench_args(model=model_arg, workload="uniform", num_requests=len(offline_reqs), seed=PIPELINE_SEED,
+                          mode="offline", workers=1, engine=flags, prompt_len=PIPELINE_PROMPT_LEN,
+                          output_len=PIPELINE_OUTPUT_LEN)
+        offline = run_engine(args, spec, offline_reqs, scratch / "offline").offline
+        startup = startup_from_costs(scratch / "offline" / "out")
+        bulk = sim_requests(offline_reqs, [0.0] * len(offline_reqs))
+        overhead = 0.0
+        for _ in range(3):  # the steps change a little with the overhead: converge in a few rounds
+            sim = simulate(bulk, 1, settings, calibration.model, loop_overhead_s=overhead)
+            span = sim.end_s - min(o.started_s for o in sim.outcomes if o.started_s is not None)
+            overhead = max(0.0, overhead + (offline.span_s - span) / max(1, sim.num_steps))
+        rate = float(f"{PIPELINE_RATE_SHARE * request_rate(offline):.3g}")
+        progress(f"calibration: a short online run at {rate:g} requests/s")
+        online_reqs = workload(PIPELINE_ONLINE_REQUESTS, PIPELINE_SEED + 1)
+        args = bench_args(model=model_arg, workload="uniform", num_requests=len(online_reqs),
+                          seed=PIPELINE_SEED + 1, mode="online", workers=1, rates=[rate], engine=flags,
+                          prompt_len=PIPELINE_PROMPT_LEN, output_len=PIPELINE_OUTPUT_LEN)
+        point = run_engine(args, spec, online_reqs, scratch / "online").online[0]
+        sim = simulate(sim_requests(online_reqs, poisson_arrivals(len(online_reqs), rate, PIPELINE_SEED + 1)), 1,
+                       settings, calibration.model, loop_overhead_s=overhead)
+        measured = {t.id: t for t in point.timings}
+        gaps = [(measured[o.id].started_at - measured[o.id].enqueued_at) - (o.started_s - o.arrival_s)
+                for o in sim.outcomes if o.to_idle_worker and o.started_s is not None and o.id in measured]
+        wake = max(0.0, statistics.median(gaps)) if gaps else 0.0
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    progress(f"calibration: worker start-up {startup if startup is not None else float('nan'):.2f}s, "
+             f"{1000 * overhead:.2f} ms per step around the engine, {1000 * wake:.1f} ms to wake on an arrival")
+    out = dataclasses.replace(calibration, step_overhead_s=overhead, wake_s=wake)
+    if startup is not None:
+        out = dataclasses.replace(out, startup_s=startup, startup_source="worker")
+    elif not out.startup_s:
+        out = dataclasses.replace(out, startup_s=measure_startup(config))
+    return out
 
 
 def _startup_probe(settings_json: str) -> int:

@@ -176,7 +176,7 @@ class Calibration:
 
     model: StepCostModel
     quality: FitQuality
-    # Seconds from a worker process's start to its engine being ready (imports, model load, KV cache).
+    # Seconds from a worker process's start to its being ready to read (imports, model load, KV cache).
     startup_s: float
     # The engine's own sizes as calibrated: KV blocks (as the worker would size them), block size,
     # context limit, and the step limits the KV sizing assumed.
@@ -191,6 +191,14 @@ class Calibration:
     machine: dict[str, Any] = field(default_factory=dict)
     measured_at: str = ""
     calibration_s: float = 0.0
+    # The worker loop around the engine, measured on a short run of the real pipeline: seconds added
+    # to every step (reading, metering, sinks), and how long a worker blocked on an empty stream
+    # takes to start on an arriving entry (beyond the batcher's wait).
+    step_overhead_s: float = 0.0
+    wake_s: float = 0.0
+    # Where startup_s came from: "worker" (the startup cost row of a real worker) or "engine" (a
+    # process that only builds the engine, when the pipeline run was left out).
+    startup_source: str = "engine"
     version: int = FIT_VERSION
 
     def to_json(self) -> str:

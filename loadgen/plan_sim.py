@@ -13,8 +13,9 @@ an arriving entry wakes the worker that has blocked longest, as Redis serves blo
 every turn of its loop a worker reads what the worker's ingest would (workers/ingest.py):
 ``room`` from its free sequences and waiting bound, at most ``max_batch``, within an even share
 of the outstanding work between the workers. Between steps nothing else costs time: the Redis
-round trips, sinks and acks of the real loop are not modelled (``loop_overhead_s`` adds a fixed
-time per step for them).
+round trips, sinks and acks of the real loop are two calibrated constants instead:
+``loop_overhead_s`` added to every step, and ``wake_s``, how long a worker blocked on an empty
+stream takes to act on an arriving entry.
 
 Times of each request (arrival, first scheduled, first token, finished) come out as a
 ``RequestOutcome``; TTFT and TPOT follow the bench's rules (loadgen/metrics.py).
@@ -63,6 +64,8 @@ class RequestOutcome:
     first_token_s: float | None = None
     finished_s: float | None = None
     error: str | None = None  # an error code when the scheduler refused the request
+    # Whether the worker that read it had nothing else (no request in its engine or batcher).
+    to_idle_worker: bool = False
 
     @property
     def ttft_s(self) -> float | None:
@@ -121,6 +124,7 @@ class _Worker:
     token: int = 0  # bumps on every wake-up, so that stale timer events are skipped
     blocked: bool = False
     block_seq: int = 0
+    timer_at: float = float("inf")  # when a blocked worker's read times out (the batcher's wait)
 
 
 def step_shape(out: SchedulerOutput) -> StepShape:
@@ -135,8 +139,11 @@ def step_shape(out: SchedulerOutput) -> StepShape:
 
 
 def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerSettings,
-             model: StepCostModel, *, loop_overhead_s: float = 0.0, max_events: int = 50_000_000) -> SimResult:
-    """Run ``requests`` through ``num_workers`` simulated workers until every one has finished."""
+             model: StepCostModel, *, loop_overhead_s: float = 0.0, wake_s: float = 0.0,
+             max_events: int = 50_000_000) -> SimResult:
+    """Run ``requests`` through ``num_workers`` simulated workers until every one has finished;
+    ``loop_overhead_s`` is added to every step, and a blocked worker acts on an arriving entry
+    ``wake_s`` after it arrives."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     clock = SimClock()
@@ -163,6 +170,7 @@ def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerS
     fixed_s = model.step_s_fixed + loop_overhead_s
 
     def wake(w: _Worker, t: float) -> None:
+        t = min(t, w.timer_at)  # a read that times out first returns first
         w.blocked = False
         w.token += 1
         push(t, _WORKER, w.index, w.token)
@@ -193,9 +201,11 @@ def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerS
             share = -(-(len(stream) + pending_total) // num_workers) - w.held
             take = max(1 if startable else 0, min(room, share))
         take = min(take, len(stream))
+        idle = not queued and not s.has_unfinished_requests()
         for _ in range(take):
             index = stream.popleft()
             outcomes[index].worker = w.index
+            outcomes[index].to_idle_worker = idle
             w.batcher.add(index)
             w.held += 1
             pending_total += 1
@@ -254,9 +264,10 @@ def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerS
         w.block_seq += 1
         blocked.append((w.index, w.block_seq))
         wait = w.batcher.time_until_release(engine_idle=True)
+        w.timer_at = float("inf") if wait is None else t + wait
         if wait is not None:
             w.token += 1
-            push(t + wait, _WORKER, w.index, w.token)
+            push(w.timer_at, _WORKER, w.index, w.token)
 
     for w in workers:  # every worker starts by reading (and blocks if there is nothing yet)
         push(0.0, _WORKER, w.index, w.token)
@@ -273,13 +284,14 @@ def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerS
                 wi, bseq = blocked.popleft()
                 w = workers[wi]
                 if w.blocked and w.block_seq == bseq:
-                    wake(w, t)
+                    wake(w, t + wake_s)
                     break
             continue
         w = workers[index]
         if token != w.token:
             continue  # superseded by an earlier wake-up
         w.blocked = False
+        w.timer_at = float("inf")
         turn(w, t)
     unfinished = [o.id for o in outcomes if o.finished_s is None]
     if unfinished:
