@@ -1,18 +1,19 @@
 """Logits processing before sampling: the repetition, frequency and presence penalties, logit bias,
 and stop tokens held back until a request's ``min_tokens``.
 
-Plain PyTorch, vectorised over the rows handed in (only the rows of requests that ask for it: the
-caller gathers them). Every function changes ``logits`` in place and returns it; they run in
-float32. In the order the sampler applies them (vLLM's and Hugging Face's order: a bias before the
-multiplicative penalty)::
+Plain PyTorch over (row, token) pairs: a request's penalties touch only the tokens it has seen, a
+few hundred of a vocabulary of tens of thousands, so they are gathered, changed and scattered
+back rather than applied to whole rows. Every function changes ``logits`` (float32) in place and
+returns it; within one call a (row, token) pair appears at most once. In the order the sampler
+applies them (vLLM's and Hugging Face's order: a bias before the multiplicative penalty)::
 
     logits[t] += bias[t]                                   # logit_bias
     logits[t] = logits[t] / r if logits[t] > 0 else logits[t] * r   for t in prompt or output
     logits[t] -= frequency * count[t] + presence * (count[t] > 0)    # count: in the output so far
     logits[t] = -inf                                       # stop tokens, while output < min_tokens
 
-``repetition`` 1, ``frequency`` and ``presence`` 0 leave a row as it was: a batch mixing
-penalised and plain rows gives each row what it would get alone.
+Rows not named are left as they were: a batch mixing processed and plain rows gives each row what
+it would get alone.
 """
 
 from __future__ import annotations
@@ -22,32 +23,32 @@ import torch
 
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
                      biases: torch.Tensor) -> torch.Tensor:
-    """``logits[rows[k], token_ids[k]] += biases[k]`` for every k (pairs of a row are distinct)."""
+    """``logits[rows[k], token_ids[k]] += biases[k]`` for every k."""
     if rows.numel():
         logits.index_put_((rows, token_ids), biases.to(logits.dtype), accumulate=True)
     return logits
 
 
-def apply_penalties(logits: torch.Tensor, seen: torch.Tensor | None, output_counts: torch.Tensor | None,
-                    repetition: torch.Tensor | None, frequency: torch.Tensor | None,
-                    presence: torch.Tensor | None) -> torch.Tensor:
-    """The penalties of ``[b, V]`` logits rows.
+def apply_repetition_penalty(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                             penalties: torch.Tensor) -> torch.Tensor:
+    """For every k, the logit at (``rows[k]``, ``token_ids[k]``) divided by ``penalties[k]`` when
+    positive, multiplied by it otherwise (the pairs: each row's tokens in its prompt or output)."""
+    if rows.numel():
+        values = logits[rows, token_ids]
+        r = penalties.to(logits.dtype)
+        logits[rows, token_ids] = torch.where(values > 0, values / r, values * r)
+    return logits
 
-    ``seen`` ``[b, V]`` bool: the token is in the row's prompt or output (the repetition penalty's
-    set); ``output_counts`` ``[b, V]``: how often it is in the output so far (the frequency and
-    presence penalties'); ``repetition``, ``frequency``, ``presence`` ``[b]``. A None penalty (and
-    its tensor) is skipped: the caller passes None when no row of the batch uses it.
-    """
-    if repetition is not None:
-        r = repetition.to(logits.dtype)[:, None]
-        penalised = torch.where(logits > 0, logits / r, logits * r)
-        logits.copy_(torch.where(seen, penalised, logits))
-    if frequency is not None or presence is not None:
-        counts = output_counts.to(logits.dtype)
-        if frequency is not None:
-            logits.sub_(frequency.to(logits.dtype)[:, None] * counts)
-        if presence is not None:
-            logits.sub_(presence.to(logits.dtype)[:, None] * (counts > 0).to(logits.dtype))
+
+def apply_frequency_presence(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor,
+                             counts: torch.Tensor, frequency: torch.Tensor,
+                             presence: torch.Tensor) -> torch.Tensor:
+    """For every k, ``frequency[k] * counts[k] + presence[k]`` subtracted from the logit at
+    (``rows[k]``, ``token_ids[k]``) (the pairs: each row's tokens in its output, ``counts[k]`` >= 1
+    times)."""
+    if rows.numel():
+        penalty = frequency.to(logits.dtype) * counts.to(logits.dtype) + presence.to(logits.dtype)
+        logits.index_put_((rows, token_ids), -penalty, accumulate=True)
     return logits
 
 
@@ -59,4 +60,4 @@ def hold_back_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.
     return logits
 
 
-__all__ = ["apply_logit_bias", "apply_penalties", "hold_back_tokens"]
+__all__ = ["apply_frequency_presence", "apply_logit_bias", "apply_repetition_penalty", "hold_back_tokens"]

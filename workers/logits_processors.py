@@ -8,13 +8,13 @@ request; the runner, as it packs the step, notes the sampling rows of the reques
 calls :meth:`LogitsProcessors.apply` with those rows alone. The other rows are left as they are and
 cost nothing, and a request's row comes out the same alone or in any batch.
 
-The penalties need each request's tokens so far, kept here on the logits' device and brought up
-to date incrementally: a ``[V]`` count of the output tokens (frequency and presence penalties) and
-a ``[V]`` mask of the tokens in the prompt or the output (repetition penalty), each step adding the
-tokens the request got since the last one. A penalised request samples one row per step, so the
-engine keeps it out of speculative decoding (a proposal's row would need the counts with the
-proposals before it); a bias and ``min_tokens`` depend only on the row's position and work with
-proposals.
+The penalties need each request's tokens so far, kept here and brought up to date incrementally
+with the tokens it got since the last step: the distinct tokens of its prompt and output
+(repetition penalty) and the distinct tokens of its output with their counts (frequency and
+presence penalties), as small tensors on the logits' device. A step then touches only those
+(row, token) pairs, not whole rows. A penalised request samples one row per step, so the engine
+keeps it out of speculative decoding (a proposal's row would need the counts with the proposals
+before it); a bias and ``min_tokens`` depend only on the row's position and work with proposals.
 
 The processed logits are float32. They are the runner's logits themselves when those are float32
 and nobody in the step wants logprobs (which come from the raw distribution), else a copy.
@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
-from mqinfer.kernels.penalties import apply_logit_bias, apply_penalties, hold_back_tokens
+from mqinfer.kernels.penalties import (
+    apply_frequency_presence,
+    apply_logit_bias,
+    apply_repetition_penalty,
+    hold_back_tokens,
+)
 from mqinfer.scheduler.request import Request
 
 
@@ -40,11 +45,16 @@ class _State:
     repetition: float
     frequency: float
     presence: float
-    # Tokens in the prompt or the output (only with a repetition penalty).
-    seen: torch.Tensor | None = None
-    # Occurrences of each token in the output (only with a frequency or presence penalty).
-    counts: torch.Tensor | None = None
-    # Output tokens already folded into ``seen`` and ``counts``.
+    # Distinct tokens of the prompt and the output (only with a repetition penalty): as a set, and
+    # in the order they came as a tensor.
+    seen: set[int] | None = None
+    seen_ids: torch.Tensor | None = None
+    # Distinct tokens of the output and how often each came (only with a frequency or presence
+    # penalty): token -> its position in ``output_ids`` and ``output_counts``.
+    output_index: dict[int, int] | None = None
+    output_ids: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    # Output tokens already counted.
     num_counted: int = 0
     bias_ids: torch.Tensor | None = None
     bias_values: torch.Tensor | None = None
@@ -53,7 +63,7 @@ class _State:
 
     @property
     def penalised(self) -> bool:
-        return self.seen is not None or self.counts is not None
+        return self.seen is not None or self.output_index is not None
 
 
 class LogitsProcessors:
@@ -63,10 +73,6 @@ class LogitsProcessors:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self._states: dict[str, _State] = {}
-        # Stand-ins for a penalised row without the other penalty's tensor (penalty 1 or 0 makes
-        # the row's value irrelevant).
-        self._nothing_seen: torch.Tensor | None = None
-        self._no_counts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self._states)
@@ -90,10 +96,13 @@ class LogitsProcessors:
                        repetition=sampling.repetition_penalty, frequency=sampling.frequency_penalty,
                        presence=sampling.presence_penalty)
         if sampling.repetition_penalty != 1.0:
-            state.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            state.seen[torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=device)] = True
+            state.seen = set()
+            state.seen_ids = torch.empty(0, dtype=torch.int64, device=device)
+            self._see(state, request.prompt_token_ids)
         if sampling.frequency_penalty != 0.0 or sampling.presence_penalty != 0.0:
-            state.counts = torch.zeros(vocab, dtype=torch.int32, device=device)
+            state.output_index = {}
+            state.output_ids = torch.empty(0, dtype=torch.int64, device=device)
+            state.output_counts = torch.empty(0, dtype=torch.float32, device=device)
         if sampling.logit_bias:
             ids, values = zip(*sampling.logit_bias)
             state.bias_ids = torch.tensor(ids, dtype=torch.int64, device=device)
@@ -112,25 +121,55 @@ class LogitsProcessors:
     def forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
 
+    def _see(self, state: _State, tokens) -> None:
+        new = []
+        for t in tokens:
+            if t not in state.seen:
+                state.seen.add(t)
+                new.append(t)
+        if new:
+            state.seen_ids = torch.cat([state.seen_ids, torch.tensor(new, dtype=torch.int64, device=self.device)])
+
+    def _count(self, state: _State, tokens) -> None:
+        index, new, bumps = state.output_index, [], []
+        for t in tokens:
+            k = index.get(t)
+            if k is None:
+                k = index[t] = len(index)
+                new.append(t)
+            bumps.append(k)
+        device = self.device
+        if new:
+            state.output_ids = torch.cat([state.output_ids, torch.tensor(new, dtype=torch.int64, device=device)])
+            state.output_counts = torch.cat([state.output_counts, torch.zeros(len(new), device=device)])
+        if len(bumps) == 1:
+            state.output_counts[bumps[0]] += 1.0
+        else:
+            positions = torch.tensor(bumps, dtype=torch.int64, device=device)
+            state.output_counts.index_put_((positions,), torch.ones(len(bumps), device=device), accumulate=True)
+
     def _sync(self, state: _State, request: Request) -> None:
-        """Fold the request's output tokens since the last call into its counts and mask."""
+        """Fold the request's output tokens since the last call into its seen tokens and counts."""
         output = request.output_token_ids
         n = len(output)
         if n == state.num_counted:
             return
-        device = self.device
         if n < state.num_counted:  # output cut short (a stop string): count it again from the start
+            device = self.device
             if state.seen is not None:
-                state.seen.zero_()
-                state.seen[torch.tensor(request.prompt_token_ids, dtype=torch.int64, device=device)] = True
-            if state.counts is not None:
-                state.counts.zero_()
+                state.seen = set()
+                state.seen_ids = torch.empty(0, dtype=torch.int64, device=device)
+                self._see(state, request.prompt_token_ids)
+            if state.output_index is not None:
+                state.output_index = {}
+                state.output_ids = torch.empty(0, dtype=torch.int64, device=device)
+                state.output_counts = torch.empty(0, dtype=torch.float32, device=device)
             state.num_counted = 0
-        new = torch.tensor(output[state.num_counted:], dtype=torch.int64, device=device)
+        new = output[state.num_counted:]
         if state.seen is not None:
-            state.seen[new] = True
-        if state.counts is not None:
-            state.counts.index_put_((new,), torch.ones_like(new, dtype=torch.int32), accumulate=True)
+            self._see(state, new)
+        if state.output_index is not None:
+            self._count(state, new)
         state.num_counted = n
 
     def apply(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[Request],
@@ -176,34 +215,22 @@ class LogitsProcessors:
         return out
 
     def _penalise(self, out: torch.Tensor, penalised: list[tuple[int, _State]]) -> None:
+        """The penalties of the penalised rows, over their (row, token) pairs."""
         device = out.device
-        states = [s for _, s in penalised]
-        any_repetition = any(s.seen is not None for s in states)
-        any_count = any(s.counts is not None for s in states)
-        seen = counts = None
-        if any_repetition:
-            if self._nothing_seen is None:
-                self._nothing_seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
-            seen = torch.stack([s.seen if s.seen is not None else self._nothing_seen for s in states])
-        if any_count:
-            if self._no_counts is None:
-                self._no_counts = torch.zeros(self.vocab_size, dtype=torch.int32, device=self.device)
-            counts = torch.stack([s.counts if s.counts is not None else self._no_counts for s in states])
-
-        def column(values: list[float], neutral: float) -> torch.Tensor | None:
-            if all(v == neutral for v in values):
-                return None
-            return torch.tensor(values, dtype=torch.float32, device=device)
-
-        repetition = column([s.repetition for s in states], 1.0) if any_repetition else None
-        frequency = column([s.frequency for s in states], 0.0) if any_count else None
-        presence = column([s.presence for s in states], 0.0) if any_count else None
-        if len(penalised) == out.shape[0]:
-            apply_penalties(out, seen, counts, repetition, frequency, presence)
-            return
-        rows = torch.tensor([j for j, _ in penalised], dtype=torch.int64, device=device)
-        sub = apply_penalties(out.index_select(0, rows), seen, counts, repetition, frequency, presence)
-        out.index_copy_(0, rows, sub)
+        repeated = [(j, s) for j, s in penalised if s.seen_ids is not None and s.seen_ids.numel()]
+        if repeated:
+            sizes = torch.tensor([s.seen_ids.numel() for _, s in repeated], device=device)
+            rows = torch.tensor([j for j, _ in repeated], dtype=torch.int64, device=device).repeat_interleave(sizes)
+            factors = torch.tensor([s.repetition for _, s in repeated], device=device).repeat_interleave(sizes)
+            apply_repetition_penalty(out, rows, torch.cat([s.seen_ids for _, s in repeated]), factors)
+        counted = [(j, s) for j, s in penalised if s.output_ids is not None and s.output_ids.numel()]
+        if counted:
+            sizes = torch.tensor([s.output_ids.numel() for _, s in counted], device=device)
+            rows = torch.tensor([j for j, _ in counted], dtype=torch.int64, device=device).repeat_interleave(sizes)
+            frequency = torch.tensor([s.frequency for _, s in counted], device=device).repeat_interleave(sizes)
+            presence = torch.tensor([s.presence for _, s in counted], device=device).repeat_interleave(sizes)
+            apply_frequency_presence(out, rows, torch.cat([s.output_ids for _, s in counted]),
+                                     torch.cat([s.output_counts for _, s in counted]), frequency, presence)
 
 
 __all__ = ["LogitsProcessors"]
