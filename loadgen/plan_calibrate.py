@@ -158,10 +158,11 @@ def measure_startup(config, timeout_s: float = 300.0) -> float:
     return ready
 
 
-def calibrate(config, *, budget_s: float = 90.0, model_id: str = "", pipeline: bool = True,
+def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: bool = True,
               progress: Callable[[str], None] = log.info) -> Calibration:
-    """Fit the step-cost model of ``config`` (an ``EngineConfig``) on this machine; with
-    ``pipeline``, also measure the worker loop's overheads and start-up on the real pipeline."""
+    """Fit the step-cost model of ``config`` (an ``EngineConfig``) on this machine, timing batch
+    shapes for at most ``budget_s`` seconds; with ``pipeline``, also measure the worker loop's
+    overheads and start-up on the real pipeline."""
     from mqinfer.workers.engine import LLMEngine
 
     started = time.perf_counter()
@@ -182,9 +183,10 @@ def calibrate(config, *, budget_s: float = 90.0, model_id: str = "", pipeline: b
         samples: list[StepSample] = []
         salt = 1
         skipped = []
+        shapes_started = time.perf_counter()
         for scenario in chosen:
             for _ in range(scenario.repeats):
-                if time.perf_counter() - started > budget_s:
+                if time.perf_counter() - shapes_started > budget_s:
                     skipped.append(scenario.name)
                     break
                 samples += run_scenario(engine, scenario, salt)

@@ -1,0 +1,411 @@
+"""`mqinfer plan`: the step-cost fit, the simulation with the real scheduler and batcher, the worker
+count search, the bill, and the command (its JSON contract, its errors, a real calibration)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from mqinfer import cli
+from mqinfer.loadgen import plan as planner
+from mqinfer.loadgen.plan_model import (
+    Calibration,
+    FitQuality,
+    StepCostModel,
+    StepSample,
+    StepShape,
+    chunk_pairs,
+    fit_step_costs,
+    load_calibration,
+    nnls,
+    save_calibration,
+)
+from mqinfer.loadgen.plan_options import PLAN_CMD
+from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
+from mqinfer.scheduler.config import SchedulerConfig
+
+CONTRACT_KEYS = {"output_tokens_per_s", "workers", "ttft_p99_s", "cost_per_request_usd", "cost_per_million_tokens_usd"}
+
+
+def _prompt(n: int, salt: int = 0) -> tuple[int, ...]:
+    return tuple(3 + (salt * 131 + i * 7) % 250 for i in range(n))
+
+
+def _settings(max_wait_ms: float = 0.0, **scheduler) -> WorkerSettings:
+    base = dict(num_kv_blocks=4096, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048)
+    return WorkerSettings(SchedulerConfig(**{**base, **scheduler}), max_batch=64, max_wait_ms=max_wait_ms)
+
+
+# -- the fit -------------------------------------------------------------------------------------
+def test_chunk_pairs_counts_causal_query_key_pairs():
+    assert chunk_pairs(1, 10) == 10  # one decode token attends to the whole context
+    assert chunk_pairs(4, 4) == 1 + 2 + 3 + 4  # a 4-token prompt
+    assert chunk_pairs(2, 6) == 5 + 6  # a chunk at positions 4 and 5
+    shape = StepShape.of([(4, 4), (1, 10)])
+    assert (shape.tokens, shape.seqs, shape.pairs) == (5, 2, 20)
+
+
+def test_nnls_solves_and_keeps_coefficients_non_negative():
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    assert np.allclose(nnls(a, a @ np.array([2.0, 3.0])), [2.0, 3.0])
+    # The unconstrained answer has a negative second coefficient: it is clamped to 0.
+    x = nnls(np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]]), np.array([3.0, 2.0, 1.0]))
+    assert x[1] == 0.0 and x[0] == pytest.approx(2.0)
+
+
+def _synthetic_samples(truth: StepCostModel, noise: float, seed: int = 0) -> list[StepSample]:
+    rng = np.random.default_rng(seed)
+    shapes = [StepShape.of([(length, length)]) for length in (16, 64, 256, 1024, 2048)]
+    shapes += [StepShape.of([(64, 64)] * k) for k in (4, 16, 64)]
+    shapes += [StepShape.of([(1, ctx)] * b) for b in (1, 8, 32, 128, 256) for ctx in (40, 1000)]
+    return [StepSample(s, truth.step_seconds(s) * (1 + noise * rng.standard_normal())) for s in shapes * 4]
+
+
+def test_the_fit_recovers_a_known_step_cost_function():
+    truth = StepCostModel(step_s_fixed=0.002, token_s=5e-5, seq_s=3e-5, pair_s=1.2e-7)
+    model, quality = fit_step_costs(_synthetic_samples(truth, noise=0.02))
+    for got, want in zip(model.coefficients, truth.coefficients):
+        assert got == pytest.approx(want, rel=0.1)
+    assert quality.median_abs_rel_error < 0.03
+    # Exact data: exact coefficients.
+    exact, _ = fit_step_costs(_synthetic_samples(truth, noise=0.0))
+    for got, want in zip(exact.coefficients, truth.coefficients):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_the_fit_drops_steps_another_process_slowed_down():
+    truth = StepCostModel(step_s_fixed=0.002, token_s=5e-5, seq_s=3e-5, pair_s=1.2e-7)
+    samples = _synthetic_samples(truth, noise=0.01)
+    slowed = [StepSample(s.shape, s.seconds * 6) for s in samples[::15]]
+    model, quality = fit_step_costs(samples + slowed)
+    assert quality.num_dropped >= len(slowed)
+    for got, want in zip(model.coefficients, truth.coefficients):
+        assert got == pytest.approx(want, rel=0.1)
+
+
+def test_a_fit_needs_enough_steps_and_coefficients_are_checked():
+    with pytest.raises(ValueError, match="at least 4"):
+        fit_step_costs([StepSample(StepShape(1, 1, 1), 0.01)])
+    with pytest.raises(ValueError, match="token_s"):
+        StepCostModel(0.001, -1.0, 0.0, 0.0)
+
+
+def test_a_stored_calibration_reads_back(tmp_path):
+    calibration = _calibration(step_overhead_s=0.0005, wake_s=0.002)
+    save_calibration(calibration, tmp_path / "plan" / "fit.json")
+    assert load_calibration(tmp_path / "plan" / "fit.json") == calibration
+    assert load_calibration(tmp_path / "missing.json") is None
+    (tmp_path / "bad.json").write_text("{not json")
+    assert load_calibration(tmp_path / "bad.json") is None
+
+
+# -- the simulation --------------------------------------------------------------------------------
+MODEL = StepCostModel(step_s_fixed=0.001, token_s=1e-5, seq_s=2e-5, pair_s=1e-8)
+
+
+def test_one_request_alone_waits_for_the_batcher_then_its_prefill_step():
+    for wait_ms in (0.0, 10.0):
+        req = SimRequest("a", _prompt(100), output_tokens=5, arrival_s=1.0)
+        sim = simulate([req], 1, _settings(max_wait_ms=wait_ms), MODEL)
+        o = sim.outcomes[0]
+        prefill = MODEL.step_seconds(StepShape.of([(100, 100)]))
+        assert o.ttft_s == pytest.approx(wait_ms / 1000 + prefill)
+        # Then one decode step per further token, each at its context length.
+        decodes = sum(MODEL.step_seconds(StepShape.of([(1, 100 + k)])) for k in range(1, 5))
+        assert o.finished_s - o.first_token_s == pytest.approx(decodes)
+        assert o.output_tokens == 5 and sim.num_steps == 5
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
+    sim = simulate([SimRequest("a", _prompt(300), 2)], 1, _settings(max_num_batched_tokens=128), MODEL)
+    chunks = [(128, 128), (128, 256), (44, 300)]
+    assert sim.outcomes[0].ttft_s == pytest.approx(sum(MODEL.step_seconds(StepShape.of([c])) for c in chunks))
+
+
+def test_every_request_generates_exactly_its_output_length():
+    reqs = [SimRequest(f"r{i}", _prompt(10 + i, i), output_tokens=1 + i % 7) for i in range(30)]
+    sim = simulate(reqs, 2, _settings(max_num_seqs=4), MODEL)
+    assert [o.output_tokens for o in sim.outcomes] == [r.output_tokens for r in reqs]
+    assert all(o.error is None and o.finished_s >= o.first_token_s >= o.arrival_s for o in sim.outcomes)
+
+
+def test_throughput_saturates_at_the_batch_limit():
+    # Every step costs 1 ms whatever it holds: output tokens per second = requests per step.
+    flat = StepCostModel(0.001, 0.0, 0.0, 0.0)
+    reqs = [SimRequest(f"r{i}", _prompt(16, i), output_tokens=50) for i in range(40)]
+    from mqinfer.loadgen.plan import summarize
+
+    for seqs in (4, 8):
+        ev = summarize(simulate(reqs, 1, _settings(max_num_seqs=seqs), flat))
+        assert ev.output_tokens_per_s == pytest.approx(seqs * 1000, rel=0.02)
+    # Twice as many workers, twice the throughput of a saturated one.
+    ev = summarize(simulate(reqs, 2, _settings(max_num_seqs=4), flat))
+    assert ev.output_tokens_per_s == pytest.approx(8000, rel=0.05)
+
+
+def test_the_kv_cache_limit_preempts_as_the_engine_does():
+    reqs = [SimRequest(f"r{i}", _prompt(64, i), output_tokens=64) for i in range(8)]
+    roomy = simulate(reqs, 1, _settings(), MODEL)
+    tight = simulate(reqs, 1, _settings(num_kv_blocks=24, max_model_len=128), MODEL)
+    assert roomy.num_preemptions == 0 and tight.num_preemptions > 0
+    assert tight.end_s > roomy.end_s
+    assert all(o.output_tokens == 64 for o in tight.outcomes)
+
+
+def test_a_prompt_too_long_for_the_context_is_an_error_not_a_hang():
+    reqs = [SimRequest("long", _prompt(300), 4), SimRequest("ok", _prompt(20), 4)]
+    sim = simulate(reqs, 1, _settings(max_model_len=256), MODEL)
+    assert sim.outcomes[0].error == "prompt_too_long" and sim.outcomes[1].error is None
+
+
+def test_arrivals_to_an_idle_worker_pay_the_wake_up_and_the_worker_loop_overhead():
+    req = SimRequest("a", _prompt(50), 3, arrival_s=0.5)
+    plain = simulate([req], 1, _settings(), MODEL).outcomes[0]
+    slow = simulate([req], 1, _settings(), MODEL, loop_overhead_s=0.002, wake_s=0.004).outcomes[0]
+    assert plain.to_idle_worker and slow.to_idle_worker
+    assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.004 + 0.002)
+    assert slow.finished_s - slow.first_token_s == pytest.approx(plain.finished_s - plain.first_token_s + 2 * 0.002)
+
+
+def test_shared_prefixes_hit_the_real_prefix_cache():
+    prefix = _prompt(256)
+    reqs = [SimRequest(f"r{i}", prefix + _prompt(8, i + 1), 2, arrival_s=0.1 * i) for i in range(6)]
+    cached = simulate(reqs, 1, _settings(), MODEL)
+    uncached = simulate(reqs, 1, _settings(enable_prefix_caching=False), MODEL)
+    later = [o.ttft_s for o in cached.outcomes[1:]]
+    assert max(later) < min(o.ttft_s for o in uncached.outcomes[1:])
+
+
+# -- the search and the bill ----------------------------------------------------------------------
+def _ev(workers: int, met: bool, excess: float) -> planner.Evaluation:
+    return planner.Evaluation(workers, 10, 0, 100, 100, 0.1, 0.2, 0.01, 0.01, 100.0, 0.5, 10.0, 10.0, 1, 0,
+                              met=met, excess=excess)
+
+
+def test_the_search_finds_the_fewest_workers_that_meet_the_target():
+    calls = []
+
+    def evaluate(n):
+        calls.append(n)
+        return _ev(n, n >= 7, 7 / n)
+
+    best, tried = planner.fewest_workers(evaluate)
+    assert best.workers == 7 and best.met
+    assert [e.workers for e in tried] == sorted(set(calls))
+    assert all(e.met == (e.workers >= 7) for e in tried)
+    assert len(calls) <= 6  # 1, 2, 4, 8, then bisection 6, 7
+
+
+def test_the_search_gives_up_when_more_workers_stop_helping():
+    # A floor: from 4 workers on, the latency no longer falls, and stays above the target.
+    best, tried = planner.fewest_workers(lambda n: _ev(n, False, max(1.5, 6 / n)))
+    assert not best.met and best.workers == 4
+    assert max(e.workers for e in tried) == 8
+
+
+def test_more_load_or_a_tighter_slo_never_needs_fewer_workers():
+    reqs = [SimRequest(f"r{i}", _prompt(64 + i % 64, i), 32 + i % 32) for i in range(200)]
+    settings = _settings(max_num_seqs=8, max_wait_ms=2.0)
+    calibration = _calibration()
+
+    def needed(rate: float, slo_s: float) -> int:
+        requests = planner.with_arrivals(reqs, rate, len(reqs), seed=0)
+        target = planner.Target(rate=rate, slo_ttft_p99_s=slo_s)
+
+        def evaluate(n):
+            return planner.judge(planner.summarize(simulate(requests, n, settings, calibration.model)), target, 1.0)
+
+        best, _ = planner.fewest_workers(evaluate, upper=64)
+        assert best.met
+        return best.workers
+
+    by_rate = [needed(rate, 0.05) for rate in (20, 60, 180)]
+    assert by_rate == sorted(by_rate) and by_rate[-1] > by_rate[0]
+    by_slo = [needed(100, slo) for slo in (0.2, 0.05, 0.02)]
+    assert by_slo == sorted(by_slo) and by_slo[-1] > by_slo[0]
+
+
+def test_the_bill_online_is_workers_times_their_share_over_the_rate():
+    ev = _ev(3, True, 0.5)
+    layout = planner.Layout("cpu", 1, 0.5)
+    online = planner.bill(ev, planner.Target(rate=2.0), layout, price=4.0, startup_s=3.6)
+    assert online.worker_hour_usd == 2.0
+    assert online.cost_per_request_usd == pytest.approx(3 * 2.0 / 3600 / 2.0)
+    assert online.cost_per_million_tokens_usd == pytest.approx(online.cost_per_request_usd * 10 / 200 * 1e6)
+    assert online.startup_usd == pytest.approx(3 * 2.0 * 3.6 / 3600)
+    bulk = planner.bill(ev, planner.Target(deadline_s=60), layout, price=4.0, startup_s=3.6)
+    # The job: 10 s of running plus 3.6 s of start-up, on 3 workers, over 10 requests.
+    assert bulk.cost_per_request_usd == pytest.approx(3 * 2.0 * 13.6 / 3600 / 10)
+    assert bulk.startup_share == pytest.approx(3.6 / 13.6)
+    assert math.isclose(bulk.startup_share + bulk.warm_share, 1.0)
+
+
+# -- the command ----------------------------------------------------------------------------------
+def _calibration(**changes) -> Calibration:
+    base = dict(model=StepCostModel(0.002, 5e-5, 3e-5, 1.2e-7), quality=FitQuality(100, 0, 0.03, 0.08),
+                startup_s=1.5, num_kv_blocks=4096, block_size=16, max_model_len=2048, max_num_seqs=256,
+                model_id="tiny", device="cpu", num_threads=1, measured_at="2026-01-01 00:00:00")
+    return Calibration(**{**base, **changes})
+
+
+@pytest.fixture
+def plan_cache(tmp_path, monkeypatch):
+    """A cache folder of the test's own for plan fits, sharing the built native kernels (building
+    them again would take most of a test's time)."""
+    from mqinfer.loadgen.plan_model import cache_dir
+
+    kernels = cache_dir() / "kernels"
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    if kernels.is_dir():
+        (folder / "kernels").symlink_to(kernels)
+    monkeypatch.setenv("MQINFER_CACHE_DIR", str(folder))
+    return folder
+
+
+@pytest.fixture
+def cache(plan_cache, monkeypatch):
+    """The test's cache folder, holding a calibration for the tiny model, one thread."""
+    for name in [o.env for o in PLAN_CMD] + [o.negative_env for o in PLAN_CMD if o.is_switch]:
+        monkeypatch.delenv(name, raising=False)
+    opts = {o.name: o.default for o in PLAN_CMD}
+    path = planner.calibration_path(opts, planner.worker_layout({**opts, "device": "cpu"}))
+    save_calibration(_calibration(), path)
+    return path
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_has_the_contract_keys(cache, capsys):
+    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "120", "--rate", "20",
+                        "--slo-ttft-p99-ms", "200", "--device", "cpu", "--format", "json")
+    assert code == 0
+    plan = json.loads(out)
+    assert CONTRACT_KEYS <= set(plan)
+    assert plan["workers"] >= 1 and plan["target"]["met"]
+    assert plan["ttft_p99_s"] <= 0.2 and plan["output_tokens_per_s"] > 0
+    assert plan["cost_per_request_usd"] > 0 and plan["cost_per_million_tokens_usd"] > 0
+    assert plan["keda"]["min_replicas"] == plan["workers"] <= plan["keda"]["max_replicas"]
+    assert plan["calibration"]["path"] == str(cache)
+    # The count found is the fewest: one fewer, if tried, missed the SLO.
+    fewer = [s for s in plan["search"] if s["workers"] == plan["workers"] - 1]
+    assert all(not s["met"] for s in fewer)
+
+
+def test_plan_reads_flags_from_the_environment_and_the_config_file(cache, capsys, monkeypatch, tmp_path):
+    config = tmp_path / "plan.toml"
+    config.write_text('[plan]\nworkload = "fixed"\nnum-requests = 40\nformat = "json"\n')
+    monkeypatch.setenv("MQINFER_DEADLINE_S", "60")
+    code, out, _ = _run(capsys, "--config", str(config), "--device", "cpu")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["workload"] == "fixed" and plan["num_requests"] == 40
+    assert plan["target"]["deadline_s"] == 60 and plan["target"]["met"]
+    assert plan["job_s"] <= 60 and plan["keda"]["min_replicas"] == 0
+
+
+def test_a_bulk_deadline_gets_the_fewest_workers_that_finish_in_time(cache, capsys):
+    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "256", "--device", "cpu",
+                        "--format", "json")
+    assert code == 0
+    one = json.loads(out)  # no target: the machine's own layout
+    assert one["target"]["kind"] == "bulk" and one["job_s"] > 1.5
+    running = one["job_s"] - 1.5
+    deadline = 1.5 + 0.6 * running / one["workers"]  # needs more workers than the layout's
+    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "256", "--device", "cpu",
+                        "--deadline-s", f"{deadline:.3f}", "--format", "json")
+    plan = json.loads(out)
+    assert code == 0 and plan["workers"] > one["workers"] and plan["job_s"] <= deadline
+    assert all(not s["met"] for s in plan["search"] if s["workers"] < plan["workers"])
+
+
+def test_plan_of_a_jsonl_file_counts_text_prompts_with_the_models_tokenizer(cache, capsys, tmp_path):
+    path = tmp_path / "requests.jsonl"
+    lines = [{"id": f"t{i}", "prompt": "x" * (10 + i), "max_tokens": 8} for i in range(5)]
+    lines.append({"id": "ids", "prompt_token_ids": [5] * 30, "max_tokens": 4})
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\nnot json\n")
+    code, out, _ = _run(capsys, str(path), "--device", "cpu", "--workers", "1", "--format", "json")
+    assert code == 0
+    plan = json.loads(out)
+    # The byte tokenizer: a BOS and one token per byte.
+    assert plan["prompt_tokens"] == sum(11 + i for i in range(5)) + 30
+    assert plan["output_tokens"] == 5 * 8 + 4
+    assert plan["workers"] == 1 and any("invalid" in n for n in plan["notes"])
+
+
+def test_plan_table_names_the_workers_and_the_costs(cache, capsys):
+    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "100", "--rate", "5", "--device", "cpu")
+    assert code == 0
+    for text in ("workers", "TTFT p50 / p99", "output_tokens_per_s", "cost per request", "cost per 1M tokens",
+                 "start-up vs warm", "minReplicaCount"):
+        assert text in out
+
+
+def test_without_calibration_the_command_says_to_calibrate(plan_cache, capsys):
+    code, out, err = _run(capsys, "--workload", "standard", "--rate", "5", "--device", "cpu")
+    assert code == 2 and out == ""
+    assert "no calibration" in err and "--calibrate" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "standard", "--rate", "5", "--deadline-s", "10"], "exclude each other"),
+    (["--workload", "standard", "--slo-ttft-p99-ms", "100"], "need --rate"),
+    (["--rate", "5"], "INPUT"),
+    (["--workload", "standard", "--rate", "-1"], "--rate"),
+    (["--workload", "standard", "--speculative", "ngram"], "speculative"),
+])
+def test_bad_targets_are_errors_naming_the_flag(cache, capsys, argv, message):
+    code, _, err = _run(capsys, *argv, "--device", "cpu")
+    assert code == 2 and message in err
+
+
+def test_an_out_of_reach_slo_is_reported_unmet(cache, capsys):
+    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "100", "--rate", "5",
+                        "--slo-ttft-p99-ms", "1", "--device", "cpu", "--format", "json")
+    plan = json.loads(out)
+    assert code == 1 and not plan["target"]["met"]
+    assert len(plan["search"]) <= 4 and any("out of reach" in n for n in plan["notes"])
+
+
+def test_calibrating_the_tiny_model_then_planning(plan_cache, capsys):
+    """A real calibration of the engine's steps (no pipeline run: that is the slow test's), then a plan."""
+    from mqinfer.loadgen.plan_calibrate import calibrate
+    from mqinfer.workers.config import EngineConfig
+
+    calibration = calibrate(EngineConfig(model="tiny", device="cpu", num_threads=1, max_num_seqs=32,
+                                         max_num_batched_tokens=512, num_kv_blocks=512),
+                            budget_s=10.0, pipeline=False, progress=lambda _: None)
+    assert calibration.startup_s > 0 and calibration.quality.num_steps >= 20
+    m = calibration.model
+    assert m.step_s_fixed > 0 and m.token_s > 0
+    # A 512-token prefill costs more than a one-token decode, and a 32-request decode more than one.
+    assert m.step_seconds(StepShape.of([(512, 512)])) > 3 * m.step_seconds(StepShape.of([(1, 40)]))
+    assert m.step_seconds(StepShape.of([(1, 40)] * 32)) > m.step_seconds(StepShape.of([(1, 40)]))
+    opts = {o.name: o.default for o in PLAN_CMD}
+    opts.update(device="cpu", max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=512)
+    save_calibration(calibration, planner.calibration_path(opts, planner.worker_layout(opts)))
+    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu",
+                        "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-kv-blocks", "512",
+                        "--format", "json")
+    assert code == 0 and CONTRACT_KEYS <= set(json.loads(out))
+
+
+def test_calibrate_end_to_end_through_the_command(plan_cache, capsys):
+    """`mqinfer plan --calibrate` on the tiny model: engine steps, a real worker's start-up and loop
+    overheads, the fit stored and reused by the next plan."""
+    argv = ["--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu", "--format", "json"]
+    code, out, _ = _run(capsys, *argv, "--calibrate")
+    assert code == 0
+    first = json.loads(out)
+    assert CONTRACT_KEYS <= set(first)
+    c = first["calibration"]
+    assert c["startup_source"] == "worker" and c["startup_s"] > 0 and c["step_overhead_s"] >= 0
+    code, out, _ = _run(capsys, *argv)
+    assert code == 0 and json.loads(out)["calibration"]["measured_at"] == c["measured_at"]
