@@ -337,3 +337,26 @@ def test_the_client_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ""
+
+
+def test_a_final_with_choices_and_deltas_of_each_choice(redis_url, redis_client):
+    with Client(redis_url) as client:
+        client.submit({"id": "n", "prompt": "x", "n": 2})
+        writer = ReplyWriter("w1", maxlen=1000, ttl_s=120)
+        key = client.reply_to
+        writer.delta(key, "n", None, [104], "h", 0, 1)
+        writer.delta(key, "n", None, [105], "i", 0, 1, choice=1)
+        rows = [msgspec.structs.replace(_row("n", "h"), index=0), msgspec.structs.replace(_row("n", "i"), index=1)]
+        writer.final(key, rows[0], rows)
+        writer.send(redis_client)
+        raw = [fields for _, fields in redis_client.xrange(key)]
+        assert b"choice" not in raw[0] and raw[1][b"choice"] == b"1"  # choice 0 is left out, as before
+        events = list(client.stream("n", timeout=5))
+        assert [(e.type, getattr(e, "choice", None)) for e in events] == [("delta", 0), ("delta", 1), ("final", None)]
+        assert events[-1].rows == rows and events[-1].row == rows[0]
+        assert client.choices("n", timeout=1) == rows and client.result("n", timeout=1) == rows[0]
+        # One choice: the final carries no choices field, and its rows are just its row.
+        writer.final(key, _row("one", "z"), [_row("one", "z")])
+        writer.send(redis_client)
+        assert b"choices" not in redis_client.xrange(key)[-1][1]
+        assert client.choices("one", timeout=5) == [_row("one", "z")]
