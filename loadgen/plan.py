@@ -387,7 +387,7 @@ def idle_ttft_p99(requests: Sequence[SimRequest], settings: WorkerSettings, cali
     model = calibration.model
     ttfts = []
     for r in requests:
-        done, t = 0, calibration.wake_s + wait_s
+        done, t = 0, calibration.mean_wake_s + wait_s
         total = len(r.prompt_token_ids)
         while done < total:
             n = min(budget, total - done)
@@ -528,7 +528,7 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
 
     def evaluate(n: int, reqs: list[SimRequest] = requests, goal: Target = target) -> Evaluation:
         sim = simulate(reqs, n, settings, calibration.model, loop_overhead_s=calibration.step_overhead_s,
-                       wake_s=calibration.wake_s)
+                       wake_s=calibration.wake)
         ev = judge(summarize(sim), goal, calibration.startup_s)
         progress(f"{n} worker(s): {ev.why}{'' if ev.met else ' - not met'}")
         return ev
@@ -619,6 +619,7 @@ def _calibration_dict(calibration: Calibration, path: Path) -> dict[str, Any]:
     return {"path": str(path), "measured_at": calibration.measured_at, "model_id": calibration.model_id,
             "device": calibration.device, "num_threads": calibration.num_threads,
             "step_s_fixed": m.step_s_fixed, "token_s": m.token_s, "seq_s": m.seq_s, "pair_s": m.pair_s,
+            "decode_ctx_s": m.decode_ctx_s,
             "num_steps": q.num_steps, "median_abs_rel_error": q.median_abs_rel_error,
             "p90_abs_rel_error": q.p90_abs_rel_error, "startup_s": calibration.startup_s,
             "num_kv_blocks": calibration.num_kv_blocks, "calibration_s": calibration.calibration_s,
@@ -688,8 +689,9 @@ def render(plan: dict[str, Any], fmt: str) -> str:
         lines += ["", "  workers tried: " + "; ".join(
             f"{s['workers']} ({'met' if s['met'] else 'not met'}: {s['checked']})" for s in plan["search"])]
     lines += ["", f"  step-cost model: {1000 * c['step_s_fixed']:.3g} ms + {1e6 * c['token_s']:.3g} us/token + "
-              f"{1e6 * c['seq_s']:.3g} us/request + {1e9 * c['pair_s']:.3g} ns/attention pair, and around it "
-              f"{1000 * c['step_overhead_s']:.2g} ms per step and {1000 * c['wake_s']:.2g} ms to wake; fitted on "
+              f"{1e6 * c['seq_s']:.3g} us/request + {1e9 * c['pair_s']:.3g} ns/prompt attention pair + "
+              f"{1e9 * c['decode_ctx_s']:.3g} ns/decode context token, and around it "
+              f"{1000 * c['step_overhead_s']:.2g} ms per step and {1000 * c['wake_s']:.2g} ms (median) to wake; fitted on "
               f"{c['num_steps']} steps (median error {100 * c['median_abs_rel_error']:.1f}%) at "
               f"{c['measured_at']} ({c['path']})"]
     lines += [f"  note: {n}" for n in plan["notes"]]

@@ -88,7 +88,7 @@ def predicted(requests: list[dict[str, Any]], rate: float | None, seed: int, wor
     sim_requests = [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
                     for r, a in zip(requests, arrivals)]
     sim = simulate(sim_requests, workers, settings, calibration.model, loop_overhead_s=calibration.step_overhead_s,
-                   wake_s=calibration.wake_s)
+                   wake_s=calibration.wake)
     ev = summarize(sim)
     if from_first_start:
         origin = min(o.started_s for o in sim.outcomes if o.started_s is not None)
@@ -166,7 +166,7 @@ def run_check(ns: argparse.Namespace) -> dict[str, Any]:
         "model": ns.model, "workload": ns.workload, "num_requests": ns.num_requests, "workers": ns.workers,
         "num_threads": ns.num_threads, "calibration": {"path": str(path), "measured_at": calibration.measured_at,
                                                        "step_s_fixed": c.step_s_fixed, "token_s": c.token_s,
-                                                       "seq_s": c.seq_s, "pair_s": c.pair_s,
+                                                       "seq_s": c.seq_s, "pair_s": c.pair_s, "decode_ctx_s": c.decode_ctx_s,
                                                        "startup_s": calibration.startup_s},
         "wall_s": time.time() - started,
         "rows": [r.to_dict() for r in rows],

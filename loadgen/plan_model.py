@@ -1,16 +1,19 @@
 """The step-cost model of `mqinfer plan`: how long one engine step takes, from the shape of its batch.
 
-One step's seconds are a linear function of four features::
+One step's seconds are a linear function of five features::
 
     step_s = step_s_fixed                       # per step: scheduling, launching, sampling set-up
-           + token_s    * tokens                # every token the step runs (linear layers)
-           + seq_s      * seqs                  # every request scheduled (metadata, a sampled row)
-           + pair_s     * pairs                 # attention: causal (query, key) pairs
+           + token_s        * tokens            # every token the step runs (linear layers)
+           + seq_s          * seqs              # every request scheduled (metadata, a sampled row)
+           + pair_s         * pairs             # attention of prompt chunks: causal (query, key) pairs
+           + decode_ctx_s   * decode_context    # attention of decode tokens: their context lengths
 
-``pairs`` sums, over the scheduled requests, the pairs of a chunk of ``n`` tokens ending at
-context length ``ctx``: ``n * ctx - n * (n - 1) / 2``, the same count the cost meter splits a
-step by (workers/costs.py). A decode token at context ``ctx`` has ``ctx`` pairs; a prompt of
-``L`` tokens about ``L * L / 2``.
+``pairs`` sums, over the prompt chunks of the step (more than one token), the pairs of a chunk of
+``n`` tokens ending at context length ``ctx``: ``n * ctx - n * (n - 1) / 2``, the same count the
+cost meter splits a step by (workers/costs.py); a prompt of ``L`` tokens has about ``L * L / 2``.
+``decode_context`` sums the context lengths of the decode tokens (one-token chunks). The two are
+apart because they cost differently per pair: a prompt's attention is a dense matrix product, a
+decode token's reads its whole context from paged KV blocks for one query.
 
 The coefficients are fitted by non-negative least squares on *relative* errors, so that a
 2 ms decode step weighs as much as a 300 ms prefill step: TPOT is made of the small steps and
@@ -36,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-FEATURES = ("step", "tokens", "seqs", "pairs")
+FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
 # Stored fits of another format version are not read (the user is told to calibrate again).
-FIT_VERSION = 1
+FIT_VERSION = 2
 
 
 def chunk_pairs(num_tokens: int, context_len: int) -> float:
@@ -48,25 +51,30 @@ def chunk_pairs(num_tokens: int, context_len: int) -> float:
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one step's time depends on: its batched tokens, its requests and their attention pairs."""
+    """What one step's time depends on: its batched tokens, its requests, the attention pairs of its
+    prompt chunks and the context lengths of its decode tokens."""
 
     tokens: int
     seqs: int
     pairs: float
+    decode_context: int = 0
 
     @classmethod
     def of(cls, chunks: Iterable[tuple[int, int]]) -> "StepShape":
         """The shape of a step that runs each ``(num_tokens, context_len)`` chunk (one per request)."""
-        tokens = seqs = 0
+        tokens = seqs = decode_context = 0
         pairs = 0.0
         for n, ctx in chunks:
             tokens += n
             seqs += 1
-            pairs += chunk_pairs(n, ctx)
-        return cls(tokens, seqs, pairs)
+            if n == 1:
+                decode_context += ctx
+            else:
+                pairs += chunk_pairs(n, ctx)
+        return cls(tokens, seqs, pairs, decode_context)
 
-    def features(self) -> tuple[float, float, float, float]:
-        return (1.0, float(self.tokens), float(self.seqs), float(self.pairs))
+    def features(self) -> tuple[float, float, float, float, float]:
+        return (1.0, float(self.tokens), float(self.seqs), float(self.pairs), float(self.decode_context))
 
 
 @dataclass(frozen=True)
@@ -77,20 +85,21 @@ class StepCostModel:
     token_s: float
     seq_s: float
     pair_s: float
+    decode_ctx_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step_s_fixed", "token_s", "seq_s", "pair_s"):
+        for name in ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value >= 0):
                 raise ValueError(f"step cost coefficient {name} must be a finite number >= 0, got {value!r}")
 
     @property
-    def coefficients(self) -> tuple[float, float, float, float]:
-        return (self.step_s_fixed, self.token_s, self.seq_s, self.pair_s)
+    def coefficients(self) -> tuple[float, float, float, float, float]:
+        return (self.step_s_fixed, self.token_s, self.seq_s, self.pair_s, self.decode_ctx_s)
 
     def step_seconds(self, shape: StepShape) -> float:
         return (self.step_s_fixed + self.token_s * shape.tokens + self.seq_s * shape.seqs
-                + self.pair_s * shape.pairs)
+                + self.pair_s * shape.pairs + self.decode_ctx_s * shape.decode_context)
 
 
 @dataclass(frozen=True)
@@ -195,11 +204,24 @@ class Calibration:
     # to every step (reading, metering, sinks), and how long a worker blocked on an empty stream
     # takes to start on an arriving entry (beyond the batcher's wait).
     step_overhead_s: float = 0.0
-    wake_s: float = 0.0
+    wake_s: float = 0.0  # the median of wake_samples_s
+    # The wake-ups measured (seconds, sorted): the simulation draws from them, as the real delay
+    # varies (a flush of result rows in progress, the operating system waking the process).
+    wake_samples_s: list[float] = field(default_factory=list)
     # Where startup_s came from: "worker" (the startup cost row of a real worker) or "engine" (a
     # process that only builds the engine, when the pipeline run was left out).
     startup_source: str = "engine"
     version: int = FIT_VERSION
+
+    @property
+    def wake(self) -> float | list[float]:
+        """What the simulation's ``wake_s`` takes: the measured wake-ups, else their median."""
+        return self.wake_samples_s or self.wake_s
+
+    @property
+    def mean_wake_s(self) -> float:
+        samples = self.wake_samples_s
+        return sum(samples) / len(samples) if samples else self.wake_s
 
     def to_json(self) -> str:
         out = asdict(self)

@@ -13,9 +13,9 @@ an arriving entry wakes the worker that has blocked longest, as Redis serves blo
 every turn of its loop a worker reads what the worker's ingest would (workers/ingest.py):
 ``room`` from its free sequences and waiting bound, at most ``max_batch``, within an even share
 of the outstanding work between the workers. Between steps nothing else costs time: the Redis
-round trips, sinks and acks of the real loop are two calibrated constants instead:
-``loop_overhead_s`` added to every step, and ``wake_s``, how long a worker blocked on an empty
-stream takes to act on an arriving entry.
+round trips, sinks and acks of the real loop are calibrated instead: ``loop_overhead_s`` added to
+every step, and ``wake_s``, how long a worker blocked on an empty stream takes to act on an
+arriving entry (one figure, or measured ones to draw from with a seeded generator).
 
 Times of each request (arrival, first scheduled, first token, finished) come out as a
 ``RequestOutcome``; TTFT and TPOT follow the bench's rules (loadgen/metrics.py).
@@ -24,11 +24,12 @@ Times of each request (arrival, first scheduled, first token, finished) come out
 from __future__ import annotations
 
 import heapq
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mqinfer.loadgen.plan_model import StepCostModel, StepShape, chunk_pairs
+from mqinfer.loadgen.plan_model import StepCostModel, StepShape
 from mqinfer.scheduler.batcher import DynamicBatcher
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
@@ -129,21 +130,17 @@ class _Worker:
 
 def step_shape(out: SchedulerOutput) -> StepShape:
     """The shape of a scheduled step, read before ``update_from_output`` advances its requests."""
-    tokens = 0
-    pairs = 0.0
-    for sr in out.scheduled:
-        n = sr.num_new_tokens
-        tokens += n
-        pairs += chunk_pairs(n, sr.request.num_computed_tokens + n)
-    return StepShape(tokens, len(out.scheduled), pairs)
+    return StepShape.of((sr.num_new_tokens, sr.request.num_computed_tokens + sr.num_new_tokens)
+                        for sr in out.scheduled)
 
 
 def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerSettings,
-             model: StepCostModel, *, loop_overhead_s: float = 0.0, wake_s: float = 0.0,
-             max_events: int = 50_000_000) -> SimResult:
+             model: StepCostModel, *, loop_overhead_s: float = 0.0, wake_s: float | Sequence[float] = 0.0,
+             seed: int = 0, max_events: int = 50_000_000) -> SimResult:
     """Run ``requests`` through ``num_workers`` simulated workers until every one has finished;
     ``loop_overhead_s`` is added to every step, and a blocked worker acts on an arriving entry
-    ``wake_s`` after it arrives."""
+    ``wake_s`` after it arrives (with several values, one drawn for each wake-up; ``seed`` seeds
+    the draws)."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     clock = SimClock()
@@ -168,6 +165,11 @@ def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerS
     max_seqs = settings.scheduler.max_num_seqs
     max_len = settings.scheduler.max_model_len
     fixed_s = model.step_s_fixed + loop_overhead_s
+    wakes = ([float(w) for w in wake_s] if isinstance(wake_s, Sequence) else [float(wake_s)]) or [0.0]
+    rng = random.Random(seed)
+
+    def wake_delay() -> float:
+        return wakes[0] if len(wakes) == 1 else wakes[rng.randrange(len(wakes))]
 
     def wake(w: _Worker, t: float) -> None:
         t = min(t, w.timer_at)  # a read that times out first returns first
@@ -284,7 +286,7 @@ def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerS
                 wi, bseq = blocked.popleft()
                 w = workers[wi]
                 if w.blocked and w.block_seq == bseq:
-                    wake(w, t + wake_s)
+                    wake(w, t + wake_delay())
                     break
             continue
         w = workers[index]

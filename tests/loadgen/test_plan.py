@@ -44,8 +44,9 @@ def test_chunk_pairs_counts_causal_query_key_pairs():
     assert chunk_pairs(1, 10) == 10  # one decode token attends to the whole context
     assert chunk_pairs(4, 4) == 1 + 2 + 3 + 4  # a 4-token prompt
     assert chunk_pairs(2, 6) == 5 + 6  # a chunk at positions 4 and 5
-    shape = StepShape.of([(4, 4), (1, 10)])
-    assert (shape.tokens, shape.seqs, shape.pairs) == (5, 2, 20)
+    # A prompt chunk's pairs and a decode token's context are counted apart.
+    shape = StepShape.of([(4, 4), (1, 10), (1, 7)])
+    assert (shape.tokens, shape.seqs, shape.pairs, shape.decode_context) == (6, 3, 10, 17)
 
 
 def test_nnls_solves_and_keeps_coefficients_non_negative():
@@ -65,7 +66,7 @@ def _synthetic_samples(truth: StepCostModel, noise: float, seed: int = 0) -> lis
 
 
 def test_the_fit_recovers_a_known_step_cost_function():
-    truth = StepCostModel(step_s_fixed=0.002, token_s=5e-5, seq_s=3e-5, pair_s=1.2e-7)
+    truth = StepCostModel(step_s_fixed=0.002, token_s=5e-5, seq_s=3e-5, pair_s=1.2e-7, decode_ctx_s=4e-7)
     model, quality = fit_step_costs(_synthetic_samples(truth, noise=0.02))
     for got, want in zip(model.coefficients, truth.coefficients):
         assert got == pytest.approx(want, rel=0.1)
@@ -77,7 +78,7 @@ def test_the_fit_recovers_a_known_step_cost_function():
 
 
 def test_the_fit_drops_steps_another_process_slowed_down():
-    truth = StepCostModel(step_s_fixed=0.002, token_s=5e-5, seq_s=3e-5, pair_s=1.2e-7)
+    truth = StepCostModel(step_s_fixed=0.002, token_s=5e-5, seq_s=3e-5, pair_s=1.2e-7, decode_ctx_s=4e-7)
     samples = _synthetic_samples(truth, noise=0.01)
     slowed = [StepSample(s.shape, s.seconds * 6) for s in samples[::15]]
     model, quality = fit_step_costs(samples + slowed)
@@ -87,14 +88,14 @@ def test_the_fit_drops_steps_another_process_slowed_down():
 
 
 def test_a_fit_needs_enough_steps_and_coefficients_are_checked():
-    with pytest.raises(ValueError, match="at least 4"):
+    with pytest.raises(ValueError, match="at least 5"):
         fit_step_costs([StepSample(StepShape(1, 1, 1), 0.01)])
     with pytest.raises(ValueError, match="token_s"):
         StepCostModel(0.001, -1.0, 0.0, 0.0)
 
 
 def test_a_stored_calibration_reads_back(tmp_path):
-    calibration = _calibration(step_overhead_s=0.0005, wake_s=0.002)
+    calibration = _calibration(step_overhead_s=0.0005, wake_s=0.002, wake_samples_s=[0.001, 0.002, 0.009])
     save_calibration(calibration, tmp_path / "plan" / "fit.json")
     assert load_calibration(tmp_path / "plan" / "fit.json") == calibration
     assert load_calibration(tmp_path / "missing.json") is None
@@ -103,7 +104,7 @@ def test_a_stored_calibration_reads_back(tmp_path):
 
 
 # -- the simulation --------------------------------------------------------------------------------
-MODEL = StepCostModel(step_s_fixed=0.001, token_s=1e-5, seq_s=2e-5, pair_s=1e-8)
+MODEL = StepCostModel(step_s_fixed=0.001, token_s=1e-5, seq_s=2e-5, pair_s=1e-8, decode_ctx_s=3e-8)
 
 
 def test_one_request_alone_waits_for_the_batcher_then_its_prefill_step():
@@ -168,6 +169,14 @@ def test_arrivals_to_an_idle_worker_pay_the_wake_up_and_the_worker_loop_overhead
     assert plain.to_idle_worker and slow.to_idle_worker
     assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.004 + 0.002)
     assert slow.finished_s - slow.first_token_s == pytest.approx(plain.finished_s - plain.first_token_s + 2 * 0.002)
+    # Measured wake-ups: one drawn for each arrival to an idle worker, the same draws for a seed.
+    reqs = [SimRequest(f"r{i}", _prompt(20, i), 2, arrival_s=1.0 + i) for i in range(40)]
+    drawn = simulate(reqs, 1, _settings(), MODEL, wake_s=[0.001, 0.005, 0.02], seed=3)
+    fixed = simulate(reqs, 1, _settings(), MODEL)
+    extra = {round(d.ttft_s - f.ttft_s, 9) for d, f in zip(drawn.outcomes, fixed.outcomes)}
+    assert extra == {0.001, 0.005, 0.02}
+    again = simulate(reqs, 1, _settings(), MODEL, wake_s=[0.001, 0.005, 0.02], seed=3)
+    assert [o.ttft_s for o in again.outcomes] == [o.ttft_s for o in drawn.outcomes]
 
 
 def test_shared_prefixes_hit_the_real_prefix_cache():
