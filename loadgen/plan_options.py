@@ -13,6 +13,16 @@ from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, LOG_LEVEL, WORKER_OPTIONS
 from mqinfer.layout import parse_workers
 from mqinfer.loadgen.bench_options import WORKLOADS
 
+PLAN_HELP = ("How many workers a workload needs to meet a target, and what a request costs: the real scheduler "
+             "and batcher simulated with this machine's measured step times.")
+PLAN_DESCRIPTION = (
+    "How many workers a workload needs to meet a target (--rate with SLOs, or a bulk job's --deadline-s), with the "
+    "predicted latency, throughput, cost per request and per million tokens (start-up and warm running apart) and "
+    "KEDA replica bounds. Step times come from a calibration of this machine, model and worker layout (--calibrate, "
+    "once; kept under the cache folder); the real scheduler and batcher are then simulated on a simulated clock. On "
+    "a CPU a planned worker has one thread unless --num-threads says otherwise (the layout of `mqinfer run --workers "
+    "auto`). Exit 1 when the target is out of reach.")
+
 # Requests simulated when --num-requests is not given: a named workload's for a bulk job (the
 # bench's default), and for an online rate enough arrivals that the p99 rests on ten requests.
 BULK_REQUESTS = 256

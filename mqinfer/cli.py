@@ -155,15 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("dir", metavar="DIR", help="Output folder (with costs/).")
     from mqinfer import jobs_cli
     from mqinfer.loadgen.bench_options import add_bench_arguments
-    from mqinfer.loadgen.plan_options import PLAN_CMD
+    from mqinfer.loadgen.plan_options import PLAN_CMD, PLAN_DESCRIPTION, PLAN_HELP
 
-    p = command("plan", "How many workers a workload needs to meet a target, and what a request costs: the "
-                "real scheduler and batcher simulated with this machine's measured step times.", PLAN_CMD,
-                description="How many workers a workload needs to meet a target (--rate with SLOs, or a bulk "
-                "job's --deadline-s), with the predicted latency, throughput, cost per request and per million "
-                "tokens (start-up and warm running apart) and KEDA replica bounds. Step times come from a "
-                "calibration of this machine and model (--calibrate, once); the real scheduler and batcher are "
-                "then simulated on a simulated clock.")
+    p = command("plan", PLAN_HELP, PLAN_CMD, description=PLAN_DESCRIPTION)
     p.add_argument("input", metavar="INPUT", nargs="?", help="JSONL or Parquet file of requests (or give --workload).")
 
     jobs_cli.add_jobs_parser(sub)
