@@ -158,7 +158,7 @@ def test_openai_batch_files_match_custom_ids_that_repeat_another_jobs(env):
                                                  _openai_line("c", "three", 3)])
     second = write_jsonl(env.base / "oa2.jsonl", [
         _openai_line("a", "four", 5), _openai_line("b", "five", 5, chat=True),
-        _openai_line("c", "six", 5, n=2), "[1, 2]"])
+        _openai_line("c", "six", 5, best_of=2), "[1, 2]"])
     job1 = submit_job(env.client, first, env.base / "oa1").job_id
     job2 = submit_job(env.client, second, env.base / "oa2").job_id
     info1, info2 = wait_final(env.client, job1), wait_final(env.client, job2)
@@ -184,7 +184,7 @@ def test_openai_batch_files_match_custom_ids_that_repeat_another_jobs(env):
     errs = read(env.base / "oa2" / "errors.jsonl")
     assert [(e["custom_id"], e["error"]["code"]) for e in errs] == [("c", "unsupported_parameter"),
                                                                      (None, "invalid_request")]
-    assert "body.n" in errs[0]["error"]["message"]
+    assert "body.best_of" in errs[0]["error"]["message"]
     # The same custom_id in two jobs is two requests, each answered in its own job.
     rows1, rows2 = output(env.base / "oa1"), output(env.base / "oa2")
     assert {r["job_id"] for r in rows1} == {job1} and {r["job_id"] for r in rows2} == {job2}
