@@ -106,7 +106,7 @@ class SamplingParams:
                 raise ValueError(f"logit_bias: token {token} must be >= 0 and its bias between -100 and 100, got {bias}")
 
     @property
-    def penalized(self) -> bool:
+    def penalised(self) -> bool:
         """Whether a presence, frequency or repetition penalty applies (they read the tokens so far)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
@@ -114,7 +114,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether the sampler changes this request's logits before sampling: a penalty, a bias, or
         stop tokens held back until ``min_tokens``."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return self.penalised or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

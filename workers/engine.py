@@ -524,7 +524,7 @@ class LLMEngine:
                     f" - at `{sampling.grammar.path}`",
                 )
             speculative = False  # proposals would each need a mask of their own
-        if sampling.penalized:
+        if sampling.penalised:
             speculative = False  # a proposal's row would need the counts with the proposals before it
         arrival = self.clock() if arrival_time is None else arrival_time
         choices = []

@@ -182,7 +182,7 @@ def test_choices_penalties_and_logit_bias_map_on_both_endpoints(make):
     params = SamplingParams(**to_sampling_kwargs(req))
     assert (params.n, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (4, 1.5, -0.5, 1.2)
     assert params.logit_bias == ((7, -100.0), (65, 100.0)) and params.field_prefix == "$.body"
-    assert params.penalized and params.processes_logits
+    assert params.penalised and params.processes_logits
 
 
 OUT_OF_RANGE = [

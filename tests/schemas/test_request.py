@@ -232,7 +232,7 @@ def test_choices_penalties_and_logit_bias_of_native_requests():
     params = SamplingParams(**to_sampling_kwargs(req))
     assert params.logit_bias == ((10, -7.0),) and params.field_prefix == "$" and params.n == 3
     plain = SamplingParams(**to_sampling_kwargs(decode_request(b'{"id": "g", "prompt": "x"}')))
-    assert not plain.processes_logits and not plain.penalized and plain.n == 1
+    assert not plain.processes_logits and not plain.penalised and plain.n == 1
 
 
 @pytest.mark.parametrize(("obj", "path"), [
