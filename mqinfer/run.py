@@ -534,7 +534,13 @@ def _stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
 def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, machine: dict | None = None,
              complete: bool = True) -> int:
     columns = ["id", "finish_reason", "error_code", "prompt_tokens", "output_tokens", "finished_at"]
-    rows = _job_rows(out / "results", job_id, columns)
+    try:
+        choices = _job_rows(out / "results", job_id, columns + ["index"])
+    except Exception:  # a dataset written before results had an `index` column: one choice each
+        choices = _job_rows(out / "results", job_id, columns)
+    # A request with n choices has a row per choice: the requests are their first choices' rows;
+    # the tokens of every choice count.
+    rows = [r for r in choices if not r.get("index")]
     cost = sum(r["cost_usd"] for r in _job_rows(out / "costs", job_id, ["cost_usd"], kind="request"))
     n = len(rows)
     reasons = Counter(r["finish_reason"] for r in rows)
@@ -548,9 +554,10 @@ def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, 
     text = ", ".join(parts) if parts else "none"
     print(f"job {job_id}: {n} of {expected} requests have rows: {text}")
     mine = [r for r in rows if r["finished_at"] is not None and r["finished_at"].timestamp() >= started]
+    mine_choices = [r for r in choices if r["finished_at"] is not None and r["finished_at"].timestamp() >= started]
     wall = max(time.time() - started, 1e-9)
     prompt = sum(r["prompt_tokens"] for r in mine)
-    output = sum(r["output_tokens"] for r in mine)
+    output = sum(r["output_tokens"] for r in mine_choices)
     earlier = f" ({n - len(mine)} rows from earlier runs)" if n - len(mine) else ""
     if mine:
         print(f"this run: {len(mine)} requests{earlier}; tokens: {prompt} prompt, {output} output; "

@@ -299,3 +299,21 @@ def test_prefix_order_and_routing_give_the_same_rows_as_input_order(tmp_path):
                 assert len({worker_of[f"q{i}"] for i in range(p, 16, 4)}) == 1  # one worker per prefix
             assert len(set(worker_of.values())) == 2  # and both workers got prefixes
     assert outputs["prefix"] == outputs["input"] == outputs["routed"]
+
+
+def test_a_run_with_choices_counts_requests_and_keeps_every_choice(tmp_path):
+    """A request with ``n`` choices has a row per choice: the run counts it as one request with
+    rows (exit 0), and the results keep every choice."""
+    items = requests(3, 4)
+    items[1]["n"] = 3
+    items[1]["temperature"] = 0.8
+    items[1]["seed"] = 7
+    src = write_jsonl(tmp_path / "job.jsonl", items)
+    out = tmp_path / "out"
+    done = subprocess.run(run_cmd(str(src), "--out", str(out)), env=env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ": 3 of 3 requests have rows: 3 length" in done.stdout, done.stdout
+    results = rows(out / "results")
+    assert sorted((r["id"], r["index"] or 0) for r in results) == [
+        ("r0", 0), ("r1", 0), ("r1", 1), ("r1", 2), ("r2", 0)]
