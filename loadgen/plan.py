@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -699,7 +700,11 @@ def render(plan: dict[str, Any], fmt: str) -> str:
 
 
 def cmd_plan(args, opts: dict[str, Any]) -> int:
-    """`mqinfer plan`: print the plan; exit 1 when its target is not met."""
-    plan = make_plan(opts, getattr(args, "input", None))
+    """`mqinfer plan`: print the plan; exit 1 when its target is not met or calibration failed."""
+    try:
+        plan = make_plan(opts, getattr(args, "input", None))
+    except (RuntimeError, TimeoutError) as exc:  # a calibration run that failed (no server, a worker died)
+        print(f"mqinfer plan: error: {exc}", file=sys.stderr)
+        return 1
     print(render(plan, opts["format"]))
     return 0 if plan.get("target", {}).get("met", True) else 1

@@ -13,17 +13,18 @@ tokens, requests, attention pairs):
 - a long prompt chunk joining a running decode batch (a mixed step).
 
 The steps are fitted by ``plan_model.fit_step_costs``. Then a short run of the real pipeline (the
-bench's offline and online modes: an embedded server, one `mqinfer worker`, a small workload of its
-own) measures what the engine alone does not show, each by simulating the same requests and
-comparing:
+bench's online mode: an embedded server, one `mqinfer worker` warmed up with one request, a small
+workload of its own sent twice) measures what the engine alone does not show, each by simulating
+the same requests with the same arrival times and comparing:
 
 - the worker's start-up, from the ``startup`` cost row it bills (process start to ready);
 - ``step_overhead_s``, the worker loop's time per step around the engine (reading the stream,
-  metering, sinks): the offline run's measured span less the simulated one, over the steps;
+  metering, sinks): with every request sent at once, the measured span (first start to last
+  finish) less the simulated one, over the steps;
 - ``wake_samples_s``, how long a worker blocked on an empty stream takes to start on an arriving
   entry, beyond the batcher's wait: the excess queueing delays of the requests that reached an
-  idle worker, in an online run at a tenth of the offline request rate (the simulation draws
-  from them; ``wake_s`` is their median).
+  idle worker, with the requests sent at a tenth of what the engine alone could serve (the
+  simulation draws from them; ``wake_s`` is their median).
 
 Without the pipeline run (``pipeline=False``) both stay 0 and the start-up is that of a fresh
 process that only builds the engine. The whole calibration stays within a time budget (two
@@ -91,7 +92,7 @@ def scenarios(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
             out.append(Scenario(f"prefill {count}x64", ((count, 64, 1),), repeats=2))
     batches = sorted({b for b in (1, 8, 32, 128, 256) if b <= max_num_seqs} | {max_num_seqs})
     for batch in batches:
-        out.append(Scenario(f"decode {batch} at 32", ((batch, 32, 12),)))
+        out.append(Scenario(f"decode {batch} at 32", ((batch, 32, 12),), repeats=2))
     context = min(1024, max_model_len - 16)
     if context > 64:
         for batch in (4, 32):
@@ -137,6 +138,15 @@ def run_scenario(engine, scenario: Scenario, salt: int) -> list[StepSample]:
         if result.work:
             samples.append(StepSample(StepShape.of((w.num_tokens, w.context_len) for w in result.work), seconds))
     return samples
+
+
+def median_by_shape(samples: list[StepSample]) -> list[StepSample]:
+    """One sample per distinct step shape, with the median of its measured times: a step that
+    another process on the machine slowed down counts less than in a plain fit."""
+    by_shape: dict[StepShape, list[float]] = {}
+    for sample in samples:
+        by_shape.setdefault(sample.shape, []).append(sample.seconds)
+    return [StepSample(shape, statistics.median(times)) for shape, times in by_shape.items()]
 
 
 def measure_startup(config, timeout_s: float = 300.0) -> float:
@@ -197,7 +207,7 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
         engine.close()
     if skipped:
         progress(f"calibration: time budget {budget_s:.0f}s reached; left out: {', '.join(skipped)}")
-    model, quality = fit_step_costs(samples)
+    model, quality = fit_step_costs(median_by_shape(samples))
     progress(f"calibration: {quality.num_steps} steps fitted ({quality.num_dropped} outliers dropped), median "
              f"error {100 * quality.median_abs_rel_error:.1f}%, p90 {100 * quality.p90_abs_rel_error:.1f}%")
     calibration = Calibration(
@@ -217,10 +227,14 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
 # The pipeline run's own small workload (not the bench's, which plan_check measures against).
 PIPELINE_PROMPT_LEN = (16, 160)
 PIPELINE_OUTPUT_LEN = (8, 48)
-PIPELINE_OFFLINE_REQUESTS = 32
-PIPELINE_ONLINE_REQUESTS = 32
+PIPELINE_REQUESTS = 32
 PIPELINE_SEED = 1001
-PIPELINE_RATE_SHARE = 0.1  # of the offline request rate: the worker is often idle when a request comes
+# The requests come twice, to one warmed-up worker (the bench's online mode warms it with one
+# request: a fresh worker's first steps can be slow, such as a GPU's kernels compiling): all at
+# once (this rate), then at a tenth of what the engine alone could serve, so that the worker is
+# often idle when one comes.
+PIPELINE_BURST_RATE = 10_000.0
+PIPELINE_RATE_SHARE = 0.1
 
 
 def bench_args(*, model: str, workload: str, num_requests: int, seed: int, mode: str, workers: int,
@@ -277,10 +291,10 @@ def startup_from_costs(out: Path) -> float | None:
 def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None] = log.info
                      ) -> Calibration:
     """``calibration`` with the worker's start-up, ``step_overhead_s`` and ``wake_s`` measured on a
-    short offline and online run of the real pipeline with one worker."""
+    short run of the real pipeline with one worker."""
     from mqinfer.loadgen.bench import run_engine
     from mqinfer.loadgen.bench_model import resolve_model
-    from mqinfer.loadgen.bench_online import poisson_arrivals, request_rate
+    from mqinfer.loadgen.bench_online import poisson_arrivals
     from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
     from mqinfer.loadgen.workload import make_workload
     from mqinfer.scheduler.config import SchedulerConfig
@@ -302,37 +316,36 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
         return [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
                 for r, a in zip(reqs, arrivals)]
 
+    reqs = workload(PIPELINE_REQUESTS, PIPELINE_SEED)
+    # The low rate from the engine alone (the overheads only lower the capacity, keeping it low).
+    burst = simulate(sim_requests(reqs, [0.0] * len(reqs)), 1, settings, calibration.model)
+    capacity = len(reqs) / max(1e-9, burst.end_s - min(o.started_s for o in burst.outcomes))
+    low_rate = float(f"{PIPELINE_RATE_SHARE * capacity:.3g}")
     scratch = Path(tempfile.mkdtemp(prefix="mqinfer-plan-calibration-"))
     try:
-        progress("calibration: a short offline run of the real pipeline (one worker)")
-        offline_reqs = workload(PIPELINE_OFFLINE_REQUESTS, PIPELINE_SEED)
-        args = bench_args(model=model_arg, workload="uniform", num_requests=len(offline_reqs), seed=PIPELINE_SEED,
-                          mode="offline", workers=1, engine=flags, prompt_len=PIPELINE_PROMPT_LEN,
-                          output_len=PIPELINE_OUTPUT_LEN)
-        offline = run_engine(args, spec, offline_reqs, scratch / "offline").offline
-        startup = startup_from_costs(scratch / "offline" / "out")
-        bulk = sim_requests(offline_reqs, [0.0] * len(offline_reqs))
-        overhead = 0.0
-        for _ in range(3):  # the steps change a little with the overhead: converge in a few rounds
-            sim = simulate(bulk, 1, settings, calibration.model, loop_overhead_s=overhead)
-            span = sim.end_s - min(o.started_s for o in sim.outcomes if o.started_s is not None)
-            overhead = max(0.0, overhead + (offline.span_s - span) / max(1, sim.num_steps))
-        rate = float(f"{PIPELINE_RATE_SHARE * request_rate(offline):.3g}")
-        progress(f"calibration: a short online run at {rate:g} requests/s")
-        online_reqs = workload(PIPELINE_ONLINE_REQUESTS, PIPELINE_SEED + 1)
-        args = bench_args(model=model_arg, workload="uniform", num_requests=len(online_reqs),
-                          seed=PIPELINE_SEED + 1, mode="online", workers=1, rates=[rate], engine=flags,
+        progress(f"calibration: a short run of the real pipeline (one worker): {len(reqs)} requests at once, "
+                 f"then at {low_rate:g} requests/s")
+        args = bench_args(model=model_arg, workload="uniform", num_requests=len(reqs), seed=PIPELINE_SEED,
+                          mode="online", workers=1, rates=[PIPELINE_BURST_RATE, low_rate], engine=flags,
                           prompt_len=PIPELINE_PROMPT_LEN, output_len=PIPELINE_OUTPUT_LEN)
-        point = run_engine(args, spec, online_reqs, scratch / "online").online[0]
-        sim = simulate(sim_requests(online_reqs, poisson_arrivals(len(online_reqs), rate, PIPELINE_SEED + 1)), 1,
-                       settings, calibration.model, loop_overhead_s=overhead)
-        measured = {t.id: t for t in point.timings}
-        gaps = [(measured[o.id].started_at - measured[o.id].enqueued_at) - (o.started_s - o.arrival_s)
-                for o in sim.outcomes if o.to_idle_worker and o.started_s is not None and o.id in measured]
-        samples = sorted(max(0.0, g) for g in gaps)
-        wake = statistics.median(samples) if samples else 0.0
+        at_once, trickle = run_engine(args, spec, reqs, scratch).online
+        startup = startup_from_costs(scratch / "out")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    # The bench gives point k the arrivals of seed + k.
+    at_once_reqs = sim_requests(reqs, poisson_arrivals(len(reqs), PIPELINE_BURST_RATE, PIPELINE_SEED))
+    overhead = 0.0
+    for _ in range(3):  # the steps change a little with the overhead: converge in a few rounds
+        sim = simulate(at_once_reqs, 1, settings, calibration.model, loop_overhead_s=overhead)
+        span = sim.end_s - min(o.started_s for o in sim.outcomes if o.started_s is not None)
+        overhead = max(0.0, overhead + (at_once.summary.span_s - span) / max(1, sim.num_steps))
+    sim = simulate(sim_requests(reqs, poisson_arrivals(len(reqs), low_rate, PIPELINE_SEED + 1)), 1, settings,
+                   calibration.model, loop_overhead_s=overhead)
+    measured = {t.id: t for t in trickle.timings}
+    gaps = [(measured[o.id].started_at - measured[o.id].enqueued_at) - (o.started_s - o.arrival_s)
+            for o in sim.outcomes if o.to_idle_worker and o.started_s is not None and o.id in measured]
+    samples = sorted(max(0.0, g) for g in gaps)
+    wake = statistics.median(samples) if samples else 0.0
     progress(f"calibration: worker start-up {startup if startup is not None else float('nan'):.2f}s, "
              f"{1000 * overhead:.2f} ms per step around the engine, {1000 * wake:.1f} ms to wake on an arrival")
     out = dataclasses.replace(calibration, step_overhead_s=overhead, wake_s=wake, wake_samples_s=samples)

@@ -2,7 +2,8 @@
 of the same requests, side by side.
 
     python -m mqinfer.loadgen.plan_check [--model tiny] [--workload standard] [--num-requests 64]
-                                         [--workers 1] [--num-threads 1] [--rates auto|R,R,R] [--calibrate]
+                                         [--workers 1] [--num-threads 1] [--device cpu|cuda]
+                                         [--rates auto|R,R,R] [--calibrate]
 
 For one workload it runs, through the real pipeline (an embedded server, ``mqinfer worker``
 processes, the result rows: the bench's offline and online modes), an offline bulk run and an
@@ -126,7 +127,8 @@ def run_check(ns: argparse.Namespace) -> dict[str, Any]:
     from mqinfer.loadgen.workload import make_workload
 
     opts = {o.name: o.default for o in PLAN_CMD}
-    opts.update(model=ns.model, num_threads=ns.num_threads, device="cpu", workers=ns.workers)
+    opts.update(model=ns.model, num_threads=ns.num_threads if ns.device == "cpu" else None, device=ns.device,
+                workers=ns.workers)
     layout = worker_layout(opts)
     stored = load_calibration(calibration_path(opts, layout))
     calibration, path = get_calibration(opts, layout, calibrate=ns.calibrate or stored is None, progress=log)
@@ -164,10 +166,11 @@ def run_check(ns: argparse.Namespace) -> dict[str, Any]:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": "python -m mqinfer.loadgen.plan_check " + " ".join(sys.argv[1:]),
         "model": ns.model, "workload": ns.workload, "num_requests": ns.num_requests, "workers": ns.workers,
-        "num_threads": ns.num_threads, "calibration": {"path": str(path), "measured_at": calibration.measured_at,
-                                                       "step_s_fixed": c.step_s_fixed, "token_s": c.token_s,
-                                                       "seq_s": c.seq_s, "pair_s": c.pair_s, "decode_ctx_s": c.decode_ctx_s,
-                                                       "startup_s": calibration.startup_s},
+        "num_threads": opts["num_threads"], "device": ns.device,
+        "calibration": {"path": str(path), "measured_at": calibration.measured_at, "step_s_fixed": c.step_s_fixed,
+                        "token_s": c.token_s, "seq_s": c.seq_s, "pair_s": c.pair_s, "decode_ctx_s": c.decode_ctx_s,
+                        "step_overhead_s": calibration.step_overhead_s, "wake_s": calibration.wake_s,
+                        "startup_s": calibration.startup_s},
         "wall_s": time.time() - started,
         "rows": [r.to_dict() for r in rows],
         "table": format_table(rows),
@@ -190,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-requests", type=int, default=64, help="Requests per run (default: 64).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="Worker processes (default: 1).")
-    parser.add_argument("--num-threads", type=int, default=1, help="Threads per worker (default: 1).")
+    parser.add_argument("--num-threads", type=int, default=1, help="Threads per CPU worker (default: 1).")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Where the workers run (default: cpu).")
     parser.add_argument("--rates", type=_rates, default="auto",
                         help="Online rates, requests per second, or auto: 20%%, 50%% and 80%% of the offline "
                              "run's request rate (default: auto).")

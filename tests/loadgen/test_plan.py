@@ -87,6 +87,15 @@ def test_the_fit_drops_steps_another_process_slowed_down():
         assert got == pytest.approx(want, rel=0.1)
 
 
+def test_repeated_shapes_count_once_at_their_median():
+    from mqinfer.loadgen.plan_calibrate import median_by_shape
+
+    a, b = StepShape.of([(64, 64)]), StepShape.of([(1, 40)] * 8)
+    merged = median_by_shape([StepSample(a, 0.010), StepSample(a, 0.090), StepSample(a, 0.012),
+                              StepSample(b, 0.004)])
+    assert sorted((s.shape.tokens, s.seconds) for s in merged) == [(8, 0.004), (64, 0.012)]
+
+
 def test_a_fit_needs_enough_steps_and_coefficients_are_checked():
     with pytest.raises(ValueError, match="at least 5"):
         fit_step_costs([StepSample(StepShape(1, 1, 1), 0.01)])
