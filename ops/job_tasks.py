@@ -69,7 +69,7 @@ import redis
 from rq import Queue, get_current_job
 from rq.serializers import JSONSerializer
 
-from mqinfer.schemas import keys
+from mqinfer.schemas import errors, keys
 from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.schemas.lanes import DEFAULT_MAX_LANES, parse_lanes
@@ -84,6 +84,7 @@ from mqinfer.ops.job_store import (
     CANCELLED, CANCELLING, FAILED, FINAL_STATUSES, FINALIZING, IN_PROGRESS, QUEUE_NAME, VALIDATING,
     CollectedRow, FeedItem, InFlight, JobNotFound, JobStore, LockLost, StatusChanged, entry_stream_key,
 )
+from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import decode_request, encode_request
 from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow, rows_to_table
 
@@ -124,6 +125,18 @@ def _entry_time(entry_id: str) -> float:
 # The data server (request streams, result streams) of this `mqinfer jobs worker`, when it is not
 # the rq server (--jobs-redis). Set once in the worker process; rq's forked work horses inherit it.
 _data_client = None
+
+
+def _refuse_choices(item):
+    """A bulk job's output keeps one row per request: a request with ``n`` > 1 choices is an error
+    row naming the parameter, not a row whose other choices would be dropped."""
+    req = item.request
+    if req is None or (getattr(req, "n", 1) or 1) <= 1:
+        return item
+    error = RequestError(errors.UNSUPPORTED_PARAMETER,
+                         f"n = {req.n} is not supported in bulk jobs (`mqinfer jobs`): their output keeps one row "
+                         "per request; use `mqinfer run` or the stream for several choices - at `$.n`", req.id)
+    return dataclasses.replace(item, request=None, error=error)
 
 
 def set_data_client(client) -> None:
@@ -328,7 +341,7 @@ class JobRun:
             except InputUnusable as exc:
                 return self.fail(str(exc))
             if items:
-                self._index_chunk(items, next_position)
+                self._index_chunk([_refuse_choices(item) for item in items], next_position)
             elif not at_end:
                 raise RuntimeError(f"job {self.job_id}: input reader made no progress at {position}")
             if at_end:
