@@ -459,7 +459,7 @@ def _parse_time(text: str | None) -> float | None:
 
 def cmd_report(args, opts: dict) -> int:
     from mqinfer.ops.budgets import load_budgets
-    from mqinfer.ops.report import cost_report, uncompacted_warning
+    from mqinfer.ops.report import cost_report, schema_validity, uncompacted_warning
     from mqinfer.ops.report_render import plot, render
 
     by = [b.strip() for b in opts["by"].split(",") if b.strip()]
@@ -475,6 +475,12 @@ def cmd_report(args, opts: dict) -> int:
     if warning:
         print(f"mqinfer report costs: {warning}", file=sys.stderr)
     print(render(report, opts["format"]), end="")
+    validity = schema_validity(args.dir)
+    if validity is not None:
+        line = (f"structured output: {validity[0]} of {validity[1]} rows with a response_format validated "
+                "(schema_valid)")
+        # The table gets it as a last line; csv and json stay machine-readable.
+        print(line, file=sys.stdout if opts["format"] == "table" else sys.stderr)
     if opts["plot"]:
         try:
             charts = plot(report, opts["plot"])

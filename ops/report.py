@@ -435,3 +435,24 @@ def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str]
                       "cost_usd": billed["cost_usd"]})
     agg = spend.group_by(["tenant", "period"], use_threads=False).aggregate([("cost_usd", "sum")])
     return {(r["tenant"], r["period"]): r["cost_usd_sum"] for r in agg.to_pylist()}
+
+
+def schema_validity(out_dir: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """(rows whose text validated, rows with a ``response_format``) in ``out_dir``'s results, from
+    the ``schema_valid`` column (null for rows without one); None when there are no results or no
+    row had a ``response_format``."""
+    import pyarrow.dataset as ds
+
+    root = Path(out_dir) / "results"
+    if not root.is_dir():
+        return None
+    dataset = ds.dataset(root, format="parquet", partitioning="hive")
+    if not dataset.files or "schema_valid" not in dataset.schema.names:
+        return None
+    column = dataset.to_table(columns=["schema_valid"])["schema_valid"]
+    constrained = len(column) - column.null_count
+    if not constrained:
+        return None
+    valid = sum(1 for v in column.to_pylist() if v)
+    return valid, constrained
+

@@ -215,3 +215,19 @@ def test_a_request_with_choices_counts_once_with_every_choices_tokens_and_cost(t
     assert report.totals.requests == 2 and report.requests_counted_more_than_once == 0
     assert uncompacted_warning(report, tmp_path) is None
     assert sum(h.requests for h in report.hourly) == 2
+
+
+def test_schema_validity_counts_the_rows_with_a_response_format(tmp_path):
+    from mqinfer.ops.report import schema_validity
+    from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow
+
+    assert schema_validity(tmp_path) is None  # no results
+    results = [ResultRow(id=f"r{i}", model="tiny", finish_reason=reason, finished_at=T, worker="w1",
+                         schema_valid=valid)
+               for i, (reason, valid) in enumerate([("stop", True), ("stop", True), ("length", False),
+                                                    ("stop", None)])]
+    DatasetWriter(tmp_path / "results", RESULT_SCHEMA, "w1").write(results)
+    assert schema_validity(tmp_path) == (2, 3)
+    unconstrained = tmp_path / "plain"
+    DatasetWriter(unconstrained / "results", RESULT_SCHEMA, "w1").write(results[3:])
+    assert schema_validity(unconstrained) is None
