@@ -19,10 +19,12 @@ The plan has three parts:
    KEDA replica bounds that follow.
 
 Every request is assumed to generate its full ``max_tokens`` (the simulation has no EOS), which
-is exact for ``ignore_eos`` workloads and an upper bound otherwise. Not modelled: the worker's
-own time between steps (Redis round trips, sinks, acks), other processes on the machine, and
-workers on one machine slowing each other down; ``python -m mqinfer.loadgen.plan_check`` measures
-how far the predictions are from the real pipeline.
+is exact for ``ignore_eos`` workloads and an upper bound otherwise. The worker loop around the
+engine (Redis round trips, sinks, acks) is two calibrated figures, not a model of its parts. Not
+modelled: other processes on the machine, workers on one machine slowing each other down, and a
+fresh worker's first steps beyond its start-up (on a GPU, kernels loading and compiling for the
+shapes they first see). ``python -m mqinfer.loadgen.plan_check`` measures how far the predictions
+are from the real pipeline.
 """
 
 from __future__ import annotations
@@ -125,7 +127,9 @@ def get_calibration(opts: dict[str, Any], layout: Layout, *, calibrate: bool,
     if calibrate:
         from mqinfer.loadgen.plan_calibrate import calibrate as run_calibration
 
-        config = replace(engine_config(opts), device=layout.device, num_threads=layout.num_threads)
+        device = str(opts.get("device") or "")
+        config = replace(engine_config(opts), device=device if device.startswith("cuda") else layout.device,
+                         num_threads=layout.num_threads)
         calibration = run_calibration(config, model_id=str(opts.get("model") or "tiny"), progress=progress)
         save_calibration(calibration, path)
         progress(f"calibration stored in {path}")
