@@ -696,8 +696,8 @@ def render(plan: dict[str, Any], fmt: str) -> str:
     lines += ["", f"  step-cost model: {1000 * c['step_s_fixed']:.3g} ms + {1e6 * c['token_s']:.3g} us/token + "
               f"{1e6 * c['seq_s']:.3g} us/request + {1e9 * c['pair_s']:.3g} ns/prompt attention pair + "
               f"{1e9 * c['decode_ctx_s']:.3g} ns/decode context token, and around it "
-              f"{1000 * c['step_overhead_s']:.2g} ms per step and {1000 * c['wake_s']:.2g} ms (median) to wake; fitted on "
-              f"{c['num_steps']} steps (median error {100 * c['median_abs_rel_error']:.1f}%) at "
+              f"{1000 * c['step_overhead_s']:.2g} ms per step and {1000 * c['wake_s']:.2g} ms (median) to wake; "
+              f"fitted on {c['num_steps']} step shapes (median error {100 * c['median_abs_rel_error']:.1f}%) at "
               f"{c['measured_at']} ({c['path']})"]
     lines += [f"  note: {n}" for n in plan["notes"]]
     return "\n".join(lines)

@@ -75,7 +75,8 @@ class Scenario:
 
     def num_blocks(self, block_size: int) -> int:
         """KV blocks the scenario holds at its peak (every request at its full length)."""
-        return sum(count * -(-(prompt + output) // block_size) for count, prompt, output in (*self.requests, *self.late))
+        entries = (*self.requests, *self.late)
+        return sum(count * -(-(prompt + output) // block_size) for count, prompt, output in entries)
 
 
 def scenarios(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, num_kv_blocks: int,

@@ -194,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="Worker processes (default: 1).")
     parser.add_argument("--num-threads", type=int, default=1, help="Threads per CPU worker (default: 1).")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="Where the workers run (default: cpu).")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="Where the workers run (default: cpu).")
     parser.add_argument("--rates", type=_rates, default="auto",
                         help="Online rates, requests per second, or auto: 20%%, 50%% and 80%% of the offline "
                              "run's request rate (default: auto).")
