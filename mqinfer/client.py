@@ -125,15 +125,8 @@ class Producer:
         now = time.monotonic()
         if cached is not None and now - cached[1] < self.REREGISTER_S:
             return cached[0]
-        used, fresh = self._register(
-            keys=[lane_scheme.registry_key(self.stream), lane_scheme.registry_version_key(self.stream)],
-            args=[lane, time.time(), self.max_lanes, lane_scheme.shared_lane(lane, self.max_lanes),
-                  lane_scheme.shared_count(self.max_lanes), lane_scheme.WAKE_AFTER_S])
-        used = used.decode() if isinstance(used, bytes) else str(used)
+        used = lane_scheme.register_lane(self.redis, self.stream, lane, self.max_lanes, script=self._register)
         stream_key = keys.request_stream(lane_scheme.lane_stream(self.stream, used))
-        self.ensure_group(stream_key)
-        if int(fresh):
-            self.redis.xadd(self.stream_key, {lane_scheme.NOTICE_FIELD: used})
         self._lane_keys[lane] = (stream_key, now)
         return stream_key
 

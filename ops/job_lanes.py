@@ -9,10 +9,8 @@ lanes of its own. A task is short, so what it registered is remembered for the t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
-from mqinfer.schemas import keys
 from mqinfer.schemas import lanes as scheme
 
 # Lane modes under which a job has lanes of its own, removed when it ends; a tenant's lane
@@ -63,21 +61,4 @@ class JobLanes:
         return new
 
     def _register_lane(self, shard: int, lane: str) -> str:
-        # Imported here: `mqinfer jobs submit --help` reads this module's default without the client.
-        import redis
-
-        stream = self.streams[shard]
-        used, fresh = self._register(
-            keys=[scheme.registry_key(stream), scheme.registry_version_key(stream)],
-            args=[lane, time.time(), self.max_lanes, scheme.shared_lane(lane, self.max_lanes),
-                  scheme.shared_count(self.max_lanes), scheme.WAKE_AFTER_S])
-        used = used.decode() if isinstance(used, bytes) else str(used)
-        try:
-            self.data.xgroup_create(keys.request_stream(scheme.lane_stream(stream, used)), keys.GROUP, id="0",
-                                    mkstream=True)
-        except redis.exceptions.ResponseError as exc:
-            if "BUSYGROUP" not in str(exc):
-                raise
-        if int(fresh):
-            self.data.xadd(keys.request_stream(stream), {scheme.NOTICE_FIELD: used})
-        return used
+        return scheme.register_lane(self.data, self.streams[shard], lane, self.max_lanes, script=self._register)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 import zlib
 
 from mqinfer.schemas import keys
@@ -217,3 +218,27 @@ def remove_lane(redis_client, stream: str, lane: str, group: str = keys.GROUP, *
     unregister(keys=[registry_key(stream), registry_version_key(stream)],
                args=[lane, 1e18 if cutoff is None else cutoff])
     return True
+
+
+def register_lane(redis_client, stream: str, lane: str, max_lanes: int, *, script=None) -> str:
+    """Register ``lane`` of ``stream`` for a producer that talks to Redis directly (redis-py):
+    bounded by ``max_lanes`` (past it, the shared lane it hashes onto), with the workers' group at
+    the lane's start, and a notice on the plain stream when the lane is new or was unused for
+    ``WAKE_AFTER_S``. Returns the lane used. ``script``: ``REGISTER_SCRIPT`` already registered
+    with the client (else it is registered here)."""
+    import redis
+
+    script = script or redis_client.register_script(REGISTER_SCRIPT)
+    used, fresh = script(
+        keys=[registry_key(stream), registry_version_key(stream)],
+        args=[lane, time.time(), max_lanes, shared_lane(lane, max_lanes), shared_count(max_lanes), WAKE_AFTER_S])
+    used = used.decode() if isinstance(used, bytes) else str(used)
+    try:
+        redis_client.xgroup_create(keys.request_stream(lane_stream(stream, used)), keys.GROUP, id="0", mkstream=True)
+    except redis.exceptions.ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+    if int(fresh):
+        redis_client.xadd(keys.request_stream(stream), {NOTICE_FIELD: used})
+    return used
+
