@@ -45,6 +45,22 @@ def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: P
     return argv
 
 
+def spread_over_gpus(argv: list[str], index: int) -> None:
+    """Worker ``index``'s ``--device`` on a machine with several CUDA devices: ``cuda`` or
+    ``auto`` becomes ``cuda:<index mod count>``, one worker per device as `mqinfer run` places
+    them (``--workers auto`` starts one per device), rather than every worker on cuda:0."""
+    if "--device" not in argv:
+        return
+    at = argv.index("--device") + 1
+    if argv[at] not in ("cuda", "auto"):
+        return
+    from mqinfer.workers.devices import cuda_device_count
+
+    count = cuda_device_count()
+    if count > 1:
+        argv[at] = f"cuda:{index % count}"
+
+
 class WorkerPool:
     """``mqinfer worker`` processes, their logs in files (shown when one fails)."""
 
@@ -71,6 +87,7 @@ class WorkerPool:
             argv = list(self.argv)
             if self.streams:
                 argv[argv.index("--stream") + 1] = self.streams[i % len(self.streams)]
+            spread_over_gpus(argv, i)
             self.procs.append(subprocess.Popen([*argv, "--consumer", consumer], env=env,
                                                stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT))
 
