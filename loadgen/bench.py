@@ -237,6 +237,24 @@ def _validate(args: argparse.Namespace) -> str | None:
     return check_plotting(args.plot)
 
 
+def _roofs(compute_s: float, need: Any, before: Any, after: Any, table_rows: list[tuple[str, RunSummary]],
+           output_tokens: int, llama: dict[str, Any] | None) -> dict[str, Any]:
+    """Both roofs as the least seconds the workload could take (its matrix work at the matrix rate;
+    the bytes it must read at the copy bandwidth, the faster of the two measurements) and each
+    system's share of them: that least time over the time the system took."""
+    bandwidth = max(before, after, key=lambda b: b.bytes_per_s)
+    memory_s = need.total / bandwidth.bytes_per_s
+    times = {name: output_tokens / s.throughput for name, s in table_rows
+             if s.throughput > 0 and (name.startswith("mqinfer offline") or name.startswith("hf-"))}
+    for run in (llama or {}).get("runs", []):
+        if run["t_s"] > 0:
+            times[f"llama.cpp -t {run['threads']}"] = run["t_s"]
+    return {"compute_s": compute_s, "memory_s": memory_s, "bandwidth": asdict(bandwidth),
+            "bandwidth_before": asdict(before), "bandwidth_after": asdict(after),
+            "bytes": {**asdict(need), "total": need.total},
+            "shares": {name: {"compute": compute_s / t, "memory": memory_s / t} for name, t in times.items()}}
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark that ``args`` (from ``add_bench_arguments``) describes; 0 on success."""
     problem = _validate(args)
@@ -254,6 +272,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from mqinfer.loadgen.bench_roofs import measure_copy_bandwidth, workload_bytes
     from mqinfer.loadgen.matrix_rate import compute_ceiling, measure_matmul_rate, workload_flops
 
     started = time.time()
@@ -264,6 +283,8 @@ def _run(args: argparse.Namespace) -> int:
                              num_prefixes=args.num_prefixes, prefix_len_range=args.prefix_len)
     stats = workload_stats(requests)
     if LLAMACPP in (args.compare or []):
+        if not args.gguf:
+            args = argparse.Namespace(**{**vars(args), "gguf": llamacpp.default_gguf(args.model)})
         llamacpp.check_same_model(args.gguf, spec)  # before anything runs
     log(f"workload {args.workload}: {stats.num_requests} requests, {stats.prompt_tokens} prompt tokens, "
         f"{stats.output_tokens} output tokens asked for; model {spec.arg}")
@@ -285,6 +306,10 @@ def _run(args: argparse.Namespace) -> int:
     log(f"measuring the {mm_dtype} matrix rate on {device}")
     rate_before = measure_matmul_rate(args.matrix_size, dtype=mm_dtype, device=device)
     flops = workload_flops(spec.config, requests)
+    max_num_seqs = args.max_num_seqs or next(o.default for o in ENGINE_OPTIONS if o.name == "max_num_seqs")
+    need = workload_bytes(spec.config, requests, dtype=mm_dtype, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max_num_seqs)
+    bandwidth_before = measure_copy_bandwidth() if device == "cpu" else None
 
     scratch = Path(tempfile.mkdtemp(prefix="mqinfer-bench-"))
     report: dict[str, Any] = {
@@ -423,6 +448,9 @@ def _run(args: argparse.Namespace) -> int:
     report["matrix_rate_after"] = asdict(rate_after)
     report["matrix_rate"] = asdict(rate)
     report["compute_ceiling_tok_s"] = ceiling
+    if bandwidth_before is not None:
+        report["roofs"] = _roofs(flops.total / rate.flops_per_s, need, bandwidth_before, measure_copy_bandwidth(),
+                                 table_rows, flops.output_tokens, report.get("llamacpp"))
 
     ratios: dict[str, float] = {}
     if ours is not None and static_best is not None:

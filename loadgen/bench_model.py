@@ -29,13 +29,26 @@ class ModelSpec:
 
 
 def resolve_model(model: str | None) -> ModelSpec:
-    from mqinfer.loadgen.checkpoint import make_standard_checkpoint, read_config, standard_checkpoint_dir
+    """``model``: None (the standard checkpoint), a shape name of ``checkpoint.SHAPES`` (its random
+    checkpoint and GGUF, written once under the cache), ``tiny``, or a checkpoint folder."""
+    from mqinfer.loadgen.checkpoint import (
+        SHAPES,
+        make_shape_checkpoint,
+        make_standard_checkpoint,
+        read_config,
+        shape_checkpoint_dir,
+        standard_checkpoint_dir,
+    )
 
     if model is None:
         folder = standard_checkpoint_dir()
         log(f"standard checkpoint: {folder}")
         make_standard_checkpoint(folder)
         model = str(folder)
+    elif model in SHAPES:
+        folder = shape_checkpoint_dir(model)
+        log(f"the {model} checkpoint (random weights): {folder}; written once, with its GGUF")
+        model = str(make_shape_checkpoint(model, folder))
     if model == "tiny":
         from mqinfer.workers.loader import TINY_BOS, TINY_HF_CONFIG
 

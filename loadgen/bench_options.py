@@ -159,7 +159,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
     g.add_argument("--model", default=None, metavar="M",
                    help="Hugging Face checkpoint folder (config.json and safetensors; a tokenizer is optional, "
-                        "prompts are token ids), or `tiny` (default: the standard benchmark checkpoint, created "
+                        "prompts are token ids), `tiny`, or a shape of random weights: 0.5b or 1.5b (Qwen2.5's "
+                        "shapes as Llamas, written once under ~/.cache/mqinfer with a bf16 GGUF of the same "
+                        "weights for --compare llamacpp) (default: the standard benchmark checkpoint, created "
                         "once under ~/.cache/mqinfer/standard-llama).")
 
     g = parser.add_argument_group("run")
@@ -217,7 +219,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                    help="Folder with llama.cpp's llama-batched-bench (build it with loadgen/peers.sh).")
     g.add_argument("--gguf", default=None, metavar="FILE",
                    help="The model for llama.cpp, the same weights as --model (e.g. bf16 from "
-                        "convert_hf_to_gguf.py --outtype bf16).")
+                        "convert_hf_to_gguf.py --outtype bf16; default for a --model shape or a folder holding "
+                        "model-bf16.gguf: that file).")
     g.add_argument("--llamacpp-threads", type=positive_int_list, default=None, metavar="T[,T...]",
                    help="llama.cpp thread counts, one run each; the ratio is against the fastest (default: 1 and "
                         "the number of cores).")

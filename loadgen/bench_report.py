@@ -305,3 +305,17 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
     shares = report.get("ceiling_share") or {}
     if shares:
         print("share of the ceiling: " + ", ".join(f"{n} {v:.1%}" for n, v in shares.items()))
+    if "roofs" in report:
+        print(format_roofs(report["roofs"], rate["dtype"]))
+
+
+def format_roofs(roofs: dict[str, Any], dtype: str) -> str:
+    """The two roofs as least times for the workload, then each system's share of each."""
+    b, bw = roofs["bytes"], roofs["bandwidth"]
+    lines = [f"roofs: compute {roofs['compute_s']:.3f} s (the {dtype} matrix rate); memory {roofs['memory_s']:.3f} s "
+             f"({b['total'] / 1e9:.2f} GB: {b['steps']} steps x {b['weight_bytes'] / 1e6:.1f} MB of weights + "
+             f"{b['kv_bytes'] / 1e9:.3f} GB of KV cache, at a copy bandwidth of {bw['bytes_per_s'] / 1e9:.1f} GB/s, "
+             f"{bw['threads']} threads, {bw['array_bytes'] >> 20} MiB arrays)"]
+    for name, share in roofs["shares"].items():
+        lines.append(f"  {name}: {share['compute']:.1%} of the compute roof, {share['memory']:.1%} of the memory roof")
+    return "\n".join(lines)

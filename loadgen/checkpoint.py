@@ -1,11 +1,15 @@
-"""The benchmark checkpoint: a random Llama-architecture model saved as a Hugging Face folder.
+"""The benchmark checkpoints: random Llama-architecture models saved as Hugging Face folders.
 
 Owns ``make_standard_checkpoint`` (the standard benchmark model: hidden 512, 8 layers, 8 heads, 2 KV
-heads, intermediate 1408, vocabulary 32000, context 2048, about 55M parameters) and the general
-``make_llama_checkpoint`` it is built on. Weights are N(0, 0.02) from a ``torch.Generator``
-seeded 0, drawn in float32 in a fixed tensor order and stored in bf16 (RMSNorm weights are 1);
-``config.json`` names ``LlamaForCausalLM`` and ``torch_dtype: bfloat16``; there is no tokenizer,
-since benchmark prompts are token ids. Both transformers and mqinfer's loader read the folder.
+heads, intermediate 1408, vocabulary 32000, context 2048, about 55M parameters), the checkpoints of
+the shapes people run on CPUs (``SHAPES``: ``0.5b`` and ``1.5b``, Qwen2.5-0.5B's and -1.5B's
+shapes as bias-free Llamas, tied embeddings; ``make_shape_checkpoint``, each with a bf16 GGUF of
+the same bytes beside its safetensors for llama.cpp, ``loadgen/gguf_checkpoint.py``) and the
+general ``make_llama_checkpoint`` they are built on. Weights are N(0, 0.02) from a
+``torch.Generator`` seeded 0, drawn in float32 in a fixed tensor order and stored in bf16
+(RMSNorm weights are 1); ``config.json`` names ``LlamaForCausalLM`` and ``torch_dtype: bfloat16``;
+there is no tokenizer, since benchmark prompts are token ids. Both transformers and mqinfer's
+loader read the folder.
 
 A folder that already holds the same checkpoint (same config and seed, recorded in a stamp file
 written last) is reused, so a benchmark run creates it once per machine.
@@ -42,6 +46,20 @@ STANDARD_CONFIG: dict[str, Any] = {
     "torch_dtype": "bfloat16",
 }
 
+# Shapes of models people run on CPUs, as Llama-architecture overrides of the standard config:
+# Qwen2.5-0.5B's and Qwen2.5-1.5B's layer shapes and vocabulary, without their q/k/v biases, with
+# their tied embeddings (494M and 1.54B parameters).
+SHAPES: dict[str, dict[str, Any]] = {
+    "standard": {},
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 151936, "max_position_embeddings": 32768,
+             "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 32768,
+             "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True},
+}
+GGUF_NAME = "model-bf16.gguf"  # the GGUF beside a shape checkpoint's safetensors
+
 _STAMP = "mqinfer-checkpoint.json"
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,6 +77,13 @@ def standard_checkpoint_dir() -> Path:
     return default_cache_dir() / "standard-llama"
 
 
+def shape_checkpoint_dir(shape: str) -> Path:
+    """Where ``make_shape_checkpoint(shape)`` writes by default (the standard one's own folder)."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown checkpoint shape {shape!r}: choose from {', '.join(SHAPES)}")
+    return standard_checkpoint_dir() if shape == "standard" else default_cache_dir() / f"llama-{shape}"
+
+
 def _full_config(overrides: dict[str, Any], dtype: str) -> dict[str, Any]:
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
@@ -71,8 +96,8 @@ def _full_config(overrides: dict[str, Any], dtype: str) -> dict[str, Any]:
             raise ValueError(f"config {key} must be a positive integer, got {config[key]!r}")
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-    if config["tie_word_embeddings"] or config["attention_bias"] or config["mlp_bias"]:
-        raise ValueError("this writer makes untied, bias-free Llama checkpoints only")
+    if config["attention_bias"] or config["mlp_bias"]:
+        raise ValueError("this writer makes bias-free Llama checkpoints only")
     return config
 
 
@@ -102,28 +127,34 @@ def _tensors(config: dict[str, Any], seed: int):
         yield f"{p}.input_layernorm.weight", torch.ones(h)
         yield f"{p}.post_attention_layernorm.weight", torch.ones(h)
     yield "model.norm.weight", torch.ones(h)
-    yield "lm_head.weight", normal(vocab, h)
+    if not config["tie_word_embeddings"]:
+        yield "lm_head.weight", normal(vocab, h)
 
 
-def _stamp(config: dict[str, Any], seed: int) -> dict[str, Any]:
-    return {"format": 1, "seed": seed, "config": config}
+def _stamp(config: dict[str, Any], seed: int, gguf: bool = False) -> dict[str, Any]:
+    # Without a GGUF the stamp is the one earlier versions wrote, so their checkpoints are reused.
+    return {"format": 1, "seed": seed, "config": config, **({"gguf": GGUF_NAME} if gguf else {})}
 
 
-def is_checkpoint(folder: str | os.PathLike, config: dict[str, Any], seed: int) -> bool:
-    """Whether ``folder`` holds the complete checkpoint this module would write for (config, seed)."""
+def is_checkpoint(folder: str | os.PathLike, config: dict[str, Any], seed: int, gguf: bool = False) -> bool:
+    """Whether ``folder`` holds the complete checkpoint this module would write for (config, seed)
+    (and its GGUF, with ``gguf``)."""
     folder = Path(folder)
     stamp = folder / _STAMP
     if not (stamp.is_file() and (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()):
         return False
+    if gguf and not (folder / GGUF_NAME).is_file():
+        return False
     try:
-        return json.loads(stamp.read_text()) == _stamp(config, seed)
+        return json.loads(stamp.read_text()) == _stamp(config, seed, gguf)
     except (OSError, ValueError):
         return False
 
 
 def make_llama_checkpoint(folder: str | os.PathLike, *, seed: int = 0, dtype: str = "bfloat16",
-                          **overrides: Any) -> Path:
-    """Write (or reuse) a random Llama checkpoint: the standard config with HF-key ``overrides``.
+                          gguf: bool = False, **overrides: Any) -> Path:
+    """Write (or reuse) a random Llama checkpoint: the standard config with HF-key ``overrides``;
+    with ``gguf`` (bfloat16 only) also ``GGUF_NAME``, the same weights for llama.cpp.
 
     The files are written in a temporary sibling folder and moved into place, so an interrupted
     run never leaves a half checkpoint that a later run would take for a whole one.
@@ -133,7 +164,9 @@ def make_llama_checkpoint(folder: str | os.PathLike, *, seed: int = 0, dtype: st
 
     folder = Path(folder)
     config = _full_config(overrides, dtype)
-    if is_checkpoint(folder, config, seed):
+    if gguf and dtype != "bfloat16":
+        raise ValueError("the GGUF beside a checkpoint holds its bfloat16 bytes: dtype must be bfloat16")
+    if is_checkpoint(folder, config, seed, gguf):
         return folder
     if folder.exists() and any(folder.iterdir()) and not (folder / _STAMP).exists():
         raise FileExistsError(f"{folder} exists and is not a checkpoint written by mqinfer.loadgen; "
@@ -144,18 +177,23 @@ def make_llama_checkpoint(folder: str | os.PathLike, *, seed: int = 0, dtype: st
     try:
         tensors = {name: t.to(store).contiguous() for name, t in _tensors(config, seed)}
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if gguf:
+            from mqinfer.loadgen.gguf_checkpoint import write_gguf
+
+            write_gguf(tmp / GGUF_NAME, config, tensors, name=folder.name)
+        del tensors
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(
             {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}, indent=2) + "\n")
         # The stamp goes in last: its presence means the rest is complete.
-        (tmp / _STAMP).write_text(json.dumps(_stamp(config, seed), sort_keys=True) + "\n")
-        if folder.exists() and not is_checkpoint(folder, config, seed):
+        (tmp / _STAMP).write_text(json.dumps(_stamp(config, seed, gguf), sort_keys=True) + "\n")
+        if folder.exists() and not is_checkpoint(folder, config, seed, gguf):
             shutil.rmtree(folder)  # an older or different mqinfer checkpoint (it had a stamp)
         try:
             os.replace(tmp, folder)
         except OSError:
             # Another process finished the same checkpoint first: keep theirs.
-            if not is_checkpoint(folder, config, seed):
+            if not is_checkpoint(folder, config, seed, gguf):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -165,6 +203,15 @@ def make_llama_checkpoint(folder: str | os.PathLike, *, seed: int = 0, dtype: st
 def make_standard_checkpoint(folder: str | os.PathLike | None = None) -> Path:
     """The standard benchmark checkpoint in ``folder`` (default: the cache's standard-llama)."""
     return make_llama_checkpoint(folder if folder is not None else standard_checkpoint_dir(), seed=0)
+
+
+def make_shape_checkpoint(shape: str, folder: str | os.PathLike | None = None) -> Path:
+    """The checkpoint of ``SHAPES[shape]`` with its GGUF (``folder / GGUF_NAME``), in ``folder``
+    (default: ``shape_checkpoint_dir(shape)``); written once, reused after."""
+    target = Path(folder) if folder is not None else shape_checkpoint_dir(shape)
+    if shape == "standard":
+        return make_standard_checkpoint(target)
+    return make_llama_checkpoint(target, seed=0, gguf=True, **SHAPES[shape])
 
 
 def read_config(model: str | os.PathLike) -> dict[str, Any]:

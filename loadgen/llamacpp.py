@@ -260,14 +260,27 @@ def check_flags(args: argparse.Namespace) -> str | None:
                 f"prompt and G generated tokens), not {args.workload}")
     if args.mode != "offline":
         return "--compare llamacpp compares offline throughput; leave out --mode online"
-    if not args.llamacpp_bin or not args.gguf:
-        return "--compare llamacpp needs --llamacpp-bin DIR (with llama-batched-bench) and --gguf FILE"
+    if not args.llamacpp_bin or not (args.gguf or default_gguf(args.model)):
+        return ("--compare llamacpp needs --llamacpp-bin DIR (with llama-batched-bench) and --gguf FILE (not needed "
+                "for a --model shape such as 0.5b, written with its GGUF)")
     try:
         find_binary(args.llamacpp_bin)
     except FileNotFoundError as exc:
         return str(exc)
-    if not Path(args.gguf).is_file():
+    if args.gguf and not Path(args.gguf).is_file():
         return f"--gguf {args.gguf}: no such file"
+    return None
+
+
+def default_gguf(model: str | None) -> str | None:
+    """The GGUF that goes with ``--model``: a shape name's (``checkpoint.SHAPES``; written with its
+    checkpoint), or the one a checkpoint folder holds beside its safetensors; None otherwise."""
+    from mqinfer.loadgen.checkpoint import GGUF_NAME, SHAPES, shape_checkpoint_dir
+
+    if model in SHAPES and model != "standard":
+        return str(shape_checkpoint_dir(model) / GGUF_NAME)
+    if model and (Path(model) / GGUF_NAME).is_file():
+        return str(Path(model) / GGUF_NAME)
     return None
 
 

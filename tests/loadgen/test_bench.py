@@ -355,6 +355,19 @@ def test_fixed_workload_beside_a_stand_in_llamacpp(tmp_path, capsys):
     calls = [json.loads(line) for line in (folder / "calls.jsonl").read_text().splitlines()]
     assert [c["argv"][c["argv"].index("-t") + 1] for c in calls] == ["1", "2"]
     assert all(c["omp"] == "passive" and c["argv"][c["argv"].index("-c") + 1] == "68" for c in calls)
+    # Both roofs, as least times, and every system's share of them.
+    roofs = report["roofs"]
+    from mqinfer.loadgen.bench_roofs import workload_bytes
+
+    need = workload_bytes(TINY_HF_CONFIG, [{"prompt_token_ids": [0] * 12, "max_tokens": 5}] * 4, dtype="float32")
+    assert roofs["bytes"]["total"] == need.total and roofs["bytes"]["steps"] == 5
+    assert roofs["memory_s"] == pytest.approx(need.total / roofs["bandwidth"]["bytes_per_s"])
+    assert roofs["bandwidth"]["bytes_per_s"] >= roofs["bandwidth_before"]["bytes_per_s"]
+    assert set(roofs["shares"]) == {"mqinfer offline", "llama.cpp -t 1", "llama.cpp -t 2"}
+    t_s = next(r["t_s"] for r in lc["runs"] if r["threads"] == 2)
+    assert roofs["shares"]["llama.cpp -t 2"]["memory"] == pytest.approx(roofs["memory_s"] / t_s)
+    assert roofs["shares"]["mqinfer offline"]["compute"] == pytest.approx(report["ceiling_share"]["mqinfer offline"])
+    assert "of the memory roof" in captured.out and "roofs: compute" in captured.out
 
 
 def test_int8_weights_and_kv_beside_the_unquantized_run(tmp_path, capsys):

@@ -80,3 +80,51 @@ def test_our_loader_reads_it(tmp_path):
     assert info.vocab_size == 300 and info.num_layers == 2
     assert info.num_kv_heads == 2 and info.head_dim == 16 and info.hidden_size == 64
     assert info.eos_token_ids == (2,)
+
+
+def test_shapes_people_run_have_their_parameter_counts():
+    from mqinfer.loadgen.checkpoint import SHAPES
+    from mqinfer.loadgen.matrix_rate import ModelShape
+
+    # Qwen2.5-0.5B's and -1.5B's published counts, less their q/k/v biases (this Llama has none).
+    for name, published in (("0.5b", 494_032_768), ("1.5b", 1_543_714_304)):
+        config = {**STANDARD_CONFIG, **SHAPES[name]}
+        shape = ModelShape.from_config(config)
+        biases = shape.num_layers * (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+        # Tied embeddings: the head is the embedding table, counted once; two norms per layer and one at the end.
+        norms = (2 * shape.num_layers + 1) * shape.hidden_size
+        assert shape.layer_params + shape.head_params + norms == published - biases
+        assert config["tie_word_embeddings"] and config["architectures"] == ["LlamaForCausalLM"]
+
+
+def test_the_gguf_beside_a_tied_checkpoint_holds_the_same_weights(tmp_path):
+    import transformers
+
+    from mqinfer.loadgen import llamacpp
+    from mqinfer.loadgen.checkpoint import GGUF_NAME
+    from mqinfer.workers.gguf import GGUFFile
+
+    config = {**SMALL, "tie_word_embeddings": True}
+    folder = make_llama_checkpoint(tmp_path / "ck", gguf=True, **config)
+    tensors = load_file(folder / "model.safetensors")
+    assert "lm_head.weight" not in tensors
+    hf_model, _ = load_model(str(folder), device="cpu", dtype="bfloat16")
+    gguf_model, gguf_info = load_model(str(folder / GGUF_NAME), device="cpu", dtype="bfloat16")
+    ours, theirs = hf_model.state_dict(), gguf_model.state_dict()
+    assert set(ours) == set(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert gguf_info.vocab_size == 300 and gguf_info.num_kv_heads == 2 and gguf_info.eos_token_ids == (2,)
+    gguf_file = GGUFFile(folder / GGUF_NAME)
+    assert "output.weight" not in gguf_file.tensors  # tied: llama.cpp uses the embedding
+    assert gguf_file.metadata["tokenizer.ggml.model"] == "none" and gguf_file.metadata["llama.vocab_size"] == 300
+    assert gguf_file.tensors["blk.0.attn_q.weight"].type_name == "BF16"
+    assert gguf_file.tensors["blk.0.attn_norm.weight"].type_name == "F32"
+    assert llamacpp.shape_mismatches(llamacpp.gguf_shape(folder / GGUF_NAME), {**STANDARD_CONFIG, **config}) == []
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+    assert torch.equal(model.lm_head.weight, tensors["model.embed_tokens.weight"])
+    # Reused with its GGUF; asked again without one, the same folder is a different checkpoint.
+    stamp = (folder / GGUF_NAME).stat().st_mtime_ns
+    assert make_llama_checkpoint(folder, gguf=True, **config) == folder
+    assert (folder / GGUF_NAME).stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="bfloat16"):
+        make_llama_checkpoint(tmp_path / "f32", gguf=True, dtype="float32", **config)
