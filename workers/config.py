@@ -96,8 +96,16 @@ class EngineConfig:
     tensor_parallel_size: int = field(default=1, metadata=flag(
         "Split the model over T devices (T processes of one worker, over torch.distributed: NCCL on CUDA, gloo "
         "on CPU): attention heads, the MLP and the vocabulary are divided between the ranks, and so are the "
-        "weights and the KV cache. The way to run a model too big for one device (there is no pipeline "
-        "parallelism). Heads, KV heads (or T over them) and the MLP width must divide by T.", metavar="T"))
+        "weights and the KV cache. The way to run a model too big for one device (with "
+        "--pipeline-parallel-size, on more devices still). Heads, KV heads (or T over them) and the MLP width "
+        "must divide by T.", metavar="T"))
+    pipeline_parallel_size: int = field(default=1, metadata=flag(
+        "Split the model's layers into P stages, each its own process on its own device (over "
+        "torch.distributed: NCCL on CUDA, gloo on CPU); the first stage also holds the embedding, the last "
+        "the final norm and the LM head, and each stage the KV cache of its own layers only. Each step's "
+        "requests run through the stages in micro-batches, so that stages work at once. With "
+        "--tensor-parallel-size T a worker has T x P ranks (and devices): each stage is split over T. The "
+        "model needs at least P layers.", metavar="P"))
     dtype: str = field(default="auto", metadata=flag(
         "Weight and activation dtype (auto = the checkpoint's own).", choices=DTYPES))
     quantization: str = field(default="none", metadata=flag(
@@ -207,6 +215,14 @@ class EngineConfig:
             parse_devices(self.devices)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be at least 1, got {self.pipeline_parallel_size}")
+        if self.pipeline_parallel_size > 1 and self.speculative in ("self", "draft"):
+            raise ValueError(f"--speculative {self.speculative} does not combine with --pipeline-parallel-size "
+                             f"{self.pipeline_parallel_size} (the draft runs on one rank); use ngram or none")
+        if self.pipeline_parallel_size > 1 and self.quantization != "none":
+            raise ValueError(f"--quantization {self.quantization} does not combine with --pipeline-parallel-size "
+                             f"{self.pipeline_parallel_size}; use --quantization none")
         if self.tensor_parallel_size > 1 and self.speculative in ("self", "draft"):
             raise ValueError(f"--speculative {self.speculative} does not combine with --tensor-parallel-size "
                              f"{self.tensor_parallel_size} (the draft runs on one rank); use ngram or none")

@@ -129,7 +129,9 @@ def engine_rank_devices(config) -> list[str]:
     """The device of each rank of a worker with ``EngineConfig`` ``config``; ValueError for a
     device that does not exist, naming those that do."""
     count = 0 if config.device == "cpu" else cuda_device_count()
-    return rank_devices(config.device, config.devices, config.tensor_parallel_size, count)
+    # A pipeline stage's ranks follow the stage before's.
+    ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+    return rank_devices(config.device, config.devices, ranks, count)
 
 
 def worker_devices(num_workers: int, device: str, devices: str | None, tensor_parallel_size: int,

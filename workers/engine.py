@@ -52,7 +52,8 @@ from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.logits_processors import LogitsProcessors
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
-from mqinfer.workers.parallel import Leader, RankSettings
+from mqinfer.workers.parallel import Leader, RankSettings, rank_parts
+from mqinfer.workers.pipeline import StageRunner
 from mqinfer.workers.self_proposer import SelfProposer, resolve_draft_layers
 from mqinfer.workers.structured import GrammarError, StructuredOutputs, default_mask_threads
 from mqinfer.workers.models.quant import activation_ranges, calibration_token_windows, quantize_model, smooth
@@ -250,12 +251,14 @@ class LLMEngine:
         self.rank_devices = rank_devices = devices.engine_rank_devices(config)
         self.device = torch.device(rank_devices[0])
         tp = config.tensor_parallel_size
-        self.num_threads = threads = devices.cpu_threads(config.num_threads, tp)
+        ranks = tp * config.pipeline_parallel_size
+        self.num_threads = threads = devices.cpu_threads(config.num_threads, ranks)
         if self.device.type == "cpu":
             torch.set_num_threads(threads)
-        # Tensor parallel: the other ranks' processes, started now so that they load their shards
-        # while this one loads its own. Closed if anything below fails.
-        self.tensor_parallel: Leader | None = Leader(rank_devices) if tp > 1 else None
+        # Tensor (and pipeline) parallel: the other ranks' processes, started now so that they load
+        # their shards while this one loads its own. Closed if anything below fails.
+        self.tensor_parallel: Leader | None = (
+            Leader(rank_devices, pipeline=config.pipeline_parallel_size) if ranks > 1 else None)
         try:
             if self.tensor_parallel is not None:
                 self.tensor_parallel.load(RankSettings(engine=config, num_threads=threads))
@@ -265,8 +268,9 @@ class LLMEngine:
             raise
 
     def _start(self, config: EngineConfig, clock: Callable[[], float]) -> None:
-        tp = config.tensor_parallel_size
-        model, info = load_model(config.model, self.device, config.dtype, shard=(0, tp) if tp > 1 else None)
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        shard, stage = rank_parts(0, tp * pp, pp)
+        model, info = load_model(config.model, self.device, config.dtype, shard=shard, stage=stage)
         self.model = model
         self.info = info
         self.tokenizer: Tokenizer | None = (
@@ -295,6 +299,8 @@ class LLMEngine:
         # KV heads, as every rank holds as many.
         kv_info = info if model.shard is None else dataclasses.replace(
             info, num_kv_heads=model.shard.kv_heads[1] - model.shard.kv_heads[0])
+        if stage is not None:  # a pipeline stage's layers only (stage 0 has the most)
+            kv_info = dataclasses.replace(kv_info, num_layers=model.stage.num_layers)
         block_bytes = kv_info.kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -343,9 +349,13 @@ class LLMEngine:
         if self.tensor_parallel is not None:
             self.tensor_parallel.ready(self.scheduler_config)
             group = self.tensor_parallel.group
-        self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
-                                  kv_cache_dtype=config.kv_cache_dtype, group=group,
-                                  draft_layers=draft_layers, draft_model=draft)
+        if stage is not None:
+            self.runner = StageRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
+                                      kv_cache_dtype=config.kv_cache_dtype, group=group)
+        else:
+            self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
+                                      kv_cache_dtype=config.kv_cache_dtype, group=group,
+                                      draft_layers=draft_layers, draft_model=draft)
         if config.speculative == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         elif config.speculative == "self":
@@ -397,12 +407,16 @@ class LLMEngine:
             info.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype, max_len,
             f", tensor parallel over {tp} ranks (this rank's share of the KV cache shown)" if tp > 1 else "",
         )
+        if pp > 1:
+            log.info("pipeline parallel: %d stages, this rank holds layers %d to %d of %d", pp, model.stage.start,
+                     model.stage.stop - 1, info.num_layers)
 
     @property
     def device_share(self) -> float:
-        """Priced devices the engine's steps occupy: on CUDA one per tensor-parallel rank; on a CPU
-        (the machine is one device) its ranks' threads over the usable cores, at most 1."""
-        ranks = self.config.tensor_parallel_size
+        """Priced devices the engine's steps occupy: on CUDA one per rank (T x P of them with tensor
+        and pipeline parallelism); on a CPU (the machine is one device) its ranks' threads over the
+        usable cores, at most 1."""
+        ranks = self.config.tensor_parallel_size * self.config.pipeline_parallel_size
         if self.device.type == "cuda":
             return float(ranks)
         return devices.cpu_device_share(self.num_threads, ranks)

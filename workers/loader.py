@@ -20,13 +20,14 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from mqinfer.kernels import kv_quant
 from mqinfer.workers.models import LlamaForCausalLM, ModelConfig
 from mqinfer.workers.models.config import ModelLoadError
+from mqinfer.workers.models.stage import Stage, StageModel
 from mqinfer.workers.parallel import Shard, num_params, read_safetensors_shard
 
 log = logging.getLogger("mqinfer.loader")
@@ -292,18 +293,21 @@ def _hash_files(config_bytes: bytes, files: list[Path]) -> str:
     return digest.hexdigest()[:8]
 
 
-def _iter_checkpoint(files: list[Path], shard: Shard | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the files; with ``shard``, only that rank's slices of the split ones."""
+def _iter_checkpoint(files: list[Path], shard: Shard | None = None,
+                     keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the files; with ``shard``, only that rank's slices of the split ones; with
+    ``keep``, only the tensors it keeps (a pipeline stage's), the others never read."""
     from safetensors import SafetensorError, safe_open
 
     for path in files:
         try:
             if shard is not None:
-                yield from read_safetensors_shard(str(path), shard)
+                yield from read_safetensors_shard(str(path), shard, keep)
                 continue
             with safe_open(str(path), framework="pt", device="cpu") as fh:
                 for name in fh.keys():
-                    yield name, fh.get_tensor(name)
+                    if keep is None or keep(name):
+                        yield name, fh.get_tensor(name)
         except SafetensorError as exc:
             raise ModelLoadError(f"{path}: cannot read safetensors file ({exc})") from None
 
@@ -319,8 +323,11 @@ def _eos_ids(*configs: dict[str, Any]) -> tuple[int, ...]:
 
 
 def _build(config: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
-           source: str, shard: Shard | None = None) -> LlamaForCausalLM:
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, shard=shard)
+           source: str, shard: Shard | None = None, stage: Stage | None = None) -> LlamaForCausalLM:
+    if stage is not None:
+        model = StageModel(config, stage, dtype=dtype, device=device, shard=shard)
+    else:
+        model = LlamaForCausalLM(config, dtype=dtype, device=device, shard=shard)
     loaded = model.load_weights(weights)
     missing = model.checkpoint_weight_names() - loaded
     if missing:
@@ -340,13 +347,15 @@ def _sliced(weights, shard: Shard | None):
 
 def load_model(
     path_or_tiny: str, device: torch.device | str = "cpu", dtype: str | torch.dtype = "auto",
-    shard: tuple[int, int] | None = None,
+    shard: tuple[int, int] | None = None, stage: tuple[int, int] | None = None,
 ) -> tuple[LlamaForCausalLM, ModelInfo]:
     """Load ``"tiny"``, a local HF checkpoint folder or a ``.gguf`` file onto ``device`` in ``dtype``.
 
     ``shard = (rank, size)``: that tensor-parallel rank's part only (``workers/parallel.py``); a
     checkpoint folder's safetensors are read slice by slice, so a rank reads its own bytes and the
-    replicated tensors (embedding, norms) only. ``ModelInfo`` describes the whole model either way.
+    replicated tensors (embedding, norms) only. ``stage = (index, count)``: that pipeline stage's
+    layers only (``workers/models/stage.py``), the other stages' tensors never read from a
+    checkpoint folder. ``ModelInfo`` describes the whole model either way.
     ``ModelLoadError`` names the missing file, unsupported architecture or bad tensor.
     """
     device = torch.device(device)
@@ -357,6 +366,13 @@ def load_model(
         if shard is not None:
             split = Shard.of(config, *shard)
         return split
+    part: Stage | None = None
+
+    def stage_for(config: ModelConfig) -> Stage | None:
+        nonlocal part
+        if stage is not None:
+            part = Stage.of(config.num_layers, *stage)
+        return part
     if path_or_tiny == TINY:
         hf = dict(TINY_HF_CONFIG)
         config = ModelConfig.from_hf(hf, "tiny")
@@ -366,7 +382,8 @@ def load_model(
         for name in sorted(tensors):
             digest.update(name.encode())
             digest.update(tensors[name].numpy().tobytes())
-        model = _build(config, _sliced(tensors.items(), split_for(config)), torch_dtype, device, "tiny", split)
+        model = _build(config, _sliced(tensors.items(), split_for(config)), torch_dtype, device, "tiny", split,
+                       stage_for(config))
         name, model_id, path = TINY, f"{TINY}@{digest.hexdigest()[:8]}", None
         eos_ids = config.eos_token_ids
     elif path_or_tiny.lower().endswith(".gguf"):
@@ -377,7 +394,7 @@ def load_model(
         config = ModelConfig.from_hf(hf, path_or_tiny)
         torch_dtype = resolve_dtype(dtype, hf, device)
         model = _build(config, _sliced(checkpoint.weights(), split_for(config)), torch_dtype, device, path_or_tiny,
-                       split)
+                       split, stage_for(config))
         name = Path(path_or_tiny).resolve().name
         model_id = f"{name}@{checkpoint.digest(_FULL_HASH_LIMIT, _SAMPLE_BYTES)}"
         path = path_or_tiny
@@ -396,7 +413,9 @@ def load_model(
         generation = _read_json(gen_path) if gen_path.exists() else {}
         torch_dtype = resolve_dtype(dtype, hf, device)
         files = _weight_files(folder)
-        model = _build(config, _iter_checkpoint(files, split_for(config)), torch_dtype, device, str(folder), split)
+        keep = None if stage_for(config) is None else (lambda name: part.holds(name, config.tie_word_embeddings))
+        model = _build(config, _iter_checkpoint(files, split_for(config), keep), torch_dtype, device, str(folder),
+                       split, part)
         name = folder.resolve().name
         model_id = f"{name}@{_hash_files(config_bytes, files)}"
         path = str(folder)
@@ -416,7 +435,7 @@ def load_model(
         dtype=_dtype_name(torch_dtype),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
-        num_params=sum(p.numel() for p in model.parameters()) if split is None else num_params(config),
+        num_params=sum(p.numel() for p in model.parameters()) if split is None and part is None else num_params(config),
         sliding_window=config.sliding_window,
         path=path,
     )

@@ -148,13 +148,16 @@ class Shard:
         return tensor.narrow(dim, start, stop - start)
 
 
-def read_safetensors_shard(path: str, shard: Shard):
+def read_safetensors_shard(path: str, shard: Shard, keep: Callable[[str], bool] | None = None):
     """(name, tensor) of one safetensors file, reading only ``shard``'s slices of the split
-    tensors (``get_slice``: the other ranks' bytes are never read)."""
+    tensors (``get_slice``: the other ranks' bytes are never read), and with ``keep`` only the
+    tensors it keeps (a pipeline stage's)."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt", device="cpu") as fh:
         for name in fh.keys():
+            if keep is not None and not keep(name):
+                continue
             how = shard.slice_for(name)
             if how is None:
                 yield name, fh.get_tensor(name)
@@ -242,12 +245,19 @@ class Group:
     waits there without any timeout however long the worker stays idle. A collective that fails
     (a rank died, or stopped answering for ``COLLECTIVE_TIMEOUT_S``) raises :class:`RankFailure`."""
 
-    def __init__(self, rank: int, size: int, device: str, leader: "Leader | None" = None) -> None:
+    # How a failed collective is reported when no rank is seen to have exited.
+    failure = "a tensor-parallel collective failed"
+
+    def __init__(self, rank: int, size: int, device: str, leader: "Leader | None" = None,
+                 process_group=None, root: int = 0) -> None:
+        """``rank`` of ``size`` within the tensor-parallel group; ``process_group``: that group
+        when it is not the whole world (a pipeline stage's), whose rank 0 is global rank ``root``."""
         import torch.distributed as dist
 
         self.dist = dist
         self.rank, self.size, self.device = rank, size, torch.device(device)
         self.leader = leader
+        self.process_group, self.root = process_group, root
 
     def check_alive(self) -> None:
         if self.leader is not None:
@@ -259,7 +269,7 @@ class Group:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         try:
-            self.dist.all_reduce(tensor)
+            self.dist.all_reduce(tensor, group=self.process_group)
         except RuntimeError as exc:
             raise self._lost(exc) from None
 
@@ -273,7 +283,7 @@ class Group:
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
         try:
-            self.dist.gather(local, parts, dst=0)
+            self.dist.gather(local, parts, dst=self.root, group=self.process_group)
         except RuntimeError as exc:
             raise self._lost(exc) from None
         return torch.cat(parts, dim=1)[:, :vocab_size] if self.rank == 0 else None
@@ -293,7 +303,7 @@ class Group:
                 return exited
             time.sleep(0.05)
         text = str(exc).splitlines()[0] if str(exc) else repr(exc)
-        return RankFailure(f"a tensor-parallel collective failed: {text}")
+        return RankFailure(f"{self.failure}: {text}")
 
 
 def _init(init_method: str, rank: int, size: int, device: str, leader: "Leader | None" = None) -> Group:
@@ -303,6 +313,16 @@ def _init(init_method: str, rank: int, size: int, device: str, leader: "Leader |
     dist.init_process_group(_backend(device), init_method=init_method, rank=rank, world_size=size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return Group(rank, size, device, leader)
+
+
+def _join(init_method: str, rank: int, size: int, pipeline: int, device: str,
+          leader: "Leader | None" = None) -> Group:
+    """Join the group of ``size`` ranks: one tensor-parallel group, or ``pipeline`` stages of them."""
+    if pipeline == 1:
+        return _init(init_method, rank, size, device, leader)
+    from mqinfer.workers.pipeline import join_pipeline
+
+    return join_pipeline(init_method, rank, size // pipeline, pipeline, device, leader)
 
 
 def _use_device(device: str) -> None:
@@ -324,10 +344,15 @@ class Leader:
     their standard input) and hears from them when they are ready (over their standard output),
     and watches that they live. A rank that dies closes its pipes, so rank 0 never waits on it."""
 
-    def __init__(self, devices: list[str]) -> None:
+    def __init__(self, devices: list[str], pipeline: int = 1) -> None:
+        """``devices``: each rank's, in rank order; ``pipeline``: the pipeline stages they make
+        (``workers/pipeline.py``), each of ``len(devices) / pipeline`` tensor-parallel ranks."""
         from mqinfer.procs import die_with_parent
 
         self.size = len(devices)
+        self.pipeline, self.tensor = pipeline, len(devices) // pipeline
+        if pipeline < 1 or self.tensor * pipeline != self.size:
+            raise ValueError(f"{self.size} ranks do not make {pipeline} pipeline stages")
         self._dir = tempfile.mkdtemp(prefix="mqinfer-tp-")
         init = "file://" + os.path.join(self._dir, "rendezvous")
         self.procs: list[subprocess.Popen] = []
@@ -336,12 +361,12 @@ class Leader:
             _use_device(devices[0])
             for rank in range(1, self.size):
                 argv = [sys.executable, "-P", "-m", "mqinfer.workers.tp_rank", "--init", init, "--rank", str(rank),
-                        "--size", str(self.size), "--device", devices[rank]]
+                        "--size", str(self.size), "--device", devices[rank], "--pipeline", str(pipeline)]
                 # SIGKILL: a rank must not outlive its worker, whatever the worker was doing.
                 self.procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                                    preexec_fn=die_with_parent(9)))
             self._hear("started")  # every rank has its device and is about to join
-            self.group = _init(init, 0, self.size, devices[0], self)
+            self.group = _join(init, 0, self.size, pipeline, devices[0], self)
         except BaseException:
             self.close()
             raise
@@ -357,15 +382,21 @@ class Leader:
                 if line != word:
                     self.procs[rank - 1].wait(timeout=30)
                     self.check_alive()
-                    raise RankFailure(f"tensor-parallel rank {rank} said {line!r} instead of {word!r}")
+                    raise RankFailure(f"{self.name(rank)} said {line!r} instead of {word!r}")
             if waiting:
                 self.check_alive()
+
+    def name(self, rank: int) -> str:
+        """How messages name a rank: by its stage too when the worker is a pipeline."""
+        if self.pipeline == 1:
+            return f"tensor-parallel rank {rank}"
+        return f"pipeline rank {rank} (stage {rank // self.tensor} of {self.pipeline})"
 
     def check_alive(self) -> None:
         for rank, proc in enumerate(self.procs, start=1):
             code = proc.poll()
             if code is not None:
-                raise RankFailure(f"tensor-parallel rank {rank} exited with code {code}")
+                raise RankFailure(f"{self.name(rank)} exited with code {code}")
 
     def send(self, message: msgspec.Struct | None) -> None:
         """One message to every other rank (None: stop)."""
@@ -374,7 +405,7 @@ class Leader:
                 _write_frame(proc.stdin, message)
             except (BrokenPipeError, OSError) as exc:
                 self.check_alive()
-                raise RankFailure(f"tensor-parallel rank {rank} is gone ({exc})") from None
+                raise RankFailure(f"{self.name(rank)} is gone ({exc})") from None
 
     def load(self, settings: RankSettings) -> None:
         """Send the other ranks the engine settings, so that they load their shards while this
@@ -410,6 +441,14 @@ class Leader:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
+def rank_parts(rank: int, size: int, pipeline: int = 1) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    """What rank ``rank`` of ``size`` loads, as ``load_model`` takes it: its (tensor-parallel rank,
+    size) shard and its (stage, stages) pipeline stage, None for what the worker does not split.
+    Rank ``r`` is tensor-parallel rank ``r mod T`` of stage ``r div T``."""
+    tensor = size // pipeline
+    return ((rank % tensor, tensor) if tensor > 1 else None), ((rank // tensor, pipeline) if pipeline > 1 else None)
+
+
 def follower_main(argv: list[str] | None = None) -> int:
     """A rank other than 0: join the group, load this rank's shard, then run every plan rank 0
     sends on standard input until it sends a stop or goes away."""
@@ -424,6 +463,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--size", type=int, required=True)
     parser.add_argument("--device", required=True)
+    parser.add_argument("--pipeline", type=int, default=1)
     args = parser.parse_args(argv)
     # Rank 0 decides when this rank stops (it sends a stop, or goes away and takes this process
     # with it): a Ctrl-C reaching the whole process group must not end it before rank 0 has drained.
@@ -438,7 +478,7 @@ def follower_main(argv: list[str] | None = None) -> int:
     _use_device(args.device)
     outbox.write(b"started\n")
     outbox.flush()
-    group = _init(args.init, args.rank, args.size, args.device)
+    group = _join(args.init, args.rank, args.size, args.pipeline, args.device)
     data = _read_frame(inbox)
     if data is None:
         return 0
@@ -447,13 +487,17 @@ def follower_main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(settings.num_threads)
-    model, info = load_model(config.model, device, config.dtype, shard=(args.rank, args.size))
+    shard, stage = rank_parts(args.rank, args.size, args.pipeline)
+    model, info = load_model(config.model, device, config.dtype, shard=shard, stage=stage)
     data = _read_frame(inbox)
     if data is None:  # rank 0 failed while starting
         return 0
     scheduler_config = msgspec.msgpack.decode(data, type=SchedulerConfig)
-    runner = ModelRunner(model, info, scheduler_config, device, resolve_dtype(info.dtype),
-                         kv_cache_dtype=config.kv_cache_dtype, group=group)
+    runner_class = ModelRunner
+    if stage is not None:
+        from mqinfer.workers.pipeline import StageRunner as runner_class
+    runner = runner_class(model, info, scheduler_config, device, resolve_dtype(info.dtype),
+                          kv_cache_dtype=config.kv_cache_dtype, group=group)
     outbox.write(b"ready\n")
     outbox.flush()
     with torch.inference_mode():
@@ -465,4 +509,4 @@ def follower_main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["Group", "Leader", "RankFailure", "RankSettings", "Shard", "StepPlan", "follower_main", "num_params",
-           "read_safetensors_shard"]
+           "rank_parts", "read_safetensors_shard"]
