@@ -1,0 +1,268 @@
+"""Pipeline parallelism on CPU: two and four gloo stages (one thread each), and two stages of two
+tensor-parallel ranks, against one rank.
+
+Greedy float32 output must be token for token the same as one rank's, on a Llama (grouped-query
+attention) and a Qwen2 (q/k/v biases, tied embeddings: the last stage reads the embedding as its
+head), with chunked prefill, preemption (recompute and swap), prefix-cache hits and an 8-bit KV
+cache; seeded sampling must draw the same tokens. Each stage reads only its own tensors and its KV
+cache holds only its own layers; the stages chained in one process compute the whole model's
+hidden states bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+from mqinfer.cli import RUN_CMD, WORKER_CMD, build_parser, config_keys, engine_config
+from mqinfer.config import load_config_file, resolve
+from mqinfer.kernels.attention import build_attention_metadata
+from mqinfer.scheduler.request import SamplingParams
+from mqinfer.workers import devices
+from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.loader import load_model
+from mqinfer.workers.models.config import ModelLoadError
+from mqinfer.workers.models.stage import Stage
+from mqinfer.workers.parallel import StepPlan
+from mqinfer.workers.pipeline import split_micro_batches
+
+NUM_NEW = 8
+LAYERS = 4
+
+
+def _prompts(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = []
+    for i in range(n):
+        if i % 3 == 0:  # a shared 40-token prefix: prefix-cache hits for the later ones
+            prompts.append(shared + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))])
+        else:
+            prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(2, 60))])
+    return prompts
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, object]:
+    greedy = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(max_tokens=NUM_NEW, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, sampled if i % 4 == 3 else greedy)
+    finished = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            break
+        for out in engine.step().outputs:
+            if out.finished:
+                finished[out.request_id] = out
+    assert len(finished) == len(prompts)
+    return finished
+
+
+# One rank's results, computed once per (checkpoint, case).
+_ONE_RANK: dict[tuple[str, str], tuple] = {}
+
+
+def _run(folder, tp: int, pp: int, case: str, inspect=None):
+    if (tp, pp) == (1, 1) and (str(folder), case) in _ONE_RANK:
+        return _ONE_RANK[str(folder), case]
+    config = EngineConfig(model=str(folder), device="cpu", num_threads=1, tensor_parallel_size=tp,
+                          pipeline_parallel_size=pp, **CASES[case])
+    engine = LLMEngine(config)
+    try:
+        results = _generate(engine, _prompts(engine.info.vocab_size))
+        outcome = results, engine.runner.kv_cache_bytes, engine.scheduler.num_preemptions_total
+        if inspect is not None:
+            inspect(engine)
+    finally:
+        engine.close()
+    if (tp, pp) == (1, 1):
+        _ONE_RANK[str(folder), case] = outcome
+    return outcome
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory, make_hf_checkpoint):
+    folder = tmp_path_factory.mktemp("pp-llama")
+    make_hf_checkpoint("llama", folder, seed=1, intermediate_size=192, num_hidden_layers=LAYERS)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory, make_hf_checkpoint):
+    folder = tmp_path_factory.mktemp("pp-qwen2")
+    make_hf_checkpoint("qwen2", folder, seed=2, num_key_value_heads=1, tie_word_embeddings=True, vocab_size=301,
+                       num_hidden_layers=LAYERS)
+    return folder
+
+
+CASES = {
+    # chunked prefill (a 24-token budget), prefix hits, and preemption by recompute in a small cache
+    "chunked-recompute": {"max_num_batched_tokens": 24, "max_num_seqs": 6, "num_kv_blocks": 14, "block_size": 8},
+    # preemption by swapping KV blocks to host memory and back
+    "swap": {"max_num_seqs": 8, "num_kv_blocks": 14, "block_size": 8, "preemption_mode": "swap",
+             "swap_space_gib": 0.01},
+}
+CASES["int8-kv"] = {**CASES["chunked-recompute"], "kv_cache_dtype": "int8"}
+
+
+@pytest.mark.parametrize("family,case,tp,pp", [
+    ("llama", "chunked-recompute", 1, 2),
+    ("qwen2", "swap", 1, 2),
+    ("llama", "int8-kv", 1, 4),
+    ("qwen2", "chunked-recompute", 2, 2),
+])
+def test_stages_generate_what_one_rank_does(request, monkeypatch, family, case, tp, pp):
+    folder = request.getfixturevalue(family)
+    one, kv_one, preempted_one = _run(folder, 1, 1, case)
+    billed = []
+
+    def bills(engine):  # on a 16-core machine, T x P one-thread ranks hold T x P sixteenths of it
+        monkeypatch.setattr(devices, "usable_cores", lambda: 16)
+        billed.append((engine.device_share, len(engine.tensor_parallel.procs)))
+        monkeypatch.undo()
+
+    many, kv_many, preempted_many = _run(folder, tp, pp, case, bills)
+    assert billed == [(tp * pp / 16, tp * pp - 1)]
+    assert preempted_one > 0 and preempted_many == preempted_one
+    assert sum(o.num_cached_tokens for o in one.values()) > 0  # prefix hits happened
+    for rid, out in one.items():
+        assert many[rid].output_token_ids == out.output_token_ids, rid
+        assert many[rid].num_cached_tokens == out.num_cached_tokens
+        if out.logprobs:
+            assert [e["token_id"] for e in many[rid].logprobs] == [e["token_id"] for e in out.logprobs]
+            assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(many[rid].logprobs, out.logprobs)) < 1e-4
+    # Rank 0's cache holds stage 0's layers only (Qwen2's one KV head: replicated over tensor ranks).
+    assert kv_many == kv_one * Stage.of(LAYERS, 0, pp).num_layers // LAYERS
+
+
+def test_stages_chained_compute_the_whole_models_hidden_states(llama, qwen2):
+    for folder in (llama, qwen2):
+        whole, info = load_model(str(folder))
+        stages = [load_model(str(folder), stage=(s, 3))[0] for s in range(3)]
+        assert [m.stage.num_layers for m in stages] == [2, 1, 1]
+        block_size, blocks = 8, 6
+        shape = (blocks, block_size, info.num_kv_heads, info.head_dim)
+
+        def caches(n):
+            return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(n)]
+
+        whole_kv, stage_kv = caches(LAYERS), [caches(m.stage.num_layers) for m in stages]
+        prompt = torch.tensor(_prompts(info.vocab_size, 1, seed=5)[0][:30])
+        steps = [(prompt, [30], [30]), (torch.tensor([17]), [1], [31])]  # a prefill, then a decode
+        with torch.inference_mode():
+            for ids, query_lens, seq_lens in steps:
+                meta = build_attention_metadata(query_lens, seq_lens, [list(range(blocks))], block_size,
+                                                info.num_heads // info.num_kv_heads)
+                expected = whole(ids, meta.positions, whole_kv, meta)
+                hidden = ids
+                for model, kv in zip(stages, stage_kv):
+                    hidden = model(hidden, meta.positions, kv, meta)
+                assert torch.equal(hidden, expected)
+                rows = torch.tensor([len(ids) - 1])
+                assert torch.equal(stages[-1].compute_logits(hidden[rows]), whole.compute_logits(expected[rows]))
+        for s, kv in zip(range(3), stage_kv):  # each stage's cache holds its own layers' KV
+            start = stages[s].stage.start
+            for i, (k, v) in enumerate(kv):
+                assert torch.equal(k, whole_kv[start + i][0]) and torch.equal(v, whole_kv[start + i][1])
+
+
+def test_each_stage_reads_only_its_own_tensors(qwen2, monkeypatch):
+    import safetensors
+
+    real = safetensors.safe_open
+    read: list[str] = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self._fh = real(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._fh.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._fh.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self._inner.get_tensor(name)
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    layers = {0: {"model.layers.0.", "model.layers.1."}, 1: {"model.layers.2.", "model.layers.3."}}
+    for s in (0, 1):
+        read.clear()
+        model, info = load_model(str(qwen2), stage=(s, 2))
+        assert read and all(name.startswith(tuple(layers[s])) or name in ("model.embed_tokens.weight",
+                                                                         "model.norm.weight") for name in read)
+        assert ("model.embed_tokens.weight" in read) and (("model.norm.weight" in read) == (s == 1))
+        assert len(model.model.layers) == 2 and info.num_layers == LAYERS
+    # Tied embeddings: the last stage's head is the embedding's table, the first stage has no head.
+    first, last = load_model(str(qwen2), stage=(0, 2))[0], load_model(str(qwen2), stage=(1, 2))[0]
+    assert first.lm_head is None and last.model.embed_tokens is None
+    assert torch.equal(last.lm_head.weight, first.model.embed_tokens.weight)
+
+
+def test_the_layers_split_into_stages():
+    assert [(s.start, s.stop) for s in (Stage.of(10, i, 4) for i in range(4))] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+    stage = Stage.of(4, 1, 2)
+    assert (stage.first, stage.last, stage.num_layers) == (False, True, 2)
+    assert stage.local_name("model.layers.3.mlp.down_proj.weight") == "model.layers.1.mlp.down_proj.weight"
+    assert stage.global_name("model.layers.1.input_layernorm.weight") == "model.layers.3.input_layernorm.weight"
+    assert not stage.holds("model.layers.1.mlp.up_proj.weight") and stage.holds("lm_head.weight")
+    assert not stage.holds("model.embed_tokens.weight") and stage.holds("model.embed_tokens.weight", True)
+    assert not Stage.of(4, 0, 2).holds("model.norm.weight")
+    with pytest.raises(ModelLoadError, match="pipeline parallel size 5 exceeds the model's 4 layers"):
+        Stage.of(4, 0, 5)
+
+
+def test_micro_batches_cut_the_requests_into_runs_of_about_equal_tokens():
+    plan = StepPlan(query_lens=[10, 1, 1, 1, 9, 2], sample_rows=[9, 10, 11, 12, 21, 23])
+    batches = split_micro_batches(plan, 2)
+    assert [(b.requests.start, b.requests.stop) for b in batches] == [(0, 3), (3, 6)]  # 12 tokens each
+    assert [b.rows for b in batches] == [(0, 12), (12, 24)]
+    assert [b.sample_rows for b in batches] == [[9, 10, 11], [0, 9, 11]]
+    # As many runs as asked where there are requests enough, never an empty one.
+    assert [b.rows for b in split_micro_batches(StepPlan(query_lens=[30, 1, 1]), 3)] == [(0, 30), (30, 31), (31, 32)]
+    assert len(split_micro_batches(StepPlan(query_lens=[5]), 4)) == 1
+    four = split_micro_batches(StepPlan(query_lens=[1] * 8), 4)
+    assert [b.num_rows for b in four] == [2, 2, 2, 2]
+
+
+@pytest.mark.parametrize("command,options", [("worker", WORKER_CMD), ("run", RUN_CMD)])
+def test_the_flag_from_every_source(monkeypatch, capsys, tmp_path, command, options):
+    for name in [n for n in os.environ if n.startswith("MQINFER_")]:
+        monkeypatch.delenv(name)
+    positional = ["in.jsonl"] if command == "run" else []
+
+    def stages(argv, file_values=None):
+        args = build_parser().parse_args([command, *positional, *argv])
+        return engine_config(resolve(args, options, file_values or {}, ())).pipeline_parallel_size
+
+    toml = tmp_path / "mq.toml"
+    toml.write_text(f"[{command}]\npipeline-parallel-size = 3\n")
+    assert stages([]) == 1
+    assert stages([], load_config_file(toml, command, config_keys(build_parser()))) == 3
+    monkeypatch.setenv("MQINFER_PIPELINE_PARALLEL_SIZE", "2")
+    assert stages([]) == 2
+    assert stages(["--pipeline-parallel-size", "4"]) == 4
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--pipeline-parallel-size P" in help_text and "each stage the KV cache of its own layers" in help_text
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be at least 1"):
+        EngineConfig(pipeline_parallel_size=0)
+
+
+def test_a_draft_or_quantization_is_refused_over_stages():
+    with pytest.raises(ValueError, match="--speculative self does not combine with --pipeline-parallel-size 2"):
+        EngineConfig(model="tiny", device="cpu", pipeline_parallel_size=2, speculative="self")
+    with pytest.raises(ValueError, match="--quantization w8a8 does not combine with --pipeline-parallel-size 2"):
+        EngineConfig(model="tiny", device="cpu", pipeline_parallel_size=2, quantization="w8a8")
+    EngineConfig(model="tiny", device="cpu", pipeline_parallel_size=2, speculative="ngram")
