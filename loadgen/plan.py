@@ -29,12 +29,11 @@ are from the real pipeline.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,9 @@ from mqinfer.loadgen.plan_model import (
     save_calibration,
 )
 from mqinfer.loadgen.plan_options import BULK_REQUESTS, ONLINE_REQUESTS
+from mqinfer.loadgen.plan_report import calibration_dict, ms_text, ms_value, plot_sweep, render
 from mqinfer.loadgen.plan_sim import SimRequest, SimResult, WorkerSettings, simulate
+from mqinfer.loadgen.plan_workload import named_workload, read_workload_file, with_arrivals
 
 log = logging.getLogger("mqinfer.plan")
 
@@ -167,100 +168,14 @@ def worker_settings(opts: dict[str, Any], calibration: Calibration) -> WorkerSet
         max_num_seqs=max_num_seqs, max_model_len=max_len, enable_prefix_caching=opts.get("prefix_cache", True),
         priority_aging_s=aging or None, tenant_weights=_tenant_weights(opts.get("tenant_weights")),
     )
-    return WorkerSettings(scheduler, max_batch=opts["max_batch"], max_wait_ms=opts["max_wait_ms"])
+    return WorkerSettings(scheduler, max_batch=opts["max_batch"], max_wait_ms=opts["max_wait_ms"],
+                          flush_rows=opts["flush_rows"], flush_interval_s=opts["flush_interval_s"])
 
 
 def _tenant_weights(text: str | None) -> dict[str, float]:
     from mqinfer.scheduler.config import parse_tenant_weights
 
     return parse_tenant_weights(text)
-
-
-# -- the requests --------------------------------------------------------------------------------
-@dataclass
-class Workload:
-    name: str  # the workload's name or the input file
-    requests: list[SimRequest]  # without arrival times
-    notes: list[str] = field(default_factory=list)
-
-
-def _tokenizer(model: str):
-    from mqinfer.workers.tokenizer import ByteTokenizer, load_tokenizer
-
-    if model == "tiny":
-        return ByteTokenizer()
-    try:
-        return load_tokenizer(model)
-    except (OSError, ValueError):
-        return None
-
-
-def read_workload_file(path: str, model: str) -> Workload:
-    """The valid requests of a JSONL or Parquet file as simulated requests: prompt ids as given, or
-    text and chat prompts tokenized by the model's tokenizer (estimated at 4 bytes a token when the
-    model has none); a request with ``n`` choices is ``n`` sequences."""
-    from mqinfer.schemas.files import iter_input
-
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no such input file: {path}")
-    tokenizer = None
-    invalid = estimated = 0
-    requests: list[SimRequest] = []
-    for item in iter_input(path):
-        req = item.request
-        if req is None:
-            invalid += 1
-            continue
-        if req.prompt_token_ids is not None:
-            ids = list(req.prompt_token_ids)
-        else:
-            tokenizer = tokenizer or _tokenizer(model)
-            if req.messages:
-                messages = [{"role": m.role, "content": m.content} for m in req.messages]
-                text = "".join(f"{m['role']}\n{m['content']}\n" for m in messages)
-            else:
-                messages, text = None, req.prompt or ""
-            if tokenizer is not None:
-                ids = tokenizer.encode_chat(messages) if messages else tokenizer.encode(text)
-            else:
-                estimated += 1
-                ids = [3 + (b % 250) for b in text.encode()[::4]] or [3]
-        for choice in range(getattr(req, "n", 1) or 1):
-            rid = req.id if choice == 0 else f"{req.id}#{choice}"
-            requests.append(SimRequest(rid, tuple(ids), int(req.max_tokens), priority=int(req.priority),
-                                       tenant=req.tenant))
-    if not requests:
-        raise ValueError(f"{path}: no valid request to plan for ({invalid} invalid lines)")
-    notes = []
-    if invalid:
-        notes.append(f"{invalid} invalid lines of {path} left out (they would be error rows)")
-    if estimated:
-        notes.append(f"{estimated} text prompts estimated at 4 bytes a token: model {model} has no tokenizer here")
-    return Workload(Path(path).name, requests, notes)
-
-
-def named_workload(name: str, num_requests: int, seed: int, model: str, max_model_len: int) -> Workload:
-    from mqinfer.loadgen.bench_model import resolve_model
-    from mqinfer.loadgen.workload import make_workload
-
-    spec = resolve_model(model)
-    reqs = make_workload(name, n=num_requests, seed=seed, vocab_size=spec.vocab_size,
-                         max_model_len=min(max_model_len, spec.max_model_len), min_token_id=spec.min_token_id)
-    return Workload(name, [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"])) for r in reqs])
-
-
-def with_arrivals(requests: Sequence[SimRequest], rate: float | None, count: int, seed: int) -> list[SimRequest]:
-    """``count`` requests (the given ones in turn, repeated as needed, each repeat under a new id)
-    arriving at ``rate`` per second (seeded Poisson), or all at time 0 without a rate."""
-    from mqinfer.loadgen.bench_online import poisson_arrivals
-
-    arrivals = poisson_arrivals(count, rate, seed) if rate else [0.0] * count
-    out = []
-    for i, at in enumerate(arrivals):
-        r = requests[i % len(requests)]
-        rid = r.id if i < len(requests) else f"{r.id}~{i // len(requests)}"
-        out.append(replace(r, id=rid, arrival_s=float(at)))
-    return out
 
 
 # -- evaluating a worker count -------------------------------------------------------------------
@@ -293,10 +208,10 @@ class Target:
         if self.online:
             parts = []
             if self.slo_ttft_p99_s is not None:
-                parts.append(f"p99 TTFT <= {_ms(self.slo_ttft_p99_s)}")
+                parts.append(f"p99 TTFT <= {ms_text(self.slo_ttft_p99_s)}")
             if self.slo_tpot_p99_s is not None:
-                parts.append(f"p99 TPOT <= {_ms(self.slo_tpot_p99_s)}")
-            goal = ", ".join(parts) or (f"p99 TTFT <= {_ms(self.default_goal_s)} ({IDLE_TTFT_FACTOR:g}x an idle "
+                parts.append(f"p99 TPOT <= {ms_text(self.slo_tpot_p99_s)}")
+            goal = ", ".join(parts) or (f"p99 TTFT <= {ms_text(self.default_goal_s)} ({IDLE_TTFT_FACTOR:g}x an idle "
                                         f"worker's p99: batcher wait + own prefill)")
             return f"{self.rate:g} requests/s, {goal}"
         if self.deadline_s is not None:
@@ -368,7 +283,7 @@ def judge(ev: Evaluation, target: Target, startup_s: float) -> Evaluation:
             checks.append((ev.ttft_p99_s, target.slo_ttft_p99_s, "p99 TTFT"))
         if target.slo_tpot_p99_s is not None:
             checks.append((ev.tpot_p99_s or 0.0, target.slo_tpot_p99_s, "p99 TPOT"))
-        texts = [f"{label} {_ms(got)} vs {_ms(need)}" for got, need, label in checks]
+        texts = [f"{label} {ms_text(got)} vs {ms_text(need)}" for got, need, label in checks]
     elif target.deadline_s is not None:
         total = startup_s + ev.end_s
         checks.append((total, target.deadline_s, "done after"))
@@ -383,20 +298,20 @@ def judge(ev: Evaluation, target: Target, startup_s: float) -> Evaluation:
 def idle_ttft_p99(requests: Sequence[SimRequest], settings: WorkerSettings, calibration: Calibration,
                   wait_s: float) -> float:
     """The p99 over ``requests`` of the TTFT each would have alone on an idle worker: the worker's
-    wake-up and the batcher's wait, then its prompt's prefill steps (chunks of at most the step's
-    token budget)."""
+    mean wake-up and the batcher's wait, then its prompt's prefill steps (chunks of at most the
+    step's token budget), each after the loop's mean gap."""
     from mqinfer.loadgen.metrics import percentile
     from mqinfer.loadgen.plan_model import StepShape
 
     budget = settings.scheduler.max_num_batched_tokens
-    model = calibration.model
+    model, loop = calibration.model, calibration.loop
     ttfts = []
     for r in requests:
-        done, t = 0, calibration.mean_wake_s + wait_s
+        done, t = 0, loop.mean_wake_s + wait_s
         total = len(r.prompt_token_ids)
         while done < total:
             n = min(budget, total - done)
-            t += model.step_seconds(StepShape.of([(n, done + n)])) + calibration.step_overhead_s
+            t += model.step_seconds(StepShape.of([(n, done + n)])) + loop.mean_gap_s
             done += n
         ttfts.append(t)
     ttfts.sort()
@@ -517,7 +432,7 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     calibration, path = get_calibration(opts, layout, calibrate=bool(opts.get("calibrate")), progress=progress)
     if not input_path and not opts.get("workload"):
         if opts.get("calibrate"):
-            return {"calibrated": str(path), "calibration": _calibration_dict(calibration, path)}
+            return {"calibrated": str(path), "calibration": calibration_dict(calibration, path)}
         raise ConfigError("give INPUT (a JSONL or Parquet file of requests) or --workload NAME")
     settings = worker_settings(opts, calibration)
     model = str(opts.get("model") or "tiny")
@@ -531,11 +446,14 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     requests = with_arrivals(workload.requests, target.rate, count, opts["seed"])
     target = replace(target, idle_ttft_p99_s=idle_ttft_p99(requests, settings, calibration, target.max_wait_s))
 
-    def evaluate(n: int, reqs: list[SimRequest] = requests, goal: Target = target) -> Evaluation:
-        sim = simulate(reqs, n, settings, calibration.model, loop_overhead_s=calibration.step_overhead_s,
-                       wake_s=calibration.wake)
+    def evaluate(n: int, reqs: list[SimRequest] = requests, goal: Target = target, quiet: bool = False
+                 ) -> Evaluation:
+        # A bulk job's workers start with the job (their first steps cold); online ones are warm.
+        sim = simulate(reqs, n, settings, calibration.model, loop=calibration.loop, seed=opts["seed"],
+                       fresh=not goal.online)
         ev = judge(summarize(sim), goal, calibration.startup_s)
-        progress(f"{n} worker(s): {ev.why}{'' if ev.met else ' - not met'}")
+        if not quiet:
+            progress(f"{n} worker(s): {ev.why}{'' if ev.met else ' - not met'}")
         return ev
 
     fixed = _explicit_workers(opts, target, layout)
@@ -550,19 +468,30 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     notes = list(workload.notes)
     if not chosen.met and fixed is None:
         notes.append(f"the target is out of reach: {chosen.workers} workers came closest, and more do not shorten "
-                     f"a request's own steps (an idle worker's p99 TTFT is {_ms(target.idle_ttft_p99_s)})")
+                     f"a request's own steps (an idle worker's p99 TTFT is {ms_text(target.idle_ttft_p99_s)})")
     if chosen.num_errors:
         notes.append(f"{chosen.num_errors} requests refused by the scheduler (prompt longer than the context or "
                      "the KV cache)")
+    plan = _plan_dict(model, workload.name, target, chosen, fixed is None, layout, calibration, path, opts, costs,
+                      keda, tried, notes)
+    if opts.get("plot"):
+        plan["sweep"] = sweep(evaluate, workload.requests, chosen, target, count, opts["seed"], upper)
+    return plan
+
+
+def _plan_dict(model: str, workload_name: str, target: Target, chosen: Evaluation, searched: bool, layout: Layout,
+               calibration: Calibration, path: Path, opts: dict[str, Any], costs: Bill, keda: dict[str, Any],
+               tried: list[Evaluation], notes: list[str]) -> dict[str, Any]:
+    """The plan as a JSON-ready dict (ARCHITECTURE.md names its contract keys)."""
     return {
         "model": model,
-        "workload": workload.name,
+        "workload": workload_name,
         "target": {"kind": "online" if target.online else "bulk", "description": target.describe(),
-                   "rate": target.rate, "slo_ttft_p99_ms": _ms_value(target.slo_ttft_p99_s),
-                   "slo_tpot_ms": _ms_value(target.slo_tpot_p99_s), "deadline_s": target.deadline_s,
+                   "rate": target.rate, "slo_ttft_p99_ms": ms_value(target.slo_ttft_p99_s),
+                   "slo_tpot_ms": ms_value(target.slo_tpot_p99_s), "deadline_s": target.deadline_s,
                    "met": chosen.met, "checked": chosen.why},
         "workers": chosen.workers,
-        "workers_searched": fixed is None,
+        "workers_searched": searched,
         "layout": {"device": layout.device, "num_threads": layout.num_threads, "device_share": layout.device_share,
                    "accelerator": layout.accelerator},
         "num_requests": chosen.num_requests,
@@ -592,9 +521,31 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
         "idle_ttft_p99_s": target.idle_ttft_p99_s,
         "search": [{"workers": e.workers, "met": e.met, "ttft_p99_s": e.ttft_p99_s, "tpot_p99_s": e.tpot_p99_s,
                     "utilisation": e.utilisation, "checked": e.why} for e in tried],
-        "calibration": _calibration_dict(calibration, path),
+        "calibration": calibration_dict(calibration, path),
         "notes": notes,
     }
+
+
+# Requests per second of the sweep behind --plot: these times the planned rate (a bulk job's: the
+# requests per second its planned workers finish).
+SWEEP_RATE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+
+
+def sweep(evaluate: Callable[..., Evaluation], base: Sequence[SimRequest], chosen: Evaluation, target: Target,
+          count: int, seed: int, upper: int) -> list[dict[str, Any]]:
+    """p99 TTFT over a range of rates for the planned worker count and one fewer and one more."""
+    reference = target.rate or (chosen.num_requests / chosen.end_s if chosen.end_s > 0 else 1.0)
+    counts = sorted({n for n in (chosen.workers - 1, chosen.workers, chosen.workers + 1) if 1 <= n <= upper})
+    points = []
+    for factor in SWEEP_RATE_FACTORS:
+        rate = reference * factor
+        reqs = with_arrivals(base, rate, count, seed)
+        goal = replace(target, rate=rate, deadline_s=None)
+        for n in counts:
+            ev = evaluate(n, reqs, goal, quiet=True)
+            points.append({"workers": n, "rate": rate, "ttft_p99_s": ev.ttft_p99_s, "tpot_p99_s": ev.tpot_p99_s,
+                           "utilisation": ev.utilisation})
+    return points
 
 
 def _keda(chosen: Evaluation, target: Target, fixed: int | None, opts: dict[str, Any], requests: list[SimRequest],
@@ -619,90 +570,6 @@ def _keda(chosen: Evaluation, target: Target, fixed: int | None, opts: dict[str,
     return {"min_replicas": chosen.workers, "max_replicas": at_peak.workers, "peak_rate": peak, "why": why}
 
 
-def _calibration_dict(calibration: Calibration, path: Path) -> dict[str, Any]:
-    m, q = calibration.model, calibration.quality
-    return {"path": str(path), "measured_at": calibration.measured_at, "model_id": calibration.model_id,
-            "device": calibration.device, "num_threads": calibration.num_threads,
-            "step_s_fixed": m.step_s_fixed, "token_s": m.token_s, "seq_s": m.seq_s, "pair_s": m.pair_s,
-            "decode_ctx_s": m.decode_ctx_s,
-            "num_steps": q.num_steps, "median_abs_rel_error": q.median_abs_rel_error,
-            "p90_abs_rel_error": q.p90_abs_rel_error, "startup_s": calibration.startup_s,
-            "num_kv_blocks": calibration.num_kv_blocks, "calibration_s": calibration.calibration_s,
-            "step_overhead_s": calibration.step_overhead_s, "wake_s": calibration.wake_s,
-            "startup_source": calibration.startup_source, "machine": calibration.machine}
-
-
-# -- output --------------------------------------------------------------------------------------
-def _ms(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    ms = seconds * 1000.0
-    return f"{ms:.3g} ms" if ms < 100 else f"{ms:.0f} ms"
-
-
-def _ms_value(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1000.0
-
-
-def _usd(value: float) -> str:
-    if value == 0:
-        return "$0"
-    digits = max(2, 2 - int(math.floor(math.log10(abs(value)))) + 1)
-    return f"${value:.{min(digits, 10)}f}"
-
-
-def render(plan: dict[str, Any], fmt: str) -> str:
-    if fmt == "json":
-        return json.dumps(plan, indent=2, sort_keys=False)
-    if "calibrated" in plan:
-        c = plan["calibration"]
-        return (f"calibrated: {c['num_steps']} steps fitted (median error {100 * c['median_abs_rel_error']:.1f}%), "
-                f"start-up {c['startup_s']:.2f} s; stored in {plan['calibrated']}")
-    t, lay, k, c = plan["target"], plan["layout"], plan["keda"], plan["calibration"]
-    threads = f", {lay['num_threads']} thread(s) per worker" if lay["num_threads"] else ""
-    mean_in = plan["prompt_tokens"] / max(1, plan["num_requests"])
-    mean_out = plan["output_tokens"] / max(1, plan["num_requests"])
-    how = "the fewest that meet the target" if plan["workers_searched"] else "as given"
-    rows = [
-        ("workers", f"{plan['workers']} ({how}; each bills {lay['device_share']:.3g} of a device)"),
-        ("target", f"{t['description']}: {'met' if t['met'] else 'NOT MET'} ({t['checked']})"),
-        ("utilisation", f"{100 * plan['utilisation']:.1f}% of the workers' time in engine steps"),
-        ("TTFT p50 / p99", f"{_ms(plan['ttft_p50_s'])} / {_ms(plan['ttft_p99_s'])}"),
-        ("TPOT p50 / p99", f"{_ms(plan['tpot_p50_s'])} / {_ms(plan['tpot_p99_s'])}"),
-        ("output_tokens_per_s", f"{plan['output_tokens_per_s']:.1f} (while requests run, start-up excluded)"),
-    ]
-    if plan["job_s"] is not None:
-        rows.append(("job time", f"{plan['job_s']:.1f} s (start-up {plan['startup_s']:.1f} s + "
-                                 f"{plan['job_s'] - plan['startup_s']:.1f} s running)"))
-    rows += [
-        ("cost per request", f"{_usd(plan['cost_per_request_usd'])} at ${plan['price_per_device_hour']:g} per "
-                             f"device-hour ({_usd(plan['worker_hour_usd'])} per worker-hour)"),
-        ("cost per 1M tokens", f"{_usd(plan['cost_per_million_tokens_usd'])} (prompt + output), "
-                               f"{_usd(plan['cost_per_million_output_tokens_usd'])} per 1M output tokens"),
-        ("start-up vs warm", f"start-up {100 * plan['startup_share']:.1f}% ({_usd(plan['startup_cost_usd'])}: "
-                             f"{plan['startup_s']:.2f} s per worker start), warm {100 * plan['warm_share']:.1f}% "
-                             f"({_usd(plan['warm_cost_usd'])}"
-                             + (f" over the simulated {plan['window_s']:.0f} s)" if t["kind"] == "online" else ")")),
-        ("KEDA", f"minReplicaCount {k['min_replicas']}, maxReplicaCount {k['max_replicas']} ({k['why']})"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    head = (f"mqinfer plan: {plan['model']} on {lay['accelerator'] or c['machine'].get('processor', lay['device'])} "
-            f"({lay['device']}{threads}); workload {plan['workload']}: {plan['num_requests']} requests, "
-            f"{mean_in:.0f} prompt + {mean_out:.0f} output tokens on average")
-    lines = [head, ""] + [f"  {name:<{width}}  {value}" for name, value in rows]
-    if len(plan["search"]) > 1:
-        lines += ["", "  workers tried: " + "; ".join(
-            f"{s['workers']} ({'met' if s['met'] else 'not met'}: {s['checked']})" for s in plan["search"])]
-    lines += ["", f"  step-cost model: {1000 * c['step_s_fixed']:.3g} ms + {1e6 * c['token_s']:.3g} us/token + "
-              f"{1e6 * c['seq_s']:.3g} us/request + {1e9 * c['pair_s']:.3g} ns/prompt attention pair + "
-              f"{1e9 * c['decode_ctx_s']:.3g} ns/decode context token, and around it "
-              f"{1000 * c['step_overhead_s']:.2g} ms per step and {1000 * c['wake_s']:.2g} ms (median) to wake; "
-              f"fitted on {c['num_steps']} step shapes (median error {100 * c['median_abs_rel_error']:.1f}%) at "
-              f"{c['measured_at']} ({c['path']})"]
-    lines += [f"  note: {n}" for n in plan["notes"]]
-    return "\n".join(lines)
-
-
 def cmd_plan(args, opts: dict[str, Any]) -> int:
     """`mqinfer plan`: print the plan; exit 1 when its target is not met or calibration failed."""
     try:
@@ -711,4 +578,8 @@ def cmd_plan(args, opts: dict[str, Any]) -> int:
         print(f"mqinfer plan: error: {exc}", file=sys.stderr)
         return 1
     print(render(plan, opts["format"]))
+    if opts.get("plot"):
+        note = plot_sweep(plan, opts["plot"])
+        print(f"mqinfer plan: {note}" if note else f"mqinfer plan: p99 TTFT against the rate drawn in {opts['plot']}",
+              file=sys.stderr)
     return 0 if plan.get("target", {}).get("met", True) else 1

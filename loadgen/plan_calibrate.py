@@ -12,22 +12,14 @@ tokens, requests, attention pairs):
 - decode batches at a long context (the pairs grow, the tokens do not);
 - a long prompt chunk joining a running decode batch (a mixed step).
 
-The steps are fitted by ``plan_model.fit_step_costs``. Then a short run of the real pipeline (the
-bench's online mode: an embedded server, one `mqinfer worker` warmed up with one request, a small
-workload of its own sent twice) measures what the engine alone does not show, each by simulating
-the same requests with the same arrival times and comparing:
+The steps are fitted by ``plan_model.fit_step_costs``; how far repeated steps of one shape fall
+from their median is kept as the spread the simulation draws step times from (``step_noise``).
+Then short runs of the real pipeline (plan_pipeline) measure what the engine alone does not
+show: a worker's start-up, the worker loop around the engine (gaps between steps, flushes of
+result rows, the wake-up on an arrival) and a fresh worker's slow first steps.
 
-- the worker's start-up, from the ``startup`` cost row it bills (process start to ready);
-- ``step_overhead_s``, the worker loop's time per step around the engine (reading the stream,
-  metering, sinks): with every request sent at once, the measured span (first start to last
-  finish) less the simulated one, over the steps;
-- ``wake_samples_s``, how long a worker blocked on an empty stream takes to start on an arriving
-  entry, beyond the batcher's wait: the excess queueing delays of the requests that reached an
-  idle worker, with the requests sent at a tenth of what the engine alone could serve (the
-  simulation draws from them; ``wake_s`` is their median).
-
-Without the pipeline run (``pipeline=False``) both stay 0 and the start-up is that of a fresh
-process that only builds the engine. The whole calibration stays within a time budget (two
+Without the pipeline runs (``pipeline=False``) the loop is left out and the start-up is that of
+a fresh process that only builds the engine. The whole calibration stays within a time budget (two
 minutes on two cores for the tiny model); shapes that would not fit in it are left out and the
 fit says how many steps it had.
 
@@ -36,23 +28,26 @@ fit says how many steps it had.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
-from mqinfer.loadgen.plan_model import Calibration, StepSample, StepShape, fit_step_costs, now_text, processor_name
+from mqinfer.loadgen.plan_model import (
+    Calibration,
+    StepSample,
+    StepShape,
+    fit_step_costs,
+    now_text,
+    processor_name,
+    quantile_samples,
+)
 
 log = logging.getLogger("mqinfer.plan")
 
@@ -150,6 +145,15 @@ def median_by_shape(samples: list[StepSample]) -> list[StepSample]:
     return [StepSample(shape, statistics.median(times)) for shape, times in by_shape.items()]
 
 
+def step_noise(samples: list[StepSample]) -> list[float]:
+    """Each measured step of a shape measured more than once over its shape's median: how much a
+    step's time varies on this machine (its slow tail included)."""
+    by_shape: dict[StepShape, list[float]] = {}
+    for sample in samples:
+        by_shape.setdefault(sample.shape, []).append(sample.seconds)
+    return [t / statistics.median(times) for times in by_shape.values() if len(times) > 1 for t in times]
+
+
 def measure_startup(config, timeout_s: float = 300.0) -> float:
     """Seconds from starting a fresh Python process to its engine being ready (imports included)."""
     settings = {name: getattr(config, name) for name in _PROBE_FIELDS}
@@ -216,145 +220,16 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
         block_size=sc.block_size, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
         model_id=model_id or str(config.model), device=device, num_threads=threads,
         machine={"processor": processor_name(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
-        measured_at=now_text(),
+        measured_at=now_text(), step_noise=quantile_samples(step_noise(samples)),
     )
     if pipeline:
+        from mqinfer.loadgen.plan_pipeline import measure_pipeline
+
         calibration = measure_pipeline(config, calibration, progress=progress)
+        if calibration.startup_source != "worker":
+            calibration = dataclasses.replace(calibration, startup_s=measure_startup(config))
     calibration.calibration_s = time.perf_counter() - started
     return calibration
-
-
-# -- the worker loop around the engine: a short run of the real pipeline ----------------------------
-# The pipeline run's own small workload (not the bench's, which plan_check measures against).
-PIPELINE_PROMPT_LEN = (16, 160)
-PIPELINE_OUTPUT_LEN = (8, 48)
-PIPELINE_REQUESTS = 32
-PIPELINE_SEED = 1001
-# The requests come twice, to one warmed-up worker (the bench's online mode warms it with one
-# request: a fresh worker's first steps can be slow, such as a GPU's kernels compiling): all at
-# once (this rate), then at a tenth of what the engine alone could serve, so that the worker is
-# often idle when one comes.
-PIPELINE_BURST_RATE = 10_000.0
-PIPELINE_RATE_SHARE = 0.1
-
-
-def bench_args(*, model: str, workload: str, num_requests: int, seed: int, mode: str, workers: int,
-               rates: list[float] | None = None, engine: dict[str, Any] | None = None,
-               prompt_len: tuple[int, int] | None = None, output_len: tuple[int, int] | None = None
-               ) -> argparse.Namespace:
-    """The `mqinfer bench` arguments of one run of ``workers`` worker processes (the bench's defaults
-    for everything else; ``engine`` holds worker flags such as num_threads or max_num_seqs)."""
-    from mqinfer.loadgen.bench_options import add_bench_arguments
-
-    parser = argparse.ArgumentParser()
-    add_bench_arguments(parser)
-    argv = ["--model", model, "--workload", workload, "--num-requests", str(num_requests), "--seed", str(seed),
-            "--mode", mode, "--workers", str(workers), "--order", "input", "--timeout-s", "900"]
-    if prompt_len:
-        argv += ["--prompt-len", f"{prompt_len[0]},{prompt_len[1]}"]
-    if output_len:
-        argv += ["--output-len", f"{output_len[0]},{output_len[1]}"]
-    if rates:
-        argv += ["--rate", ",".join(f"{r:g}" for r in rates)]
-    args = parser.parse_args(argv)
-    for name, value in (engine or {}).items():
-        setattr(args, name, value)
-    return args
-
-
-def worker_flags(config, calibration: Calibration) -> dict[str, Any]:
-    """The bench's worker flags for a worker like the calibrated engine (its KV cache size included)."""
-    device = "cuda" if calibration.device.startswith("cuda") else "cpu"
-    return {"dtype": config.dtype, "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
-            "device": device, "num_threads": calibration.num_threads if device == "cpu" else config.num_threads,
-            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
-            "num_kv_blocks": calibration.num_kv_blocks, "block_size": config.block_size}
-
-
-def startup_from_costs(out: Path) -> float | None:
-    """The median start-up seconds of the workers that wrote cost rows under ``out`` (their
-    ``startup`` rows' device seconds over their device share)."""
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
-    costs = out / "costs"
-    if not costs.exists():
-        return None
-    table = ds.dataset(costs, format="parquet", partitioning="hive").to_table(filter=pc.field("kind") == "startup")
-    if not table.num_rows:
-        return None
-    shares = (table.column("device_share").to_pylist() if "device_share" in table.schema.names
-              else [None] * table.num_rows)
-    values = [d / (s or 1.0) for d, s in zip(table.column("device_s").to_pylist(), shares) if d is not None]
-    return statistics.median(values) if values else None
-
-
-def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None] = log.info
-                     ) -> Calibration:
-    """``calibration`` with the worker's start-up, ``step_overhead_s`` and ``wake_s`` measured on a
-    short run of the real pipeline with one worker."""
-    from mqinfer.loadgen.bench import run_engine
-    from mqinfer.loadgen.bench_model import resolve_model
-    from mqinfer.loadgen.bench_online import poisson_arrivals
-    from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
-    from mqinfer.loadgen.workload import make_workload
-    from mqinfer.scheduler.config import SchedulerConfig
-
-    model_arg = str(config.model)
-    spec = resolve_model(model_arg)
-    flags = worker_flags(config, calibration)
-    settings = WorkerSettings(SchedulerConfig(
-        block_size=calibration.block_size, num_kv_blocks=calibration.num_kv_blocks,
-        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
-        max_model_len=calibration.max_model_len))
-
-    def workload(n: int, seed: int) -> list[dict[str, Any]]:
-        return make_workload("uniform", n=n, seed=seed, vocab_size=spec.vocab_size, max_model_len=spec.max_model_len,
-                             prompt_len=PIPELINE_PROMPT_LEN, output_len=PIPELINE_OUTPUT_LEN,
-                             min_token_id=spec.min_token_id)
-
-    def sim_requests(reqs: list[dict[str, Any]], arrivals: list[float]) -> list[SimRequest]:
-        return [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
-                for r, a in zip(reqs, arrivals)]
-
-    reqs = workload(PIPELINE_REQUESTS, PIPELINE_SEED)
-    # The low rate from the engine alone (the overheads only lower the capacity, keeping it low).
-    burst = simulate(sim_requests(reqs, [0.0] * len(reqs)), 1, settings, calibration.model)
-    capacity = len(reqs) / max(1e-9, burst.end_s - min(o.started_s for o in burst.outcomes))
-    low_rate = float(f"{PIPELINE_RATE_SHARE * capacity:.3g}")
-    scratch = Path(tempfile.mkdtemp(prefix="mqinfer-plan-calibration-"))
-    try:
-        progress(f"calibration: a short run of the real pipeline (one worker): {len(reqs)} requests at once, "
-                 f"then at {low_rate:g} requests/s")
-        args = bench_args(model=model_arg, workload="uniform", num_requests=len(reqs), seed=PIPELINE_SEED,
-                          mode="online", workers=1, rates=[PIPELINE_BURST_RATE, low_rate], engine=flags,
-                          prompt_len=PIPELINE_PROMPT_LEN, output_len=PIPELINE_OUTPUT_LEN)
-        at_once, trickle = run_engine(args, spec, reqs, scratch).online
-        startup = startup_from_costs(scratch / "out")
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    # The bench gives point k the arrivals of seed + k.
-    at_once_reqs = sim_requests(reqs, poisson_arrivals(len(reqs), PIPELINE_BURST_RATE, PIPELINE_SEED))
-    overhead = 0.0
-    for _ in range(3):  # the steps change a little with the overhead: converge in a few rounds
-        sim = simulate(at_once_reqs, 1, settings, calibration.model, loop_overhead_s=overhead)
-        span = sim.end_s - min(o.started_s for o in sim.outcomes if o.started_s is not None)
-        overhead = max(0.0, overhead + (at_once.summary.span_s - span) / max(1, sim.num_steps))
-    sim = simulate(sim_requests(reqs, poisson_arrivals(len(reqs), low_rate, PIPELINE_SEED + 1)), 1, settings,
-                   calibration.model, loop_overhead_s=overhead)
-    measured = {t.id: t for t in trickle.timings}
-    gaps = [(measured[o.id].started_at - measured[o.id].enqueued_at) - (o.started_s - o.arrival_s)
-            for o in sim.outcomes if o.to_idle_worker and o.started_s is not None and o.id in measured]
-    samples = sorted(max(0.0, g) for g in gaps)
-    wake = statistics.median(samples) if samples else 0.0
-    progress(f"calibration: worker start-up {startup if startup is not None else float('nan'):.2f}s, "
-             f"{1000 * overhead:.2f} ms per step around the engine, {1000 * wake:.1f} ms to wake on an arrival")
-    out = dataclasses.replace(calibration, step_overhead_s=overhead, wake_s=wake, wake_samples_s=samples)
-    if startup is not None:
-        out = dataclasses.replace(out, startup_s=startup, startup_source="worker")
-    elif not out.startup_s:
-        out = dataclasses.replace(out, startup_s=measure_startup(config))
-    return out
 
 
 def _startup_probe(settings_json: str) -> int:

@@ -1,28 +1,44 @@
 """How far `mqinfer plan` is from the real pipeline: its predictions and `mqinfer bench`'s measurements
-of the same requests, side by side.
+of the same requests, side by side, and whether the worker count it picks for an SLO is the one the
+pipeline needs.
 
-    python -m mqinfer.loadgen.plan_check [--model tiny] [--workload standard] [--num-requests 64]
-                                         [--workers 1] [--num-threads 1] [--device cpu|cuda]
-                                         [--rates auto|R,R,R] [--calibrate]
+    python -m mqinfer.loadgen.plan_check [--model tiny] [--workload standard] [--num-requests 128]
+                                         [--online-requests 300] [--workers 1] [--num-threads 1]
+                                         [--device cpu|cuda] [--rates auto|R,R,R] [--calibrate]
+                                         [--workers-check] [--check-rate QPS] [--check-slo-ms MS]
 
-For one workload it runs, through the real pipeline (an embedded server, ``mqinfer worker``
-processes, the result rows: the bench's offline and online modes), an offline bulk run and an
-online run at three rates, and simulates the same requests with the same arrival times and the same
-worker count with the plan's step-cost model (calibrated first when this machine has no stored fit,
-or with ``--calibrate``). It prints, for each case, the measured and predicted output tokens per
-second and p99 TTFT and their relative errors ((predicted - measured) / measured).
+**Accuracy.** For one workload it runs, through the real pipeline (an embedded server, ``mqinfer
+worker`` processes, the result rows: the bench's offline and online modes), an offline bulk run of
+``--num-requests`` and an online run of ``--online-requests`` at three rates, and simulates the same
+requests with the same worker count and the same arrival times (those the rows measured: when each
+entry entered the stream) with the plan's calibrated step-cost model and worker loop (calibrated
+first when this machine has no stored fit, or with ``--calibrate``). A prediction is the mean over
+a few simulations with different draws of the loop's measured delays. It prints, for each case, the
+measured and predicted output tokens per second and p99 TTFT and their relative errors ((predicted
+- measured) / measured). The rates (``auto``) are 20%, 50% and 80% of the request rate the offline
+run measured. In the offline run the requests wait in the stream while the workers start, so its
+TTFT is counted from the first request's start on both sides (start-up is the plan's separate
+figure), and the simulated workers are fresh (their first steps cold).
 
-The rates (``auto``) are 20%, 50% and 80% of the request rate the offline run measured. In the
-offline run the requests wait in the stream while the workers start, so its TTFT is counted from the
-first request's start on both sides (start-up is the plan's separate figure). Workers, batcher and
-engine settings are the defaults of `mqinfer worker` except the worker count and threads.
+**Worker count** (``--workers-check``). `mqinfer plan --rate R --slo-ttft-p99-ms S` on the online
+workload picks N workers; the real pipeline then runs the same requests at R with N-1 and N workers.
+The plan is right when N-1 workers miss the SLO and N meet it. Without ``--check-rate`` R is 90% of
+what one worker finished per second in the simulated bulk run; without ``--check-slo-ms`` S is the
+geometric mean of the plan's p99 TTFT at 1 and 2 workers (so the plan asks for 2, and each side of
+the check holds unless the prediction is off by that ratio).
+
+Workers, batcher and engine settings are the defaults of `mqinfer worker` except the worker count
+and threads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -34,6 +50,10 @@ from mqinfer.loadgen.bench_pool import log
 from mqinfer.loadgen.metrics import RequestTiming, percentile
 
 AUTO_RATE_SHARES = (0.2, 0.5, 0.8)
+# Simulations (different draws of the loop's delays) averaged into one prediction.
+PREDICTION_SEEDS = 5
+# The worker-count check's default rate: this share of one worker's simulated bulk request rate.
+CHECK_RATE_SHARE = 0.9
 
 
 @dataclass
@@ -78,24 +98,36 @@ def measured_ttft_p99(timings: list[RequestTiming], from_first_start: bool) -> f
     return _ttft_p99([t.ttft for t in ok])
 
 
-def predicted(requests: list[dict[str, Any]], rate: float | None, seed: int, workers: int, settings, calibration,
-              from_first_start: bool) -> tuple[float, float | None]:
-    """(output tokens per second, p99 TTFT) of the plan's simulation of ``requests``."""
+def measured_arrivals(requests: list[dict[str, Any]], timings: list[RequestTiming]) -> list[float]:
+    """When each request entered the stream, in seconds from the first (in ``requests``' order)."""
+    by_id = {t.id: t.enqueued_at for t in timings}
+    first = min(by_id.values())
+    return [by_id[r["id"]] - first for r in requests]
+
+
+def predicted(requests: list[dict[str, Any]], arrivals: list[float], workers: int, settings, calibration, *,
+              from_first_start: bool, fresh: bool = False) -> tuple[float, float | None]:
+    """(output tokens per second, p99 TTFT) of the plan's simulation of ``requests`` arriving at
+    ``arrivals``, each the mean over PREDICTION_SEEDS simulations."""
     from mqinfer.loadgen.plan import summarize
     from mqinfer.loadgen.plan_sim import SimRequest, simulate
-    from mqinfer.loadgen.bench_online import poisson_arrivals
 
-    arrivals = poisson_arrivals(len(requests), rate, seed) if rate else [0.0] * len(requests)
     sim_requests = [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
                     for r, a in zip(requests, arrivals)]
-    sim = simulate(sim_requests, workers, settings, calibration.model, loop_overhead_s=calibration.step_overhead_s,
-                   wake_s=calibration.wake)
-    ev = summarize(sim)
-    if from_first_start:
-        origin = min(o.started_s for o in sim.outcomes if o.started_s is not None)
-        return ev.output_tokens_per_s, _ttft_p99([o.first_token_s - max(o.arrival_s, origin) for o in sim.outcomes
-                                                  if o.first_token_s is not None])
-    return ev.output_tokens_per_s, ev.ttft_p99_s
+    tok_s, p99s = [], []
+    for seed in range(PREDICTION_SEEDS):
+        sim = simulate(sim_requests, workers, settings, calibration.model, loop=calibration.loop, seed=seed,
+                       fresh=fresh)
+        ev = summarize(sim)
+        tok_s.append(ev.output_tokens_per_s)
+        if from_first_start:
+            origin = min(o.started_s for o in sim.outcomes if o.started_s is not None)
+            p99s.append(_ttft_p99([o.first_token_s - max(o.arrival_s, origin) for o in sim.outcomes
+                                   if o.first_token_s is not None]))
+        else:
+            p99s.append(ev.ttft_p99_s)
+    p99s = [p for p in p99s if p is not None]
+    return statistics.mean(tok_s), statistics.mean(p99s) if p99s else None
 
 
 def format_table(rows: list[CheckRow]) -> str:
@@ -115,16 +147,24 @@ def format_table(rows: list[CheckRow]) -> str:
     return "\n".join(lines)
 
 
-def run_check(ns: argparse.Namespace) -> dict[str, Any]:
-    from mqinfer.loadgen.bench import run_engine
+@dataclass
+class Setup:
+    """What both checks share: the plan's flags, the calibration and the workers' settings."""
+
+    opts: dict[str, Any]
+    calibration: Any
+    path: Path
+    settings: Any
+    spec: Any
+    flags: dict[str, Any]  # the bench's worker flags
+
+
+def setup(ns: argparse.Namespace) -> Setup:
     from mqinfer.loadgen.bench_model import resolve_model
-    from mqinfer.loadgen.bench_online import request_rate
-    from mqinfer.loadgen.plan import engine_config, get_calibration, worker_layout, worker_settings
-    from mqinfer.loadgen.plan import calibration_path
-    from mqinfer.loadgen.plan_calibrate import bench_args, worker_flags
+    from mqinfer.loadgen.plan import calibration_path, engine_config, get_calibration, worker_layout, worker_settings
     from mqinfer.loadgen.plan_model import load_calibration
     from mqinfer.loadgen.plan_options import PLAN_CMD
-    from mqinfer.loadgen.workload import make_workload
+    from mqinfer.loadgen.plan_pipeline import worker_flags
 
     opts = {o.name: o.default for o in PLAN_CMD}
     opts.update(model=ns.model, num_threads=ns.num_threads if ns.device == "cpu" else None, device=ns.device,
@@ -132,48 +172,130 @@ def run_check(ns: argparse.Namespace) -> dict[str, Any]:
     layout = worker_layout(opts)
     stored = load_calibration(calibration_path(opts, layout))
     calibration, path = get_calibration(opts, layout, calibrate=ns.calibrate or stored is None, progress=log)
-    settings = worker_settings(opts, calibration)
-    spec = resolve_model(ns.model)
-    requests = make_workload(ns.workload, n=ns.num_requests, seed=ns.seed, vocab_size=spec.vocab_size,
-                             max_model_len=spec.max_model_len, min_token_id=spec.min_token_id)
     flags = {**worker_flags(engine_config(opts), calibration), "num_kv_blocks": None}
-    common = dict(model=ns.model, workload=ns.workload, num_requests=ns.num_requests, seed=ns.seed,
-                  workers=ns.workers, engine=flags)
-    rows: list[CheckRow] = []
+    return Setup(opts, calibration, path, worker_settings(opts, calibration), resolve_model(ns.model), flags)
+
+
+def _workload(ns: argparse.Namespace, s: Setup, n: int) -> list[dict[str, Any]]:
+    from mqinfer.loadgen.workload import make_workload
+
+    return make_workload(ns.workload, n=n, seed=ns.seed, vocab_size=s.spec.vocab_size,
+                         max_model_len=s.spec.max_model_len, min_token_id=s.spec.min_token_id)
+
+
+def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
+    """The offline run and the online runs at three rates, measured and predicted."""
+    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_online import request_rate, unshared_prompts
+    from mqinfer.loadgen.plan_pipeline import bench_args
+
+    common = dict(model=ns.model, workload=ns.workload, seed=ns.seed, workers=ns.workers, engine=s.flags)
+    requests = _workload(ns, s, ns.num_requests)
+    offline = run_engine(bench_args(mode="offline", num_requests=len(requests), **common), s.spec, requests,
+                         scratch / "offline")
+    tok_s, ttft = predicted(requests, [0.0] * len(requests), ns.workers, s.settings, s.calibration,
+                            from_first_start=True, fresh=True)
+    rows = [CheckRow("offline bulk", ns.workers, offline.offline.throughput, tok_s,
+                     measured_ttft_p99(offline.timings, from_first_start=True), ttft)]
+    log(format_table(rows))
+    if ns.rates == "auto":
+        rates = [float(f"{request_rate(offline.offline) * share:.3g}") for share in AUTO_RATE_SHARES]
+    else:
+        rates = ns.rates
+    requests = _workload(ns, s, ns.online_requests)
+    online = run_engine(bench_args(mode="online", rates=rates, num_requests=len(requests), **common), s.spec,
+                        requests, scratch / "online")
+    for k, point in enumerate(online.online):
+        # The bench salts each rate's prompts (no prefix shared between rates): the same here.
+        salted = unshared_prompts(requests, k, s.spec.vocab_size, s.spec.min_token_id)
+        tok_s, ttft = predicted(salted, measured_arrivals(salted, point.timings), ns.workers, s.settings,
+                                s.calibration, from_first_start=False)
+        rows.append(CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, tok_s,
+                             measured_ttft_p99(point.timings, from_first_start=False), ttft))
+    return rows
+
+
+def workers_check(ns: argparse.Namespace, s: Setup, scratch: Path) -> dict[str, Any]:
+    """`mqinfer plan`'s worker count for an SLO, and the real pipeline at one fewer and at that count."""
+    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.plan import make_plan, summarize
+    from mqinfer.loadgen.plan_pipeline import bench_args
+    from mqinfer.loadgen.plan_sim import SimRequest, simulate
+
+    requests = _workload(ns, s, ns.online_requests)
+    rate = ns.check_rate
+    if rate is None:
+        bulk = summarize(simulate([SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]))
+                                   for r in requests], 1, s.settings, s.calibration.model, loop=s.calibration.loop,
+                                  fresh=False))
+        rate = float(f"{CHECK_RATE_SHARE * bulk.num_requests / bulk.end_s:.3g}")
+    opts = {**s.opts, "workload": ns.workload, "num_requests": len(requests), "seed": ns.seed, "rate": rate,
+            "workers": "auto", "calibrate": False}
+    slo_ms = ns.check_slo_ms
+    if slo_ms is None:
+        at = {n: make_plan({**opts, "workers": n}, None, progress=lambda _: None)["ttft_p99_s"] for n in (1, 2)}
+        slo_ms = float(f"{1000 * math.sqrt(at[1] * at[2]):.3g}")
+    plan = make_plan({**opts, "slo_ttft_p99_ms": slo_ms}, None, progress=lambda _: None)
+    needed = plan["workers"]
+    predicted_p99 = {e["workers"]: e["ttft_p99_s"] for e in plan["search"]}
+    measured = {}
+    for n in (needed - 1, needed):
+        if n < 1:
+            continue
+        run = run_engine(bench_args(mode="online", rates=[rate], num_requests=len(requests), model=ns.model,
+                                    workload=ns.workload, seed=ns.seed, workers=n, engine=s.flags),
+                         s.spec, requests, scratch / f"check-{n}")
+        measured[n] = measured_ttft_p99(run.online[0].timings, from_first_start=False)
+        log(f"workers check: {n} worker(s) at {rate:g} req/s: p99 TTFT {1000 * measured[n]:.1f} ms "
+            f"(SLO {slo_ms:g} ms)")
+    fewer_misses = needed - 1 not in measured or measured[needed - 1] > slo_ms / 1000
+    agrees = plan["target"]["met"] and fewer_misses and measured[needed] <= slo_ms / 1000
+    return {"rate": rate, "slo_ttft_p99_ms": slo_ms, "workers_planned": needed,
+            "predicted_ttft_p99_s": {str(n): predicted_p99.get(n) for n in measured},
+            "measured_ttft_p99_s": {str(n): v for n, v in measured.items()}, "agrees": agrees}
+
+
+def format_workers_check(c: dict[str, Any]) -> str:
+    n = c["workers_planned"]
+    parts = [f"workers check at {c['rate']:g} req/s, SLO p99 TTFT <= {c['slo_ttft_p99_ms']:g} ms: the plan asks "
+             f"for {n} worker(s)"]
+    for k, value in c["measured_ttft_p99_s"].items():
+        pred = c["predicted_ttft_p99_s"].get(k)
+        parts.append(f"  {k} worker(s): measured p99 {1000 * value:.1f} ms "
+                     f"({'meets' if value <= c['slo_ttft_p99_ms'] / 1000 else 'misses'}), predicted "
+                     + ("-" if pred is None else f"{1000 * pred:.1f} ms"))
+    parts.append(f"  the real pipeline {'agrees' if c['agrees'] else 'DISAGREES'}: "
+                 + (f"{n - 1} miss(es) and {n} meet(s)" if n > 1 else f"{n} meets"))
+    return "\n".join(parts)
+
+
+def run_check(ns: argparse.Namespace) -> dict[str, Any]:
+    s = setup(ns)
     scratch = Path(tempfile.mkdtemp(prefix="mqinfer-plan-check-"))
     started = time.time()
+    load = os.getloadavg()
     try:
-        offline = run_engine(bench_args(mode="offline", **common), spec, requests, scratch / "offline")
-        tok_s, ttft = predicted(requests, None, ns.seed, ns.workers, settings, calibration, from_first_start=True)
-        rows.append(CheckRow("offline bulk", ns.workers, offline.offline.throughput, tok_s,
-                             measured_ttft_p99(offline.timings, from_first_start=True), ttft))
-        log(format_table(rows))
-        if ns.rates == "auto":
-            base = request_rate(offline.offline)
-            rates = [float(f"{base * share:.3g}") for share in AUTO_RATE_SHARES]
-        else:
-            rates = ns.rates
-        online = run_engine(bench_args(mode="online", rates=rates, **common), spec, requests, scratch / "online")
-        for k, point in enumerate(online.online):
-            tok_s, ttft = predicted(requests, point.rate, ns.seed + k, ns.workers, settings, calibration,
-                                    from_first_start=False)
-            rows.append(CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, tok_s,
-                                 measured_ttft_p99(point.timings, from_first_start=False), ttft))
+        rows = accuracy(ns, s, scratch) if not ns.skip_accuracy else []
+        check = workers_check(ns, s, scratch) if ns.workers_check else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    c = calibration.model
+    c, loop = s.calibration.model, s.calibration.loop
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": "python -m mqinfer.loadgen.plan_check " + " ".join(sys.argv[1:]),
-        "model": ns.model, "workload": ns.workload, "num_requests": ns.num_requests, "workers": ns.workers,
-        "num_threads": opts["num_threads"], "device": ns.device,
-        "calibration": {"path": str(path), "measured_at": calibration.measured_at, "step_s_fixed": c.step_s_fixed,
-                        "token_s": c.token_s, "seq_s": c.seq_s, "pair_s": c.pair_s, "decode_ctx_s": c.decode_ctx_s,
-                        "step_overhead_s": calibration.step_overhead_s, "wake_s": calibration.wake_s,
-                        "startup_s": calibration.startup_s},
+        "model": ns.model, "workload": ns.workload, "num_requests": ns.num_requests,
+        "online_requests": ns.online_requests, "workers": ns.workers, "num_threads": s.opts["num_threads"],
+        "device": ns.device, "load_average_before": load, "load_average_after": os.getloadavg(),
+        "calibration": {"path": str(s.path), "measured_at": s.calibration.measured_at,
+                        "step_s_fixed": c.step_s_fixed, "token_s": c.token_s, "seq_s": c.seq_s, "pair_s": c.pair_s,
+                        "decode_ctx_s": c.decode_ctx_s, "mean_gap_s": loop.mean_gap_s,
+                        "step_overhead_s": loop.step_overhead_s, "mean_wake_s": loop.mean_wake_s,
+                        "flushes_s": list(loop.flush_samples_s), "first_step_s": loop.first_step_s,
+                        "startup_s": s.calibration.startup_s, "calibration_s": s.calibration.calibration_s},
         "wall_s": time.time() - started,
         "rows": [r.to_dict() for r in rows],
-        "table": format_table(rows),
+        "table": format_table(rows) if rows else "",
+        "workers_check": check,
     }
 
 
@@ -186,11 +308,21 @@ def _rates(text: str) -> list[float] | str:
     return values
 
 
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.plan_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="Model (default: tiny).")
     parser.add_argument("--workload", default="standard", help="A bench workload (default: standard).")
-    parser.add_argument("--num-requests", type=int, default=64, help="Requests per run (default: 64).")
+    parser.add_argument("--num-requests", type=int, default=128, help="Requests of the offline run (default: 128).")
+    parser.add_argument("--online-requests", type=int, default=300,
+                        help="Requests of each online run and of the workers check (default: 300: the p99 rests "
+                             "on its three slowest).")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="Worker processes (default: 1).")
     parser.add_argument("--num-threads", type=int, default=1, help="Threads per CPU worker (default: 1).")
@@ -200,16 +332,30 @@ def main(argv: list[str] | None = None) -> int:
                         help="Online rates, requests per second, or auto: 20%%, 50%% and 80%% of the offline "
                              "run's request rate (default: auto).")
     parser.add_argument("--calibrate", action="store_true", help="Calibrate again even when a fit is stored.")
+    parser.add_argument("--workers-check", action="store_true",
+                        help="Also check the plan's worker count for an SLO against the real pipeline at N-1 and N.")
+    parser.add_argument("--skip-accuracy", action="store_true", help="Only the workers check.")
+    parser.add_argument("--check-rate", type=_positive, default=None, metavar="QPS",
+                        help="The workers check's rate (default: 90%% of one worker's simulated bulk rate).")
+    parser.add_argument("--check-slo-ms", type=_positive, default=None, metavar="MS",
+                        help="The workers check's p99 TTFT SLO (default: the geometric mean of the plan's p99 at 1 "
+                             "and 2 workers).")
     parser.add_argument("--json", default=None, metavar="FILE", help="Write the figures as JSON.")
     ns = parser.parse_args(argv)
+    if ns.skip_accuracy and not ns.workers_check:
+        parser.error("--skip-accuracy leaves nothing to do without --workers-check")
     import logging
 
     logging.basicConfig(level=logging.WARNING)
     result = run_check(ns)
-    print(result["table"])
+    if result["table"]:
+        print(result["table"])
+    if result["workers_check"]:
+        print(format_workers_check(result["workers_check"]))
+    print(f"load average {result['load_average_before'][0]:.2f} before, {result['load_average_after'][0]:.2f} after")
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2))
-    return 0
+    return 0 if not result["workers_check"] or result["workers_check"]["agrees"] else 1
 
 
 if __name__ == "__main__":

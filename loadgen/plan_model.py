@@ -21,6 +21,10 @@ TTFT of the large ones, and the plan needs both. Measured steps whose residual i
 rest (a step that another process on the machine slowed down) are dropped and the fit is
 repeated once.
 
+Around the engine, :class:`WorkerLoop` is the worker loop as measured on the real pipeline: the
+gaps between steps, the flushes of result rows, the wake-up on an arrival, the spread of step
+times and a fresh worker's slow first steps, each kept as measured samples to draw from.
+
 A fitted model is stored as JSON under the cache folder (``plan/<model-hash>-<machine>.json``,
 see :func:`fit_path`), with what it was measured on, so that later plans reuse it. No torch here.
 """
@@ -41,7 +45,9 @@ import numpy as np
 
 FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
 # Stored fits of another format version are not read (the user is told to calibrate again).
-FIT_VERSION = 2
+FIT_VERSION = 3
+# Measured samples kept in a stored fit, at most (evenly spaced order statistics of the measured).
+MAX_SAMPLES = 200
 
 
 def chunk_pairs(num_tokens: int, context_len: int) -> float:
@@ -178,6 +184,53 @@ def fit_step_costs(samples: Sequence[StepSample], outlier_factor: float = 4.0) -
     return StepCostModel(*(float(max(0.0, c)) for c in coef)), quality
 
 
+# -- the worker loop around the engine -----------------------------------------------------------
+@dataclass(frozen=True)
+class WorkerLoop:
+    """The worker loop around the engine, as measured on the real pipeline: what the simulation
+    adds to the modelled engine steps. Each sample list is a measured distribution, one value drawn
+    per use; an empty list draws 0 (1 for the noise factor). The default is no loop at all: steps
+    back to back, flushes free, wake-ups instant."""
+
+    # Added to every step's gap: what the measured gaps leave out (may be negative, down to the
+    # smallest gap, when the worker's steps ran faster than the fit).
+    step_overhead_s: float = 0.0
+    gap_samples_s: Sequence[float] = ()  # between two steps of a busy worker, flushes apart
+    wake_samples_s: Sequence[float] = ()  # a worker blocked on the stream acting on an arrival
+    flush_samples_s: Sequence[float] = ()  # one flush of buffered rows, acks included
+    step_noise: Sequence[float] = ()  # measured / modelled seconds of repeated engine steps
+    first_step_s: float = 0.0  # extra seconds on a fresh worker's first step
+
+    def __post_init__(self) -> None:
+        for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise"):
+            values = tuple(float(v) for v in getattr(self, name))
+            if any(not v >= 0 for v in values):
+                raise ValueError(f"WorkerLoop.{name} must hold numbers >= 0")
+            object.__setattr__(self, name, values)
+        if not self.first_step_s >= 0:
+            raise ValueError(f"first_step_s must be >= 0, got {self.first_step_s!r}")
+
+    @property
+    def mean_gap_s(self) -> float:
+        gaps = self.gap_samples_s
+        return self.step_overhead_s + (sum(gaps) / len(gaps) if gaps else 0.0)
+
+    @property
+    def mean_wake_s(self) -> float:
+        wakes = self.wake_samples_s
+        return sum(wakes) / len(wakes) if wakes else 0.0
+
+
+def quantile_samples(values: Iterable[float], limit: int = MAX_SAMPLES) -> list[float]:
+    """``values`` sorted, thinned to at most ``limit`` evenly spaced order statistics (the smallest
+    and largest kept): a distribution to draw from, small enough to store."""
+    ordered = sorted(float(v) for v in values)
+    if len(ordered) <= limit:
+        return ordered
+    last = len(ordered) - 1
+    return [ordered[round(i * last / (limit - 1))] for i in range(limit)]
+
+
 # -- the stored fit ------------------------------------------------------------------------------
 @dataclass
 class Calibration:
@@ -200,28 +253,28 @@ class Calibration:
     machine: dict[str, Any] = field(default_factory=dict)
     measured_at: str = ""
     calibration_s: float = 0.0
-    # The worker loop around the engine, measured on a short run of the real pipeline: seconds added
-    # to every step (reading, metering, sinks), and how long a worker blocked on an empty stream
-    # takes to start on an arriving entry (beyond the batcher's wait).
+    # The worker loop around the engine, measured on a short run of the real pipeline (see
+    # WorkerLoop; seconds, samples sorted): the steady gap between two steps, flushes apart; the
+    # seconds added to every step that the gaps leave out (metering; negative when the worker's
+    # steps ran faster than the fit); a blocked worker's wake-up on an arrival, beyond the batcher's
+    # wait; one flush of rows; measured over modelled seconds of repeated engine steps; and a fresh
+    # worker's extra seconds in its first steps.
+    gap_samples_s: list[float] = field(default_factory=list)
     step_overhead_s: float = 0.0
-    wake_s: float = 0.0  # the median of wake_samples_s
-    # The wake-ups measured (seconds, sorted): the simulation draws from them, as the real delay
-    # varies (a flush of result rows in progress, the operating system waking the process).
     wake_samples_s: list[float] = field(default_factory=list)
+    flush_samples_s: list[float] = field(default_factory=list)
+    step_noise: list[float] = field(default_factory=list)
+    first_step_s: float = 0.0
     # Where startup_s came from: "worker" (the startup cost row of a real worker) or "engine" (a
     # process that only builds the engine, when the pipeline run was left out).
     startup_source: str = "engine"
     version: int = FIT_VERSION
 
     @property
-    def wake(self) -> float | list[float]:
-        """What the simulation's ``wake_s`` takes: the measured wake-ups, else their median."""
-        return self.wake_samples_s or self.wake_s
-
-    @property
-    def mean_wake_s(self) -> float:
-        samples = self.wake_samples_s
-        return sum(samples) / len(samples) if samples else self.wake_s
+    def loop(self) -> WorkerLoop:
+        """The worker loop the simulation runs around the engine."""
+        return WorkerLoop(self.step_overhead_s, self.gap_samples_s, self.wake_samples_s, self.flush_samples_s,
+                          self.step_noise, self.first_step_s)
 
     def to_json(self) -> str:
         out = asdict(self)

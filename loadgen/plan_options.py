@@ -68,10 +68,14 @@ CALIBRATE = Option("calibrate", bool, False, "Measure this machine's step costs 
                    "first (the real engine on a few batch shapes, under two minutes for the tiny model) and keep "
                    "them under the cache folder's plan/ for later plans.")
 PLAN_FORMAT = Option("format", str, "table", "Output format.", choices=("table", "json"))
+PLOT = Option("plot", str, None, "Also draw p99 TTFT against requests per second (a quarter to 1.5 times the rate) "
+              "for the planned worker count, one fewer and one more, into FILE (.png, .svg or .pdf; needs "
+              "matplotlib); the JSON gains the points as `sweep`.", metavar="FILE")
 
 # The worker's own flags that change what a plan predicts or what it costs.
 WORKER_PLAN_OPTIONS = [o for o in WORKER_OPTIONS
-                       if o.name in ("max_batch", "max_wait_ms", "price_per_device_hour", "device_share")]
+                       if o.name in ("max_batch", "max_wait_ms", "flush_rows", "flush_interval_s",
+                                     "price_per_device_hour", "device_share")]
 
 PLAN_CMD = [WORKLOAD, NUM_REQUESTS, SEED, RATE, SLO_TTFT, SLO_TPOT, DEADLINE, PLAN_WORKERS, CALIBRATE, PLAN_FORMAT,
-            *ENGINE_OPTIONS, *WORKER_PLAN_OPTIONS, LOG_LEVEL, LOG_FORMAT]
+            PLOT, *ENGINE_OPTIONS, *WORKER_PLAN_OPTIONS, LOG_LEVEL, LOG_FORMAT]

@@ -12,10 +12,18 @@ The stream (Redis) is a FIFO of arrived entries. A worker whose engine is idle b
 an arriving entry wakes the worker that has blocked longest, as Redis serves blocked readers. At
 every turn of its loop a worker reads what the worker's ingest would (workers/ingest.py):
 ``room`` from its free sequences and waiting bound, at most ``max_batch``, within an even share
-of the outstanding work between the workers. Between steps nothing else costs time: the Redis
-round trips, sinks and acks of the real loop are calibrated instead: ``loop_overhead_s`` added to
-every step, and ``wake_s``, how long a worker blocked on an empty stream takes to act on an
-arriving entry (one figure, or measured ones to draw from with a seeded generator).
+of the outstanding work between the workers.
+
+The loop around the engine is a :class:`WorkerLoop` measured on the real pipeline
+(plan_calibrate): between two steps the worker spends a drawn loop gap (Redis round trips,
+metering, admitting); every step's engine time is scaled by a drawn noise factor (the spread of
+repeated steps of one shape); finished requests buffer two rows each (result and cost), and the
+worker flushes them as `mqinfer worker` does: after a step that leaves the engine empty, or
+once ``flush_rows`` rows or ``flush_interval_s`` seconds have gathered; a flush (Parquet written
+and synced, then acked) stops the loop for a drawn flush time. A blocked worker acts on an
+arriving entry a drawn wake-up after it arrives. A fresh worker's first step can carry the extra
+seconds of its first steps (kernels loading and compiling on a GPU). Every draw comes from one
+generator seeded by ``seed``.
 
 Times of each request (arrival, first scheduled, first token, finished) come out as a
 ``RequestOutcome``; TTFT and TPOT follow the bench's rules (loadgen/metrics.py).
@@ -29,7 +37,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mqinfer.loadgen.plan_model import StepCostModel, StepShape
+from mqinfer.loadgen.plan_model import StepCostModel, StepShape, WorkerLoop
 from mqinfer.scheduler.batcher import DynamicBatcher
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
@@ -39,6 +47,8 @@ from mqinfer.scheduler.scheduler import Scheduler
 # The token every simulated step "samples": any id works, as simulated requests have no EOS.
 FAKE_TOKEN = 7
 _ARRIVAL, _WORKER = 0, 1
+# Rows a finished request buffers: its result row and its cost row.
+ROWS_PER_REQUEST = 2
 
 
 @dataclass(frozen=True)
@@ -81,11 +91,14 @@ class RequestOutcome:
 
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What a simulated worker is built from: the engine's scheduler limits and the batcher's thresholds."""
+    """What a simulated worker is built from: the engine's scheduler limits, the batcher's
+    thresholds and when the worker flushes its rows (`mqinfer worker`'s flags of those names)."""
 
     scheduler: SchedulerConfig
     max_batch: int = 64
     max_wait_ms: float | str = 10.0
+    flush_rows: int = 256
+    flush_interval_s: float = 0.5
 
     @property
     def waiting_bound(self) -> int:
@@ -97,10 +110,11 @@ class WorkerSettings:
 class SimResult:
     outcomes: list[RequestOutcome]
     num_workers: int
-    busy_s: list[float]  # seconds each worker spent in steps
+    busy_s: list[float]  # seconds each worker spent in steps, the loop around them and flushes
     num_steps: int
     num_preemptions: int
     end_s: float  # when the last request finished
+    num_flushes: int = 0
 
 
 class SimClock:
@@ -126,6 +140,9 @@ class _Worker:
     blocked: bool = False
     block_seq: int = 0
     timer_at: float = float("inf")  # when a blocked worker's read times out (the batcher's wait)
+    rows: int = 0  # rows buffered, not yet flushed
+    oldest_row_s: float = 0.0
+    fresh: bool = False  # its next step is its first
 
 
 def step_shape(out: SchedulerOutput) -> StepShape:
@@ -134,170 +151,223 @@ def step_shape(out: SchedulerOutput) -> StepShape:
                         for sr in out.scheduled)
 
 
-def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerSettings,
-             model: StepCostModel, *, loop_overhead_s: float = 0.0, wake_s: float | Sequence[float] = 0.0,
-             seed: int = 0, max_events: int = 50_000_000) -> SimResult:
-    """Run ``requests`` through ``num_workers`` simulated workers until every one has finished;
-    ``loop_overhead_s`` is added to every step, and a blocked worker acts on an arriving entry
-    ``wake_s`` after it arrives (with several values, one drawn for each wake-up; ``seed`` seeds
-    the draws)."""
-    if num_workers < 1:
-        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
-    clock = SimClock()
-    workers = [_Worker(i, Scheduler(settings.scheduler, clock=clock),
-                       DynamicBatcher(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms, clock=clock))
-               for i in range(num_workers)]
-    outcomes = [RequestOutcome(r.id, len(r.prompt_token_ids), r.output_tokens, r.arrival_s) for r in requests]
-    events: list[tuple[float, int, int, int, int]] = []  # (time, kind, sequence, index, token)
-    seq = 0
+class _Draws:
+    """Seeded draws from the loop's measured samples."""
 
-    def push(t: float, kind: int, index: int, token: int = 0) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, kind, seq, index, token))
-        seq += 1
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
 
-    for i, r in enumerate(requests):
-        push(r.arrival_s, _ARRIVAL, i)
-    stream: deque[int] = deque()
-    blocked: deque[tuple[int, int]] = deque()  # (worker, its block_seq) in the order they blocked
-    pending_total = 0  # entries read by some worker and not finished
-    num_steps = 0
-    max_seqs = settings.scheduler.max_num_seqs
-    max_len = settings.scheduler.max_model_len
-    fixed_s = model.step_s_fixed + loop_overhead_s
-    wakes = ([float(w) for w in wake_s] if isinstance(wake_s, Sequence) else [float(wake_s)]) or [0.0]
-    rng = random.Random(seed)
+    def __call__(self, samples: Sequence[float], empty: float = 0.0) -> float:
+        if not samples:
+            return empty
+        return samples[0] if len(samples) == 1 else samples[self.rng.randrange(len(samples))]
 
-    def wake_delay() -> float:
-        return wakes[0] if len(wakes) == 1 else wakes[rng.randrange(len(wakes))]
 
-    def wake(w: _Worker, t: float) -> None:
-        t = min(t, w.timer_at)  # a read that times out first returns first
-        w.blocked = False
-        w.token += 1
-        push(t, _WORKER, w.index, w.token)
+class Simulation:
+    """One run of ``requests`` through ``num_workers`` simulated workers (see :func:`simulate`)."""
 
-    def finish(request: Request, t: float, error: str | None = None) -> None:
-        nonlocal pending_total
-        o = outcomes[int(request.request_id)]
+    def __init__(self, requests: Sequence[SimRequest], num_workers: int, settings: WorkerSettings,
+                 model: StepCostModel, loop: WorkerLoop, seed: int, fresh: bool) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.requests, self.settings, self.model, self.loop = requests, settings, model, loop
+        self.clock = SimClock()
+        self.workers = [_Worker(i, Scheduler(settings.scheduler, clock=self.clock),
+                                DynamicBatcher(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
+                                               clock=self.clock), fresh=fresh)
+                        for i in range(num_workers)]
+        self.outcomes = [RequestOutcome(r.id, len(r.prompt_token_ids), r.output_tokens, r.arrival_s)
+                         for r in requests]
+        self.events: list[tuple[float, int, int, int, int]] = []  # (time, kind, sequence, index, token)
+        self.seq = 0
+        self.stream: deque[int] = deque()
+        self.blocked: deque[tuple[int, int]] = deque()  # (worker, its block_seq) in the order they blocked
+        self.pending_total = 0  # entries read by some worker and not finished
+        self.num_steps = self.num_flushes = 0
+        self.draw = _Draws(seed)
+
+    def push(self, t: float, kind: int, index: int, token: int = 0) -> None:
+        heapq.heappush(self.events, (t, kind, self.seq, index, token))
+        self.seq += 1
+
+    def run(self, max_events: int) -> SimResult:
+        for i, r in enumerate(self.requests):
+            self.push(r.arrival_s, _ARRIVAL, i)
+        for w in self.workers:  # every worker starts by reading (and blocks if there is nothing yet)
+            self.push(0.0, _WORKER, w.index, w.token)
+        handled = 0
+        while self.events:
+            t, kind, _, index, token = heapq.heappop(self.events)
+            self.clock.now = t
+            handled += 1
+            if handled > max_events:
+                raise RuntimeError(f"the simulation did not finish within {max_events} events")
+            if kind == _ARRIVAL:
+                self.arrive(index, t)
+                continue
+            w = self.workers[index]
+            if token != w.token:
+                continue  # superseded by an earlier wake-up
+            w.blocked = False
+            w.timer_at = float("inf")
+            self.turn(w, t)
+        unfinished = [o.id for o in self.outcomes if o.finished_s is None]
+        if unfinished:
+            raise RuntimeError(f"the simulation ended with {len(unfinished)} requests unfinished "
+                               f"(e.g. {unfinished[:3]})")
+        workers = self.workers
+        return SimResult(self.outcomes, len(workers), [w.busy_s for w in workers], self.num_steps,
+                         sum(w.scheduler.num_preemptions_total for w in workers),
+                         max((o.finished_s for o in self.outcomes), default=0.0), self.num_flushes)
+
+    def arrive(self, index: int, t: float) -> None:
+        """An entry enters the stream and wakes the worker that has blocked longest."""
+        self.stream.append(index)
+        while self.blocked:
+            wi, bseq = self.blocked.popleft()
+            w = self.workers[wi]
+            if w.blocked and w.block_seq == bseq:
+                w.blocked = False
+                w.token += 1
+                # A read that times out first returns first.
+                self.push(min(t + self.draw(self.loop.wake_samples_s), w.timer_at), _WORKER, w.index, w.token)
+                break
+
+    def finish(self, request: Request, t: float, error: str | None = None) -> None:
+        o = self.outcomes[int(request.request_id)]
         o.finished_s = t
         o.error = error
         # Fewer than asked when the context limit ended it first.
         o.output_tokens = request.num_output_tokens
-        workers[o.worker].held -= 1
-        pending_total -= 1
+        w = self.workers[o.worker]
+        w.held -= 1
+        self.pending_total -= 1
+        if not w.rows:
+            w.oldest_row_s = t
+        w.rows += ROWS_PER_REQUEST
 
-    def read(w: _Worker) -> int:
+    def read(self, w: _Worker) -> int:
         """Take this turn's entries from the stream into the worker's batcher; how many."""
-        nonlocal pending_total
+        stream, settings = self.stream, self.settings
         if not stream:
             return 0
         s = w.scheduler
         queued = len(w.batcher)
-        startable = 0 if s.num_waiting else max(0, max_seqs - s.num_running - queued)
+        startable = 0 if s.num_waiting else max(0, settings.scheduler.max_num_seqs - s.num_running - queued)
         buffered = max(0, settings.waiting_bound - s.num_waiting - queued)
         room = min(max(startable, buffered), settings.max_batch)
         if room <= 1 and startable:
             take = room
         else:
-            share = -(-(len(stream) + pending_total) // num_workers) - w.held
+            share = -(-(len(stream) + self.pending_total) // len(self.workers)) - w.held
             take = max(1 if startable else 0, min(room, share))
         take = min(take, len(stream))
         idle = not queued and not s.has_unfinished_requests()
         for _ in range(take):
             index = stream.popleft()
-            outcomes[index].worker = w.index
-            outcomes[index].to_idle_worker = idle
+            self.outcomes[index].worker = w.index
+            self.outcomes[index].to_idle_worker = idle
             w.batcher.add(index)
             w.held += 1
-            pending_total += 1
+            self.pending_total += 1
         return take
 
-    def turn(w: _Worker, t: float) -> None:
-        """One turn of the worker loop at time ``t``: end the running step, read, admit, step."""
-        nonlocal num_steps
+    def end_step(self, w: _Worker, t: float) -> None:
+        """The running step's tokens: first tokens, finished requests."""
+        out, needs = w.step, w.needs_sample
+        w.step, w.needs_sample = None, []
+        done = w.scheduler.update_from_output(out, [FAKE_TOKEN if need else None for need in needs])
+        for sr, need in zip(out.scheduled, needs):
+            o = self.outcomes[int(sr.request.request_id)]
+            if need and o.first_token_s is None:
+                o.first_token_s = t
+        for request in done:
+            self.finish(request, t)
+
+    def flush_due(self, w: _Worker, t: float) -> bool:
+        """`mqinfer worker`'s rule: rows buffered, and the engine empty or the sink's size or age
+        threshold reached."""
+        if not w.rows:
+            return False
+        return (not w.scheduler.has_unfinished_requests() or w.rows >= self.settings.flush_rows
+                or t - w.oldest_row_s >= self.settings.flush_interval_s)
+
+    def turn(self, w: _Worker, t: float) -> None:
+        """One turn of the worker loop at time ``t``: end the running step, flush if due, read,
+        admit, step."""
         s = w.scheduler
         if w.step is not None:
-            out, needs = w.step, w.needs_sample
-            w.step, w.needs_sample = None, []
-            done = s.update_from_output(out, [FAKE_TOKEN if need else None for need in needs])
-            for sr, need in zip(out.scheduled, needs):
-                o = outcomes[int(sr.request.request_id)]
-                if need and o.first_token_s is None:
-                    o.first_token_s = t
-            for request in done:
-                finish(request, t)
-        took = read(w)
+            self.end_step(w, t)
+        if self.flush_due(w, t):
+            seconds = self.draw(self.loop.flush_samples_s)
+            w.rows = 0
+            self.num_flushes += 1
+            if seconds > 0:  # the rest of this turn runs when the flush is done
+                w.busy_s += seconds
+                self.wait(w, t + seconds)
+                return
+        took = self.read(w)
+        max_len = self.settings.scheduler.max_model_len
         for index in w.batcher.poll(engine_idle=not s.has_unfinished_requests()):
-            r = requests[index]
+            r = self.requests[index]
             s.add_request(Request(str(index), list(r.prompt_token_ids),
                                   SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True),
                                   arrival_time=r.arrival_s, priority=r.priority, max_model_len=max_len,
                                   tenant=r.tenant))
-        if s.has_unfinished_requests():
-            out = s.schedule()
-            for request in out.finished:  # refused (prompt too long, too big for the cache) or expired
-                finish(request, t, request.error_code or request.status.finish_reason)
-            if out.scheduled:
-                for sr in out.scheduled:
-                    o = outcomes[int(sr.request.request_id)]
-                    if o.started_s is None:
-                        o.started_s = t
-                seconds = model.step_seconds(step_shape(out)) + loop_overhead_s
-                w.step, w.needs_sample = out, [sr.needs_sample for sr in out.scheduled]
-                w.busy_s += seconds
-                w.batcher.observe_step(seconds)
-                num_steps += 1
-                w.token += 1
-                push(t + seconds, _WORKER, w.index, w.token)
-                return
-            if s.has_unfinished_requests():
-                # Nothing could run this turn (every request refused or held back): try again after
-                # an empty step's time rather than spinning at the same instant.
-                w.busy_s += fixed_s
-                w.token += 1
-                push(t + max(fixed_s, 1e-6), _WORKER, w.index, w.token)
-                return
-        if stream and took:  # more unread entries than this turn took
-            w.token += 1
-            push(t, _WORKER, w.index, w.token)
+        if s.has_unfinished_requests() and self.start_step(w, t):
+            return
+        if self.stream and took:  # more unread entries than this turn took
+            self.wait(w, t)
             return
         w.blocked = True
         w.block_seq += 1
-        blocked.append((w.index, w.block_seq))
+        self.blocked.append((w.index, w.block_seq))
         wait = w.batcher.time_until_release(engine_idle=True)
         w.timer_at = float("inf") if wait is None else t + wait
         if wait is not None:
-            w.token += 1
-            push(w.timer_at, _WORKER, w.index, w.token)
+            self.wait(w, w.timer_at)
 
-    for w in workers:  # every worker starts by reading (and blocks if there is nothing yet)
-        push(0.0, _WORKER, w.index, w.token)
-    handled = 0
-    while events:
-        t, kind, _, index, token = heapq.heappop(events)
-        clock.now = t
-        handled += 1
-        if handled > max_events:
-            raise RuntimeError(f"the simulation did not finish within {max_events} events")
-        if kind == _ARRIVAL:
-            stream.append(index)
-            while blocked:
-                wi, bseq = blocked.popleft()
-                w = workers[wi]
-                if w.blocked and w.block_seq == bseq:
-                    wake(w, t + wake_delay())
-                    break
-            continue
-        w = workers[index]
-        if token != w.token:
-            continue  # superseded by an earlier wake-up
-        w.blocked = False
-        w.timer_at = float("inf")
-        turn(w, t)
-    unfinished = [o.id for o in outcomes if o.finished_s is None]
-    if unfinished:
-        raise RuntimeError(f"the simulation ended with {len(unfinished)} requests unfinished (e.g. {unfinished[:3]})")
-    return SimResult(outcomes, num_workers, [w.busy_s for w in workers], num_steps,
-                     sum(w.scheduler.num_preemptions_total for w in workers),
-                     max((o.finished_s for o in outcomes), default=0.0))
+    def wait(self, w: _Worker, until: float) -> None:
+        w.token += 1
+        self.push(until, _WORKER, w.index, w.token)
+
+    def start_step(self, w: _Worker, t: float) -> bool:
+        """Schedule a step and run it (after the loop's gap); False when nothing could run."""
+        s, loop = w.scheduler, self.loop
+        out = s.schedule()
+        for request in out.finished:  # refused (prompt too long, too big for the cache) or expired
+            self.finish(request, t, request.error_code or request.status.finish_reason)
+        if out.scheduled:
+            gap = max(0.0, self.draw(loop.gap_samples_s) + loop.step_overhead_s)
+            for sr in out.scheduled:  # a request starts with the engine step that first runs it
+                o = self.outcomes[int(sr.request.request_id)]
+                if o.started_s is None:
+                    o.started_s = t + gap
+            engine_s = self.model.step_seconds(step_shape(out)) * self.draw(loop.step_noise, 1.0)
+            if w.fresh:
+                engine_s += loop.first_step_s
+                w.fresh = False
+            w.step, w.needs_sample = out, [sr.needs_sample for sr in out.scheduled]
+            w.busy_s += gap + engine_s
+            w.batcher.observe_step(engine_s)
+            self.num_steps += 1
+            self.wait(w, t + gap + engine_s)
+            return True
+        if s.has_unfinished_requests():
+            # Nothing could run this turn (every request refused or held back): try again after
+            # an empty step's time rather than spinning at the same instant.
+            empty = max(self.model.step_s_fixed + loop.mean_gap_s, 1e-6)
+            w.busy_s += empty
+            self.wait(w, t + empty)
+            return True
+        return False
+
+
+def simulate(requests: Sequence[SimRequest], num_workers: int, settings: WorkerSettings,
+             model: StepCostModel, *, loop: WorkerLoop | None = None, seed: int = 0, fresh: bool = False,
+             max_events: int = 50_000_000) -> SimResult:
+    """Run ``requests`` through ``num_workers`` simulated workers until every one has finished.
+    ``loop`` is the worker loop around the engine (none by default: steps back to back, no
+    flushes cost time, wake-ups are instant); ``seed`` seeds its draws; ``fresh``: the workers
+    have just started (their first step pays ``loop.first_step_s``)."""
+    return Simulation(requests, num_workers, settings, model, loop or WorkerLoop(), seed, fresh).run(max_events)

@@ -17,10 +17,12 @@ from mqinfer.loadgen.plan_model import (
     StepCostModel,
     StepSample,
     StepShape,
+    WorkerLoop,
     chunk_pairs,
     fit_step_costs,
     load_calibration,
     nnls,
+    quantile_samples,
     save_calibration,
 )
 from mqinfer.loadgen.plan_options import PLAN_CMD
@@ -34,9 +36,10 @@ def _prompt(n: int, salt: int = 0) -> tuple[int, ...]:
     return tuple(3 + (salt * 131 + i * 7) % 250 for i in range(n))
 
 
-def _settings(max_wait_ms: float = 0.0, **scheduler) -> WorkerSettings:
+def _settings(max_wait_ms: float = 0.0, flush_interval_s: float = 0.5, **scheduler) -> WorkerSettings:
     base = dict(num_kv_blocks=4096, max_num_batched_tokens=512, max_num_seqs=64, max_model_len=2048)
-    return WorkerSettings(SchedulerConfig(**{**base, **scheduler}), max_batch=64, max_wait_ms=max_wait_ms)
+    return WorkerSettings(SchedulerConfig(**{**base, **scheduler}), max_batch=64, max_wait_ms=max_wait_ms,
+                          flush_interval_s=flush_interval_s)
 
 
 # -- the fit -------------------------------------------------------------------------------------
@@ -104,9 +107,11 @@ def test_a_fit_needs_enough_steps_and_coefficients_are_checked():
 
 
 def test_a_stored_calibration_reads_back(tmp_path):
-    calibration = _calibration(step_overhead_s=0.0005, wake_s=0.002, wake_samples_s=[0.001, 0.002, 0.009])
+    calibration = _calibration(step_overhead_s=-0.0001, gap_samples_s=[0.0004, 0.001], wake_samples_s=[0.001, 0.009],
+                               flush_samples_s=[0.02, 0.03], step_noise=[0.97, 1.0, 1.2], first_step_s=0.5)
     save_calibration(calibration, tmp_path / "plan" / "fit.json")
     assert load_calibration(tmp_path / "plan" / "fit.json") == calibration
+    assert calibration.loop == WorkerLoop(-0.0001, (0.0004, 0.001), (0.001, 0.009), (0.02, 0.03), (0.97, 1.0, 1.2), 0.5)
     assert load_calibration(tmp_path / "missing.json") is None
     (tmp_path / "bad.json").write_text("{not json")
     assert load_calibration(tmp_path / "bad.json") is None
@@ -171,21 +176,76 @@ def test_a_prompt_too_long_for_the_context_is_an_error_not_a_hang():
     assert sim.outcomes[0].error == "prompt_too_long" and sim.outcomes[1].error is None
 
 
-def test_arrivals_to_an_idle_worker_pay_the_wake_up_and_the_worker_loop_overhead():
+def test_arrivals_to_an_idle_worker_pay_the_wake_up_and_every_step_the_loop_gap():
     req = SimRequest("a", _prompt(50), 3, arrival_s=0.5)
     plain = simulate([req], 1, _settings(), MODEL).outcomes[0]
-    slow = simulate([req], 1, _settings(), MODEL, loop_overhead_s=0.002, wake_s=0.004).outcomes[0]
+    loop = WorkerLoop(step_overhead_s=0.0005, gap_samples_s=[0.0015], wake_samples_s=[0.004])
+    slow = simulate([req], 1, _settings(), MODEL, loop=loop).outcomes[0]
     assert plain.to_idle_worker and slow.to_idle_worker
+    # The wake-up, then before each step the gap (a request starts with its engine step).
+    assert slow.started_s - slow.arrival_s == pytest.approx(0.004 + 0.002)
     assert slow.ttft_s == pytest.approx(plain.ttft_s + 0.004 + 0.002)
     assert slow.finished_s - slow.first_token_s == pytest.approx(plain.finished_s - plain.first_token_s + 2 * 0.002)
     # Measured wake-ups: one drawn for each arrival to an idle worker, the same draws for a seed.
     reqs = [SimRequest(f"r{i}", _prompt(20, i), 2, arrival_s=1.0 + i) for i in range(40)]
-    drawn = simulate(reqs, 1, _settings(), MODEL, wake_s=[0.001, 0.005, 0.02], seed=3)
+    draws = WorkerLoop(wake_samples_s=[0.001, 0.005, 0.02])
+    drawn = simulate(reqs, 1, _settings(), MODEL, loop=draws, seed=3)
     fixed = simulate(reqs, 1, _settings(), MODEL)
     extra = {round(d.ttft_s - f.ttft_s, 9) for d, f in zip(drawn.outcomes, fixed.outcomes)}
     assert extra == {0.001, 0.005, 0.02}
-    again = simulate(reqs, 1, _settings(), MODEL, wake_s=[0.001, 0.005, 0.02], seed=3)
+    again = simulate(reqs, 1, _settings(), MODEL, loop=draws, seed=3)
     assert [o.ttft_s for o in again.outcomes] == [o.ttft_s for o in drawn.outcomes]
+
+
+def test_a_worker_flushes_its_rows_when_its_engine_empties_and_arrivals_wait_for_it():
+    loop = WorkerLoop(flush_samples_s=[0.03])
+    first = SimRequest("a", _prompt(20), 2, arrival_s=0.0)
+    alone = simulate([first], 1, _settings(), MODEL, loop=loop)
+    assert alone.num_flushes == 1  # the engine emptied: its two rows flushed
+    done = alone.outcomes[0].finished_s
+    # A request arriving 10 ms into that flush starts when the flush is over.
+    late = SimRequest("b", _prompt(20, 1), 2, arrival_s=done + 0.01)
+    o = simulate([first, late], 1, _settings(), MODEL, loop=loop).outcomes[1]
+    assert o.started_s == pytest.approx(done + 0.03)
+    unflushed = simulate([first, late], 1, _settings(), MODEL).outcomes[1]
+    assert o.ttft_s == pytest.approx(unflushed.ttft_s + 0.02)
+    assert alone.busy_s[0] == pytest.approx(sum(MODEL.step_seconds(StepShape.of([c])) for c in [(20, 20), (1, 21)])
+                                            + 0.03)
+
+
+def test_a_busy_worker_flushes_every_interval_and_the_steps_wait():
+    # 40 requests finishing one after another over about a second of steps, rows flushed every 0.1 s.
+    reqs = [SimRequest(f"r{i}", _prompt(16, i), 20 + 10 * i) for i in range(40)]
+    loop = WorkerLoop(flush_samples_s=[0.01])
+    quick = simulate(reqs, 1, _settings(flush_interval_s=0.1), MODEL)
+    flushed = simulate(reqs, 1, _settings(flush_interval_s=0.1), MODEL, loop=loop)
+    assert quick.end_s > 0.3
+    assert flushed.num_flushes >= quick.end_s / 0.1 - 1
+    # Every flush but the one after the last request held the steps up.
+    assert flushed.end_s == pytest.approx(quick.end_s + 0.01 * (flushed.num_flushes - 1), rel=1e-6)
+
+
+def test_step_noise_and_a_fresh_workers_first_step_scale_the_engine_time():
+    reqs = [SimRequest(f"r{i}", _prompt(32, i), 30) for i in range(16)]
+    base = simulate(reqs, 1, _settings(), MODEL)
+    doubled = simulate(reqs, 1, _settings(), MODEL, loop=WorkerLoop(step_noise=[2.0]))
+    assert doubled.end_s == pytest.approx(2 * base.end_s)
+    mixed = [simulate(reqs, 1, _settings(), MODEL, loop=WorkerLoop(step_noise=[0.5, 1.5]), seed=s).end_s
+             for s in range(20)]
+    assert min(mixed) < base.end_s < max(mixed) and sum(mixed) / 20 == pytest.approx(base.end_s, rel=0.05)
+    cold = WorkerLoop(first_step_s=0.25)
+    assert simulate(reqs, 1, _settings(), MODEL, loop=cold).end_s == pytest.approx(base.end_s)  # warm workers
+    fresh = simulate(reqs, 2, _settings(), MODEL, loop=cold, fresh=True)
+    assert fresh.end_s == pytest.approx(simulate(reqs, 2, _settings(), MODEL).end_s + 0.25)
+    assert min(o.first_token_s for o in fresh.outcomes) >= 0.25
+
+
+def test_quantile_samples_keep_the_extremes_and_thin_the_rest():
+    assert quantile_samples([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0]
+    thinned = quantile_samples([float(i) for i in range(1001)], limit=11)
+    assert thinned == [float(i) for i in range(0, 1001, 100)]
+    with pytest.raises(ValueError, match="gap_samples_s"):
+        WorkerLoop(gap_samples_s=[-0.1])
 
 
 def test_shared_prefixes_hit_the_real_prefix_cache():

@@ -1,0 +1,288 @@
+"""The worker loop around the engine, measured on short runs of the real pipeline (`mqinfer plan
+--calibrate`'s second part).
+
+The engine's steps alone (plan_calibrate) miss what a `mqinfer worker` does between them. Two
+bench runs of a small workload of its own (``PIPELINE_REQUESTS`` requests, one worker with the
+planned engine flags) measure it:
+
+1. **Fresh** (the bench's offline mode): the requests wait in the stream while a new worker
+   starts; it bills its start-up (its ``startup`` cost row), and its first steps run cold.
+2. **Warm** (the bench's online mode, with the worker's step log on: ``MQINFER_LOG_LEVEL=debug``,
+   JSON lines): after one warm-up request, the same requests all at once, then at a tenth of what
+   the engine alone could serve, so that the worker is often idle when one comes.
+
+From the warm run's step log (each step's start and end, and whether work was left) and its
+rows' log lines (written after each flush of result rows):
+
+- ``gap_samples_s``: the time between one step's end and the next one's start while the engine
+  had work left and no flush came between (reading the stream, finishing requests, admitting);
+- ``flush_samples_s``: from a step's end to the first row line after it, when rows were flushed
+  there (Parquet written, synced and renamed: tens of milliseconds on a shared disk, the largest
+  single pause of the loop).
+
+Then, simulating the same requests with the same arrival times (several seeds, averaged):
+``step_overhead_s`` makes the simulated span of the burst equal the measured one (what the gaps
+leave out, such as metering, or a step model off for this process); ``wake_samples_s`` are the
+measured queueing delays of the requests that reached an idle worker, less the simulated ones;
+``first_step_s`` is how much longer the fresh worker took over the burst than the warm one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mqinfer.loadgen.plan_model import Calibration, WorkerLoop, quantile_samples
+
+# The pipeline runs' own small workload (not the bench's, which plan_check measures against).
+PIPELINE_PROMPT_LEN = (16, 160)
+PIPELINE_OUTPUT_LEN = (8, 48)
+PIPELINE_REQUESTS = 32
+PIPELINE_SEED = 1001
+# The warm run sends the requests all at once (this rate), then at this share of what the engine
+# alone could serve.
+PIPELINE_BURST_RATE = 10_000.0
+PIPELINE_RATE_SHARE = 0.1
+# Simulations of one measured run, with different draws, averaged.
+SIM_SEEDS = 5
+# A worker's row lines start with this (workers/billing.py's finished-request log line).
+ROW_LINE = "finished"
+
+
+def bench_args(*, model: str, workload: str, num_requests: int, seed: int, mode: str, workers: int,
+               rates: list[float] | None = None, engine: dict[str, Any] | None = None,
+               prompt_len: tuple[int, int] | None = None, output_len: tuple[int, int] | None = None
+               ) -> argparse.Namespace:
+    """The `mqinfer bench` arguments of one run of ``workers`` worker processes (the bench's defaults
+    for everything else; ``engine`` holds worker flags such as num_threads or max_num_seqs)."""
+    from mqinfer.loadgen.bench_options import add_bench_arguments
+
+    parser = argparse.ArgumentParser()
+    add_bench_arguments(parser)
+    argv = ["--model", model, "--workload", workload, "--num-requests", str(num_requests), "--seed", str(seed),
+            "--mode", mode, "--workers", str(workers), "--order", "input", "--timeout-s", "900"]
+    if prompt_len:
+        argv += ["--prompt-len", f"{prompt_len[0]},{prompt_len[1]}"]
+    if output_len:
+        argv += ["--output-len", f"{output_len[0]},{output_len[1]}"]
+    if rates:
+        argv += ["--rate", ",".join(f"{r:g}" for r in rates)]
+    args = parser.parse_args(argv)
+    for name, value in (engine or {}).items():
+        setattr(args, name, value)
+    return args
+
+
+def worker_flags(config, calibration: Calibration) -> dict[str, Any]:
+    """The bench's worker flags for a worker like the calibrated engine (its KV cache size included)."""
+    device = "cuda" if calibration.device.startswith("cuda") else "cpu"
+    return {"dtype": config.dtype, "quantization": config.quantization, "kv_cache_dtype": config.kv_cache_dtype,
+            "device": device, "num_threads": calibration.num_threads if device == "cpu" else config.num_threads,
+            "max_num_seqs": config.max_num_seqs, "max_num_batched_tokens": config.max_num_batched_tokens,
+            "num_kv_blocks": calibration.num_kv_blocks, "block_size": config.block_size}
+
+
+def startup_from_costs(out: Path) -> float | None:
+    """The median start-up seconds of the workers that wrote cost rows under ``out`` (their
+    ``startup`` rows' device seconds over their device share)."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    costs = out / "costs"
+    if not costs.exists():
+        return None
+    table = ds.dataset(costs, format="parquet", partitioning="hive").to_table(filter=pc.field("kind") == "startup")
+    if not table.num_rows:
+        return None
+    shares = (table.column("device_share").to_pylist() if "device_share" in table.schema.names
+              else [None] * table.num_rows)
+    values = [d / (s or 1.0) for d, s in zip(table.column("device_s").to_pylist(), shares) if d is not None]
+    return statistics.median(values) if values else None
+
+
+# -- the workers' step logs -------------------------------------------------------------------------
+@contextmanager
+def step_logs() -> Iterator[None]:
+    """Workers started inside log every step as a JSON line (their own environment variables)."""
+    saved = {k: os.environ.get(k) for k in ("MQINFER_LOG_LEVEL", "MQINFER_LOG_FORMAT")}
+    os.environ.update(MQINFER_LOG_LEVEL="debug", MQINFER_LOG_FORMAT="json")
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@dataclass(frozen=True)
+class LoggedStep:
+    start: float  # unix seconds
+    end: float
+    work_left: bool  # requests still running or waiting in the engine after it
+
+
+@dataclass
+class WorkerTimeline:
+    steps: list[LoggedStep]
+    row_times: list[float]  # when each row line was logged: just after its flush was durable
+
+
+def read_timeline(path: Path) -> WorkerTimeline:
+    """One worker's steps and row lines from its JSON log (other lines are skipped)."""
+    steps, rows = [], []
+    for line in path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            record = json.loads(line)
+            msg = str(record["msg"])
+            if msg.startswith("step "):
+                step = json.loads(msg[len("step "):])
+                end = float(record["ts"])
+                steps.append(LoggedStep(end - float(step["step_s"]), end,
+                                        bool(step.get("running") or step.get("waiting"))))
+            elif msg.startswith(ROW_LINE):
+                rows.append(float(record["ts"]))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return WorkerTimeline(sorted(steps, key=lambda s: s.start), sorted(rows))
+
+
+def loop_samples(timeline: WorkerTimeline, since: float) -> tuple[list[float], list[float]]:
+    """(gaps, flushes) of one worker from ``since`` on: each gap between a step that left work and
+    the next step, when no rows were flushed between; each flush from a step's end to the first row
+    line after it (only the first flush after a step: a later one, such as the exit's, follows an
+    idle wait)."""
+    import bisect
+
+    gaps, flushes = [], []
+    rows = timeline.row_times
+    steps = [s for s in timeline.steps if s.start >= since]
+    for i, step in enumerate(steps):
+        k = bisect.bisect_right(rows, step.end)
+        following = steps[i + 1].start if i + 1 < len(steps) else float("inf")
+        if k < len(rows) and rows[k] <= following:
+            flushes.append(rows[k] - step.end)
+        elif step.work_left and i + 1 < len(steps):
+            gaps.append(max(0.0, following - step.end))
+    return gaps, flushes
+
+
+# -- the calibration's pipeline runs ----------------------------------------------------------------
+def mean_sim(requests, settings, model, loop: WorkerLoop, seeds: int = SIM_SEEDS, fresh: bool = False):
+    """``seeds`` simulations of one worker (seeds 0..seeds-1)."""
+    from mqinfer.loadgen.plan_sim import simulate
+
+    return [simulate(requests, 1, settings, model, loop=loop, seed=seed, fresh=fresh) for seed in range(seeds)]
+
+
+def sim_span(sim) -> float:
+    return sim.end_s - min(o.started_s for o in sim.outcomes if o.started_s is not None)
+
+
+def fit_overhead(burst, measured_span_s: float, settings, calibration: Calibration, loop: WorkerLoop) -> float:
+    """The per-step seconds that make the simulated span of ``burst`` the measured one."""
+    overhead = 0.0
+    floor = -min(loop.gap_samples_s, default=0.0)
+    for _ in range(3):  # the steps change a little with the overhead: converge in a few rounds
+        sims = mean_sim(burst, settings, calibration.model, dataclasses.replace(loop, step_overhead_s=overhead))
+        span = statistics.mean(sim_span(s) for s in sims)
+        steps = statistics.mean(s.num_steps for s in sims)
+        overhead = max(floor, overhead + (measured_span_s - span) / max(1.0, steps))
+    return overhead
+
+
+def wake_samples(trickle, timings, settings, calibration: Calibration, loop: WorkerLoop) -> list[float]:
+    """Measured queueing delays of the requests that reached an idle worker less the simulated ones
+    (their mean over the simulations), at least 0."""
+    sims = mean_sim(trickle, settings, calibration.model, loop)
+    measured = {t.id: t for t in timings}
+    out = []
+    for k, o in enumerate(sims[0].outcomes):
+        if not o.to_idle_worker or o.id not in measured:
+            continue
+        simulated = statistics.mean(s.outcomes[k].started_s - s.outcomes[k].arrival_s for s in sims)
+        m = measured[o.id]
+        out.append(max(0.0, (m.started_at - m.enqueued_at) - simulated))
+    return sorted(out)
+
+
+def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None]) -> Calibration:
+    """``calibration`` with the worker's start-up and loop (see the module's description) measured
+    on short runs of the real pipeline with one worker."""
+    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_model import resolve_model
+    from mqinfer.loadgen.bench_online import poisson_arrivals
+    from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
+    from mqinfer.loadgen.workload import make_workload
+    from mqinfer.scheduler.config import SchedulerConfig
+
+    model_arg = str(config.model)
+    spec = resolve_model(model_arg)
+    settings = WorkerSettings(SchedulerConfig(
+        block_size=calibration.block_size, num_kv_blocks=calibration.num_kv_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens, max_num_seqs=config.max_num_seqs,
+        max_model_len=calibration.max_model_len))
+    reqs = make_workload("uniform", n=PIPELINE_REQUESTS, seed=PIPELINE_SEED, vocab_size=spec.vocab_size,
+                         max_model_len=spec.max_model_len, prompt_len=PIPELINE_PROMPT_LEN,
+                         output_len=PIPELINE_OUTPUT_LEN, min_token_id=spec.min_token_id)
+
+    def sim_requests(arrivals: list[float]) -> list[SimRequest]:
+        return [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
+                for r, a in zip(reqs, arrivals)]
+
+    # The low rate from the engine alone (the loop only lowers the capacity, keeping it low).
+    burst = simulate(sim_requests([0.0] * len(reqs)), 1, settings, calibration.model)
+    low_rate = float(f"{PIPELINE_RATE_SHARE * len(reqs) / max(1e-9, sim_span(burst)):.3g}")
+    common = dict(model=model_arg, workload="uniform", num_requests=len(reqs), seed=PIPELINE_SEED, workers=1,
+                  engine=worker_flags(config, calibration), prompt_len=PIPELINE_PROMPT_LEN,
+                  output_len=PIPELINE_OUTPUT_LEN)
+    scratch = Path(tempfile.mkdtemp(prefix="mqinfer-plan-calibration-"))
+    try:
+        progress(f"calibration: the real pipeline, one fresh worker: {len(reqs)} requests waiting")
+        fresh = run_engine(bench_args(mode="offline", **common), spec, reqs, scratch / "fresh")
+        startup = startup_from_costs(scratch / "fresh" / "out")
+        progress(f"calibration: one warmed-up worker: the same requests at once, then at {low_rate:g} requests/s")
+        with step_logs():
+            at_once, trickle = run_engine(bench_args(mode="online", rates=[PIPELINE_BURST_RATE, low_rate], **common),
+                                          spec, reqs, scratch / "warm").online
+        since = min(t.enqueued_at for t in at_once.timings)
+        gaps, flushes = [], []
+        for path in sorted((scratch / "warm").rglob("worker-*.log")):
+            g, f = loop_samples(read_timeline(path), since)
+            gaps += g
+            flushes += f
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    loop = WorkerLoop(0.0, quantile_samples(gaps), (), quantile_samples(flushes), calibration.step_noise)
+    # The bench gives online point k the arrivals of seed + k.
+    overhead = fit_overhead(sim_requests(poisson_arrivals(len(reqs), PIPELINE_BURST_RATE, PIPELINE_SEED)),
+                            at_once.summary.span_s, settings, calibration, loop)
+    loop = dataclasses.replace(loop, step_overhead_s=overhead)
+    wakes = wake_samples(sim_requests(poisson_arrivals(len(reqs), low_rate, PIPELINE_SEED + 1)), trickle.timings,
+                         settings, calibration, loop)
+    first_step = max(0.0, fresh.offline.span_s - at_once.summary.span_s)
+    progress(f"calibration: worker start-up {startup if startup is not None else float('nan'):.2f}s; between "
+             f"steps {1000 * statistics.median(gaps or [0.0]):.2f} ms (median of {len(gaps)}) "
+             f"{1000 * overhead:+.2f} ms; {len(flushes)} flushes of rows, median "
+             f"{1000 * statistics.median(flushes or [0.0]):.1f} ms; wake-up on an arrival "
+             f"{1000 * statistics.median(wakes or [0.0]):.1f} ms (median of {len(wakes)}); a fresh worker's first "
+             f"steps +{1000 * first_step:.0f} ms")
+    out = dataclasses.replace(calibration, gap_samples_s=list(loop.gap_samples_s), step_overhead_s=overhead,
+                              flush_samples_s=list(loop.flush_samples_s), wake_samples_s=quantile_samples(wakes),
+                              first_step_s=first_step)
+    if startup is not None:
+        out = dataclasses.replace(out, startup_s=startup, startup_source="worker")
+    return out
