@@ -21,6 +21,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return int(explicit) if explicit else usable_cores() + 1
 
 
+@pytest.fixture(scope="session", autouse=True)
+def prepared_models_in_a_session_folder(tmp_path_factory):
+    """Models that engines prepare and keep for their next start (workers/prepared.py) go to this
+    test session's own folder, not the user's cache (worker subprocesses inherit the setting)."""
+    os.environ.setdefault("MQINFER_PREPARED_CACHE_DIR", str(tmp_path_factory.mktemp("prepared")))
+    yield
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = EmbeddedServer(tmp_path_factory.mktemp("redis"), appendonly=False).start()

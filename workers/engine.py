@@ -53,6 +53,8 @@ from mqinfer.workers.logits_processors import LogitsProcessors
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
 from mqinfer.workers.parallel import Leader, RankSettings, rank_parts
+from mqinfer.workers.prepared import cache_dir as prepared_cache_dir
+from mqinfer.workers.prepared import load_prepared, save_prepared
 from mqinfer.workers.pipeline import StageRunner
 from mqinfer.workers.self_proposer import SelfProposer, resolve_draft_layers
 from mqinfer.workers.structured import GrammarError, StructuredOutputs, default_mask_threads
@@ -270,10 +272,17 @@ class LLMEngine:
     def _start(self, config: EngineConfig, clock: Callable[[], float]) -> None:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         shard, stage = rank_parts(0, tp * pp, pp)
-        model, info = load_model(config.model, self.device, config.dtype, shard=shard, stage=stage)
+        # What an earlier start on this machine prepared (dequantized, calibrated, quantized), if kept.
+        prepared = load_prepared(config, self.device) if shard is None and stage is None else None
+        if prepared is not None:
+            model, info, tokenizer = prepared
+            log.info("model %s read as prepared by an earlier start (%s)", info.model_id, prepared_cache_dir())
+        else:
+            model, info = load_model(config.model, self.device, config.dtype, shard=shard, stage=stage)
+            tokenizer = None
         self.model = model
         self.info = info
-        self.tokenizer: Tokenizer | None = (
+        self.tokenizer: Tokenizer | None = tokenizer or (
             ByteTokenizer() if config.model == TINY else load_tokenizer(info.path) if info.path else None
         )
         max_len = config.max_model_len or info.max_model_len
@@ -370,8 +379,11 @@ class LLMEngine:
             self.proposer = None
         self.spec_stats = SpecStats(config.speculative)
         self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
-        if config.quantization != "none":
-            self._quantize(config)
+        if prepared is None:
+            if config.quantization != "none":
+                self._quantize(config)
+            if shard is None and stage is None:
+                save_prepared(config, self.device, self.model, info, self.tokenizer)
         self.eos_token_ids = frozenset(info.eos_token_ids) or (
             frozenset([self.tokenizer.eos_token_id])
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None

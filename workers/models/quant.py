@@ -67,20 +67,36 @@ class Int8Linear(nn.Module):
     """A ``Linear`` (or the ``LMHead``, which has no bias) with an int8 weight (symmetric, one
     scale per output feature); the same ``forward`` and ``swiglu`` as ``Linear``."""
 
-    def __init__(self, linear: Linear | LMHead, mode: str) -> None:
+    def __init__(self, linear: Linear | LMHead | None, mode: str, *,
+                 qweight: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None) -> None:
+        """``linear``'s weight quantized; or, with ``linear`` None, the given ``qweight``,
+        ``scale`` and ``bias`` as they are."""
         super().__init__()
         if mode not in ("w8a8", "w8a16"):
             raise ValueError(f"Int8Linear mode must be w8a8 or w8a16, got {mode!r}")
         self.mode = mode
-        self.out_features, self.in_features = linear.weight.shape
-        qweight, scale = q8.quantize_weight(linear.weight.data)
+        if linear is not None:
+            qweight, scale = q8.quantize_weight(linear.weight.data)
+            bias = getattr(linear, "bias", None)
+        self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale)
-        self.bias = getattr(linear, "bias", None)
+        self.bias = bias
         # The native kernel's packed weights (w8a8: q8.Int8Weight, w8a16: w16.W8A16Weight),
         # made on first use.
         self.packed = None
         self.packed_swiglu = None
+
+    @classmethod
+    def empty(cls, out_features: int, in_features: int, mode: str, *, bias: bool, dtype: torch.dtype,
+              device: torch.device | str = "cpu") -> "Int8Linear":
+        """A layer of this shape with uninitialised int8 weight, scales and bias (in ``dtype``), for
+        a caller that fills them from a prepared model (``workers/prepared.py``)."""
+        return cls(None, mode, qweight=torch.empty(out_features, in_features, dtype=torch.int8, device=device),
+                   scale=torch.empty(out_features, dtype=torch.float32, device=device),
+                   bias=nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+                   if bias else None)
 
     def _native(self, x: torch.Tensor, fused: bool = False) -> bool:
         """Whether ``x`` goes through the native kernel: float32 rows on CPU; for w8a8 also
