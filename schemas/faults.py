@@ -9,7 +9,8 @@ Points: ``sink.before_rename`` (a Parquet part file of either dataset is written
 under its temporary name), ``sink.results.before_rename`` and ``sink.costs.before_rename`` (the
 same, for one dataset only), ``sink.after_write`` (rows are durable, before the ack),
 ``worker.after_step`` (each engine step), ``tp.rank_step`` (each step of a tensor-parallel
-rank other than 0, before it runs the model), ``compact.<step>`` (each step of compaction, as
+rank other than 0, before it runs the model), ``pp.stage_step.<s>`` (each step of pipeline stage
+``s`` on its ranks other than rank 0, after its first micro-batch), ``compact.<step>`` (each step of compaction, as
 :func:`mqinfer.ops.compact.compact` names them: ``temp_written``, ``journal_written``,
 ``rename:<i>``, ``delete:<i>``, and ``recover:...`` while finishing an interrupted run).
 The fault suite in ``tests/faults/`` and ``RELIABILITY.md`` show each one in use.

@@ -235,7 +235,7 @@ class StageRunner(ModelRunner):
             elif mb.sample_rows:
                 self._send_logits(hidden, mb.sample_rows)
             if n == 0 and group.global_rank != 0:
-                faults.hit("pp.stage_step")
+                faults.hit(f"pp.stage_step.{stage.index}")
         return batches
 
     def _send_logits(self, hidden: torch.Tensor, rows: list[int]) -> None:
