@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,79 @@ def make_shape_checkpoint(shape: str, folder: str | os.PathLike | None = None) -
     return make_llama_checkpoint(target, seed=0, gguf=True, **SHAPES[shape])
 
 
+def checkpoint_from_gguf(gguf: str | os.PathLike, folder: str | os.PathLike) -> Path:
+    """A model from a GGUF file (any type mqinfer reads: SmolLM2's Q4_1, say) as a bfloat16 Hugging
+    Face folder with its tokenizer, and ``GGUF_NAME`` beside it: those bfloat16 weights again, for
+    llama.cpp. Both engines then run the same bytes (the source's dequantized values rounded once to
+    bfloat16). Written once per source file (its size and modification time in the stamp)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from mqinfer.loadgen.gguf_checkpoint import write_gguf
+    from mqinfer.workers.gguf import GGUFCheckpoint
+    from mqinfer.workers.gguf_tokenizer import tokenizer_from_gguf
+
+    source, folder = Path(gguf).resolve(), Path(folder)
+    stamp = {"format": 1, "source": str(source), "size": source.stat().st_size,
+             "mtime_ns": source.stat().st_mtime_ns, "gguf": GGUF_NAME}
+    if (folder / _STAMP).is_file() and json.loads((folder / _STAMP).read_text()) == stamp:
+        return folder
+    if folder.exists() and any(folder.iterdir()) and not (folder / _STAMP).exists():
+        raise FileExistsError(f"{folder} exists and is not a checkpoint written by mqinfer.loadgen; "
+                              "choose another folder")
+    checkpoint = GGUFCheckpoint(source)
+    config = {**checkpoint.hf_config, "torch_dtype": "bfloat16"}
+    eos = config.get("eos_token_id")
+    tensors = {name: t.to(torch.bfloat16).contiguous() for name, t in checkpoint.weights()
+               if not (name == "lm_head.weight" and config.get("tie_word_embeddings"))}
+    tokenizer = tokenizer_from_gguf(source)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(
+            {"bos_token_id": config.get("bos_token_id"), "eos_token_id": eos}, indent=2) + "\n")
+        if tokenizer is not None:
+            (tmp / "tokenizer.json").write_text(tokenizer.to_json())
+            (tmp / "tokenizer_config.json").write_text(json.dumps(
+                {key: getattr(tokenizer, key) for key in
+                 ("bos_token", "eos_token", "add_bos_token", "add_eos_token", "chat_template")}, indent=2) + "\n")
+        write_gguf(tmp / GGUF_NAME, {**config, "eos_token_id": eos[0] if isinstance(eos, list) else eos},
+                   tensors, name=source.stem)
+        (tmp / _STAMP).write_text(json.dumps(stamp, sort_keys=True) + "\n")
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m mqinfer.loadgen.checkpoint",
+        description="Write (or find) a benchmark checkpoint and print its folder: a random one of a shape, "
+                    "or a GGUF model as a bfloat16 folder with a bfloat16 GGUF of the same weights beside it.")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--shape", choices=tuple(SHAPES), help="Random weights of this shape (with its GGUF).")
+    what.add_argument("--from-gguf", metavar="FILE", help="A GGUF model to write as a bfloat16 folder and GGUF.")
+    parser.add_argument("--out", metavar="DIR", help="The folder (default for --shape: under ~/.cache/mqinfer).")
+    args = parser.parse_args(argv)
+    if args.from_gguf and not args.out:
+        parser.error("--from-gguf needs --out DIR")
+    try:
+        folder = (checkpoint_from_gguf(args.from_gguf, args.out) if args.from_gguf
+                  else make_shape_checkpoint(args.shape, args.out))
+    except (OSError, ValueError) as exc:
+        print(f"checkpoint: error: {exc}", file=sys.stderr)
+        return 1
+    print(folder)
+    return 0
+
+
 def read_config(model: str | os.PathLike) -> dict[str, Any]:
     """A checkpoint folder's config.json, with a clear error when it is missing."""
     path = Path(model) / "config.json"
@@ -221,3 +295,7 @@ def read_config(model: str | os.PathLike) -> dict[str, Any]:
         return json.loads(path.read_text())
     except FileNotFoundError:
         raise FileNotFoundError(f"{model} is not a checkpoint folder: no config.json") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -128,3 +128,30 @@ def test_the_gguf_beside_a_tied_checkpoint_holds_the_same_weights(tmp_path):
     assert (folder / GGUF_NAME).stat().st_mtime_ns == stamp
     with pytest.raises(ValueError, match="bfloat16"):
         make_llama_checkpoint(tmp_path / "f32", gguf=True, dtype="float32", **config)
+
+
+def test_a_gguf_model_as_a_bf16_folder_and_gguf_of_the_same_bytes(tmp_path):
+    from mqinfer.loadgen.checkpoint import GGUF_NAME, checkpoint_from_gguf, main
+    from mqinfer.workers.tokenizer import load_tokenizer
+    from tests.workers.gguf_files import byte_level_vocab, write_gguf
+
+    # A Q8_0 source (the kind of file people download), made from a random checkpoint.
+    original = make_llama_checkpoint(tmp_path / "orig", **{**SMALL, "tie_word_embeddings": True})
+    config = json.loads((original / "config.json").read_text())
+    source = write_gguf(tmp_path / "src" / "m.gguf", "llama", config, load_file(original / "model.safetensors"),
+                        "Q8_0", byte_level_vocab(300))
+    assert main(["--from-gguf", str(source), "--out", str(tmp_path / "out")]) == 0
+    folder = tmp_path / "out"
+    # The source read in bfloat16, the folder and the new GGUF: one set of bytes.
+    models = [load_model(str(p), device="cpu", dtype="bfloat16")[0].state_dict()
+              for p in (source, folder, folder / GGUF_NAME)]
+    assert all(set(m) == set(models[0]) and all(torch.equal(m[k], models[0][k]) for k in m) for m in models[1:])
+    text = "the quick brown fox"
+    assert load_tokenizer(folder).encode(text) == load_tokenizer(source).encode(text)
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert checkpoint_from_gguf(source, folder) == folder  # reused
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError):
+        checkpoint_from_gguf(source, tmp_path / "theirs")
