@@ -55,18 +55,30 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, torch.where(inv > 0, amax / QMAX, torch.zeros_like(amax))
 
 
-def int_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
-    """Exact int32 ``qx [T, K] @ qw [N, K]^T``: ``torch._int_mm`` where its shape rules allow
-    (on CUDA more than 16 rows and K, N multiples of 8), else int64 products on the same device."""
+def padded_int_mm(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """``torch._int_mm(qx, qw.t())`` for any shape, as CUDA's rules need it: zero rows and
+    columns are added up to more than 16 rows and K, N multiples of 8 (zeros change no sum), and
+    cut off the result. CUDA has no int64 matmul to fall back on (cuBLAS has no integer GEMM).
+    Only what needs it is copied: a decode step's few rows, the weight only where K or N is not
+    a multiple of 8."""
     rows, k = qx.shape
     n = qw.shape[0]
+    pad_k = -k % 8
+    if pad_k or rows <= 16:
+        qx = torch.nn.functional.pad(qx, (0, pad_k, 0, max(0, 17 - rows)))
+    if pad_k or n % 8:
+        qw = torch.nn.functional.pad(qw, (0, pad_k, 0, -n % 8))
+    return torch._int_mm(qx, qw.t())[:rows, :n]
+
+
+def int_matmul(qx: torch.Tensor, qw: torch.Tensor) -> torch.Tensor:
+    """Exact int32 ``qx [T, K] @ qw [N, K]^T``: ``torch._int_mm`` (on CUDA padded to its shape
+    rules, ``padded_int_mm``), or on a CPU int64 products for a single input feature."""
     if qx.device.type == "cuda":
-        usable = rows > 16 and k % 8 == 0 and n % 8 == 0
-    else:
-        # On CPU, torch._int_mm returns uninitialised memory for a single input feature (and
-        # more than one output feature).
-        usable = k > 1
-    if usable:
+        return padded_int_mm(qx, qw)
+    # On CPU, torch._int_mm returns uninitialised memory for a single input feature (and
+    # more than one output feature).
+    if qx.shape[1] > 1:
         return torch._int_mm(qx, qw.t())
     return (qx.long() @ qw.long().t()).int()
 
@@ -212,5 +224,5 @@ def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_c
     return out
 
 
-__all__ = ["Int8Weight", "int_matmul", "linear", "native_available", "native_takes_bf16", "pack", "pack_for", "quantize_rows",
+__all__ = ["Int8Weight", "int_matmul", "padded_int_mm", "linear", "native_available", "native_takes_bf16", "pack", "pack_for", "quantize_rows",
            "quantize_weight", "reference_linear", "swiglu"]

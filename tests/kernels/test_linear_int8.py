@@ -220,3 +220,16 @@ def test_int_matmul_is_exact_for_a_single_input_feature():
     qx = torch.tensor([[127], [-127], [3]], dtype=torch.int8)
     qw = torch.tensor([[127], [1], [-5], [0]], dtype=torch.int8)
     assert torch.equal(q8.int_matmul(qx, qw), (qx.long() @ qw.long().t()).int())
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 64, 128), (16, 64, 128), (17, 64, 128), (3, 13, 7), (20, 1, 9), (40, 4100, 7)])
+def test_padded_int_mm_is_exact_for_any_shape(rows, k, n):
+    # CUDA's torch._int_mm needs more than 16 rows and K, N multiples of 8, and CUDA has no int64
+    # matmul to fall back on; the padded product (what int_matmul runs on CUDA) is run here on the
+    # CPU's torch._int_mm, held to exact int64 sums.
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    qx = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=gen)
+    qw = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    got = q8.padded_int_mm(qx, qw)
+    assert got.dtype == torch.int32 and got.shape == (rows, n)
+    assert torch.equal(got.long(), qx.long() @ qw.long().t())
