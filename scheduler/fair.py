@@ -161,11 +161,11 @@ class WaitingQueue:
 
     # -- requests in and out of the scheduler ---------------------------------------------------
     def arrive(self, request: Request) -> None:
-        """A new request of ``request.tenant``; a tenant coming back from idle is lifted first."""
-        name = request.tenant
+        """A new request of group ``request.fair_key``; a group coming back from idle is lifted first."""
+        name = request.fair_key
         tenant = self._tenants.get(name)
         if tenant is None:
-            tenant = self._tenants[name] = _Tenant(name, self._weight_of(name), 0.0)
+            tenant = self._tenants[name] = _Tenant(name, self._weight_of(request.tenant), 0.0)
         if tenant.num_unfinished == 0:
             floor = self._lift_floor()
             if tenant.counter < floor:
@@ -175,7 +175,7 @@ class WaitingQueue:
 
     def leave(self, request: Request) -> None:
         """A request that ``arrive`` saw has finished (from waiting or running)."""
-        name = request.tenant
+        name = request.fair_key
         tenant = self._active.get(name)
         if tenant is None:
             return
@@ -214,7 +214,7 @@ class WaitingQueue:
     # -- the queue ------------------------------------------------------------------------------
     def push(self, entry: Entry) -> None:
         """Queue a waiting request (new, preempted, or held back); ``arrive`` came first."""
-        tenant = self._tenants[entry[1].tenant]
+        tenant = self._tenants[entry[1].fair_key]
         heapq.heappush(tenant.waiting, entry)
         self._waiting[tenant.name] = tenant
         if self._order is not None and tenant.waiting[0] is entry:
@@ -240,7 +240,7 @@ class WaitingQueue:
 
     def pop(self, request: Request) -> Entry:
         """Take the entry ``peek`` returned."""
-        tenant = self._tenants[request.tenant]
+        tenant = self._tenants[request.fair_key]
         entry = heapq.heappop(tenant.waiting)
         if entry[1] is not request:
             raise ValueError(f"request {request.request_id!r} is not the next of tenant {tenant.name!r}")
@@ -290,6 +290,25 @@ class WaitingQueue:
             if tenant is not None:
                 tenant.counter += count * OUTPUT_TOKEN_WEIGHT / tenant.weight
         self._order = None
+
+    @property
+    def num_groups(self) -> int:
+        """Groups with unfinished requests (waiting or running)."""
+        return len(self._active)
+
+    def heads(self) -> Iterator[Entry]:
+        """The first waiting entry of each group that has one, in no particular order."""
+        for tenant in list(self._waiting.values()):
+            entry = tenant.head()
+            if entry is not None:
+                yield entry
+
+    def slot_shares(self, slots: int) -> dict[str, float]:
+        """Each group with unfinished requests (waiting or running) and its fair share of ``slots``
+        running sequences: its weight over the total weight of those groups."""
+        active = self._active
+        total = sum(t.weight for t in active.values())
+        return {name: slots * t.weight / total for name, t in active.items()} if total else {}
 
     def counter(self, tenant_name: str) -> float | None:
         """The tenant's counter (service received / weight), or None when it has none kept."""

@@ -143,6 +143,9 @@ class Request:
     # Who the request is for: the scheduler shares service fairly between tenants within a
     # priority level (scheduler/fair.py).
     tenant: str = "default"
+    # The fair-share group the request is counted in (the worker's lane: a tenant, or a tenant's
+    # job); None counts it in its tenant's. A group has its tenant's weight.
+    share_group: str | None = None
     # Whether proposed tokens may be checked for this request (speculative decoding).
     speculative: bool = True
 
@@ -152,6 +155,9 @@ class Request:
     num_computed_tokens: int = 0
     # Prompt tokens found in the prefix cache at the first admission.
     num_cached_tokens: int = -1
+    # Of those, the ones copied up from each KV tier below the device cache (tier name -> tokens);
+    # None when none came from a tier.
+    tier_cached_tokens: dict[str, int] | None = None
     # KV blocks held, in position order. Only the KV cache manager mutates this list.
     block_ids: list[int] = field(default_factory=list)
     # Preemptions of either kind; ``num_swaps`` of them kept the KV in host memory.
@@ -175,6 +181,11 @@ class Request:
             raise ValueError("prompt must have at least one token")
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def fair_key(self) -> str:
+        """The fair-share group: ``share_group``, or the tenant when it has none."""
+        return self.tenant if self.share_group is None else self.share_group
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -23,7 +23,19 @@ whatever the counters, and so does the first waiting request in the order above 
 worse priority than the best level's (it has aged past that level): across tenants, aging's
 promise becomes "a request goes before every request of a better priority once it is the first
 waiting request in that order", so still nothing starves. With a single tenant this is exactly
-the order above.
+the order above. Groups are tenants, or, for requests given a ``share_group`` (a job's lane), those
+groups, each with its tenant's weight.
+
+Fair share of the running slots: when the slots (``max_num_seqs``) or the KV blocks are full, a
+waiting request of a group below its share of the slots (its weight over the total weight of the
+groups with unfinished requests) preempts the last running request, in scheduling order, of the
+group furthest above its share, provided that group stays at or above its share without it, the
+victim's priority is not better, and the victim's group has received more service (counters above)
+than the waiting request's group will have once that request has run to its end. Without it, a
+backlog admitted while the engine was idle would hold every slot until it finished, and a tenant
+arriving behind it would wait for a whole round of it; the service condition keeps groups that are
+even on service from taking slots back and forth. Requests admitted in the same pass are not taken
+back, and a group whose request found no room is not tried again in that pass.
 
 When the KV cache has no room for a running request, the scheduler preempts the running
 request that comes last in scheduling order, which returns to the waiting queue in its old
@@ -69,6 +81,7 @@ from mqinfer.scheduler.fair import PROMPT_TOKEN_WEIGHT, OrderKey, WaitingQueue
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
 from mqinfer.scheduler.request import Request, RequestStatus
+from mqinfer.scheduler.slot_share import SlotShares
 from mqinfer.scheduler.speculation import SpeculationPolicy
 
 # (arrival_time + priority * aging, priority, arrival_time, sequence number of add_request): the
@@ -355,8 +368,10 @@ class Scheduler:
         kv = self.kv_cache_manager
         running = self._running
         waiting = self._waiting
-        if not (self._num_waiting and budget > 0 and len(running) < self.config.max_num_seqs):
+        if not (self._num_waiting and budget > 0):
             return
+        if len(running) >= self.config.max_num_seqs and waiting.num_groups < 2:
+            return  # full, and no other group to take a slot back for
         # Prefix blocks being computed now (the next full block of every request still in its
         # prompt): a waiting request whose next block is one of them is held back this step,
         # to find it cached in a later step instead of computing it a second time. It waits
@@ -373,61 +388,85 @@ class Scheduler:
             held.clear()
 
     def _admit_from_queue(self, out: SchedulerOutput, budget: int, computing: set, held: list) -> None:
-        kv = self.kv_cache_manager
         running = self._running
         waiting = self._waiting
         max_num_seqs = self.config.max_num_seqs
-        order_of = self._order.__getitem__
-        while budget > 0 and len(running) < max_num_seqs:
+        shares = SlotShares(running, waiting, self.config, self._preempt)
+        while budget > 0:
             # The next request in fair-share order (stale entries of requests that ended while
             # waiting are passed over).
             entry = waiting.peek()
             if entry is None:
                 break
             request = entry[1]
-            charge = 0
-            if kv.num_blocks_for(request.num_tokens) > kv.num_blocks:
-                # Only a preempted request can get here (prompts are checked on arrival): it
-                # grew past the whole cache before it was preempted.
-                waiting.pop(request)
-                self._num_waiting -= 1
-                self._end(request, RequestStatus.FINISHED_LENGTH)
-                out.finished.append(request)
-                continue
-            # Keep one free block per running request, so that the running ones can each cross
-            # their next block boundary without preempting the request admitted here.
-            if kv.is_swapped_out(request):
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                pairs = kv.swap_in(request, num_new, num_reserved_blocks=len(running))
-                if pairs is None:
-                    break  # head-of-line: later requests must not overtake it
-                out.swap_in.extend(pairs)
-            else:
-                hits, num_hit_tokens = kv.get_computed_blocks(request)
-                next_hash = kv.next_block_hash(request, len(hits))
-                if next_hash is not None and next_hash in computing:
-                    held.append(waiting.pop(request))
-                    continue
-                num_new = request.num_tokens - num_hit_tokens
-                if num_new > budget:
-                    num_new = budget
-                if not kv.allocate_slots(request, num_new, hits, num_reserved_blocks=len(running)):
+            while True:
+                placed = self._place(request, budget, computing, held, out) if len(running) < max_num_seqs else None
+                if placed is not None:
                     break
-                if request.num_cached_tokens < 0:
-                    # The first admission: the tenant is charged the prompt tokens it computes.
-                    request.num_cached_tokens = num_hit_tokens
-                    charge = request.num_prompt_tokens - num_hit_tokens
-                request.num_computed_tokens = num_hit_tokens
-                if next_hash is not None:
-                    computing.add(next_hash)
+                # No slot or no blocks for it: a group below its share of the running slots takes
+                # one from a group above its share; otherwise the pass ends here (head-of-line:
+                # later requests must not overtake it).
+                freed = shares.make_room(request, out)
+                if freed < 0:
+                    # The head's group has its share already: the head of a group below its
+                    # share may still take a slot from a group above it.
+                    request = shares.below_share_head(request)
+                    if request is None:
+                        return
+                    continue
+                budget += freed
+            if placed > 0:
+                shares.admitted(request)
+                budget -= placed
+
+    def _place(self, request: Request, budget: int, computing: set, held: list, out: SchedulerOutput) -> int | None:
+        """Admit the head of the waiting queue with at most ``budget`` tokens: how many it runs,
+        0 when it left the queue without running (held back, or ended), None when its KV blocks
+        do not fit."""
+        kv = self.kv_cache_manager
+        running = self._running
+        waiting = self._waiting
+        charge = 0
+        if kv.num_blocks_for(request.num_tokens) > kv.num_blocks:
+            # Only a preempted request can get here (prompts are checked on arrival): it grew
+            # past the whole cache before it was preempted.
             waiting.pop(request)
-            if charge:
-                waiting.charge(request.tenant, charge * PROMPT_TOKEN_WEIGHT)
             self._num_waiting -= 1
-            request.status = RequestStatus.RUNNING
-            insort(running, request, key=lambda r: order_of(r.request_id))
-            out.scheduled.append(ScheduledRequest(request, num_new))
-            budget -= num_new
+            self._end(request, RequestStatus.FINISHED_LENGTH)
+            out.finished.append(request)
+            return 0
+        # Keep one free block per running request, so that the running ones can each cross
+        # their next block boundary without preempting the request admitted here.
+        if kv.is_swapped_out(request):
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pairs = kv.swap_in(request, num_new, num_reserved_blocks=len(running))
+            if pairs is None:
+                return None
+            out.swap_in.extend(pairs)
+        else:
+            hits, num_hit_tokens = kv.get_computed_blocks(request)
+            next_hash = kv.next_block_hash(request, len(hits))
+            if next_hash is not None and next_hash in computing:
+                held.append(waiting.pop(request))
+                return 0
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not kv.allocate_slots(request, num_new, hits, num_reserved_blocks=len(running)):
+                return None
+            if request.num_cached_tokens < 0:
+                # The first admission: the tenant is charged the prompt tokens it computes.
+                request.num_cached_tokens = num_hit_tokens
+                charge = request.num_prompt_tokens - num_hit_tokens
+            request.num_computed_tokens = num_hit_tokens
+            if next_hash is not None:
+                computing.add(next_hash)
+        waiting.pop(request)
+        if charge:
+            waiting.charge(request.fair_key, charge * PROMPT_TOKEN_WEIGHT)
+        self._num_waiting -= 1
+        request.status = RequestStatus.RUNNING
+        insort(running, request, key=lambda r: self._order[r.request_id])
+        out.scheduled.append(ScheduledRequest(request, num_new))
+        return num_new
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None],
                            num_accepted: Sequence[int] | None = None) -> list[Request]:
@@ -474,7 +513,7 @@ class Scheduler:
                 if token is None:
                     continue
                 request.append_output_token(token)
-                tenant = request.tenant
+                tenant = request.fair_key
                 generated[tenant] = generated.get(tenant, 0) + 1
                 status = self._stop_status(request, token)
                 if status is not None:
@@ -496,7 +535,7 @@ class Scheduler:
                 status = self._stop_status(request, t)
                 if status is not None:
                     break
-            tenant = request.tenant
+            tenant = request.fair_key
             generated[tenant] = generated.get(tenant, 0) + request.num_tokens - num_before
             # A stop rule met before the end of the run leaves accepted tokens out: never count
             # more computed tokens than the request has.

@@ -152,6 +152,12 @@ def lane_name(mode: str, tenant: str, job_id: str | None) -> str | None:
     return f"tj-{_slug(tenant)}-{_slug(job_id or '')}-{_digest('tj', tenant, job_id or '')}"
 
 
+def is_job_lane(lane: str | None) -> bool:
+    """Whether ``lane`` holds the requests of one job (modes ``job`` and ``tenant,job``): the
+    engine then shares its slots between such lanes as it does between tenants."""
+    return lane is not None and lane.startswith(("j-", "tj-"))
+
+
 def shared_lane(lane: str, max_lanes: int) -> str:
     """The shared lane a lane's requests go to once the registry is full."""
     return f"shared-{zlib.crc32(lane.encode()) % shared_count(max_lanes)}"

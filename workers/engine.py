@@ -521,10 +521,12 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    deadline: float | None = None, tenant: str = "default", speculative: bool = True) -> None:
+                    deadline: float | None = None, tenant: str = "default", share_group: str | None = None,
+                    speculative: bool = True) -> None:
         """Queue a request (with ``sampling.n`` choices); ``speculative`` False keeps it out of
         speculative decoding, as do a grammar (``sampling.grammar``), which must compile (else
-        ``invalid_response_format``), and a presence, frequency or repetition penalty."""
+        ``invalid_response_format``), and a presence, frequency or repetition penalty.
+        ``share_group`` is the scheduler's fair-share group (None: the tenant's)."""
         n = sampling.n
         seq_ids = [choice_id(request_id, i) for i in range(n)]
         for rid in seq_ids:
@@ -566,6 +568,7 @@ class LLMEngine:
                 deadline=deadline,
                 max_model_len=self.max_model_len,
                 tenant=tenant,
+                share_group=share_group,
                 speculative=speculative,
                 sampling_seed=seed,
             ))

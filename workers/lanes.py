@@ -66,6 +66,13 @@ def by_lane(qids) -> dict[str | None, list[str]]:
     return groups
 
 
+def share_group(qid: str) -> str | None:
+    """The engine's fair-share group of an entry: its lane when that is one job's lane (so that
+    jobs share the running slots as they share the reads), else None (its tenant's group)."""
+    lane = lane_of(qid)
+    return lane if scheme.is_job_lane(lane) else None
+
+
 def stream_of(base_stream: str, lane: str | None) -> str:
     """The stream name of a lane (the plain stream for None)."""
     return scheme.lane_stream(base_stream, lane)

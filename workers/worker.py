@@ -52,7 +52,7 @@ from mqinfer.workers.engine import EngineInputError, LLMEngine, choice_id
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
-from mqinfer.workers.lanes import lane_of
+from mqinfer.workers.lanes import lane_of, share_group
 from mqinfer.workers.ownership import Ownership
 from mqinfer.workers.parallel import RankFailure
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
@@ -335,7 +335,7 @@ class Worker:
             try:
                 self.engine.add_request(entry_id, item.prompt_token_ids, item.sampling, arrival_time=item.enqueued_at,
                                         priority=req.priority, deadline=req.deadline, tenant=req.tenant,
-                                        speculative=req.speculative)
+                                        share_group=share_group(entry_id), speculative=req.speculative)
             except EngineInputError as exc:
                 self.ownership.release(entry_id)
                 self.acks.add_error(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,

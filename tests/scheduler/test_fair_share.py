@@ -342,3 +342,125 @@ def test_scheduler_config_checks_and_keeps_tenant_weights():
                          ("a=1", "mapping of tenant to weight")]:
         with pytest.raises(ValueError, match=message):
             SchedulerConfig(tenant_weights=bad)
+
+
+# -- fair share of the running slots --------------------------------------------------------
+
+def running_by_group(driver: Driver) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in driver.scheduler._running:
+        counts[r.fair_key] = counts.get(r.fair_key, 0) + 1
+    return counts
+
+
+def test_a_light_tenant_takes_its_share_of_full_slots_at_once_by_preempting_the_flood():
+    driver = Driver(config(max_num_seqs=4))
+    flood = [driver.add(req(f"h{i}", "heavy", arrival=float(i), max_tokens=40)) for i in range(12)]
+    for _ in range(3):
+        driver.step()
+    assert running_by_group(driver) == {"heavy": 4}
+    light = [driver.add(req(f"l{i}", "light", arrival=100.0 + i, max_tokens=8)) for i in range(3)]
+    # The light tenant comes back lifted to the heavy one's counter. A slot is taken back once the
+    # heavy tenant has received more than the light one will have after its next request ran to
+    # the end (8 prompt and 8 output tokens: 24): the heavy tenant gains 8 a step (four output
+    # tokens), so the first light request runs after three steps, the second three steps later.
+    preempted = []
+    for _ in range(7):
+        driver.step()
+        preempted += driver.preempted_at[-1]
+    # Half of four slots each: two light requests run, in their own order, and the two heavy
+    # requests preempted for them are the flood's last in scheduling order.
+    assert [r.status for r in light] == [RequestStatus.RUNNING, RequestStatus.RUNNING, RequestStatus.WAITING]
+    assert running_by_group(driver) == {"heavy": 2, "light": 2}
+    assert preempted == ["h3", "h2"]
+    # At its share the light tenant preempts nothing more: its third request waits for a free slot.
+    for _ in range(5):
+        driver.step()
+        assert not driver.preempted_at[-1]
+    driver.run()
+    assert all(r.is_finished for r in flood + light)
+    assert driver.scheduler.num_preemptions_total == 2
+
+
+def test_running_slots_follow_the_weights():
+    driver = Driver(config(max_num_seqs=6, tenant_weights={"gold": 2, "std": 1}))
+    for i in range(20):
+        driver.add(req(f"s{i}", "std", arrival=float(i), max_tokens=60))
+    driver.step()
+    assert running_by_group(driver) == {"std": 6}
+    for i in range(20):
+        driver.add(req(f"g{i}", "gold", arrival=50.0 + i, max_tokens=60))
+    # Long before the standard requests finish (60 tokens), the gold tenant holds two slots
+    # in three, taken back as its counter falls behind.
+    seen = []
+    for _ in range(45):
+        driver.step()
+        seen.append(running_by_group(driver).get("gold", 0))
+    assert seen[-1] == 4 and running_by_group(driver) == {"gold": 4, "std": 2}
+    assert all(a <= b for a, b in zip(seen, seen[1:]))
+    assert driver.scheduler.num_preemptions_total == 4
+
+
+def test_one_group_alone_preempts_nothing_for_its_own_requests():
+    driver = Driver(config(max_num_seqs=2))
+    made = [driver.add(req(f"r{i}", "only", arrival=float(i), max_tokens=10)) for i in range(6)]
+    driver.run()
+    assert all(r.is_finished for r in made)
+    assert driver.scheduler.num_preemptions_total == 0
+
+
+def test_a_better_priority_running_request_is_not_preempted_for_a_worse_one():
+    driver = Driver(config(max_num_seqs=2))
+    urgent = [driver.add(req(f"u{i}", "heavy", arrival=float(i), max_tokens=20, priority=0)) for i in range(2)]
+    driver.step()
+    late = driver.add(req("l0", "light", arrival=10.0, max_tokens=5, priority=1))
+    for _ in range(5):
+        driver.step()
+        assert late.status is RequestStatus.WAITING
+    driver.run()
+    assert all(r.is_finished for r in urgent + [late])
+    assert driver.scheduler.num_preemptions_total == 0
+
+
+def test_share_groups_split_one_tenant_fairly_so_a_small_job_behind_a_big_one_finishes_first():
+    driver = Driver(config(max_num_seqs=8))
+
+    def job_request(job: str, i: int, arrival: float) -> Request:
+        r = req(f"{job}-{i}", "acme", arrival=arrival, max_tokens=30)
+        r.share_group = f"acme/{job}"
+        return r
+
+    big = [driver.add(job_request("big", i, float(i))) for i in range(150)]
+    driver.step()
+    small = [driver.add(job_request("small", i, 200.0 + i)) for i in range(8)]
+    steps = 0
+    while not all(r.is_finished for r in small):
+        driver.step()
+        steps += 1
+    # Half of the eight slots as its counter falls behind, the other four as the first of them
+    # finish: about two rounds of 30 tokens, where behind the whole big job it would have waited
+    # some 560 steps.
+    assert steps <= 100
+    assert sum(r.is_finished for r in big) < 40
+    assert driver.scheduler.tenant_counter("acme/small") is not None
+    driver.run()
+    assert all(r.is_finished for r in big)
+
+
+def test_kv_blocks_are_taken_from_a_group_above_its_share_of_slots_too():
+    # Slots are free but the cache is full: the heavy tenant runs six of eight slots (its share
+    # is four), and the light tenant's request gets the blocks of a preempted heavy one.
+    driver = Driver(config(max_num_seqs=8, num_kv_blocks=18))
+    heavy = [driver.add(req(f"h{i}", "heavy", arrival=float(i), prompt=8, max_tokens=24)) for i in range(8)]
+    driver.step()
+    assert running_by_group(driver) == {"heavy": 6}
+    light = driver.add(req("l0", "light", arrival=50.0, prompt=8, max_tokens=4))
+    for _ in range(6):
+        driver.step()
+        if light.status is RequestStatus.RUNNING:
+            break
+    assert light.status is RequestStatus.RUNNING
+    assert driver.preempted_at[-1] and all(rid.startswith("h") for rid in driver.preempted_at[-1])
+    assert driver.scheduler.num_running < 8
+    driver.run()
+    assert all(r.is_finished for r in heavy + [light])
