@@ -3,8 +3,8 @@ at a time while the engine runs (``python -m mqinfer.loadgen.profile_engine --op
 
 torch.profiler cannot see inside the native kernels (ctypes calls appear as the time of the step
 itself), so this wraps the functions the model calls (the dense layers by their weight's role,
-SwiGLU, rotary + KV store, attention, residual + RMSNorm) with a clock, for one run, and puts
-them back afterwards. Dense layers also report their multiply-add rate, to set against the
+natively or through PyTorch's matmul, SwiGLU, rotary + KV store, attention, residual + RMSNorm)
+with a clock, for one run, and puts them back afterwards. Dense layers also report their multiply-add rate, to set against the
 machine's matmul rate at large sizes.
 """
 
@@ -39,14 +39,32 @@ class OpTimes:
         return "\n".join(lines)
 
 
-def _timed(times: OpTimes, name, fn, flops=None):
+def _timed(times: OpTimes, name, fn, flops=None, native: dict | None = None):
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         out = fn(*args, **kwargs)
         label = name(*args) if callable(name) else name
         times.add(label, time.perf_counter() - t, flops(*args) if flops else 0.0)
+        if native is not None:
+            native["ran"] = True
         return out
     return wrapper
+
+
+def _timed_module(times: OpTimes, roles: dict[int, str], fn, native: dict):
+    """A dense module's ``forward`` (``Linear``, ``LMHead``) clocked as ``dense <role> (torch)``
+    when it ran PyTorch's matmul: a call that went to a native kernel is clocked by that kernel's
+    wrapper instead (``native["ran"]``), and not twice."""
+    def forward(module, x, *args, **kwargs):
+        native["ran"] = False
+        t = time.perf_counter()
+        out = fn(module, x, *args, **kwargs)
+        if not native["ran"]:
+            rows, (out_features, in_features) = x.shape[0], module.weight.shape
+            times.add(f"dense {roles.get(id(module.weight), '?')} (torch)", time.perf_counter() - t,
+                      2.0 * rows * in_features * out_features)
+        return out
+    return forward
 
 
 @contextlib.contextmanager
@@ -76,19 +94,25 @@ def timing_ops(model) -> Iterator[OpTimes]:
         return 4.0 * x.shape[0] * packed.in_features * packed.out_features
 
     times = OpTimes()
+    native = {"ran": False}
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
              (q8, "linear", q8.linear), (q8, "swiglu", q8.swiglu),
              (w16, "linear", w16.linear), (w16, "swiglu", w16.swiglu),
-             (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm)]
+             (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm),
+             (cpu_ops, "silu_mul", cpu_ops.silu_mul), (Linear, "forward", Linear.forward),
+             (LMHead, "forward", LMHead.forward)]
     attentions = [(m, m.paged_attention) for m in model.modules() if isinstance(m, Attention)]
-    dense.linear = _timed(times, linear_name, dense.linear, linear_flops)
-    dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops)
-    q8.linear = _timed(times, linear_name, q8.linear, linear_flops)
-    q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops)
-    w16.linear = _timed(times, linear_name, w16.linear, linear_flops)
-    w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops)
+    dense.linear = _timed(times, linear_name, dense.linear, linear_flops, native)
+    dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops, native)
+    q8.linear = _timed(times, linear_name, q8.linear, linear_flops, native)
+    q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops, native)
+    w16.linear = _timed(times, linear_name, w16.linear, linear_flops, native)
+    w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops, native)
     cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv)
     cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm)
+    cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul)
+    Linear.forward = _timed_module(times, roles, Linear.forward, native)
+    LMHead.forward = _timed_module(times, roles, LMHead.forward, native)
     for m, fn in attentions:
         m.paged_attention = _timed(times, "attention", fn)
     try:
