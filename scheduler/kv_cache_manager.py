@@ -17,14 +17,56 @@ decides which blocks go where; it returns the block pairs, and the model runner 
 A block is registered in the prefix cache once it is full of *computed* tokens, that is,
 tokens whose KV an earlier step has written. Caching a block while the step that writes it
 is still to run would let another request in that same step read it before it is written.
+
+Tiers below the device pool (``attach_tiers``: host memory, disk, a shared directory; the
+workers layer implements ``LowerTiers``) extend the prefix cache. A lookup walks each block
+through the device pool first and then the tiers; a block only a tier holds is a ``TierBlock``
+hit, which ``allocate_slots`` turns into a new device block and has the tiers copy up before it
+returns (so before the step's forward pass). If a tier cannot deliver it after all (a corrupt
+or vanished blob), the admission is refused for this step, changing nothing; the next lookup no
+longer finds it. Prompt blocks are written through to the tiers as they become cached (their KV
+computed), so a block the device pool evicts is already below it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from mqinfer.scheduler.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
 from mqinfer.scheduler.request import Request
+
+# (device block id, block hash, token ids) of one block to copy between the device and the tiers.
+BlockCopy = tuple[int, BlockHash, tuple[int, ...]]
+
+
+class LowerTiers(Protocol):
+    """KV tiers below the device pool, keyed by the chained block hash (see the module docstring)."""
+
+    def contains(self, block_hash: BlockHash) -> bool:
+        """Whether some tier holds the block (cheap: no read, no check of its contents)."""
+        ...
+
+    def load(self, blocks: Sequence[BlockCopy]) -> list[str]:
+        """Copy the blocks into those device blocks, in order, stopping at the first one no tier
+        can deliver whole and of these tokens; the names of the tiers that served each block
+        copied (fewer than asked: the rest were not)."""
+        ...
+
+    def store(self, blocks: Sequence[BlockCopy]) -> None:
+        """Keep a copy of these device blocks, whose KV is computed, in the tiers."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TierBlock:
+    """A prefix-cache hit that only a tier below the device pool holds; ``allocate_slots`` gives
+    it a device block and copies it up."""
+
+    block_hash: BlockHash
+    token_ids: tuple[int, ...]
+    ref_cnt = 1  # never counted as an evictable device block
 
 
 class KVCacheManager:
@@ -52,6 +94,15 @@ class KVCacheManager:
         self.swap_pool = BlockPool(num_swap_blocks, enable_caching=False) if num_swap_blocks else None
         # Host blocks of each swapped-out request, in position order.
         self._req_swap_blocks: dict[str, list[KVBlock]] = {}
+        self.tiers: LowerTiers | None = None
+        # Prompt tokens served by each tier below the device pool (first admissions only).
+        self.tier_hit_tokens: dict[str, int] = {}
+
+    def attach_tiers(self, tiers: LowerTiers | None) -> None:
+        """Extend the prefix cache with tiers below the device pool (None: none)."""
+        if tiers is not None and not self.enable_prefix_caching:
+            raise ValueError("KV tiers extend the prefix cache: they need prefix caching on")
+        self.tiers = tiers
 
     @property
     def num_blocks(self) -> int:
@@ -65,12 +116,13 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock | TierBlock], int]:
         """Prefix-cache hits for a request that holds no blocks: (blocks, number of tokens).
 
         Only whole blocks count, and never all of the request's tokens: the last one is always
         left to compute so that the step has logits to sample from. Nothing is reserved yet; pass
-        the blocks to ``allocate_slots`` in the same step.
+        the blocks to ``allocate_slots`` in the same step. With tiers attached, blocks that only a
+        tier holds are ``TierBlock`` hits.
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -81,11 +133,14 @@ class KVCacheManager:
         hashes = self._block_hashes(request, num_blocks)
         tokens = request.all_token_ids
         lookup = self.block_pool.lookup
-        hits: list[KVBlock] = []
+        tiers = self.tiers
+        hits: list[KVBlock | TierBlock] = []
         for i in range(num_blocks):
             block = lookup(hashes[i], tokens[i * bs : (i + 1) * bs])
             if block is None:
-                break
+                if tiers is None or not tiers.contains(hashes[i]):
+                    break
+                block = TierBlock(hashes[i], tuple(tokens[i * bs : (i + 1) * bs]))
             hits.append(block)
         return hits, len(hits) * bs
 
@@ -125,9 +180,16 @@ class KVCacheManager:
         if num_new_blocks < 0:
             num_new_blocks = 0
         # Hits nobody holds sit in the free list: taking them shrinks what is left to allocate.
+        # A tier hit needs a new block like a token to compute does.
         num_evictable_hits = sum(1 for b in hits if b.ref_cnt == 0) if hits else 0
-        if num_new_blocks + num_evictable_hits + num_reserved_blocks > pool.num_free_blocks:
+        num_tier_hits = sum(1 for b in hits if type(b) is TierBlock) if hits else 0
+        if num_new_blocks + num_tier_hits + num_evictable_hits + num_reserved_blocks > pool.num_free_blocks:
             return False
+        served: list[str] = []
+        if num_tier_hits:
+            hits, served = self._copy_up(hits, num_tier_hits)
+            if not hits:
+                return False
 
         if blocks is None:
             blocks = self._req_blocks[rid] = []
@@ -135,8 +197,11 @@ class KVCacheManager:
             if request.num_cached_tokens < 0:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += len(hits) * bs
+                if served:
+                    self._count_tier_hits(request, served)
         if hits:
-            pool.touch(hits)
+            if not served:
+                pool.touch(hits)
             blocks.extend(hits)
             request.block_ids.extend(b.block_id for b in hits)
             self._req_num_cached[rid] = len(hits)
@@ -147,6 +212,41 @@ class KVCacheManager:
         if self.enable_prefix_caching and num_computed // bs > self._req_num_cached.get(rid, 0):
             self._cache_full_blocks(request, blocks, num_computed // bs)
         return True
+
+    def _copy_up(self, hits: list, num_tier_hits: int) -> tuple[list[KVBlock], list[str]]:
+        """Give the tier hits device blocks and have the tiers copy them there: (the hits, all
+        device blocks now, each owned once more; the tier that served each copied block). When a
+        tier cannot deliver one, everything is given back and the hits are empty."""
+        pool = self.block_pool
+        device_hits = [b for b in hits if type(b) is not TierBlock]
+        pool.touch(device_hits)  # first, so that the allocation cannot evict them
+        fresh = pool.allocate(num_tier_hits)
+        resolved: list[KVBlock] = []
+        copies = []
+        new_blocks = iter(fresh)
+        for b in hits:
+            if type(b) is TierBlock:
+                block = next(new_blocks)
+                copies.append((block.block_id, b.block_hash, b.token_ids))
+                b = block
+            resolved.append(b)
+        served = self.tiers.load(copies)
+        if len(served) < len(copies):
+            pool.free(fresh)
+            pool.free(device_hits)
+            return [], []
+        for block, (_, block_hash, token_ids) in zip(fresh, copies):
+            pool.cache_block(block, block_hash, token_ids)
+        return resolved, served
+
+    def _count_tier_hits(self, request: Request, served: list[str]) -> None:
+        bs = self.block_size
+        per_tier: dict[str, int] = {}
+        for tier in served:
+            per_tier[tier] = per_tier.get(tier, 0) + bs
+        request.tier_cached_tokens = per_tier
+        for tier, n in per_tier.items():
+            self.tier_hit_tokens[tier] = self.tier_hit_tokens.get(tier, 0) + n
 
     def free(self, request: Request) -> None:
         """Release every block of ``request`` (after it finished, or to preempt it).
@@ -254,8 +354,12 @@ class KVCacheManager:
         bs = self.block_size
         num_computed = request.num_computed_tokens
         hits, _ = self.get_computed_blocks(request)
-        # Only blocks whose KV the request had computed can stand in for its host copies.
+        # Only device blocks whose KV the request had computed can stand in for its host copies.
         del hits[num_computed // bs :]
+        for i, b in enumerate(hits):
+            if type(b) is TierBlock:
+                del hits[i:]
+                break
         num_required = self.num_blocks_for(num_computed + num_new_tokens)
         num_new_blocks = num_required - len(hits)
         pool = self.block_pool
@@ -275,8 +379,9 @@ class KVCacheManager:
         self._req_num_cached[rid] = len(hits)
         if self.enable_prefix_caching:
             # Registered before the copy has run: the runner copies before the forward pass, so
-            # no request can read these blocks before they hold the KV.
-            self._cache_full_blocks(request, blocks, num_computed // bs)
+            # no request can read these blocks before they hold the KV (nor can the tiers, which
+            # got these blocks when they were first cached).
+            self._cache_full_blocks(request, blocks, num_computed // bs, store=False)
         return pairs
 
     def next_block_hash(self, request: Request, first_uncomputed_block: int) -> BlockHash | None:
@@ -352,7 +457,9 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int) -> None:
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int, store: bool = True) -> None:
+        """Register the request's full computed blocks from the first not yet offered; with tiers
+        (and ``store``), write the prompt's newly registered ones through to them."""
         rid = request.request_id
         start = self._req_num_cached.get(rid, 0)
         if num_full <= start:
@@ -361,8 +468,16 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids
         cache_block = self.block_pool.cache_block
+        # Prompt blocks are what later requests share; generated ones come back, if ever, as part
+        # of a later prompt (a chat's next turn), and are written through then.
+        num_prompt_blocks = request.num_prompt_tokens // bs if store and self.tiers is not None else 0
+        stores = []
         for i in range(start, num_full):
             block = blocks[i]
             if block.block_hash is None:
-                cache_block(block, hashes[i], tokens[i * bs : (i + 1) * bs])
+                block_tokens = tokens[i * bs : (i + 1) * bs]
+                if cache_block(block, hashes[i], block_tokens) and i < num_prompt_blocks:
+                    stores.append((block.block_id, hashes[i], tuple(block_tokens)))
         self._req_num_cached[rid] = num_full
+        if stores:
+            self.tiers.store(stores)

@@ -149,6 +149,22 @@ class EngineConfig:
         "and back.", name="preemption", choices=PREEMPTION_MODES))
     swap_space_gib: float = field(default=4.0, metadata=flag(
         "Host memory for swapped-out KV blocks (with --preemption swap).", metavar="G"))
+    kv_host_cache_gib: float = field(default=0.0, metadata=flag(
+        "KV tier in host memory: prompt KV blocks are copied here (8-bit) as they are computed, and copied "
+        "back into the KV cache, instead of being computed again, when a later prompt starts with them after "
+        "the cache has evicted them; least recently used out first (0 = off).", metavar="G"))
+    kv_disk_cache: str | None = field(default=None, metadata=flag(
+        "KV tier on disk: a directory where prompt KV blocks are kept compressed, looked up after the host "
+        "tier, shared by the workers given the same directory and kept across restarts. Created 0700 if "
+        "missing; refused if it is a symlink, another user's, or writable by everyone. A block of another "
+        "model or settings, or a damaged one, is never used.", metavar="DIR"))
+    kv_disk_cache_gib: float = field(default=10.0, metadata=flag(
+        "Size of --kv-disk-cache: past it the least recently used blocks are removed.", metavar="G"))
+    kv_shared_cache: str | None = field(default=None, metadata=flag(
+        "A second directory KV tier, looked up after --kv-disk-cache: storage several machines mount "
+        "(off by default).", metavar="DIR"))
+    kv_shared_cache_gib: float = field(default=50.0, metadata=flag(
+        "Size of --kv-shared-cache.", metavar="G"))
     # None: strict priority (the flag also takes 0 for it).
     priority_aging_s: float | None = field(default=_SCHEDULER.priority_aging_s, metadata=flag(
         "Waiting this long is worth one priority level, so nothing starves (0 = strict priority).",
@@ -250,6 +266,24 @@ class EngineConfig:
         if not (self.swap_space_gib >= 0 and math.isfinite(self.swap_space_gib)):
             raise ValueError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib}")
         parse_tenant_weights(self.tenant_weights)  # raises ValueError naming a bad entry
+        self._check_kv_tiers()
+
+    def _check_kv_tiers(self) -> None:
+        for name in ("kv_host_cache_gib", "kv_disk_cache_gib", "kv_shared_cache_gib"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
+        if self.kv_tiers_on and not self.enable_prefix_caching:
+            raise ValueError("KV tiers (--kv-host-cache-gib, --kv-disk-cache, --kv-shared-cache) extend the "
+                             "prefix cache: they need --prefix-cache")
+        if self.kv_tiers_on and self.tensor_parallel_size > 1:
+            raise ValueError("KV tiers do not combine with --tensor-parallel-size > 1 (each rank holds part of "
+                             "every block)")
+
+    @property
+    def kv_tiers_on(self) -> bool:
+        """Whether any KV tier below the device cache is configured."""
+        return self.kv_host_cache_gib > 0 or bool(self.kv_disk_cache) or bool(self.kv_shared_cache)
 
     @property
     def tenant_weight_map(self) -> dict[str, float]:

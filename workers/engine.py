@@ -48,6 +48,7 @@ from mqinfer.schemas import errors
 from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.draft_proposer import DraftProposer, check_draft_model
+from mqinfer.workers.kv_tiers import attach_engine_tiers
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.logits_processors import LogitsProcessors
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
@@ -125,6 +126,8 @@ class RequestOutput:
     schema_valid: bool | None = None
     # The choice (0 to n - 1) of a request with n choices; ``request_id`` is the request's.
     index: int = 0
+    # Of num_cached_tokens, those copied up from each KV tier below the device cache (tier -> tokens).
+    tier_cached_tokens: dict[str, int] | None = None
 
 
 @dataclass
@@ -379,6 +382,8 @@ class LLMEngine:
             self.proposer = None
         self.spec_stats = SpecStats(config.speculative)
         self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
+        # KV tiers below the device cache (host memory, disk, a shared directory), if configured.
+        self.kv_tiers = attach_engine_tiers(config, info, self.model, self.runner, self.scheduler)
         if prepared is None:
             if config.quantization != "none":
                 self._quantize(config)
@@ -441,6 +446,9 @@ class LLMEngine:
         leader, self.tensor_parallel = getattr(self, "tensor_parallel", None), None
         if leader is not None:
             leader.close()
+        tiers, self.kv_tiers = getattr(self, "kv_tiers", None), None
+        if tiers is not None:
+            tiers.close()
 
     def _quantize(self, config: EngineConfig) -> None:
         """Swap in the int8 projections; for w8a8 first fold SmoothQuant's factors into the
@@ -889,6 +897,7 @@ class LLMEngine:
             num_rejected_tokens=request.num_rejected_tokens,
             schema_valid=schema_valid,
             index=index,
+            tier_cached_tokens=request.tier_cached_tokens,
         )
 
     @staticmethod

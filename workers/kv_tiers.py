@@ -1,0 +1,308 @@
+"""KV tiers below the device cache: host memory, a local disk directory, a shared directory.
+
+Owns ``KVTiers``, the workers-side ``LowerTiers`` of the KV cache manager
+(scheduler/kv_cache_manager.py), and :func:`model_identity`. The manager decides which blocks move;
+this class moves them and keeps them:
+
+* ``store``: prompt blocks whose KV is computed are copied out of the device cache (through a few
+  host blocks, the swap machinery of workers/swap.py), put in 8-bit form (kernels/kv_quant.py: as
+  they are for an int8 / fp8 cache, quantized for one in the model's dtype) into the host tier at
+  once, uncompressed, and handed to a background thread that compresses them
+  (workers/kv_codec.py) and writes them to the directory tiers. The thread's queue is bounded:
+  when the disk cannot keep up, writes are dropped and counted, and the step never waits.
+* ``contains`` / ``load``: a lookup walks the tiers in order (host, disk, shared); a block is used
+  only if its blob is whole, unchanged, of this model and of exactly the request's tokens, else it
+  is a miss (counted by reason and removed from that tier) and the next tier is tried. A block
+  found below the host tier is promoted into it. Loaded blocks are copied into the device blocks
+  the manager allocated, before the step's forward pass.
+
+A block's key is the model identity and its chained hash, so workers of the same model and
+settings share blocks through a directory, across restarts, and those of another never do. The
+identity covers what changes the KV of the same tokens: the weights (the model id's hash), dtype,
+the device cache's KV format, quantization, block size and the rotary frequencies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, as_raw, dequantize_kv, quantize_kv
+from mqinfer.workers import kv_codec
+from mqinfer.workers.kv_codec import BlockGeometry, BlockRejected
+from mqinfer.workers.kv_store import DirectoryStore, HostStore
+from mqinfer.workers.swap import HostKVCache
+
+log = logging.getLogger(__name__)
+
+BlockCopy = tuple[int, bytes, tuple[int, ...]]
+# Blocks copied through host memory at a time.
+STAGING_BLOCKS = 32
+# Blocks waiting for the background writer, at most.
+WRITE_QUEUE_BLOCKS = 4096
+
+
+def model_identity(model_id: str, dtype: str, kv_cache_dtype: str, block_size: int, quantization: str,
+                   smoothquant_alpha: float, rotary_inv_freq: torch.Tensor | None) -> bytes:
+    """16 bytes naming everything that makes two workers' KV for the same tokens interchangeable."""
+    fields = {
+        "format": kv_codec.VERSION, "model": model_id, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
+        "block_size": block_size, "quantization": quantization,
+        "smoothquant_alpha": smoothquant_alpha if quantization == "w8a8" else None,
+    }
+    digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16)
+    if rotary_inv_freq is not None:
+        digest.update(rotary_inv_freq.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.digest()
+
+
+class KVTiers:
+    """The tiers of one engine (see the module docstring). ``stores``: host first if any, then the
+    directory tiers in lookup order."""
+
+    def __init__(self, stores: Sequence[HostStore | DirectoryStore], identity: bytes,
+                 device_caches: Sequence[LayerKVCache], write_queue_blocks: int = WRITE_QUEUE_BLOCKS) -> None:
+        if not stores:
+            raise ValueError("KV tiers need at least one store")
+        self.stores = list(stores)
+        self.host = self.stores[0] if isinstance(self.stores[0], HostStore) else None
+        self.lower = [s for s in self.stores if s is not self.host]
+        self.identity = identity
+        self.device_caches = [LayerKVCache(*c) for c in device_caches]
+        first = self.device_caches[0]
+        self.device = first.k.device
+        self.quantized = first.quantized
+        self.cache_dtype = first.k.dtype
+        block_size, kv_heads, head_dim = first.k.shape[1:]
+        self.geometry = BlockGeometry(len(self.device_caches), block_size, kv_heads, head_dim)
+        self.fmt = kv_codec.FP8 if self.cache_dtype == torch.float8_e4m3fn else kv_codec.INT8
+        self.staging = HostKVCache(STAGING_BLOCKS, len(self.device_caches), (block_size, kv_heads, head_dim),
+                                   self.cache_dtype, pin_memory=self.device.type == "cuda", quantized=self.quantized)
+        self.dropped_writes = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, write_queue_blocks))
+        self._writer: threading.Thread | None = None
+        if self.lower:
+            self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
+            self._writer.start()
+
+    def key(self, block_hash: bytes) -> bytes:
+        return self.identity + block_hash
+
+    # -- the manager's interface ------------------------------------------------------------------
+    def contains(self, block_hash: bytes) -> bool:
+        key = self.key(block_hash)
+        for store in self.stores:
+            if store.contains(key):
+                return True
+            store.stats.misses += 1
+        return False
+
+    def load(self, blocks: Sequence[BlockCopy]) -> list[str]:
+        served: list[str] = []
+        for start in range(0, len(blocks), STAGING_BLOCKS):
+            chunk = blocks[start: start + STAGING_BLOCKS]
+            pairs = []
+            for row, (block_id, block_hash, token_ids) in enumerate(chunk):
+                found = self._fetch(block_hash, token_ids)
+                if found is None:
+                    break
+                tier, decoded = found
+                self._stage(row, decoded)
+                pairs.append((row, block_id))
+                served.append(tier)
+            self.staging.swap_in(self.device_caches, pairs)
+            self._sync()  # the staging blocks are reused for the next chunk
+            if len(pairs) < len(chunk):
+                break
+        return served
+
+    def store(self, blocks: Sequence[BlockCopy]) -> None:
+        todo = [b for b in blocks if not self._held(self.key(b[1]))]
+        for start in range(0, len(todo), STAGING_BLOCKS):
+            chunk = todo[start: start + STAGING_BLOCKS]
+            self.staging.swap_out(self.device_caches, [(block_id, row) for row, (block_id, _, _) in enumerate(chunk)])
+            self._sync()
+            for row, (_, block_hash, token_ids) in enumerate(chunk):
+                values, scales = self._unstage(row)
+                key = self.key(block_hash)
+                if self.host is not None:
+                    t0 = time.perf_counter()
+                    blob = kv_codec.encode(self.identity, block_hash, token_ids, values, scales, self.fmt,
+                                           self.geometry, compress=False)
+                    self.host.put(key, blob)
+                    self.host.stats.write_seconds += time.perf_counter() - t0
+                if self._writer is not None:
+                    try:
+                        self._queue.put_nowait((key, block_hash, token_ids, values, scales))
+                    except queue.Full:
+                        self.dropped_writes += 1
+
+    # -- moving blocks ----------------------------------------------------------------------------
+    def _held(self, key: bytes) -> bool:
+        """Whether the block is stored already: in the host tier, or (without one) the first below."""
+        first = self.host if self.host is not None else self.lower[0]
+        return first.contains(key)
+
+    def _fetch(self, block_hash: bytes, token_ids: Sequence[int]) -> tuple[str, kv_codec.DecodedBlock] | None:
+        """The first tier's whole, matching copy of the block (promoted to the host tier)."""
+        key = self.key(block_hash)
+        for store in self.stores:
+            t0 = time.perf_counter()
+            blob = store.get(key)
+            if blob is None:  # gone since the lookup (another worker evicted it)
+                continue
+            try:
+                decoded = kv_codec.decode(blob, self.identity, block_hash, token_ids, self.geometry)
+            except BlockRejected as exc:
+                store.stats.reject(exc.reason)
+                store.discard(key)
+                log.warning("KV tier %s: block %s rejected (%s), recomputed instead", store.kind,
+                            block_hash.hex()[:12], exc)
+                continue
+            stats = store.stats
+            stats.hits += 1
+            stats.read_bytes += len(blob)
+            stats.read_seconds += time.perf_counter() - t0
+            stats.prefix_tokens += len(token_ids)
+            if self.host is not None and store is not self.host:
+                self.host.put(key, kv_codec.encode(self.identity, block_hash, token_ids, decoded.values,
+                                                   decoded.scales, decoded.fmt, self.geometry, compress=False))
+            return store.kind, decoded
+        return None
+
+    def _stage(self, row: int, decoded: kv_codec.DecodedBlock) -> None:
+        """Write a decoded block into staging block ``row`` in the device cache's format."""
+        values = torch.from_numpy(np.array(decoded.values, copy=True))
+        scales = torch.from_numpy(np.array(decoded.scales, copy=True)).view(SCALE_DTYPE)
+        for layer, cache in enumerate(self.staging.caches):
+            for j, (dst, dst_scale) in enumerate(((cache.k, cache.k_scale), (cache.v, cache.v_scale))):
+                v, s = values[2 * layer + j], scales[2 * layer + j]
+                if self.quantized:
+                    as_raw(dst)[row].view(torch.uint8).copy_(v)
+                    dst_scale[row].copy_(s)
+                else:
+                    dst[row].copy_(dequantize_kv(v.view(torch.int8), s, dst.dtype))
+
+    def _unstage(self, row: int) -> tuple[np.ndarray, np.ndarray]:
+        """Staging block ``row`` as 8-bit values and bfloat16 scale bits (quantized here for a cache
+        in the model's dtype)."""
+        values, scales = [], []
+        for cache in self.staging.caches:
+            for t, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
+                if self.quantized:
+                    values.append(as_raw(t)[row].view(torch.uint8))
+                    scales.append(s[row])
+                else:
+                    q, scale = quantize_kv(t[row], torch.int8)
+                    values.append(q.view(torch.uint8))
+                    scales.append(scale)
+        return (torch.stack(values).numpy(), torch.stack(scales).view(torch.int16).numpy())
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # -- the background writer --------------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, block_hash, token_ids, values, scales = item
+                t0 = time.perf_counter()
+                blob = kv_codec.encode(self.identity, block_hash, token_ids, values, scales, self.fmt,
+                                       self.geometry, compress=True)
+                encode_s = time.perf_counter() - t0
+                for store in self.lower:
+                    t1 = time.perf_counter()
+                    store.put(key, blob)
+                    store.stats.write_seconds += time.perf_counter() - t1 + encode_s
+            except Exception:  # a cache write must never stop the worker
+                log.exception("KV tier write failed")
+            finally:
+                self._queue.task_done()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued block is written (or dropped); False if that took too long."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what is queued (for at most ``timeout_s``), stop the writer, close the stores."""
+        if self._writer is not None:
+            if not self.flush(timeout_s):
+                log.warning("KV tiers: %d blocks not written at close", self._queue.unfinished_tasks)
+            self._queue.put(None)
+            self._writer.join(timeout=5.0)
+            self._writer = None
+        for store in self.stores:
+            store.close()
+
+    # -- observing --------------------------------------------------------------------------------
+    def snapshot(self) -> list[dict]:
+        """Each tier's counters as plain data (for the metrics and the benchmark)."""
+        out = []
+        for store in self.stores:
+            s = store.stats
+            out.append({
+                "tier": store.kind, "hits": s.hits, "misses": s.misses, "rejected": dict(s.rejected),
+                "read_bytes": s.read_bytes, "written_bytes": s.written_bytes, "read_seconds": s.read_seconds,
+                "write_seconds": s.write_seconds, "evicted": s.evicted, "write_errors": s.write_errors,
+                "stored_bytes": s.stored_bytes, "stored_blocks": s.stored_blocks, "prefix_tokens": s.prefix_tokens,
+                "max_bytes": store.max_bytes,
+            })
+        if out:
+            out[0]["dropped_writes"] = self.dropped_writes
+        return out
+
+
+def attach_engine_tiers(config, info, model, runner, scheduler) -> KVTiers | None:
+    """The tiers an ``EngineConfig`` asks for, attached to the engine's KV cache manager (None when
+    it asks for none). ``info``: the ``ModelInfo``; ``model`` its module (for the rotary frequencies)."""
+    if not config.kv_tiers_on:
+        return None
+    if getattr(config, "pipeline_parallel_size", 1) > 1:
+        raise ValueError("KV tiers do not combine with pipeline parallelism (each stage holds some layers)")
+    rotary = getattr(model, "rotary", None)
+    identity = model_identity(info.model_id, info.dtype, config.kv_cache_dtype, config.block_size,
+                              config.quantization, config.smoothquant_alpha, getattr(rotary, "inv_freq", None))
+    tiers = build_tiers(host_bytes=int(config.kv_host_cache_gib * 2**30), disk_dir=config.kv_disk_cache,
+                        disk_bytes=int(config.kv_disk_cache_gib * 2**30), shared_dir=config.kv_shared_cache,
+                        shared_bytes=int(config.kv_shared_cache_gib * 2**30), identity=identity,
+                        device_caches=runner.kv_caches)
+    scheduler.kv_cache_manager.attach_tiers(tiers)
+    log.info("KV tiers: %s (8-bit, %s)", ", ".join(
+        f"{s.kind} {s.max_bytes / 2**30:g} GiB" + (f" at {s.path}" if hasattr(s, "path") else "")
+        for s in tiers.stores), "zstd" if kv_codec.zstd_available() else "zlib: install zstandard for speed")
+    return tiers
+
+
+def build_tiers(*, host_bytes: int, disk_dir: str | None, disk_bytes: int, shared_dir: str | None,
+                shared_bytes: int, identity: bytes, device_caches: Sequence[LayerKVCache]) -> KVTiers | None:
+    """The tiers a configuration asks for, or None when it asks for none."""
+    stores: list[HostStore | DirectoryStore] = []
+    if host_bytes > 0:
+        stores.append(HostStore(host_bytes))
+    if disk_dir:
+        stores.append(DirectoryStore(disk_dir, disk_bytes, kind="disk"))
+    if shared_dir:
+        stores.append(DirectoryStore(shared_dir, shared_bytes, kind="shared"))
+    if not stores:
+        return None
+    return KVTiers(stores, identity, device_caches)
+
+
+__all__ = ["KVTiers", "attach_engine_tiers", "build_tiers", "model_identity"]
