@@ -31,10 +31,10 @@ waiting request of a group below its share of the slots (its weight over the tot
 groups with unfinished requests) preempts the last running request, in scheduling order, of the
 group furthest above its share, provided that group stays at or above its share without it, the
 victim's priority is not better, and the victim's group has received more service (counters above)
-than the waiting request's group will have once that request has run to its end. Without it, a
-backlog admitted while the engine was idle would hold every slot until it finished, and a tenant
-arriving behind it would wait for a whole round of it; the service condition keeps groups that are
-even on service from taking slots back and forth. Requests admitted in the same pass are not taken
+than the waiting request's group. Without it, a backlog admitted while the engine was idle would hold
+every slot until it finished, and a tenant arriving behind it would wait for a whole round of it.
+Slots are not taken back and forth: the victim's group stays at or above its share, so it has no
+claim on a slot of a group below its share. Requests admitted in the same pass are not taken
 back, and a group whose request found no room is not tried again in that pass.
 
 When the KV cache has no room for a running request, the scheduler preempts the running

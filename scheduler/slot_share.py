@@ -10,17 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from mqinfer.scheduler.config import SchedulerConfig
-from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT, WaitingQueue
+from mqinfer.scheduler.fair import WaitingQueue
 from mqinfer.scheduler.output import SchedulerOutput
 from mqinfer.scheduler.request import Request
-
-
-def expected_service(request: Request) -> float:
-    """The service (before weights) still to be charged for ``request`` if it runs to its
-    ``max_tokens``: its prompt unless it was admitted before, and its remaining output."""
-    prompt = request.num_prompt_tokens if request.num_cached_tokens < 0 else 0
-    remaining = max(0, request.sampling.max_tokens - request.num_output_tokens)
-    return prompt * PROMPT_TOKEN_WEIGHT + remaining * OUTPUT_TOKEN_WEIGHT
 
 
 class SlotShares:
@@ -83,8 +75,8 @@ class SlotShares:
         """Preempt a request so that ``request`` can be admitted: one of the group with the most
         running requests per unit of weight, when that group stays at or above its share without
         it, ``request``'s group is below its share with it, the victim's priority is not better,
-        and the victim's group has received more service than ``request``'s will have once
-        ``request`` has run to its end. The victim is that group's last request in scheduling
+        and the victim's group has received more service (per unit of weight) than ``request``'s.
+        The victim is that group's last request in scheduling
         order. Returns the tokens the victim had been given in this step (back to the budget),
         or -1 when nothing was preempted (the group is then refused for the rest of the pass)."""
         key = request.fair_key
@@ -98,12 +90,12 @@ class SlotShares:
         if len(shares) < 2 or counts.get(key, 0) + 1 > shares.get(key, 0.0):
             self._refused.add(key)
             return -1
-        # Service counters settle it, so that groups that are even on service never take slots
-        # back and forth.
+        # The slot shares keep groups from taking slots back and forth (the victim's group stays
+        # at or above its share, so it has no claim to take one back); the service counters keep
+        # a group that has had its due from taking a slot while it holds fewer than its share.
         owed = waiting.counter(key) or 0.0
-        owed += expected_service(request) / self._config.weight_of(request.tenant)
         over = sorted((g for g, n in counts.items() if g != key and g in shares and n - 1 >= shares[g]
-                       and (waiting.counter(g) or 0.0) >= owed),
+                       and (waiting.counter(g) or 0.0) > owed),
                       key=lambda g: counts[g] / shares[g], reverse=True)
         running = self._running
         for group in over:
