@@ -7,7 +7,8 @@ The plan has three parts:
 1. **A step-cost model of this machine and model** (``plan_model``): one engine step's seconds
    from its batched tokens, requests and attention pairs, fitted once by ``--calibrate`` on the
    real engine (``plan_calibrate``) and stored under the cache folder for later plans. The same
-   calibration measures a worker's start-up time.
+   calibration measures a worker's start-up time and the worker loop around the engine
+   (``plan_pipeline``).
 2. **A simulation with the real scheduler and batcher** (``plan_sim``): the requests arrive (a
    seeded Poisson process at ``--rate``, or all at once for a bulk job), N simulated workers read
    them from a simulated stream and run them through ``DynamicBatcher`` and ``Scheduler``, each step
@@ -20,11 +21,13 @@ The plan has three parts:
 
 Every request is assumed to generate its full ``max_tokens`` (the simulation has no EOS), which
 is exact for ``ignore_eos`` workloads and an upper bound otherwise. The worker loop around the
-engine (Redis round trips, sinks, acks) is two calibrated figures, not a model of its parts. Not
-modelled: other processes on the machine, workers on one machine slowing each other down, and a
-fresh worker's first steps beyond its start-up (on a GPU, kernels loading and compiling for the
-shapes they first see). ``python -m mqinfer.loadgen.plan_check`` measures how far the predictions
-are from the real pipeline.
+engine is measured, not modelled part by part: the gaps between steps, the flushes of result rows
+(the loop's longest pauses, and most of the TTFT tail), the wake-up on an arrival, the spread of
+step times and a fresh worker's slow first steps are drawn from what the calibration's runs of
+the real pipeline showed (plan_pipeline). A bulk job's workers are fresh; an online target's are
+warm. Not modelled: other processes on the machine, and workers on one machine slowing each
+other down. ``python -m mqinfer.loadgen.plan_check`` measures how far the predictions are from the
+real pipeline, and whether the worker count it picks for an SLO is the one the pipeline needs.
 """
 
 from __future__ import annotations
@@ -472,20 +475,33 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     if chosen.num_errors:
         notes.append(f"{chosen.num_errors} requests refused by the scheduler (prompt longer than the context or "
                      "the KV cache)")
-    plan = _plan_dict(model, workload.name, target, chosen, fixed is None, layout, calibration, path, opts, costs,
-                      keda, tried, notes)
+    ctx = PlanContext(model, workload.name, target, layout, calibration, path, opts["price_per_device_hour"])
+    plan = _plan_dict(ctx, chosen, fixed is None, costs, keda, tried, notes)
     if opts.get("plot"):
         plan["sweep"] = sweep(evaluate, workload.requests, chosen, target, count, opts["seed"], upper)
     return plan
 
 
-def _plan_dict(model: str, workload_name: str, target: Target, chosen: Evaluation, searched: bool, layout: Layout,
-               calibration: Calibration, path: Path, opts: dict[str, Any], costs: Bill, keda: dict[str, Any],
+@dataclass(frozen=True)
+class PlanContext:
+    """What a plan is for and made from."""
+
+    model: str
+    workload: str
+    target: Target
+    layout: Layout
+    calibration: Calibration
+    path: Path  # where the calibration is stored
+    price_per_device_hour: float
+
+
+def _plan_dict(ctx: PlanContext, chosen: Evaluation, searched: bool, costs: Bill, keda: dict[str, Any],
                tried: list[Evaluation], notes: list[str]) -> dict[str, Any]:
     """The plan as a JSON-ready dict (ARCHITECTURE.md names its contract keys)."""
+    target, layout, calibration = ctx.target, ctx.layout, ctx.calibration
     return {
-        "model": model,
-        "workload": workload_name,
+        "model": ctx.model,
+        "workload": ctx.workload,
         "target": {"kind": "online" if target.online else "bulk", "description": target.describe(),
                    "rate": target.rate, "slo_ttft_p99_ms": ms_value(target.slo_ttft_p99_s),
                    "slo_tpot_ms": ms_value(target.slo_tpot_p99_s), "deadline_s": target.deadline_s,
@@ -507,7 +523,7 @@ def _plan_dict(model: str, workload_name: str, target: Target, chosen: Evaluatio
         "job_s": calibration.startup_s + chosen.end_s if not target.online else None,
         "num_steps": chosen.num_steps,
         "num_preemptions": chosen.num_preemptions,
-        "price_per_device_hour": opts["price_per_device_hour"],
+        "price_per_device_hour": ctx.price_per_device_hour,
         "worker_hour_usd": costs.worker_hour_usd,
         "cost_per_request_usd": costs.cost_per_request_usd,
         "cost_per_million_tokens_usd": costs.cost_per_million_tokens_usd,
@@ -521,7 +537,7 @@ def _plan_dict(model: str, workload_name: str, target: Target, chosen: Evaluatio
         "idle_ttft_p99_s": target.idle_ttft_p99_s,
         "search": [{"workers": e.workers, "met": e.met, "ttft_p99_s": e.ttft_p99_s, "tpot_p99_s": e.tpot_p99_s,
                     "utilisation": e.utilisation, "checked": e.why} for e in tried],
-        "calibration": calibration_dict(calibration, path),
+        "calibration": calibration_dict(calibration, ctx.path),
         "notes": notes,
     }
 
@@ -529,6 +545,8 @@ def _plan_dict(model: str, workload_name: str, target: Target, chosen: Evaluatio
 # Requests per second of the sweep behind --plot: these times the planned rate (a bulk job's: the
 # requests per second its planned workers finish).
 SWEEP_RATE_FACTORS = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5)
+# Requests simulated for each point of the sweep, at most.
+SWEEP_REQUESTS = 500
 
 
 def sweep(evaluate: Callable[..., Evaluation], base: Sequence[SimRequest], chosen: Evaluation, target: Target,
@@ -539,7 +557,7 @@ def sweep(evaluate: Callable[..., Evaluation], base: Sequence[SimRequest], chose
     points = []
     for factor in SWEEP_RATE_FACTORS:
         rate = reference * factor
-        reqs = with_arrivals(base, rate, count, seed)
+        reqs = with_arrivals(base, rate, min(count, SWEEP_REQUESTS), seed)
         goal = replace(target, rate=rate, deadline_s=None)
         for n in counts:
             ev = evaluate(n, reqs, goal, quiet=True)

@@ -264,8 +264,8 @@ def format_workers_check(c: dict[str, Any]) -> str:
         parts.append(f"  {k} worker(s): measured p99 {1000 * value:.1f} ms "
                      f"({'meets' if value <= c['slo_ttft_p99_ms'] / 1000 else 'misses'}), predicted "
                      + ("-" if pred is None else f"{1000 * pred:.1f} ms"))
-    parts.append(f"  the real pipeline {'agrees' if c['agrees'] else 'DISAGREES'}: "
-                 + (f"{n - 1} miss(es) and {n} meet(s)" if n > 1 else f"{n} meets"))
+    wanted = f"{n - 1} worker(s) missing the SLO and {n} meeting it" if n > 1 else f"{n} worker(s) meeting the SLO"
+    parts.append(f"  the real pipeline {'agrees' if c['agrees'] else 'DISAGREES'} (the plan means {wanted})")
     return "\n".join(parts)
 
 

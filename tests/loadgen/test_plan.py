@@ -257,6 +257,52 @@ def test_shared_prefixes_hit_the_real_prefix_cache():
     assert max(later) < min(o.ttft_s for o in uncached.outcomes[1:])
 
 
+def test_the_loop_is_read_from_a_workers_json_step_log(tmp_path):
+    """Gaps between steps that left work, flushes from a step's end to its first row line, from
+    lines as `mqinfer worker --log-format json --log-level debug` writes them."""
+    import logging
+
+    from mqinfer.cli import JsonFormatter
+    from mqinfer.loadgen.plan_pipeline import loop_samples, read_timeline
+
+    lines = []
+
+    def emit(ts: float, msg: str) -> None:
+        record = logging.LogRecord("mqinfer.worker", logging.DEBUG, __file__, 0, msg, (), None)
+        record.created = ts
+        lines.append(JsonFormatter().format(record))
+
+    def step(end: float, seconds: float, running: int) -> None:
+        emit(end, "step " + json.dumps({"requests": 1, "tokens": 1, "running": running, "waiting": 0,
+                                        "step_s": seconds}))
+
+    step(100.010, 0.010, 2)
+    step(100.022, 0.010, 2)  # 2 ms after the first: a gap
+    emit(100.050, 'finished {"id": "a"}')  # rows flushed after the second step: 28 ms
+    emit(100.051, 'finished {"id": "b"}')
+    step(100.062, 0.010, 0)  # after the flush: no gap counted; this step leaves nothing
+    emit(100.080, 'finished {"id": "c"}')  # the flush after the engine emptied: 18 ms
+    emit(160.0, 'finished {"id": "d"}')  # a later flush (the exit's) after an idle wait: not one
+    step(170.012, 0.010, 1)  # after an idle wait: no gap counted
+    lines.insert(3, "a line that is not JSON")
+    path = tmp_path / "worker-0.log"
+    path.write_text("\n".join(lines) + "\n")
+    timeline = read_timeline(path)
+    assert len(timeline.steps) == 4 and len(timeline.row_times) == 4
+    gaps, flushes = loop_samples(timeline, since=0.0)
+    assert gaps == pytest.approx([0.002])
+    assert flushes == pytest.approx([0.028, 0.018])
+    assert loop_samples(timeline, since=100.011) == ([], pytest.approx([0.028, 0.018]))  # from the second step
+
+
+def test_step_noise_is_each_repeated_step_over_its_shapes_median():
+    from mqinfer.loadgen.plan_calibrate import step_noise
+
+    a, b = StepShape(10, 1, 0.0), StepShape(20, 2, 0.0)
+    samples = [StepSample(a, 1.0), StepSample(a, 1.0), StepSample(a, 2.0), StepSample(b, 3.0)]
+    assert sorted(step_noise(samples)) == [1.0, 1.0, 2.0]  # b measured once: no spread known
+
+
 # -- the search and the bill ----------------------------------------------------------------------
 def _ev(workers: int, met: bool, excess: float) -> planner.Evaluation:
     return planner.Evaluation(workers, 10, 0, 100, 100, 0.1, 0.2, 0.01, 0.01, 100.0, 0.5, 10.0, 10.0, 1, 0,
@@ -426,6 +472,31 @@ def test_plan_table_names_the_workers_and_the_costs(cache, capsys):
         assert text in out
 
 
+def test_plot_draws_p99_against_the_rate_for_the_planned_count_and_its_neighbours(cache, capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "plots" / "p99.png"
+    code, out, err = _run(capsys, "--workload", "standard", "--num-requests", "200", "--rate", "20",
+                          "--slo-ttft-p99-ms", "200", "--device", "cpu", "--format", "json", "--plot", str(path))
+    assert code == 0 and str(path) in err
+    plan = json.loads(out)
+    n = plan["workers"]
+    assert {p["workers"] for p in plan["sweep"]} == {k for k in (n - 1, n, n + 1) if k >= 1}
+    assert sorted({p["rate"] for p in plan["sweep"]}) == pytest.approx([20 * f for f in planner.SWEEP_RATE_FACTORS])
+    assert all(p["ttft_p99_s"] > 0 for p in plan["sweep"])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_without_matplotlib_the_plot_is_a_note_and_the_plan_stands(cache, capsys, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    path = tmp_path / "p99.svg"
+    code, out, err = _run(capsys, "--workload", "standard", "--num-requests", "100", "--rate", "5",
+                          "--device", "cpu", "--plot", str(path))
+    assert code == 0 and "cost per request" in out
+    assert "matplotlib is not installed" in err and not path.exists()
+
+
 def test_without_calibration_the_command_says_to_calibrate(plan_cache, capsys):
     code, out, err = _run(capsys, "--workload", "standard", "--rate", "5", "--device", "cpu")
     assert code == 2 and out == ""
@@ -484,6 +555,15 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys):
     first = json.loads(out)
     assert CONTRACT_KEYS <= set(first)
     c = first["calibration"]
-    assert c["startup_source"] == "worker" and c["startup_s"] > 0 and c["step_overhead_s"] >= 0
+    assert c["startup_source"] == "worker" and c["startup_s"] > 0
+    # The worker loop, from the warm worker's step log: gaps between steps, flushes of rows (each
+    # request's rows are flushed when the engine empties, so there is at least one), a spread of
+    # step times, and the fresh worker's first steps measured against the warm one's.
+    assert c["mean_gap_s"] > 0 and c["flush_s"] > 0 and c["step_noise_p90"] >= 1.0
+    assert c["first_step_s"] >= 0 and c["wake_s"] is not None
+    stored = load_calibration(planner.calibration_path(
+        {**{o.name: o.default for o in PLAN_CMD}, "device": "cpu"},
+        planner.worker_layout({**{o.name: o.default for o in PLAN_CMD}, "device": "cpu"})))
+    assert len(stored.gap_samples_s) >= 20 and stored.flush_samples_s and stored.wake_samples_s
     code, out, _ = _run(capsys, *argv)
     assert code == 0 and json.loads(out)["calibration"]["measured_at"] == c["measured_at"]
