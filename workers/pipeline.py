@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import os
 import time
+from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,6 +50,16 @@ from mqinfer.workers.parallel import COLLECTIVE_TIMEOUT_S, Group, Leader, StepPl
 
 # Micro-batches per step, at least (at most one per request): two keep two stages busy at once.
 MIN_MICRO_BATCHES = 2
+# Tokens each micro-batch needs before a step is cut, by device type. Below this a projection's
+# time is that of reading its weights, which every micro-batch reads again, so two small
+# micro-batches cost about what two whole steps would: a ``[rows, k] x [k, n]`` product does about
+# ``rows / 2`` FLOP per float32 weight byte, and one CPU core's compute outruns its memory
+# bandwidth from about 10 rows on (measured: a step's 16 decode rows cut in two took as long per
+# half as the whole). A GPU's crossing is in the hundreds of rows (a reckoning, not run on one).
+MIN_MICRO_BATCH_TOKENS = {"cpu": 32, "cuda": 256}
+# Micro-batches per step, overriding the rule above, for measurements (1 runs the stages one after
+# the other). Every rank reads it (the worker's environment passes to its ranks), so they cut alike.
+MICRO_BATCHES_ENV = "MQINFER_PIPELINE_MICRO_BATCHES"
 
 
 class PipelineGroup(Group):
@@ -168,6 +180,19 @@ def split_micro_batches(plan: StepPlan, count: int) -> list[MicroBatch]:
     return batches
 
 
+def micro_batches(stages: int, num_tokens: int, device_type: str) -> int:
+    """Micro-batches for a step of ``num_tokens`` tokens over ``stages`` stages: ``max(2, stages)``
+    where each gets ``MIN_MICRO_BATCH_TOKENS`` tokens, fewer where they would not (one for a few
+    decodes); ``MICRO_BATCHES_ENV`` when set."""
+    text = os.environ.get(MICRO_BATCHES_ENV, "").strip()
+    if text:
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"{MICRO_BATCHES_ENV} must be a whole number of at least 1, got {text!r}")
+        return int(text)
+    least = MIN_MICRO_BATCH_TOKENS.get(device_type, MIN_MICRO_BATCH_TOKENS["cuda"])
+    return max(1, min(max(MIN_MICRO_BATCHES, stages), num_tokens // least))
+
+
 # ---------------------------------------------------------------------------------- the runner
 class StageRunner(ModelRunner):
     """A pipeline stage's model runner: its layers' KV cache (block copies and all, as the model
@@ -187,9 +212,10 @@ class StageRunner(ModelRunner):
         super().__init__(model, dataclasses.replace(info, num_layers=model.stage.num_layers), scheduler_config,
                          device, dtype, kv_cache_dtype=kv_cache_dtype, group=group)
         self.vocab_size, self.hidden_size = info.vocab_size, info.hidden_size
-        self.num_micro_batches = max(MIN_MICRO_BATCHES, group.num_stages)
         # Rank 0: the micro-batches of the step whose logits are still to come.
         self._in_flight: list[MicroBatch] = []
+        # Steps run, by how many micro-batches they were cut into.
+        self.steps_by_micro_batches: Counter[int] = Counter()
 
     def _forward(self, plan: StepPlan) -> tuple[None, float]:
         """Rank 0: the block copies, then stage 0 over the step's micro-batches; the hidden states
@@ -219,7 +245,9 @@ class StageRunner(ModelRunner):
         stage: the sampling rows' logits, to rank 0)."""
         group, stage = self.group, self.model.stage
         group.wait_sends()  # the last step's sends are taken before this step's buffers go out
-        batches = split_micro_batches(plan, self.num_micro_batches)
+        count = micro_batches(group.num_stages, sum(plan.query_lens), self.device.type)
+        batches = split_micro_batches(plan, count)
+        self.steps_by_micro_batches[len(batches)] += 1
         for n, mb in enumerate(batches):
             metadata = build_attention_metadata(
                 plan.query_lens[mb.requests], plan.seq_lens[mb.requests], plan.block_tables[mb.requests],
@@ -249,5 +277,5 @@ class StageRunner(ModelRunner):
             self.group.send_logits(logits)
 
 
-__all__ = ["MIN_MICRO_BATCHES", "MicroBatch", "PipelineGroup", "StageRunner", "join_pipeline",
-           "split_micro_batches"]
+__all__ = ["MICRO_BATCHES_ENV", "MIN_MICRO_BATCHES", "MicroBatch", "PipelineGroup", "StageRunner", "join_pipeline",
+           "micro_batches", "split_micro_batches"]

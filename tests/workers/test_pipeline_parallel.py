@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from mqinfer.workers.loader import load_model
 from mqinfer.workers.models.config import ModelLoadError
 from mqinfer.workers.models.stage import Stage
 from mqinfer.workers.parallel import StepPlan
-from mqinfer.workers.pipeline import split_micro_batches
+from mqinfer.workers.pipeline import MICRO_BATCHES_ENV, micro_batches, split_micro_batches
 
 NUM_NEW = 8
 LAYERS = 4
@@ -109,24 +110,31 @@ CASES = {
 CASES["int8-kv"] = {**CASES["chunked-recompute"], "kv_cache_dtype": "int8"}
 
 
-@pytest.mark.parametrize("family,case,tp,pp", [
-    ("llama", "chunked-recompute", 1, 2),
-    ("qwen2", "swap", 1, 2),
-    ("llama", "int8-kv", 1, 4),
-    ("qwen2", "chunked-recompute", 2, 2),
+# Micro-batches per step: forced (these steps are too small for the rule to cut them, which the
+# swap case keeps: it cuts only its larger prefill steps).
+@pytest.mark.parametrize("family,case,tp,pp,micro", [
+    ("llama", "chunked-recompute", 1, 2, "2"),
+    ("qwen2", "swap", 1, 2, None),
+    ("llama", "int8-kv", 1, 4, "4"),
+    ("qwen2", "chunked-recompute", 2, 2, "3"),
 ])
-def test_stages_generate_what_one_rank_does(request, monkeypatch, family, case, tp, pp):
+def test_stages_generate_what_one_rank_does(request, monkeypatch, family, case, tp, pp, micro):
     folder = request.getfixturevalue(family)
     one, kv_one, preempted_one = _run(folder, 1, 1, case)
-    billed = []
+    if micro is not None:
+        monkeypatch.setenv(MICRO_BATCHES_ENV, micro)  # read by every rank (the ranks inherit it)
+    billed, cuts = [], Counter()
 
     def bills(engine):  # on a 16-core machine, T x P one-thread ranks hold T x P sixteenths of it
-        monkeypatch.setattr(devices, "usable_cores", lambda: 16)
-        billed.append((engine.device_share, len(engine.tensor_parallel.procs)))
-        monkeypatch.undo()
+        with monkeypatch.context() as patch:
+            patch.setattr(devices, "usable_cores", lambda: 16)
+            billed.append((engine.device_share, len(engine.tensor_parallel.procs)))
+        cuts.update(engine.runner.steps_by_micro_batches)
 
     many, kv_many, preempted_many = _run(folder, tp, pp, case, bills)
     assert billed == [(tp * pp / 16, tp * pp - 1)]
+    # Steps were cut (three ways and more where forced to; the rule kept some whole).
+    assert max(cuts) >= min(int(micro or 2), 3) and (micro is not None or cuts[1] > 0), cuts
     assert preempted_one > 0 and preempted_many == preempted_one
     assert sum(o.num_cached_tokens for o in one.values()) > 0  # prefix hits happened
     for rid, out in one.items():
@@ -233,6 +241,19 @@ def test_micro_batches_cut_the_requests_into_runs_of_about_equal_tokens():
     assert len(split_micro_batches(StepPlan(query_lens=[5]), 4)) == 1
     four = split_micro_batches(StepPlan(query_lens=[1] * 8), 4)
     assert [b.num_rows for b in four] == [2, 2, 2, 2]
+
+
+def test_a_step_is_cut_only_where_each_micro_batch_has_tokens_enough(monkeypatch):
+    monkeypatch.delenv(MICRO_BATCHES_ENV, raising=False)
+    # On CPU 32 tokens each: a few decodes stay whole (cut, each would read the weights again).
+    assert [micro_batches(2, n, "cpu") for n in (1, 16, 63, 64, 2048)] == [1, 1, 1, 2, 2]
+    assert [micro_batches(4, n, "cpu") for n in (64, 100, 128, 4096)] == [2, 3, 4, 4]
+    assert micro_batches(2, 300, "cuda") == 1 and micro_batches(2, 512, "cuda") == 2
+    monkeypatch.setenv(MICRO_BATCHES_ENV, "3")
+    assert micro_batches(2, 1, "cpu") == 3
+    monkeypatch.setenv(MICRO_BATCHES_ENV, "0")
+    with pytest.raises(ValueError, match="MQINFER_PIPELINE_MICRO_BATCHES must be a whole number of at least 1"):
+        micro_batches(2, 100, "cpu")
 
 
 @pytest.mark.parametrize("command,options", [("worker", WORKER_CMD), ("run", RUN_CMD)])
