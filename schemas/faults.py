@@ -3,7 +3,8 @@
 Off unless the environment variable ``MQINFER_FAULTS`` is set, which only tests do:
 ``MQINFER_FAULTS="point=action[@N],..."`` with actions ``kill`` (SIGKILL this process),
 ``enospc`` (raise ``OSError(ENOSPC)``), ``eio`` (raise ``OSError(EIO)``) or ``sleep:S``; ``@N``
-fires on the N-th time the point is reached (default: the first), and only then.
+fires on the N-th time the point is reached (default: the first), and only then; ``@*`` fires
+every time (a disk that stays full).
 
 Points: ``sink.before_rename`` (a Parquet part file of either dataset is written and fsynced
 under its temporary name), ``sink.results.before_rename`` and ``sink.costs.before_rename`` (the
@@ -12,7 +13,8 @@ same, for one dataset only), ``sink.after_write`` (rows are durable, before the 
 rank other than 0, before it runs the model), ``pp.stage_step.<s>`` (each step of pipeline stage
 ``s`` on its ranks other than rank 0, after its first micro-batch), ``compact.<step>`` (each step of compaction, as
 :func:`mqinfer.ops.compact.compact` names them: ``temp_written``, ``journal_written``,
-``rename:<i>``, ``delete:<i>``, and ``recover:...`` while finishing an interrupted run).
+``rename:<i>``, ``delete:<i>``, and ``recover:...`` while finishing an interrupted run),
+``kv_tier.disk_write`` (each write of a block file of a directory KV tier).
 The fault suite in ``tests/faults/`` and ``RELIABILITY.md`` show each one in use.
 """
 
@@ -34,7 +36,7 @@ def _load() -> dict[str, tuple[str, int]]:
         for part in filter(None, (p.strip() for p in os.environ.get("MQINFER_FAULTS", "").split(","))):
             point, _, action = part.partition("=")
             action, _, nth = (action or "kill").partition("@")
-            _plan[point] = (action, int(nth or 1))
+            _plan[point] = (action, 0 if nth == "*" else int(nth or 1))
     return _plan
 
 
@@ -49,7 +51,7 @@ def hit(point: str) -> None:
         return
     action, nth = plan[point]
     _hits[point] = _hits.get(point, 0) + 1
-    if _hits[point] != nth:
+    if nth and _hits[point] != nth:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
