@@ -101,8 +101,10 @@ def test_fleet_run_conserves_time_and_bills_duplicates_to_nobody(redis_url, redi
     requests = []
     for i in range(6):  # pairs of one shape, submitted one after the other
         prompt_len, max_tokens = (40 + 12 * (i % 3), 40 + 8 * (i % 4))
+        # A pair shares its tenant: with a lane per tenant, its two entries are next to each other
+        # in one lane, so a worker reads them together and runs them side by side.
         for j in range(2):
-            requests.append(shaped(f"r{i}-{j}", 2 + 2 * i + j, prompt_len, max_tokens, tenants[(i + j) % 3],
+            requests.append(shaped(f"r{i}-{j}", 2 + 2 * i + j, prompt_len, max_tokens, tenants[i % 3],
                                    "chat" if i % 2 else "batch"))
     src = write_jsonl(tmp_path / "in.jsonl", requests)
     sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", redis_url, "--job-id", "job-1"),
