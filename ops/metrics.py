@@ -308,6 +308,12 @@ class WorkerMetrics:
         have devices of their own, one series per rank, labelled ``rank``."""
         self.registry.register(_MemoryCollector([str(device), *map(str, other_ranks)]))
 
+    def watch_kv_tiers(self, snapshot: Callable[[], list[dict]]) -> None:
+        """Export the KV tiers' counters (``snapshot``: ``KVTiers.snapshot``; ops/kv_tier_metrics.py)."""
+        from mqinfer.ops.kv_tier_metrics import KVTierCollector
+
+        self.registry.register(KVTierCollector(snapshot))
+
     def watch_budgets(self, guard, client=None) -> None:
         """Export each budgeted tenant's budget and spend (``guard``: an ``ops.budgets.BudgetGuard``;
         ``client``: the Redis client scrapes read spend with, by default the guard's)."""

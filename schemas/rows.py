@@ -94,6 +94,13 @@ COST_SCHEMA = pa.schema(
         # threads over the usable cores. Null in rows written before the column existed, which
         # billed one whole device: read it as 1.0 (with_device_share).
         pa.field("device_share", pa.float64()),
+        # Of cached_prompt_tokens, those copied up from each KV tier below the device cache (host
+        # memory, the disk directory, the shared directory); the rest were in the device cache. Null
+        # in rows written before the columns existed. (Before index, which readers of old rows
+        # append last.)
+        pa.field("host_cached_tokens", pa.int32()),
+        pa.field("disk_cached_tokens", pa.int32()),
+        pa.field("shared_cached_tokens", pa.int32()),
         # The choice a request row bills (see the results' index); null for the rows of no request
         # (idle, startup, lost) and for work no result carries; read as 0 where a request row
         # written before the column existed has none (with_choice_index).
@@ -169,6 +176,9 @@ class CostRow(msgspec.Struct, kw_only=True):
     rejected_tokens: int = 0
     device_share: float = 1.0
     index: int | None = None
+    host_cached_tokens: int = 0
+    disk_cached_tokens: int = 0
+    shared_cached_tokens: int = 0
 
 
 def with_device_share(table: pa.Table) -> pa.Table:

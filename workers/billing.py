@@ -27,6 +27,12 @@ from mqinfer.workers.costs import RequestMeter, wasted_work_row
 from mqinfer.workers.entries import InFlight, entry_time
 
 
+def tier_columns(tier_cached_tokens: dict[str, int] | None) -> dict[str, int]:
+    """A request row's prefix tokens served by each KV tier below the device cache."""
+    tiers = tier_cached_tokens or {}
+    return {f"{tier}_cached_tokens": tiers.get(tier, 0) for tier in ("host", "disk", "shared")}
+
+
 class Billing:
     """Builds rows for one worker: its name, its price, and its model and device share (known once
     the engine is up)."""
@@ -66,6 +72,7 @@ class Billing:
             kv_block_s=meter.kv_block_s, cost_usd=self._usd(meter.device_s),
             price_per_device_hour=self.price, worker=self.worker, finished_at=now,
             rejected_tokens=out.num_rejected_tokens, device_share=self.device_share, index=out.index,
+            **tier_columns(out.tier_cached_tokens),
         )
         return row, cost
 
@@ -143,6 +150,8 @@ def finished_fields(item: InFlight, out, row: ResultRow, cost: CostRow, meter: R
         "recomputed_s": round(meter.recomputed_s, 6), "cost_usd": cost.cost_usd,
         "rejected_tokens": cost.rejected_tokens,
     }
+    if out.tier_cached_tokens:
+        fields["tier_cached_tokens"] = dict(out.tier_cached_tokens)
     if item.num_choices > 1:
         fields["index"] = out.index
     return fields

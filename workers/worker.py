@@ -224,6 +224,8 @@ class Worker:
             self.metrics.track_engine(engine.scheduler, lambda: len(self.batcher) + len(throttle))
             self.metrics.track_rate_limits(throttle.limits, throttle.waiting_by_tenant)
         self.metrics.watch_memory(str(engine.device), *engine.rank_devices[1:])
+        if getattr(engine, "kv_tiers", None) is not None:
+            self.metrics.watch_kv_tiers(engine.kv_tiers.snapshot)
         # Scrapes read Redis from the HTTP thread, on their own client with a short timeout.
         scrape_redis = connect_redis(cfg.redis_url, cluster=cfg.redis_cluster, socket_timeout=2.0)
         self.metrics.watch_stream(scrape_redis, self.stream_key, cfg.group, clock=self.clock,

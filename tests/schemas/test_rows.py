@@ -52,7 +52,8 @@ def test_cost_schema_is_the_contract():
     assert COST_SCHEMA.names == [
         "kind", "job_id", "id", "tenant", "model", "request_type", "prompt_tokens", "cached_prompt_tokens",
         "output_tokens", "queue_s", "prefill_s", "decode_s", "device_s", "recomputed_s", "kv_block_s", "cost_usd",
-        "price_per_device_hour", "worker", "finished_at", "rejected_tokens", "device_share", "index",
+        "price_per_device_hour", "worker", "finished_at", "rejected_tokens", "device_share",
+        "host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens", "index",
     ]
     types = {f.name: f.type for f in COST_SCHEMA}
     assert all(types[n] == pa.int32() for n in ("prompt_tokens", "cached_prompt_tokens", "output_tokens",
@@ -63,6 +64,9 @@ def test_cost_schema_is_the_contract():
     assert COST_SCHEMA.field("device_share").nullable
     assert types["finished_at"] == UTC_US
     assert types["index"] == pa.int32() and COST_SCHEMA.field("index").nullable
+    # Prefix tokens per KV tier: added later, nullable.
+    assert all(types[n] == pa.int32() and COST_SCHEMA.field(n).nullable
+               for n in ("host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens"))
 
 
 def test_rows_written_before_the_index_read_as_choice_zero():
