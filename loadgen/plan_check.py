@@ -41,6 +41,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -269,14 +270,40 @@ def format_workers_check(c: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+class LoadSampler:
+    """The machine's 1-minute load average every few seconds while the check runs (the cores may be
+    shared: a busy machine's figures say more about the machine than about the plan)."""
+
+    def __init__(self, every_s: float = 5.0) -> None:
+        self.samples = [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), name="load-sampler", daemon=True)
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.samples.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append(os.getloadavg()[0])
+
+    def summary(self) -> dict[str, float]:
+        return {"min": min(self.samples), "mean": statistics.mean(self.samples), "max": max(self.samples)}
+
+
 def run_check(ns: argparse.Namespace) -> dict[str, Any]:
     s = setup(ns)
     scratch = Path(tempfile.mkdtemp(prefix="mqinfer-plan-check-"))
     started = time.time()
-    load = os.getloadavg()
     try:
-        rows = accuracy(ns, s, scratch) if not ns.skip_accuracy else []
-        check = workers_check(ns, s, scratch) if ns.workers_check else None
+        with LoadSampler() as load:
+            rows = accuracy(ns, s, scratch) if not ns.skip_accuracy else []
+            check = workers_check(ns, s, scratch) if ns.workers_check else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     c, loop = s.calibration.model, s.calibration.loop
@@ -285,7 +312,7 @@ def run_check(ns: argparse.Namespace) -> dict[str, Any]:
         "command": "python -m mqinfer.loadgen.plan_check " + " ".join(sys.argv[1:]),
         "model": ns.model, "workload": ns.workload, "num_requests": ns.num_requests,
         "online_requests": ns.online_requests, "workers": ns.workers, "num_threads": s.opts["num_threads"],
-        "device": ns.device, "load_average_before": load, "load_average_after": os.getloadavg(),
+        "device": ns.device, "load_average": load.summary(),
         "calibration": {"path": str(s.path), "measured_at": s.calibration.measured_at,
                         "step_s_fixed": c.step_s_fixed, "token_s": c.token_s, "seq_s": c.seq_s, "pair_s": c.pair_s,
                         "decode_ctx_s": c.decode_ctx_s, "mean_gap_s": loop.mean_gap_s,
@@ -352,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
         print(result["table"])
     if result["workers_check"]:
         print(format_workers_check(result["workers_check"]))
-    print(f"load average {result['load_average_before'][0]:.2f} before, {result['load_average_after'][0]:.2f} after")
+    load = result["load_average"]
+    print(f"load average (1 min) during the check: {load['min']:.2f} to {load['max']:.2f}, mean {load['mean']:.2f} "
+          f"({os.cpu_count()} CPUs)")
     if ns.json:
         Path(ns.json).write_text(json.dumps(result, indent=2))
     return 0 if not result["workers_check"] or result["workers_check"]["agrees"] else 1
