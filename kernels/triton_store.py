@@ -87,13 +87,16 @@ def _store_rows_quantized(x, dst, scale_dst, mask, heads, QUANT: tl.constexpr, N
     ``scale_dst`` (one per head)."""
     x = x.to(tl.float32)
     qmax = 127.0 if QUANT == 1 else 448.0
+    # Both divisions are IEEE (div_rn), as PyTorch's: Triton's `/` on float32 compiles to an
+    # approximate division on NVIDIA GPUs (up to 2 ulp off), which moves values across rounding
+    # boundaries; the interpreter divides exactly, so only a GPU shows the difference.
     # The scale rounded up to bfloat16 (kv_quant.scale_up_to_bfloat16), stored as its 16 bits
     # (the scale tensors are handed over as int16).
-    bits = (tl.max(tl.abs(x), 1) / qmax).to(tl.int32, bitcast=True)
+    bits = tl.math.div_rn(tl.max(tl.abs(x), 1), tl.full((), qmax, tl.float32)).to(tl.int32, bitcast=True)
     scale_bits = (bits >> 16) + ((bits & 0xFFFF) != 0).to(tl.int32)
     scale = (scale_bits << 16).to(tl.float32, bitcast=True)
     divisor = tl.where(scale > 0, scale, 1.0)
-    y = tl.minimum(tl.maximum(x / divisor[:, None], -qmax), qmax)
+    y = tl.minimum(tl.maximum(tl.math.div_rn(x, divisor[:, None]), -qmax), qmax)
     if QUANT == 1:
         tl.store(dst, _round_half_even(y).to(tl.int8), mask=mask)
     else:
