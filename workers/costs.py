@@ -47,7 +47,7 @@ per decode token than a short one.
 **The device share.** The price is per device-hour, and a worker bills its share of a priced
 device: every interval it bills (startup, idle, steps) counts ``device_share`` times its wall
 seconds, and every row it writes carries that ``device_share``. On CUDA a worker holds one device
-per tensor-parallel rank (a share of T); on a CPU the machine is one device and a worker holds
+per rank (a share of T, or T x P with P pipeline stages); on a CPU the machine is one device and a worker holds
 its threads (all its ranks' threads) over the machine's usable cores, at most all of it (two
 one-thread workers on a 2-core machine bill half of it each); ``--device-share`` sets it.
 

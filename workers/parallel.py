@@ -28,6 +28,10 @@ other ranks run the model on it and send back only their logits. They never touc
 
 A rank that dies or fails makes rank 0's next collective fail (or its liveness check notice):
 :class:`RankFailure` stops the worker, which exits without acking what it holds.
+
+With pipeline parallelism (``workers/pipeline.py``) the same ``Leader`` starts ``T x P`` ranks: rank
+``r`` is tensor-parallel rank ``r mod T`` of stage ``r div T`` (:func:`rank_parts`), the collectives
+run within each stage's group, and every rank gets every step's plan.
 """
 
 from __future__ import annotations

@@ -12,13 +12,15 @@ Rank 0 (stage 0) is the worker process, as with tensor parallelism (``workers/pa
 ``Leader`` starts the other ranks, sends every rank each step's plan and watches that they live):
 it owns Redis, the scheduler, sampling, the sinks and the acks. Each step's scheduled requests are
 cut into micro-batches (contiguous runs of requests with about equal tokens, ``max(2, P)`` of them
-where there are enough requests), and every stage runs them in order: the first stage embeds the
-tokens, each stage sends its residual stream to the same tensor-parallel rank of the next stage
-(asynchronously, so it starts on the next micro-batch at once), and the last stage sends the
-logits of the rows that sample back to rank 0, which samples from the whole vocabulary as one rank
-would. So while stage ``s + 1`` runs micro-batch ``m``, stage ``s`` runs ``m + 1``: with ``P`` stages
-and ``M`` micro-batches a step takes ``(M + P - 1) / M`` of one stage's share of the work instead
-of ``P`` shares. Between steps the stages wait for rank 0 to sample and schedule the next.
+where each gets ``MIN_MICRO_BATCH_TOKENS``), and every stage runs them in order: the first stage
+embeds the tokens, each stage sends its residual stream to the same tensor-parallel rank of the
+next stage (asynchronously, so it starts on the next micro-batch at once), and the last stage
+sends the logits of the rows that sample back to rank 0, which samples from the whole vocabulary
+as one rank would. So while stage ``s + 1`` runs micro-batch ``m``, stage ``s`` runs ``m + 1``:
+with ``P`` stages and ``M`` micro-batches a step takes ``(M + P - 1) / M`` of one stage's share of
+the work instead of ``P`` shares. A step of a few decodes runs whole (cut, each micro-batch would
+read every weight again): its stages run one after the other. Between steps the stages wait for
+rank 0 to sample and schedule the next (the next step's tokens depend on this step's).
 
 Exactness: a stage sends the residual stream itself, and splitting a step into micro-batches only
 changes which requests share a matmul, so greedy float32 output is that of one rank.
