@@ -30,8 +30,9 @@ Fair share of the running slots: when the slots (``max_num_seqs``) or the KV blo
 waiting request of a group below its share of the slots (its weight over the total weight of the
 groups with unfinished requests) preempts the last running request, in scheduling order, of the
 group furthest above its share, provided that group stays at or above its share without it, the
-victim's priority is not better, and the victim's group has received more service (counters above)
-than the waiting request's group. Without it, a backlog admitted while the engine was idle would hold
+victim's priority is not better, and either the waiting request's group runs fewer than half its
+share (that half is guaranteed at once) or the victim's group has received more service (counters
+above) than the waiting request's group. Without it, a backlog admitted while the engine was idle would hold
 every slot until it finished, and a tenant arriving behind it would wait for a whole round of it.
 Slots are not taken back and forth: the victim's group stays at or above its share, so it has no
 claim on a slot of a group below its share. Requests admitted in the same pass are not taken

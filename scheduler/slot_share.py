@@ -75,7 +75,10 @@ class SlotShares:
         """Preempt a request so that ``request`` can be admitted: one of the group with the most
         running requests per unit of weight, when that group stays at or above its share without
         it, ``request``'s group is below its share with it, the victim's priority is not better,
-        and the victim's group has received more service (per unit of weight) than ``request``'s.
+        and either ``request``'s group stays within half its share with it (half a share is
+        guaranteed at once: a tenant arriving behind a flood starts without waiting for the
+        counters) or the victim's group has received more service (per unit of weight) than
+        ``request``'s.
         The victim is that group's last request in scheduling
         order. Returns the tokens the victim had been given in this step (back to the budget),
         or -1 when nothing was preempted (the group is then refused for the rest of the pass)."""
@@ -91,11 +94,12 @@ class SlotShares:
             self._refused.add(key)
             return -1
         # The slot shares keep groups from taking slots back and forth (the victim's group stays
-        # at or above its share, so it has no claim to take one back); the service counters keep
-        # a group that has had its due from taking a slot while it holds fewer than its share.
+        # at or above its share, so it has no claim to take one back); beyond the guaranteed
+        # half, the service counters keep a group that has had its due from taking more.
         owed = waiting.counter(key) or 0.0
+        guaranteed = counts.get(key, 0) + 1 <= shares[key] / 2
         over = sorted((g for g, n in counts.items() if g != key and g in shares and n - 1 >= shares[g]
-                       and (waiting.counter(g) or 0.0) > owed),
+                       and (guaranteed or (waiting.counter(g) or 0.0) > owed)),
                       key=lambda g: counts[g] / shares[g], reverse=True)
         running = self._running
         for group in over:

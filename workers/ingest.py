@@ -34,7 +34,7 @@ from mqinfer.workers.engine import EngineInputError
 from mqinfer.workers.entries import InFlight, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.jobs import JobStatuses
-from mqinfer.workers.lanes import Lane, LaneSet, expected_service, qualify, split
+from mqinfer.workers.lanes import Lane, LaneSet, expected_service, lane_of, qualify, split
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.tenant_limits import request_tokens
 from mqinfer.workers.throttle import Throttle
@@ -45,6 +45,9 @@ log = logging.getLogger("mqinfer.worker")
 HANDBACK_CONSUMER = "mqinfer-handback"
 # A consumer that tried to read this recently is a live worker (a blocked XREADGROUP counts).
 LIVE_CONSUMER_MS = 10_000
+# How often a worker whose engine and waiting queue are full looks for lanes with nothing waiting
+# here (Ingest._read_newcomers).
+NEWCOMER_CHECK_S = 0.05
 # Dead letters kept, about.
 DEAD_LETTERS_MAXLEN = 100_000
 
@@ -171,6 +174,7 @@ class Ingest:
         self.blocked_s = 0.0
         self.last_accept = float("-inf")
         self._last_autoclaim = 0.0
+        self._last_newcomer_check = float("-inf")
         weights = engine.scheduler_config
         self.lanes = LaneSet(redis_client, config.stream, config.group, enabled=config.lanes != "none",
                              max_lanes=config.max_lanes, weight_of=weights.weight_of, clock=clock)
@@ -273,7 +277,8 @@ class Ingest:
         then new ones."""
         room, startable = self._room()
         if room <= 0:
-            self._pause()
+            if not (self.lanes.multi and self._read_newcomers(now)):
+                self._pause()
             return
         if now - self._last_autoclaim >= min(self.config.claim_idle_ms / 2000.0, 5.0):
             self._last_autoclaim = now
@@ -330,6 +335,43 @@ class Ingest:
         lanes by their counters (:class:`LaneSet`), then one pipelined read of that many from each.
         With nothing unread anywhere, one read that blocks on all the lanes."""
         lanes = list(self.lanes)
+        consumers, total_unread, total_pending = self._look_at(lanes)
+        if total_unread == 0:
+            self._block_on_lanes(room, lanes)
+            return
+        share = self._share(room, startable, total_unread, total_pending, consumers)
+        if share > 0:
+            self._read_plan(self.lanes.share_out(share))
+
+    def _read_newcomers(self, now: float) -> bool:
+        """The engine is full and its waiting queue at its bound, yet a lane with nothing waiting
+        here may still be read: up to an even part of the bound per lane (at most ``--max-batch``),
+        and no more than an even share of its own backlog among the live workers. Without this,
+        behind another lane's flood its requests would reach the scheduler (whose fair share of the
+        running slots can start them at once) one at a time, as the flood's waiting requests drain.
+        Looked at every ``NEWCOMER_CHECK_S`` at most. Returns whether anything was read."""
+        if now - self._last_newcomer_check < NEWCOMER_CHECK_S:
+            return False
+        self._last_newcomer_check = now
+        self.lanes.refresh(now)
+        waiting_here = {lane_of(qid) for qid, item in self.ownership.inflight.items() if item.started_at is None}
+        absent = [lane for lane in self.lanes if lane.name not in waiting_here]
+        if not waiting_here or not absent:
+            return False
+        consumers, unread, pending = self._look_at(absent)
+        if unread == 0:
+            return False
+        live = 1 + sum(1 for c in consumers if text(c["name"]) not in (HANDBACK_CONSUMER, self.consumer)
+                       and c["idle"] < LIVE_CONSUMER_MS)
+        allowance = max(1, min(self.config.max_batch, self.waiting_bound // len(list(self.lanes))))
+        share = min(allowance, -(-(unread + pending) // live))
+        before = len(self.ownership)
+        self._read_plan(self.lanes.share_out(share, only={lane.name for lane in absent}))
+        return len(self.ownership) > before
+
+    def _look_at(self, lanes: list[Lane]) -> tuple[list, int, int]:
+        """(the plain stream's consumers, unread entries, pending entries) over ``lanes``, each
+        lane's unread count given to the lane set (:meth:`LaneSet.observe`)."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.xinfo_consumers(self.stream_key, self.config.group)
         for lane in lanes:
@@ -355,13 +397,10 @@ class Ingest:
             total_unread += count
             total_pending += pending
         self.lanes.observe(unread)
-        if total_unread == 0:
-            self._block_on_lanes(room, lanes)
-            return
-        share = self._share(room, startable, total_unread, total_pending, consumers)
-        if share <= 0:
-            return
-        plan = self.lanes.share_out(share)
+        return consumers, total_unread, total_pending
+
+    def _read_plan(self, plan: list[tuple[Lane, int]]) -> None:
+        """One pipelined read of so many entries from each lane."""
         pipe = self.redis.pipeline(transaction=False)
         for lane, count in plan:
             pipe.xreadgroup(self.config.group, self.consumer, {lane.key: ">"}, count=count)

@@ -109,18 +109,18 @@ class KVTiers:
         served: list[str] = []
         for start in range(0, len(blocks), STAGING_BLOCKS):
             chunk = blocks[start: start + STAGING_BLOCKS]
-            pairs = []
-            for row, (block_id, block_hash, token_ids) in enumerate(chunk):
-                found = self._fetch(block_hash, token_ids)
-                if found is None:
+            found = []
+            for block_id, block_hash, token_ids in chunk:
+                got = self._fetch(block_hash, token_ids)
+                if got is None:
                     break
-                tier, decoded = found
-                self._stage(row, decoded)
-                pairs.append((row, block_id))
-                served.append(tier)
-            self.staging.swap_in(self.device_caches, pairs)
-            self._sync()  # the staging blocks are reused for the next chunk
-            if len(pairs) < len(chunk):
+                found.append(got[1])
+                served.append(got[0])
+            if found:
+                self._stage(found)
+                self.staging.swap_in(self.device_caches, [(row, chunk[row][0]) for row in range(len(found))])
+                self._sync()  # the staging blocks are reused for the next chunk
+            if len(found) < len(chunk):
                 break
         return served
 
@@ -130,18 +130,18 @@ class KVTiers:
             chunk = todo[start: start + STAGING_BLOCKS]
             self.staging.swap_out(self.device_caches, [(block_id, row) for row, (block_id, _, _) in enumerate(chunk)])
             self._sync()
+            values, scales = self._unstage(len(chunk))
             for row, (_, block_hash, token_ids) in enumerate(chunk):
-                values, scales = self._unstage(row)
                 key = self.key(block_hash)
                 if self.host is not None:
                     t0 = time.perf_counter()
-                    blob = kv_codec.encode(self.identity, block_hash, token_ids, values, scales, self.fmt,
+                    blob = kv_codec.encode(self.identity, block_hash, token_ids, values[row], scales[row], self.fmt,
                                            self.geometry, compress=False)
                     self.host.put(key, blob)
                     self.host.stats.write_seconds += time.perf_counter() - t0
                 if self._writer is not None:
                     try:
-                        self._queue.put_nowait((key, block_hash, token_ids, values, scales))
+                        self._queue.put_nowait((key, block_hash, token_ids, values[row], scales[row]))
                     except queue.Full:
                         self.dropped_writes += 1
 
@@ -178,33 +178,34 @@ class KVTiers:
             return store.kind, decoded
         return None
 
-    def _stage(self, row: int, decoded: kv_codec.DecodedBlock) -> None:
-        """Write a decoded block into staging block ``row`` in the device cache's format."""
-        values = torch.from_numpy(np.array(decoded.values, copy=True))
-        scales = torch.from_numpy(np.array(decoded.scales, copy=True)).view(SCALE_DTYPE)
+    def _stage(self, decoded: Sequence[kv_codec.DecodedBlock]) -> None:
+        """Write decoded blocks into the first staging blocks, in the device cache's format."""
+        n = len(decoded)
+        values = torch.from_numpy(np.stack([d.values for d in decoded]))  # [n, 2 * layers, ...] uint8
+        scales = torch.from_numpy(np.stack([d.scales for d in decoded])).view(SCALE_DTYPE)
         for layer, cache in enumerate(self.staging.caches):
             for j, (dst, dst_scale) in enumerate(((cache.k, cache.k_scale), (cache.v, cache.v_scale))):
-                v, s = values[2 * layer + j], scales[2 * layer + j]
+                v, s = values[:, 2 * layer + j], scales[:, 2 * layer + j]
                 if self.quantized:
-                    as_raw(dst)[row].view(torch.uint8).copy_(v)
-                    dst_scale[row].copy_(s)
+                    as_raw(dst)[:n].view(torch.uint8).copy_(v)
+                    dst_scale[:n].copy_(s)
                 else:
-                    dst[row].copy_(dequantize_kv(v.view(torch.int8), s, dst.dtype))
+                    dst[:n].copy_(dequantize_kv(v.view(torch.int8), s, dst.dtype))
 
-    def _unstage(self, row: int) -> tuple[np.ndarray, np.ndarray]:
-        """Staging block ``row`` as 8-bit values and bfloat16 scale bits (quantized here for a cache
-        in the model's dtype)."""
+    def _unstage(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``n`` staging blocks as 8-bit values ``[n, 2 * layers, ...]`` and bfloat16 scale
+        bits (quantized here for a cache in the model's dtype)."""
         values, scales = [], []
         for cache in self.staging.caches:
             for t, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
                 if self.quantized:
-                    values.append(as_raw(t)[row].view(torch.uint8))
-                    scales.append(s[row])
+                    values.append(as_raw(t)[:n].view(torch.uint8))
+                    scales.append(s[:n])
                 else:
-                    q, scale = quantize_kv(t[row], torch.int8)
+                    q, scale = quantize_kv(t[:n], torch.int8)
                     values.append(q.view(torch.uint8))
                     scales.append(scale)
-        return (torch.stack(values).numpy(), torch.stack(scales).view(torch.int16).numpy())
+        return (torch.stack(values, dim=1).numpy(), torch.stack(scales, dim=1).view(torch.int16).numpy())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

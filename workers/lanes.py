@@ -202,12 +202,13 @@ class LaneSet:
                 lane.counter = max(lane.counter, floor)
             lane.backlogged = backlogged
 
-    def share_out(self, room: int) -> list[tuple[Lane, int]]:
-        """How many entries to read from each backlogged lane: ``room`` shared one at a time to the
-        lane with the smallest counter counting what this read already gave it."""
+    def share_out(self, room: int, only: set[str | None] | None = None) -> list[tuple[Lane, int]]:
+        """How many entries to read from each backlogged lane (of those named in ``only``, when
+        given): ``room`` shared one at a time to the lane with the smallest counter counting what
+        this read already gave it."""
         heap = []
         for n, lane in enumerate(self.lanes.values()):
-            if lane.unread > 0:
+            if lane.unread > 0 and (only is None or lane.name in only):
                 heap.append((lane.counter, n, lane))
         heapq.heapify(heap)
         taken: dict[int, int] = {}
