@@ -53,6 +53,30 @@ def test_a_light_tenant_behind_a_backlog_is_not_held_back_by_it(redis_url, tmp_p
         worker.worker.redis.close()
 
 
+def test_a_lane_arriving_while_the_waiting_queue_is_full_is_read_and_run_at_once(redis_url, tmp_path):
+    """The worker runs four bulk requests and holds its waiting bound (eight) of the rest when an
+    interactive tenant's six requests arrive: they are read a few at a time without waiting for
+    the bulk tenant's waiting requests to drain, take running slots back from the bulk tenant, and
+    all finish before the first bulk request (40 tokens) does."""
+    producer = Producer(redis_url)
+    producer.submit_many([request(f"b{i}", max_tokens=40, tenant="bulk") for i in range(100)])
+    worker = _harness(redis_url, tmp_path / "out")
+    try:
+        scheduler = worker.worker.engine.scheduler
+        worker.until(lambda: scheduler.num_running == 4 and scheduler.num_waiting >= 8, what="a full engine")
+        assert worker.worker.ingest._room()[0] == 0
+        producer.submit_many([request(f"i{i}", max_tokens=4, tenant="interactive") for i in range(6)])
+
+        def interactive_done():
+            return sum(r["id"].startswith("i") for r in worker.results()) == 6
+
+        worker.until(interactive_done, max_turns=200, advance_s=0.02, what="the interactive requests")
+        assert not any(r["id"].startswith("b") for r in worker.results())
+        assert scheduler.num_preemptions_total >= 1
+    finally:
+        worker.worker.redis.close()
+
+
 def test_weights_hold_at_the_queue_across_lanes(redis_url, tmp_path):
     """Two tenants both backlogged with weights 2:1 get 2:1 of the entries read (the same shape of
     request, so 2:1 of the tokens too), within 5%."""
