@@ -1,6 +1,6 @@
 """Pipeline parallelism measured on CPU: step times of P = 2 stages against one rank.
 
-``python -m mqinfer.loadgen.bench_pipeline`` runs the same batch through one worker engine in
+``python -m mqinfer.loadgen.bench_pipeline`` runs the same batches through one worker engine in
 three layouts, in alternating rounds (the layouts see the same machine load): one rank with one
 thread; two stages of one thread each with the stages run one after the other (one micro-batch
 per step, ``MQINFER_PIPELINE_MICRO_BATCHES=1``); and two stages with the default micro-batches
@@ -32,8 +32,9 @@ LAYOUTS = {
 
 
 def run_layout(model: str, *, pp: int, micro_batches: str | None, batch: int, prompt_len: int,
-               new_tokens: int) -> dict:
-    """One engine, one batch: each step's seconds by kind, and every request's greedy tokens."""
+               new_tokens: int, waves: int = 1) -> dict:
+    """One engine, ``waves`` batches one after the other: each step's seconds by kind, and every
+    request's greedy tokens."""
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.engine import LLMEngine
@@ -51,22 +52,23 @@ def run_layout(model: str, *, pp: int, micro_batches: str | None, batch: int, pr
     try:
         rng = random.Random(0)
         vocab = engine.info.vocab_size
-        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch + 1)]
+        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(batch * waves + 1)]
         # A warm-up request: first-call costs (buffers, packed weights, the group's first transfers).
         engine.add_request("warm", prompts[-1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
         greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"r{i}", prompts[i], greedy)
         prefill, decode, tokens = [], [], {}
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            result = engine.step()
-            (prefill if any(w.is_prefill for w in result.work) else decode).append(time.perf_counter() - t0)
-            for out in result.outputs:
-                if out.finished:
-                    tokens[out.request_id] = list(out.output_token_ids)
+        for wave in range(waves):
+            for i in range(wave * batch, (wave + 1) * batch):
+                engine.add_request(f"r{i}", prompts[i], greedy)
+            while engine.has_unfinished():
+                t0 = time.perf_counter()
+                result = engine.step()
+                (prefill if any(w.is_prefill for w in result.work) else decode).append(time.perf_counter() - t0)
+                for out in result.outputs:
+                    if out.finished:
+                        tokens[out.request_id] = list(out.output_token_ids)
     finally:
         engine.close()
         os.environ.pop(MICRO_BATCHES_ENV, None)
@@ -80,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=16, help="requests at once (default 16)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    parser.add_argument("--waves", type=int, default=2, help="batches per engine, one after the other (default 2)")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of the three layouts (default 3)")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
-    if min(args.batch, args.prompt_len, args.new_tokens, args.rounds) < 1:
-        parser.error("--batch, --prompt-len, --new-tokens and --rounds must be at least 1")
+    if min(args.batch, args.prompt_len, args.new_tokens, args.waves, args.rounds) < 1:
+        parser.error("--batch, --prompt-len, --new-tokens, --waves and --rounds must be at least 1")
     model = args.model
     if model is None:
         from mqinfer.loadgen.checkpoint import make_standard_checkpoint
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = None
         for name, layout in LAYOUTS.items():
             run = run_layout(model, batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                             **layout)
+                             waves=args.waves, **layout)
             steps[name]["prefill"] += run["prefill"]
             steps[name]["decode"] += run["decode"]
             baseline = run["tokens"] if baseline is None else baseline
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                          for kind in ("prefill", "decode")}
         figures[name]["same_tokens_as_one_rank"] = agree[name]
     one = figures["P=1"]
-    print(f"{args.batch} requests x {args.prompt_len} prompt tokens + {args.new_tokens} new, float32, "
+    print(f"{args.waves} x {args.batch} requests x {args.prompt_len} prompt tokens + {args.new_tokens} new, float32, "
           f"one thread per rank, {args.rounds} alternating rounds; median step ms (ratio to P=1):")
     for name, row in figures.items():
         cells = [f"{kind} {row[kind]:.1f} ({row[kind] / one[kind]:.2f}x)" for kind in ("prefill", "decode")
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:22s} {'  '.join(cells)}  greedy tokens as P=1: {row['same_tokens_as_one_rank']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": model, "batch": args.batch, "prompt_len": args.prompt_len,
+            json.dump({"model": model, "batch": args.batch, "waves": args.waves, "prompt_len": args.prompt_len,
                        "new_tokens": args.new_tokens, "rounds": args.rounds, "layouts": figures}, f, indent=2)
     return 0 if all(agree.values()) else 1
 
