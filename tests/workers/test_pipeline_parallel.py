@@ -217,6 +217,16 @@ def test_each_stage_reads_only_its_own_tensors(qwen2, monkeypatch):
     assert torch.equal(last.lm_head.weight, first.model.embed_tokens.weight)
 
 
+def test_a_model_in_memory_is_cut_into_stages_too():
+    # The built-in model (and a GGUF file) is read whole and cut: stage 1 of 2 keeps layers 2 and 3.
+    whole = load_model("tiny")[0]
+    last = load_model("tiny", stage=(1, 2))[0]
+    assert len(last.model.layers) == 2 and last.model.embed_tokens is None
+    for mine, theirs in zip(last.model.layers.parameters(), whole.model.layers[2:].parameters()):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(last.lm_head.weight, whole.lm_head.weight)
+
+
 def test_the_layers_split_into_stages():
     assert [(s.start, s.stop) for s in (Stage.of(10, i, 4) for i in range(4))] == [(0, 3), (3, 6), (6, 8), (8, 10)]
     stage = Stage.of(4, 1, 2)
