@@ -56,8 +56,8 @@ MIN_MICRO_BATCHES = 2
 # time is that of reading its weights, which every micro-batch reads again, so two small
 # micro-batches cost about what two whole steps would: a ``[rows, k] x [k, n]`` product does about
 # ``rows / 2`` FLOP per float32 weight byte, and one CPU core's compute outruns its memory
-# bandwidth from about 10 rows on (measured: a step's 16 decode rows cut in two took as long per
-# half as the whole). A GPU's crossing is in the hundreds of rows (a reckoning, not run on one).
+# bandwidth from about 10 rows on (measured: a step's 16 decode rows cut in two took about as long
+# per half as the whole). A GPU's crossing is in the hundreds of rows (a reckoning, not run on one).
 MIN_MICRO_BATCH_TOKENS = {"cpu": 32, "cuda": 256}
 # Micro-batches per step, overriding the rule above, for measurements (1 runs the stages one after
 # the other). Every rank reads it (the worker's environment passes to its ranks), so they cut alike.
