@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--prefixes", type=int, default=16)
-    parser.add_argument("--prefix-tokens", type=int, default=256)
+    parser.add_argument("--prefix-tokens", type=int, default=512)
     parser.add_argument("--cache-multiple", type=float, default=4.0,
                         help="The prefixes together over the device cache.")
     parser.add_argument("--model", default="tiny")

@@ -63,6 +63,7 @@ from mqinfer.schemas.replies import (
     parse_reply,
 )
 from mqinfer.schemas.request import Request
+from mqinfer.schemas.routing import tier_homes_from
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import encode_entry
 
@@ -197,6 +198,9 @@ class Client:
         self._owns_redis = client is None
         self.redis = client if client is not None else connect_redis(redis_url, cluster=cluster)
         self._core.cluster = is_cluster(self.redis)
+        if self._core.router.by_prefix:
+            # Prefixes go where the workers' KV tiers hold them (docs/kv-tiers.md).
+            self._core.router.tier_homes = tier_homes_from(self.redis, self._core.streams)
         self._state_lock = threading.Lock()  # the core: every step of a plan runs under it
         self._read_lock = threading.Lock()  # the read turn: one thread reads the reply streams at a time
         self._cancel = self.redis.register_script(CANCEL_SCRIPT)

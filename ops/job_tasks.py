@@ -74,7 +74,7 @@ from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.schemas.lanes import DEFAULT_MAX_LANES, parse_lanes
 from mqinfer.schemas.prefix_order import prefix_key
-from mqinfer.schemas.routing import PrefixRouter
+from mqinfer.schemas.routing import PrefixRouter, tier_homes_from
 from mqinfer.ops.job_cost import JobCost, job_cost, rows_since
 from mqinfer.ops.job_input import InputPosition, InputUnusable, read_chunk
 from mqinfer.ops.job_lanes import JobLanes
@@ -286,6 +286,9 @@ class JobRun:
         # the plain streams.
         self.order = str(self.job.get("order") or "input")
         self.router = PrefixRouter(self.shards, route=str(self.job.get("route") or "id"))
+        if self.router.by_prefix:
+            # Prefixes go where the workers' KV tiers hold them (docs/kv-tiers.md).
+            self.router.tier_homes = tier_homes_from(self.data, self.streams)
         self.lanes = JobLanes(self.data, self.streams, parse_lanes(str(self.job.get("lanes") or "none")),
                               int(self.job.get("max_lanes") or DEFAULT_MAX_LANES), self.job_id)
         self.deadline = float(self.job["deadline"]) if self.job.get("deadline") else None

@@ -68,6 +68,13 @@ def gap_marker(stream: str, last_delivered_id: str) -> str:
     return f"mqinfer:{{{stream}}}:gap:{last_delivered_id}"
 
 
+def kv_tier_prefixes(stream: str) -> str:
+    """Sorted set of the prompt prefixes (8-byte digests of their route keys, scored by the unix time
+    last seen) whose KV blocks the tiers of the workers reading ``stream`` hold: prefix routing
+    prefers the shard whose workers hold a prefix."""
+    return f"mqinfer:{{{stream}}}:kv-prefixes"
+
+
 def rate_limit_bucket(tenant: str) -> str:
     """Hash of a tenant's rate-limit buckets (tokens and requests left, when last refilled), shared
     by every worker of the server whatever its stream, so that a tenant's limit holds across all

@@ -17,18 +17,26 @@ length plus ``max_tokens`` (bytes / 4 for text). The loads add up over the route
 a producer that submits in chunks stays balanced over the chunks; ``spilled`` counts the requests
 not sent to their first home, the price of the balance in prefix locality.
 
+Workers with KV tiers (docs/kv-tiers.md) publish the prefixes their tiers hold (the digests of
+their route keys, :func:`route_digest`, in :func:`~mqinfer.schemas.keys.kv_tier_prefixes` of their
+stream); a router given ``tier_homes`` (:func:`tier_homes_from` reads those sets) makes the shard
+that holds a prefix its home when the router has no home for it yet, so that a new producer, or a
+re-run of a job, sends a prefix where its KV already is rather than to its hash's shard.
+
 Where a request lives is then no longer a function of its id alone: whoever needs it later
 (``cancel``, a resumed job) either remembers the shard or looks in every shard.
 """
 
 from __future__ import annotations
 
+import hashlib
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Sequence
 
-from mqinfer.schemas.keys import shard_index
+from mqinfer.schemas.keys import kv_tier_prefixes, shard_index
 from mqinfer.schemas.prefix_order import prefix_key
 from mqinfer.schemas.request import Request
 
@@ -49,6 +57,30 @@ def route_key(request: Request) -> bytes | None:
     if len(key) < ROUTE_BYTES:
         return None
     return b"b" + key[:ROUTE_BYTES]
+
+
+def route_digest(key: bytes) -> bytes:
+    """The 8 bytes workers publish for a route key whose prefix their KV tiers hold."""
+    return hashlib.blake2b(key, digest_size=8).digest()
+
+
+def tier_homes_from(client, streams: Sequence[str]) -> Callable[[list[bytes]], dict[bytes, int]]:
+    """A ``PrefixRouter.tier_homes`` reading the workers' published prefixes with ``client`` (a
+    redis.Redis): for each route key, the shard whose workers saw it last, if any did."""
+
+    def homes(route_keys: list[bytes]) -> dict[bytes, int]:
+        digests = [route_digest(k) for k in route_keys]
+        pipe = client.pipeline(transaction=False)
+        for stream in streams:
+            pipe.zmscore(kv_tier_prefixes(stream), digests)
+        found: dict[bytes, tuple[float, int]] = {}
+        for shard, scores in enumerate(pipe.execute()):
+            for key, score in zip(route_keys, scores or ()):
+                if score is not None and (key not in found or score > found[key][0]):
+                    found[key] = (score, shard)
+        return {key: shard for key, (_, shard) in found.items()}
+
+    return homes
 
 
 def work_estimate(request: Request) -> int:
@@ -77,7 +109,8 @@ class PrefixRouter:
     """
 
     def __init__(self, shards: int, *, route: str = "prefix", slack: float = DEFAULT_SLACK,
-                 max_keys: int = 100_000) -> None:
+                 max_keys: int = 100_000, tier_homes: Callable[[list[bytes]], dict[bytes, int]] | None = None
+                 ) -> None:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
         if shards < 1:
@@ -92,6 +125,10 @@ class PrefixRouter:
         self.spilled = 0
         self.routed = 0
         self._homes: OrderedDict[bytes, list[int]] = OrderedDict()
+        # Where the workers' KV tiers hold a prefix (see the module docstring), asked for the keys
+        # the router has no home for; and how many groups went to such a home.
+        self.tier_homes = tier_homes
+        self.tier_routed = 0
 
     @property
     def by_prefix(self) -> bool:
@@ -117,6 +154,8 @@ class PrefixRouter:
             group = groups.setdefault(key, _Group(key, [], 0))
             group.members.append(i)
             group.work += work
+        if self.tier_homes is not None:
+            self._seed_tier_homes([k for k in groups if k not in self._homes])
         out = [0] * len(requests)
         target = (sum(self.load) + sum(g.work for g in groups.values()) + sum(g.work for g in loose)) / self.shards
         limit = target * (1.0 + self.slack)
@@ -130,6 +169,20 @@ class PrefixRouter:
             self.load[shard] += group.work
         self.routed += len(requests)
         return out
+
+    def _seed_tier_homes(self, new_keys: list[bytes]) -> None:
+        """Make the shard whose workers' tiers hold a prefix its home; routing goes on by hash when
+        the lookup fails (it is an optimisation, never a reason to refuse a submission)."""
+        if not new_keys:
+            return
+        try:
+            found = self.tier_homes(new_keys)
+        except Exception:
+            return
+        for key, shard in found.items():
+            if 0 <= shard < self.shards:
+                self._homes[key] = [shard]
+                self.tier_routed += 1
 
     def _place(self, group: _Group, requests: Sequence[Request], out: list[int], limit: float) -> None:
         assert group.key is not None
@@ -155,4 +208,5 @@ class PrefixRouter:
             self.load[shard] += work
 
 
-__all__ = ["DEFAULT_SLACK", "PrefixRouter", "ROUTES", "ROUTE_BYTES", "ROUTE_TOKENS", "route_key", "work_estimate"]
+__all__ = ["DEFAULT_SLACK", "PrefixRouter", "ROUTES", "ROUTE_BYTES", "ROUTE_TOKENS", "route_digest", "route_key",
+           "tier_homes_from", "work_estimate"]

@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 BlockCopy = tuple[int, bytes, tuple[int, ...]]
 # Blocks copied through host memory at a time.
 STAGING_BLOCKS = 32
-# Blocks waiting for the background writer, at most.
-WRITE_QUEUE_BLOCKS = 4096
+# Bytes of blocks waiting for the background writer, at most (and never fewer than 16 blocks).
+WRITE_QUEUE_BYTES = 256 << 20
 
 
 def model_identity(model_id: str, dtype: str, kv_cache_dtype: str, block_size: int, quantization: str,
@@ -69,7 +69,7 @@ class KVTiers:
     directory tiers in lookup order."""
 
     def __init__(self, stores: Sequence[HostStore | DirectoryStore], identity: bytes,
-                 device_caches: Sequence[LayerKVCache], write_queue_blocks: int = WRITE_QUEUE_BLOCKS) -> None:
+                 device_caches: Sequence[LayerKVCache], write_queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
         if not stores:
             raise ValueError("KV tiers need at least one store")
         self.stores = list(stores)
@@ -87,7 +87,7 @@ class KVTiers:
         self.staging = HostKVCache(STAGING_BLOCKS, len(self.device_caches), (block_size, kv_heads, head_dim),
                                    self.cache_dtype, pin_memory=self.device.type == "cuda", quantized=self.quantized)
         self.dropped_writes = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, write_queue_blocks))
+        self._queue: queue.Queue = queue.Queue(maxsize=max(16, write_queue_bytes // self.geometry.raw_bytes))
         self._writer: threading.Thread | None = None
         if self.lower:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)

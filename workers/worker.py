@@ -52,6 +52,7 @@ from mqinfer.workers.engine import EngineInputError, LLMEngine, choice_id
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.kv_prefixes import TierPrefixes
 from mqinfer.workers.lanes import lane_of, share_group
 from mqinfer.workers.ownership import Ownership
 from mqinfer.workers.parallel import RankFailure
@@ -109,6 +110,8 @@ class Worker:
         self.lost: LostTime | None = None
         self._last_lost_scan = float("-inf")
         self._wait_gauges: tuple[Gauge, Gauge, Gauge] | None = None
+        # With KV tiers: the prompt prefixes they hold, published for prefix routing.
+        self.tier_prefixes: TierPrefixes | None = None
         self._last_activity = self.started
         self._redis = Backoff(clock=clock, busy=lambda: self.engine.has_unfinished())
 
@@ -167,6 +170,8 @@ class Worker:
         with announced(self.redis, self.stream_key, cfg.group, self.consumer):
             self.engine = engine = LLMEngine(cfg.engine, clock=self.clock)
         info = engine.info
+        if getattr(engine, "kv_tiers", None) is not None:
+            self.tier_prefixes = TierPrefixes(self.redis, cfg.stream)
         self.billing.model = info.model_id
         share = cfg.device_share if cfg.device_share is not None else engine.device_share
         self.billing.device_share = share
@@ -273,6 +278,8 @@ class Worker:
         now = self.clock()
         if self.replies.due(now):
             self._redis(self.replies.send, self.redis, now)
+        if self.tier_prefixes is not None:
+            self._redis(self.tier_prefixes.publish, now)
         if self._redis(self.ownership.keepalive, now):
             self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s)
             self._redis(self.ownership.cancel_cancelled_jobs)
@@ -412,6 +419,8 @@ class Worker:
             log_lines.append(("finished %s", (json.dumps(fields),), fields))
         self.acks.add_choices(item.entry_id, rows, costs, reply_to=item.request.reply_to, computed=True,
                               log_lines=log_lines)
+        if self.tier_prefixes is not None:
+            self.tier_prefixes.add(item.request)
         # The lane was charged the request's max_tokens when it was read: correct it.
         output_tokens = sum(len(choice.output_token_ids) for choice, _ in finished)
         self.ingest.lanes.settle(lane_of(item.entry_id),

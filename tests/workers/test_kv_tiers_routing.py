@@ -1,0 +1,67 @@
+"""Prefix routing follows the KV tiers: a worker publishes the prefixes its tiers hold, and a producer
+routing by prefix sends a request with such a prefix to that worker's shard, not to its hash's."""
+
+from __future__ import annotations
+
+import json
+import random
+import zlib
+
+import pytest
+
+from mqinfer.client import Client
+from mqinfer.schemas import keys
+from mqinfer.schemas.request import request_from_obj
+from mqinfer.schemas.routing import PrefixRouter, route_digest, route_key
+from mqinfer.workers.config import EngineConfig
+from tests.workers.harness import WorkerHarness
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    pass
+
+
+def prompt_homed_on(shard: int, shards: int, seed: int) -> list[int]:
+    """A 70-token prompt whose route key's hash sends it to ``shard`` of ``shards``."""
+    rng = random.Random(seed)
+    while True:
+        ids = [rng.randrange(256) for _ in range(70)]
+        key = route_key(request_from_obj({"id": "x", "prompt_token_ids": ids}))
+        if zlib.crc32(key) % shards == shard:
+            return ids
+
+
+def test_a_prefix_goes_to_the_shard_whose_tiers_hold_it(redis_url, redis_client, tmp_path):
+    held = prompt_homed_on(0, 2, seed=1)  # by hash, shard 0; the worker of shard 1 will hold it
+    other = prompt_homed_on(0, 2, seed=2)
+    engine = EngineConfig(num_threads=1, kv_cache_dtype="int8", num_kv_blocks=32, max_model_len=256,
+                          kv_disk_cache=str(tmp_path / "kv"))
+    h = WorkerHarness(redis_url, tmp_path / "out", consumer="shard-1", engine=engine, stream="requests-1").start()
+    redis_client.xadd(keys.request_stream("requests-1"), {"json": json.dumps(
+        {"id": "first", "prompt_token_ids": held + [1, 2], "max_tokens": 2, "temperature": 0}), "v": "1"})
+    h.until(lambda: h.results(), max_turns=500, advance_s=0.5, what="the row")
+    h.turn(3, advance_s=1.0)  # publishes at most once a second
+    published = redis_client.zrange(keys.kv_tier_prefixes("requests-1"), 0, -1)
+    key = route_key(request_from_obj({"id": "x", "prompt_token_ids": held}))
+    assert published == [route_digest(key)]
+    h.stop()
+
+    client = Client(redis_url, shards=2, route="prefix")
+    try:
+        reqs = [request_from_obj({"id": f"r{i}", "prompt_token_ids": p + [i]})
+                for i, p in enumerate((held, other))]
+        assert client.router.assign(reqs) == [1, 0]
+        assert client.router.tier_routed == 1
+    finally:
+        client.close()
+
+
+def test_routing_goes_on_by_hash_when_the_lookup_fails():
+    def broken(_keys):
+        raise ConnectionError("redis away")
+
+    router = PrefixRouter(2, tier_homes=broken)
+    ids = prompt_homed_on(1, 2, seed=3)
+    assert router.assign([request_from_obj({"id": "a", "prompt_token_ids": ids})]) == [1]
+    assert router.tier_routed == 0
