@@ -67,9 +67,10 @@ def worker_shares(opts: dict, places: list[tuple[str, str | None]], *, cores: in
     one device. On CUDA, a worker holds its ranks' devices, each split between the workers placed
     on it. A share given with ``--device-share`` is the user's (None here: the flag passes on as it
     is)."""
+    from mqinfer.layout import ranks_per_worker
     from mqinfer.workers import devices
 
-    ranks = opts.get("tensor_parallel_size") or 1
+    ranks = ranks_per_worker(opts)  # tensor x pipeline ranks, a process (and on CUDA a device) each
     count = len(places)
     on_cuda = any(device.startswith("cuda") for device, _ in places)  # placement resolved "auto"
     if on_cuda:

@@ -346,15 +346,14 @@ def _settle_lost(client, streams: list[str], group: str, window: Window, out: Pa
 def placement(opts: dict) -> list[tuple[str, str | None]]:
     """(--device, --devices) of each worker: spread over the CUDA devices (``workers.devices``).
     ValueError, naming the devices that exist, for one that does not."""
-    from mqinfer.layout import cuda_available
+    from mqinfer.layout import cuda_available, ranks_per_worker
     from mqinfer.workers import devices
 
     device = opts["device"]
     maybe_cuda = device.startswith("cuda") or opts.get("devices") or (device == "auto" and cuda_available())
     count = devices.cuda_device_count() if maybe_cuda else 0
     try:
-        return devices.worker_devices(opts["workers"], device, opts.get("devices"),
-                                      opts.get("tensor_parallel_size") or 1, count)
+        return devices.worker_devices(opts["workers"], device, opts.get("devices"), ranks_per_worker(opts), count)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -297,3 +297,18 @@ def test_a_draft_or_quantization_is_refused_over_stages():
     with pytest.raises(ValueError, match="--quantization w8a8 does not combine with --pipeline-parallel-size 2"):
         EngineConfig(model="tiny", device="cpu", pipeline_parallel_size=2, quantization="w8a8")
     EngineConfig(model="tiny", device="cpu", pipeline_parallel_size=2, speculative="ngram")
+
+
+def test_run_places_and_bills_each_worker_on_its_t_x_p_devices(monkeypatch):
+    from mqinfer.machine import worker_shares
+    from mqinfer.run import placement
+
+    opts = {"workers": 2, "device": "cuda", "devices": None, "tensor_parallel_size": 1, "pipeline_parallel_size": 2,
+            "num_threads": 1, "device_share": None}
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 4)
+    places = placement(opts)
+    assert places == [("cuda:0", "0,1"), ("cuda:2", "2,3")]  # each worker's two stages on two devices
+    assert worker_shares(opts, places, cuda_count=4) == ([2.0, 2.0], 4.0)
+    # On a CPU: the worker's T x P one-thread ranks over the cores.
+    cpu = {**opts, "workers": 1, "device": "cpu", "tensor_parallel_size": 2}
+    assert worker_shares(cpu, placement(cpu), cores=16) == ([4 / 16], 1.0)
