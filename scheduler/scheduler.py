@@ -481,6 +481,48 @@ class Scheduler:
         the requests that finished in this update, their blocks freed.
         """
         scheduled = output.scheduled
+        self._check_output(scheduled, sampled_token_ids, num_accepted)
+        finished: list[Request] = []
+        # Output tokens per fair-share group, for its counter.
+        generated: dict[str, int] = {}
+        for i, (sr, token) in enumerate(zip(scheduled, sampled_token_ids)):
+            request = sr.request
+            if request.status is not RequestStatus.RUNNING:
+                continue
+            spec = sr.spec_token_ids
+            if not spec:
+                request.num_computed_tokens += sr.num_new_tokens
+                if token is None:
+                    continue
+                request.append_output_token(token)
+                tenant = request.fair_key
+                generated[tenant] = generated.get(tenant, 0) + 1
+                status = self._stop_status(request, token)
+                if status is not None:
+                    request.status = status
+                    finished.append(request)
+                continue
+            accepted = num_accepted[i] if num_accepted is not None else 0
+            num_before = request.num_tokens
+            status = self._apply_proposals(sr, token, accepted)
+            tenant = request.fair_key
+            generated[tenant] = generated.get(tenant, 0) + request.num_tokens - num_before
+            if status is not None:
+                request.status = status
+                finished.append(request)
+        if generated:
+            self._waiting.charge_output(generated)
+        if finished:
+            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
+            for request in finished:
+                self._end(request, request.status)
+        return finished
+
+    # -- internals ----------------------------------------------------------------------------
+    @staticmethod
+    def _check_output(scheduled: list[ScheduledRequest], sampled_token_ids: list[int | None],
+                      num_accepted: Sequence[int] | None) -> None:
+        """Refuse a step's output that does not fit its schedule, before anything is changed."""
         if len(sampled_token_ids) != len(scheduled):
             raise ValueError(
                 f"got {len(sampled_token_ids)} sampled tokens for {len(scheduled)} scheduled requests"
@@ -500,61 +542,31 @@ class Scheduler:
                 need = "a sampled token" if needs_sample else "None (a prompt chunk samples nothing)"
                 raise ValueError(f"request {request.request_id!r} needs {need}, got {token!r}")
 
-        finished: list[Request] = []
-        # Output tokens per tenant, for the fair-share counters.
-        generated: dict[str, int] = {}
-        kv = self.kv_cache_manager
-        for i, (sr, token) in enumerate(zip(scheduled, sampled_token_ids)):
-            request = sr.request
-            if request.status is not RequestStatus.RUNNING:
-                continue
-            spec = sr.spec_token_ids
-            if not spec:
-                request.num_computed_tokens += sr.num_new_tokens
-                if token is None:
-                    continue
-                request.append_output_token(token)
-                tenant = request.fair_key
-                generated[tenant] = generated.get(tenant, 0) + 1
-                status = self._stop_status(request, token)
-                if status is not None:
-                    request.status = status
-                    finished.append(request)
-                continue
-            accepted = num_accepted[i] if num_accepted is not None else 0
-            rejected = len(spec) - accepted
-            request.num_rejected_tokens += rejected
-            request.num_accepted_tokens += accepted
-            self.speculation.record_check(len(spec), accepted)
-            # The KV of the known tokens and of the accepted proposals is written; the rejected
-            # proposals' slots hold garbage that the next step overwrites.
-            computed = request.num_computed_tokens + sr.num_new_tokens - rejected
-            num_before = request.num_tokens
-            status = None
-            for t in (*spec[:accepted], token):
-                request.append_output_token(t)
-                status = self._stop_status(request, t)
-                if status is not None:
-                    break
-            tenant = request.fair_key
-            generated[tenant] = generated.get(tenant, 0) + request.num_tokens - num_before
-            # A stop rule met before the end of the run leaves accepted tokens out: never count
-            # more computed tokens than the request has.
-            request.num_computed_tokens = min(computed, request.num_tokens)
+    def _apply_proposals(self, sr: ScheduledRequest, token: int | None, accepted: int) -> RequestStatus | None:
+        """A request that ran proposals: its output grows by the ``accepted`` leading ones and then
+        the sampled ``token``, up to the first that meets a stop rule (its status, else None);
+        the rejected proposals' computed tokens are rolled back and their blocks given back."""
+        request, spec = sr.request, sr.spec_token_ids
+        rejected = len(spec) - accepted
+        request.num_rejected_tokens += rejected
+        request.num_accepted_tokens += accepted
+        self.speculation.record_check(len(spec), accepted)
+        # The KV of the known tokens and of the accepted proposals is written; the rejected
+        # proposals' slots hold garbage that the next step overwrites.
+        computed = request.num_computed_tokens + sr.num_new_tokens - rejected
+        status = None
+        for t in (*spec[:accepted], token):
+            request.append_output_token(t)
+            status = self._stop_status(request, t)
             if status is not None:
-                request.status = status
-                finished.append(request)
-            elif rejected:
-                kv.trim(request, request.num_tokens)
-        if generated:
-            self._waiting.charge_output(generated)
-        if finished:
-            self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
-            for request in finished:
-                self._end(request, request.status)
-        return finished
+                break
+        # A stop rule met before the end of the run leaves accepted tokens out: never count
+        # more computed tokens than the request has.
+        request.num_computed_tokens = min(computed, request.num_tokens)
+        if status is None and rejected:
+            self.kv_cache_manager.trim(request, request.num_tokens)
+        return status
 
-    # -- internals ----------------------------------------------------------------------------
     @staticmethod
     def _stop_status(request: Request, token: int) -> RequestStatus | None:
         """The token-level stop rules; a stop token wins over a length limit reached with it."""
