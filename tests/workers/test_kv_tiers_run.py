@@ -1,0 +1,53 @@
+"""KV tier flags through `mqinfer run`, as a user runs it: a disk tier on a disk that stays full costs
+the run nothing but the tier (every row written, exit 0), and a re-run with --fresh on a working disk
+tier takes its prefixes from it with the same outputs."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+from tests.helpers import rows, write_jsonl
+
+
+def env(**extra) -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1", MQINFER_WORKERS="1",
+                MQINFER_LOG_LEVEL="warning", **extra)
+
+
+def job(path):
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(3, 256) for _ in range(48)] for _ in range(3)]
+    write_jsonl(path, [{"id": f"r{i}", "prompt_token_ids": prefixes[i % 3] + [i + 3], "max_tokens": 3,
+                        "temperature": 0, "ignore_eos": True} for i in range(9)])
+
+
+def run(input_path, out, disk, *extra, **environment):
+    cmd = [sys.executable, "-m", "mqinfer", "run", str(input_path), "--out", str(out), "--order", "input",
+           "--kv-cache-dtype", "int8", "--num-kv-blocks", "8", "--max-num-seqs", "1", "--kv-disk-cache", str(disk),
+           *extra]
+    return subprocess.run(cmd, env=env(**environment), capture_output=True, text=True, timeout=300)
+
+
+def test_a_full_disk_tier_and_a_re_run_from_disk(tmp_path):
+    input_path = tmp_path / "job.jsonl"
+    job(input_path)
+    full = run(input_path, tmp_path / "full", tmp_path / "kv-full", MQINFER_FAULTS="kv_tier.disk_write=enospc@*")
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert len(rows(tmp_path / "full" / "results")) == 9
+    assert not any(p.name.endswith(".kv") for p in (tmp_path / "kv-full").iterdir())
+
+    first = run(input_path, tmp_path / "out", tmp_path / "kv")
+    assert first.returncode == 0, first.stderr[-3000:]
+    again = run(input_path, tmp_path / "out", tmp_path / "kv", "--fresh")
+    assert again.returncode == 0, again.stderr[-3000:]
+    outputs = {r["id"]: r["output_token_ids"] for r in rows(tmp_path / "out" / "results")}
+    assert outputs == {r["id"]: r["output_token_ids"] for r in rows(tmp_path / "full" / "results")}
+    costs = [c for c in rows(tmp_path / "out" / "costs") if c["kind"] == "request"]
+    assert len(costs) == 9
+    # Nothing recomputed: each request found its three-block prefix, from disk at least the first time
+    # (the new worker's device cache starts empty and, at 8 blocks, evicts as the prefixes rotate).
+    assert all(c["cached_prompt_tokens"] == 48 for c in costs)
+    assert 3 * 48 <= sum(c["disk_cached_tokens"] for c in costs) <= 9 * 48
