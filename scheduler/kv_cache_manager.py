@@ -30,6 +30,7 @@ computed), so a block the device pool evicts is already below it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -187,7 +188,9 @@ class KVCacheManager:
             return False
         served: list[str] = []
         if num_tier_hits:
+            t0 = time.perf_counter()
             hits, served = self._copy_up(hits, num_tier_hits)
+            request.tier_load_s += time.perf_counter() - t0
             if not hits:
                 return False
 

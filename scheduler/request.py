@@ -158,6 +158,9 @@ class Request:
     # Of those, the ones copied up from each KV tier below the device cache (tier name -> tokens);
     # None when none came from a tier.
     tier_cached_tokens: dict[str, int] | None = None
+    # Seconds spent reading its blocks from those tiers and copying them up, not yet billed (the
+    # engine hands them to the meter with the request's next step).
+    tier_load_s: float = 0.0
     # KV blocks held, in position order. Only the KV cache manager mutates this list.
     block_ids: list[int] = field(default_factory=list)
     # Preemptions of either kind; ``num_swaps`` of them kept the KV in host memory.

@@ -31,7 +31,9 @@ per decode token than a short one.
 
 **Per request** (the columns of a ``request`` cost row):
 
-* ``prefill_s``: its share of the steps in which it ran prompt tokens (or recomputed ones);
+* ``prefill_s``: its share of the steps in which it ran prompt tokens (or recomputed ones), plus
+  the seconds spent copying its prompt's prefix up from the KV tiers (docs/kv-tiers.md), which are
+  its alone and are taken out of the step before the rest is shared;
 * ``decode_s``: its share of the steps in which it generated one token (or checked proposed
   tokens: speculative decoding's rejected tokens are billed here, and counted in the row's
   ``rejected_tokens``);
@@ -216,9 +218,16 @@ class Meter:
         weights = [model.work(w.num_tokens, w.context_len, (1 + w.num_spec_tokens) if w.sampled else 0)
                    for w in work]
         total = sum(weights)
-        billed = span * self.device_share
-        for w, weight in zip(work, weights):
+        # Seconds spent copying a request's prefix up from the KV tiers are that request's own; the
+        # rest of the step is shared by work (scaled down should they exceed the step, never more).
+        loads = [getattr(w, "tier_load_s", 0.0) for w in work]
+        fixed = sum(loads)
+        taken = min(fixed, span)
+        own = self.device_share * taken / fixed if fixed > 0 else 0.0
+        billed = (span - taken) * self.device_share
+        for w, weight, load in zip(work, weights, loads):
             share = billed * weight / total if total > 0 else billed / len(work)
+            share += load * own
             m = self.requests.get(w.request_id)
             if m is None:
                 m = self.requests[w.request_id] = RequestMeter()

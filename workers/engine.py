@@ -147,6 +147,9 @@ class StepWork:
     sampled: bool = False
     # Proposed tokens among num_tokens (speculative decoding); the LM head ran for each of them too.
     num_spec_tokens: int = 0
+    # Seconds this step (or a refused admission before it) spent copying the request's prefix up
+    # from the KV tiers: billed to it alone.
+    tier_load_s: float = 0.0
 
 
 @dataclass
@@ -712,8 +715,9 @@ class LLMEngine:
                 request_id=r.request_id, num_tokens=n, context_len=c + n,
                 is_prefill=not (n - s == 1 and c >= r.num_prompt_tokens),
                 num_recomputed_tokens=max(0, min(c + n - s, tracked.high_water) - c),
-                sampled=sr.needs_sample, num_spec_tokens=s,
+                sampled=sr.needs_sample, num_spec_tokens=s, tier_load_s=r.tier_load_s,
             ))
+            r.tier_load_s = 0.0
             # Only known tokens count as computed before: proposals are new each time.
             tracked.high_water = max(tracked.high_water, c + n - s)
         return work

@@ -188,3 +188,19 @@ def test_tier_settings_are_checked(tmp_path):
     os.chmod(open_dir, 0o777)
     with pytest.raises(ValueError, match="writable by every user"):
         engine(kv_disk_cache=str(open_dir))
+
+
+def test_the_time_copying_a_prefix_up_is_billed_to_its_request():
+    from mqinfer.workers.costs import Meter, WorkModel
+    from mqinfer.workers.engine import StepWork
+
+    meter = Meter(WorkModel(1.0, 0.0, 0.0), start=0.0, device_share=0.5)
+    work = [StepWork("loaded", 10, 100, True, 0, sampled=True, tier_load_s=0.3),
+            StepWork("other", 10, 100, True, 0, sampled=True)]
+    meter.step(1.0, work, {})
+    loaded, other = meter.pop("loaded"), meter.pop("other")
+    # Equal work shares the other 0.7 s; the 0.3 s of copying is the loaded request's; half a device.
+    assert loaded.prefill_s == pytest.approx(0.5 * (0.3 + 0.35)) and other.prefill_s == pytest.approx(0.5 * 0.35)
+    # Never more than the step: copying seconds beyond it are scaled down.
+    meter.step(1.5, [StepWork("a", 1, 1, True, 0, tier_load_s=2.0), StepWork("b", 1, 1, True, 0)], {})
+    assert meter.pop("a").prefill_s + meter.pop("b").prefill_s == pytest.approx(0.5 * 0.5)
