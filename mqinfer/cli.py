@@ -37,13 +37,15 @@ from mqinfer.config import (
     load_config_file,
     resolve,
 )
+from mqinfer.commands import read_input, submit_sharded, worker_config
 from mqinfer.layout import parse_workers
 from mqinfer.procs import short_openmp_spin
 
 OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datasets go here.", metavar="DIR")
 WORKERS = Option("workers", parse_workers, "auto", "Worker processes to run, or auto: on a CPU one per core with one "
                  "thread each (fewer when the model would not fit in memory that many times; --num-threads N "
-                 "gives cores / N workers), on a GPU one.", metavar="N")
+                 "gives cores / N workers); on CUDA one per visible GPU (or per group of tensor x pipeline "
+                 "ranks).", metavar="N")
 FORMAT = Option("format", str, "msgpack", "Stream entry encoding.", choices=("msgpack", "json"))
 PORT = Option("port", int, 0, "TCP port on 127.0.0.1 (0 = pick a free one).", metavar="P")
 DATA_DIR = Option("dir", str, "mqinfer-redis", "Data folder: the append-only file, and the password and port kept "
@@ -260,30 +262,6 @@ def redis_problem(exc: Exception, url: str | None) -> str:
 
 
 # -- worker ----------------------------------------------------------------------------------
-def _fields(opts: dict, options: list[Option]) -> dict:
-    """Config dataclass fields from resolved flags; a flag missing from ``opts`` keeps the field's default."""
-    return {o.field: opts[o.name] for o in options if o.name in opts}
-
-
-def engine_config(opts: dict):
-    from mqinfer.workers.config import EngineConfig
-
-    values = _fields(opts, ENGINE_OPTIONS)
-    if "priority_aging_s" in values:
-        values["priority_aging_s"] = values["priority_aging_s"] or None  # the flag's 0: strict priority
-    return EngineConfig(**values)
-
-
-def worker_config(opts: dict, *, redis_url: str, out: Path):
-    """The worker's configuration from resolved flags; ValueError names a bad flag."""
-    from mqinfer.workers.config import WorkerConfig
-
-    values = _fields(opts, [STREAM, *WORKER_OPTIONS])
-    if "budgets" in values:
-        values["budgets"] = Path(values["budgets"]) if values["budgets"] else None
-    return WorkerConfig(redis_url=redis_url, out_dir=out, engine=engine_config(opts), **values)
-
-
 def cmd_worker(args, opts: dict) -> int:
     from mqinfer.ops.budgets import BudgetGuard, load_budgets
     from mqinfer.ops.metrics import WorkerMetrics
@@ -306,58 +284,6 @@ def cmd_worker(args, opts: dict) -> int:
 
 
 # -- submit ----------------------------------------------------------------------------------
-def read_input(path: str, job_id: str | None):
-    """Check every line of INPUT; returns (requests, invalid items, duplicate-id messages)."""
-    import msgspec
-
-    from mqinfer.schemas.files import iter_input
-
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no such input file: {p}")
-    requests, invalid, duplicates = [], [], []
-    seen: dict[str, int] = {}
-    for item in iter_input(p):
-        if item.request is None:
-            invalid.append(item)
-            continue
-        req = item.request
-        if job_id is not None:
-            req = msgspec.structs.replace(req, job_id=job_id)
-        key = req.id
-        if key in seen:
-            duplicates.append(f"line {item.line}: id {key!r} repeats line {seen[key]}: not sent")
-            continue
-        seen[key] = item.line
-        requests.append(req)
-    return requests, invalid, duplicates
-
-
-def _submit_sharded(opts: dict, redis_url: str, requests) -> tuple[int, str]:
-    """Requests spread over --shards streams (and/or a Redis Cluster); (count, where)."""
-    from mqinfer.client import Client
-
-    client = Client(redis_url, stream=opts["stream"], shards=opts["shards"], cluster=opts["redis_cluster"],
-                    fmt=opts.get("format", "msgpack"), route=opts.get("route", "prefix"),
-                    lanes=opts["lanes"], max_lanes=opts["max_lanes"])
-    try:
-        sent = len(client.submit_many(requests, reply=False))
-    finally:
-        client.close(delete_reply_stream=False)
-    keys_ = client.stream_keys
-    if client.router.by_prefix and sent:
-        print(routing_summary(client.router), file=sys.stderr)
-    return sent, keys_[0] if len(keys_) == 1 else f"{len(keys_)} shards {keys_[0]}..{keys_[-1]}"
-
-
-def routing_summary(router) -> str:
-    """One line on how prefix routing spread the work: each shard's share, and the spill-over."""
-    total = sum(router.load) or 1
-    shares = " ".join(f"{100.0 * x / total:.0f}%" for x in router.load)
-    return (f"routing by prefix: work per shard {shares}; {router.spilled} of {router.routed} requests "
-            f"({100.0 * router.spilled / max(1, router.routed):.1f}%) spilled over from their prefix's shard")
-
-
 def cmd_submit(args, opts: dict) -> int:
     from mqinfer.client import Producer
 
@@ -369,7 +295,7 @@ def cmd_submit(args, opts: dict) -> int:
     for message in duplicates:
         print(message, file=sys.stderr)
     if opts["shards"] > 1 or opts["redis_cluster"]:
-        sent, where = _submit_sharded(opts, opts["redis"], requests)
+        sent, where = submit_sharded(opts, opts["redis"], requests)
     else:
         producer = Producer(opts["redis"], stream=opts["stream"], fmt=opts["format"], lanes=opts["lanes"],
                             max_lanes=opts["max_lanes"])

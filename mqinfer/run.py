@@ -55,7 +55,7 @@ def check_run_flags(opts: dict) -> None:
                           "each shard's stream is read by its own workers")
     if opts["redis_cluster"] and not opts["redis"]:
         raise ConfigError("--redis-cluster needs --redis URL of a cluster node (the embedded server is not a cluster)")
-    from mqinfer.cli import worker_config
+    from mqinfer.commands import worker_config
 
     worker_config(opts, redis_url=opts["redis"] or "unix:///unused", out=Path(opts["out"]))
     placement(opts)  # refuses devices that do not exist
@@ -152,7 +152,7 @@ def cmd_run(args, opts: dict) -> int:
 
 
 def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> int:
-    from mqinfer.cli import read_input
+    from mqinfer.commands import read_input
     from mqinfer.ops.compact import compact, drop_job
 
     model = model_label(opts["model"])
@@ -304,9 +304,9 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             lock.add_children([w.pid for w in workers])
             _wait_for_workers(client, [keys.request_stream(s) for s in streams], opts["group"], workers)
             if len(streams) > 1 or opts["redis_cluster"]:
-                from mqinfer.cli import _submit_sharded
+                from mqinfer.commands import submit_sharded
 
-                _submit_sharded(opts, redis_url, todo)
+                submit_sharded(opts, redis_url, todo)
             else:
                 Producer(stream=opts["stream"], client=client, lanes=opts["lanes"],
                          max_lanes=opts["max_lanes"]).submit_many(todo)

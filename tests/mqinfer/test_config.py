@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from mqinfer.cli import REDIS_CMD, RUN_CMD, WORKER_CMD, build_parser, config_keys, engine_config, worker_config
+from mqinfer.cli import REDIS_CMD, RUN_CMD, WORKER_CMD, build_parser, config_keys
+from mqinfer.commands import engine_config, worker_config
 from mqinfer.config import (
     ENGINE_OPTIONS, STREAM, WORKER_OPTIONS, ConfigError, load_config_file, resolve,
 )

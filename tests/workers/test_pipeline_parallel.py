@@ -18,7 +18,8 @@ from collections import Counter
 import pytest
 import torch
 
-from mqinfer.cli import RUN_CMD, WORKER_CMD, build_parser, config_keys, engine_config
+from mqinfer.cli import RUN_CMD, WORKER_CMD, build_parser, config_keys
+from mqinfer.commands import engine_config
 from mqinfer.config import load_config_file, resolve
 from mqinfer.kernels.attention import build_attention_metadata
 from mqinfer.scheduler.request import SamplingParams
