@@ -17,7 +17,8 @@ it writes; every attention backend dequantizes as it reads and returns the queri
 Without scales every function does exactly what it does for a cache in the model's dtype.
 
 The native backend (the default on CPU where a C compiler is found): a small C kernel
-(``csrc/paged_attention.c``, built and cached by ``kernels/native.py``) that reads the paged
+(``csrc/paged_attention.c``, built and cached by ``kernels/native.py``, called from
+``kernels/attention_native.py``, which checks every index it reads) that reads the paged
 cache in place, one (token, KV head) at a time, with no gather, no padding and float32
 accumulation, on the kernels' persistent thread pool; AVX-512 and AVX2 versions for the
 common head shapes (``csrc/attention_avx2.c``: heads of 64 or 128 with 1 to 8 query heads per
@@ -35,15 +36,18 @@ query-length axis, so SDPA sees ``[B, Hkv, g * Q, D]`` against ``[B, Hkv, L, D]`
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from mqinfer.kernels import native
-from mqinfer.kernels.kv_quant import as_raw, check_scales, dequantize_kv, kernel_quant_code, quantize_kv
+from mqinfer.kernels.attention_native import (
+    native_attention_available,
+    native_paged_attention,
+    native_softmax_selftest,
+)
+from mqinfer.kernels.kv_quant import as_raw, check_scales, dequantize_kv, quantize_kv
 
 # Upper bound on (sequences x padded context tokens) gathered in one SDPA call, so the K/V
 # workspace stays a few hundred MiB even for 128 long sequences.
@@ -162,8 +166,9 @@ class AttentionMetadata:
         self._groups: list[AttentionGroup] | None = None
         # Set by build_attention_metadata for the native kernel: host copies, one per step.
         self.max_seq_len = 0
-        # Number of cache blocks the native kernel last checked the tables against.
-        self._native_checked: int | None = None
+        # Number of cache blocks the native kernel last checked this step's indices against
+        # (kernels/attention_native.py): the checks run once per step, not per layer.
+        self.native_checked_blocks: int | None = None
 
     @property
     def groups(self) -> list[AttentionGroup]:
@@ -435,114 +440,6 @@ def paged_attention(
     return out
 
 
-# ------------------------------------------------------------------------ native CPU kernel
-# The PyTorch path has to gather every sequence's KV blocks into a padded, contiguous buffer
-# before SDPA can read them: on CPU, decoding reads the KV three times over (gather read, gather
-# write, attention) plus the padding up to the longest context. The C kernel
-# (csrc/paged_attention.c) reads the paged cache in place, token by token, with no padding and
-# float32 accumulation: one work item per (query token, KV head), the KV head's g query heads
-# sharing each K/V row it loads. kernels/native.py builds and loads it; when there is no
-# compiler, the PyTorch path runs instead. MQINFER_CPU_ATTENTION=torch forces the PyTorch
-# path, =native makes a missing kernel an error.
-_SWITCH = "MQINFER_CPU_ATTENTION"
-
-
-def native_softmax_selftest(x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
-    """Tests only: (exp one at a time, exp W at a time, lane sums one vector at a time, lane
-    sums W vectors at a time) of the float32 ``x`` (numel a multiple of 256) as the native
-    kernel computes them, W being its widest vector (16 lanes with AVX-512, 8 with AVX2); None
-    where the kernel has no vectorised version."""
-    lib = native.switched_library(_SWITCH)
-    if lib is None:
-        raise RuntimeError("the native CPU attention kernel is not available")
-    x = x.to(torch.float32).contiguous().view(-1)
-    n = x.numel()
-    if n % 256:
-        raise ValueError("x must hold a multiple of 256 values")
-    exp_one, exp_vec = torch.empty(n), torch.empty(n)
-    sum_one, sum_vec = torch.empty(n // 8), torch.empty(n // 8)
-    width = lib.mqinfer_attention_selftest(
-        x.data_ptr(), n, exp_one.data_ptr(), exp_vec.data_ptr(), sum_one.data_ptr(), sum_vec.data_ptr()
-    )
-    if not width:
-        return None
-    return exp_one, exp_vec, sum_one[: n // width], sum_vec[: n // width]
-
-
-def native_attention_available() -> bool:
-    """Whether the native CPU kernel is in use (built on first call; False when disabled)."""
-    return native.switched_library(_SWITCH) is not None
-
-
-def native_paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    metadata: AttentionMetadata,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``paged_attention`` by the native CPU kernel: same arguments, same result, no padding."""
-    lib = native.switched_library(_SWITCH)
-    if lib is None:
-        raise RuntimeError("the native CPU attention kernel is not available")
-    num_tokens, num_heads, head_dim = q.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    dtype = k_cache.dtype
-    kv_quant = kernel_quant_code(dtype)
-    if k_scale is not None or kv_quant:
-        check_scales(k_cache, v_cache, k_scale, v_scale)
-        if q.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"the native kernel takes float32 or bfloat16 queries, got {q.dtype}")
-        # Over an 8-bit cache the activations keep the model's dtype; the kernel computes in
-        # float32 and rounds a bfloat16 output once.
-        dtype = q.dtype
-    elif dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != dtype:
-        raise ValueError(f"the native kernel takes float32 or bfloat16 caches, got {dtype} / {v_cache.dtype}")
-    if q.device.type != "cpu" or k_cache.device.type != "cpu":
-        raise ValueError("the native kernel runs on CPU tensors only")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and v_cache.shape == k_cache.shape):
-        raise ValueError("the K and V caches must be contiguous and of the same shape")
-    if k_cache.shape[3] != head_dim or num_heads != metadata.num_queries_per_kv * num_kv_heads:
-        raise ValueError(
-            f"q [T, {num_heads}, {head_dim}] does not match the cache's {num_kv_heads} KV heads of "
-            f"{k_cache.shape[3]} x {metadata.num_queries_per_kv} queries per KV head"
-        )
-    q = q.to(dtype)
-    if q.stride(2) != 1 or q.stride(1) != head_dim:
-        q = q.contiguous()
-    if metadata.seq_of_token is None:
-        raise ValueError("attention metadata has no seq_of_token (build it with build_attention_metadata)")
-    tables = metadata.block_tables.contiguous()
-    seq_of_token = metadata.seq_of_token.contiguous()
-    positions = metadata.positions.contiguous()
-    if metadata.max_seq_len < 1:
-        metadata.max_seq_len = int(positions.max()) + 1
-    # The kernel trusts its indices: check them once per step, not per layer.
-    if metadata._native_checked != num_blocks:
-        if tables.numel() and not (0 <= int(tables.min()) and int(tables.max()) < num_blocks):
-            raise ValueError(f"block tables name blocks outside the cache (0..{num_blocks - 1})")
-        if int(positions.max()) >= metadata.max_seq_len or int(positions.min()) < 0:
-            raise ValueError("token positions fall outside 0..max_seq_len - 1")
-        metadata._native_checked = num_blocks
-    out = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
-    args = native.AttentionArgs(
-        q=q.data_ptr(), k_cache=k_cache.data_ptr(), v_cache=v_cache.data_ptr(), out=out.data_ptr(),
-        block_tables=tables.data_ptr(), seq_of_token=seq_of_token.data_ptr(),
-        positions=positions.data_ptr(), num_tokens=num_tokens, q_token_stride=q.stride(0),
-        num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-        max_blocks=tables.shape[1], max_len=metadata.max_seq_len, scale=scale,
-        is_bf16=int(dtype == torch.bfloat16),
-        k_scale=None if k_scale is None else k_scale.data_ptr(),
-        v_scale=None if v_scale is None else v_scale.data_ptr(), kv_quant=kv_quant,
-    )
-    status = lib.mqinfer_paged_attention(ctypes.byref(args), torch.get_num_threads())
-    if status != 0:
-        raise MemoryError("the native attention kernel could not allocate its buffers")
-    return out
-
-
 def reference_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -590,6 +487,7 @@ __all__ = [
     "build_attention_metadata",
     "native_attention_available",
     "native_paged_attention",
+    "native_softmax_selftest",
     "paged_attention",
     "reference_paged_attention",
     "store_kv",
