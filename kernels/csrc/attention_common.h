@@ -132,6 +132,14 @@ static inline void weights_times_value_scales(const mqinfer_attention_args *j, c
    library has no AVX2 version for the call's shape (or was built without AVX2 and FMA). */
 int mq_attend_avx2(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf);
 
+/* The AMX path (attention_amx.c): whether a call can take it (AMX tiles granted by the kernel,
+   bfloat16 activations and cache, heads 64 or 128 wide, not switched off), and tokens
+   token_begin..token_end - 1 of such a call: those in prompt runs by tiles, the rest by
+   per_token. Returns 0, or -1 when out of memory. */
+int mq_amx_attention_usable(const mqinfer_attention_args *j);
+int mq_attend_with_amx(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, attend_fn per_token,
+                       float *buf);
+
 /* Tests only (mqinfer_attention_selftest): the AVX2 versions' exponential 8 at a time and
    lane sums 8 vectors at a time beside their one-at-a-time forms; returns 8, or 0 without AVX2. */
 int mq_attention_selftest_avx2(const float *x, int64_t n, float *exp_one, float *exp_vec,

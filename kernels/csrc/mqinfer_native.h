@@ -68,6 +68,11 @@ int mqinfer_paged_attention(const mqinfer_attention_args *args, int num_threads)
 int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float *exp_vec,
                                float *sum_one, float *sum_vec);
 
+/* Tests only: whether bfloat16 prompt runs take the AMX tiles where the CPU has them (enable 1)
+   or the per-token versions (0); -1 only asks. Returns the setting before the call, or -1 where
+   there is no AMX path (a library built without it, or an OS that refuses the tile state). */
+int mqinfer_attention_use_amx(int enable);
+
 /* ------------------------------------------------------------------ greedy argmax */
 /* out[r] = first index of row r's maximum (the first NaN if the row has one).
    x [rows, cols], row stride row_stride elements, unit column stride. */

@@ -102,55 +102,10 @@ DEFINE_ATTEND(attend_bf16_int8, uint16_t, int8_t, bf16_to_float, int8_to_float, 
 DEFINE_ATTEND(attend_bf16_fp8, uint16_t, uint8_t, bf16_to_float, fp8e4m3_to_float, float_to_bf16, keep_f32, 1)
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
+#include "attention_avx512.h"
 /* Hand-vectorised versions for the common head shapes: one K/V row is D/16 registers, the
    q rows and the output accumulators of the G query heads stay in registers for the whole
    context. */
-static inline __m512 vload_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline __m512 vload_f32(const float *p) { return _mm512_loadu_ps(p); }
-/* 16 int8 values of an 8-bit cache row as floats (its scale applies later). */
-static inline __m512 vload_int8(const int8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-static inline void vstore_bf16(uint16_t *p, __m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
-}
-static inline void vstore_f32(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __m512 keep_f32x16(__m512 v) { return v; }
-/* round_to_bf16 on 16 lanes, the same integer arithmetic. */
-static inline __m512 round_to_bf16x16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
-}
-/* exp_nonpositive on 16 lanes: the scalar version's operations with the same multiply-adds
-   fused (x * log2e + 0.5, x * log2e - n and each polynomial step; AVX-512 implies FMA, so
-   the scalar MUL_ADDs are fused too), hence the same bits (mqinfer_attention_selftest lets
-   the tests check it). */
-static inline __m512 exp_nonpositive16(__m512 x) {
-    /* At and below the clamp (and for NaN): the scalar version's constant. */
-    const __mmask16 inside = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ);
-    const __m512 at_clamp = _mm512_set1_ps(EXP_AT_CLAMP);
-    const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-    const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, log2e, _mm512_set1_ps(0.5f)),
-                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_fmsub_ps(x, log2e, n), _mm512_set1_ps(0.69314718055994531f));
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mask_mov_ps(at_clamp, inside, _mm512_mul_ps(p, _mm512_castsi512_ps(bits)));
-}
 /* The horizontal sums of 16 vectors at once: lane r of the result is a[r]'s lanes added in
    exactly the tree _mm512_reduce_add_ps uses (256-bit halves, then 128-bit quarters, then
    pairs {0,1}+{2,3}, then the last two), so scores are bit for bit those of the one-at-a-time
@@ -337,6 +292,26 @@ int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float 
 #endif
 }
 
+/* Tokens token_begin..token_end - 1, each on its own: the AVX-512 version for the call's shape,
+   else the AVX2 one, else the portable loops. */
+static void attend_per_token(const mqinfer_attention_args *j, int64_t begin, int64_t end, float *buf) {
+    const int64_t g = j->num_heads / j->num_kv_heads, D = j->head_dim;
+    (void)g; (void)D;
+#ifdef HAVE_SPECIALISED
+    /* The AVX-512 versions read caches in the activations' type or int8 caches; float8 caches
+       go to the AVX2 versions (every AVX-512 CPU has AVX2 and FMA) or the portable loops. */
+    const int kind = attention_kind(j);
+    if (kind < 4 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
+        avx512_versions[g == 4][D == 128][kind](j, begin, end, buf);
+        return;
+    }
+#endif
+    if (mq_attend_avx2(j, begin, end, buf)) return;
+    static const attend_fn portable[6] = {attend_f32, attend_bf16, attend_f32_int8, attend_bf16_int8,
+                                          attend_f32_fp8, attend_bf16_fp8};
+    portable[attention_kind(j)](j, begin, end, buf);
+}
+
 /* Parts of one call: part n computes tokens bounds[n]..bounds[n + 1] - 1. */
 #define MAX_PARTS 256
 typedef struct {
@@ -352,22 +327,13 @@ static int attention_part(const void *ctx, int part, int num_parts) {
     const int64_t begin = call->bounds[part], end = call->bounds[part + 1];
     float *buf = (float *)malloc(sizeof(float) * (g * j->max_len + 2 * g * D + D + g));
     if (!buf) return -1;
-#ifdef HAVE_SPECIALISED
-    /* The AVX-512 versions read caches in the activations' type or int8 caches; float8 caches
-       go to the AVX2 versions (every AVX-512 CPU has AVX2 and FMA) or the portable loops. */
-    const int kind = attention_kind(j);
-    if (kind < 4 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
-        avx512_versions[g == 4][D == 128][kind](j, begin, end, buf);
-    } else
-#endif
-    if (mq_attend_avx2(j, begin, end, buf)) {
-    } else {
-        static const attend_fn portable[6] = {attend_f32, attend_bf16, attend_f32_int8, attend_bf16_int8,
-                                              attend_f32_fp8, attend_bf16_fp8};
-        portable[attention_kind(j)](j, begin, end, buf);
-    }
+    int status = 0;
+    if (mq_amx_attention_usable(j))
+        status = mq_attend_with_amx(j, begin, end, attend_per_token, buf);
+    else
+        attend_per_token(j, begin, end, buf);
     free(buf);
-    return 0;
+    return status;
 }
 
 int mqinfer_paged_attention(const mqinfer_attention_args *args, int num_threads) {
