@@ -91,7 +91,14 @@ def disk_ratio(folder: Path, bf16_block_bytes: int) -> dict:
 
 
 def storage_on_model(model: str, folder: Path, tokens: int = 1024) -> dict:
-    """Run the README's text through ``model`` with a disk tier; the block files against bfloat16."""
+    """Run the README's text through ``model`` with a disk tier; the block files against bfloat16, and
+    the same blocks in the other forms considered (raw 8-bit, lz4, zstd in one frame, zstd with the
+    scales' bytes split)."""
+    import zlib
+
+    import numpy as np
+    import torch
+
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.engine import LLMEngine
@@ -105,10 +112,35 @@ def storage_on_model(model: str, folder: Path, tokens: int = 1024) -> dict:
         while eng.has_unfinished():
             eng.step()
         info = eng.info
+        caches = eng.runner.kv_caches
+        blocks = []
+        for b in range(len(ids) // BLOCK):  # blocks 0.. hold the prompt in order on a fresh engine
+            values = torch.stack([t[b] for c in caches for t in (c.k, c.v)]).view(torch.uint8).numpy()
+            scales = torch.stack([s[b] for c in caches for s in (c.k_scale, c.v_scale)]).view(torch.int16).numpy()
+            blocks.append((values, scales))
     finally:
         eng.close()
     bf16 = 2 * info.num_layers * BLOCK * info.num_kv_heads * info.head_dim * 2
-    return {"model": info.model_id, **disk_ratio(folder, bf16)}
+    forms: dict[str, float] = {}
+    raw = [v.tobytes() + s.tobytes() for v, s in blocks]
+    forms["raw 8-bit"] = sum(map(len, raw))
+    try:
+        import lz4.frame
+        forms["lz4"] = sum(len(lz4.frame.compress(r)) for r in raw)
+    except ImportError:
+        pass
+    try:
+        import zstandard
+        z = zstandard.ZstdCompressor(level=3).compress
+    except ImportError:
+        z = lambda data: zlib.compress(data, 6)  # noqa: E731 - the codec's own fallback
+    forms["zstd, one frame"] = sum(len(z(r)) for r in raw)
+    split = [(s.view(np.uint16) >> 8).astype(np.uint8).tobytes() + (s.view(np.uint16) & 255).astype(np.uint8).tobytes()
+             for _, s in blocks]
+    forms["zstd, scale bytes split"] = sum(len(z(v.tobytes())) + len(z(sp)) for (v, _), sp in zip(blocks, split))
+    n = len(blocks) * bf16
+    return {"model": info.model_id, **disk_ratio(folder, bf16),
+            "forms": {name: size / n for name, size in forms.items()}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,7 +210,8 @@ def print_report(report: dict) -> None:
         print(f"disk tier: {d['blocks']} blocks, {d['bytes']} bytes, {d['ratio_to_bf16']:.3f} of bfloat16")
     if report.get("storage"):
         s = report["storage"]
-        print(f"stored on {s['model']}: {s['blocks']} blocks, {s['ratio_to_bf16']:.3f} of bfloat16")
+        print(f"stored on {s['model']}: {s['blocks']} blocks, {s['ratio_to_bf16']:.3f} of bfloat16 (other forms: "
+              + ", ".join(f"{name} {ratio:.3f}" for name, ratio in s["forms"].items()) + ")")
 
 
 if __name__ == "__main__":
