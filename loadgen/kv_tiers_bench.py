@@ -61,6 +61,10 @@ def job_figures(out: Path, prefix_tokens: int) -> dict:
     import pyarrow.dataset as ds
 
     results = ds.dataset(out / "results", format="parquet", partitioning="hive").to_table()
+    errors = results.filter(pc.field("finish_reason") == "error")
+    if errors.num_rows:
+        raise RuntimeError(f"{errors.num_rows} requests ended in errors, first: {errors['error'][0]} (a device "
+                           "cache too small for one prompt? raise --cache-multiple's share or lower --prefix-tokens)")
     costs = ds.dataset(out / "costs", format="parquet", partitioning="hive").to_table(
         filter=pc.field("kind") == "request")
     # The last run's rows only: --fresh removed the earlier ones.
