@@ -44,7 +44,7 @@ from mqinfer.loadgen.bench_online import (
     run_online,
 )
 from mqinfer.loadgen.bench_options import (
-    HALF, HF, INPUT_ORDER, LLAMACPP, UNQUANTIZED, UNSPECULATIVE, VARIANTS, add_bench_arguments,
+    HALF, HF, INPUT_ORDER, LLAMACPP, OTHER_LAYOUT, UNQUANTIZED, UNSPECULATIVE, VARIANTS, add_bench_arguments,
 )
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, worker_argv, worker_wait_setting
 from mqinfer.loadgen.prefix_cache import describe as describe_hits
@@ -158,9 +158,20 @@ def _variant_args(args: argparse.Namespace, variant: str | None, folder: str) ->
     change = {UNQUANTIZED: {"quantization": "none", "kv_cache_dtype": "auto"},
               UNSPECULATIVE: {"speculative": "none"},
               INPUT_ORDER: {"order": "input", "route": "id"},
+              OTHER_LAYOUT: other_layout(args),
               None: {}}[variant]
     return argparse.Namespace(**{**vars(args), **change, "mode": "offline", "rate": [], "compare_wait": None,
                                  "out": str(Path(args.out) / folder) if args.out else None})
+
+
+def other_layout(args: argparse.Namespace) -> dict[str, Any]:
+    """The workers and threads of the other CPU layout than ``args``' (resolved counts): one worker
+    with all their threads when there were several workers, else one single-threaded worker per
+    thread of the one."""
+    cores = args.workers * (args.num_threads or 1)
+    if args.workers > 1:
+        return {"workers": 1, "num_threads": cores}
+    return {"workers": cores, "num_threads": 1}
 
 
 def _more_rounds(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], scratch: Path,
@@ -202,9 +213,12 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--compare unspeculative needs --speculative ngram, self or draft (it reruns mqinfer without it)"
     if args.speculative == "draft" and not args.draft_model:
         return "--speculative draft needs --draft-model (a smaller checkpoint with the model's tokenizer)"
+    if args.compare and OTHER_LAYOUT in args.compare and (args.device == "cuda" or args.mode != "offline"):
+        return "--compare other-layout compares CPU layouts offline; leave out --device cuda and --mode online"
     if args.rounds > 1 and (args.mode != "offline" or args.skip_engine
                             or not any(v in (args.compare or []) for v in VARIANTS)):
-        return "--rounds applies to --mode offline with --compare unquantized, unspeculative or input-order"
+        return ("--rounds applies to --mode offline with --compare unquantized, unspeculative, input-order or "
+                "other-layout")
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf or llamacpp"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -393,6 +407,11 @@ def _run(args: argparse.Namespace) -> int:
                 agreement = token_agreement(our_outputs, plain.outputs)
                 if agreement is not None:
                     report["agreement_vs_unspeculative"] = asdict(agreement)
+        if OTHER_LAYOUT in compare and not args.skip_engine:
+            other = other_layout(args)
+            log(f"mqinfer again with --workers {other['workers']} --num-threads {other['num_threads']}")
+            plain = run_engine(_variant_args(args, OTHER_LAYOUT, "other-layout"), spec, requests, scratch / "other-layout")
+            done("mqinfer offline, other layout", plain.offline, {"summary": plain.offline.to_dict(), **other})
         if INPUT_ORDER in compare and not args.skip_engine:
             log("mqinfer again with --order input --route id")
             plain = run_engine(_variant_args(args, INPUT_ORDER, "input-order"), spec, requests, scratch / "input-order")
@@ -463,6 +482,9 @@ def _run(args: argparse.Namespace) -> int:
     unspeculative = dict(table_rows).get("mqinfer offline, unspeculative")
     if ours is not None and unspeculative is not None:
         ratios["vs_unspeculative"] = ours.throughput / unspeculative.throughput if unspeculative.throughput else 0.0
+    relaid = dict(table_rows).get("mqinfer offline, other layout")
+    if ours is not None and relaid is not None:
+        ratios["vs_other_layout"] = ours.throughput / relaid.throughput if relaid.throughput else 0.0
     unordered = dict(table_rows).get("mqinfer offline, input order")
     if ours is not None and unordered is not None:
         ratios["vs_input_order"] = ours.throughput / unordered.throughput if unordered.throughput else 0.0

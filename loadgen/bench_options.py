@@ -22,10 +22,14 @@ UNQUANTIZED = "unquantized"
 INPUT_ORDER = "input-order"  # --compare: mqinfer again, fed in workload order and routed by id
 # --compare: the same mqinfer run again with --speculative none (what speculation gains or costs)
 UNSPECULATIVE = "unspeculative"
-PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE)
+# --compare: the same mqinfer run again in the other CPU layout: one worker with every core when the
+# run had single-threaded workers, else one single-threaded worker per core (what --workers auto's
+# rule for the model's size chooses between)
+OTHER_LAYOUT = "other-layout"
+PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE, OTHER_LAYOUT)
 # The --compare entries that rerun mqinfer with one thing changed, and their systems' names.
 VARIANTS = {UNQUANTIZED: "mqinfer offline, unquantized", UNSPECULATIVE: "mqinfer offline, unspeculative",
-            INPUT_ORDER: "mqinfer offline, input order"}
+            INPUT_ORDER: "mqinfer offline, input order", OTHER_LAYOUT: "mqinfer offline, other layout"}
 
 
 def positive_int(text: str) -> int:
@@ -176,7 +180,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "each with fresh workers, and print p99/p50 TTFT and throughput side by side.")
     g.add_argument("--workers", type=_workers, default="auto", metavar="N|auto",
                    help="Worker processes (default: auto = what `mqinfer run` starts: on a CPU one "
-                        "single-threaded worker per core, as many as half the free memory holds; one on a GPU).")
+                        "single-threaded worker per core, as many as half the free memory holds, or one worker with "
+                        "every core for a model of 512 MiB or more in half precision; one on a GPU).")
     g.add_argument("--order", choices=("prefix", "input"), default="prefix",
                    help="Offline mode: the order requests enter the stream, as `mqinfer run --order` (default: "
                         "prefix = requests sharing a prompt prefix next to each other; input = the workload's).")
@@ -204,9 +209,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "with --quantization none --kv-cache-dtype auto (to measure either); input-order = "
                         "mqinfer again with --order input --route id (what prefix order and routing are worth); "
                         "unspeculative = mqinfer again with --speculative none (what --speculative gains or costs); "
-                        "e.g. hf,llamacpp.")
+                        "other-layout = mqinfer again with one worker of every core where it ran single-threaded "
+                        "workers, else with one single-threaded worker per core (CPU); e.g. hf,llamacpp.")
     g.add_argument("--rounds", type=positive_int, default=1, metavar="R",
-                   help="With --compare unquantized, unspeculative or input-order (offline): run mqinfer and each "
+                   help="With --compare unquantized, unspeculative, input-order or other-layout (offline): run mqinfer and each "
                         "such variant R times, alternating which goes first (round 1 mqinfer first, round 2 the "
                         "variant first, ...), and report every round's ratio and their median: on a shared or "
                         "noisy machine one pair of runs can differ by more than the effect measured. The table "

@@ -258,6 +258,12 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
         print(f"greedy agreement with the unquantized run over {a['compared']} requests: first token "
               f"{a['first_token']:.0%}, identical output {a['identical']:.0%}, common prefix "
               f"{a['common_prefix']:.0%} on average")
+    if ours is not None and "mqinfer offline, other layout" in throughputs:
+        other = report["systems"]["mqinfer offline, other layout"]
+        flags = report["engine_flags"]
+        print(f"mqinfer ({report['workers']} worker(s) x {flags['num_threads'] or 1} thread(s)) / the other layout "
+              f"({other['workers']} x {other['num_threads']}): "
+              f"{_ratio(ours, throughputs['mqinfer offline, other layout'])}")
     if ours is not None and "mqinfer offline, unspeculative" in throughputs:
         print(f"mqinfer --speculative {report['engine_flags']['speculative']} / unspeculative: "
               f"{_ratio(ours, throughputs['mqinfer offline, unspeculative'])}")

@@ -18,6 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from mqinfer.cpu_layout import cpu_layout_for_model
 from mqinfer.workers import devices as device_rules
 from mqinfer.workers.devices import usable_cores
 
@@ -125,6 +126,9 @@ def choose_layout(opts: dict, *, cores: int | None = None, gpu: bool | None = No
     why = f"{cores} cores, {threads} thread{'s' if threads > 1 else ''} per worker"
     if ranks > 1:
         why = f"{cores} cores, {ranks} ranks of {threads} thread{'s' if threads > 1 else ''} per worker"
+    by_size = cpu_layout_for_model(cores, opts["model"]) if opts["num_threads"] is None and ranks == 1 else None
+    if by_size is not None:  # a model too large for a copy per core (mqinfer/cpu_layout.py)
+        workers, threads, why = by_size
     if memory:
         fits = max(1, (memory // 2) // max(1, model_bytes(opts["model"])))
         if fits < workers:

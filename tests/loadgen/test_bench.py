@@ -459,3 +459,25 @@ def test_rounds_alternate_which_runs_first_and_report_the_median(tmp_path, capsy
     lines = [line for line in captured.err.splitlines() if "round 2 of 3: " in line]
     assert [line.split("round 2 of 3: ")[1] for line in lines] == ["unspeculative", "mqinfer"]
     assert "mqinfer / unspeculative over 3 rounds (alternating which ran first): " in captured.out
+
+
+def test_other_layout_reruns_with_one_worker_of_every_thread(tmp_path, capsys):
+    from mqinfer.loadgen.bench import other_layout
+
+    assert other_layout(argparse.Namespace(workers=2, num_threads=1)) == {"workers": 1, "num_threads": 2}
+    assert other_layout(argparse.Namespace(workers=1, num_threads=4)) == {"workers": 4, "num_threads": 1}
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--num-requests", "4", "--workload", "fixed", "--prompt-len", "8",
+                       "--output-len", "6", "--matrix-size", "128", "--workers", "2", "--num-threads", "1",
+                       "--json", str(out_json), "--compare", "other-layout", "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    other = report["systems"]["mqinfer offline, other layout"]
+    assert (other["workers"], other["num_threads"]) == (1, 2) and other["summary"]["num_errors"] == 0
+    assert "mqinfer again with --workers 1 --num-threads 2" in captured.err
+    ours = report["systems"]["mqinfer offline"]["summary"]["throughput"]
+    assert report["ratios"]["vs_other_layout"] == pytest.approx(ours / other["summary"]["throughput"])
+    assert "/ the other layout (1 x 2): " in captured.out
+    assert bench.run_bench(parse("--compare", "other-layout", "--mode", "online", "--rate", "2")) == 2
+    assert "compares CPU layouts offline" in capsys.readouterr().err
