@@ -58,7 +58,8 @@ FORMATS = {"int8": INT8, "fp8": FP8}
 _GROUPS = 5
 # Grouping pays only where magnitudes differ: with one group this large, one frame is used.
 _ONE_GROUP_SHARE = 0.85
-_ZSTD_LEVEL = 3
+# Level 1: within 0.1% of levels 3 and 9 on int8 KV (BENCHMARKS.md), and the fastest.
+_ZSTD_LEVEL = 1
 _ZLIB_LEVEL = 6
 
 
@@ -102,11 +103,30 @@ def zstd_available() -> bool:
     return _zstd is not None
 
 
-def _compressor(compressor: int):
-    if compressor == ZSTD:
-        z = _zstd.ZstdCompressor(level=_ZSTD_LEVEL, write_checksum=False, write_content_size=True)
-        return z.compress
-    return lambda data: zlib.compress(data, _ZLIB_LEVEL)
+class Compressor:
+    """What compresses blocks for one writer (not shared between threads): zstd, or zlib without
+    the zstandard package, and whether grouping value columns still pays. Grouping is tried beside
+    one frame for the first ``TRIALS`` blocks that look groupable; if it came out smaller in fewer
+    than a quarter of them (the KV of random weights), one frame is used from then on."""
+
+    TRIALS = 64
+
+    def __init__(self) -> None:
+        self.kind = ZSTD if _zstd is not None else ZLIB
+        if self.kind == ZSTD:
+            self._compress = _zstd.ZstdCompressor(level=_ZSTD_LEVEL, write_checksum=False,
+                                                  write_content_size=True).compress
+        else:
+            self._compress = lambda data: zlib.compress(data, _ZLIB_LEVEL)
+        self.trials = 0
+        self.grouped_wins = 0
+
+    def __call__(self, data: bytes) -> bytes:
+        return self._compress(data)
+
+    @property
+    def try_groups(self) -> bool:
+        return self.trials < self.TRIALS or 4 * self.grouped_wins >= self.trials
 
 
 def _decompressor(compressor: int):
@@ -120,9 +140,10 @@ def _decompressor(compressor: int):
 
 
 def encode(identity: bytes, block_hash: bytes, token_ids: Sequence[int], values: np.ndarray, scales: np.ndarray,
-           fmt: int, geometry: BlockGeometry, compress: bool = True) -> bytes:
+           fmt: int, geometry: BlockGeometry, compress: bool = True, compressor: Compressor | None = None) -> bytes:
     """The blob of one block: ``values`` uint8/int8 ``geometry.values_shape``, ``scales`` int16
-    (bfloat16 bits) ``geometry.scales_shape``."""
+    (bfloat16 bits) ``geometry.scales_shape``; compressed (by ``compressor``, a new one if None)
+    unless ``compress`` is False."""
     if values.shape != geometry.values_shape or scales.shape != geometry.scales_shape:
         raise ValueError(f"block of {values.shape} values / {scales.shape} scales does not match {geometry}")
     if len(identity) != 16 or len(block_hash) != 16:
@@ -132,11 +153,11 @@ def encode(identity: bytes, block_hash: bytes, token_ids: Sequence[int], values:
     if not compress:
         codec, payload = RAW << 4 | PLAIN, values.tobytes() + scales.tobytes()
     else:
-        compressor = ZSTD if _zstd is not None else ZLIB
-        layout, body = _pack_values(values, _compressor(compressor))
+        compressor = compressor or Compressor()
+        layout, body = _pack_values(values, compressor)
         split = np.concatenate([(scales >> 8).astype(np.uint8).ravel(), (scales & 0xFF).astype(np.uint8).ravel()])
-        packed_scales = _compressor(compressor)(split.tobytes())
-        codec = compressor << 4 | layout
+        packed_scales = compressor(split.tobytes())
+        codec = compressor.kind << 4 | layout
         payload = struct.pack("<I", len(body)) + body + packed_scales
     tokens = array("I", token_ids).tobytes()
     header = _HEADER.pack(MAGIC, VERSION, codec, fmt, 0, identity, block_hash, len(token_ids),
@@ -145,13 +166,15 @@ def encode(identity: bytes, block_hash: bytes, token_ids: Sequence[int], values:
     return body + hashlib.blake2b(body, digest_size=_CHECK_BYTES).digest()
 
 
-def _pack_values(values: np.ndarray, compress) -> tuple[int, bytes]:
+def _pack_values(values: np.ndarray, compress: Compressor) -> tuple[int, bytes]:
     """(layout, bytes): one frame of the values as they are, or magnitude groups of columns."""
+    plain = compress(values.tobytes())
+    if not compress.try_groups:
+        return PLAIN, plain
     columns = np.ascontiguousarray(np.moveaxis(values.view(np.int8), 1, -1)).reshape(-1, values.shape[1])
     magnitude = np.abs(columns.astype(np.int16)).max(axis=1)
     group = np.clip(np.ceil(np.log2(magnitude + 1.0)).astype(np.int64) - 3, 0, _GROUPS - 1).astype(np.uint8)
     counts = np.bincount(group, minlength=_GROUPS)
-    plain = compress(values.tobytes())
     if counts.max() >= _ONE_GROUP_SHARE * len(group):
         return PLAIN, plain
     parts = [compress(group.tobytes())]
@@ -159,7 +182,11 @@ def _pack_values(values: np.ndarray, compress) -> tuple[int, bytes]:
         parts.append(compress(columns[group == g].tobytes()) if counts[g] else b"")
     grouped = b"".join(struct.pack("<I", len(p)) + p for p in parts)
     # Grouping loses where the token order held more than the magnitudes (seen on random weights).
-    return (COLUMNS, grouped) if len(grouped) < len(plain) else (PLAIN, plain)
+    compress.trials += 1
+    if len(grouped) < len(plain):
+        compress.grouped_wins += 1
+        return COLUMNS, grouped
+    return PLAIN, plain
 
 
 def _unpack_values(layout: int, body: bytes, decompress, geometry: BlockGeometry) -> np.ndarray:
@@ -239,5 +266,5 @@ def decode(blob: bytes, identity: bytes, block_hash: bytes, token_ids: Sequence[
     return DecodedBlock(fmt, values, scales)
 
 
-__all__ = ["BlockGeometry", "BlockRejected", "DecodedBlock", "FORMATS", "FP8", "INT8", "decode", "encode",
+__all__ = ["BlockGeometry", "BlockRejected", "Compressor", "DecodedBlock", "FORMATS", "FP8", "INT8", "decode", "encode",
            "peek_key", "zstd_available"]

@@ -213,6 +213,7 @@ class KVTiers:
 
     # -- the background writer --------------------------------------------------------------------
     def _write_loop(self) -> None:
+        compressor = kv_codec.Compressor()
         while True:
             item = self._queue.get()
             try:
@@ -221,7 +222,7 @@ class KVTiers:
                 key, block_hash, token_ids, values, scales = item
                 t0 = time.perf_counter()
                 blob = kv_codec.encode(self.identity, block_hash, token_ids, values, scales, self.fmt,
-                                       self.geometry, compress=True)
+                                       self.geometry, compressor=compressor)
                 encode_s = time.perf_counter() - t0
                 for store in self.lower:
                     t1 = time.perf_counter()
