@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +50,33 @@ def wait_until(predicate, timeout: float = 60.0, interval: float = 0.05, what: s
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def blocked_in(redis_client, command: str) -> int:
+    """How many of the server's connections are blocked in ``command`` (``xread``, ``xreadgroup``;
+    CLIENT LIST's flag ``b``): a test waits for a reader to be waiting instead of sleeping."""
+    return sum(1 for c in redis_client.client_list() if c.get("cmd") == command and "b" in c.get("flags", ""))
+
+
+class LineCollector:
+    """Reads a running process's text stream (its stderr, say) line by line on a thread, so that a
+    test can wait for a line while the process runs; ``text`` waits for the end of the stream."""
+
+    def __init__(self, stream) -> None:
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream) -> None:
+        for line in stream:
+            self.lines.append(line)
+
+    def count(self, predicate) -> int:
+        return sum(1 for line in list(self.lines) if predicate(line))
+
+    def text(self, timeout: float = 30.0) -> str:
+        self._thread.join(timeout)
+        return "".join(self.lines)
 
 
 def read_dataset(path: Path):

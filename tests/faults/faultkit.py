@@ -19,6 +19,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis.exceptions
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
@@ -120,10 +121,13 @@ def submit(redis_url: str, items: list[dict]) -> set[tuple[str | None, str]]:
 
 
 def pending_by_consumer(client, stream: str = STREAM) -> dict[str, int]:
-    """Entries delivered and not acked, per consumer name."""
+    """Entries delivered and not acked, per consumer name (none while the stream or its group does
+    not exist yet)."""
     try:
         summary = client.xpending(stream, keys.GROUP)
-    except Exception:
+    except redis.exceptions.ResponseError as exc:
+        if "NOGROUP" not in str(exc):
+            raise
         return {}
     return {_s(c["name"]): int(c["pending"]) for c in summary.get("consumers") or []}
 

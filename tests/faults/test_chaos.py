@@ -66,7 +66,7 @@ def test_random_faults_on_a_long_job_still_give_every_request_exactly_once(redis
             reap()
             while len(live) < 3:
                 start()
-            time.sleep(rng.uniform(1.0, 3.0))
+            time.sleep(rng.uniform(1.0, 3.0))  # a random time between faults: the test's point
             # Mostly workers past their start (a few seconds of imports), so that faults hit work.
             started = [w for w in live if time.monotonic() - born[w.name] > 4.0]
             victim = rng.choice(started if started and rng.random() < 0.9 else live)
@@ -79,7 +79,7 @@ def test_random_faults_on_a_long_job_still_give_every_request_exactly_once(redis
                 victim.proc.wait(timeout=60)
             else:
                 victim.signal(signal.SIGSTOP)
-                time.sleep(1.5)  # past the claim idle time: others take its entries over
+                time.sleep(1.5)  # stopped past the claim idle time on purpose: others take its entries over
                 victim.signal(signal.SIGCONT)
         for w in live:
             w.signal(signal.SIGTERM)

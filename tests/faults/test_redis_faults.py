@@ -42,7 +42,8 @@ def test_redis_kill_9_mid_job_and_restart_from_its_append_only_file(tmp_path):
         server.process.wait()
         server.stop()
         rows_while_down = len(rows(out / "results"))
-        time.sleep(1.5)  # the workers keep stepping, writing rows and backing off meanwhile
+        # The outage lasts on purpose; the workers keep stepping, writing rows and backing off meanwhile.
+        time.sleep(1.5)
         restarted = EmbeddedServer(data, port=port, password=password, appendonly=True).start()
         assert restarted.url == url
         for w in workers:
@@ -128,8 +129,12 @@ def test_entries_trimmed_while_running_are_finished_from_memory(redis_url, redis
         assert redis_client.xtrim(STREAM, maxlen=0, approximate=False) == 7
         wait_until(lambda: len(rows(out / "results")) >= 4 and not pending_by_consumer(redis_client),
                    timeout=90, what="A to finish the trimmed requests from memory")
-        time.sleep(1.0)  # a claim tick or two: the undelivered loss is reported
-        metrics = a.metrics(port)
+
+        def loss_reported():  # at a claim tick
+            metrics = a.metrics(port)
+            return metrics if metrics.get('mqinfer_stream_entries_lost_total{state="undelivered"}', 0) >= 3 else None
+
+        metrics = wait_until(loss_reported, timeout=30, what="the undelivered loss to be reported")
     finally:
         a.signal(signal.SIGTERM)
     assert a.wait() == 0, a.log()

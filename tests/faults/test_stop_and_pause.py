@@ -64,7 +64,9 @@ def test_sigstop_past_claim_idle_then_sigcont_gives_no_second_row(redis_url, red
     out = tmp_path / "out"
     a = spawn(redis_url, out, "A", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5")
     wait_until(lambda: len(pending_ids(redis_client, "A")) == 6, timeout=60, what="A to read everything")
-    time.sleep(0.05)  # mid-decode
+    # A moment for A to get into its decode, so that the stop lands mid-request (any
+    # moment would do; nothing observable marks "decoding" from outside).
+    time.sleep(0.05)
     a.signal(signal.SIGSTOP)
     try:
         assert pending_ids(redis_client, "A")  # stopped holding entries

@@ -9,7 +9,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 from urllib.parse import quote
 
@@ -226,13 +225,22 @@ def _tls_server(folder: Path, password: str) -> tuple[subprocess.Popen, int, Pat
              "--requirepass", password, "--save", "", "--appendonly", "no", "--dir", str(folder)],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and proc.poll() is None:
+
+        def listening_or_exited() -> str | None:
+            if proc.poll() is not None:
+                return "exited"
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                return proc, port, cert
             except OSError:
-                time.sleep(0.05)
+                return None
+            return "listening"
+
+        try:
+            state = wait_until(listening_or_exited, timeout=10, what=f"{binary} to listen")
+        except AssertionError:
+            state = "timed out"
+        if state == "listening":
+            return proc, port, cert
         proc.kill()
         output = proc.communicate()[0]
         reasons.append(f"{binary}: {output.strip().splitlines()[-1] if output.strip() else 'did not start'}")

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 import warnings
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 from mqinfer.kernels import native
 from mqinfer.kernels.attention import build_attention_metadata, paged_attention
 from mqinfer.kernels.cpu_ops import greedy_argmax, reference_greedy_argmax
+from tests.helpers import wait_until
 
 HAS_COMPILER = bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"))
 needs_library = pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on this machine")
@@ -137,16 +137,17 @@ def test_a_forked_child_gets_its_own_pool(threads):
         finally:
             os._exit(status)
     os.close(write_end)
-    deadline = time.monotonic() + 60
-    while True:
+
+    def exited():
         done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung in a parallel kernel")
-        time.sleep(0.05)
+        return (done, status) if done else None
+
+    try:
+        _, status = wait_until(exited, timeout=60, what="the forked child to exit")
+    except AssertionError:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in a parallel kernel")
     with os.fdopen(read_end, "rb") as f:
         report = f.read()
     assert os.waitstatus_to_exitcode(status) == 0

@@ -31,7 +31,7 @@ from mqinfer.client import (
 )
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import decode_entry
-from tests.helpers import wait_until
+from tests.helpers import blocked_in, wait_until
 
 STREAM = keys.request_stream("requests")
 
@@ -115,6 +115,7 @@ def test_backpressure_raises_or_waits_for_the_backlog_to_fall(redis_url, redis_c
     finished: list[str] = []
 
     def consumer():  # finishes requests a little later, as a worker would: read, ack, delete
+        # The delay is the point: the client must find the backlog full and wait for room.
         time.sleep(0.3)
         position = "0"  # first what c1 already holds, then new entries
         while not stop.is_set():
@@ -302,7 +303,9 @@ def test_async_client_submits_streams_and_waits_concurrently(redis_url, redis_cl
                 return [e async for e in client.stream("a0", timeout=10)]
 
             streamer = asyncio.create_task(stream_a0())
-            await asyncio.sleep(0.2)
+            # The replies are sent once a reader is blocked in XREAD, so that they reach waiting readers.
+            await asyncio.to_thread(wait_until, lambda: blocked_in(redis_client, "xread"), timeout=10,
+                                    what="a reader blocked in XREAD")
             writer = ReplyWriter("w")
             writer.delta(client.reply_to, "a0", None, [104], "h", 0, 1)
             for i in reversed(ids):

@@ -12,6 +12,7 @@ import redis.exceptions
 
 from mqinfer.client import AsyncClient, Client, Delta, Final, ReplyWriter, ResultTimeout
 from mqinfer.schemas.rows import ResultRow
+from tests.helpers import blocked_in, wait_until
 
 BROKEN = "mqinfer:reply:broken"
 
@@ -49,7 +50,8 @@ def test_many_threads_wait_on_one_client(redis_url, redis_client):
         threads += [threading.Thread(target=stream), threading.Thread(target=nobody)]
         for thread in threads:
             thread.start()
-        time.sleep(0.2)
+        # The replies are sent once one thread holds the read turn, blocked in XREAD.
+        wait_until(lambda: blocked_in(redis_client, "xread"), timeout=10, what="a reader blocked in XREAD")
         writer = ReplyWriter("w")
         writer.delta(client.reply_to, "s", None, [104], "h", 0, 1)
         for rid in reversed(ids):
@@ -105,7 +107,8 @@ def test_a_cancelled_async_waiter_hands_the_read_turn_back(redis_url, redis_clie
         async with AsyncClient(redis_url) as client:
             await client.submit({"id": "a", "prompt": "x"})
             reader = asyncio.create_task(client.result("a", timeout=20))
-            await asyncio.sleep(0.2)  # it holds the read turn, blocked in XREAD
+            await asyncio.to_thread(wait_until, lambda: blocked_in(redis_client, "xread"), timeout=10,
+                                    what="the reader to hold the read turn, blocked in XREAD")
             reader.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await reader

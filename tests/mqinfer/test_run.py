@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import rows, wait_until, write_jsonl
+from tests.helpers import LineCollector, rows, wait_until, write_jsonl
 
 LOCK = Path(".mqinfer") / "run.lock"
 
@@ -120,17 +120,21 @@ def test_one_run_per_folder_and_double_ctrl_c(tmp_path):
     src = write_jsonl(tmp_path / "job.jsonl", items)
     out = tmp_path / "out"
     args = run_cmd(str(src), "--out", str(out), "--max-num-seqs", "4", "--flush-rows", "1")
-    first = subprocess.Popen(args, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(args, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stderr = LineCollector(first.stderr)
     try:
         wait_until(lambda: len(rows(out / "results")) >= 2, timeout=180, what="the first rows")
         second = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=60)
         assert second.returncode == 2
         assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
         # Two Ctrl-Cs: the run still waits for its workers to write and acknowledge what they finished.
+        # The second is sent once the first was handled (two at once would arrive as one).
         first.send_signal(signal.SIGINT)
-        time.sleep(0.3)
+        wait_until(lambda: stderr.count(lambda line: "mqinfer run: stopping:" in line), timeout=60,
+                   what="the first Ctrl-C to be handled")
         first.send_signal(signal.SIGINT)
-        _, err = first.communicate(timeout=120)
+        first.wait(timeout=120)
+        err = stderr.text()
     finally:
         if first.poll() is None:
             first.kill()

@@ -147,6 +147,7 @@ def test_server_killed_and_restarted_from_its_append_only_file(tmp_path):
         server.process.kill()  # no shutdown, no final fsync
         server.process.wait()
         server.process = None
+        # The outage lasts on purpose, so that the workers and rq meet a server that is gone.
         time.sleep(1.0)
         server = EmbeddedServer(tmp_path / "redis", port=port, password=password, appendonly=True).start()
         client = server.client()

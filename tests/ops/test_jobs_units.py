@@ -21,12 +21,12 @@ from mqinfer.ops.job_output import compose_output, openai_record
 from mqinfer.ops.job_spool import Spool
 from mqinfer.ops.job_store import CollectedRow, FeedItem, JobStore, LockLost, StatusChanged
 from mqinfer.ops.job_tasks import run_task
-from mqinfer.ops.jobs import JobConflict, cancel_job, job_info, parse_deadline, submit_job, sweep
+from mqinfer.ops.jobs import SWEEP_LOCK, JobConflict, cancel_job, job_info, parse_deadline, submit_job, sweep
 from mqinfer.schemas.files import iter_input
 from mqinfer.schemas.lanes import lane_name, lane_stream
 from mqinfer.schemas.request import Request, encode_request
 from mqinfer.schemas.rows import RESULT_SCHEMA, ResultRow, rows_to_table
-from tests.helpers import write_jsonl
+from tests.helpers import wait_until, write_jsonl
 
 
 # -- deadlines -------------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def test_lock_is_exclusive_and_writes_are_fenced(redis_client):
     store.release("t2")  # not the holder: no effect
     assert store.acquire("c1", "t3", 5) == "busy"
     redis_client.pexpire(store.lock_key, 1)
-    time.sleep(0.01)
+    wait_until(lambda: not redis_client.exists(store.lock_key), timeout=5, interval=0.001, what="the lease to run out")
     with pytest.raises(LockLost):  # the lease ran out: the old holder can change nothing
         store.update("t1", {"note": "late"})
     job = store.load()
@@ -372,12 +372,12 @@ def test_failing_tasks_back_off_are_restarted_by_the_sweeper_and_finally_fail_th
     assert not redis_client.exists(store.lock_key)  # the failed task let go of the job
     assert sweep(redis_client, grace_s=0.0, lock_ms=1) == []
     redis_client.hset(store.hash_key, "beat", time.time() - 10)
-    time.sleep(0.002)
+    wait_until(lambda: not redis_client.exists(SWEEP_LOCK), timeout=5, interval=0.001, what="the sweep lock to expire")
     assert sweep(redis_client, grace_s=5.0, lock_ms=1) == [job_id]
     new_chain = redis_client.hget(store.hash_key, "chain").decode()
     assert new_chain != chain and redis_client.llen(queue_key) == 1
     assert "no longer" in run_task(redis_client, job_id, chain)  # the old chain is retired
-    time.sleep(0.002)
+    wait_until(lambda: not redis_client.exists(SWEEP_LOCK), timeout=5, interval=0.001, what="the sweep lock to expire")
     assert sweep(redis_client, grace_s=0.0, lock_ms=1) == []  # its new task waits in the queue
 
     for _ in range(4):

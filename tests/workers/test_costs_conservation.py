@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 from collections import defaultdict
 
 import pytest
@@ -22,7 +21,7 @@ from mqinfer.schemas import keys
 from mqinfer.ops.compact import compact
 from mqinfer.workers.devices import usable_cores
 from mqinfer.ops.report import cost_report
-from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, wait_until, write_jsonl
+from tests.helpers import LineCollector, mqinfer_cmd, rows, start_worker, wait_exit, wait_until, write_jsonl
 
 PRICE = 36.0  # USD per device hour: 0.01 USD per device second
 STREAM = keys.request_stream("requests")
@@ -187,6 +186,11 @@ def test_one_worker_same_shape_same_cost_logs_and_handback(redis_url, redis_clie
     worker = start_worker(redis_url, out, "--flush-interval-s", "0.1", "--max-num-seqs", "8", "--drain-timeout-s", "0",
                           "--consumer", "solo", "--price-per-device-hour", str(PRICE), "--log-format", "json",
                           log_level="debug")
+    stderr = LineCollector(worker.stderr)  # read as it comes: the step lines say how far it got
+
+    def steps() -> int:
+        return stderr.count(lambda line: line.startswith("{") and json.loads(line)["msg"].startswith("step "))
+
     try:
         wait_until(lambda: (out / "results").exists() and len(rows(out / "results")) == len(requests), timeout=120,
                    what="the first batch's rows")
@@ -194,10 +198,16 @@ def test_one_worker_same_shape_same_cost_logs_and_handback(redis_url, redis_clie
             redis_client.xadd(STREAM, {"json": json.dumps(shaped(f"long-{i}", 30 + i, 30, 1500, "beta")), "v": "1"})
         wait_until(lambda: redis_client.xpending(STREAM, keys.GROUP)["pending"] == 2, timeout=30,
                    what="the long requests to be read")
-        time.sleep(0.5)  # let them run a few steps
+        before = steps()
+        wait_until(lambda: steps() >= before + 3, timeout=60, what="the long requests to run a few steps")
     finally:
         worker.send_signal(signal.SIGTERM)
-    code, err = wait_exit(worker)
+    try:
+        code = worker.wait(timeout=180)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+    err = stderr.text()
     assert code == 0, err[-3000:]
 
     costs = rows(out / "costs")

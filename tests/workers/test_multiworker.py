@@ -13,6 +13,7 @@ import collections
 import signal
 
 import pytest
+import redis.exceptions
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
@@ -24,7 +25,7 @@ STREAM = keys.request_stream("requests")
 def _consumers(client) -> set[str]:
     try:
         infos = client.xinfo_consumers(STREAM, keys.GROUP)
-    except Exception:  # no stream or group yet
+    except redis.exceptions.ResponseError:  # no stream or group yet
         return set()
     return {c["name"].decode() if isinstance(c["name"], bytes) else c["name"] for c in infos}
 

@@ -14,7 +14,7 @@ from mqinfer.schemas.replies import cancel_key, cancel_member
 from mqinfer.workers.buckets import TokenBuckets
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.tenant_limits import TenantLimit, format_tenant_limits, parse_tenant_limits, request_tokens
-from tests.helpers import FakeClock, rows, start_worker, stop_processes, wait_until
+from tests.helpers import FakeClock, blocked_in, rows, start_worker, stop_processes, wait_until
 from tests.workers.harness import WorkerHarness, pending, request, submit
 
 
@@ -255,10 +255,12 @@ def _shared_limit_run(redis_url, redis_client, tmp_path, *, rate: float, n: int)
     limit = ["--tenant-limits", f"t={rate:g}", "--num-threads", "1", "--max-batch", "8", "--idle-exit-s", "30"]
     workers = [start_worker(redis_url, out, "--consumer", f"w{i}", *limit) for i in range(2)]
     try:
-        # Both workers ready (each joined the group) before the flood, so that both take part.
+        # Both workers ready (each joined the group and waits, blocked in XREADGROUP) before the
+        # flood, so that both take part.
         wait_until(lambda: len(redis_client.xinfo_consumers(keys.request_stream(), keys.GROUP)) == 2
                    if redis_client.exists(keys.request_stream()) else False, timeout=60, what="two workers")
-        time.sleep(1.0)
+        wait_until(lambda: blocked_in(redis_client, "xreadgroup") == 2, timeout=60, interval=0.01,
+                   what="both workers waiting for requests")
         for i in range(n):
             submit(redis_client, request(f"r{i}", max_tokens=16, tenant="t"))
         wait_until(lambda: len(rows(out / "results")) >= n, timeout=60 + 2 * n * 20 / rate, interval=0.2,

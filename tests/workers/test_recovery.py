@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+import redis.exceptions
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
@@ -57,7 +58,7 @@ def test_long_request_is_not_taken_from_its_live_worker(redis_url, redis_client,
     def both_reading():
         try:
             names = {c["name"] for c in redis_client.xinfo_consumers(STREAM, keys.GROUP)}
-        except Exception:
+        except redis.exceptions.ResponseError:  # no stream or group yet
             return False
         return {"A", "B"} <= {n.decode() if isinstance(n, bytes) else n for n in names}
 

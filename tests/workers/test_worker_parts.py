@@ -15,6 +15,7 @@ from mqinfer.run import _count_done, _count_generated, _Progress
 from mqinfer.schemas import faults, keys
 from mqinfer.workers.acks import SinkError
 from mqinfer.workers.devices import usable_cores
+from tests.helpers import wait_until
 from tests.workers.harness import GROUP, STREAM, WorkerHarness, pending, read_as, request, set_idle, submit
 
 
@@ -91,10 +92,11 @@ def test_a_starting_worker_is_announced_and_kept_live_while_it_loads(redis_clien
         return c["idle"]
 
     with announced(redis_client, STREAM, GROUP, "loading", every_s=0.05):
-        time.sleep(0.5)
+        time.sleep(0.5)  # time passes on purpose while it loads; the touches keep it fresh
         assert idle_ms() < 300
-    time.sleep(0.3)
-    assert 300 <= idle_ms() < LIVE_CONSUMER_MS  # no more touches once loaded
+    # No more touches once loaded: its idle time grows.
+    wait_until(lambda: idle_ms() >= 300, timeout=10, what="the consumer's idle time to grow")
+    assert idle_ms() < LIVE_CONSUMER_MS
 
 
 def test_keepalive_keeps_a_running_entry_fresh_without_counting_a_delivery(harness, redis_client):
