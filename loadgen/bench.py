@@ -410,7 +410,8 @@ def _run(args: argparse.Namespace) -> int:
         if OTHER_LAYOUT in compare and not args.skip_engine:
             other = other_layout(args)
             log(f"mqinfer again with --workers {other['workers']} --num-threads {other['num_threads']}")
-            plain = run_engine(_variant_args(args, OTHER_LAYOUT, "other-layout"), spec, requests, scratch / "other-layout")
+            plain = run_engine(_variant_args(args, OTHER_LAYOUT, "other-layout"), spec, requests,
+                               scratch / "other-layout")
             done("mqinfer offline, other layout", plain.offline, {"summary": plain.offline.to_dict(), **other})
         if INPUT_ORDER in compare and not args.skip_engine:
             log("mqinfer again with --order input --route id")

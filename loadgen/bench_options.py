@@ -212,7 +212,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "other-layout = mqinfer again with one worker of every core where it ran single-threaded "
                         "workers, else with one single-threaded worker per core (CPU); e.g. hf,llamacpp.")
     g.add_argument("--rounds", type=positive_int, default=1, metavar="R",
-                   help="With --compare unquantized, unspeculative, input-order or other-layout (offline): run mqinfer and each "
+                   help="With --compare unquantized, unspeculative, input-order or other-layout (offline): run mqinfer "
+                        "and each "
                         "such variant R times, alternating which goes first (round 1 mqinfer first, round 2 the "
                         "variant first, ...), and report every round's ratio and their median: on a shared or "
                         "noisy machine one pair of runs can differ by more than the effect measured. The table "

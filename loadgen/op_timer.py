@@ -4,8 +4,8 @@ at a time while the engine runs (``python -m mqinfer.loadgen.profile_engine --op
 torch.profiler cannot see inside the native kernels (ctypes calls appear as the time of the step
 itself), so this wraps the functions the model calls (the dense layers by their weight's role,
 natively or through PyTorch's matmul, SwiGLU, rotary + KV store, attention, residual + RMSNorm)
-with a clock, for one run, and puts them back afterwards. Dense layers also report their multiply-add rate, to set against the
-machine's matmul rate at large sizes.
+with a clock, for one run, and puts them back afterwards. Dense layers also report their
+multiply-add rate, to set against the machine's matmul rate at large sizes.
 """
 
 from __future__ import annotations
@@ -17,34 +17,41 @@ from collections.abc import Iterator
 
 
 class OpTimes:
+    """Each op's wall seconds and the calling thread's CPU seconds (on a shared machine the
+    second holds still where the first grows with other processes' load; with one model thread
+    it is all of the op's work)."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.cpu_seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.flops: dict[str, float] = defaultdict(float)
 
-    def add(self, name: str, seconds: float, flops: float = 0.0) -> None:
+    def add(self, name: str, seconds: float, flops: float = 0.0, cpu_seconds: float = 0.0) -> None:
         self.seconds[name] += seconds
+        self.cpu_seconds[name] += cpu_seconds
         self.calls[name] += 1
         self.flops[name] += flops
 
     def table(self, forward_s: float) -> str:
-        lines = [f"{'op':<28} {'calls':>7} {'seconds':>9} {'of forward':>10} {'GFLOP/s':>8}",
-                 "-" * 66]
+        """Ops by wall time, with their share of the forward pass; GFLOP/s over CPU time."""
+        lines = [f"{'op':<30} {'calls':>7} {'seconds':>9} {'of forward':>10} {'CPU s':>8} {'GFLOP/s':>8}",
+                 "-" * 77]
         for name in sorted(self.seconds, key=self.seconds.get, reverse=True):
-            s = self.seconds[name]
-            rate = f"{self.flops[name] / s / 1e9:8.1f}" if self.flops[name] and s > 0 else f"{'':>8}"
-            lines.append(f"{name:<28} {self.calls[name]:>7} {s:>9.3f} {s / forward_s:>10.1%} {rate}")
+            s, cpu = self.seconds[name], self.cpu_seconds[name]
+            rate = f"{self.flops[name] / cpu / 1e9:8.1f}" if self.flops[name] and cpu > 0 else f"{'':>8}"
+            lines.append(f"{name:<30} {self.calls[name]:>7} {s:>9.3f} {s / forward_s:>10.1%} {cpu:>8.3f} {rate}")
         rest = forward_s - sum(self.seconds.values())
-        lines.append(f"{'everything else':<28} {'':>7} {rest:>9.3f} {rest / forward_s:>10.1%}")
+        lines.append(f"{'everything else':<30} {'':>7} {rest:>9.3f} {rest / forward_s:>10.1%}")
         return "\n".join(lines)
 
 
 def _timed(times: OpTimes, name, fn, flops=None, native: dict | None = None):
     def wrapper(*args, **kwargs):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = fn(*args, **kwargs)
         label = name(*args) if callable(name) else name
-        times.add(label, time.perf_counter() - t, flops(*args) if flops else 0.0)
+        times.add(label, time.perf_counter() - t, flops(*args) if flops else 0.0, time.thread_time() - c)
         if native is not None:
             native["ran"] = True
         return out
@@ -57,12 +64,12 @@ def _timed_module(times: OpTimes, roles: dict[int, str], fn, native: dict):
     wrapper instead (``native["ran"]``), and not twice."""
     def forward(module, x, *args, **kwargs):
         native["ran"] = False
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = fn(module, x, *args, **kwargs)
         if not native["ran"]:
             rows, (out_features, in_features) = x.shape[0], module.weight.shape
             times.add(f"dense {roles.get(id(module.weight), '?')} (torch)", time.perf_counter() - t,
-                      2.0 * rows * in_features * out_features)
+                      2.0 * rows * in_features * out_features, time.thread_time() - c)
         return out
     return forward
 

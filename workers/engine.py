@@ -278,6 +278,17 @@ class LLMEngine:
     def _start(self, config: EngineConfig, clock: Callable[[], float]) -> None:
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         shard, stage = rank_parts(0, tp * pp, pp)
+        # Where start-up goes (seconds): the model and tokenizer, the runner (KV cache), quantizing,
+        # keeping the prepared model, the rest; logged at the end.
+        self.startup_seconds: dict[str, float] = {}
+        lap = time.perf_counter()
+
+        def clock_in(part: str) -> None:
+            nonlocal lap
+            now = time.perf_counter()
+            self.startup_seconds[part] = self.startup_seconds.get(part, 0.0) + now - lap
+            lap = now
+
         # What an earlier start on this machine prepared (dequantized, calibrated, quantized), if kept.
         prepared = load_prepared(config, self.device) if shard is None and stage is None else None
         if prepared is not None:
@@ -291,6 +302,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer | None = tokenizer or (
             ByteTokenizer() if config.model == TINY else load_tokenizer(info.path) if info.path else None
         )
+        clock_in("read prepared model" if prepared is not None else "load model")
         max_len = config.max_model_len or info.max_model_len
         if max_len > info.max_model_len:
             raise ValueError(
@@ -371,6 +383,7 @@ class LLMEngine:
             self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
                                       kv_cache_dtype=config.kv_cache_dtype, group=group,
                                       draft_layers=draft_layers, draft_model=draft)
+        clock_in("runner and KV cache")
         if config.speculative == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         elif config.speculative == "self":
@@ -387,11 +400,15 @@ class LLMEngine:
         self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
         # KV tiers below the device cache (host memory, disk, a shared directory), if configured.
         self.kv_tiers = attach_engine_tiers(config, info, self.model, self.runner, self.scheduler)
+        clock_in("other")
         if prepared is None:
             if config.quantization != "none":
                 self._quantize(config)
-            if shard is None and stage is None:
-                save_prepared(config, self.device, self.model, info, self.tokenizer)
+                clock_in("quantize")
+            kept = shard is None and stage is None and save_prepared(config, self.device, self.model, info,
+                                                                     self.tokenizer)
+            if kept:
+                clock_in("keep prepared model")
         self.eos_token_ids = frozenset(info.eos_token_ids) or (
             frozenset([self.tokenizer.eos_token_id])
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
@@ -430,6 +447,9 @@ class LLMEngine:
         if pp > 1:
             log.info("pipeline parallel: %d stages, this rank holds layers %d to %d of %d", pp, model.stage.start,
                      model.stage.stop - 1, info.num_layers)
+        clock_in("other")
+        log.info("engine start-up %.2fs: %s", sum(self.startup_seconds.values()),
+                 ", ".join(f"{part} {seconds:.2f}s" for part, seconds in self.startup_seconds.items()))
 
     @property
     def device_share(self) -> float:

@@ -18,8 +18,9 @@ An entry is used only when everything that made it is unchanged; its key hashes:
 
 Only plain CPU models are kept (one tensor-parallel rank, one pipeline stage), and only when there
 is preparation to save: a GGUF file or 8-bit weights; a safetensors folder in its own dtype loads
-as fast as an entry would. Entries live under ``$MQINFER_PREPARED_CACHE_DIR``, else ``$MQINFER_CACHE_DIR/prepared`` (else
-``$XDG_CACHE_HOME/mqinfer/prepared``, else ``~/.cache/mqinfer/prepared``), one folder each,
+as fast as an entry would. Entries live under ``$MQINFER_PREPARED_CACHE_DIR``, else
+``$MQINFER_CACHE_DIR/prepared``, else ``$XDG_CACHE_HOME/mqinfer/prepared``, else
+``~/.cache/mqinfer/prepared``, one folder each,
 written in a temporary folder and renamed into place (two workers starting together both write;
 one rename wins). The ``_MAX_ENTRIES`` most recently used are kept. ``MQINFER_PREPARED_CACHE=off``
 turns it off; ``MQINFER_PREPARED_CACHE_DIR`` puts it elsewhere.
