@@ -33,7 +33,7 @@ def _source(model: str) -> tuple[dict, Iterator]:
     if not (folder / "config.json").exists():
         raise SystemExit(f"{model}: neither a .gguf file nor a checkpoint folder with config.json")
     hf = json.loads((folder / "config.json").read_text())
-    return hf, loader._iter_checkpoint(loader._weight_files(folder))
+    return hf, loader.iter_checkpoint(loader.weight_files(folder))
 
 
 def cut_checkpoint(model: str, layers: int, out: str | Path, dtype: str = "float32") -> Path:

@@ -66,7 +66,7 @@ from mqinfer.loadgen.bench_online import unshared_prompts
 from mqinfer.loadgen.bench_options import _length_range, _wait_ms, _workers, positive_int
 from mqinfer.loadgen.bench_pool import WorkerPool, log, read_results, wait_done, worker_argv
 from mqinfer.loadgen.metrics import RequestTiming, summarize
-from mqinfer.loadgen.tenants_bench import _weights, queue_delays
+from mqinfer.loadgen.tenants_bench import tenant_weights, queue_delays
 from mqinfer.loadgen.workload import fit_to_context, standard_workload, uniform_workload
 from mqinfer.scheduler.config import format_tenant_weights
 from mqinfer.schemas import lanes as lane_scheme
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 15).")
     g.add_argument("--weights-requests", type=positive_int, default=200, metavar="N",
                    help="weights: requests of each of the two tenants (default: 200).")
-    g.add_argument("--tenant-weights", type=_weights, default={ALPHA: 2.0, BETA: 1.0}, metavar="alpha=W,beta=W",
+    g.add_argument("--tenant-weights", type=tenant_weights, default={ALPHA: 2.0, BETA: 1.0}, metavar="alpha=W,beta=W",
                    help="weights: the workers' --tenant-weights (default: alpha=2,beta=1).")
     g.add_argument("--throughput-requests", type=positive_int, default=256, metavar="N",
                    help="throughput: requests of the standard workload per run (default: 256).")

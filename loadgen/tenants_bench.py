@@ -44,7 +44,8 @@ from mqinfer.scheduler.config import format_tenant_weights, parse_tenant_weights
 LIGHT, HEAVY = "light", "heavy"
 
 
-def _weights(text: str) -> dict[str, float]:
+def tenant_weights(text: str) -> dict[str, float]:
+    """``--tenant-weights`` (``tenant=w,...``) for argparse: the weights, or an argparse error."""
     try:
         return parse_tenant_weights(text)
     except ValueError as exc:
@@ -84,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-len", type=_length_range, default=(16, 128), metavar="LO,HI",
                    help="Output lengths, uniform, for both tenants (default: 16,128).")
     g.add_argument("--seed", type=int, default=0, help="Workload and arrival seed (default: 0).")
-    g.add_argument("--tenant-weights", type=_weights, default={}, metavar="T=W,...",
+    g.add_argument("--tenant-weights", type=tenant_weights, default={}, metavar="T=W,...",
                    help="The workers' --tenant-weights, e.g. light=1,heavy=1 (default: every tenant weight 1).")
 
     g = p.add_argument_group("run")

@@ -102,7 +102,7 @@ def _parquet_chunk(path: Path, position: InputPosition, max_items: int
     import pyarrow.parquet as pq
 
     # The cleaning of a Parquet row into a request object lives with the file reader.
-    from mqinfer.schemas.files import _clean_row
+    from mqinfer.schemas.files import clean_parquet_row
 
     try:
         parquet = pq.ParquetFile(path)
@@ -130,7 +130,7 @@ def _parquet_chunk(path: Path, position: InputPosition, max_items: int
             for row in batch.slice(0, max_items - len(items)).to_pylist():
                 row_no += 1
                 try:
-                    items.append(InputItem(row_no, request_from_obj(_clean_row(row)), None))
+                    items.append(InputItem(row_no, request_from_obj(clean_parquet_row(row)), None))
                 except RequestError as exc:
                     items.append(InputItem(row_no, None, _with_line_id(row_no, exc)))
             if len(items) >= max_items:

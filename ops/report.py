@@ -48,15 +48,17 @@ from mqinfer.schemas.dataset import COSTS_DIR, part_files
 GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
 _SUMMED = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "rejected_tokens", "device_s", "prefill_s", "decode_s",
            "recomputed_s", "kv_block_s", "cost_usd", "input_usd")
-_GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "rejected_tokens", "device_s",
-                 "prefill_s",
-                 "decode_s", "recomputed_s", "kv_block_s", "cost_usd", "usd_per_1m_tokens",
-                 "usd_per_1m_input_tokens", "usd_per_1m_output_tokens")
+# A group's fields, in the order the renderers (ops/report_render.py) write them.
+GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "rejected_tokens", "device_s",
+                "prefill_s",
+                "decode_s", "recomputed_s", "kv_block_s", "cost_usd", "usd_per_1m_tokens",
+                "usd_per_1m_input_tokens", "usd_per_1m_output_tokens")
 # The group columns of the text table (CSV and JSON have every field).
-_TABLE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "cost_usd",
-                 "usd_per_1m_input_tokens", "usd_per_1m_output_tokens", "usd_per_1m_tokens")
-_TABLE_HEADERS = {"usd_per_1m_input_tokens": "usd_per_1m_in", "usd_per_1m_output_tokens": "usd_per_1m_out",
-                  "allocated_usd": "alloc_usd"}
+TABLE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "device_s", "cost_usd",
+                "usd_per_1m_input_tokens", "usd_per_1m_output_tokens", "usd_per_1m_tokens")
+# Shorter headers of the text table's columns.
+TABLE_HEADERS = {"usd_per_1m_input_tokens": "usd_per_1m_in", "usd_per_1m_output_tokens": "usd_per_1m_out",
+                 "allocated_usd": "alloc_usd"}
 DEFAULT_TOP = 10
 
 

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from mqinfer.ops.report import _GROUP_FIELDS, _TABLE_FIELDS, _TABLE_HEADERS, Report, Spend, GroupCost, Totals
+from mqinfer.ops.report import GROUP_FIELDS, TABLE_FIELDS, TABLE_HEADERS, Report, Spend, GroupCost, Totals
 from mqinfer.schemas.rows import COST_KINDS
 
 # -- rendering ------------------------------------------------------------------------------
@@ -45,11 +45,11 @@ def _summary_lines(report: Report) -> tuple[tuple[str, str], ...]:
 
 
 def _group_fields(report: Report) -> tuple[str, ...]:
-    return _GROUP_FIELDS + (ALLOCATION_FIELDS if report.basis == "allocation" else ())
+    return GROUP_FIELDS + (ALLOCATION_FIELDS if report.basis == "allocation" else ())
 
 
 def _table_fields(report: Report) -> tuple[str, ...]:
-    fields = _TABLE_FIELDS
+    fields = TABLE_FIELDS
     if report.totals.rejected_tokens:
         # Speculative decoding ran: the proposed tokens it computed and rejected, after the outputs.
         i = fields.index("output_tokens") + 1
@@ -131,7 +131,7 @@ def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
 def _render_table(report: Report) -> str:
     budget_column = report.budgets is not None and "tenant" in report.by
     fields = _table_fields(report)
-    headers = report.by + [_TABLE_HEADERS.get(m, m) for m in fields] + (["budget"] if budget_column else [])
+    headers = report.by + [TABLE_HEADERS.get(m, m) for m in fields] + (["budget"] if budget_column else [])
     numeric = [False] * len(report.by) + [True] * len(fields) + ([False] if budget_column else [])
     rows = []
     for g in report.groups:

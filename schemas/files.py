@@ -199,6 +199,3 @@ def _parquet_logit_bias(value: Any) -> Any:
         return dict(value)
     return value
 
-
-# The former private name, still imported by ops/job_input.py.
-_clean_row = clean_parquet_row

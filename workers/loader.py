@@ -254,7 +254,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path}: cannot read JSON ({exc})") from None
 
 
-def _weight_files(folder: Path) -> list[Path]:
+def weight_files(folder: Path) -> list[Path]:
+    """A checkpoint folder's safetensors files: those its index names, else ``model.safetensors``,
+    else every ``*.safetensors``; ModelLoadError when there are none."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         weight_map = _read_json(index).get("weight_map")
@@ -293,8 +295,8 @@ def _hash_files(config_bytes: bytes, files: list[Path]) -> str:
     return digest.hexdigest()[:8]
 
 
-def _iter_checkpoint(files: list[Path], shard: Shard | None = None,
-                     keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(files: list[Path], shard: Shard | None = None,
+                    keep: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the files; with ``shard``, only that rank's slices of the split ones; with
     ``keep``, only the tensors it keeps (a pipeline stage's), the others never read."""
     from safetensors import SafetensorError, safe_open
@@ -412,9 +414,9 @@ def load_model(
         gen_path = folder / "generation_config.json"
         generation = _read_json(gen_path) if gen_path.exists() else {}
         torch_dtype = resolve_dtype(dtype, hf, device)
-        files = _weight_files(folder)
+        files = weight_files(folder)
         keep = None if stage_for(config) is None else (lambda name: part.holds(name, config.tie_word_embeddings))
-        model = _build(config, _iter_checkpoint(files, split_for(config), keep), torch_dtype, device, str(folder),
+        model = _build(config, iter_checkpoint(files, split_for(config), keep), torch_dtype, device, str(folder),
                        split, part)
         name = folder.resolve().name
         model_id = f"{name}@{_hash_files(config_bytes, files)}"
