@@ -30,9 +30,11 @@ from mqinfer.config import (
     SHARDS,
     STREAM,
     WORKER_OPTIONS,
+    CommandParser,
     ConfigError,
     Option,
     add_options,
+    config_keys,
     fill_from_env_and_config,
     load_config_file,
     resolve,
@@ -107,8 +109,8 @@ def setup_logging(level: str, fmt: str) -> None:
     root.setLevel(level.upper())
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser() -> CommandParser:
+    parser = CommandParser(
         prog="mqinfer",
         description="Message-queue batch inference for LLMs: Redis streams in, continuous batching over a "
                     "paged KV cache, Parquet results and per-request costs out.",
@@ -173,26 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def config_keys(parser: argparse.ArgumentParser) -> tuple[set[str], set[str]]:
-    """(every flag name of every command, in every spelling, e.g. both ``prefix_cache`` and
-    ``no_prefix_cache``; every command name): what a config file may hold."""
-    flags: set[str] = {"config"}
-    commands: set[str] = set()
-
-    def walk(p: argparse.ArgumentParser) -> None:
-        for action in p._actions:
-            if isinstance(action, argparse._SubParsersAction):
-                for name, sub in action.choices.items():
-                    commands.add(name)
-                    walk(sub)
-            elif action.option_strings:
-                flags.add(action.dest)
-                flags.update(s[2:].replace("-", "_") for s in action.option_strings if s.startswith("--"))
-
-    walk(parser)
-    return flags, commands
-
-
 def main(argv: list[str] | None = None) -> int:
     short_openmp_spin()  # before anything imports torch: the worker, run and bench commands do
     parser = build_parser()
@@ -211,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         from mqinfer.loadgen.bench import run_bench
 
         argv = sys.argv[1:] if argv is None else argv
-        bench_parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["bench"]
+        bench_parser = parser.commands["bench"]
         try:
             config_path = getattr(args, "config", None) or os.environ.get("MQINFER_CONFIG")
             file_values = load_config_file(config_path, "bench", config_keys(parser))

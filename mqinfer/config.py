@@ -10,6 +10,10 @@ Every flag can also be given as an environment variable ``MQINFER_<FLAG>`` (``--
 with dashes or underscores; a table named after the command, e.g. ``[worker]``, overrides the top
 level for that command). An on/off flag ``--x`` also has its off form everywhere: ``--no-x``,
 ``MQINFER_NO_X``, key ``no-x``. Precedence: command line > environment > config file > default.
+
+Parsers are ``CommandParser``s: each keeps a record of the Options added to it and of its
+sub-commands, which config-file checking, ``bench``'s environment handling and the generated
+command reference (docs/commands.md, ``python -m mqinfer.cli_reference``) read.
 """
 
 from __future__ import annotations
@@ -60,6 +64,12 @@ class Option:
     def negative_env(self) -> str:
         return "MQINFER_NO_" + self.name.upper()
 
+    @property
+    def value_kind(self) -> str | None:
+        """What kind of value the option takes, in words (for the command reference); None when
+        its parser is the option's own (its help and metavar say what it takes)."""
+        return _KINDS.get(self.type)
+
     def argv(self, value: Any) -> list[str]:
         """The command-line words that give this option ``value`` (for a child process's argv)."""
         if value is None:
@@ -109,6 +119,12 @@ def _optional_path(text: str) -> Path | None:
 _PARSERS: dict[Any, Callable[[str], Any]] = {bool: bool, int: int, float: float, str: str, Path: Path}
 _OPTIONAL_PARSERS: dict[Any, Callable[[str], Any]] = {
     int: _optional_int, float: _optional_float, str: str, Path: _optional_path,
+}
+
+
+_KINDS: dict[Any, str] = {
+    bool: "on/off", int: "integer", float: "number", str: "text", Path: "path",
+    _optional_int: "integer", _optional_float: "number", _optional_path: "path",
 }
 
 
@@ -166,27 +182,124 @@ MAX_LANES = _WORKER_FIELDS["max_lanes"]
 WORKER_OPTIONS = [o for o in _WORKER_FIELDS.values() if o is not STREAM]
 
 
-def add_options(parser: argparse.ArgumentParser, options: list[Option], *, required: tuple[str, ...] = ()) -> None:
-    """Add flags whose argparse default is 'not given', so env and config can fill them later."""
+class CommandParser(argparse.ArgumentParser):
+    """An argparse parser that keeps a record of what the project added to it, so that nothing
+    needs argparse's internals to know a command's flags: the Options given to ``add_options``
+    (in order, with the required ones, the argument group each went into, and which keep argparse's
+    own defaults), every argument added with ``add_argument`` on the parser itself (positional
+    arguments, ``--config``, ``--help``), and the sub-commands by name.
+
+    Sub-parsers made by ``add_subparsers().add_parser`` are CommandParsers too (argparse makes them
+    of the parent's class).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.options: list[Option] = []
+        self.required: tuple[str, ...] = ()
+        # Option name -> the title of the argument group it was added to (none: the parser's own).
+        self.option_groups: dict[str, str] = {}
+        # Options whose default argparse puts into the parsed namespace (see add_options).
+        self.argparse_defaults: set[str] = set()
+        self.arguments: list[argparse.Action] = []  # set before argparse adds --help
+        self.commands: dict[str, CommandParser] = {}
+        self.commands_metavar: str | None = None
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.arguments.append(action)
+        return action
+
+    def add_subparsers(self, **kwargs: Any):
+        action = super().add_subparsers(**kwargs)
+        # The subparsers action's choices: the name -> parser map that add_parser fills.
+        self.commands = action.choices
+        self.commands_metavar = kwargs.get("metavar")
+        return action
+
+    def extra_flags(self) -> list[argparse.Action]:
+        """The flags added with plain ``add_argument`` (``--help``, ``--config``, ``--version``)."""
+        names = {o.name for o in self.options}
+        return [a for a in self.arguments if a.option_strings and a.dest not in names]
+
+    def positionals(self) -> list[argparse.Action]:
+        return [a for a in self.arguments if not a.option_strings]
+
+
+def _help_text(opt: Option, required: tuple[str, ...]) -> str:
+    env_note = f"env {opt.env} or {opt.negative_env}" if opt.is_switch else f"env {opt.env}"
+    if opt.name in required:
+        return f"{opt.help} (required; {env_note})"
+    if opt.is_switch:
+        return f"{opt.help} (default: {'on' if opt.default else 'off'}; {env_note})"
+    if opt.default is None:  # its help says what happens without it
+        return f"{opt.help} ({env_note})"
+    return f"{opt.help} (default: {opt.default}; {env_note})"
+
+
+def add_options(parser: argparse.ArgumentParser, options: list[Option], *, required: tuple[str, ...] = (),
+                group: Any = None, argparse_defaults: bool = False) -> None:
+    """Add flags whose argparse default is 'not given', so env and config can fill them later
+    (``resolve``), and record them on ``parser`` when it is a CommandParser.
+
+    ``group``: an argument group of ``parser`` to add them to (for ``--help``'s layout).
+    ``argparse_defaults``: for a command that reads its parsed namespace directly (``bench``):
+    argparse checks types and choices and puts each default into the namespace, the help text is
+    the option's own, an on/off option is a plain ``--x`` switch that is off by default, and
+    ``fill_from_env_and_config`` applies the environment and the config file afterwards.
+    """
+    target = group if group is not None else parser
     for opt in options:
-        env_note = f"env {opt.env} or {opt.negative_env}" if opt.is_switch else f"env {opt.env}"
-        if opt.name in required:
-            help_text = f"{opt.help} (required; {env_note})"
-        elif opt.is_switch:
-            help_text = f"{opt.help} (default: {'on' if opt.default else 'off'}; {env_note})"
-        elif opt.default is None:  # its help says what happens without it
-            help_text = f"{opt.help} ({env_note})"
-        else:
-            help_text = f"{opt.help} (default: {opt.default}; {env_note})"
-        help_text = help_text.replace("%", "%%")  # the help is plain text; argparse %-formats it
+        if argparse_defaults:
+            _add_with_default(target, opt)
+            continue
+        help_text = _help_text(opt, required).replace("%", "%%")  # plain text; argparse %-formats help
         if opt.is_switch:
-            parser.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
+            target.add_argument(opt.flag, dest=opt.name, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
             choices = "{" + ",".join(opt.choices) + "}" if opt.choices else None
             # argparse checks no choices: resolve() does, for every source, naming the source.
-            parser.add_argument(opt.flag, dest=opt.name, default=argparse.SUPPRESS, help=help_text,
+            target.add_argument(opt.flag, dest=opt.name, default=argparse.SUPPRESS, help=help_text,
                                 metavar=opt.metavar or choices or opt.name.upper())
+    if isinstance(parser, CommandParser):
+        parser.options += options
+        parser.required += tuple(required)
+        if group is not None:
+            parser.option_groups.update((o.name, group.title) for o in options)
+        if argparse_defaults:
+            parser.argparse_defaults.update(o.name for o in options)
+
+
+def _add_with_default(target: Any, opt: Option) -> None:
+    help_text = opt.help.replace("%", "%%")
+    if opt.is_switch:
+        if opt.default:
+            raise TypeError(f"{opt.flag}: an on/off option added with its argparse default must be off by default")
+        target.add_argument(opt.flag, dest=opt.name, action="store_true", help=help_text)
+    else:
+        target.add_argument(opt.flag, dest=opt.name, type=opt.type, default=opt.default, choices=opt.choices,
+                            metavar=opt.metavar, help=help_text)
+
+
+def config_keys(parser: CommandParser) -> tuple[set[str], set[str]]:
+    """(every flag name of every command, in every spelling, e.g. both ``prefix_cache`` and
+    ``no_prefix_cache``; every command name): what a config file may hold."""
+    flags: set[str] = {"config"}
+    commands: set[str] = set()
+
+    def walk(p: CommandParser) -> None:
+        for opt in p.options:
+            flags.add(opt.name)
+            if opt.is_switch and opt.name not in p.argparse_defaults:
+                flags.add(_opposite(opt.name))
+        flags.update(a.dest for a in p.extra_flags())
+        for name, sub in p.commands.items():
+            commands.add(name)
+            walk(sub)
+
+    walk(parser)
+    return flags, commands
 
 
 def _opposite(key: str) -> str:
@@ -278,43 +391,34 @@ def resolve(args: argparse.Namespace, options: list[Option], file_values: dict[s
     return resolved
 
 
-def given_dests(parser: argparse.ArgumentParser, argv: list[str]) -> set[str]:
-    """The option destinations that ``argv`` sets explicitly (abbreviations included)."""
-    saved = {a.dest: a.default for a in parser._actions}
-    try:
-        for action in parser._actions:
-            action.default = argparse.SUPPRESS
-        seen, _ = parser.parse_known_args(argv)
-    finally:
-        for action in parser._actions:
-            action.default = saved[action.dest]
-    return set(vars(seen))
+def given_dests(parser: CommandParser, argv: list[str]) -> set[str]:
+    """The recorded options that ``argv`` sets explicitly (abbreviations included)."""
+    # argparse fills a default only into an attribute the namespace does not have yet: one that
+    # still holds the marker after parsing was not given.
+    unset = object()
+    marked = argparse.Namespace(**{opt.name: unset for opt in parser.options})
+    seen, _ = parser.parse_known_args(argv, namespace=marked)
+    return {opt.name for opt in parser.options if getattr(seen, opt.name) is not unset}
 
 
-def fill_from_env_and_config(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str],
+def fill_from_env_and_config(parser: CommandParser, args: argparse.Namespace, argv: list[str],
                              file_values: dict[str, Any]) -> argparse.Namespace:
-    """For a command whose flags are plain argparse arguments (``bench``): each flag not given on
-    the command line takes ``MQINFER_<FLAG>``, else the config file's value, else its default."""
+    """For a command whose options were added with their argparse defaults (``bench``): each
+    option not given on the command line takes ``MQINFER_<FLAG>``, else the config file's value,
+    else keeps its default."""
+    if not isinstance(parser, CommandParser):
+        raise TypeError("fill_from_env_and_config needs a CommandParser (it reads the options recorded on it)")
     given = given_dests(parser, argv)
-    for action in parser._actions:
-        dest = action.dest
-        if not action.option_strings or dest in given or dest in ("help", "config"):
+    for opt in parser.options:
+        if opt.name in given:
             continue
-        env = "MQINFER_" + dest.upper()
-        if env in os.environ:
-            raw, source = os.environ[env], f"environment {env}"
-        elif dest in file_values:
-            raw, source = file_values[dest], "config file"
+        if opt.env in os.environ:
+            raw, source = os.environ[opt.env], f"environment {opt.env}"
+        elif opt.name in file_values:
+            raw, source = file_values[opt.name], "config file"
         else:
             continue
-        switch = isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))
-        kind = bool if switch else (action.type or str)
-        option = Option(dest, kind, action.default, "", choices=tuple(action.choices) if action.choices else None)
-        if not switch:  # argparse types parse text: a TOML number, or an array for a comma-separated flag
+        if not opt.is_switch:  # the types parse text: a TOML number, or an array for a comma-separated flag
             raw = ",".join(str(v) for v in raw) if isinstance(raw, list) else str(raw)
-        value = option.convert(raw, source)
-        if isinstance(action, argparse._StoreFalseAction):
-            value = not value
-        setattr(args, dest, value)
+        setattr(args, opt.name, opt.convert(raw, source))
     return args
-
