@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 BlockCopy = tuple[int, bytes, tuple[int, ...]]
 # Blocks copied through host memory at a time.
 STAGING_BLOCKS = 32
+# The background writer's nice value: it compresses and writes while the model's threads leave a
+# core free, instead of taking cores from them (measured: BENCHMARKS.md).
+WRITER_NICE = 10
 # Bytes of blocks waiting for the background writer, at most (and never fewer than 16 blocks).
 WRITE_QUEUE_BYTES = 256 << 20
 
@@ -214,6 +218,10 @@ class KVTiers:
     # -- the background writer --------------------------------------------------------------------
     def _write_loop(self) -> None:
         compressor = kv_codec.Compressor()
+        try:  # Linux: a lower priority for this thread, so that the model's threads go first
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        except (AttributeError, OSError):
+            pass
         while True:
             item = self._queue.get()
             try:
