@@ -9,9 +9,9 @@ once per engine step, ``charge`` and ``finish`` per request). Everything else is
 Prometheus scrapes, in the HTTP thread, so it is current even while the engine is idle: the
 engine's running / waiting counts and KV usage (plain integer reads), the meter's time totals,
 device memory, the stream's lag and queueing delay (``XINFO GROUPS`` on the worker's stream,
-cached for a second so that several scrapers cost one round trip) and the tenants' budgets. A
-collector whose source fails (Redis away) exports nothing for that scrape rather than a stale
-value.
+cached for a second so that several scrapers cost one round trip) and the tenants' budgets (the
+collectors in ops/metrics_collectors.py). A collector whose source fails (Redis away) exports
+nothing for that scrape rather than a stale value.
 
 Names (``_total`` is added to counters by the client library):
 
@@ -68,7 +68,6 @@ rate(mqinfer_spec_proposed_tokens_total[5m])``; tokens per checking step are emi
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -76,18 +75,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-log = logging.getLogger(__name__)
+from mqinfer.ops.metrics_collectors import (
+    OTHER_TENANT,
+    BudgetCollector,
+    MemoryCollector,
+    MeterCollector,
+    RateLimitCollector,
+    StreamCollector,
+    memory_utilization,
+)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 FINISH_REASONS = ("stop", "length", "error", "expired", "cancelled")
 # Tenants exported with their own label; the rest are summed under OTHER_TENANT.
 DEFAULT_MAX_TENANT_LABELS = 50
-OTHER_TENANT = "other"
-_STREAM_CACHE_S = 1.0
 
 
 class WorkerMetrics:
@@ -95,7 +99,27 @@ class WorkerMetrics:
         if max_tenant_labels < 1:
             raise ValueError(f"max_tenant_labels must be >= 1, got {max_tenant_labels}")
         self.model = model
+        self.max_tenant_labels = max_tenant_labels
         self.registry = CollectorRegistry(auto_describe=True)
+        # The families in the order /metrics lists them.
+        self._add_engine_metrics()
+        self._add_request_metrics()
+        self._add_stream_metrics()
+        self._add_cost_and_time_metrics()
+        self._add_rate_limit_metrics()
+        self._add_spec_metrics()
+        ProcessCollector(namespace="mqinfer", registry=self.registry)
+        # Deltas of the scheduler's cumulative counts, and each running request's last token time.
+        self._seen_queries = 0
+        self._seen_hits = 0
+        self._seen_preemptions = 0
+        self._last_token_at: dict[str, float] = {}
+        self.ready = False
+        self.healthy = True
+        self._server: ThreadingHTTPServer | None = None
+
+    def _add_engine_metrics(self) -> None:
+        """The engine's sets and KV cache, and its token counts."""
         r = self.registry
         self.requests_running = Gauge(
             "mqinfer_num_requests_running", "Requests in the engine's running set.", registry=r
@@ -115,6 +139,10 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("mqinfer_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("mqinfer_generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("mqinfer_num_preemptions", "Requests preempted by the scheduler.", registry=r)
+
+    def _add_request_metrics(self) -> None:
+        """Finished requests by reason, and their latencies."""
+        r = self.registry
         finished = Counter(
             "mqinfer_request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
@@ -136,6 +164,10 @@ class WorkerMetrics:
             "mqinfer_request_queue_time_seconds", "Time from enqueue to the first engine step that runs the request.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+
+    def _add_stream_metrics(self) -> None:
+        """What happened to stream entries: dead letters, take-overs, rows, duplicates, trimmed ones."""
+        r = self.registry
         self.dead_letters = Counter("mqinfer_dead_letters", "Entries sent to the dead-letter stream.", registry=r)
         self.redeliveries = Counter(
             "mqinfer_redeliveries", "Entries this worker claimed from another consumer.", registry=r
@@ -159,10 +191,15 @@ class WorkerMetrics:
             "Entries removed from the stream while this worker ran their request (finished from memory).",
             registry=r,
         )
+
+    def _add_cost_and_time_metrics(self) -> None:
+        """Billed cost by tenant (named up to the label cap), busy time and engine phase time."""
+        r = self.registry
         self._cost = Counter(
-            "mqinfer_cost_usd", f"Billed cost in USD by tenant (at most {max_tenant_labels} tenants by name, the "
-            f"rest as {OTHER_TENANT!r}).", ["tenant"], registry=r,
+            "mqinfer_cost_usd", f"Billed cost in USD by tenant (at most {self.max_tenant_labels} tenants by name, "
+            f"the rest as {OTHER_TENANT!r}).", ["tenant"], registry=r,
         )
+        self._tenant_cost: dict[str, Any] = {}
         self.busy_seconds = Counter(
             "mqinfer_worker_busy_seconds", "Wall seconds the worker loop spent working (holding requests or "
             "rows), not waiting for entries.", registry=r,
@@ -173,6 +210,10 @@ class WorkerMetrics:
         )
         self.engine_phase_seconds = {p: phases.labels(p) for p in ("schedule", "prepare", "forward", "sample",
                                                                     "postprocess")}
+
+    def _add_rate_limit_metrics(self) -> None:
+        """Time and tokens of requests that waited on their tenant's limit (--tenant-limits)."""
+        r = self.registry
         self._throttled_seconds = Counter(
             "mqinfer_rate_limited_seconds", "Seconds requests waited on their tenant's rate limit (--tenant-limits), "
             "counted when they stop waiting.", ["tenant"], registry=r,
@@ -181,26 +222,20 @@ class WorkerMetrics:
             "mqinfer_rate_limited_tokens", "Tokens (prompt + max_tokens) of requests that had to wait on their "
             "tenant's rate limit.", ["tenant"], registry=r,
         )
-        spec = {name: Counter(f"mqinfer_spec_{name}_tokens", help, ["proposer"], registry=r) for name, help in (
-            ("proposed", "Speculative decoding: proposed tokens checked by the model."),
-            ("accepted", "Speculative decoding: proposed tokens kept."),
-            ("emitted", "Speculative decoding: tokens emitted in steps with proposals (accepted plus one sampled "
-                        "each)."),
-        )}
-        self._spec_counters = spec
-        self._seen_spec: dict[str, int] = {"proposed": 0, "accepted": 0, "emitted": 0}
-        self.max_tenant_labels = max_tenant_labels
-        self._tenant_cost: dict[str, Any] = {}
         self._limited_tenants: set[str] = set()
-        ProcessCollector(namespace="mqinfer", registry=r)
-        # Deltas of the scheduler's cumulative counts, and each running request's last token time.
-        self._seen_queries = 0
-        self._seen_hits = 0
-        self._seen_preemptions = 0
-        self._last_token_at: dict[str, float] = {}
-        self.ready = False
-        self.healthy = True
-        self._server: ThreadingHTTPServer | None = None
+
+    def _add_spec_metrics(self) -> None:
+        """Speculative decoding's proposed, accepted and emitted tokens, by proposer."""
+        self._spec_counters = {
+            name: Counter(f"mqinfer_spec_{name}_tokens", help, ["proposer"], registry=self.registry)
+            for name, help in (
+                ("proposed", "Speculative decoding: proposed tokens checked by the model."),
+                ("accepted", "Speculative decoding: proposed tokens kept."),
+                ("emitted", "Speculative decoding: tokens emitted in steps with proposals (accepted plus one "
+                            "sampled each)."),
+            )
+        }
+        self._seen_spec: dict[str, int] = {"proposed": 0, "accepted": 0, "emitted": 0}
 
     # -- what the worker thread records ----------------------------------------------------------
     def finish(self, reason: str) -> None:
@@ -278,7 +313,7 @@ class WorkerMetrics:
         """Export each limited tenant's limits (``limits``: tenant -> ``TenantLimit``) and how many
         of its requests wait on them here (``waiting_by_tenant``, read at scrape time)."""
         self._limited_tenants = set(sorted(limits)[: self.max_tenant_labels])
-        self.registry.register(_RateLimitCollector(dict(limits), waiting_by_tenant, self._limited_tenants))
+        self.registry.register(RateLimitCollector(dict(limits), waiting_by_tenant, self._limited_tenants))
 
     def track_engine(self, scheduler, num_waiting_outside: Callable[[], int] = lambda: 0) -> None:
         """Read the running / waiting counts and KV usage from ``scheduler`` at each scrape.
@@ -293,20 +328,20 @@ class WorkerMetrics:
 
     def track_meter(self, meter) -> None:
         """Export a ``workers.costs.Meter``'s time totals and batch idle ratio."""
-        self.registry.register(_MeterCollector(meter))
+        self.registry.register(MeterCollector(meter))
 
     def watch_stream(self, client, stream_key: str, group: str, clock: Callable[[], float] = time.time,
                      lanes: Callable[[], dict[str, str]] | None = None) -> None:
         """Export the stream's lag, pending count and queueing delay (``client``: a redis.Redis),
         over the plain stream and its lanes (``lanes()``: lane name -> stream key, the lanes the
         worker reads), in total and per lane (label ``lane``; the plain stream is ``plain``)."""
-        self.registry.register(_StreamCollector(client, stream_key, group, clock, lanes))
+        self.registry.register(StreamCollector(client, stream_key, group, clock, lanes))
 
     def watch_memory(self, device: str = "cpu", *other_ranks: str) -> None:
         """Export the memory utilisation of ``device`` (``cpu``, ``cuda`` or ``cuda:N``).
         ``other_ranks``: the devices of a tensor-parallel worker's other ranks; where the ranks
         have devices of their own, one series per rank, labelled ``rank``."""
-        self.registry.register(_MemoryCollector([str(device), *map(str, other_ranks)]))
+        self.registry.register(MemoryCollector([str(device), *map(str, other_ranks)]))
 
     def watch_kv_tiers(self, snapshot: Callable[[], list[dict]]) -> None:
         """Export the KV tiers' counters (``snapshot``: ``KVTiers.snapshot``; ops/kv_tier_metrics.py)."""
@@ -317,7 +352,7 @@ class WorkerMetrics:
     def watch_budgets(self, guard, client=None) -> None:
         """Export each budgeted tenant's budget and spend (``guard``: an ``ops.budgets.BudgetGuard``;
         ``client``: the Redis client scrapes read spend with, by default the guard's)."""
-        self.registry.register(_BudgetCollector(guard, client, self.max_tenant_labels))
+        self.registry.register(BudgetCollector(guard, client, self.max_tenant_labels))
 
     # -- HTTP --------------------------------------------------------------------------------
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
@@ -364,248 +399,6 @@ def _advance(counter: Counter, seen: int, current: int) -> int:
         counter.inc(current - seen)
     # A smaller value means the source was rebuilt: count from its new value on.
     return current
-
-
-class _MeterCollector:
-    def __init__(self, meter) -> None:
-        self.meter = meter
-
-    def describe(self):
-        return list(self._families(with_values=False))
-
-    def collect(self):
-        return list(self._families(with_values=True))
-
-    def _families(self, with_values: bool):
-        m = self.meter
-        seconds = CounterMetricFamily(
-            "mqinfer_device_seconds", "Worker wall time by state: startup (model load), idle (nothing to run), "
-            "busy (engine steps).", labels=["state"],
-        )
-        ratio = GaugeMetricFamily(
-            "mqinfer_batch_idle_ratio", "Share of recent time (exponentially weighted, 60 s) in which the engine "
-            "had capacity and nothing to run.",
-        )
-        if with_values:
-            seconds.add_metric(["startup"], m.startup_s)
-            seconds.add_metric(["idle"], m.idle_total_s)
-            seconds.add_metric(["busy"], m.busy_total_s)
-            ratio.add_metric([], m.idle_ratio)
-        yield seconds
-        yield ratio
-
-
-class _StreamCollector:
-    """``XINFO GROUPS`` of the plain stream and of each lane at scrape time, cached briefly; nothing
-    exported while Redis is away."""
-
-    def __init__(self, client, stream_key: str, group: str, clock: Callable[[], float],
-                 lanes: Callable[[], dict[str, str]] | None = None) -> None:
-        self.client = client
-        self.stream_key = stream_key
-        self.group = group
-        self.clock = clock
-        self.lanes = lanes
-        self._lock = threading.Lock()
-        self._cached_at = float("-inf")
-        self._cached: dict[str, tuple[int, int, int, float]] | None = None
-
-    def describe(self):
-        return list(self._families(None))
-
-    def collect(self):
-        return list(self._families(self._read()))
-
-    def _read(self) -> dict[str, tuple[int, int, int, float]] | None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._cached_at < _STREAM_CACHE_S:
-                return self._cached
-            try:
-                self._cached = self._query_all()
-            except Exception as exc:  # any Redis trouble: skip this scrape, never fail it
-                log.debug("stream metrics unavailable: %s", exc)
-                self._cached = None
-            self._cached_at = now
-            return self._cached
-
-    def _query_all(self) -> dict[str, tuple[int, int, int, float]] | None:
-        """lane -> (unread, pending, length, age of the oldest unread entry)."""
-        plain = self._query(self.stream_key)
-        if plain is None:
-            return None
-        found = {"plain": plain}
-        for lane, key in (self.lanes() if self.lanes is not None else {}).items():
-            try:
-                values = self._query(key)
-            except Exception:  # a lane removed meanwhile: no series for it
-                values = None
-            if values is not None:
-                found[lane] = values
-        return found
-
-    def _query(self, key: str) -> tuple[int, int, int, float] | None:
-        info = next((g for g in self.client.xinfo_groups(key) if _text(g.get("name")) == self.group), None)
-        if info is None:
-            return None
-        pending = int(info.get("pending") or 0)
-        length = int(self.client.xlen(key))
-        lag = info.get("lag")
-        if lag is None:
-            # The server cannot count undelivered entries (a gap in entries-read). Workers
-            # delete entries once acked, so what the stream holds is pending or undelivered.
-            lag = max(0, length - pending)
-        lag = int(lag)
-        delay = 0.0
-        if lag > 0:
-            last = _text(info.get("last-delivered-id")) or "0-0"
-            first = self.client.xrange(key, min="(" + last, max="+", count=1)
-            if first:
-                ms = int(_text(first[0][0]).split("-", 1)[0])
-                delay = max(0.0, self.clock() - ms / 1000.0)
-        return lag, pending, length, delay
-
-    @staticmethod
-    def _families(values: dict[str, tuple[int, int, int, float]] | None):
-        lag = GaugeMetricFamily("mqinfer_stream_lag", "Entries of the request stream and its lanes not yet "
-                                "delivered to a worker plus those delivered and not yet acknowledged.")
-        pending = GaugeMetricFamily("mqinfer_stream_pending", "Entries delivered and not yet acknowledged, "
-                                    "over the stream and its lanes.")
-        delay = GaugeMetricFamily("mqinfer_queueing_delay_seconds", "Age of the oldest request in the stream or "
-                                  "its lanes that no worker has read yet (0 when none waits).")
-        lane_length = GaugeMetricFamily("mqinfer_lane_length", "Entries in one lane's stream (unread or pending); "
-                                        "lane plain is the plain stream.", labels=["lane"])
-        lane_lag = GaugeMetricFamily("mqinfer_lane_lag", "Entries of one lane not yet delivered to a worker.",
-                                     labels=["lane"])
-        lane_age = GaugeMetricFamily("mqinfer_lane_oldest_age_seconds", "Age of the oldest unread entry of one "
-                                     "lane (0 when none waits).", labels=["lane"])
-        if values is not None:
-            lag.add_metric([], sum(v[0] + v[1] for v in values.values()))
-            pending.add_metric([], sum(v[1] for v in values.values()))
-            delay.add_metric([], max(v[3] for v in values.values()))
-            for lane, (unread, _pending, length, age) in sorted(values.items()):
-                lane_length.add_metric([lane], length)
-                lane_lag.add_metric([lane], unread)
-                lane_age.add_metric([lane], age)
-        return lag, pending, delay, lane_length, lane_lag, lane_age
-
-
-class _MemoryCollector:
-    def __init__(self, devices: list[str]) -> None:
-        self.devices = devices
-        # Ranks on one host memory (CPU) share one value: a label only where they differ.
-        self.per_rank = len(set(devices)) > 1
-
-    def describe(self):
-        return [GaugeMetricFamily("mqinfer_memory_utilization_ratio", "")]
-
-    def collect(self):
-        family = GaugeMetricFamily(
-            "mqinfer_memory_utilization_ratio",
-            "Share of the device's memory in use by any process (0-1); for a CPU worker, host memory; "
-            "per tensor-parallel rank (label rank) where the ranks have devices of their own.",
-            labels=["rank"] if self.per_rank else None,
-        )
-        for rank, device in enumerate(self.devices if self.per_rank else self.devices[:1]):
-            try:
-                value = memory_utilization(device)
-            except Exception as exc:  # a scrape must not fail because a driver call did
-                log.debug("memory utilisation unavailable: %s", exc)
-                value = None
-            if value is not None:
-                family.add_metric([str(rank)] if self.per_rank else [], value)
-        return [family]
-
-
-def memory_utilization(device: str = "cpu") -> float | None:
-    """Used share of ``device``'s memory: CUDA via the driver, the host from /proc/meminfo."""
-    if device.startswith("cuda"):
-        import torch  # only a worker on a GPU gets here; producers never import torch
-
-        index = torch.device(device).index
-        free, total = torch.cuda.mem_get_info(torch.cuda.current_device() if index is None else index)
-        return 1.0 - free / total if total else None
-    try:
-        fields = {}
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                fields[name] = int(rest.split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    total, available = fields.get("MemTotal"), fields.get("MemAvailable")
-    if not total or available is None:
-        return None
-    return 1.0 - available / total
-
-
-class _RateLimitCollector:
-    def __init__(self, limits: dict, waiting_by_tenant: Callable[[], dict[str, int]], named: set[str]) -> None:
-        self.limits = limits
-        self.waiting_by_tenant = waiting_by_tenant
-        self.named = named
-
-    def describe(self):
-        return list(self._families(with_values=False))
-
-    def collect(self):
-        return list(self._families(with_values=True))
-
-    def _families(self, with_values: bool):
-        limit = GaugeMetricFamily("mqinfer_tenant_rate_limit", "A tenant's rate limit (--tenant-limits), by kind: "
-                                  "tokens_per_second, requests_per_second.", labels=["tenant", "kind"])
-        waiting = GaugeMetricFamily("mqinfer_num_requests_rate_limited", "Requests held by this worker waiting on "
-                                    "their tenant's rate limit.", labels=["tenant"])
-        if with_values:
-            for tenant in sorted(self.named):
-                spec = self.limits[tenant]
-                limit.add_metric([tenant, "tokens_per_second"], spec.tokens_per_s)
-                if spec.requests_per_s is not None:
-                    limit.add_metric([tenant, "requests_per_second"], spec.requests_per_s)
-            counts: dict[str, int] = {}
-            for tenant, n in self.waiting_by_tenant().items():
-                label = tenant if tenant in self.named else OTHER_TENANT
-                counts[label] = counts.get(label, 0) + n
-            for label, n in sorted(counts.items()):
-                waiting.add_metric([label], n)
-        yield limit
-        yield waiting
-
-
-class _BudgetCollector:
-    def __init__(self, guard, client, max_tenants: int) -> None:
-        self.guard = guard
-        self.client = client
-        self.max_tenants = max_tenants
-
-    def describe(self):
-        return list(self._families(None))
-
-    def collect(self):
-        try:
-            spend = self.guard.spend_snapshot(self.client)
-        except Exception as exc:
-            log.debug("tenant spend unavailable: %s", exc)
-            spend = None
-        return list(self._families(spend))
-
-    def _families(self, spend: dict[str, float] | None):
-        budget = GaugeMetricFamily("mqinfer_tenant_budget_usd", "A tenant's budget for the current budget period.",
-                                   labels=["tenant"])
-        spent = GaugeMetricFamily("mqinfer_tenant_spend_usd", "A tenant's spend in the current budget period, "
-                                  "over every worker (acknowledged requests).", labels=["tenant"])
-        budgets = self.guard.budgets
-        tenants = sorted(budgets.tenants)[: self.max_tenants]
-        for tenant in tenants:
-            budget.add_metric([tenant], budgets.tenants[tenant])
-        if spend is not None:
-            for tenant in tenants:
-                spent.add_metric([tenant], spend.get(tenant, 0.0))
-        return budget, spent
-
-
-def _text(value) -> str | None:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 __all__ = ["DEFAULT_MAX_TENANT_LABELS", "FINISH_REASONS", "OTHER_TENANT", "WorkerMetrics", "memory_utilization"]

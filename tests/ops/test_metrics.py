@@ -165,10 +165,10 @@ def test_memory_utilization_of_the_host():
 
 
 def test_memory_utilization_per_tensor_parallel_rank(monkeypatch):
-    from mqinfer.ops import metrics
+    from mqinfer.ops import metrics_collectors
 
     used = {"cuda:0": 0.25, "cuda:1": 0.5, "cpu": 0.125}
-    monkeypatch.setattr(metrics, "memory_utilization", lambda device: used[device])
+    monkeypatch.setattr(metrics_collectors, "memory_utilization", lambda device: used[device])
     m = WorkerMetrics()
     m.watch_memory("cuda:0", "cuda:1")  # two ranks on two GPUs: a series each
     s = samples(m)
