@@ -385,7 +385,7 @@ def paged_attention(
     if quantized:
         check_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_kv_heads = k_cache.shape[2]
     g = metadata.num_queries_per_kv
     if num_heads != g * num_kv_heads:
         raise ValueError(
@@ -398,22 +398,7 @@ def paged_attention(
     out = None
     for group in metadata.groups:
         bg, max_q = group.num_seqs, group.max_query_len
-        key_len = group.num_blocks * block_size
-        numel = bg * key_len * num_kv_heads * head_dim
-        k_buf, v_buf = workspace.buffers(numel, compute_dtype, k_cache.device)
-        k_buf = k_buf.view(bg * group.num_blocks, block_size, num_kv_heads, head_dim)
-        v_buf = v_buf.view_as(k_buf)
-        if quantized:
-            ids = group.block_ids
-            for buf, cache, scales in ((k_buf, k_cache, k_scale), (v_buf, v_cache, v_scale)):
-                stored = as_raw(cache).index_select(0, ids).view(cache.dtype)
-                buf.copy_(dequantize_kv(stored, scales.index_select(0, ids)))
-        else:
-            torch.index_select(k_cache, 0, group.block_ids, out=k_buf)
-            torch.index_select(v_cache, 0, group.block_ids, out=v_buf)
-        keys = k_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
-        values = v_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
-
+        keys, values = _gather_kv(group, k_cache, v_cache, k_scale, v_scale, workspace, compute_dtype)
         if group.identity:
             # [T, Hq, D] is already [B, Hkv, g * 1, D]: fold without copying.
             query = q.view(bg, num_kv_heads, g, head_dim)
@@ -438,6 +423,35 @@ def paged_attention(
     if out is None:
         raise ValueError("attention metadata has no groups")
     return out
+
+
+def _gather_kv(
+    group: AttentionGroup,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    workspace: AttentionWorkspace,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group's KV blocks gathered into the workspace as ``dtype`` (an 8-bit cache dequantized
+    on the way): keys and values ``[Bg, Hkv, nb * block_size, D]``, views of the workspace."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    bg, key_len = group.num_seqs, group.num_blocks * block_size
+    k_buf, v_buf = workspace.buffers(bg * key_len * num_kv_heads * head_dim, dtype, k_cache.device)
+    k_buf = k_buf.view(bg * group.num_blocks, block_size, num_kv_heads, head_dim)
+    v_buf = v_buf.view_as(k_buf)
+    if k_scale is not None:
+        ids = group.block_ids
+        for buf, cache, scales in ((k_buf, k_cache, k_scale), (v_buf, v_cache, v_scale)):
+            stored = as_raw(cache).index_select(0, ids).view(cache.dtype)
+            buf.copy_(dequantize_kv(stored, scales.index_select(0, ids)))
+    else:
+        torch.index_select(k_cache, 0, group.block_ids, out=k_buf)
+        torch.index_select(v_cache, 0, group.block_ids, out=v_buf)
+    keys = k_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
+    values = v_buf.view(bg, key_len, num_kv_heads, head_dim).transpose(1, 2)
+    return keys, values
 
 
 def reference_paged_attention(
