@@ -163,6 +163,45 @@ def step_medians(engine, batch: int = 64, context: int = 200, prefill: int = 512
     return statistics.median(decode), statistics.median(joined)
 
 
+def ab_rounds(engine, requests: list[dict[str, Any]], setting: str, rounds: int) -> list[tuple[float, float]]:
+    """The requests run alternately as the engine is and with the environment ``setting``
+    (``VAR=VALUE``: the kernels' switches are read at every call, so one engine serves both),
+    ``rounds`` times, alternating which goes first; each round's throughput ratio (as is / with the
+    setting) by wall time and by CPU time, printed as it goes. The CPU-time ratio holds still on a
+    shared machine, where other processes stretch wall time."""
+    import os
+
+    variable, _, value = setting.partition("=")
+    if not variable or not value:
+        raise ValueError(f"--ab takes VAR=VALUE, got {setting!r}")
+    before = os.environ.get(variable)
+    ratios, outputs = [], {}
+    try:
+        for k in range(rounds):
+            got = {}
+            for switched in ((False, True) if k % 2 == 0 else (True, False)):
+                if switched:
+                    os.environ[variable] = value
+                elif before is None:
+                    os.environ.pop(variable, None)
+                else:
+                    os.environ[variable] = before
+                fig = run_engine(engine, [dict(r, id=f"{r['id']}-ab{k}{int(switched)}") for r in requests])
+                got[switched] = fig
+                outputs.setdefault(switched, {}).update({rid.rsplit("-", 1)[0]: ids for rid, ids in fig.outputs.items()})
+                print(f"[{k}] {'with ' + setting if switched else 'as is':<40} {fig.throughput:8.1f} tok/s "
+                      f"({fig.wall_s:.2f}s wall), {fig.tokens / fig.cpu_s:8.1f} tok per CPU-second")
+            ratios.append((got[False].throughput / got[True].throughput, got[True].cpu_s / got[False].cpu_s))
+    finally:
+        if before is None:
+            os.environ.pop(variable, None)
+        else:
+            os.environ[variable] = before
+    print(f"as is / with {setting} (wall, CPU): " + ", ".join(f"{w:.3f}x / {c:.3f}x" for w, c in ratios)
+          + f"; greedy agreement: {_agreement(outputs[False], outputs[True])}")
+    return ratios
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.profile_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64, help="Requests of the standard workload (default: 64).")
@@ -188,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="Also time the model's kernels op by op over one more run (CPU: the native kernels "
                              "torch.profiler cannot see into), with each dense layer's multiply-add rate.")
     parser.add_argument("--top", type=int, default=20, help="Rows of the torch.profiler table (default: 20).")
+    parser.add_argument("--ab", default=None, metavar="VAR=VALUE",
+                        help="Run the requests alternately as they are and with this environment setting (a kernel "
+                             "switch such as MQINFER_CPU_LINEAR=torch or MQINFER_ATTENTION_AMX=off), --repeat rounds, "
+                             "and print the ratios by wall and by CPU time; then exit.")
     parser.add_argument("--step-medians", action="store_true",
                         help="Only time steps: the median decoding step of 64 sequences, and the median step "
                              "where a 512-token prompt joins them; then exit.")
@@ -231,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     warm = [dict(r, id=f"warm-{r['id']}", max_tokens=4) for r in requests[:8]]
     run_engine(engine, warm)
+    if args.ab:
+        print(f"profile_engine --ab: {stats.num_requests} standard requests, {args.dtype}, "
+              f"{torch.get_num_threads()} threads")
+        ab_rounds(engine, requests, args.ab, args.repeat)
+        return 0
 
     hf = None
     if args.hf_batch_size:

@@ -77,9 +77,16 @@ static void configure_tiles(void) {
     _tile_loadconfig(&c);
 }
 
+/* MQINFER_ATTENTION_AMX=off (read at every call, so a process can switch it) sends prompt runs to
+   the per-token versions too. */
+static int switched_off(void) {
+    const char *v = getenv("MQINFER_ATTENTION_AMX");
+    return v && (!strcmp(v, "off") || !strcmp(v, "0"));
+}
+
 int mq_amx_attention_usable(const mqinfer_attention_args *j) {
     return amx_enabled && j->kv_quant == 0 && j->is_bf16 && (j->head_dim == 64 || j->head_dim == 128)
-        && amx_permitted();
+        && !switched_off() && amx_permitted();
 }
 
 int mqinfer_attention_use_amx(int enable) {

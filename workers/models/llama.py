@@ -30,6 +30,7 @@ from torch import nn
 
 from mqinfer.kernels import cpu_ops
 from mqinfer.kernels import linear as dense
+from mqinfer.kernels import linear_amx
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from mqinfer.kernels.kv_quant import LayerKVCache
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
@@ -63,6 +64,19 @@ def _packed_weight(module: nn.Module, x: torch.Tensor, *, attr: str = "packed", 
     return packed
 
 
+def _amx_weight(module: nn.Module, x: torch.Tensor) -> linear_amx.AmxWeight | None:
+    """``module.weight`` packed for the AMX kernel when rows ``x`` go there (``linear_amx.takes``:
+    bfloat16, at most its row limit, a CPU with AMX): made on first use and kept in
+    ``module.packed`` (a bfloat16 model never holds the float32 kernel's packing there), made
+    again when the weight was replaced; None otherwise."""
+    if not linear_amx.takes(x):
+        return None
+    packed = module.packed
+    if not isinstance(packed, linear_amx.AmxWeight) or not packed.packed_from(module.weight):
+        packed = module.packed = linear_amx.pack(module.weight)
+    return packed
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
@@ -74,11 +88,16 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``x [T, in] -> [T, out]``, into ``out`` when given. On an AVX2 CPU in float32 the
-        native kernel with the packed weight (``kernels/linear.py``); elsewhere the very calls
-        ``F.linear`` makes for 2-D input (``mm``, or ``addmm`` with a bias), the same bits."""
+        native kernel with the packed weight (``kernels/linear.py``); on a CPU with AMX in
+        bfloat16, up to ``linear_amx.MAX_ROWS`` rows, the AMX kernel with its packed weight
+        (``kernels/linear_amx.py``); elsewhere the very calls ``F.linear`` makes for 2-D input
+        (``mm``, or ``addmm`` with a bias), the same bits."""
         packed = _packed_weight(self, x)
         if packed is not None:
             return dense.linear(x, packed, self.bias, out)
+        amx = _amx_weight(self, x)
+        if amx is not None:
+            return linear_amx.linear(x, amx, self.bias, out)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
@@ -145,11 +164,15 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, hidden] -> [B, vocab]``, into ``out`` when given. On an AVX2 CPU in float32 the
-        native dense kernel (as ``Linear``); elsewhere on CPU in slices of the vocabulary, each
-        logit the same dot product as in one matmul (the same bits)."""
+        native dense kernel, on a CPU with AMX in bfloat16 the AMX kernel (both as ``Linear``);
+        elsewhere on CPU in slices of the vocabulary, each logit the same dot product as in one
+        matmul (the same bits)."""
         packed = _packed_weight(self, hidden)
         if packed is not None:
             return dense.linear(hidden, packed, None, out)
+        amx = _amx_weight(self, hidden)
+        if amx is not None:
+            return linear_amx.linear(hidden, amx, None, out)
         weight = self.weight
         vocab, dim = weight.shape
         if hidden.device.type != "cpu" or hidden.dim() != 2:

@@ -1,0 +1,92 @@
+"""The AMX bfloat16 dense kernel (kernels/linear_amx.py): held to the float32 product within
+bfloat16 rounding, each row independent of its batch and of the threads, the model's layers on it
+where it applies and on PyTorch's matmul where it does not or is switched off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mqinfer.kernels import linear_amx
+
+pytestmark = pytest.mark.skipif(not linear_amx.available(), reason="no AMX tiles on this CPU (or no C compiler)")
+
+
+def _close_to_float32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    exact = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+    # One bfloat16 rounding of the result, plus float32 sums in another order.
+    tol = exact.abs() * 2**-8 + 1e-3 * exact.abs().max()
+    assert ((got.float() - exact).abs() <= tol).all()
+
+
+@pytest.mark.parametrize("out_features,in_features", [(1152, 896), (100, 64), (3072, 576), (17, 32)])
+@pytest.mark.parametrize("rows", [1, 7, 33, 64, 100])
+def test_matches_the_float32_product_within_bfloat16_rounding(out_features, in_features, rows):
+    torch.manual_seed(rows)
+    w = torch.randn(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features).bfloat16()
+    x = torch.randn(rows, in_features).bfloat16()
+    packed = linear_amx.pack(w)
+    assert packed is not None and packed.packed_from(w)
+    _close_to_float32(linear_amx.linear(x, packed, bias), x, w, bias)
+    _close_to_float32(linear_amx.linear(x, packed), x, w, None)
+    # A strided view of wider rows, into a given output.
+    wide = torch.randn(rows, in_features + 32).bfloat16()
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    assert linear_amx.linear(wide[:, :in_features], packed, bias, out=out) is out
+    _close_to_float32(out, wide[:, :in_features], w, bias)
+
+
+def test_a_rows_result_depends_on_nothing_else():
+    torch.manual_seed(0)
+    w = torch.randn(640, 256).bfloat16()
+    x = torch.randn(77, 256).bfloat16()
+    packed = linear_amx.pack(w)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        batch = linear_amx.linear(x, packed)
+        torch.set_num_threads(2)
+        assert torch.equal(linear_amx.linear(x, packed), batch)
+    finally:
+        torch.set_num_threads(before)
+    for i in (0, 31, 32, 76):
+        assert torch.equal(linear_amx.linear(x[i:i + 1], packed), batch[i:i + 1])
+    assert torch.equal(linear_amx.linear(x[40:], packed), batch[40:])
+
+
+def test_what_the_kernel_takes_and_clear_errors():
+    w = torch.randn(64, 96).bfloat16()
+    assert linear_amx.pack(w.float()) is None and linear_amx.pack(torch.randn(64, 100).bfloat16()) is None
+    assert linear_amx.takes(torch.randn(4, 96).bfloat16())
+    assert not linear_amx.takes(torch.randn(4, 96))  # float32
+    assert not linear_amx.takes(torch.randn(linear_amx.MAX_ROWS + 1, 96).bfloat16())  # long prompts: PyTorch
+    packed = linear_amx.pack(w)
+    with pytest.raises(ValueError, match="bfloat16 CPU tensor"):
+        linear_amx.linear(torch.randn(4, 64).bfloat16(), packed)
+    with pytest.raises(ValueError, match="bias"):
+        linear_amx.linear(torch.randn(4, 96).bfloat16(), packed, torch.randn(64))
+
+
+def test_the_models_layers_use_it_and_the_switch_turns_it_off(monkeypatch):
+    from mqinfer.workers.models.llama import Linear, LMHead
+
+    torch.manual_seed(1)
+    layer = Linear(256, 384, bias=True, dtype=torch.bfloat16, device="cpu")
+    layer.weight.data.copy_(torch.randn(384, 256))
+    layer.bias.data.copy_(torch.randn(384))
+    head = LMHead(torch.nn.Parameter(torch.randn(1000, 256).bfloat16(), requires_grad=False))
+    x = torch.randn(9, 256).bfloat16()
+    got = layer(x)
+    assert isinstance(layer.packed, linear_amx.AmxWeight)
+    _close_to_float32(got, x, layer.weight, layer.bias)
+    _close_to_float32(head(x), x, head.weight, None)
+    # A replaced weight is packed again.
+    layer.weight = torch.nn.Parameter(torch.randn(384, 256).bfloat16(), requires_grad=False)
+    _close_to_float32(layer(x), x, layer.weight, layer.bias)
+    # Long prompts and the switch: PyTorch's own calls, its bits.
+    long = torch.randn(linear_amx.MAX_ROWS + 3, 256).bfloat16()
+    assert torch.equal(layer(long), F.linear(long, layer.weight, layer.bias))
+    monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
+    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
