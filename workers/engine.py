@@ -409,6 +409,8 @@ class LLMEngine:
                                                                      self.tokenizer)
             if kept:
                 clock_in("keep prepared model")
+        if self.device.type == "cpu" and hasattr(self.model, "pack_weights") and self.model.pack_weights():
+            clock_in("pack weights")
         self.eos_token_ids = frozenset(info.eos_token_ids) or (
             frozenset([self.tokenizer.eos_token_id])
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None

@@ -58,6 +58,20 @@ void mqinfer_amx_linear_pack(const uint16_t *weight, int64_t out_features, int64
     for (int64_t p = 0; p < panels; p++)
         for (int64_t kb = 0; kb < kblocks; kb++) {
             uint16_t *tile = packed + (p * kblocks + kb) * PANEL * KBLOCK;
+            if ((p + 1) * PANEL <= out_features && (kb + 1) * KBLOCK <= in_features && in_features % 2 == 0) {
+                /* A whole tile: row c's 16 pairs of inputs become column c (a 16 x 16 transpose
+                   of 4-byte pairs, read and written in cache). */
+                uint32_t *dst = (uint32_t *)tile;
+                for (int64_t c = 0; c < PANEL; c++) {
+                    const uint16_t *row = weight + (p * PANEL + c) * in_features + kb * KBLOCK;
+                    for (int64_t r = 0; r < KBLOCK / 2; r++) {
+                        uint32_t pair;
+                        memcpy(&pair, row + 2 * r, 4);
+                        dst[r * PANEL + c] = pair;
+                    }
+                }
+                continue;
+            }
             for (int64_t r = 0; r < KBLOCK / 2; r++)
                 for (int64_t c = 0; c < PANEL; c++)
                     for (int64_t e = 0; e < 2; e++) {

@@ -90,3 +90,20 @@ def test_the_models_layers_use_it_and_the_switch_turns_it_off(monkeypatch):
     assert torch.equal(layer(long), F.linear(long, layer.weight, layer.bias))
     monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+
+
+def test_a_bfloat16_model_packs_every_layer_at_start(tmp_path):
+    from mqinfer.loadgen.checkpoint import make_llama_checkpoint
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.models.llama import Linear, LMHead
+
+    folder = make_llama_checkpoint(tmp_path / "ck", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
+                                   max_position_embeddings=128)
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", num_threads=1, num_kv_blocks=32))
+    layers = [m for m in engine.model.modules() if isinstance(m, (Linear, LMHead))]
+    assert len(layers) == 2 * 4 + 1
+    assert all(isinstance(m.packed, linear_amx.AmxWeight) and m.packed.packed_from(m.weight) for m in layers)
+    assert engine.startup_seconds["pack weights"] > 0
+    assert engine.model.pack_weights() == len(layers)  # packing again finds them packed

@@ -520,6 +520,17 @@ class LlamaForCausalLM(nn.Module):
         ``out`` (contiguous, ``[B, vocab]``) when given."""
         return self.lm_head(hidden, out)
 
+    def pack_weights(self) -> int:
+        """Pack every bfloat16 dense layer's weight (and the LM head's) for the AMX kernel now, as
+        their first call would: start-up pays it rather than the first step. Returns how many were
+        packed (none without AMX, for other dtypes, or for int8 layers)."""
+        packed = 0
+        for module in self.modules():
+            if isinstance(module, (Linear, LMHead)) and module.weight.device.type == "cpu":
+                rows = torch.empty(1, module.weight.shape[1], dtype=module.weight.dtype)
+                packed += _amx_weight(module, rows) is not None
+        return packed
+
     # ------------------------------------------------------------------ loading
     def checkpoint_weight_names(self) -> set[str]:
         """The Hugging Face tensor names a complete checkpoint provides for this model."""
