@@ -204,3 +204,20 @@ def test_the_time_copying_a_prefix_up_is_billed_to_its_request():
     # Never more than the step: copying seconds beyond it are scaled down.
     meter.step(1.5, [StepWork("a", 1, 1, True, 0, tier_load_s=2.0), StepWork("b", 1, 1, True, 0)], {})
     assert meter.pop("a").prefill_s + meter.pop("b").prefill_s == pytest.approx(0.5 * 0.5)
+
+
+def test_an_fp8_cache_is_kept_as_its_bytes(tmp_path):
+    batch = prompts(num_prefixes=5, per_prefix=2, seed=4)
+
+    def fp8(**tiers):
+        return LLMEngine(EngineConfig(kv_cache_dtype="fp8", num_kv_blocks=14, max_num_seqs=2, max_model_len=256,
+                                      num_threads=1, **tiers))
+
+    plain, tiered = fp8(), fp8(kv_host_cache_gib=0.01)
+    try:
+        expected, done = run(plain, batch), run(tiered, batch)
+    finally:
+        plain.close()
+        tiered.close()
+    assert tokens(done) == tokens(expected)
+    assert all(done[f"r{i}"][2] == {"host": 4 * BLOCK} for i in range(5, 10))
