@@ -65,6 +65,7 @@ def case_list() -> list[tuple[str, Callable[[Any], Any]]]:
         ("w8a8 engine vs float32", c.w8a8_engine),
         ("8-bit KV cache engine vs float32", c.kv8_engine),
         ("swap preemption in the engine", c.swap_engine),
+        ("KV tiers (host, disk) in the engine", c.kv_tiers_engine),
         ("mqinfer run tiny", c.run_tiny),
         ("mqinfer run checkpoint", c.run_checkpoint),
         ("tensor parallel T=2", c.tensor_parallel),

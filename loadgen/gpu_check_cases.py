@@ -353,6 +353,52 @@ def swap_engine(setup: Setup) -> Outcome:
                        f"{counts['prefix_hits']} prefix-cache hits, {tight_blocks} blocks of 16")
 
 
+def kv_tiers_engine(setup: Setup) -> Outcome:
+    """Prefix blocks evicted from a small 8-bit device cache come back from host-memory and disk
+    tiers, and a fresh engine reads them from the disk tier: the tokens of the run without tiers,
+    logprobs to rounding (the tiers keep the 8-bit blocks as they were)."""
+    import random
+    import shutil
+
+    from mqinfer.scheduler.request import SamplingParams
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
+
+    model, vocab = check_model(setup)
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(3, vocab) for _ in range(64)] for _ in range(5)]
+    prompts = [prefixes[i % 5] + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))] for i in range(15)]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=5)
+
+    def run(**tiers: Any) -> tuple[Generated, int]:
+        # 14 blocks of 16: two requests at a time fit, the five prefixes' blocks do not stay.
+        eng = LLMEngine(EngineConfig(model=model, device=setup.device, dtype="float32", kv_cache_dtype="int8",
+                                     num_kv_blocks=14, max_num_seqs=2, max_model_len=256, **tiers))
+        try:
+            done: Generated = {}
+            for start in range(0, len(prompts), 2):
+                for i in range(start, min(start + 2, len(prompts))):
+                    eng.add_request(f"r{i}", prompts[i], greedy)
+                while eng.has_unfinished():
+                    for out in eng.step().outputs:
+                        if out.finished:
+                            done[out.request_id] = (list(out.output_token_ids), list(out.logprobs))
+            hits = sum(int(s["hits"]) for s in eng.kv_tiers.snapshot()) if eng.kv_tiers is not None else 0
+        finally:
+            eng.close()
+        return done, hits
+
+    folder = setup.workdir / "kv-tiers"
+    shutil.rmtree(folder, ignore_errors=True)
+    base, _ = run()
+    tiered, hits = run(kv_host_cache_gib=0.01, kv_disk_cache=str(folder))
+    again, disk_hits = run(kv_disk_cache=str(folder))
+    ok1, d1 = judged("tiers vs none", agreement(base, tiered, tie=2e-3), tol=1e-3, tie=2e-3)
+    ok2, d2 = judged("restarted from disk vs none", agreement(base, again, tie=2e-3), tol=1e-3, tie=2e-3)
+    return Outcome(ok1 and ok2 and hits > 0 and disk_hits > 0,
+                   f"{d1}; {d2}; tier hits {hits}, {disk_hits} after a restart")
+
+
 def engine_vs_cpu(setup: Setup) -> Outcome:
     """The float32 engine on the device (Triton attention, cuBLAS) against the float32 engine on
     the CPU; the device's bfloat16 run is reported against its float32 run (not judged)."""

@@ -63,7 +63,7 @@ def test_every_case_runs_on_the_cpu_and_passes(tmp_path, capsys):
     assert "random-weight Llama" in details["mqinfer run checkpoint"]
     # The printed table has every row.
     printed = capsys.readouterr().out
-    assert all(name in printed for name in results) and "13 of 13 rows passed" in printed
+    assert all(name in printed for name in results) and "14 of 14 rows passed" in printed
 
 
 def test_a_wrong_int8_matmul_fails_its_row_and_the_exit_status(tmp_path, monkeypatch, capsys):
