@@ -51,7 +51,6 @@ LONG_FUNCTION_EXCEPTIONS = {
     "ops/jobs.py::submit_job": 87,
     "ops/report.py::cost_report": 87,
     "workers/engine.py::LLMEngine._output": 81,
-    "workers/engine.py::LLMEngine._start": 175,
     "workers/loader.py::load_model": 95,
     "workers/model_runner.py::ModelRunner.execute": 120,
 }

@@ -251,6 +251,50 @@ def _default_num_kv_blocks(info: ModelInfo, device: torch.device, config: Engine
     return floor, f"one full-length sequence ({max_model_len} tokens) plus a block; the {budget_why} holds fewer"
 
 
+class _StartupTimer:
+    """Seconds per part of start-up, each part timed from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, part: str) -> None:
+        now = time.perf_counter()
+        self.seconds[part] = self.seconds.get(part, 0.0) + now - self._last
+        self._last = now
+
+
+def _checked_max_len(config: EngineConfig, info: ModelInfo) -> int:
+    """The context limit: the configured one (or the model's), refused past what the model supports."""
+    max_len = config.max_model_len or info.max_model_len
+    if max_len > info.max_model_len:
+        raise ValueError(f"max_model_len {max_len} exceeds the model's max_position_embeddings ({info.max_model_len})")
+    if info.sliding_window is not None and max_len > info.sliding_window:
+        raise ValueError(
+            f"{info.name} uses sliding-window attention ({info.sliding_window} tokens), which this engine "
+            f"does not implement; set max_model_len <= {info.sliding_window}"
+        )
+    return max_len
+
+
+def _scheduler_config(config: EngineConfig, num_blocks: int, num_swap_blocks: int, max_len: int) -> SchedulerConfig:
+    return SchedulerConfig(
+        block_size=config.block_size,
+        num_kv_blocks=num_blocks,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=max_len,
+        enable_prefix_caching=config.enable_prefix_caching,
+        preemption_mode=config.preemption_mode,
+        num_swap_blocks=num_swap_blocks,
+        priority_aging_s=config.priority_aging_s,
+        tenant_weights=config.tenant_weight_map,
+        num_speculative_tokens=config.num_speculative_tokens if config.speculative != "none" else 0,
+        speculative_max_batched_tokens=config.speculative_max_batched_tokens,
+        speculative_adaptive=config.speculative_policy == "adaptive",
+    )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.time) -> None:
         self.config = config
@@ -276,52 +320,67 @@ class LLMEngine:
             raise
 
     def _start(self, config: EngineConfig, clock: Callable[[], float]) -> None:
+        """Build the engine in named steps, timing each part of start-up (logged at the end)."""
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         shard, stage = rank_parts(0, tp * pp, pp)
-        # Where start-up goes (seconds): the model and tokenizer, the runner (KV cache), quantizing,
-        # keeping the prepared model, the rest; logged at the end.
-        self.startup_seconds: dict[str, float] = {}
-        lap = time.perf_counter()
-
-        def clock_in(part: str) -> None:
-            nonlocal lap
-            now = time.perf_counter()
-            self.startup_seconds[part] = self.startup_seconds.get(part, 0.0) + now - lap
-            lap = now
-
-        # What an earlier start on this machine prepared (dequantized, calibrated, quantized), if kept.
-        prepared = load_prepared(config, self.device) if shard is None and stage is None else None
-        if prepared is not None:
-            model, info, tokenizer = prepared
-            log.info("model %s read as prepared by an earlier start (%s)", info.model_id, prepared_cache_dir())
-        else:
-            model, info = load_model(config.model, self.device, config.dtype, shard=shard, stage=stage)
-            tokenizer = None
-        self.model = model
-        self.info = info
-        self.tokenizer: Tokenizer | None = tokenizer or (
-            ByteTokenizer() if config.model == TINY else load_tokenizer(info.path) if info.path else None
-        )
-        clock_in("read prepared model" if prepared is not None else "load model")
-        max_len = config.max_model_len or info.max_model_len
-        if max_len > info.max_model_len:
-            raise ValueError(
-                f"max_model_len {max_len} exceeds the model's max_position_embeddings ({info.max_model_len})"
-            )
-        if info.sliding_window is not None and max_len > info.sliding_window:
-            raise ValueError(
-                f"{info.name} uses sliding-window attention ({info.sliding_window} tokens), which this engine "
-                f"does not implement; set max_model_len <= {info.sliding_window}"
-            )
-        self.max_model_len = max_len
+        timer = _StartupTimer()
+        self.startup_seconds = timer.seconds
+        prepared = self._load(config, shard, stage)
+        timer.lap("read prepared model" if prepared else "load model")
+        max_len = self.max_model_len = _checked_max_len(config, self.info)
         # The draft proposer's model, loaded before the KV cache is sized (its weights take memory,
         # and its cache has a block for every block of the model's).
         draft: tuple[torch.nn.Module, ModelInfo] | None = None
         draft_block_bytes = 0
         if config.speculative == "draft":
-            draft = load_model(config.draft_model, self.device, info.dtype)
-            check_draft_model(draft[1], info, max_len)
+            draft = load_model(config.draft_model, self.device, self.info.dtype)
+            check_draft_model(draft[1], self.info, max_len)
             draft_block_bytes = draft[1].kv_bytes_per_token_as(config.kv_cache_dtype) * config.block_size
+        num_blocks, num_swap_blocks = self._size_kv(config, stage, max_len, draft_block_bytes)
+        self.scheduler_config = _scheduler_config(config, num_blocks, num_swap_blocks, max_len)
+        self._make_runner(config, stage, draft)
+        timer.lap("runner and KV cache")
+        self._make_proposer(config, draft)
+        self.spec_stats = SpecStats(config.speculative)
+        self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
+        # KV tiers below the device cache (host memory, disk, a shared directory), if configured.
+        self.kv_tiers = attach_engine_tiers(config, self.info, self.model, self.runner, self.scheduler)
+        timer.lap("other")
+        if not prepared:
+            if config.quantization != "none":
+                self._quantize(config)
+                timer.lap("quantize")
+            if shard is None and stage is None and save_prepared(config, self.device, self.model, self.info,
+                                                                 self.tokenizer):
+                timer.lap("keep prepared model")
+        if self.device.type == "cpu" and hasattr(self.model, "pack_weights") and self.model.pack_weights():
+            timer.lap("pack weights")
+        self._init_requests(config)
+        self._log_ready(config, num_blocks, max_len, stage)
+        timer.lap("other")
+        log.info("engine start-up %.2fs: %s", sum(timer.seconds.values()),
+                 ", ".join(f"{part} {seconds:.2f}s" for part, seconds in timer.seconds.items()))
+
+    def _load(self, config: EngineConfig, shard, stage) -> bool:
+        """The model, its info and tokenizer: as an earlier start on this machine prepared them
+        (dequantized, calibrated, quantized) when kept, else read. Returns whether prepared."""
+        prepared = load_prepared(config, self.device) if shard is None and stage is None else None
+        tokenizer = None
+        if prepared is not None:
+            model, info, tokenizer = prepared
+            log.info("model %s read as prepared by an earlier start (%s)", info.model_id, prepared_cache_dir())
+        else:
+            model, info = load_model(config.model, self.device, config.dtype, shard=shard, stage=stage)
+        self.model = model
+        self.info = info
+        self.tokenizer: Tokenizer | None = tokenizer or (
+            ByteTokenizer() if config.model == TINY else load_tokenizer(info.path) if info.path else None
+        )
+        return prepared is not None
+
+    def _size_kv(self, config: EngineConfig, stage, max_len: int, draft_block_bytes: int) -> tuple[int, int]:
+        """(device KV blocks, host swap blocks), from the config or sized for this device."""
+        info, model = self.info, self.model
         # Real bytes per block: an 8-bit cache's values and scales. Tensor parallel: of this rank's
         # KV heads, as every rank holds as many.
         kv_info = info if model.shard is None else dataclasses.replace(
@@ -335,38 +394,27 @@ class LLMEngine:
             num_blocks, why = _default_num_kv_blocks(kv_info, self.device, config, max_len, draft_block_bytes)
             log.info("KV cache sized automatically: %d blocks x %d tokens (%.1f MiB): %s", num_blocks,
                      config.block_size, num_blocks * (block_bytes + draft_block_bytes) / 2**20, why)
-        num_swap_blocks = 0
-        if config.preemption_mode == "swap":
-            num_swap_blocks = num_swap_blocks_for(int(config.swap_space_gib * 2**30), block_bytes)
-            if num_swap_blocks == 0:
-                raise ValueError(
-                    f"swap_space_gib {config.swap_space_gib} holds no KV block ({block_bytes} bytes for "
-                    f"{config.block_size} tokens of {info.name}); give more swap space or use recompute"
-                )
-            # Swapped-out blocks belong to requests the engine holds, and a worker gives it at most
-            # max_num_seqs of them: host memory past their full contexts would never be used (were
-            # the pool ever full, preemption falls back to recompute).
-            usable = _max_usable_blocks(config, max_len)
-            if num_swap_blocks > usable:
-                log.info("swap space: %d blocks (%.1f MiB) of the %g GiB given: max_num_seqs %d requests of "
-                         "max_model_len %d never hold more", usable, usable * block_bytes / 2**20,
-                         config.swap_space_gib, config.max_num_seqs, max_len)
-                num_swap_blocks = usable
-        self.scheduler_config = SchedulerConfig(
-            block_size=config.block_size,
-            num_kv_blocks=num_blocks,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=max_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-            preemption_mode=config.preemption_mode,
-            num_swap_blocks=num_swap_blocks,
-            priority_aging_s=config.priority_aging_s,
-            tenant_weights=config.tenant_weight_map,
-            num_speculative_tokens=config.num_speculative_tokens if config.speculative != "none" else 0,
-            speculative_max_batched_tokens=config.speculative_max_batched_tokens,
-            speculative_adaptive=config.speculative_policy == "adaptive",
-        )
+        if config.preemption_mode != "swap":
+            return num_blocks, 0
+        num_swap_blocks = num_swap_blocks_for(int(config.swap_space_gib * 2**30), block_bytes)
+        if num_swap_blocks == 0:
+            raise ValueError(
+                f"swap_space_gib {config.swap_space_gib} holds no KV block ({block_bytes} bytes for "
+                f"{config.block_size} tokens of {info.name}); give more swap space or use recompute"
+            )
+        # Swapped-out blocks belong to requests the engine holds, and a worker gives it at most
+        # max_num_seqs of them: host memory past their full contexts would never be used (were
+        # the pool ever full, preemption falls back to recompute).
+        usable = _max_usable_blocks(config, max_len)
+        if num_swap_blocks > usable:
+            log.info("swap space: %d blocks (%.1f MiB) of the %g GiB given: max_num_seqs %d requests of "
+                     "max_model_len %d never hold more", usable, usable * block_bytes / 2**20,
+                     config.swap_space_gib, config.max_num_seqs, max_len)
+            num_swap_blocks = usable
+        return num_blocks, num_swap_blocks
+
+    def _make_runner(self, config: EngineConfig, stage, draft) -> None:
+        info = self.info
         draft_layers = None
         if config.speculative == "self":
             draft_layers = resolve_draft_layers(config.draft_layers, info.num_layers, info.name)
@@ -377,13 +425,14 @@ class LLMEngine:
             self.tensor_parallel.ready(self.scheduler_config)
             group = self.tensor_parallel.group
         if stage is not None:
-            self.runner = StageRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
-                                      kv_cache_dtype=config.kv_cache_dtype, group=group)
+            self.runner = StageRunner(self.model, info, self.scheduler_config, self.device,
+                                      resolve_dtype(info.dtype), kv_cache_dtype=config.kv_cache_dtype, group=group)
         else:
-            self.runner = ModelRunner(model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
+            self.runner = ModelRunner(self.model, info, self.scheduler_config, self.device, resolve_dtype(info.dtype),
                                       kv_cache_dtype=config.kv_cache_dtype, group=group,
                                       draft_layers=draft_layers, draft_model=draft)
-        clock_in("runner and KV cache")
+
+    def _make_proposer(self, config: EngineConfig, draft) -> None:
         if config.speculative == "ngram":
             self.proposer = NgramProposer(config.ngram_min, config.ngram_max)
         elif config.speculative == "self":
@@ -396,21 +445,10 @@ class LLMEngine:
                      self.runner.draft.kv_cache_bytes / 2**20)
         else:
             self.proposer = None
-        self.spec_stats = SpecStats(config.speculative)
-        self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
-        # KV tiers below the device cache (host memory, disk, a shared directory), if configured.
-        self.kv_tiers = attach_engine_tiers(config, info, self.model, self.runner, self.scheduler)
-        clock_in("other")
-        if prepared is None:
-            if config.quantization != "none":
-                self._quantize(config)
-                clock_in("quantize")
-            kept = shard is None and stage is None and save_prepared(config, self.device, self.model, info,
-                                                                     self.tokenizer)
-            if kept:
-                clock_in("keep prepared model")
-        if self.device.type == "cpu" and hasattr(self.model, "pack_weights") and self.model.pack_weights():
-            clock_in("pack weights")
+
+    def _init_requests(self, config: EngineConfig) -> None:
+        """Stop tokens, structured output, logits processors and the per-request bookkeeping."""
+        info = self.info
         self.eos_token_ids = frozenset(info.eos_token_ids) or (
             frozenset([self.tokenizer.eos_token_id])
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None
@@ -437,6 +475,9 @@ class LLMEngine:
             ("schedule", "prepare", "forward", "sample", "postprocess"), 0.0
         )
         self.num_steps = 0
+
+    def _log_ready(self, config: EngineConfig, num_blocks: int, max_len: int, stage) -> None:
+        info, tp, pp = self.info, config.tensor_parallel_size, config.pipeline_parallel_size
         log.info(
             "engine ready: %s (%s, %s%s, %s params) on %s, KV cache %d blocks x %d tokens (%.1f MiB, %s), "
             "max_model_len %d%s",
@@ -447,11 +488,9 @@ class LLMEngine:
             f", tensor parallel over {tp} ranks (this rank's share of the KV cache shown)" if tp > 1 else "",
         )
         if pp > 1:
-            log.info("pipeline parallel: %d stages, this rank holds layers %d to %d of %d", pp, model.stage.start,
-                     model.stage.stop - 1, info.num_layers)
-        clock_in("other")
-        log.info("engine start-up %.2fs: %s", sum(self.startup_seconds.values()),
-                 ", ".join(f"{part} {seconds:.2f}s" for part, seconds in self.startup_seconds.items()))
+            stage_of = self.model.stage
+            log.info("pipeline parallel: %d stages, this rank holds layers %d to %d of %d", pp, stage_of.start,
+                     stage_of.stop - 1, info.num_layers)
 
     @property
     def device_share(self) -> float:
