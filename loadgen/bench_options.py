@@ -175,7 +175,8 @@ BENCH_RUN = [
            metavar="W[,W...]"),
     Option("workers", _workers, "auto", "Worker processes (default: auto = what `mqinfer run` starts: on a CPU one "
            "single-threaded worker per core, as many as half the free memory holds, or one worker with every core "
-           "for a model of 512 MiB or more in half precision; one on a GPU).", metavar="N|auto"),
+           "for a model of 512 MiB or more in half precision, 192 MiB on a CPU with AMX; one on a GPU).",
+           metavar="N|auto"),
     Option("order", str, "prefix", "Offline mode: the order requests enter the stream, as `mqinfer run --order` "
            "(default: prefix = requests sharing a prompt prefix next to each other; input = the workload's).",
            choices=("prefix", "input")),
