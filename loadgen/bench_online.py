@@ -109,7 +109,7 @@ def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
-def _submit_on_schedule(producer, requests: list[dict[str, Any]], arrivals: list[float], job_id: str,
+def submit_on_schedule(producer, requests: list[dict[str, Any]], arrivals: list[float], job_id: str,
                         lags: list[float], errors: list[BaseException]) -> None:
     try:
         t0 = time.monotonic()
@@ -147,7 +147,7 @@ def run_online(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
             errors: list[BaseException] = []
             submitter = Producer(url, stream=STREAM)
             salted = unshared_prompts(requests, k, spec.vocab_size, spec.min_token_id)
-            thread = threading.Thread(target=_submit_on_schedule, name="bench-submitter",
+            thread = threading.Thread(target=submit_on_schedule, name="bench-submitter",
                                       args=(submitter, salted, arrivals, job_id, lags, errors), daemon=True)
             log(f"mqinfer online: {len(requests)} requests at {rate:g} req/s (about {arrivals[-1]:.0f}s of arrivals)")
             thread.start()

@@ -44,7 +44,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _workers(text: str) -> int | str:
+def parse_worker_count(text: str) -> int | str:
     """argparse type for --workers (``mqinfer.layout.parse_workers``, as `mqinfer run` reads it)."""
     try:
         return parse_workers(text)
@@ -86,7 +86,7 @@ def _rate_list(text: str) -> list[float | str]:
     return values
 
 
-def _wait_ms(text: str) -> float | str:
+def parse_wait_ms(text: str) -> float | str:
     """Milliseconds >= 0, or `auto`."""
     if text.strip().lower() == AUTO:
         return AUTO
@@ -102,7 +102,7 @@ def _wait_ms(text: str) -> float | str:
 def _wait_list(text: str) -> list[float | str]:
     values: list[float | str] = []
     for item in (v for v in text.split(",") if v.strip()):
-        value = _wait_ms(item)
+        value = parse_wait_ms(item)
         if value not in values:
             values.append(value)
     if not values:
@@ -110,7 +110,7 @@ def _wait_list(text: str) -> list[float | str]:
     return values
 
 
-def _length_range(text: str) -> tuple[int, int]:
+def parse_length_range(text: str) -> tuple[int, int]:
     values = positive_int_list(text)
     if len(values) != 2 or values[0] > values[1]:
         raise argparse.ArgumentTypeError(f"expected LO,HI with 1 <= LO <= HI, got {text!r}")
@@ -122,7 +122,7 @@ def _length_or_range(text: str) -> int | tuple[int, int]:
     needs is checked once the workload is known."""
     if "," not in text:
         return positive_int(text.strip())
-    return _length_range(text)
+    return parse_length_range(text)
 
 
 def _peer_list(text: str) -> list[str]:
@@ -152,7 +152,7 @@ BENCH_WORKLOAD = [
            "range or the log-normal bounds (not for standard).", metavar="G|LO,HI"),
     Option("num_prefixes", positive_int, None, "shared-prefix: distinct prefixes (default: one per 16 requests).",
            metavar="N"),
-    Option("prefix_len", _length_range, None, "shared-prefix: prefix lengths, uniform in LO..HI tokens (default: "
+    Option("prefix_len", parse_length_range, None, "shared-prefix: prefix lengths, uniform in LO..HI tokens (default: "
            "256,1024). Its suffixes are 8..64 tokens and its outputs 16..64 unless --output-len says otherwise; "
            "the requests come shuffled, as a bulk job's rows do when nobody sorted them.", metavar="LO,HI"),
     Option("seed", int, 0, "Workload seed (default: 0)."),
@@ -173,7 +173,7 @@ BENCH_RUN = [
     Option("compare_wait", _wait_list, None, "Online mode: run the rates once per batcher wait (milliseconds or "
            "auto, e.g. 10,auto), each with fresh workers, and print p99/p50 TTFT and throughput side by side.",
            metavar="W[,W...]"),
-    Option("workers", _workers, "auto", "Worker processes (default: auto = what `mqinfer run` starts: on a CPU one "
+    Option("workers", parse_worker_count, "auto", "Worker processes (default: auto = what `mqinfer run` starts: on a CPU one "
            "single-threaded worker per core, as many as half the free memory holds, or one worker with every core "
            "for a model of 512 MiB or more in half precision, 192 MiB on a CPU with AMX; one on a GPU).",
            metavar="N|auto"),
@@ -256,7 +256,7 @@ BENCH_ENGINE = [
           ("max_batch", "N", "Dual-threshold batcher: batch size threshold."),
           ("num_threads", "N", "CPU threads of each worker's model (with --workers N on N cores: 1)."),
       )),
-    Option("max_wait_ms", _wait_ms, None, "Dual-threshold batcher: wait threshold in milliseconds, or auto "
+    Option("max_wait_ms", parse_wait_ms, None, "Dual-threshold batcher: wait threshold in milliseconds, or auto "
            "(default: the worker's).", metavar="T"),
 ]
 # The groups of `mqinfer bench --help`, in order.

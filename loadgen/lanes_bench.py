@@ -63,7 +63,7 @@ from typing import Any
 
 from mqinfer.loadgen.bench_model import ModelSpec, resolve_model
 from mqinfer.loadgen.bench_online import unshared_prompts
-from mqinfer.loadgen.bench_options import _length_range, _wait_ms, _workers, positive_int
+from mqinfer.loadgen.bench_options import parse_length_range, parse_wait_ms, parse_worker_count, positive_int
 from mqinfer.loadgen.bench_pool import WorkerPool, log, read_results, wait_done, worker_argv
 from mqinfer.loadgen.metrics import RequestTiming, summarize
 from mqinfer.loadgen.tenants_bench import tenant_weights, queue_delays
@@ -143,14 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights: the workers' --tenant-weights (default: alpha=2,beta=1).")
     g.add_argument("--throughput-requests", type=positive_int, default=256, metavar="N",
                    help="throughput: requests of the standard workload per run (default: 256).")
-    g.add_argument("--prompt-len", type=_length_range, default=(16, 256), metavar="LO,HI",
+    g.add_argument("--prompt-len", type=parse_length_range, default=(16, 256), metavar="LO,HI",
                    help="backlog and weights: prompt lengths, uniform (default: 16,256, as the standard workload).")
-    g.add_argument("--output-len", type=_length_range, default=(16, 128), metavar="LO,HI",
+    g.add_argument("--output-len", type=parse_length_range, default=(16, 128), metavar="LO,HI",
                    help="backlog and weights: output lengths, uniform (default: 16,128, as the standard workload).")
     g.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
 
     g = p.add_argument_group("run")
-    g.add_argument("--workers", type=_workers, default=1, metavar="N|auto", help="Worker processes (default: 1).")
+    g.add_argument("--workers", type=parse_worker_count, default=1, metavar="N|auto", help="Worker processes (default: 1).")
     g.add_argument("--out", default=None, metavar="DIR", help="Keep the workers' output here (default: a temp dir).")
     g.add_argument("--timeout-s", type=float, default=1800.0, metavar="S",
                    help="Give up on a run after this long (default: 1800).")
@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, meta in (("--max-num-seqs", "S"), ("--max-num-batched-tokens", "T"), ("--num-kv-blocks", "K"),
                        ("--block-size", "B"), ("--max-batch", "N"), ("--num-threads", "N")):
         g.add_argument(flag, type=positive_int, default=None, metavar=meta, help="(default: the worker's)")
-    g.add_argument("--max-wait-ms", type=_wait_ms, default=None, metavar="T", help="(default: the worker's)")
+    g.add_argument("--max-wait-ms", type=parse_wait_ms, default=None, metavar="T", help="(default: the worker's)")
     return p
 
 

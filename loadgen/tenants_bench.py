@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from mqinfer.loadgen.bench_model import ModelSpec, resolve_model
-from mqinfer.loadgen.bench_online import _submit_on_schedule, poisson_arrivals, unshared_prompts
-from mqinfer.loadgen.bench_options import _length_range, _wait_ms, _workers, positive_int
+from mqinfer.loadgen.bench_online import submit_on_schedule, poisson_arrivals, unshared_prompts
+from mqinfer.loadgen.bench_options import parse_length_range, parse_wait_ms, parse_worker_count, positive_int
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, read_results, wait_done, worker_argv
 from mqinfer.loadgen.metrics import RequestTiming, percentiles
 from mqinfer.loadgen.workload import fit_to_context, uniform_workload
@@ -80,16 +80,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--heavy-burst", action="store_true",
                    help="Submit the heavy tenant's requests all at once before the first light one, instead "
                         "of at K times the light rate.")
-    g.add_argument("--prompt-len", type=_length_range, default=(32, 256), metavar="LO,HI",
+    g.add_argument("--prompt-len", type=parse_length_range, default=(32, 256), metavar="LO,HI",
                    help="Prompt lengths, uniform, for both tenants (default: 32,256).")
-    g.add_argument("--output-len", type=_length_range, default=(16, 128), metavar="LO,HI",
+    g.add_argument("--output-len", type=parse_length_range, default=(16, 128), metavar="LO,HI",
                    help="Output lengths, uniform, for both tenants (default: 16,128).")
     g.add_argument("--seed", type=int, default=0, help="Workload and arrival seed (default: 0).")
     g.add_argument("--tenant-weights", type=tenant_weights, default={}, metavar="T=W,...",
                    help="The workers' --tenant-weights, e.g. light=1,heavy=1 (default: every tenant weight 1).")
 
     g = p.add_argument_group("run")
-    g.add_argument("--workers", type=_workers, default=1, metavar="N|auto", help="Worker processes (default: 1).")
+    g.add_argument("--workers", type=parse_worker_count, default=1, metavar="N|auto", help="Worker processes (default: 1).")
     g.add_argument("--out", default=None, metavar="DIR", help="Keep the workers' output here (default: a temp dir).")
     g.add_argument("--timeout-s", type=float, default=3600.0, metavar="S", help="Give up on a run after this long.")
     g.add_argument("--idle-exit-s", type=float, default=600.0, metavar="S",
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, meta in (("--max-num-seqs", "S"), ("--max-num-batched-tokens", "T"), ("--num-kv-blocks", "K"),
                        ("--block-size", "B"), ("--max-batch", "N"), ("--num-threads", "N")):
         g.add_argument(flag, type=positive_int, default=None, metavar=meta, help="(default: the worker's)")
-    g.add_argument("--max-wait-ms", type=_wait_ms, default=None, metavar="T", help="(default: the worker's)")
+    g.add_argument("--max-wait-ms", type=parse_wait_ms, default=None, metavar="T", help="(default: the worker's)")
     return p
 
 
@@ -278,7 +278,7 @@ def _submit_all(url: str, schedules: list[tuple[list[dict[str, Any]], list[float
 
     producers = [Producer(url, stream=STREAM) for _ in schedules]
     errors: list[BaseException] = []
-    threads = [threading.Thread(target=_submit_on_schedule, args=(prod, reqs, arrivals, job, [], errors),
+    threads = [threading.Thread(target=submit_on_schedule, args=(prod, reqs, arrivals, job, [], errors),
                                 name=f"tenants-submit-{job}", daemon=True)
                for prod, (reqs, arrivals, job) in zip(producers, schedules)]
     for thread in threads:

@@ -24,17 +24,8 @@ PACKAGES = {"mqinfer": "mqinfer", "schemas": "mqinfer.schemas", "scheduler": "mq
             "loadgen": "mqinfer.loadgen"}
 MAX_FUNCTION_LINES = 80
 
-# "importing file: module.name". These wait for the owners of loadgen/bench_options.py and
-# loadgen/bench_online.py to make the shared helpers public.
-PRIVATE_IMPORT_EXCEPTIONS = {
-    "loadgen/lanes_bench.py: mqinfer.loadgen.bench_options._length_range",
-    "loadgen/lanes_bench.py: mqinfer.loadgen.bench_options._wait_ms",
-    "loadgen/lanes_bench.py: mqinfer.loadgen.bench_options._workers",
-    "loadgen/tenants_bench.py: mqinfer.loadgen.bench_online._submit_on_schedule",
-    "loadgen/tenants_bench.py: mqinfer.loadgen.bench_options._length_range",
-    "loadgen/tenants_bench.py: mqinfer.loadgen.bench_options._wait_ms",
-    "loadgen/tenants_bench.py: mqinfer.loadgen.bench_options._workers",
-}
+# "importing file: module.name": imports of another module's private name allowed for now (none).
+PRIVATE_IMPORT_EXCEPTIONS: set[str] = set()
 
 # "file::qualified name": its length in lines (def line to last line) when it was listed.
 LONG_FUNCTION_EXCEPTIONS = {
