@@ -251,7 +251,7 @@ def test_penalties_together_with_a_grammar_still_follow_the_schema(tiny):
 
 def test_penalised_requests_stay_out_of_speculation_and_bias_and_min_tokens_keep_their_tokens():
     base = _engine()
-    spec = _engine(speculative="ngram", num_speculative_tokens=3)
+    spec = _engine(speculative="ngram", num_speculative_tokens=3, speculative_policy="fixed")
     try:
         prompt = [40, 41, 42, 43] * 6  # repetitive: the n-gram proposer has plenty to propose
         requests = [
@@ -264,6 +264,7 @@ def test_penalised_requests_stay_out_of_speculation_and_bias_and_min_tokens_keep
         for key in expected:
             assert got[key].output_token_ids == expected[key].output_token_ids
         assert got[("pen", 0)].num_rejected_tokens == 0
+        assert spec.spec_stats.proposed_tokens > 0  # the other two did speculate
     finally:
         base.close()
         spec.close()

@@ -249,7 +249,8 @@ def test_options_check_the_proposers_settings():
 
 def test_worker_bills_rejected_tokens_and_counts_proposals(redis_url, redis_client, tmp_path):
     h = WorkerHarness(redis_url, tmp_path / "out",
-                      engine=EngineConfig(num_threads=1, speculative="ngram", dtype="float32")).start()
+                      engine=EngineConfig(num_threads=1, speculative="ngram", dtype="float32",
+                                          speculative_policy="fixed")).start()
     try:
         prompts = _copy_prompts(256, 3, seed=11)
         for i, p in enumerate(prompts):

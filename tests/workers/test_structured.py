@@ -328,7 +328,9 @@ def test_speculative_decoding_leaves_constrained_requests_out():
         return {k: o.output_token_ids for k, o in _finish(engine).items()}, proposed_for
 
     plain, _ = run()
-    spec, proposed_for = run(speculative="ngram", num_speculative_tokens=3)
+    # The fixed policy proposes whatever the measured step costs say, so the test does not depend
+    # on how fast this machine runs the tiny model.
+    spec, proposed_for = run(speculative="ngram", num_speculative_tokens=3, speculative_policy="fixed")
     assert spec == plain
     assert proposed_for and all(rid.startswith("f") for rid in proposed_for)
 
