@@ -80,7 +80,7 @@ from mqinfer.loadgen.bench_options import WORKLOADS, positive_int_list
 from mqinfer.loadgen.workload import MIN_TOKEN_ID, make_workload, workload_stats
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 
 DEFAULT_KV_BUDGET = 16384
@@ -209,7 +209,7 @@ def run_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_budget: in
     recorder = StepRecorder(scheduler)
     engine_requests = []
     for r in requests:
-        request = Request(
+        request = EngineRequest(
             request_id=r["id"], prompt_token_ids=list(r["prompt_token_ids"]),
             sampling=SamplingParams(max_tokens=int(r["max_tokens"]), temperature=0.0, ignore_eos=True),
             max_model_len=max_model_len,

@@ -41,7 +41,7 @@ from mqinfer.loadgen.plan_model import StepCostModel, StepShape, WorkerLoop
 from mqinfer.scheduler.batcher import DynamicBatcher
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 
 # The token every simulated step "samples": any id works, as simulated requests have no EOS.
@@ -233,7 +233,7 @@ class Simulation:
                 self.push(min(t + self.draw(self.loop.wake_samples_s), w.timer_at), _WORKER, w.index, w.token)
                 break
 
-    def finish(self, request: Request, t: float, error: str | None = None) -> None:
+    def finish(self, request: EngineRequest, t: float, error: str | None = None) -> None:
         o = self.outcomes[int(request.request_id)]
         o.finished_s = t
         o.error = error
@@ -310,7 +310,7 @@ class Simulation:
         max_len = self.settings.scheduler.max_model_len
         for index in w.batcher.poll(engine_idle=not s.has_unfinished_requests()):
             r = self.requests[index]
-            s.add_request(Request(str(index), list(r.prompt_token_ids),
+            s.add_request(EngineRequest(str(index), list(r.prompt_token_ids),
                                   SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True),
                                   arrival_time=r.arrival_s, priority=r.priority, max_model_len=max_len,
                                   tenant=r.tenant))

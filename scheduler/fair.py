@@ -37,12 +37,12 @@ import heapq
 from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 
 # The scheduler's order key: (arrival_time + priority * aging (or the priority without aging),
 # priority, arrival_time, sequence number). Smallest first; no two requests share one.
 OrderKey = tuple[float, int, float, int]
-Entry = tuple[OrderKey, Request]
+Entry = tuple[OrderKey, EngineRequest]
 
 # Service charged per prompt token computed and per output token generated (before dividing by
 # the tenant's weight): a generated token costs a step of its own, a prompt token a share of one.
@@ -160,7 +160,7 @@ class WaitingQueue:
         self._forget_at = _FORGET_SLACK
 
     # -- requests in and out of the scheduler ---------------------------------------------------
-    def arrive(self, request: Request) -> None:
+    def arrive(self, request: EngineRequest) -> None:
         """A new request of group ``request.fair_key``; a group coming back from idle is lifted first."""
         name = request.fair_key
         tenant = self._tenants.get(name)
@@ -173,7 +173,7 @@ class WaitingQueue:
             self._active[name] = tenant
         tenant.num_unfinished += 1
 
-    def leave(self, request: Request) -> None:
+    def leave(self, request: EngineRequest) -> None:
         """A request that ``arrive`` saw has finished (from waiting or running)."""
         name = request.fair_key
         tenant = self._active.get(name)
@@ -238,7 +238,7 @@ class WaitingQueue:
             self._refresh(tenant)
         return None
 
-    def pop(self, request: Request) -> Entry:
+    def pop(self, request: EngineRequest) -> Entry:
         """Take the entry ``peek`` returned."""
         tenant = self._tenants[request.fair_key]
         entry = heapq.heappop(tenant.waiting)
@@ -316,7 +316,7 @@ class WaitingQueue:
         return None if tenant is None else tenant.counter
 
     # -- the head of the queue --------------------------------------------------------------------
-    def head(self, limit: int) -> list[Request]:
+    def head(self, limit: int) -> list[EngineRequest]:
         """The first ``limit`` waiting requests in the order they would be admitted, were each
         admitted in turn: the fair choice is replayed on copies of the counters, each request
         adding its prompt (new requests only) to its tenant's. Output tokens generated meanwhile
@@ -335,7 +335,7 @@ class WaitingQueue:
             if first is not None:
                 walks[tenant] = (walk, [first, tenant.counter])
                 order.set(tenant, first[0], tenant.counter)
-        out: list[Request] = []
+        out: list[EngineRequest] = []
         while len(out) < limit:
             tenant = order.next()
             if tenant is None:

@@ -4,7 +4,7 @@ The scheduler talks to the cache only through this narrow API: ``get_computed_bl
 prefix-cache hits for a request about to be admitted), ``allocate_slots`` (room for the tokens
 of this step, or "no" so that the scheduler preempts), ``swap_out`` / ``swap_in`` (swap
 preemption), ``free`` and ``usage``. This class is the only code that changes
-``Request.block_ids``. With ``protect_prefix_hits`` the scheduler names the waiting requests it
+``EngineRequest.block_ids``. With ``protect_prefix_hits`` the scheduler names the waiting requests it
 will admit next; allocations then evict the cached blocks those would hit only when nothing
 else is free.
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mqinfer.scheduler.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 
 # (device block id, block hash, token ids) of one block to copy between the device and the tiers.
 BlockCopy = tuple[int, BlockHash, tuple[int, ...]]
@@ -117,7 +117,7 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock | TierBlock], int]:
+    def get_computed_blocks(self, request: EngineRequest) -> tuple[list[KVBlock | TierBlock], int]:
         """Prefix-cache hits for a request that holds no blocks: (blocks, number of tokens).
 
         Only whole blocks count, and never all of the request's tokens: the last one is always
@@ -147,7 +147,7 @@ class KVCacheManager:
 
     def allocate_slots(
         self,
-        request: Request,
+        request: EngineRequest,
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVBlock] | None = None,
         num_reserved_blocks: int = 0,
@@ -242,7 +242,7 @@ class KVCacheManager:
             pool.cache_block(block, block_hash, token_ids)
         return resolved, served
 
-    def _count_tier_hits(self, request: Request, served: list[str]) -> None:
+    def _count_tier_hits(self, request: EngineRequest, served: list[str]) -> None:
         bs = self.block_size
         per_tier: dict[str, int] = {}
         for tier in served:
@@ -251,7 +251,7 @@ class KVCacheManager:
         for tier, n in per_tier.items():
             self.tier_hit_tokens[tier] = self.tier_hit_tokens.get(tier, 0) + n
 
-    def free(self, request: Request) -> None:
+    def free(self, request: EngineRequest) -> None:
         """Release every block of ``request`` (after it finished, or to preempt it).
 
         Its full computed blocks are cached first, so a preempted request usually finds its own
@@ -267,7 +267,7 @@ class KVCacheManager:
         if request.status.is_finished:
             self._req_hashes.pop(rid, None)
 
-    def trim(self, request: Request, num_tokens: int) -> int:
+    def trim(self, request: EngineRequest, num_tokens: int) -> int:
         """Give back the request's blocks past those ``num_tokens`` tokens need (slots written for
         proposed tokens that were rejected). Returns the number of blocks freed.
 
@@ -285,7 +285,7 @@ class KVCacheManager:
         self.block_pool.free(reversed(extra))
         return len(extra)
 
-    def _release_device_blocks(self, request: Request) -> None:
+    def _release_device_blocks(self, request: EngineRequest) -> None:
         rid = request.request_id
         blocks = self._req_blocks.pop(rid, None)
         if blocks:
@@ -305,10 +305,10 @@ class KVCacheManager:
     def num_free_swap_blocks(self) -> int:
         return self.swap_pool.num_free_blocks if self.swap_pool is not None else 0
 
-    def is_swapped_out(self, request: Request) -> bool:
+    def is_swapped_out(self, request: EngineRequest) -> bool:
         return request.request_id in self._req_swap_blocks
 
-    def swap_out(self, request: Request) -> list[tuple[int, int]] | None:
+    def swap_out(self, request: EngineRequest) -> list[tuple[int, int]] | None:
         """Move the computed KV of a request being preempted to host blocks.
 
         Returns the (device block, host block) pairs to copy, in position order, and releases
@@ -336,7 +336,7 @@ class KVCacheManager:
         return pairs
 
     def swap_in(
-        self, request: Request, num_new_tokens: int, num_reserved_blocks: int = 0
+        self, request: EngineRequest, num_new_tokens: int, num_reserved_blocks: int = 0
     ) -> list[tuple[int, int]] | None:
         """Bring a swapped-out request's KV back and make room for ``num_new_tokens`` more tokens.
 
@@ -387,7 +387,7 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed // bs, store=False)
         return pairs
 
-    def next_block_hash(self, request: Request, first_uncomputed_block: int) -> BlockHash | None:
+    def next_block_hash(self, request: EngineRequest, first_uncomputed_block: int) -> BlockHash | None:
         """The prefix hash of the request's block ``first_uncomputed_block`` when that block is
         full and not its last token's (the next block it would compute that another request with
         the same prefix could reuse), else None; None also without prefix caching."""
@@ -395,7 +395,7 @@ class KVCacheManager:
             return None
         return self._block_hashes(request, first_uncomputed_block + 1)[first_uncomputed_block]
 
-    def protect_prefix_hits(self, requests: Callable[[], Iterable[Request]] | None) -> None:
+    def protect_prefix_hits(self, requests: Callable[[], Iterable[EngineRequest]] | None) -> None:
         """Evict the cached blocks that ``requests()`` would take as prefix hits only after every
         other free block, until called again; None lifts the protection.
 
@@ -411,7 +411,7 @@ class KVCacheManager:
         else:
             self.block_pool.set_protected(lambda: self.prefix_hit_hashes(requests()))
 
-    def prefix_hit_hashes(self, requests: Iterable[Request]) -> set[BlockHash]:
+    def prefix_hit_hashes(self, requests: Iterable[EngineRequest]) -> set[BlockHash]:
         """Hashes of the cached blocks these requests would take as prefix hits right now.
 
         For each request, the leading run of its full blocks (as ``get_computed_blocks`` counts
@@ -445,7 +445,7 @@ class KVCacheManager:
         """The blocks a request holds, in position order (a copy, for inspection)."""
         return list(self._req_blocks.get(request_id, ()))
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+    def _block_hashes(self, request: EngineRequest, num_blocks: int) -> list[BlockHash]:
         """Chained hashes of the request's first ``num_blocks`` blocks (which must be full)."""
         rid = request.request_id
         hashes = self._req_hashes.get(rid)
@@ -460,7 +460,8 @@ class KVCacheManager:
                 hashes.append(parent)
         return hashes
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_full: int, store: bool = True) -> None:
+    def _cache_full_blocks(self, request: EngineRequest, blocks: list[KVBlock], num_full: int,
+                           store: bool = True) -> None:
         """Register the request's full computed blocks from the first not yet offered; with tiers
         (and ``store``), write the prompt's newly registered ones through to them."""
         rid = request.request_id

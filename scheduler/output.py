@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 
 
 @dataclass(slots=True)
@@ -20,7 +20,7 @@ class ScheduledRequest:
     in the middle of chunked prefill, never with proposals) it samples nothing.
     """
 
-    request: Request
+    request: EngineRequest
     num_new_tokens: int
     # Proposed continuation (speculative decoding), counted in num_new_tokens.
     spec_token_ids: list[int] = field(default_factory=list)
@@ -43,9 +43,9 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests preempted by this schedule() call (their device blocks are already released).
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[EngineRequest] = field(default_factory=list)
     # Requests that ended inside schedule() (expired deadline, can never fit, ...).
-    finished: list[Request] = field(default_factory=list)
+    finished: list[EngineRequest] = field(default_factory=list)
     # (device block, host block) pairs to copy device -> host, for requests swapped out.
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     # (host block, device block) pairs to copy host -> device, for requests swapped back in.

@@ -122,7 +122,7 @@ class SamplingParams:
 
 
 @dataclass(eq=False, slots=True)
-class Request:
+class EngineRequest:
     """One generation request as the engine sees it.
 
     ``request_id`` is the engine-wide key (the worker builds it from job_id and id).

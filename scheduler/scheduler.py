@@ -81,7 +81,7 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.fair import PROMPT_TOKEN_WEIGHT, OrderKey, WaitingQueue
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
-from mqinfer.scheduler.request import Request, RequestStatus
+from mqinfer.scheduler.request import EngineRequest, RequestStatus
 from mqinfer.scheduler.slot_share import SlotShares
 from mqinfer.scheduler.speculation import SpeculationPolicy
 
@@ -98,7 +98,7 @@ PROTECTED_WAITING_REQUESTS = 64
 class Proposer(Protocol):
     """Proposes how a request continues (speculative decoding)."""
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, request: EngineRequest, max_tokens: int) -> list[int]:
         """At most ``max_tokens`` (>= 1) tokens that may follow ``request.all_token_ids``; [] for none."""
         ...
 
@@ -116,11 +116,11 @@ class Scheduler:
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
         )
         # Unfinished requests by id.
-        self._requests: dict[str, Request] = {}
+        self._requests: dict[str, EngineRequest] = {}
         self._order: dict[str, _OrderKey] = {}
         self._seq = 0
         # Running requests, kept sorted by their order key: the preemption victim is the last.
-        self._running: list[Request] = []
+        self._running: list[EngineRequest] = []
         # Waiting (new and preempted) requests: a heap of (order key, request) per tenant, taken in
         # fair-share order. A request that finishes while waiting leaves a stale entry behind,
         # skipped when it reaches the top.
@@ -128,11 +128,11 @@ class Scheduler:
         self._num_waiting = 0
         # Entries taken off the waiting queue for the duration of one admission pass (requests held
         # back while another request computes their next prefix block); they still wait.
-        self._held: list[tuple[_OrderKey, Request]] = []
+        self._held: list[tuple[_OrderKey, EngineRequest]] = []
         # (deadline, sequence number, request) for every request that has a deadline.
-        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadlines: list[tuple[float, int, EngineRequest]] = []
         # Requests refused by add_request, reported by the next schedule().
-        self._rejected: list[Request] = []
+        self._rejected: list[EngineRequest] = []
         self.num_preemptions_total = 0
         # Preemptions that kept the KV in host memory (a subset of num_preemptions_total).
         self.num_swaps_total = 0
@@ -160,7 +160,7 @@ class Scheduler:
         # Rejected requests still count: the next schedule() has to report them.
         return bool(self._running or self._num_waiting or self._rejected)
 
-    def get_request(self, request_id: str) -> Request | None:
+    def get_request(self, request_id: str) -> EngineRequest | None:
         """The unfinished request with this id, or None."""
         return self._requests.get(request_id)
 
@@ -175,7 +175,7 @@ class Scheduler:
         return self._waiting.counter(tenant)
 
     # -- requests in and out ------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: EngineRequest) -> None:
         """Queue a new request. One whose prompt can never run is reported by the next schedule().
 
         The request's ``max_model_len`` is lowered to the scheduler's when that is smaller.
@@ -211,7 +211,7 @@ class Scheduler:
         status: RequestStatus,
         error_code: str | None = None,
         error: str | None = None,
-    ) -> list[Request]:
+    ) -> list[EngineRequest]:
         """End requests from outside (stop string matched, cancelled, failed); frees their blocks.
 
         Unknown or already finished ids are ignored. Returns the requests ended by this call.
@@ -353,7 +353,7 @@ class Scheduler:
                 useful += sum(rate ** j for j in range(1, len(proposal) + 1))
                 depth = max(depth, len(proposal))
 
-    def _waiting_head(self) -> list[Request]:
+    def _waiting_head(self) -> list[EngineRequest]:
         """The first ``PROTECTED_WAITING_REQUESTS`` waiting requests, in the order they would be
         admitted (``WaitingQueue.head``: O(k log k) for k requests with one tenant waiting,
         however long the queue is). Requests that an admission pass in progress has held back are
@@ -420,7 +420,8 @@ class Scheduler:
                 shares.admitted(request)
                 budget -= placed
 
-    def _place(self, request: Request, budget: int, computing: set, held: list, out: SchedulerOutput) -> int | None:
+    def _place(self, request: EngineRequest, budget: int, computing: set, held: list,
+               out: SchedulerOutput) -> int | None:
         """Admit the head of the waiting queue with at most ``budget`` tokens: how many it runs,
         0 when it left the queue without running (held back, or ended), None when its KV blocks
         do not fit."""
@@ -470,7 +471,7 @@ class Scheduler:
         return num_new
 
     def update_from_output(self, output: SchedulerOutput, sampled_token_ids: list[int | None],
-                           num_accepted: Sequence[int] | None = None) -> list[Request]:
+                           num_accepted: Sequence[int] | None = None) -> list[EngineRequest]:
         """Apply one model step: advance computed tokens, append sampled ones, apply stop rules.
 
         ``sampled_token_ids`` is aligned with ``output.scheduled``: a token where the request
@@ -482,7 +483,7 @@ class Scheduler:
         """
         scheduled = output.scheduled
         self._check_output(scheduled, sampled_token_ids, num_accepted)
-        finished: list[Request] = []
+        finished: list[EngineRequest] = []
         # Output tokens per fair-share group, for its counter.
         generated: dict[str, int] = {}
         for i, (sr, token) in enumerate(zip(scheduled, sampled_token_ids)):
@@ -568,7 +569,7 @@ class Scheduler:
         return status
 
     @staticmethod
-    def _stop_status(request: Request, token: int) -> RequestStatus | None:
+    def _stop_status(request: EngineRequest, token: int) -> RequestStatus | None:
         """The token-level stop rules; a stop token wins over a length limit reached with it."""
         sampling = request.sampling
         num_output = len(request.output_token_ids)
@@ -580,7 +581,7 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _admission_error(self, request: Request) -> tuple[str, str] | None:
+    def _admission_error(self, request: EngineRequest) -> tuple[str, str] | None:
         num_prompt = request.num_prompt_tokens
         if num_prompt > request.max_model_len:
             return (
@@ -614,12 +615,12 @@ class Scheduler:
         if expired_running:
             self._running = [r for r in self._running if r.status is RequestStatus.RUNNING]
 
-    def _order_key(self, request: Request, seq: int) -> _OrderKey:
+    def _order_key(self, request: EngineRequest, seq: int) -> _OrderKey:
         aging = self.config.priority_aging_s
         rank = request.arrival_time + request.priority * aging if aging is not None else float(request.priority)
         return (rank, request.priority, request.arrival_time, seq)
 
-    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+    def _preempt(self, request: EngineRequest, out: SchedulerOutput) -> None:
         request.status = RequestStatus.PREEMPTED
         kv = self.kv_cache_manager
         pairs = kv.swap_out(request) if self.config.preemption_mode == "swap" else None
@@ -639,7 +640,7 @@ class Scheduler:
         # victim's own included, for the allocations still to come in this step.
         kv.protect_prefix_hits(self._waiting_head)
 
-    def _end(self, request: Request, status: RequestStatus) -> None:
+    def _end(self, request: EngineRequest, status: RequestStatus) -> None:
         """Mark finished and release everything; the caller has taken it off running/waiting."""
         request.status = status
         self.kv_cache_manager.free(request)

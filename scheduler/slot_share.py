@@ -12,7 +12,7 @@ from collections.abc import Callable
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.fair import WaitingQueue
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 
 
 class SlotShares:
@@ -25,8 +25,8 @@ class SlotShares:
 
     __slots__ = ("_running", "_waiting", "_config", "_preempt", "_counts", "_shares", "_admitted", "_refused")
 
-    def __init__(self, running: list[Request], waiting: WaitingQueue, config: SchedulerConfig,
-                 preempt: Callable[[Request, SchedulerOutput], None]) -> None:
+    def __init__(self, running: list[EngineRequest], waiting: WaitingQueue, config: SchedulerConfig,
+                 preempt: Callable[[EngineRequest, SchedulerOutput], None]) -> None:
         # The running list (in scheduling order) and the waiting queue, changed in place;
         # ``preempt`` puts a request taken off the running list back on the waiting queue.
         self._running = running
@@ -40,7 +40,7 @@ class SlotShares:
         # Groups whose head found no room in this pass: not tried again in it.
         self._refused: set[str] = set()
 
-    def admitted(self, request: Request) -> None:
+    def admitted(self, request: EngineRequest) -> None:
         self._admitted.add(id(request))
         if self._counts is not None:
             key = request.fair_key
@@ -53,7 +53,7 @@ class SlotShares:
         self._counts = counts
         self._shares = self._waiting.slot_shares(self._config.max_num_seqs)
 
-    def below_share_head(self, head: Request) -> Request | None:
+    def below_share_head(self, head: EngineRequest) -> EngineRequest | None:
         """The first waiting request of the group furthest below its share of the slots (by
         running requests per unit of weight), among the groups not refused in this pass that
         would stay within their share with one more running and whose first request's priority
@@ -71,7 +71,7 @@ class SlotShares:
                 best, best_load = request, n / shares[key]
         return best
 
-    def make_room(self, request: Request, out: SchedulerOutput) -> int:
+    def make_room(self, request: EngineRequest, out: SchedulerOutput) -> int:
         """Preempt a request so that ``request`` can be admitted: one of the group with the most
         running requests per unit of weight, when that group stays at or above its share without
         it, ``request``'s group is below its share with it, the victim's priority is not better,

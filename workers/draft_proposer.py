@@ -40,8 +40,9 @@ slots the draft resumes from are the request's own, unchanged since it wrote the
 - A request's blocks change only by growing (new blocks past its tokens), by trimming blocks
   past its tokens (the draft's trusted positions are all below the request's token count), and
   by preemption, after which the block ids may differ (recompute: new blocks or cached ones;
-  swap: other blocks, and the draft's cache is not swapped). Every preemption raises ``Request.num_preemptions``, and a
-  request whose count moved since the draft last ran starts again from its first token.
+  swap: other blocks, and the draft's cache is not swapped). Every preemption raises
+  ``EngineRequest.num_preemptions``, and a request whose count moved since the draft last ran
+  starts again from its first token.
 - A request the draft has not seen (new, or admitted with prefix-cache hits) starts from its
   first token. The blocks of its hits were written by the model for another request, and the
   draft's cache at those block ids may hold nothing of use (that request may never have
@@ -62,7 +63,7 @@ import torch
 
 from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metadata
 from mqinfer.scheduler.output import ScheduledRequest
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 from mqinfer.workers.loader import ModelInfo
 from mqinfer.workers.models import LlamaForCausalLM
 from mqinfer.workers.self_proposer import DRAFT_PENDING
@@ -93,7 +94,7 @@ class DraftProposer:
     def __init__(self, draft: ModelDraft) -> None:
         self.draft = draft
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, request: EngineRequest, max_tokens: int) -> list[int]:
         return [DRAFT_PENDING] * max_tokens
 
     def forget(self, request_id: str) -> None:
@@ -105,8 +106,8 @@ class DraftProposer:
 class _Progress:
     """What the draft's cache holds for one request (see the module docstring)."""
 
-    request: Request
-    # Request.num_preemptions when the draft last ran: a preemption since voids everything.
+    request: EngineRequest
+    # EngineRequest.num_preemptions when the draft last ran: a preemption since voids everything.
     num_preemptions: int
     # Leading tokens of the request whose draft K/V is written.
     num_computed: int
@@ -146,7 +147,7 @@ class ModelDraft:
     def forget(self, request_id: str) -> None:
         self._progress.pop(request_id, None)
 
-    def num_computed(self, request: Request) -> int:
+    def num_computed(self, request: EngineRequest) -> int:
         """How many of ``request``'s leading tokens have their draft K/V in the draft's cache."""
         entry = self._progress.get(request.request_id)
         if entry is None or entry.request is not request or entry.num_preemptions != request.num_preemptions:

@@ -42,7 +42,7 @@ import torch
 from mqinfer.kernels.sampling import choice_seed
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.schemas import errors
 from mqinfer.workers import devices
@@ -173,9 +173,9 @@ class _Choices:
     """A request with n > 1 choices while any of them is unfinished."""
 
     # Choice 0, the one that computes the prompt.
-    first: Request
+    first: EngineRequest
     # Choices 1..n-1 not given to the scheduler yet (until the first has computed the prompt).
-    held: list[Request]
+    held: list[EngineRequest]
     # Sequence ids of every choice, in index order.
     ids: list[str]
     # Choices not yet reported finished.
@@ -194,7 +194,7 @@ class StepResult:
 class _Tracked:
     """Engine-side state of an unfinished sequence (a request, or one choice of it)."""
 
-    request: Request
+    request: EngineRequest
     detokenizer: IncrementalDetokenizer | None
     logprobs: list[dict] | None
     # Highest num_computed_tokens reached: tokens below it that run again are recomputation.
@@ -468,7 +468,7 @@ class LLMEngine:
         self._choices: dict[str, _Choices] = {}
         self._choice_of: dict[str, tuple[str, int]] = {}
         # Requests ended between steps (cancel): reported by the next step.
-        self._ended_outside: list[Request] = []
+        self._ended_outside: list[EngineRequest] = []
         # Seconds spent in each part of step() since start (perf_counter), for profiling:
         # schedule, prepare (inputs and metadata), forward, sample, postprocess.
         self.phase_seconds: dict[str, float] = dict.fromkeys(
@@ -630,7 +630,7 @@ class LLMEngine:
         choices = []
         for i, rid in enumerate(seq_ids):
             seed = choice_seed(sampling.seed, i) if sampling.seed is not None else self._rng.getrandbits(63)
-            choices.append(Request(
+            choices.append(EngineRequest(
                 request_id=rid,
                 prompt_token_ids=ids,
                 sampling=sampling,
@@ -883,7 +883,7 @@ class LLMEngine:
         phases["postprocess"] += time.perf_counter() - t2 + max(0.0, (t2 - t1) - sum(runner))
         self.num_steps += 1
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: EngineRequest) -> RequestOutput:
         """The sequence's output for this step: the new tokens handed over, the cumulative lists
         shared (see ``RequestOutput``), so the cost follows the new tokens, not the total."""
         rid = request.request_id
@@ -966,7 +966,7 @@ class LLMEngine:
         )
 
     @staticmethod
-    def _is_stop_token(request: Request, token: int) -> bool:
+    def _is_stop_token(request: EngineRequest, token: int) -> bool:
         sampling = request.sampling
         return token in sampling.stop_token_ids or (token in request.eos_token_ids and not sampling.ignore_eos)
 

@@ -33,7 +33,7 @@ from mqinfer.kernels.penalties import (
     apply_repetition_penalty,
     hold_back_tokens,
 )
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 
 
 @dataclass(slots=True)
@@ -85,7 +85,7 @@ class LogitsProcessors:
         """The ids of the requests held (a live view, for fast membership tests)."""
         return self._states.keys()
 
-    def add(self, request: Request) -> None:
+    def add(self, request: EngineRequest) -> None:
         """Hold ``request`` if its sampling parameters process logits (else do nothing). Its
         ``logit_bias`` token ids must be in the vocabulary (the engine checks them first)."""
         sampling = request.sampling
@@ -148,7 +148,7 @@ class LogitsProcessors:
             positions = torch.tensor(bumps, dtype=torch.int64, device=device)
             state.output_counts.index_put_((positions,), torch.ones(len(bumps), device=device), accumulate=True)
 
-    def _sync(self, state: _State, request: Request) -> None:
+    def _sync(self, state: _State, request: EngineRequest) -> None:
         """Fold the request's output tokens since the last call into its seen tokens and counts."""
         output = request.output_token_ids
         n = len(output)
@@ -172,7 +172,7 @@ class LogitsProcessors:
             self._count(state, new)
         state.num_counted = n
 
-    def apply(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[Request],
+    def apply(self, logits: torch.Tensor, rows: Sequence[int], requests: Sequence[EngineRequest],
               positions: Sequence[int], keep_raw: bool) -> torch.Tensor:
         """The logits ``[B, V]`` (row ``j`` samples for ``requests[j]`` the token at position
         ``positions[j]``) with the processing of ``rows`` (rows of requests held here) applied,

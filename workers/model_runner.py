@@ -37,7 +37,7 @@ from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, kv_storage_dtype
 from mqinfer.kernels.sampling import SamplingTensors, accept_proposals, compute_logprobs, sample
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 from mqinfer.workers.draft_proposer import ModelDraft
 from mqinfer.workers.loader import ModelInfo, resolve_dtype
 from mqinfer.workers.logits_processors import LogitsProcessors
@@ -369,7 +369,7 @@ class ModelRunner:
             self._logits(hidden, plan.sample_rows)
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request],
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[EngineRequest],
               rows: list[int]) -> list[TokenLogprobs]:
     """The sampled token's logprob and each request's own number of top alternatives, for the
     given ``rows`` of ``logits`` (one per request in ``requests``)."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 
 # Forget every buffer when this many are held: a safety net for callers that never call forget().
 _MAX_BUFFERS = 4096
@@ -58,15 +58,15 @@ class NgramProposer:
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         # request id -> (the request, its tokens so far in a buffer with spare room, how many)
-        self._buffers: dict[str, tuple[Request, np.ndarray, int]] = {}
+        self._buffers: dict[str, tuple[EngineRequest, np.ndarray, int]] = {}
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, request: EngineRequest, max_tokens: int) -> list[int]:
         return propose_ngram(self._tokens(request), self.ngram_min, self.ngram_max, max_tokens)
 
     def forget(self, request_id: str) -> None:
         self._buffers.pop(request_id, None)
 
-    def _tokens(self, request: Request) -> np.ndarray:
+    def _tokens(self, request: EngineRequest) -> np.ndarray:
         """The request's tokens as int64, appending only what arrived since the last call."""
         tokens = request.all_token_ids
         n = len(tokens)

@@ -47,7 +47,7 @@ import torch
 
 from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metadata
 from mqinfer.scheduler.output import ScheduledRequest
-from mqinfer.scheduler.request import Request
+from mqinfer.scheduler.request import EngineRequest
 from mqinfer.workers.models import LlamaForCausalLM
 
 # Placeholder for a draft token the model runner fills in before the verification pass.
@@ -75,7 +75,7 @@ class SelfProposer:
 
     name = "self"
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, request: EngineRequest, max_tokens: int) -> list[int]:
         return [DRAFT_PENDING] * max_tokens
 
     def forget(self, request_id: str) -> None:

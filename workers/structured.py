@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     import llguidance
 
     from mqinfer.scheduler.output import ScheduledRequest
-    from mqinfer.scheduler.request import Request
+    from mqinfer.scheduler.request import EngineRequest
     from mqinfer.workers.tokenizer import Tokenizer
 
 # Compiled grammars kept (a compiled JSON Schema is tens to hundreds of KiB).
@@ -294,7 +294,7 @@ class StructuredOutputs:
     def __len__(self) -> int:
         return len(self._states)
 
-    def add(self, request: Request) -> None:
+    def add(self, request: EngineRequest) -> None:
         """Start ``request``'s matcher; GrammarError when its grammar cannot be used."""
         sampling = request.sampling
         spec = sampling.grammar
@@ -354,7 +354,7 @@ class StructuredOutputs:
         self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), words * 4, rows)
         self.stats.fill_seconds += time.perf_counter() - t0
 
-    def advance(self, request: Request, new_token_ids: Sequence[int]) -> tuple[str, str | None] | None:
+    def advance(self, request: EngineRequest, new_token_ids: Sequence[int]) -> tuple[str, str | None] | None:
         """Feed a step's new tokens to the request's matcher. Returns None while the request may go
         on, ``("done", None)`` when the grammar is complete (nothing but EOS may follow), or
         ``("error", message)`` when the matcher failed (a parser limit reached)."""
@@ -386,7 +386,7 @@ class StructuredOutputs:
         return finish_reason == "stop" and state.accepting and not text_cut
 
 
-def _ended_by_token(request: Request, token: int) -> bool:
+def _ended_by_token(request: EngineRequest, token: int) -> bool:
     """The request ended because ``token`` is one of its stop tokens (not by a length limit)."""
     from mqinfer.scheduler.request import RequestStatus
 

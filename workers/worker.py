@@ -113,7 +113,10 @@ class Worker:
         # With KV tiers: the prompt prefixes they hold, published for prefix routing.
         self.tier_prefixes: TierPrefixes | None = None
         self._last_activity = self.started
-        self._redis = Backoff(clock=clock, busy=lambda: self.engine.has_unfinished())
+        # Every Redis call of the loop goes through this: on a connection error it backs off and
+        # returns None instead of raising, and skips calls until the backoff has passed
+        # (workers/reconnect.py).
+        self._with_backoff = Backoff(clock=clock, busy=lambda: self.engine.has_unfinished())
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _install_signals(self) -> None:
@@ -209,14 +212,14 @@ class Worker:
         now = self.clock()
         startup_s = self.meter.startup_done(now)
         self.acks.add_cost(self.billing.overhead("startup", startup_s, now))
-        for row in self._redis(self.lost.previous_life, now) or ():
+        for row in self._with_backoff(self.lost.previous_life, now) or ():
             self.acks.add_cost(row)
-        self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s, fresh=True)
+        self._with_backoff(self.uptime.beat, now, billed_s=self.uptime.billed_s, fresh=True)
         self.metrics.ready = True
         self._last_activity = now
         log.info("worker %s ready: model %s, stream %s on %s, startup %.2fs, billing %.3g of a device",
                  self.consumer, info.model_id, self.stream_key, redact(cfg.redis_url), self.meter.startup_s, share)
-        self._redis(self.ingest.recover_own_pending)
+        self._with_backoff(self.ingest.recover_own_pending)
 
     def _watch(self, engine: LLMEngine) -> None:
         """What the metrics read at scrape time: the engine, the meter, memory, the stream, budgets."""
@@ -268,31 +271,31 @@ class Worker:
         now = self.clock()
         if not self.engine.has_unfinished():
             self.meter.idle_until(now)  # keeps the batch idle ratio current while nothing runs
-        self._redis(self.ingest.read, now)
+        self._with_backoff(self.ingest.read, now)
         if self.throttle is not None:
-            self._redis(self._release_throttled, self.clock())
+            self._with_backoff(self._release_throttled, self.clock())
         self._admit()
         if self.engine.has_unfinished():
             self._step()
             faults.hit("worker.after_step")
         now = self.clock()
         if self.replies.due(now):
-            self._redis(self.replies.send, self.redis, now)
+            self._with_backoff(self.replies.send, self.redis, now)
         if self.tier_prefixes is not None:
-            self._redis(self.tier_prefixes.publish, now)
-        if self._redis(self.ownership.keepalive, now):
-            self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s)
-            self._redis(self.ownership.cancel_cancelled_jobs)
+            self._with_backoff(self.tier_prefixes.publish, now)
+        if self._with_backoff(self.ownership.keepalive, now):
+            self._with_backoff(self.uptime.beat, now, billed_s=self.uptime.billed_s)
+            self._with_backoff(self.ownership.cancel_cancelled_jobs)
         if now - self._last_lost_scan >= min(self.config.claim_idle_ms / 2000.0, 5.0):
             self._last_lost_scan = now
-            for row in self._redis(self.lost.scan, now) or ():
+            for row in self._with_backoff(self.lost.scan, now) or ():
                 self.acks.add_cost(row)
         if self.acks.rows_buffered and (self.acks.should_flush() or not self.engine.has_unfinished()):
             self._flush()
         elif self.acks.pending and not self.acks.rows_buffered:
             # Only acks whose rows are durable (a flush whose ack failed): with rows still
             # buffered, the pending acks hold their entries too, and they wait for the next flush.
-            self._redis(self.acks.ack)
+            self._with_backoff(self.acks.ack)
         if worked or self._holds_work():
             self.busy.add(time.perf_counter() - t0 - (self.ingest.blocked_s - blocked0))
 
@@ -454,15 +457,15 @@ class Worker:
         # The record counts the rows before they are written: killed while writing, this worker is
         # billed less than its uptime, never more.
         writing_s = self.acks.sinks.buffered_device_s(self.consumer)
-        self._redis(self.uptime.before_write, now, writing_s)
+        self._with_backoff(self.uptime.before_write, now, writing_s)
         try:
             self.acks.write()
         except SinkError:
-            self._redis(self.uptime.beat, now, billed_s=self.uptime.billed_s)  # what is written, only
+            self._with_backoff(self.uptime.beat, now, billed_s=self.uptime.billed_s)  # what is written, only
             raise
         self.uptime.written(writing_s)
-        self._redis(self.lost.confirm)
-        self._redis(self.acks.ack)
+        self._with_backoff(self.lost.confirm)
+        self._with_backoff(self.acks.ack)
 
     # -- stopping ----------------------------------------------------------------------------
     def drain(self) -> None:
@@ -475,7 +478,7 @@ class Worker:
             self._step()
             now = self.clock()
             if self.replies.due(now):
-                self._redis(self.replies.send, self.redis, now)
+                self._with_backoff(self.replies.send, self.redis, now)
             if self.acks.should_flush():
                 self._flush()
         ownership = self.ownership
@@ -485,25 +488,25 @@ class Worker:
         if unfinished:
             for entry_id in unfinished:
                 ownership.stop(entry_id)
-            self._redis(ownership.handback, unfinished)
+            self._with_backoff(ownership.handback, unfinished)
             ownership.inflight.clear()
         self.meter.idle_until(self.clock())
         self._flush()
-        self._redis.retry_now()
-        self._redis(self.uptime.close, self.clock())  # every second written: nothing to bill as lost
+        self._with_backoff.retry_now()
+        self._with_backoff(self.uptime.close, self.clock())  # every second written: nothing to bill as lost
         for _ in range(_FINAL_ACK_TRIES):  # acks of durable rows: keep trying a while if the server is away
             if not self.acks.pending:
                 break
-            self._redis.retry_now()
-            self._redis(self.acks.ack)
+            self._with_backoff.retry_now()
+            self._with_backoff(self.acks.ack)
             if self.acks.pending and os.getppid() != self._parent_pid:
                 # The process that started us is gone (a `mqinfer run` killed, its embedded server
                 # with it): no server is coming back to take these acks.
                 break
             if self.acks.pending:
                 time.sleep(0.5)
-        self._redis.retry_now()
-        self._redis(self.replies.send, self.redis, self.clock(), force=True)  # the last progress counts
+        self._with_backoff.retry_now()
+        self._with_backoff(self.replies.send, self.redis, self.clock(), force=True)  # the last progress counts
         for lane in self.ingest.lanes:
             try:
                 pending = self.redis.xpending_range(lane.key, self.config.group, "-", "+", 1,

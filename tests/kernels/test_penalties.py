@@ -16,15 +16,16 @@ from transformers import (
 )
 
 from mqinfer.kernels.sampling import choice_seed
-from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.workers.logits_processors import LogitsProcessors
 
 VOCAB = 97
 EOS = 2
 
 
-def _request(rid: str, prompt: list[int], output: list[int], **sampling) -> Request:
-    request = Request(rid, list(prompt), SamplingParams(max_tokens=64, **sampling), eos_token_ids=frozenset({EOS}))
+def _request(rid: str, prompt: list[int], output: list[int], **sampling) -> EngineRequest:
+    request = EngineRequest(rid, list(prompt), SamplingParams(max_tokens=64, **sampling),
+                            eos_token_ids=frozenset({EOS}))
     for t in output:
         request.append_output_token(t)
     return request
@@ -36,7 +37,7 @@ def _apply(processors: LogitsProcessors, logits, requests, positions, keep_raw):
     return processors.apply(logits, rows, requests, positions, keep_raw)
 
 
-def _reference_row(logits: torch.Tensor, request: Request) -> torch.Tensor:
+def _reference_row(logits: torch.Tensor, request: EngineRequest) -> torch.Tensor:
     """One row, token by token, in plain Python arithmetic on float32 values."""
     sp = request.sampling
     out = logits.clone().float()
@@ -57,7 +58,7 @@ def _reference_row(logits: torch.Tensor, request: Request) -> torch.Tensor:
     return out
 
 
-def _random_requests(rng: random.Random, n: int) -> list[Request]:
+def _random_requests(rng: random.Random, n: int) -> list[EngineRequest]:
     requests = []
     for i in range(n):
         kind = i % 6

@@ -15,7 +15,7 @@ from mqinfer.schemas import keys
 from mqinfer.ops.budgets import Budgets, BudgetGuard, spend_key
 from mqinfer.ops.metrics import OTHER_TENANT, WorkerMetrics, memory_utilization
 from mqinfer.scheduler.config import SchedulerConfig
-from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.workers.costs import Meter, WorkModel
 
@@ -85,7 +85,7 @@ def test_engine_gauges_are_read_at_scrape_time():
     m.track_engine(scheduler, lambda: held[0])
     s = samples(m)
     assert (s["mqinfer_num_requests_running"], s["mqinfer_num_requests_waiting"]) == (0, 3)
-    scheduler.add_request(Request("r1", list(range(10)), SamplingParams(max_tokens=4)))
+    scheduler.add_request(EngineRequest("r1", list(range(10)), SamplingParams(max_tokens=4)))
     held[0] = 0
     assert samples(m)["mqinfer_num_requests_waiting"] == 1
     scheduler.schedule()

@@ -11,16 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqinfer.scheduler.config import SchedulerConfig
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from tests.helpers import FakeClock
 
 FILL = 7
 
 
-def req(rid: str, arrival: float, priority: int = 0, prompt_len: int = 2, max_tokens: int = 2) -> Request:
+def req(rid: str, arrival: float, priority: int = 0, prompt_len: int = 2, max_tokens: int = 2) -> EngineRequest:
     prompt = [100 + (hash(rid) % 1000)] + [1] * (prompt_len - 1)
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=arrival, priority=priority)
+    return EngineRequest(rid, prompt, SamplingParams(max_tokens=max_tokens), arrival_time=arrival, priority=priority)
 
 
 def step(scheduler: Scheduler) -> list[str]:

@@ -20,7 +20,7 @@ from mqinfer.scheduler import scheduler as scheduler_module
 from mqinfer.scheduler.block_pool import BlockPool, hash_block_tokens
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from tests.helpers import FakeClock, ShadowKV
 
@@ -30,10 +30,10 @@ FILL = 7  # the model's only sampled token: never EOS
 _fresh = itertools.count(50_000)
 
 
-def req(rid: str, prompt, arrival: float = 0.0, max_tokens: int = 2, priority: int = 0) -> Request:
+def req(rid: str, prompt, arrival: float = 0.0, max_tokens: int = 2, priority: int = 0) -> EngineRequest:
     if isinstance(prompt, int):  # fresh tokens: shares no prefix with any other request
         prompt = [next(_fresh) for _ in range(prompt)]
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({EOS}),
+    return EngineRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({EOS}),
                    arrival_time=arrival, priority=priority)
 
 
@@ -46,7 +46,7 @@ class Engine:
         self.steps: list[dict[str, int]] = []  # request id -> tokens scheduled, per step
         self.preempted: list[str] = []
 
-    def add(self, request: Request) -> Request:
+    def add(self, request: EngineRequest) -> EngineRequest:
         self.scheduler.add_request(request)
         return request
 
@@ -96,7 +96,7 @@ def cached_tokens(pool: BlockPool, tokens: list[int], block_size: int = 4) -> in
     return n
 
 
-def _waiting_request_behind_a_growing_one(monkeypatch, protect: bool) -> tuple[Engine, Request, Request]:
+def _waiting_request_behind_a_growing_one(monkeypatch, protect: bool) -> tuple[Engine, EngineRequest, EngineRequest]:
     """A cache of 10 blocks holding two cached, free prefixes: SYSTEM (used longer ago) and
     OTHER. A long decode then runs alone (max_num_seqs=1) while a request with the SYSTEM prefix
     waits behind it; the decode needs 6 blocks, 2 more than the never-used ones, so it evicts two

@@ -18,16 +18,16 @@ from hypothesis import strategies as st
 
 from mqinfer.scheduler.config import SchedulerConfig, format_tenant_weights, parse_tenant_weights
 from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT, PROMPT_TOKEN_WEIGHT
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from tests.scheduler.test_scheduler import EOS, Driver
 
 _fresh = itertools.count(70_000)
 
 
-def req(rid: str, tenant: str, arrival: float, prompt=8, max_tokens: int = 8, priority: int = 0) -> Request:
+def req(rid: str, tenant: str, arrival: float, prompt=8, max_tokens: int = 8, priority: int = 0) -> EngineRequest:
     if isinstance(prompt, int):  # fresh tokens: shares no prefix with any other request
         prompt = [next(_fresh) for _ in range(prompt)]
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({EOS}),
+    return EngineRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({EOS}),
                    arrival_time=arrival, priority=priority, tenant=tenant)
 
 
@@ -434,7 +434,7 @@ def test_a_better_priority_running_request_is_not_preempted_for_a_worse_one():
 def test_share_groups_split_one_tenant_fairly_so_a_small_job_behind_a_big_one_finishes_first():
     driver = Driver(config(max_num_seqs=8))
 
-    def job_request(job: str, i: int, arrival: float) -> Request:
+    def job_request(job: str, i: int, arrival: float) -> EngineRequest:
         r = req(f"{job}-{i}", "acme", arrival=arrival, max_tokens=30)
         r.share_group = f"acme/{job}"
         return r

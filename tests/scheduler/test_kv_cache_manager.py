@@ -15,15 +15,15 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mqinfer.scheduler.block_pool import hash_block_tokens
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from tests.helpers import ShadowKV
 
 
-def make_request(rid: str, tokens: list[int]) -> Request:
-    return Request(rid, list(tokens), SamplingParams(max_tokens=64))
+def make_request(rid: str, tokens: list[int]) -> EngineRequest:
+    return EngineRequest(rid, list(tokens), SamplingParams(max_tokens=64))
 
 
-def run_chunk(manager: KVCacheManager, request: Request, num_new: int, hits=None) -> bool:
+def run_chunk(manager: KVCacheManager, request: EngineRequest, num_new: int, hits=None) -> bool:
     """Allocate and 'compute' a chunk the way the scheduler and the model runner would."""
     ok = manager.allocate_slots(request, num_new, hits)
     if ok:
@@ -180,13 +180,13 @@ class KVCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.manager = KVCacheManager(self.BLOCK_SIZE, self.NUM_BLOCKS)
-        self.waiting: dict[str, Request] = {}
-        self.running: dict[str, Request] = {}
+        self.waiting: dict[str, EngineRequest] = {}
+        self.running: dict[str, EngineRequest] = {}
         self.kv = ShadowKV(self.BLOCK_SIZE)
         self.count = 0
 
     # -- helpers ------------------------------------------------------------------------------
-    def compute(self, request: Request, num_new: int, token: int) -> None:
+    def compute(self, request: EngineRequest, num_new: int, token: int) -> None:
         self.kv.compute(self.manager, request, num_new, token)
 
     # -- rules --------------------------------------------------------------------------------

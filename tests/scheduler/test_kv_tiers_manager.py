@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from mqinfer.scheduler.block_pool import hash_block_tokens
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager, TierBlock
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 
 BS = 4
 
@@ -75,7 +75,7 @@ def finish(manager, request):
 
 
 def make(rid, tokens):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=8))
+    return EngineRequest(rid, list(tokens), SamplingParams(max_tokens=8))
 
 
 def setup(num_blocks=6):

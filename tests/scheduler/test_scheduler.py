@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from tests.helpers import FakeClock, ShadowKV
 
@@ -28,7 +28,7 @@ FILL = 7  # the fake model's usual token: never EOS
 
 
 class FakeModel:
-    def __init__(self, scheduler: Scheduler, sample: Callable[[Request], int] | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, sample: Callable[[EngineRequest], int] | None = None) -> None:
         self.scheduler = scheduler
         self.block_size = scheduler.config.block_size
         self.sample = sample or (lambda request: FILL)
@@ -56,9 +56,9 @@ class Driver:
         self.model = FakeModel(self.scheduler, sample)
         self.steps: list[dict[str, int]] = []  # request id -> tokens scheduled, per step
         self.preempted_at: list[list[str]] = []
-        self.finished: list[Request] = []
+        self.finished: list[EngineRequest] = []
 
-    def add(self, request: Request) -> Request:
+    def add(self, request: EngineRequest) -> EngineRequest:
         self.scheduler.add_request(request)
         return request
 
@@ -98,11 +98,11 @@ class Driver:
 _fresh_tokens = itertools.count(1000)
 
 
-def req(rid, prompt, arrival=0.0, priority=0, deadline=None, max_model_len=2048, **sampling) -> Request:
+def req(rid, prompt, arrival=0.0, priority=0, deadline=None, max_model_len=2048, **sampling) -> EngineRequest:
     sampling.setdefault("max_tokens", 4)
     if isinstance(prompt, int):  # fresh tokens: shares no prefix with any other request
         prompt = [next(_fresh_tokens) for _ in range(prompt)]
-    return Request(
+    return EngineRequest(
         rid, list(prompt), SamplingParams(**sampling), eos_token_ids=frozenset({EOS}),
         arrival_time=arrival, priority=priority, deadline=deadline, max_model_len=max_model_len,
     )
@@ -479,7 +479,7 @@ def scripted(tokens_by_request: dict[str, list[int]]):
     return lambda request: tokens_by_request[request.request_id][request.num_output_tokens]
 
 
-def run_one(tokens: list[int], **sampling) -> Request:
+def run_one(tokens: list[int], **sampling) -> EngineRequest:
     config = SchedulerConfig(block_size=4, num_kv_blocks=64)
     driver = Driver(config, sample=scripted({"r": tokens}))
     max_model_len = sampling.pop("max_model_len", 2048)

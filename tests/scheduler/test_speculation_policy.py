@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mqinfer.scheduler.config import SchedulerConfig
-from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.scheduler.speculation import PRIOR_ACCEPTANCE, SpeculationPolicy, StepCostModel
 from tests.helpers import FakeClock
@@ -108,7 +108,7 @@ def test_scheduler_stops_proposing_for_a_request_whose_guesses_fail():
 
     scheduler = Scheduler(config, clock=FakeClock(1_700_000_000.0), proposer=PerRequest())
     model = SpecModel(scheduler)
-    requests = {rid: Request(rid, [5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0), max_model_len=512)
+    requests = {rid: EngineRequest(rid, [5, 6, 7], SamplingParams(max_tokens=400, temperature=0.0), max_model_len=512)
                 for rid in ("bad", "good")}
     for request in requests.values():
         scheduler.add_request(request)

@@ -13,7 +13,7 @@ import random
 
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from tests.helpers import FakeClock, ShadowKV
 
@@ -33,7 +33,7 @@ class GuessingProposer:
         self.rng = random.Random(seed)
         self.asked: list[tuple[str, int]] = []
 
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
+    def propose(self, request: EngineRequest, max_tokens: int) -> list[int]:
         self.asked.append((request.request_id, max_tokens))
         tokens = list(request.all_token_ids)
         out = []
@@ -89,7 +89,7 @@ def _run(config: SchedulerConfig, prompts, proposer=None, max_tokens=24, arrival
     while step == 0 or scheduler.has_unfinished_requests() or len(requests) < len(prompts):
         for i, prompt in enumerate(prompts):
             if arrivals[i] == step:
-                r = Request(f"r{i}", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                r = EngineRequest(f"r{i}", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                   stop_token_ids=tuple(stop_token_ids)),
                             max_model_len=config.max_model_len)
                 requests[r.request_id] = r
@@ -148,7 +148,7 @@ def test_proposals_only_while_the_step_is_small_and_never_past_max_tokens():
     proposer = GuessingProposer(p_wrong=0.0)
     scheduler = Scheduler(config, clock=FakeClock(0.0), proposer=proposer)
     model = SpecModel(scheduler)
-    reqs = [Request(f"r{i}", [5 + i] * 3, SamplingParams(max_tokens=7, temperature=0.0)) for i in range(2)]
+    reqs = [EngineRequest(f"r{i}", [5 + i] * 3, SamplingParams(max_tokens=7, temperature=0.0)) for i in range(2)]
     for r in reqs:
         scheduler.add_request(r)
     out = scheduler.schedule()
@@ -167,7 +167,7 @@ def test_proposals_only_while_the_step_is_small_and_never_past_max_tokens():
     assert proposer.asked[-1] == ("r1", 4)
     # A request that opted out is never asked.
     scheduler.update_from_output(out, *model.run(out))
-    late = Request("late", [9, 9, 9], SamplingParams(max_tokens=5, temperature=0.0), speculative=False)
+    late = EngineRequest("late", [9, 9, 9], SamplingParams(max_tokens=5, temperature=0.0), speculative=False)
     scheduler.add_request(late)
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()

@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import SchedulerOutput
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from tests.helpers import FakeClock, ShadowKV
 
@@ -55,10 +55,10 @@ class ShadowModel(ShadowKV):
 _fresh = itertools.count(10_000)
 
 
-def req(rid, prompt, arrival=0.0, priority=0, max_tokens=4) -> Request:
+def req(rid, prompt, arrival=0.0, priority=0, max_tokens=4) -> EngineRequest:
     if isinstance(prompt, int):
         prompt = [next(_fresh) for _ in range(prompt)]
-    return Request(rid, list(prompt), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({EOS}),
+    return EngineRequest(rid, list(prompt), SamplingParams(max_tokens=max_tokens), eos_token_ids=frozenset({EOS}),
                    arrival_time=arrival, priority=priority)
 
 
@@ -80,7 +80,7 @@ def run_all(scheduler: Scheduler, model: ShadowModel, max_steps: int = 20_000) -
 
 # -- the cache manager ------------------------------------------------------------------------
 
-def computed(manager: KVCacheManager, request: Request, model: ShadowModel, num_new: int) -> None:
+def computed(manager: KVCacheManager, request: EngineRequest, model: ShadowModel, num_new: int) -> None:
     assert manager.allocate_slots(request, num_new)
     model.write(request, request.num_computed_tokens, num_new)
     request.num_computed_tokens += num_new
@@ -89,7 +89,7 @@ def computed(manager: KVCacheManager, request: Request, model: ShadowModel, num_
 def test_swap_out_then_in_copies_every_computed_block_when_nothing_is_cached():
     manager = KVCacheManager(block_size=4, num_blocks=6, enable_prefix_caching=False, num_swap_blocks=5)
     model = ShadowModel(4)
-    a = Request("a", list(range(100, 110)), SamplingParams(max_tokens=8))
+    a = EngineRequest("a", list(range(100, 110)), SamplingParams(max_tokens=8))
     computed(manager, a, model, 10)  # blocks for positions 0-3, 4-7, 8-9
     device_blocks = list(a.block_ids)
     a.status = RequestStatus.PREEMPTED
@@ -113,7 +113,7 @@ def test_swap_out_then_in_copies_every_computed_block_when_nothing_is_cached():
 def test_swap_in_takes_blocks_still_in_the_prefix_cache_without_copying():
     manager = KVCacheManager(block_size=4, num_blocks=8, num_swap_blocks=8)
     model = ShadowModel(4)
-    a = Request("a", list(range(100, 110)), SamplingParams(max_tokens=8))
+    a = EngineRequest("a", list(range(100, 110)), SamplingParams(max_tokens=8))
     computed(manager, a, model, 10)
     old = list(a.block_ids)
     a.status = RequestStatus.PREEMPTED
@@ -130,13 +130,13 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache_without_copying():
 def test_swap_in_copies_what_was_evicted_meanwhile():
     manager = KVCacheManager(block_size=2, num_blocks=4, num_swap_blocks=4)
     model = ShadowModel(2)
-    a = Request("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8))
+    a = EngineRequest("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=8))
     computed(manager, a, model, 5)
     a.status = RequestStatus.PREEMPTED
     pairs = manager.swap_out(a)
     model.copy(pairs, model.device, model.host)
     # Another request takes three of the four blocks: a's tail first, then its second block.
-    b = Request("b", [9, 9, 9, 9, 9, 9], SamplingParams(max_tokens=8))
+    b = EngineRequest("b", [9, 9, 9, 9, 9, 9], SamplingParams(max_tokens=8))
     computed(manager, b, model, 6)
     b.status = RequestStatus.FINISHED_STOPPED
     manager.free(b)
@@ -150,7 +150,7 @@ def test_swap_in_copies_what_was_evicted_meanwhile():
 def test_swap_refusals_change_nothing():
     manager = KVCacheManager(block_size=4, num_blocks=4, enable_prefix_caching=False, num_swap_blocks=2)
     model = ShadowModel(4)
-    a = Request("a", list(range(9)), SamplingParams(max_tokens=8))
+    a = EngineRequest("a", list(range(9)), SamplingParams(max_tokens=8))
     computed(manager, a, model, 9)  # 3 blocks: more than the host pool holds
     a.status = RequestStatus.PREEMPTED
     before = list(a.block_ids)
@@ -158,11 +158,11 @@ def test_swap_refusals_change_nothing():
     assert a.block_ids == before and manager.num_free_swap_blocks == 2 and not manager.is_swapped_out(a)
     manager.free(a)
 
-    b = Request("b", list(range(20, 27)), SamplingParams(max_tokens=8))
+    b = EngineRequest("b", list(range(20, 27)), SamplingParams(max_tokens=8))
     computed(manager, b, model, 7)
     b.status = RequestStatus.PREEMPTED
     assert len(manager.swap_out(b)) == 2
-    filler = Request("f", list(range(50, 62)), SamplingParams(max_tokens=8))
+    filler = EngineRequest("f", list(range(50, 62)), SamplingParams(max_tokens=8))
     computed(manager, filler, model, 12)  # 3 of 4 blocks: b needs 2 to come back
     assert manager.swap_in(b, 1) is None
     assert b.block_ids == [] and manager.is_swapped_out(b) and manager.num_free_swap_blocks == 0
@@ -175,7 +175,7 @@ def test_swap_refusals_change_nothing():
     with pytest.raises(ValueError, match="not swapped out"):
         manager.swap_in(b, 1)
     # Nothing computed yet: nothing to keep, so the caller recomputes (for free).
-    c = Request("c", [1, 2], SamplingParams(max_tokens=8))
+    c = EngineRequest("c", [1, 2], SamplingParams(max_tokens=8))
     assert manager.swap_out(c) is None
     # No host pool at all.
     assert KVCacheManager(block_size=4, num_blocks=4).swap_out(b) is None
@@ -184,7 +184,7 @@ def test_swap_refusals_change_nothing():
 def test_a_swapped_request_that_ends_releases_its_host_blocks():
     manager = KVCacheManager(block_size=4, num_blocks=4, num_swap_blocks=4)
     model = ShadowModel(4)
-    a = Request("a", list(range(6)), SamplingParams(max_tokens=8))
+    a = EngineRequest("a", list(range(6)), SamplingParams(max_tokens=8))
     computed(manager, a, model, 6)
     a.status = RequestStatus.PREEMPTED
     assert manager.swap_out(a)
@@ -207,19 +207,19 @@ class SwapMachine(RuleBasedStateMachine):
         super().__init__()
         self.manager = KVCacheManager(self.BS, self.NUM_BLOCKS, num_swap_blocks=self.NUM_SWAP)
         self.model = ShadowModel(self.BS)
-        self.waiting: dict[str, Request] = {}
-        self.swapped: dict[str, Request] = {}
-        self.running: dict[str, Request] = {}
+        self.waiting: dict[str, EngineRequest] = {}
+        self.swapped: dict[str, EngineRequest] = {}
+        self.running: dict[str, EngineRequest] = {}
         self.count = 0
 
-    def compute(self, request: Request, num_new: int, token: int) -> None:
+    def compute(self, request: EngineRequest, num_new: int, token: int) -> None:
         self.model.compute(self.manager, request, num_new, token)
 
     @rule(prefix=st.sampled_from(PREFIXES), cut=st.integers(0, 9), suffix=st.lists(st.integers(0, 9), max_size=5))
     def new_request(self, prefix, cut, suffix):
         rid = f"r{self.count}"
         self.count += 1
-        self.waiting[rid] = Request(rid, prefix[:cut] + suffix or [0], SamplingParams(max_tokens=64))
+        self.waiting[rid] = EngineRequest(rid, prefix[:cut] + suffix or [0], SamplingParams(max_tokens=64))
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data())
@@ -394,8 +394,8 @@ def test_swap_out_and_back_in_within_one_step_copies_out_first():
                          num_swap_blocks=40)
     scheduler = Scheduler(config)
     model = ShadowModel(2)
-    a = Request("a", [1, 2], SamplingParams(max_tokens=8), arrival_time=0.0)
-    b = Request("b", [1, 2], SamplingParams(max_tokens=6), arrival_time=1.0)
+    a = EngineRequest("a", [1, 2], SamplingParams(max_tokens=8), arrival_time=0.0)
+    b = EngineRequest("b", [1, 2], SamplingParams(max_tokens=6), arrival_time=1.0)
     scheduler.add_request(a)
     scheduler.add_request(b)
     outs = run_all(scheduler, model)
@@ -414,7 +414,7 @@ def test_a_swapped_request_that_expires_or_is_cancelled_frees_host_memory(ending
     scheduler = Scheduler(config, clock=clock)
     model = ShadowModel(2)
     a = req("a", 4, arrival=0.0, max_tokens=8)
-    b = Request("b", [40, 41, 42, 43], SamplingParams(max_tokens=8), arrival_time=1.0, deadline=105.0)
+    b = EngineRequest("b", [40, 41, 42, 43], SamplingParams(max_tokens=8), arrival_time=1.0, deadline=105.0)
     scheduler.add_request(a)
     scheduler.add_request(b)
     kv = scheduler.kv_cache_manager

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
-from mqinfer.scheduler.request import Request, RequestStatus, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.workers.costs import (
     IDLE_RATIO_TAU_S,
     Meter,
@@ -149,8 +149,8 @@ def test_idle_ratio_follows_recent_time():
     assert meter.idle_ratio > 0.999
 
 
-def _admit(manager: KVCacheManager, rid: str, tokens: list[int]) -> Request:
-    request = Request(rid, list(tokens), SamplingParams(max_tokens=8))
+def _admit(manager: KVCacheManager, rid: str, tokens: list[int]) -> EngineRequest:
+    request = EngineRequest(rid, list(tokens), SamplingParams(max_tokens=8))
     hits, num_hit_tokens = manager.get_computed_blocks(request)
     assert manager.allocate_slots(request, request.num_tokens - num_hit_tokens, hits)
     request.num_cached_tokens = num_hit_tokens

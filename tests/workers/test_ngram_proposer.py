@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.workers.ngram_proposer import NgramProposer, propose_ngram
 
 
@@ -52,7 +52,7 @@ def test_matches_the_reference_on_random_tokens(n_min, n_max):
 
 def test_the_proposer_follows_a_growing_request_and_forgets_it():
     proposer = NgramProposer(2, 3)
-    request = Request("r", [1, 2, 3, 4, 1], SamplingParams())
+    request = EngineRequest("r", [1, 2, 3, 4, 1], SamplingParams())
     assert proposer.propose(request, 4) == []
     request.append_output_token(2)  # ... 1 2: what followed "1 2" was "3 4 1 2"
     assert proposer.propose(request, 4) == [3, 4, 1, 2]
@@ -61,7 +61,7 @@ def test_the_proposer_follows_a_growing_request_and_forgets_it():
     assert proposer.propose(request, 2) == reference(request.all_token_ids, 2, 3, 2) == [3, 4]
     proposer.forget("r")
     # A new request under the same id starts from its own tokens.
-    other = Request("r", [5, 6, 7, 5, 6], SamplingParams())
+    other = EngineRequest("r", [5, 6, 7, 5, 6], SamplingParams())
     assert proposer.propose(other, 3) == [7, 5, 6]
     with pytest.raises(ValueError, match="ngram_min"):
         NgramProposer(3, 2)

@@ -15,7 +15,7 @@ import torch
 
 from mqinfer.loadgen.structured_workload import json_schemas, structured_requests
 from mqinfer.scheduler.output import ScheduledRequest
-from mqinfer.scheduler.request import Request, SamplingParams
+from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.schemas.request import request_from_obj, to_sampling_kwargs
 from mqinfer.schemas.response_format import GrammarSpec
 from mqinfer.workers.config import EngineConfig
@@ -175,8 +175,9 @@ def test_unconstrained_requests_pay_nothing_and_are_unchanged_beside_constrained
     assert mixed.structured.stats.masks > 0 and mixed.structured.stats.fill_seconds > 0
 
 
-def _matcher_request(spec: GrammarSpec, **sampling) -> Request:
-    return Request("r", [256], SamplingParams(max_tokens=20, grammar=spec, **sampling), eos_token_ids=frozenset({EOS}))
+def _matcher_request(spec: GrammarSpec, **sampling) -> EngineRequest:
+    return EngineRequest("r", [256], SamplingParams(max_tokens=20, grammar=spec, **sampling),
+                         eos_token_ids=frozenset({EOS}))
 
 
 def test_eos_and_stop_tokens_only_where_the_grammar_accepts():
