@@ -18,6 +18,10 @@ well (``native_takes_bf16``): at the standard benchmark model's shapes on two Ze
 ran at 1.2-2.8x bfloat16 ``F.linear``'s rate from 1 to 2048 rows, and 1.2-3.9x the PyTorch path
 (``reference_linear``) up to 256 rows. ``MQINFER_CPU_LINEAR=torch`` turns it off with the
 float32 kernel.
+
+On a CPU with AMX int8 tiles, ``pack`` lays the weight out for the tile kernel instead
+(``linear_amx_int8``: same bits, its switch ``MQINFER_W8A8_AMX``), and ``linear`` / ``swiglu``
+run the kernel the weight was packed for.
 """
 
 from __future__ import annotations
@@ -134,8 +138,10 @@ class Int8Weight:
     For SwiGLU (``swiglu`` True) the weight is the fused gate/up projection ``[2 * I, in]``
     and ``out_features`` is I; each panel holds 8 gate and the same 8 up features."""
 
-    # The library's functions for the packed size and the packing.
+    # The library's functions for the packed size and the packing, and (w8a8) for the scratch's
+    # size and the call.
     PACKED_SIZE, PACK = "mqinfer_qlinear_packed_size", "mqinfer_qlinear_pack"
+    SCRATCH_SIZE, RUN = "mqinfer_qlinear_scratch_size", "mqinfer_qlinear"
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
                  lib: ctypes.CDLL, swiglu: bool = False) -> None:
@@ -165,8 +171,12 @@ def pack_for(kind: type[Int8Weight], lib: ctypes.CDLL | None, qweight: torch.Ten
 def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
          swiglu: bool = False) -> Int8Weight | None:
     """An int8 ``[out, in]`` weight (``[2 * I, in]`` gate rows first with ``swiglu``) packed for
-    the native kernel, or None where it does not apply (then use ``reference_linear``)."""
-    return pack_for(Int8Weight, _library(), qweight, scale, bias, swiglu)
+    the native kernel, or None where it does not apply (then use ``reference_linear``): for the
+    AMX int8 kernel where that applies (``linear_amx_int8.pack``), else for the VNNI or AVX2 one."""
+    from mqinfer.kernels import linear_amx_int8  # imports this module
+
+    packed = linear_amx_int8.pack(qweight, scale, bias, swiglu)
+    return packed if packed is not None else pack_for(Int8Weight, _library(), qweight, scale, bias, swiglu)
 
 
 _local = threading.local()
@@ -210,7 +220,7 @@ def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_c
     rows, features = x.shape
     dtypes = (torch.float32, torch.bfloat16) if native_takes_bf16() else (torch.float32,)
     x, out = checked_io(x, weight.in_features, weight.out_features, out, dtypes)
-    scratch = _scratch(int(lib.mqinfer_qlinear_scratch_size(rows, features)))
+    scratch = _scratch(int(getattr(lib, weight.SCRATCH_SIZE)(rows, features)))
     args = native.QLinearArgs(
         x=x.data_ptr(), packed=weight.data.data_ptr(), scales=weight.scales.data_ptr(),
         bias=None if weight.bias is None else weight.bias.data_ptr(), out=out.data_ptr(),
@@ -218,7 +228,7 @@ def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_c
         x_stride=x.stride(0) if rows > 1 else features, out_stride=weight.out_features,
         swiglu=int(weight.swiglu), vector_chunk=vector_chunk, is_bf16=int(x.dtype == torch.bfloat16),
     )
-    status = lib.mqinfer_qlinear(ctypes.byref(args), _threads(rows, weight))
+    status = getattr(lib, weight.RUN)(ctypes.byref(args), _threads(rows, weight))
     if status != 0:
         raise RuntimeError(f"the native int8 dense-layer kernel failed (status {status})")
     return out

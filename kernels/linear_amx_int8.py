@@ -1,0 +1,87 @@
+"""w8a8 dense layers by AMX int8 tiles (``csrc/linear_amx_int8.c``), on CPUs with AMX; the AVX-512
+VNNI kernel (``linear_int8``) everywhere else.
+
+Owns ``AmxInt8Weight`` (an int8 weight in the tile unit's layout, packed once) and ``enabled()``
+(whether ``linear_int8.pack`` packs for this kernel). Callers go through ``linear_int8``:
+``pack`` returns an ``AmxInt8Weight`` where this kernel applies, and ``linear`` / ``swiglu``
+run whichever kernel the weight was packed for.
+
+Numerics: the VNNI kernel's result bit for bit, hence ``reference_linear``'s: the tiles' int32
+sums are exact (signed by signed bytes, no saturation), and the quantization of the rows and
+the scaling after the sums are the same operations (see the C source).
+
+Switches. ``MQINFER_W8A8_AMX=off`` (or ``0``) keeps w8a8 layers on the VNNI kernel;
+``MQINFER_CPU_LINEAR=torch`` turns off every native dense kernel, this one included. The switch
+is read when a weight is packed (the two kernels lay the weight out differently): a model's
+layers pack on their first call, so it applies to engines started after it is set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import torch
+
+from mqinfer.kernels import native
+from mqinfer.kernels.linear import dense_library
+from mqinfer.kernels.linear_int8 import Int8Weight, native_takes_bf16, pack_for
+
+SWITCH = "MQINFER_W8A8_AMX"
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@functools.cache
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.mqinfer_amx_qlinear_packed_size.argtypes = [_I64, _I64, ctypes.c_int]
+    lib.mqinfer_amx_qlinear_packed_size.restype = _I64
+    lib.mqinfer_amx_qlinear_pack.argtypes, lib.mqinfer_amx_qlinear_pack.restype = [_PTR, _I64, _I64, ctypes.c_int, _PTR], None
+    lib.mqinfer_amx_qlinear_scratch_size.argtypes, lib.mqinfer_amx_qlinear_scratch_size.restype = [_I64, _I64], _I64
+    lib.mqinfer_amx_qlinear.argtypes = [ctypes.POINTER(native.QLinearArgs), ctypes.c_int]
+    lib.mqinfer_amx_qlinear.restype = ctypes.c_int
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The native library where it has this kernel and the OS grants the tiles (the dense
+    layers' switch allowing), with the kernel's calls typed; None otherwise."""
+    lib = dense_library("mqinfer_amx_qlinear_available")
+    return None if lib is None else _declared(lib)
+
+
+def switched_on() -> bool:
+    """``MQINFER_W8A8_AMX``: on unless ``off`` or ``0``; another value is a ValueError."""
+    value = os.environ.get(SWITCH, "on").strip().lower()
+    if value not in ("on", "1", "off", "0"):
+        raise ValueError(f"{SWITCH} must be on or off, got {value!r}")
+    return value in ("on", "1")
+
+
+def enabled() -> bool:
+    """Whether ``linear_int8.pack`` packs w8a8 weights for this kernel now: the switch on, the
+    kernel here (AMX int8 tiles, granted), and the VNNI kernel too (whose bfloat16 rows the
+    callers count on, ``linear_int8.native_takes_bf16``)."""
+    return switched_on() and library() is not None and native_takes_bf16()
+
+
+class AmxInt8Weight(Int8Weight):
+    """An ``Int8Weight`` packed for this kernel: the same panels of features (so the scales and
+    bias in the same order), K zero-padded to a multiple of 64, no column sums."""
+
+    PACKED_SIZE, PACK = "mqinfer_amx_qlinear_packed_size", "mqinfer_amx_qlinear_pack"
+    SCRATCH_SIZE, RUN = "mqinfer_amx_qlinear_scratch_size", "mqinfer_amx_qlinear"
+
+
+def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+         swiglu: bool = False) -> AmxInt8Weight | None:
+    """``qweight`` packed for this kernel (an ``AmxInt8Weight``), or None where it does not apply:
+    not ``enabled()``, not a 2-D int8 CPU weight (with an even number of rows for SwiGLU), or no
+    input features."""
+    if not enabled() or qweight.dim() != 2 or qweight.shape[1] == 0:
+        return None
+    return pack_for(AmxInt8Weight, library(), qweight, scale, bias, swiglu)
+
+
+__all__ = ["AmxInt8Weight", "SWITCH", "enabled", "library", "pack", "switched_on"]
