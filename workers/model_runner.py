@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import mmap
 import time
+from collections.abc import Container
 from dataclasses import dataclass, field
 
 import torch
@@ -36,7 +37,7 @@ from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metada
 from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, kv_storage_dtype
 from mqinfer.kernels.sampling import SamplingTensors, accept_proposals, compute_logprobs, sample
 from mqinfer.scheduler.config import SchedulerConfig
-from mqinfer.scheduler.output import SchedulerOutput
+from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
 from mqinfer.scheduler.request import EngineRequest
 from mqinfer.workers.draft_proposer import ModelDraft
 from mqinfer.workers.loader import ModelInfo, resolve_dtype
@@ -215,27 +216,68 @@ class ModelRunner:
         scheduled = output.scheduled
         plan = StepPlan(swap_out=output.swap_out, swap_in=output.swap_in)
         # The draft's forwards count as forward time.
-        draft_s = 0.0
-        if self.draft is not None and scheduled:
-            # The draft writes into KV blocks, so this step's block copies go first (a block
-            # swapped out may be given to another request in this same step).
+        draft_s = self._propose(plan, scheduled) if self.draft is not None and scheduled else 0.0
+        held = processors.request_ids if processors is not None else None
+        sample_of, sample_positions, processed_rows, any_spec = self._pack(plan, scheduled, held)
+        if self.group is not None:
+            self._send_plan(plan)
+        if not scheduled:
             self._copy_blocks(plan)
-            plan.swap_out, plan.swap_in = [], []
-            td = time.perf_counter()
-            self.draft.fill(scheduled)
-            draft_s = time.perf_counter() - td
+            return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
+        hidden, t1 = self._forward(plan)
+        result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled), draft_seconds=draft_s)
+        if not plan.sample_rows:
+            result.phase_seconds = (t1 - t0 - draft_s, time.perf_counter() - t1 + draft_s, 0.0)
+            return result
+
+        logits = self._logits(hidden, plan.sample_rows)
+        t2 = time.perf_counter()
+        requests = [scheduled[i].request for i in sample_of]
+        token_ids = self._sample(logits, requests, sample_of, sample_positions, processed_rows, processors,
+                                 grammar_masks)
+        tokens = token_ids.tolist()
+        if not any_spec:
+            sampled = result.sampled_token_ids
+            for i, token in zip(sample_of, tokens):
+                sampled[i] = token
+            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
+        else:
+            emits = self._accept(result, scheduled, sample_of, tokens)
+            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None and emits[j]]
+        if want:
+            _record_logprobs(result, logits, token_ids, requests, sample_of, want)
+        result.phase_seconds = (t1 - t0 - draft_s, t2 - t1 + draft_s, time.perf_counter() - t2)
+        return result
+
+    def _propose(self, plan: StepPlan, scheduled: list[ScheduledRequest]) -> float:
+        """Run the step's block copies, then let the draft fill in the proposals: its seconds.
+
+        The draft writes into KV blocks, so this step's block copies go first (a block swapped out
+        may be given to another request in this same step); the plan keeps none for later."""
+        self._copy_blocks(plan)
+        plan.swap_out, plan.swap_in = [], []
+        td = time.perf_counter()
+        self.draft.fill(scheduled)
+        return time.perf_counter() - td
+
+    @staticmethod
+    def _pack(plan: StepPlan, scheduled: list[ScheduledRequest],
+              held: Container[str] | None) -> tuple[list[int], list[int], list[int], bool]:
+        """Pack the new tokens of every scheduled request into ``plan`` (one flat batch, with its
+        query and sequence lengths, block tables and sampling rows).
+
+        The packed rows that sample are the last known token of each sampling request, then each of
+        its proposed tokens (speculative decoding). Returns, per sampling row, the index into
+        ``scheduled`` of its request and the position of the token it samples; the sampling rows of
+        the requests in ``held`` (those whose logits are processed, found in this one pass so that
+        the other requests cost nothing more); and whether any request has proposals."""
         input_ids = plan.input_ids
         query_lens = plan.query_lens
         seq_lens = plan.seq_lens
         tables = plan.block_tables
-        # Packed rows that sample: the last known token of each sampling request, then each of
-        # its proposed tokens (speculative decoding).
         sample_rows = plan.sample_rows
         sample_of: list[int] = []  # index into `scheduled` of each sampling row
         sample_positions: list[int] = []  # position of the token each row samples
-        # Sampling rows of the requests whose logits are processed (found in this one pass, so that
-        # the other requests cost nothing more).
-        held = processors.request_ids if processors is not None else None
         processed_rows: list[int] = []
         any_spec = False
         row = 0
@@ -262,28 +304,21 @@ class ModelRunner:
                     sample_rows.append(row - 1 - j)
                     sample_of.append(i)
                     sample_positions.append(request.num_tokens + len(spec) - j)
-        if self.group is not None:
-            self._send_plan(plan)
-        if not scheduled:
-            self._copy_blocks(plan)
-            return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
-        hidden, t1 = self._forward(plan)
-        result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled), draft_seconds=draft_s)
-        if not sample_rows:
-            result.phase_seconds = (t1 - t0 - draft_s, time.perf_counter() - t1 + draft_s, 0.0)
-            return result
+        return sample_of, sample_positions, processed_rows, any_spec
 
-        device = self.device
-        logits = self._logits(hidden, sample_rows)
-        t2 = time.perf_counter()
-        requests = [scheduled[i].request for i in sample_of]
+    def _sample(self, logits: torch.Tensor, requests: list[EngineRequest], sample_of: list[int],
+                sample_positions: list[int], processed_rows: list[int], processors: LogitsProcessors | None,
+                grammar_masks: StepMasks | None) -> torch.Tensor:
+        """One token per sampling row (``requests``: each row's request), after the logits
+        processors and the grammar masks; ``logits`` itself stays raw where a request wants
+        logprobs."""
         params = SamplingTensors.from_lists(
             temperature=[r.sampling.temperature for r in requests],
             top_k=[r.sampling.top_k for r in requests],
             top_p=[r.sampling.top_p for r in requests],
             seeds=[r.sampling_seed for r in requests],
             positions=sample_positions,
-            device=device,
+            device=self.device,
         )
         processed = logits
         if processed_rows or grammar_masks is not None:
@@ -293,36 +328,27 @@ class ModelRunner:
                 processed = processors.apply(logits, processed_rows, requests, sample_positions, keep_raw)
             if grammar_masks is not None:
                 processed = grammar_masks.apply(processed, sample_of, in_place=processed is not logits or not keep_raw)
-        token_ids = sample(processed, params)
-        tokens = token_ids.tolist()
+        return sample(processed, params)
+
+    @staticmethod
+    def _accept(result: ModelRunnerOutput, scheduled: list[ScheduledRequest], sample_of: list[int],
+                tokens: list[int]) -> list[bool]:
+        """With proposals: keep each request's proposals up to the first that differs from the token
+        sampled before it, and the token sampled after them, into ``result``. Returns, per sampling
+        row, whether it emits a token (the accepted proposals' rows and the one after)."""
         sampled = result.sampled_token_ids
-        if not any_spec:
-            for i, token in zip(sample_of, tokens):
-                sampled[i] = token
-            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None]
-        else:
-            # Rows that emit a token: each request's accepted proposals' rows and the one after.
-            emits = [False] * len(sample_of)
-            result.num_accepted = [0] * len(scheduled)
-            j = 0
-            while j < len(sample_of):
-                i = sample_of[j]
-                spec = scheduled[i].spec_token_ids
-                accepted = accept_proposals(spec, tokens[j : j + len(spec) + 1]) if spec else 0
-                result.num_accepted[i] = accepted
-                sampled[i] = tokens[j + accepted]
-                emits[j : j + accepted + 1] = [True] * (accepted + 1)
-                j += len(spec) + 1
-            want = [j for j, r in enumerate(requests) if r.sampling.logprobs is not None and emits[j]]
-        if want:
-            result.logprobs = [None] * len(scheduled)
-            for j, entry in zip(want, _logprobs(logits, token_ids, [requests[j] for j in want], want)):
-                entries = result.logprobs[sample_of[j]]
-                if entries is None:
-                    entries = result.logprobs[sample_of[j]] = []
-                entries.append(entry)
-        result.phase_seconds = (t1 - t0 - draft_s, t2 - t1 + draft_s, time.perf_counter() - t2)
-        return result
+        emits = [False] * len(sample_of)
+        result.num_accepted = [0] * len(scheduled)
+        j = 0
+        while j < len(sample_of):
+            i = sample_of[j]
+            spec = scheduled[i].spec_token_ids
+            accepted = accept_proposals(spec, tokens[j : j + len(spec) + 1]) if spec else 0
+            result.num_accepted[i] = accepted
+            sampled[i] = tokens[j + accepted]
+            emits[j : j + accepted + 1] = [True] * (accepted + 1)
+            j += len(spec) + 1
+        return emits
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         if plan.swap_out or plan.swap_in:
@@ -384,3 +410,15 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Engi
         TokenLogprobs(token_id=token, logprob=chosen[n], top_token_ids=top_ids[n][:kn], top_logprobs=top_lps[n][:kn])
         for n, (token, kn) in enumerate(zip(picked.tolist(), (r.sampling.logprobs for r in requests)))
     ]
+
+
+def _record_logprobs(result: ModelRunnerOutput, logits: torch.Tensor, token_ids: torch.Tensor,
+                     requests: list[EngineRequest], sample_of: list[int], want: list[int]) -> None:
+    """Put the logprobs of the sampling rows ``want`` into ``result``, in row order under each
+    row's request (``requests`` and ``sample_of``: each row's request and its index in the step)."""
+    result.logprobs = [None] * len(result.sampled_token_ids)
+    for j, entry in zip(want, _logprobs(logits, token_ids, [requests[j] for j in want], want)):
+        entries = result.logprobs[sample_of[j]]
+        if entries is None:
+            entries = result.logprobs[sample_of[j]] = []
+        entries.append(entry)
