@@ -159,7 +159,7 @@ def test_stages_chained_compute_the_whole_models_hidden_states(llama, qwen2):
         def caches(n):
             return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(n)]
 
-        whole_kv, stage_kv = caches(LAYERS), [caches(m.stage.num_layers) for m in stages]
+        whole_kv, stage_kv, split_kv = caches(LAYERS), [caches(m.stage.num_layers) for m in stages], caches(LAYERS)
         prompt = torch.tensor(_prompts(info.vocab_size, 1, seed=5)[0][:30])
         steps = [(prompt, [30], [30]), (torch.tensor([17]), [1], [31])]  # a prefill, then a decode
         with torch.inference_mode():
@@ -171,6 +171,9 @@ def test_stages_chained_compute_the_whole_models_hidden_states(llama, qwen2):
                 for model, kv in zip(stages, stage_kv):
                     hidden = model(hidden, meta.positions, kv, meta)
                 assert torch.equal(hidden, expected)
+                # The whole model's own layers run as two ranges, the residual stream between them.
+                h = whole.run_layers(whole.embed(ids), meta.positions, split_kv[:1], meta, stop=1, final_norm=False)
+                assert torch.equal(whole.run_layers(h, meta.positions, split_kv[1:], meta, start=1), expected)
                 rows = torch.tensor([len(ids) - 1])
                 assert torch.equal(stages[-1].compute_logits(hidden[rows]), whole.compute_logits(expected[rows]))
         for s, kv in zip(range(3), stage_kv):  # each stage's cache holds its own layers' KV

@@ -7,7 +7,8 @@ which halves the number of matmuls per layer.
 
 ``forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, H]`` runs
 every scheduled token of every sequence at once (no padding); ``compute_logits`` then runs
-the LM head on only the rows that sample.
+the LM head on only the rows that sample. Its decoder layers run in ``run_layers``, which runs
+any range of them over a residual stream: a pipeline stage (``stage.py``) runs its own range there.
 
 Numerics follow the reference implementation where it matters for exact agreement: RMSNorm
 in float32 then cast back before the weight, rotary tables in float32 cast to the activation
@@ -435,6 +436,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             head = _empty_param(shard.vocab[1] - shard.vocab[0], config.hidden_size, dtype=dtype, device=device)
         self.lm_head = LMHead(head)
+        self._init_running(config, local, device, max_len)
+
+    def _init_running(self, config: ModelConfig, local: ModelConfig, device: torch.device,
+                      max_len: int | None) -> None:
+        """What the forward pass and the loader use beside the weights (the whole model and a
+        pipeline stage alike); ``local``: this rank's shard of ``config``."""
         # Tensor parallel: sums each attention and MLP block's partial output over the ranks, in place.
         self.reduce: Callable[[torch.Tensor], None] | None = None
         self.activations = Activations()
@@ -465,29 +472,53 @@ class LlamaForCausalLM(nn.Module):
         from ``compute_logits`` as the full model's do. ``kv_caches`` then holds the first L
         layers' caches.
         """
+        if num_layers is not None and not 1 <= num_layers <= len(self.model.layers):
+            raise ValueError(f"num_layers must be between 1 and {len(self.model.layers)}, got {num_layers}")
+        return self.run_layers(self.embed(input_ids), positions, kv_caches, attn_metadata, stop=num_layers)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings ``[T, hidden]`` of ``input_ids [T]``: the start of the residual
+        stream, in its activation buffer."""
+        weight = self.model.embed_tokens.weight
+        out = self.activations.get("residual", input_ids.shape[0], weight.shape[1], weight)
+        return torch.index_select(weight, 0, input_ids, out=out)
+
+    def run_layers(
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: KVCaches,
+        attn_metadata: AttentionMetadata,
+        start: int = 0,
+        stop: int | None = None,
+        final_norm: bool = True,
+    ) -> torch.Tensor:
+        """Decoder layers ``[start, stop)`` (by default all) over the residual stream ``h [T, hidden]``,
+        which they update in place; ``kv_caches`` holds those layers' caches, in order.
+
+        Returns with ``final_norm`` the final norm's output, else the residual stream after the
+        last layer (what the next pipeline stage takes as its ``h``); either in a tensor of its
+        own, never one of the activation buffers, which the next call reuses.
+        """
         layers = self.model.layers
-        if num_layers is not None:
-            if not 1 <= num_layers <= len(layers):
-                raise ValueError(f"num_layers must be between 1 and {len(layers)}, got {num_layers}")
-            layers = layers[:num_layers]
+        if start or (stop is not None and stop != len(layers)):
+            layers = layers[start:stop]
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV cache pairs, got {len(kv_caches)}")
         buffers = self.activations
-        weight = self.model.embed_tokens.weight
-        num_tokens, hidden = input_ids.shape[0], weight.shape[1]
-        # The residual stream: the native RMSNorm adds each block's output into it in place.
-        h = torch.index_select(weight, 0, input_ids, out=buffers.get("residual", num_tokens, hidden, weight))
+        num_tokens, hidden = h.shape
         rope = RotaryInputs(self.rotary, positions, h.dtype)
         if h.device.type == "cpu" and positions.numel():
             self._check_step_indices(positions, attn_metadata.slot_mapping, kv_caches[0][0] if kv_caches else None)
+        if not len(layers):
+            return self._add_norm(h, None, self.model.norm)[1] if final_norm else h.clone()
         # Each residual add runs inside the RMSNorm that follows it (one pass over the rows
         # instead of two): h is the residual stream, x the normalised input of the next block
-        # (in one buffer: each x is consumed before the next is written). The last norm's
-        # output, which the model returns, gets a tensor of its own.
-        normed = buffers.get("normed", num_tokens, hidden, weight) if h.device.type == "cpu" else None
-        h, x = self._add_norm(h, None, layers[0].input_layernorm if len(layers) else self.model.norm,
-                              normed if len(layers) else None)
+        # (in one buffer: each x is consumed before the next is written).
+        normed = buffers.get("normed", num_tokens, hidden, h) if h.device.type == "cpu" else None
+        h, x = self._add_norm(h, None, layers[0].input_layernorm, normed)
         reduce = self.reduce
+        last = len(layers) - 1
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
             a = layer.self_attn(x, rope, LayerKVCache(*kv), attn_metadata, buffers)
             if reduce is not None:
@@ -496,10 +527,13 @@ class LlamaForCausalLM(nn.Module):
             m = layer.mlp(x, buffers)
             if reduce is not None:
                 reduce(m)
-            last = i + 1 == len(layers)
-            h, x = self._add_norm(h, m, self.model.norm if last else layers[i + 1].input_layernorm,
-                                  None if last else normed)
-        return x
+            if i < last:
+                h, x = self._add_norm(h, m, layers[i + 1].input_layernorm, normed)
+        # The last layer's residual add: fused into the final norm, or on its own (the same
+        # float add the next stage's first norm would have fused).
+        if final_norm:
+            return self._add_norm(h, m, self.model.norm)[1]
+        return h + m
 
     @staticmethod
     def _add_norm(h: torch.Tensor, delta: torch.Tensor | None, norm: RMSNorm,

@@ -26,11 +26,8 @@ import torch
 from torch import nn
 
 from mqinfer.kernels.attention import AttentionMetadata
-from mqinfer.kernels.kv_quant import LayerKVCache
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
-from mqinfer.workers.models.llama import (
-    Activations, DecoderLayer, Embedding, KVCaches, LlamaForCausalLM, LMHead, RMSNorm, RotaryEmbedding, RotaryInputs,
-)
+from mqinfer.workers.models.llama import DecoderLayer, Embedding, KVCaches, LlamaForCausalLM, LMHead, RMSNorm
 
 if TYPE_CHECKING:
     from mqinfer.workers.parallel import Shard
@@ -129,15 +126,7 @@ class StageModel(LlamaForCausalLM):
             head = nn.Parameter(torch.empty(rows[1] - rows[0], config.hidden_size, dtype=dtype, device=device),
                                 requires_grad=False)
             self.lm_head = LMHead(head)
-        self.reduce = None
-        self.activations = Activations()
-        self.rotary = RotaryEmbedding(config, max_len or min(config.max_position_embeddings, 4096), device)
-        q_size, kv_size = local.num_heads * local.head_dim, local.num_kv_heads * local.head_dim
-        inter = local.intermediate_size
-        self._shard_offsets = {
-            "qkv_proj": (0, q_size, q_size + kv_size, q_size + 2 * kv_size),
-            "gate_up_proj": (0, inter, 2 * inter),
-        }
+        self._init_running(config, local, device, max_len)
 
     @property
     def _tied_head(self) -> bool:
@@ -149,38 +138,10 @@ class StageModel(LlamaForCausalLM):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """``inputs``: token ids ``[T]`` (first stage) or the residual stream ``[T, hidden]`` the
         stage before sent (updated in place); returns the residual stream after this stage's last
-        layer, or on the last stage the final normalised hidden states."""
-        layers = self.model.layers
-        if len(kv_caches) != len(layers):
-            raise ValueError(f"expected {len(layers)} KV cache pairs, got {len(kv_caches)}")
-        buffers = self.activations
-        num_tokens, hidden = inputs.shape[0], self.config.hidden_size
-        if self.stage.first:
-            weight = self.model.embed_tokens.weight
-            h = torch.index_select(weight, 0, inputs, out=buffers.get("residual", num_tokens, hidden, weight))
-        else:
-            h = inputs
-        rope = RotaryInputs(self.rotary, positions, h.dtype)
-        if h.device.type == "cpu" and positions.numel():
-            self._check_step_indices(positions, attn_metadata.slot_mapping, kv_caches[0][0])
-        normed = buffers.get("normed", num_tokens, hidden, h) if h.device.type == "cpu" else None
-        h, x = self._add_norm(h, None, layers[0].input_layernorm, normed)
-        reduce = self.reduce
-        for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
-            a = layer.self_attn(x, rope, LayerKVCache(*kv), attn_metadata, buffers)
-            if reduce is not None:
-                reduce(a)
-            h, x = self._add_norm(h, a, layer.post_attention_layernorm, normed)
-            m = layer.mlp(x, buffers)
-            if reduce is not None:
-                reduce(m)
-            if i + 1 < len(layers):
-                h, x = self._add_norm(h, m, layers[i + 1].input_layernorm, normed)
-            elif self.stage.last:
-                return self._add_norm(h, m, self.model.norm, None)[1]
-        # The residual add the next stage's first norm would have fused: the same float add, in a
-        # tensor of its own (the buffers are reused by the next micro-batch while this one is sent).
-        return h + m
+        layer (a tensor of its own: the buffers are reused by the next micro-batch while this one
+        is sent), or on the last stage the final normalised hidden states."""
+        h = self.embed(inputs) if self.stage.first else inputs
+        return self.run_layers(h, positions, kv_caches, attn_metadata, final_norm=self.stage.last)
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.lm_head is None:
