@@ -111,149 +111,65 @@ def _dequantize(x, scale, KV_QUANT: tl.constexpr):
     return f * scale[:, None]
 
 
-# num_seqs and keys_per_split change every step: specialising on them (1, divisible by 16)
-# would recompile for nothing.
-@triton.jit(do_not_specialize=["num_seqs", "keys_per_split"])
-def _paged_attention_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    k_scale_ptr,
-    v_scale_ptr,
-    out_ptr,
-    part_acc_ptr,
-    part_max_ptr,
-    part_sum_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    query_start_loc_ptr,
-    qk_scale,
-    num_seqs,
-    keys_per_split,
-    stride_q_tok,
-    stride_q_head,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_head,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_head,
-    stride_s_block,
-    stride_s_slot,
-    stride_o_tok,
-    stride_o_head,
-    stride_table,
-    BLOCK_SIZE: tl.constexpr,
-    QUERIES_PER_KV: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HEAD_DIM_PADDED: tl.constexpr,
-    BLOCK_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    DECODE_ONLY: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    KV_QUANT: tl.constexpr,
+@triton.jit
+def _tile_owner(query_start_loc_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """(sequence, its first query in this tile) of a packed prefill tile: the owner is the last
+    sequence whose first tile (``query_start_loc[b] // BLOCK_Q + b``) is <= tile."""
+    lo = tl.full([], 0, tl.int32)
+    hi = tl.full([], 0, tl.int32) + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        mid_first_tile = (tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid).to(tl.int32)
+        owns = mid_first_tile <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid - 1)
+    seq = lo
+    seq_first_tile = (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq).to(tl.int32)
+    return seq, (tile - seq_first_tile) * BLOCK_Q
+
+
+@triton.jit
+def _load_kv_tile(
+    head_ptr, scale_head_ptr, pages, in_page, key_valid, kv_mask, dims, stride_block, stride_slot,
+    stride_s_block, stride_s_slot, like, KV_QUANT: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    if DECODE_ONLY:
-        seq = tile
-        first_q = 0
-    else:
-        # The owner of this tile is the last sequence whose first tile is <= tile.
-        lo = tl.full([], 0, tl.int32)
-        hi = tl.full([], 0, tl.int32) + num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            mid_first_tile = (tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid).to(tl.int32)
-            owns = mid_first_tile <= tile
-            lo = tl.where(owns, mid, lo)
-            hi = tl.where(owns, hi, mid - 1)
-        seq = lo
-        seq_first_tile = (tl.load(query_start_loc_ptr + seq) // BLOCK_Q + seq).to(tl.int32)
-        first_q = (tile - seq_first_tile) * BLOCK_Q
-
-    q_start = tl.load(query_start_loc_ptr + seq)
-    query_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
-    if first_q >= query_len:
-        return  # a spare tile of a sequence whose queries fit in fewer
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
-    first_pos = seq_len - query_len  # position of the sequence's first query token
-
-    # Row r of the tile is query token first_q + r // g, query head kv_head * g + r % g.
-    rows = tl.arange(0, BLOCK_M)
-    q_in_seq = first_q + rows // QUERIES_PER_KV
-    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
-    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_in_seq < query_len)
-    q_pos = first_pos + q_in_seq
-    tokens = q_start + q_in_seq  # int64: packed row of each query
-    dims = tl.arange(0, HEAD_DIM_PADDED)
-    dim_valid = dims < HEAD_DIM
-    q = tl.load(
-        q_ptr + tokens[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
-        mask=row_valid[:, None] & dim_valid[None, :],
+    """One tile of keys or values [BLOCK_N, HEAD_DIM_PADDED], gathered through their pages; an
+    8-bit tile is dequantized by its rows' scales into the dtype of ``like`` (the queries)."""
+    x = tl.load(
+        head_ptr + pages[:, None] * stride_block + in_page[:, None] * stride_slot + dims[None, :],
+        mask=kv_mask,
         other=0.0,
     )
+    if KV_QUANT != 0:
+        scale_bits = tl.load(scale_head_ptr + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0)
+        x = _dequantize(x, _scale_bits(scale_bits), KV_QUANT).to(like.dtype)
+    return x
 
-    # Keys up to the tile's last query position; with splits, this program's share of them.
-    kv_end = tl.minimum(seq_len, first_pos + first_q + BLOCK_Q)
+
+@triton.jit
+def _online_softmax_update(scores, m_i, l_i):
+    """One step of the online softmax over a tile of (masked, log2-scaled) ``scores``: returns
+    the tile's weights ``p``, the factor ``alpha`` that rescales what was accumulated so far,
+    and the new running maximum and sum."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    # A row with nothing allowed yet keeps max -inf; subtracting 0 instead keeps its
+    # weights at exp2(-inf) = 0 rather than NaN.
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(scores - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@triton.jit
+def _store_tile_result(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, acc, m_i, l_i, tokens, heads, dims, row_valid,
+    dim_valid, split, stride_o_tok, stride_o_head, QUERIES_PER_KV: tl.constexpr,
+    HEAD_DIM_PADDED: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """The tile's output rows, or with splits its unnormalised partial state per (token, head,
+    split), which the merge kernel combines."""
     if NUM_SPLITS > 1:
-        kv_lo = split * keys_per_split
-        kv_hi = tl.minimum(kv_end, kv_lo + keys_per_split)
-    else:
-        kv_lo = 0
-        kv_hi = kv_end
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
-    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
-    k_head = k_cache_ptr + kv_head * stride_k_head
-    v_head = v_cache_ptr + kv_head * stride_v_head
-    # Scales are [num_blocks, block_size, Hkv] with unit stride over heads.
-    k_scale_head = k_scale_ptr + kv_head
-    v_scale_head = v_scale_ptr + kv_head
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        keys = start + tl.arange(0, BLOCK_N)
-        key_valid = keys < kv_hi
-        pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        in_page = keys % BLOCK_SIZE
-        kv_mask = key_valid[:, None] & dim_valid[None, :]
-        k = tl.load(
-            k_head + pages[:, None] * stride_k_block + in_page[:, None] * stride_k_slot + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_QUANT != 0:
-            ks = _scale_bits(tl.load(k_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0))
-            k = _dequantize(k, ks, KV_QUANT).to(q.dtype)
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
-        scores = tl.where(allowed, scores, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        # A row with nothing allowed yet keeps max -inf; subtracting 0 instead keeps its
-        # weights at exp2(-inf) = 0 rather than NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head + pages[:, None] * stride_v_block + in_page[:, None] * stride_v_slot + dims[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_QUANT != 0:
-            vs = _scale_bits(tl.load(v_scale_head + pages * stride_s_block + in_page * stride_s_slot, mask=key_valid, other=0))
-            v = _dequantize(v, vs, KV_QUANT).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    if NUM_SPLITS > 1:
-        # Unnormalised partial state per (token, head, split); the merge kernel combines them.
         num_heads = tl.num_programs(1) * QUERIES_PER_KV
         part = (tokens * num_heads + heads) * NUM_SPLITS + split
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
@@ -270,6 +186,110 @@ def _paged_attention_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_valid[:, None] & dim_valid[None, :],
         )
+
+
+@triton.jit
+def _load_query_tile(
+    q_ptr, q_start, first_q, query_len, first_pos, kv_head, dims, dim_valid, stride_q_tok, stride_q_head,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """The tile's queries [BLOCK_M, HEAD_DIM_PADDED] with, per row, its query head, whether it is
+    a real query, its position in the sequence and its packed token row (int64)."""
+    # Row r of the tile is query token first_q + r // g, query head kv_head * g + r % g.
+    rows = tl.arange(0, BLOCK_M)
+    q_in_seq = first_q + rows // QUERIES_PER_KV
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_valid = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_in_seq < query_len)
+    q_pos = first_pos + q_in_seq
+    tokens = q_start + q_in_seq
+    q = tl.load(
+        q_ptr + tokens[:, None] * stride_q_tok + heads[:, None] * stride_q_head + dims[None, :],
+        mask=row_valid[:, None] & dim_valid[None, :],
+        other=0.0,
+    )
+    return q, heads, row_valid, q_pos, tokens
+
+
+@triton.jit
+def _key_range(seq_len, first_pos, first_q, split, keys_per_split, BLOCK_Q: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Keys up to the tile's last query position; with splits, this program's share of them."""
+    kv_end = tl.minimum(seq_len, first_pos + first_q + BLOCK_Q)
+    if NUM_SPLITS > 1:
+        kv_lo = split * keys_per_split
+        kv_hi = tl.minimum(kv_end, kv_lo + keys_per_split)
+    else:
+        kv_lo = 0
+        kv_hi = kv_end
+    return kv_lo, kv_hi
+
+
+# num_seqs and keys_per_split change every step: specialising on them (1, divisible by 16)
+# would recompile for nothing.
+@triton.jit(do_not_specialize=["num_seqs", "keys_per_split"])
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    qk_scale, num_seqs, keys_per_split,
+    stride_q_tok, stride_q_head,
+    stride_k_block, stride_k_slot, stride_k_head,
+    stride_v_block, stride_v_slot, stride_v_head,
+    stride_s_block, stride_s_slot,
+    stride_o_tok, stride_o_head,
+    stride_table,
+    BLOCK_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DECODE_ONLY: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE_ONLY:
+        seq = tile
+        first_q = 0
+    else:
+        seq, first_q = _tile_owner(query_start_loc_ptr, num_seqs, tile, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    query_len = (tl.load(query_start_loc_ptr + seq + 1) - q_start).to(tl.int32)
+    if first_q >= query_len:
+        return  # a spare tile of a sequence whose queries fit in fewer
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    first_pos = seq_len - query_len  # position of the sequence's first query token
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    dim_valid = dims < HEAD_DIM
+    q, heads, row_valid, q_pos, tokens = _load_query_tile(
+        q_ptr, q_start, first_q, query_len, first_pos, kv_head, dims, dim_valid, stride_q_tok, stride_q_head,
+        QUERIES_PER_KV, BLOCK_Q, BLOCK_M,
+    )
+    kv_lo, kv_hi = _key_range(seq_len, first_pos, first_q, split, keys_per_split, BLOCK_Q, NUM_SPLITS)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], dtype=tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_table
+    k_head = k_cache_ptr + kv_head * stride_k_head
+    v_head = v_cache_ptr + kv_head * stride_v_head
+    # Scales are [num_blocks, block_size, Hkv] with unit stride over heads.
+    k_scale_head = k_scale_ptr + kv_head
+    v_scale_head = v_scale_ptr + kv_head
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_valid = keys < kv_hi
+        pages = tl.load(table_row + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        in_page = keys % BLOCK_SIZE
+        kv_mask = key_valid[:, None] & dim_valid[None, :]
+        k = _load_kv_tile(k_head, k_scale_head, pages, in_page, key_valid, kv_mask, dims,
+                          stride_k_block, stride_k_slot, stride_s_block, stride_s_slot, q, KV_QUANT)
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        allowed = key_valid[None, :] & (keys[None, :] <= q_pos[:, None])
+        p, alpha, m_i, l_i = _online_softmax_update(tl.where(allowed, scores, float("-inf")), m_i, l_i)
+        v = _load_kv_tile(v_head, v_scale_head, pages, in_page, key_valid, kv_mask, dims,
+                          stride_v_block, stride_v_slot, stride_s_block, stride_s_slot, q, KV_QUANT)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    _store_tile_result(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, acc, m_i, l_i, tokens, heads, dims,
+                       row_valid, dim_valid, split, stride_o_tok, stride_o_head, QUERIES_PER_KV, HEAD_DIM_PADDED,
+                       NUM_SPLITS)
 
 
 @triton.jit
@@ -387,6 +407,146 @@ def _check_attention_inputs(
         raise ValueError(f"the KV caches are on {k_cache.device} but q is on {q.device}")
 
 
+@dataclass(frozen=True)
+class _TileGrid:
+    """How one call is cut into programs: ``num_tiles`` tiles of ``block_q`` query tokens
+    (``block_m`` rows, padded), each over ``num_kv_splits`` programs of ``keys_per_split`` keys
+    (0 without a split)."""
+
+    decode_only: bool
+    block_q: int
+    block_m: int
+    num_tiles: int
+    num_kv_splits: int
+    keys_per_split: int
+
+
+def _plan_grid(
+    num_tokens: int,
+    num_seqs: int,
+    g: int,
+    num_kv_heads: int,
+    max_context: int,
+    tile: TileConfig,
+    num_kv_splits: int | None,
+    device: torch.device,
+) -> _TileGrid:
+    """The tiles of a pure decode step (one per sequence, keys maybe split; ``max_context`` bounds
+    its contexts) or of a prefill / mixed step (packed, never split)."""
+    decode_only = num_tokens == num_seqs
+    if decode_only:
+        block_q = 1
+        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(g))
+        num_tiles = num_seqs
+        if num_kv_splits is None:
+            num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context, device)
+        if num_kv_splits < 1:
+            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+    else:
+        block_q = max(1, tile.block_m // g)
+        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(block_q * g))
+        num_tiles = num_tokens // block_q + num_seqs
+        num_kv_splits = 1
+        max_context = 0
+
+    keys_per_split = 0
+    if num_kv_splits > 1:
+        # Whole inner steps per split; rounding up may leave fewer splits than asked.
+        keys_per_split = triton.cdiv(triton.cdiv(max_context, num_kv_splits), tile.block_n) * tile.block_n
+        num_kv_splits = triton.cdiv(max_context, keys_per_split)
+    return _TileGrid(decode_only, block_q, block_m, num_tiles, num_kv_splits, keys_per_split)
+
+
+def _split_partials(
+    out: torch.Tensor, num_kv_splits: int, head_dim_padded: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(accumulators, maxima, sums) of the split programs' partial softmax states; without a
+    split the output stands in for all three (the kernel writes the output directly)."""
+    if num_kv_splits <= 1:
+        return out, out, out
+    num_tokens, num_heads, _ = out.shape
+    num_partials = num_tokens * num_heads * num_kv_splits
+    part_acc = torch.empty(num_partials, head_dim_padded, dtype=torch.float32, device=out.device)
+    part_max = torch.empty(num_partials, dtype=torch.float32, device=out.device)
+    part_sum = torch.empty_like(part_max)
+    return part_acc, part_max, part_sum
+
+
+def _attention_launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    out: torch.Tensor,
+    partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    scale: float,
+    grid: _TileGrid,
+    tile: TileConfig,
+    kv_quant: int,
+    head_dim_padded: int,
+) -> KernelLaunch:
+    """The attention kernel's launch; ``indices`` are (block_tables, seq_lens, query_start_loc)."""
+    block_tables, seq_lens, _ = indices
+    scale_strides = (k_scale.stride(0), k_scale.stride(1)) if kv_quant else (0, 0)
+    args = (
+        q,
+        as_raw(k_cache),
+        as_raw(v_cache),
+        k_scale.view(torch.int16) if kv_quant else q,  # not read without quantization
+        v_scale.view(torch.int16) if kv_quant else q,
+        out,
+        *partials,
+        *indices,
+        scale * _LOG2E,
+        seq_lens.shape[0],
+        grid.keys_per_split,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *scale_strides,
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+    )
+    constexprs = dict(
+        BLOCK_SIZE=k_cache.shape[1],
+        QUERIES_PER_KV=q.shape[1] // k_cache.shape[2],
+        HEAD_DIM=q.shape[2],
+        HEAD_DIM_PADDED=head_dim_padded,
+        BLOCK_Q=grid.block_q,
+        BLOCK_M=grid.block_m,
+        BLOCK_N=tile.block_n,
+        DECODE_ONLY=grid.decode_only,
+        NUM_SPLITS=grid.num_kv_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_QUANT=kv_quant,
+    )
+    options = {"num_warps": tile.num_warps, "num_stages": tile.num_stages}
+    return KernelLaunch(_paged_attention_kernel, (grid.num_tiles, k_cache.shape[2], grid.num_kv_splits), args,
+                        constexprs, options)
+
+
+def _merge_launch(
+    out: torch.Tensor, partials: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_kv_splits: int,
+    head_dim_padded: int,
+) -> KernelLaunch:
+    """The launch that merges the split programs' partial states into ``out``."""
+    num_tokens, num_heads, head_dim = out.shape
+    return KernelLaunch(
+        _merge_splits_kernel,
+        (num_tokens, num_heads),
+        (*partials, out, out.stride(0), out.stride(1)),
+        dict(
+            NUM_SPLITS=num_kv_splits,
+            SPLITS_PADDED=max(2, triton.next_power_of_2(num_kv_splits)),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PADDED=head_dim_padded,
+        ),
+        {"num_warps": 1 if head_dim_padded <= 64 else 2},
+    )
+
+
 def plan_paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -411,111 +571,26 @@ def plan_paged_attention(
         check_scales(k_cache, v_cache, k_scale, v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    g = num_heads // num_kv_heads
     num_seqs = seq_lens.shape[0]
     # Over an 8-bit cache the tiles are dequantized into the queries' dtype.
     compute_dtype = q.dtype if kv_quant else k_cache.dtype
     q = q.to(compute_dtype)
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=compute_dtype, device=q.device)
 
-    decode_only = num_tokens == num_seqs
-    dtype_kind = "float32" if compute_dtype == torch.float32 else "half"
     if tile is None:
-        tile = (DECODE_TILES if decode_only else PREFILL_TILES)[dtype_kind]
+        tiles = DECODE_TILES if num_tokens == num_seqs else PREFILL_TILES
+        tile = tiles["float32" if compute_dtype == torch.float32 else "half"]
+    max_context = block_tables.shape[1] * block_size  # a bound known without a sync
+    grid = _plan_grid(num_tokens, num_seqs, num_heads // num_kv_heads, num_kv_heads, max_context, tile,
+                      num_kv_splits, q.device)
     head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    if decode_only:
-        block_q = 1
-        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(g))
-        num_tiles = num_seqs
-        max_context = block_tables.shape[1] * block_size  # a bound known without a sync
-        if num_kv_splits is None:
-            num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context, q.device)
-        if num_kv_splits < 1:
-            raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-    else:
-        block_q = max(1, tile.block_m // g)
-        block_m = max(MIN_BLOCK_M, triton.next_power_of_2(block_q * g))
-        num_tiles = num_tokens // block_q + num_seqs
-        num_kv_splits = 1
-        max_context = 0
-
-    keys_per_split = 0
-    if num_kv_splits > 1:
-        # Whole inner steps per split; rounding up may leave fewer splits than asked.
-        keys_per_split = triton.cdiv(triton.cdiv(max_context, num_kv_splits), tile.block_n) * tile.block_n
-        num_kv_splits = triton.cdiv(max_context, keys_per_split)
-    if num_kv_splits > 1:
-        num_partials = num_tokens * num_heads * num_kv_splits
-        part_acc = torch.empty(num_partials, head_dim_padded, dtype=torch.float32, device=q.device)
-        part_max = torch.empty(num_partials, dtype=torch.float32, device=q.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out  # not read: the kernel writes the output directly
-
-    attention = KernelLaunch(
-        _paged_attention_kernel,
-        (num_tiles, num_kv_heads, num_kv_splits),
-        (
-            q,
-            as_raw(k_cache),
-            as_raw(v_cache),
-            k_scale.view(torch.int16) if kv_quant else q,  # not read without quantization
-            v_scale.view(torch.int16) if kv_quant else q,
-            out,
-            part_acc,
-            part_max,
-            part_sum,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale * _LOG2E,
-            num_seqs,
-            keys_per_split,
-            q.stride(0),
-            q.stride(1),
-            k_cache.stride(0),
-            k_cache.stride(1),
-            k_cache.stride(2),
-            v_cache.stride(0),
-            v_cache.stride(1),
-            v_cache.stride(2),
-            k_scale.stride(0) if kv_quant else 0,
-            k_scale.stride(1) if kv_quant else 0,
-            out.stride(0),
-            out.stride(1),
-            block_tables.stride(0),
-        ),
-        dict(
-            BLOCK_SIZE=block_size,
-            QUERIES_PER_KV=g,
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PADDED=head_dim_padded,
-            BLOCK_Q=block_q,
-            BLOCK_M=block_m,
-            BLOCK_N=tile.block_n,
-            DECODE_ONLY=decode_only,
-            NUM_SPLITS=num_kv_splits,
-            DOT_PRECISION="ieee" if dtype_kind == "float32" else "tf32",
-            KV_QUANT=kv_quant,
-        ),
-        {"num_warps": tile.num_warps, "num_stages": tile.num_stages},
-    )
-    launches = [attention]
-    if num_kv_splits > 1:
-        launches.append(
-            KernelLaunch(
-                _merge_splits_kernel,
-                (num_tokens, num_heads),
-                (part_acc, part_max, part_sum, out, out.stride(0), out.stride(1)),
-                dict(
-                    NUM_SPLITS=num_kv_splits,
-                    SPLITS_PADDED=max(2, triton.next_power_of_2(num_kv_splits)),
-                    HEAD_DIM=head_dim,
-                    HEAD_DIM_PADDED=head_dim_padded,
-                ),
-                {"num_warps": 1 if head_dim_padded <= 64 else 2},
-            )
-        )
+    partials = _split_partials(out, grid.num_kv_splits, head_dim_padded)
+    launches = [
+        _attention_launch(q, k_cache, v_cache, k_scale, v_scale, out, partials,
+                          (block_tables, seq_lens, query_start_loc), scale, grid, tile, kv_quant, head_dim_padded)
+    ]
+    if grid.num_kv_splits > 1:
+        launches.append(_merge_launch(out, partials, grid.num_kv_splits, head_dim_padded))
     return out, launches
 
 
