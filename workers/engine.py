@@ -930,19 +930,7 @@ class LLMEngine:
                 text = detok.text if status is not RequestStatus.FINISHED_ERROR else None
         schema_valid = None
         if finished:
-            self._tracked.pop(rid, None)
-            if self.proposer is not None:
-                self.proposer.forget(rid)
-            if self.structured is not None:
-                schema_valid = self.structured.finish(rid, status.finish_reason, detok is not None and detok.stopped)
-            self.processors.forget(rid)
-            group = self._choices.get(parent)
-            if group is not None:
-                group.unfinished -= 1
-                if group.unfinished <= 0:
-                    del self._choices[parent]
-                    for sid in group.ids[1:]:
-                        self._choice_of.pop(sid, None)
+            schema_valid = self._retire(rid, parent, status, detok is not None and detok.stopped)
         return RequestOutput(
             request_id=parent,
             new_token_ids=new_ids,
@@ -964,6 +952,27 @@ class LLMEngine:
             index=index,
             tier_cached_tokens=request.tier_cached_tokens,
         )
+
+    def _retire(self, rid: str, parent: str, status: RequestStatus, text_cut: bool) -> bool | None:
+        """Let go of a sequence that has finished (its tracking, proposals, grammar and logits
+        processors; its request's choice group once every choice has finished). Returns whether its
+        text validated against its schema (``structured.finish``; ``text_cut``: a stop string ended
+        the text)."""
+        self._tracked.pop(rid, None)
+        if self.proposer is not None:
+            self.proposer.forget(rid)
+        schema_valid = None
+        if self.structured is not None:
+            schema_valid = self.structured.finish(rid, status.finish_reason, text_cut)
+        self.processors.forget(rid)
+        group = self._choices.get(parent)
+        if group is not None:
+            group.unfinished -= 1
+            if group.unfinished <= 0:
+                del self._choices[parent]
+                for sid in group.ids[1:]:
+                    self._choice_of.pop(sid, None)
+        return schema_valid
 
     @staticmethod
     def _is_stop_token(request: EngineRequest, token: int) -> bool:
