@@ -361,74 +361,97 @@ def load_model(
     ``ModelLoadError`` names the missing file, unsupported architecture or bad tensor.
     """
     device = torch.device(device)
-    split: Shard | None = None
-
-    def split_for(config: ModelConfig) -> Shard | None:
-        nonlocal split
-        if shard is not None:
-            split = Shard.of(config, *shard)
-        return split
-    part: Stage | None = None
-
-    def stage_for(config: ModelConfig) -> Stage | None:
-        nonlocal part
-        if stage is not None:
-            part = Stage.of(config.num_layers, *stage)
-        return part
     if path_or_tiny == TINY:
-        hf = dict(TINY_HF_CONFIG)
-        config = ModelConfig.from_hf(hf, "tiny")
-        torch_dtype = resolve_dtype(dtype, hf, device)
-        tensors = _tiny_tensors()
-        digest = hashlib.blake2b(json.dumps(hf, sort_keys=True).encode(), digest_size=16)
-        for name in sorted(tensors):
-            digest.update(name.encode())
-            digest.update(tensors[name].numpy().tobytes())
-        model = _build(config, _sliced(tensors.items(), split_for(config)), torch_dtype, device, "tiny", split,
-                       stage_for(config))
-        name, model_id, path = TINY, f"{TINY}@{digest.hexdigest()[:8]}", None
-        eos_ids = config.eos_token_ids
-    elif path_or_tiny.lower().endswith(".gguf"):
-        from mqinfer.workers.gguf import GGUFCheckpoint
+        return _load_tiny(device, dtype, shard, stage)
+    if path_or_tiny.lower().endswith(".gguf"):
+        return _load_gguf(path_or_tiny, device, dtype, shard, stage)
+    return _load_folder(path_or_tiny, device, dtype, shard, stage)
 
-        checkpoint = GGUFCheckpoint(path_or_tiny)
-        hf = checkpoint.hf_config
-        config = ModelConfig.from_hf(hf, path_or_tiny)
-        torch_dtype = resolve_dtype(dtype, hf, device)
-        model = _build(config, _sliced(checkpoint.weights(), split_for(config)), torch_dtype, device, path_or_tiny,
-                       split, stage_for(config))
-        name = Path(path_or_tiny).resolve().name
-        model_id = f"{name}@{checkpoint.digest(_FULL_HASH_LIMIT, _SAMPLE_BYTES)}"
-        path = path_or_tiny
-        eos_ids = _eos_ids(hf)
-    else:
-        folder = Path(path_or_tiny)
-        if not folder.is_dir():
-            raise ModelLoadError(f"model {path_or_tiny!r} is neither 'tiny' nor a checkpoint folder")
-        config_path = folder / "config.json"
-        if not config_path.exists():
-            raise ModelLoadError(f"{config_path}: file not found (a checkpoint folder needs config.json)")
-        config_bytes = config_path.read_bytes()
-        hf = _read_json(config_path)
-        config = ModelConfig.from_hf(hf, str(config_path))
-        gen_path = folder / "generation_config.json"
-        generation = _read_json(gen_path) if gen_path.exists() else {}
-        torch_dtype = resolve_dtype(dtype, hf, device)
-        files = weight_files(folder)
-        keep = None if stage_for(config) is None else (lambda name: part.holds(name, config.tie_word_embeddings))
-        model = _build(config, iter_checkpoint(files, split_for(config), keep), torch_dtype, device, str(folder),
-                       split, part)
-        name = folder.resolve().name
-        model_id = f"{name}@{_hash_files(config_bytes, files)}"
-        path = str(folder)
-        eos_ids = _eos_ids(generation, hf)
-    info = ModelInfo(
+
+def _shard_of(config: ModelConfig, shard: tuple[int, int] | None) -> Shard | None:
+    """The tensor-parallel part of ``shard = (rank, size)``; None: every tensor whole."""
+    return None if shard is None else Shard.of(config, *shard)
+
+
+def _stage_of(config: ModelConfig, stage: tuple[int, int] | None) -> Stage | None:
+    """The pipeline stage of ``stage = (index, count)``; None: every layer."""
+    return None if stage is None else Stage.of(config.num_layers, *stage)
+
+
+def _load_tiny(device: torch.device, dtype: str | torch.dtype, shard: tuple[int, int] | None,
+               stage: tuple[int, int] | None) -> tuple[LlamaForCausalLM, ModelInfo]:
+    """The built-in tiny model; its id hashes its config and its (seeded) weights."""
+    hf = dict(TINY_HF_CONFIG)
+    config = ModelConfig.from_hf(hf, "tiny")
+    torch_dtype = resolve_dtype(dtype, hf, device)
+    tensors = _tiny_tensors()
+    digest = hashlib.blake2b(json.dumps(hf, sort_keys=True).encode(), digest_size=16)
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].numpy().tobytes())
+    split = _shard_of(config, shard)
+    part = _stage_of(config, stage)
+    model = _build(config, _sliced(tensors.items(), split), torch_dtype, device, "tiny", split, part)
+    return model, _model_info(model, config, torch_dtype, name=TINY, model_id=f"{TINY}@{digest.hexdigest()[:8]}",
+                              path=None, eos_token_ids=config.eos_token_ids, whole=split is None and part is None)
+
+
+def _load_gguf(path: str, device: torch.device, dtype: str | torch.dtype, shard: tuple[int, int] | None,
+               stage: tuple[int, int] | None) -> tuple[LlamaForCausalLM, ModelInfo]:
+    """A ``.gguf`` file (workers/gguf.py), its tensors in Hugging Face names and layout."""
+    from mqinfer.workers.gguf import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(path)
+    hf = checkpoint.hf_config
+    config = ModelConfig.from_hf(hf, path)
+    torch_dtype = resolve_dtype(dtype, hf, device)
+    weights = checkpoint.weights()
+    split = _shard_of(config, shard)
+    part = _stage_of(config, stage)
+    model = _build(config, _sliced(weights, split), torch_dtype, device, path, split, part)
+    name = Path(path).resolve().name
+    return model, _model_info(model, config, torch_dtype, name=name,
+                              model_id=f"{name}@{checkpoint.digest(_FULL_HASH_LIMIT, _SAMPLE_BYTES)}", path=path,
+                              eos_token_ids=_eos_ids(hf), whole=split is None and part is None)
+
+
+def _load_folder(path: str, device: torch.device, dtype: str | torch.dtype, shard: tuple[int, int] | None,
+                 stage: tuple[int, int] | None) -> tuple[LlamaForCausalLM, ModelInfo]:
+    """A Hugging Face checkpoint folder (config.json, safetensors); a stage reads its own tensors only."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ModelLoadError(f"model {path!r} is neither 'tiny' nor a checkpoint folder")
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise ModelLoadError(f"{config_path}: file not found (a checkpoint folder needs config.json)")
+    config_bytes = config_path.read_bytes()
+    hf = _read_json(config_path)
+    config = ModelConfig.from_hf(hf, str(config_path))
+    gen_path = folder / "generation_config.json"
+    generation = _read_json(gen_path) if gen_path.exists() else {}
+    torch_dtype = resolve_dtype(dtype, hf, device)
+    files = weight_files(folder)
+    part = _stage_of(config, stage)
+    keep = None if part is None else (lambda name: part.holds(name, config.tie_word_embeddings))
+    split = _shard_of(config, shard)
+    model = _build(config, iter_checkpoint(files, split, keep), torch_dtype, device, str(folder), split, part)
+    name = folder.resolve().name
+    return model, _model_info(model, config, torch_dtype, name=name,
+                              model_id=f"{name}@{_hash_files(config_bytes, files)}", path=str(folder),
+                              eos_token_ids=_eos_ids(generation, hf), whole=split is None and part is None)
+
+
+def _model_info(model: LlamaForCausalLM, config: ModelConfig, torch_dtype: torch.dtype, *, name: str,
+                model_id: str, path: str | None, eos_token_ids: tuple[int, ...], whole: bool) -> ModelInfo:
+    """The whole model's ``ModelInfo``; ``whole``: ``model`` is all of it (not a shard or a stage),
+    so its parameters are counted, not computed from the config."""
+    return ModelInfo(
         name=name,
         model_id=model_id,
         architecture=config.architecture,
         vocab_size=config.vocab_size,
         max_model_len=config.max_position_embeddings,
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos_token_ids,
         bos_token_id=config.bos_token_id,
         num_layers=config.num_layers,
         num_heads=config.num_heads,
@@ -437,11 +460,10 @@ def load_model(
         dtype=_dtype_name(torch_dtype),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
-        num_params=sum(p.numel() for p in model.parameters()) if split is None and part is None else num_params(config),
+        num_params=sum(p.numel() for p in model.parameters()) if whole else num_params(config),
         sliding_window=config.sliding_window,
         path=path,
     )
-    return model, info
 
 
 __all__ = [
