@@ -121,18 +121,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     lanes, at most ``max_lanes`` in the registry; the job's own lanes are removed when it ends.
     ``none`` (this function's default, as before lanes): the plain streams.
     """
-    if max_in_flight < 1:
-        raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
-    if chunk_size < 1:
-        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
-    if lease_s < 0.5:
-        raise ValueError(f"--lease-s must be >= 0.5, got {lease_s}")
-    if not stream or "}" in stream or "{" in stream:
-        raise ValueError(f"invalid --stream {stream!r}")
-    if order not in ORDERS:
-        raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
-    if route not in ROUTES:
-        raise ValueError(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")
+    _check_options(max_in_flight=max_in_flight, chunk_size=chunk_size, lease_s=lease_s, stream=stream,
+                   order=order, route=route)
     lanes = parse_lanes(lanes)
     check_max_lanes(max_lanes)
     streams = shard_streams(stream, shards)
@@ -150,22 +140,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     resumed, adopted, parts = False, 0, []
     manifest = spool.read_manifest()
     if manifest is not None:
-        job_id = str(manifest.get("job_id") or "")
-        store = JobStore(client, job_id, data=data)
-        if not job_id:
-            raise JobConflict(f"{spool.manifest_path} names no job; remove it or choose another --out")
-        if store.exists():
-            raise JobConflict(f"{out} already holds job {job_id} ({store.status()}); watch it with "
-                              f"`mqinfer jobs status {job_id}`, or choose another --out")
-        if manifest.get("input") != str(source):
-            raise JobConflict(f"{out} holds job {job_id} of another input ({manifest.get('input')}); "
-                              "choose another --out")
         resumed = True
-        spool.clean()
-        spool.reset_index()
-        parts = spool.existing_rows_parts()
-        adopted = _adopt_rows(client if data is None else data, spool, parts, job_id, streams)
-        log.info("job %s resumes in %s: %d rows already collected", job_id, out, adopted)
+        job_id, parts, adopted = _resume(client, data, spool, manifest, source, streams)
     else:
         job_id = new_job_id()
         spool.write_manifest({"job_id": job_id, "input": str(source), "out": str(out), "created_at": now})
@@ -186,6 +162,49 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     }, parts=parts)
     enqueue_task(client, queue_name, job_id, chain, task_id)
     return SubmitResult(job_id, resumed, adopted)
+
+
+def _check_options(*, max_in_flight: int, chunk_size: int, lease_s: float, stream: str, order: str,
+                   route: str) -> None:
+    """ValueError for the first of ``submit_job``'s options that is out of range, worded as the
+    command line option it comes from."""
+    if max_in_flight < 1:
+        raise ValueError(f"--max-in-flight must be >= 1, got {max_in_flight}")
+    if chunk_size < 1:
+        raise ValueError(f"--chunk-size must be >= 1, got {chunk_size}")
+    if lease_s < 0.5:
+        raise ValueError(f"--lease-s must be >= 0.5, got {lease_s}")
+    if not stream or "}" in stream or "{" in stream:
+        raise ValueError(f"invalid --stream {stream!r}")
+    if order not in ORDERS:
+        raise ValueError(f"--order must be one of {', '.join(ORDERS)}, got {order!r}")
+    if route not in ROUTES:
+        raise ValueError(f"--route must be one of {', '.join(ROUTES)}, got {route!r}")
+
+
+def _resume(client: redis.Redis, data, spool: Spool, manifest: dict, source: Path,
+            streams: list[str]) -> tuple[str, list[str], int]:
+    """Take up again the job of ``spool``'s manifest, which Redis no longer knows: (its id, the
+    parts of rows already in its spool, how many requests they hold, to be skipped).
+
+    JobConflict when the manifest names no job, a job Redis still knows, or another input."""
+    out = spool.out
+    job_id = str(manifest.get("job_id") or "")
+    store = JobStore(client, job_id, data=data)
+    if not job_id:
+        raise JobConflict(f"{spool.manifest_path} names no job; remove it or choose another --out")
+    if store.exists():
+        raise JobConflict(f"{out} already holds job {job_id} ({store.status()}); watch it with "
+                          f"`mqinfer jobs status {job_id}`, or choose another --out")
+    if manifest.get("input") != str(source):
+        raise JobConflict(f"{out} holds job {job_id} of another input ({manifest.get('input')}); "
+                          "choose another --out")
+    spool.clean()
+    spool.reset_index()
+    parts = spool.existing_rows_parts()
+    adopted = _adopt_rows(client if data is None else data, spool, parts, job_id, streams)
+    log.info("job %s resumes in %s: %d rows already collected", job_id, out, adopted)
+    return job_id, parts, adopted
 
 
 def _adopt_rows(client, spool: Spool, parts: list[str], job_id: str, streams: list[str]) -> int:
