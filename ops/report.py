@@ -213,12 +213,7 @@ def cost_report(
     """
     if basis not in BASES:
         raise ValueError(f"unknown cost basis {basis!r}: use one of {', '.join(BASES)}")
-    if isinstance(by, str):
-        by = [by]
-    by = list(by)
-    bad = [key for key in by if key not in GROUP_KEYS]
-    if bad or not by or len(set(by)) != len(by):
-        raise ValueError(f"cannot group costs by {by!r}: use one or more distinct keys of {', '.join(GROUP_KEYS)}")
+    by = _checked_by(by)
     if top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
     if since is not None and until is not None and until <= since:
@@ -230,6 +225,34 @@ def cost_report(
         raise FileNotFoundError(f"no {COSTS_DIR}/ dataset in {out}")
     table = _with_input_cost(_read_costs(out, since, until))
 
+    totals = _totals_by_kind(table)
+    billed = table.filter(pc.equal(table["kind"], "request"))
+    groups = _ranked_groups(table, billed, by, basis, totals)
+    _add_billed(totals, billed)
+    counted_twice, extra_rows = _repeated_requests(billed)
+    statuses = None
+    if budgets is not None:
+        statuses = _budget_statuses(budgets, billed, by, groups)
+    return Report(by=by, since=since, until=until, groups=groups, totals=totals,
+                  top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
+                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis)
+
+
+def _checked_by(by: Sequence[str]) -> list[str]:
+    """The ``by`` columns as a list (a single name taken as one column); ValueError unless they are
+    one or more distinct ``GROUP_KEYS``."""
+    if isinstance(by, str):
+        by = [by]
+    by = list(by)
+    bad = [key for key in by if key not in GROUP_KEYS]
+    if bad or not by or len(set(by)) != len(by):
+        raise ValueError(f"cannot group costs by {by!r}: use one or more distinct keys of {', '.join(GROUP_KEYS)}")
+    return by
+
+
+def _totals_by_kind(table: pa.Table) -> Totals:
+    """``Totals`` with every row's device seconds and dollars: per kind, in all, and the overhead
+    and duplicate lines (the billed line comes from ``_add_billed``)."""
     totals = Totals()
     if table.num_rows:
         per_kind = table.group_by("kind", use_threads=False).aggregate([("device_s", "sum"), ("cost_usd", "sum")])
@@ -246,8 +269,12 @@ def cost_report(
     )
     totals.duplicate = Spend(device_s=totals.device_s_by_kind["duplicate"],
                              cost_usd=totals.cost_usd_by_kind["duplicate"])
+    return totals
 
-    billed = table.filter(pc.equal(table["kind"], "request"))
+
+def _ranked_groups(table: pa.Table, billed: pa.Table, by: list[str], basis: str, totals: Totals) -> list[GroupCost]:
+    """The ``billed`` rows summed by ``by``, ordered by cost (with ``basis`` ``allocation``: cost
+    plus the group's share of the overhead in ``table``, the shares' sums going into ``totals``)."""
     groups = [_group(key_row, by) for key_row in _aggregate(billed, by)]
     for g in groups:
         g.total_usd = g.cost_usd
@@ -260,6 +287,12 @@ def cost_report(
         totals.allocated = Spend(device_s=sum(spread.device_s.values()), cost_usd=sum(spread.cost_usd.values()))
         totals.unallocated = Spend(device_s=spread.unallocated_device_s, cost_usd=spread.unallocated_usd)
     groups.sort(key=lambda g: (-g.total_usd, [(v is None, v or "") for v in g.key.values()]))
+    return groups
+
+
+def _add_billed(totals: Totals, billed: pa.Table) -> None:
+    """The billed line of ``totals`` (every ``request`` row as one group, with the overhead
+    allocated to the groups), and the request counts, tokens and prices per token it shares."""
     b = totals.billed = _billed_sum(billed)
     b.allocated_device_s, b.allocated_usd = totals.allocated.device_s, totals.allocated.cost_usd
     b.total_usd = b.cost_usd + b.allocated_usd
@@ -269,18 +302,17 @@ def cost_report(
     totals.usd_per_1m_tokens = b.usd_per_1m_tokens
     totals.usd_per_1m_input_tokens = b.usd_per_1m_input_tokens
     totals.usd_per_1m_output_tokens = b.usd_per_1m_output_tokens
-    counted_twice, extra_rows = _repeated_requests(billed)
 
-    statuses = None
-    if budgets is not None:
-        statuses = check_budgets(budgets, _spend_by_period(billed, budgets))
-        if "tenant" in by:
-            over = {s.tenant: s.over for s in statuses}
-            for g in groups:
-                g.over_budget = over.get(g.key["tenant"] or "default")
-    return Report(by=by, since=since, until=until, groups=groups, totals=totals,
-                  top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
-                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis)
+
+def _budget_statuses(budgets: Budgets, billed: pa.Table, by: list[str], groups: list[GroupCost]) -> list[BudgetStatus]:
+    """Each budgeted tenant's spend in the window against its budget; with groups keyed by tenant,
+    each group marked with whether its tenant reached its budget."""
+    statuses = check_budgets(budgets, _spend_by_period(billed, budgets))
+    if "tenant" in by:
+        over = {s.tenant: s.over for s in statuses}
+        for g in groups:
+            g.over_budget = over.get(g.key["tenant"] or "default")
+    return statuses
 
 
 def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str]) -> str | None:
