@@ -12,7 +12,6 @@ hidden states bit for bit.
 from __future__ import annotations
 
 import os
-import random
 from collections import Counter
 
 import pytest
@@ -22,93 +21,35 @@ from mqinfer.cli import RUN_CMD, WORKER_CMD, build_parser, config_keys
 from mqinfer.commands import engine_config
 from mqinfer.config import load_config_file, resolve
 from mqinfer.kernels.attention import build_attention_metadata
-from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
 from mqinfer.workers.models.config import ModelLoadError
 from mqinfer.workers.models.stage import Stage
 from mqinfer.workers.parallel import StepPlan
 from mqinfer.workers.pipeline import MICRO_BATCHES_ENV, micro_batches, split_micro_batches
+from tests.workers.parallel_helpers import (
+    CASES, Outcome, assert_generates_what_one_rank_does, llama_checkpoint, prompts, qwen2_checkpoint,
+    record_safetensors_reads, run_engine,
+)
 
 NUM_NEW = 8
+NUM_PROMPTS = 10
 LAYERS = 4
 
 
-def _prompts(vocab: int, n: int = 10, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, vocab) for _ in range(40)]
-    prompts = []
-    for i in range(n):
-        if i % 3 == 0:  # a shared 40-token prefix: prefix-cache hits for the later ones
-            prompts.append(shared + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))])
-        else:
-            prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(2, 60))])
-    return prompts
-
-
-def _generate(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, object]:
-    greedy = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
-    sampled = SamplingParams(max_tokens=NUM_NEW, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, sampled if i % 4 == 3 else greedy)
-    finished = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step().outputs:
-            if out.finished:
-                finished[out.request_id] = out
-    assert len(finished) == len(prompts)
-    return finished
-
-
-# One rank's results, computed once per (checkpoint, case).
-_ONE_RANK: dict[tuple[str, str], tuple] = {}
-
-
-def _run(folder, tp: int, pp: int, case: str, inspect=None):
-    if (tp, pp) == (1, 1) and (str(folder), case) in _ONE_RANK:
-        return _ONE_RANK[str(folder), case]
-    config = EngineConfig(model=str(folder), device="cpu", num_threads=1, tensor_parallel_size=tp,
-                          pipeline_parallel_size=pp, **CASES[case])
-    engine = LLMEngine(config)
-    try:
-        results = _generate(engine, _prompts(engine.info.vocab_size))
-        outcome = results, engine.runner.kv_cache_bytes, engine.scheduler.num_preemptions_total
-        if inspect is not None:
-            inspect(engine)
-    finally:
-        engine.close()
-    if (tp, pp) == (1, 1):
-        _ONE_RANK[str(folder), case] = outcome
-    return outcome
+def _run(folder, case: str, tp: int = 1, pp: int = 1, inspect=None) -> Outcome:
+    return run_engine(folder, CASES[case], num_new=NUM_NEW, num_prompts=NUM_PROMPTS, tp=tp, pp=pp, inspect=inspect)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, make_hf_checkpoint):
-    folder = tmp_path_factory.mktemp("pp-llama")
-    make_hf_checkpoint("llama", folder, seed=1, intermediate_size=192, num_hidden_layers=LAYERS)
-    return folder
+    return llama_checkpoint(make_hf_checkpoint, tmp_path_factory.mktemp("pp-llama"), num_hidden_layers=LAYERS)
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory, make_hf_checkpoint):
-    folder = tmp_path_factory.mktemp("pp-qwen2")
-    make_hf_checkpoint("qwen2", folder, seed=2, num_key_value_heads=1, tie_word_embeddings=True, vocab_size=301,
-                       num_hidden_layers=LAYERS)
-    return folder
-
-
-CASES = {
-    # chunked prefill (a 24-token budget), prefix hits, and preemption by recompute in a small cache
-    "chunked-recompute": {"max_num_batched_tokens": 24, "max_num_seqs": 6, "num_kv_blocks": 14, "block_size": 8},
-    # preemption by swapping KV blocks to host memory and back
-    "swap": {"max_num_seqs": 8, "num_kv_blocks": 14, "block_size": 8, "preemption_mode": "swap",
-             "swap_space_gib": 0.01},
-}
-CASES["int8-kv"] = {**CASES["chunked-recompute"], "kv_cache_dtype": "int8"}
+    return qwen2_checkpoint(make_hf_checkpoint, tmp_path_factory.mktemp("pp-qwen2"), num_hidden_layers=LAYERS)
 
 
 # Micro-batches per step: forced (these steps are too small for the rule to cut them, which the
@@ -121,7 +62,7 @@ CASES["int8-kv"] = {**CASES["chunked-recompute"], "kv_cache_dtype": "int8"}
 ])
 def test_stages_generate_what_one_rank_does(request, monkeypatch, family, case, tp, pp, micro):
     folder = request.getfixturevalue(family)
-    one, kv_one, preempted_one = _run(folder, 1, 1, case)
+    one = _run(folder, case)
     if micro is not None:
         monkeypatch.setenv(MICRO_BATCHES_ENV, micro)  # read by every rank (the ranks inherit it)
     billed, cuts = [], Counter()
@@ -132,20 +73,13 @@ def test_stages_generate_what_one_rank_does(request, monkeypatch, family, case, 
             billed.append((engine.device_share, len(engine.tensor_parallel.procs)))
         cuts.update(engine.runner.steps_by_micro_batches)
 
-    many, kv_many, preempted_many = _run(folder, tp, pp, case, bills)
+    many = _run(folder, case, tp, pp, bills)
     assert billed == [(tp * pp / 16, tp * pp - 1)]
     # Steps were cut (three ways and more where forced to; the rule kept some whole).
     assert max(cuts) >= min(int(micro or 2), 3) and (micro is not None or cuts[1] > 0), cuts
-    assert preempted_one > 0 and preempted_many == preempted_one
-    assert sum(o.num_cached_tokens for o in one.values()) > 0  # prefix hits happened
-    for rid, out in one.items():
-        assert many[rid].output_token_ids == out.output_token_ids, rid
-        assert many[rid].num_cached_tokens == out.num_cached_tokens
-        if out.logprobs:
-            assert [e["token_id"] for e in many[rid].logprobs] == [e["token_id"] for e in out.logprobs]
-            assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(many[rid].logprobs, out.logprobs)) < 1e-4
+    assert_generates_what_one_rank_does(one, many)
     # Rank 0's cache holds stage 0's layers only (Qwen2's one KV head: replicated over tensor ranks).
-    assert kv_many == kv_one * Stage.of(LAYERS, 0, pp).num_layers // LAYERS
+    assert many.kv_cache_bytes == one.kv_cache_bytes * Stage.of(LAYERS, 0, pp).num_layers // LAYERS
 
 
 def test_stages_chained_compute_the_whole_models_hidden_states(llama, qwen2):
@@ -160,7 +94,7 @@ def test_stages_chained_compute_the_whole_models_hidden_states(llama, qwen2):
             return [(torch.zeros(shape), torch.zeros(shape)) for _ in range(n)]
 
         whole_kv, stage_kv, split_kv = caches(LAYERS), [caches(m.stage.num_layers) for m in stages], caches(LAYERS)
-        prompt = torch.tensor(_prompts(info.vocab_size, 1, seed=5)[0][:30])
+        prompt = torch.tensor(prompts(info.vocab_size, 1, seed=5)[0][:30])
         steps = [(prompt, [30], [30]), (torch.tensor([17]), [1], [31])]  # a prefill, then a decode
         with torch.inference_mode():
             for ids, query_lens, seq_lens in steps:
@@ -183,34 +117,12 @@ def test_stages_chained_compute_the_whole_models_hidden_states(llama, qwen2):
 
 
 def test_each_stage_reads_only_its_own_tensors(qwen2, monkeypatch):
-    import safetensors
-
-    real = safetensors.safe_open
-    read: list[str] = []
-
-    class Recording:
-        def __init__(self, *args, **kwargs):
-            self._fh = real(*args, **kwargs)
-
-        def __enter__(self):
-            self._inner = self._fh.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._fh.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, name):
-            read.append(name)
-            return self._inner.get_tensor(name)
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    reads = record_safetensors_reads(monkeypatch)
     layers = {0: {"model.layers.0.", "model.layers.1."}, 1: {"model.layers.2.", "model.layers.3."}}
     for s in (0, 1):
-        read.clear()
+        reads.clear()
         model, info = load_model(str(qwen2), stage=(s, 2))
+        read = [name for name, _ in reads]
         assert read and all(name.startswith(tuple(layers[s])) or name in ("model.embed_tokens.weight",
                                                                          "model.norm.weight") for name in read)
         assert ("model.embed_tokens.weight" in read) and (("model.norm.weight" in read) == (s == 1))

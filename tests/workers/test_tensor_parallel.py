@@ -9,83 +9,34 @@ and its KV cache holds only its KV heads.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
 from mqinfer.workers.parallel import Shard, read_safetensors_shard
+from tests.workers.parallel_helpers import (
+    CASES, Outcome, assert_generates_what_one_rank_does, llama_checkpoint, qwen2_checkpoint, record_safetensors_reads,
+    run_engine,
+)
 
 NUM_NEW = 10
+NUM_PROMPTS = 12
 
 
-def _prompts(vocab: int, n: int = 12, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, vocab) for _ in range(40)]
-    prompts = []
-    for i in range(n):
-        if i % 3 == 0:  # a shared 40-token prefix: prefix-cache hits for the later ones
-            prompts.append(shared + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 12))])
-        else:
-            prompts.append([rng.randrange(3, vocab) for _ in range(rng.randint(2, 60))])
-    return prompts
-
-
-def _generate(engine: LLMEngine, prompts: list[list[int]]) -> dict[str, object]:
-    greedy = SamplingParams(max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True, logprobs=2)
-    sampled = SamplingParams(max_tokens=NUM_NEW, temperature=0.9, top_p=0.95, seed=11, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, sampled if i % 4 == 3 else greedy)
-    finished = {}
-    for _ in range(10_000):
-        if not engine.has_unfinished():
-            break
-        for out in engine.step().outputs:
-            if out.finished:
-                finished[out.request_id] = out
-    assert len(finished) == len(prompts)
-    return finished
-
-
-def _run(folder, tp: int, **settings):
-    config = EngineConfig(model=str(folder), device="cpu", num_threads=1, tensor_parallel_size=tp,
-                          **{"num_kv_blocks": 256, **settings})
-    engine = LLMEngine(config)
-    try:
-        results = _generate(engine, _prompts(engine.info.vocab_size))
-        kv_bytes = engine.runner.kv_cache_bytes
-        preemptions = engine.scheduler.num_preemptions_total
-    finally:
-        engine.close()
-    return results, kv_bytes, preemptions
+def _run(folder, tp: int, settings: dict, inspect=None) -> Outcome:
+    return run_engine(folder, settings, num_new=NUM_NEW, num_prompts=NUM_PROMPTS, tp=tp, inspect=inspect)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory, make_hf_checkpoint):
-    folder = tmp_path_factory.mktemp("tp-llama")
-    make_hf_checkpoint("llama", folder, seed=1, intermediate_size=192)
-    return folder
+    return llama_checkpoint(make_hf_checkpoint, tmp_path_factory.mktemp("tp-llama"))
 
 
 @pytest.fixture(scope="module")
 def qwen2(tmp_path_factory, make_hf_checkpoint):
-    folder = tmp_path_factory.mktemp("tp-qwen2")
-    make_hf_checkpoint("qwen2", folder, seed=2, num_key_value_heads=1, tie_word_embeddings=True, vocab_size=301)
-    return folder
-
-
-CASES = {
-    # chunked prefill (a 24-token budget), prefix hits, and preemption by recompute in a small cache
-    "chunked-recompute": {"max_num_batched_tokens": 24, "max_num_seqs": 6, "num_kv_blocks": 14, "block_size": 8},
-    # preemption by swapping KV blocks to host memory and back
-    "swap": {"max_num_seqs": 8, "num_kv_blocks": 14, "block_size": 8, "preemption_mode": "swap",
-             "swap_space_gib": 0.01},
-}
+    return qwen2_checkpoint(make_hf_checkpoint, tmp_path_factory.mktemp("tp-qwen2"))
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +46,6 @@ def qwen3(tmp_path_factory, make_hf_checkpoint):
     return folder
 
 
-CASES["int8-kv"] = {**CASES["chunked-recompute"], "kv_cache_dtype": "int8"}
-
-
 @pytest.mark.parametrize("family,case", [
     ("llama", "chunked-recompute"),
     ("qwen2", "swap"),
@@ -105,18 +53,10 @@ CASES["int8-kv"] = {**CASES["chunked-recompute"], "kv_cache_dtype": "int8"}
 ])
 def test_two_ranks_generate_what_one_rank_does(request, family, case):
     folder = request.getfixturevalue(family)
-    one, kv_one, preempted_one = _run(folder, 1, **CASES[case])
-    two, kv_two, preempted_two = _run(folder, 2, **CASES[case])
-    assert preempted_one > 0 and preempted_two == preempted_one
-    assert sum(o.num_cached_tokens for o in one.values()) > 0  # prefix hits happened
-    for rid, out in one.items():
-        assert two[rid].output_token_ids == out.output_token_ids, rid
-        assert two[rid].num_cached_tokens == out.num_cached_tokens
-        if out.logprobs:
-            assert [e["token_id"] for e in two[rid].logprobs] == [e["token_id"] for e in out.logprobs]
-            assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(two[rid].logprobs, out.logprobs)) < 1e-4
+    one, two = _run(folder, 1, CASES[case]), _run(folder, 2, CASES[case])
+    assert_generates_what_one_rank_does(one, two)
     # Two KV heads: one per rank, half the cache each. Qwen2's one KV head: replicated.
-    assert kv_two == (kv_one if family == "qwen2" else kv_one // 2)
+    assert two.kv_cache_bytes == (one.kv_cache_bytes if family == "qwen2" else one.kv_cache_bytes // 2)
 
 
 def test_the_split_of_heads_kv_heads_mlp_and_vocabulary():
@@ -150,54 +90,16 @@ def test_each_rank_reads_only_its_slices(llama, monkeypatch):
     path = str(llama / "model.safetensors")
     with safe_open(path, framework="pt", device="cpu") as fh:
         whole = {name: fh.get_tensor(name) for name in fh.keys()}
-    # Every byte read through a slice is counted: a rank must read half of each split tensor.
-    read: list[int] = []
-    real_safe_open = safe_open
-
-    class Counting:
-        def __init__(self, *args, **kwargs):
-            self._fh = real_safe_open(*args, **kwargs)
-
-        def __enter__(self):
-            self._inner = self._fh.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self._fh.__exit__(*exc)
-
-        def keys(self):
-            return self._inner.keys()
-
-        def get_tensor(self, name):
-            t = self._inner.get_tensor(name)
-            read.append(t.numel())
-            return t
-
-        def get_slice(self, name):
-            part = self._inner.get_slice(name)
-
-            class Slice:
-                def __getitem__(self, index):
-                    t = part[index]
-                    read.append(t.numel())
-                    return t
-
-                def __getattr__(self, attr):
-                    return getattr(part, attr)
-
-            return Slice()
-
-    import safetensors
-
-    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    # Every element read, whole or through a slice, is counted: a rank must read half of each split tensor.
+    reads = record_safetensors_reads(monkeypatch)
     config = load_model(str(llama))[0].config
     parts = []
     for rank in range(2):
-        read.clear()
+        reads.clear()
         parts.append(dict(read_safetensors_shard(path, Shard.of(config, rank, 2))))
         split = [n for n in whole if not n.endswith(("norm.weight", "embed_tokens.weight"))]
         replicated = sum(whole[n].numel() for n in whole if n not in split)
-        assert sum(read) == replicated + sum(whole[n].numel() for n in split) // 2
+        assert sum(n for _, n in reads) == replicated + sum(whole[n].numel() for n in split) // 2
     for name, tensor in whole.items():
         a, b = parts[0][name], parts[1][name]
         if "q_proj" in name or "k_proj" in name or "v_proj" in name or "gate_proj" in name or "up_proj" in name \
@@ -229,16 +131,12 @@ def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
 
 def test_two_ranks_check_speculative_proposals_as_one_rank_generates(llama):
     # Proposals ride in the step plan like any other query tokens; only rank 0 accepts them.
-    one, _, _ = _run(llama, 1, **CASES["chunked-recompute"])
-    config = EngineConfig(model=str(llama), device="cpu", num_threads=1, tensor_parallel_size=2,
-                          speculative="ngram", ngram_min=1, speculative_policy="fixed", **CASES["chunked-recompute"])
-    engine = LLMEngine(config)
-    try:
-        two = _generate(engine, _prompts(engine.info.vocab_size))
-        stats = engine.spec_stats
-    finally:
-        engine.close()
-    assert stats.accepted_tokens > 0, stats  # proposals were checked and some kept
+    one = _run(llama, 1, CASES["chunked-recompute"]).results
+    speculative = {"speculative": "ngram", "ngram_min": 1, "speculative_policy": "fixed"}
+    stats = []
+    two = _run(llama, 2, {**CASES["chunked-recompute"], **speculative},
+               inspect=lambda engine: stats.append(engine.spec_stats)).results
+    assert stats[0].accepted_tokens > 0, stats  # proposals were checked and some kept
     for rid, out in one.items():
         assert two[rid].output_token_ids == out.output_token_ids, rid
 
