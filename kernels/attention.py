@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from mqinfer.kernels.attention_native import (
+    check_attention_indices,
     native_attention_available,
     native_paged_attention,
     native_softmax_selftest,
@@ -169,6 +170,8 @@ class AttentionMetadata:
         # Number of cache blocks the native kernel last checked this step's indices against
         # (kernels/attention_native.py): the checks run once per step, not per layer.
         self.native_checked_blocks: int | None = None
+        # The same for the Triton kernels (kernels/triton_attention.py).
+        self.triton_checked_blocks: int | None = None
 
     @property
     def groups(self) -> list[AttentionGroup]:
@@ -499,6 +502,7 @@ __all__ = [
     "AttentionMetadata",
     "AttentionWorkspace",
     "build_attention_metadata",
+    "check_attention_indices",
     "native_attention_available",
     "native_paged_attention",
     "native_softmax_selftest",

@@ -105,7 +105,7 @@ def native_paged_attention(
     _check_index_tensors(tables, seq_of_token, positions, num_tokens)
     # The values are checked once per step (per metadata and cache), not per layer.
     if num_tokens and metadata.native_checked_blocks != num_blocks:
-        _check_native_indices(metadata, tables, seq_of_token, positions, num_blocks, block_size)
+        check_attention_indices(metadata, tables, seq_of_token, positions, num_blocks, block_size)
         metadata.native_checked_blocks = num_blocks
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=dtype)
     args = native.AttentionArgs(
@@ -137,7 +137,7 @@ def _check_index_tensors(
                              f"{t.dtype} {list(t.shape)} on {t.device}")
 
 
-def _check_native_indices(
+def check_attention_indices(
     metadata: AttentionMetadata,
     tables: torch.Tensor,
     seq_of_token: torch.Tensor,
@@ -145,11 +145,13 @@ def _check_native_indices(
     num_blocks: int,
     block_size: int,
 ) -> None:
-    """Every index the kernel reads, checked before it runs (it trusts them): token t reads row
-    ``seq_of_token[t]`` of the tables, that row's entries ``0..positions[t] // block_size``, the
-    cache blocks those entries name, and keeps ``positions[t] + 1`` scores in a buffer sized by
-    ``max_seq_len``. A metadata without ``max_seq_len`` gets it from the positions, after they
-    are checked against the table's width (a bound that does not come from them)."""
+    """Every index the native kernel reads, checked before it runs (it trusts them): token t
+    reads row ``seq_of_token[t]`` of the tables, that row's entries ``0..positions[t] //
+    block_size``, the cache blocks those entries name, and keeps ``positions[t] + 1`` scores in a
+    buffer sized by ``max_seq_len``. A metadata without ``max_seq_len`` gets it from the
+    positions, after they are checked against the table's width (a bound that does not come from
+    them). The Triton path runs the same checks (``kernels/triton_attention.py``); the tensors
+    may be on any device."""
     num_seqs, max_blocks = tables.shape
     lo, hi = (int(x) for x in torch.aminmax(seq_of_token))
     if lo < 0 or hi >= num_seqs:

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mqinfer.kernels.attention import AttentionMetadata
+from mqinfer.kernels.attention import AttentionMetadata, check_attention_indices
 from mqinfer.kernels.kv_quant import as_raw, check_scales, is_quantized_dtype, kernel_quant_code
 from mqinfer.kernels.triton_store import KernelLaunch, run_launches, store_kv
 
@@ -594,6 +594,59 @@ def plan_paged_attention(
     return out, launches
 
 
+def _check_query_layout(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+    num_tokens: int,
+) -> None:
+    """The per-sequence indices the attention kernel reads besides the block ids: each sequence's
+    query rows (``query_start_loc`` rises from 0 to ``num_tokens``, at least one query each) and
+    its keys (``seq_lens`` no shorter than its queries, no longer than the block tables cover).
+    One transfer to the host for all of them."""
+    starts = query_start_loc.to(torch.int64)
+    lens = seq_lens.to(torch.int64)
+    query_lens = starts[1:] - starts[:-1]
+    first, last, min_query, min_context, max_len = torch.stack(
+        (starts[0], starts[-1], query_lens.min(), (lens - query_lens).min(), lens.max())
+    ).tolist()
+    if first != 0 or last != num_tokens or min_query < 1:
+        raise ValueError(
+            f"query_start_loc must rise from 0 to the {num_tokens} query tokens by at least 1 per sequence, "
+            f"got {query_start_loc.tolist()}"
+        )
+    if min_context < 0:
+        raise ValueError("seq_lens must be at least each sequence's number of query tokens")
+    capacity = block_tables.shape[1] * block_size
+    if max_len > capacity:
+        raise ValueError(
+            f"seq_lens must lie within the block tables ({block_tables.shape[1]} blocks of {block_size}: "
+            f"{capacity} tokens), got up to {max_len}"
+        )
+
+
+def _check_step_indices(metadata: AttentionMetadata, num_tokens: int, num_blocks: int) -> None:
+    """Every index the kernels read, checked once per step (per metadata and cache size), not
+    per layer: the checks of the native CPU kernel (``check_attention_indices``: sequence ids,
+    positions within the table's width, block ids within the cache) and the query layout and
+    context lengths this kernel reads instead of positions. On a GPU this is one host sync per
+    step."""
+    if metadata.triton_checked_blocks == num_blocks:
+        return
+    if metadata.seq_of_token is None:
+        raise ValueError("attention metadata has no seq_of_token (build it with build_attention_metadata)")
+    tables = metadata.block_tables
+    if metadata.seq_of_token.shape != (num_tokens,) or metadata.positions.shape != (num_tokens,):
+        raise ValueError(
+            f"seq_of_token {tuple(metadata.seq_of_token.shape)} and positions {tuple(metadata.positions.shape)} "
+            f"must have one entry per query token ({num_tokens})"
+        )
+    if num_tokens:
+        check_attention_indices(
+            metadata, tables, metadata.seq_of_token, metadata.positions, num_blocks, metadata.block_size
+        )
+    _check_query_layout(metadata.query_start_loc, metadata.seq_lens, tables, metadata.block_size, num_tokens)
+    metadata.triton_checked_blocks = num_blocks
+
+
 def paged_attention_tensors(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -613,7 +666,8 @@ def paged_attention_tensors(
     step is taken for pure decode when ``T == B``). Returns ``[T, Hq, D]`` in the cache's dtype
     (the queries' dtype over an 8-bit cache, whose scales are ``k_scale`` / ``v_scale``).
     ``num_kv_splits`` forces the decode key split (it applies only to pure decode steps); by
-    default it is chosen from the GPU's size. Never syncs with the host.
+    default it is chosen from the GPU's size. Never syncs with the host, and trusts the values
+    of its indices: ``paged_attention`` checks them once per step.
     """
     out, launches = plan_paged_attention(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, num_kv_splits,
@@ -635,8 +689,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Drop-in for ``mqinfer.kernels.attention.paged_attention`` on the GPU (same arguments).
 
-    Uses only the metadata's tensors (``query_start_loc``, ``seq_lens``, ``block_tables``), not
-    its SDPA groups.
+    The kernels read the metadata's ``query_start_loc``, ``seq_lens`` and ``block_tables`` (not
+    its SDPA groups); every index in the metadata is checked once per step and cache size
+    (``_check_step_indices``), so a bad one is a ValueError, never a read outside the cache.
     """
     g = metadata.num_queries_per_kv
     if q.dim() == 3 and k_cache.dim() == 4 and q.shape[1] != g * k_cache.shape[2]:
@@ -649,18 +704,14 @@ def paged_attention(
             f"the cache has blocks of {k_cache.shape[1]} tokens but the metadata was built for "
             f"{metadata.block_size}"
         )
-    return paged_attention_tensors(
-        q,
-        k_cache,
-        v_cache,
-        metadata.query_start_loc,
-        metadata.seq_lens,
-        metadata.block_tables,
-        scale,
-        num_kv_splits=num_kv_splits,
-        k_scale=k_scale,
-        v_scale=v_scale,
+    out, launches = plan_paged_attention(
+        q, k_cache, v_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
+        num_kv_splits, k_scale=k_scale, v_scale=v_scale,
     )
+    # Planning checked the tensors' shapes; their values are checked before a kernel reads them.
+    _check_step_indices(metadata, q.shape[0], k_cache.shape[0])
+    run_launches(launches, out.device)
+    return out
 
 
 __all__ = [

@@ -18,6 +18,7 @@ Importing this module imports triton; callers that may run without it import it 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,9 +134,9 @@ def _store_kv_kernel(
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    # A slot outside the cache would be a write into someone else's memory on the GPU (the
-    # PyTorch path raises there); the host checks the common mistakes, this keeps the rest
-    # from corrupting memory.
+    # A slot outside the cache would be a write into someone else's memory on the GPU.
+    # ``store_kv`` refuses such slots on the host; this keeps a launch planned without that
+    # check (``plan_store_kv``) from corrupting memory.
     if (slot < 0) | (slot >= num_slots):
         return
     block = slot // BLOCK_SIZE
@@ -250,6 +251,25 @@ def plan_store_kv(
     return KernelLaunch(_store_kv_kernel, (num_tokens,), args, constexprs, {"num_warps": num_warps})
 
 
+# (the slot mapping, its version, the cache's slot count) last checked by ``_check_slots``.
+# The model hands every layer's store the same slot mapping tensor, so its values are checked
+# once per step, not per layer (on a GPU each check is a host sync).
+_checked_slots: tuple[weakref.ref, int, int] | None = None
+
+
+def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
+    """Every slot of ``slot_mapping`` inside the cache, checked unless this very tensor (not
+    written since) was already checked against a cache of ``num_slots`` slots."""
+    global _checked_slots
+    last = _checked_slots
+    if last is not None and last[0]() is slot_mapping and last[1:] == (slot_mapping._version, num_slots):
+        return
+    lo, hi = (int(x) for x in torch.aminmax(slot_mapping))
+    if lo < 0 or hi >= num_slots:
+        raise ValueError(f"slot_mapping names slots outside the cache (0..{num_slots - 1}), got {lo}..{hi}")
+    _checked_slots = (weakref.ref(slot_mapping), slot_mapping._version, num_slots)
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -262,11 +282,13 @@ def store_kv(
     """Write ``k``, ``v`` (``[T, Hkv, D]``) into the caches at ``slot_mapping`` (``[T]``).
 
     Values are converted to the cache's dtype, or quantized with their scales written to
-    ``k_scale`` / ``v_scale`` for an 8-bit cache. Slots outside the cache are not written (the
-    PyTorch path raises on them; checking here would cost a device-to-host sync per layer).
+    ``k_scale`` / ``v_scale`` for an 8-bit cache. A slot outside the cache is a ValueError
+    (as on the PyTorch path) and nothing is written; the slots are checked once per slot
+    mapping tensor and cache size, not per layer.
     """
     launch = plan_store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if launch is not None:
+        _check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
         run_launches([launch], k_cache.device)
 
 

@@ -107,16 +107,99 @@ def test_odd_group_and_head_dim():
     _check([1, 9, 20], [30, 9, 41], 16, 3, seed=5, head_dim=80)
 
 
-def test_store_skips_slots_outside_the_cache_and_writes_the_rest():
+@pytest.mark.parametrize("slots", [[17, -1, 5], [17, 32, 5]], ids=["negative", "one-past-the-end"])
+def test_store_refuses_slots_outside_the_cache_and_writes_nothing(slots):
+    k_cache = torch.zeros(2, 16, 2, 8)
+    v_cache = torch.zeros(2, 16, 2, 8)
+    k = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match=r"slot_mapping names slots outside the cache \(0\.\.31\)"):
+        triton_attention.store_kv(k, k, k_cache, v_cache, torch.tensor(slots))
+    assert k_cache.count_nonzero() == 0 and v_cache.count_nonzero() == 0
+
+
+def test_store_checks_a_slot_mapping_again_once_it_is_written_or_the_cache_shrinks():
+    k = torch.randn(2, 2, 8)
+    slots = torch.tensor([3, 40])
+    big = torch.zeros(4, 16, 2, 8)
+    triton_attention.store_kv(k, k, big, big.clone(), slots)
+    triton_attention.store_kv(k, k, big, big.clone(), slots)  # the same mapping, another layer
+    assert torch.equal(big[2, 8], k[1])
+    # A smaller cache: slot 40 is now outside it.
+    small = torch.zeros(2, 16, 2, 8)
+    with pytest.raises(ValueError, match=r"outside the cache \(0\.\.31\), got 3\.\.40"):
+        triton_attention.store_kv(k, k, small, small.clone(), slots)
+    # The same tensor written in place after it passed: checked again.
+    triton_attention.store_kv(k, k, big, big.clone(), slots)
+    slots[0] = -2
+    with pytest.raises(ValueError, match=r"got -2\.\.40"):
+        triton_attention.store_kv(k, k, big, big.clone(), slots)
+
+
+def test_store_kernel_skips_slots_outside_the_cache_and_writes_the_rest():
+    # The kernel's own guard, for a launch planned without store_kv's host check.
     k_cache = torch.zeros(2, 16, 2, 8)
     v_cache = torch.zeros(2, 16, 2, 8)
     k = torch.randn(3, 2, 8)
     v = torch.randn(3, 2, 8)
-    triton_attention.store_kv(k, v, k_cache, v_cache, torch.tensor([17, -1, 32]))
+    triton_store.plan_store_kv(k, v, k_cache, v_cache, torch.tensor([17, -1, 32])).run()
     assert torch.equal(k_cache[1, 1], k[0]) and torch.equal(v_cache[1, 1], v[0])
     # Only slot 17 was written: -1 and 32 (one past the end) were skipped.
     assert k_cache.count_nonzero() == k[0].count_nonzero()
     assert v_cache.count_nonzero() == v[0].count_nonzero()
+
+
+def _corrupt(md, name, index, value):
+    """A copy of one of the metadata's index tensors with one entry replaced."""
+    bad = getattr(md, name).clone()
+    bad[index] = value
+    setattr(md, name, bad)
+
+
+@pytest.mark.parametrize(
+    "name, index, value, message",
+    [
+        pytest.param("seq_of_token", 1, 2, r"seq_of_token names sequences outside the block tables \(0\.\.1\)",
+                     id="sequence-past-the-tables"),
+        pytest.param("seq_of_token", 0, -1, "seq_of_token names sequences outside", id="negative-sequence"),
+        pytest.param("positions", 0, -1, r"token positions must lie in 0\.\.31", id="negative-position"),
+        pytest.param("positions", 2, 32, r"token positions must lie in 0\.\.31", id="position-past-the-table"),
+        pytest.param("positions", 2, 20, r"max_seq_len - 1 \(8\)", id="position-past-max-seq-len"),
+        pytest.param("block_tables", (1, 0), 6, r"block tables name blocks outside the cache \(0\.\.5\)",
+                     id="block-past-the-cache"),
+        pytest.param("block_tables", (0, 1), -1, r"outside the cache \(0\.\.5\), got -1", id="negative-block"),
+        pytest.param("seq_lens", 1, 33, r"seq_lens must lie within the block tables .*got up to 33",
+                     id="context-past-the-table"),
+        pytest.param("seq_lens", 0, 1, "seq_lens must be at least each sequence's number of query tokens",
+                     id="context-shorter-than-its-queries"),
+        pytest.param("query_start_loc", 2, 4, "query_start_loc must rise from 0 to the 3 query tokens",
+                     id="queries-past-the-batch"),
+        pytest.param("query_start_loc", 1, 0, "query_start_loc must rise", id="sequence-without-queries"),
+    ],
+)
+def test_a_bad_index_is_refused_before_the_triton_kernels_read_it(name, index, value, message):
+    # Two sequences (2 and 1 queries, contexts 5 and 9) over tables two blocks of 16 wide and a
+    # cache of 6 blocks; one index made bad at a time. Only a clean ValueError may come out,
+    # and the attention kernel must not have run (the output is never handed back).
+    q, _, _, k_cache, v_cache, md, _ = _make_step([2, 1], [5, 9], 16, 2, seed=3)
+    k_cache, v_cache = k_cache[:6], v_cache[:6]
+    md.block_tables = torch.tensor([[0, 1], [2, 3]])
+    _corrupt(md, name, index, value)
+    with pytest.raises(ValueError, match=message):
+        triton_attention.paged_attention(q, k_cache, v_cache, md, 0.1)
+
+
+def test_indices_are_checked_once_per_step_and_again_for_another_cache():
+    q, k, v, k_cache, v_cache, md, tables = _make_step([2, 1], [5, 9], 16, 2, seed=4)
+    scale = HEAD_DIM**-0.5
+    triton_attention.store_kv(k, v, k_cache, v_cache, md.slot_mapping)
+    out = triton_attention.paged_attention(q, k_cache, v_cache, md, scale)
+    assert md.triton_checked_blocks == k_cache.shape[0]
+    torch.testing.assert_close(out, attention.reference_paged_attention(q, k_cache, v_cache, [2, 1], [5, 9], tables,
+                                                                        scale), rtol=1e-5, atol=1e-5)
+    # The same step over a cache too small for its block ids: checked again, refused.
+    highest = max(b for t in tables for b in t)
+    with pytest.raises(ValueError, match=rf"outside the cache \(0\.\.{highest - 1}\)"):
+        triton_attention.paged_attention(q, k_cache[:highest], v_cache[:highest], md, scale)
 
 
 def test_store_converts_to_the_cache_dtype():
