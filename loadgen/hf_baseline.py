@@ -19,11 +19,12 @@ same arithmetic as our engine's results.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -197,6 +198,18 @@ def continuous_batching_available(model) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _SubmitClock:
+    """One submit instant read on both clocks. transformers stamps requests with perf_counter;
+    they are placed on the wall clock by their distance from this instant, so the order of the
+    stamps holds even when the wall clock is slewed while the job runs."""
+    wall: float
+    perf: float
+
+    def to_wall(self, perf_stamp: float) -> float:
+        return self.wall + (perf_stamp - self.perf)
+
+
 def run_continuous(model, requests: Sequence[dict[str, Any]], *, max_batch_tokens: int | None = None,
                    num_blocks: int | None = None, progress: Progress | None = _stderr,
                    timeout_s: float = 3600.0) -> BaselineResult:
@@ -221,15 +234,38 @@ def run_continuous(model, requests: Sequence[dict[str, Any]], *, max_batch_token
     longest_out = max(int(r["max_tokens"]) for r in requests)
     gen_config = GenerationConfig(do_sample=False, max_new_tokens=longest_out, eos_token_id=-1,
                                   pad_token_id=_pad_token_id(model))
-    cb_config = ContinuousBatchingConfig()
+    cb_config = _size_cache(ContinuousBatchingConfig(), requests, max_batch_tokens, num_blocks)
+    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
+                          max_generated_length=longest_out, num_requests=len(requests))
+    with _quiet_continuous_batching_log():
+        t_call = time.time()
+        with model.continuous_batching_context_manager(
+            generation_config=gen_config, continuous_batching_config=cb_config,
+            block=True, timeout=30, workload_hints=hints,
+        ) as manager:
+            clock = _submit_all(manager, requests)
+            received, arrived = _await_results(manager, by_id, timeout_s, progress)
+    timings, outputs, computed = _continuous_timings(by_id, received, arrived, clock)
+    summary = summarize(timings)
+    return BaselineResult("hf-continuous", None, summary.requested_tokens, computed, time.time() - t_call, summary,
+                          timings, outputs)
+
+
+def _size_cache(cb_config, requests: Sequence[dict[str, Any]], max_batch_tokens: int | None,
+                num_blocks: int | None):
+    """``cb_config`` with its cache sized to hold every request at once (unless ``num_blocks`` is
+    given) and, when given, ``max_batch_tokens``."""
     if num_blocks is None:
         page = cb_config.page_size
         num_blocks = sum(-(-(len(r["prompt_token_ids"]) + int(r["max_tokens"])) // page) for r in requests)
     cb_config.num_blocks = num_blocks
     if max_batch_tokens is not None:
         cb_config.max_batch_tokens = max_batch_tokens
-    hints = WorkloadHints(max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
-                          max_generated_length=longest_out, num_requests=len(requests))
+    return cb_config
+
+
+@contextlib.contextmanager
+def _quiet_continuous_batching_log() -> Iterator[None]:
     # Its per-step info lines would swamp our progress lines, and its complaint that psutil is
     # missing does not apply once num_blocks is given.
     cb_logger = logging.getLogger("ContinuousBatchingLogger")
@@ -237,47 +273,55 @@ def run_continuous(model, requests: Sequence[dict[str, Any]], *, max_batch_token
     cb_logger.setLevel(logging.WARNING)
     no_psutil = _DropMessages("psutil")
     cb_logger.addFilter(no_psutil)
-    t_call = time.time()
-    received: dict[str, Any] = {}
-    arrived: dict[str, float] = {}
     try:
-        with model.continuous_batching_context_manager(
-            generation_config=gen_config, continuous_batching_config=cb_config,
-            block=True, timeout=30, workload_hints=hints,
-        ) as manager:
-            # transformers stamps requests with perf_counter; they are placed on the wall clock by
-            # their distance from one submit instant read on both clocks, so the order of the
-            # stamps holds even when the wall clock is slewed while the job runs.
-            t_submit = time.time()
-            t_submit_perf = time.perf_counter()
-            for r in requests:
-                added = manager.add_request(list(r["prompt_token_ids"]), request_id=r["id"],
-                                            max_new_tokens=int(r["max_tokens"]), eos_token_id=-1,
-                                            record_timestamps=True)
-                if added is None:
-                    raise RuntimeError(f"the continuous batching manager refused request {r['id']!r}")
-            deadline = time.monotonic() + timeout_s
-            last_note = time.monotonic()
-            while len(received) < len(requests):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"continuous batching finished {len(received)}/{len(requests)} "
-                                       f"requests in {timeout_s:.0f}s")
-                result = manager.get_result(timeout=1.0)
-                if result is None:
-                    if not manager.is_running():
-                        raise RuntimeError("transformers' continuous batching thread stopped with "
-                                           f"{len(requests) - len(received)} requests unfinished")
-                    continue
-                if result.is_finished() and result.request_id in by_id and result.request_id not in received:
-                    received[result.request_id] = result
-                    arrived[result.request_id] = time.time()
-                    if progress and time.monotonic() - last_note > 10:
-                        last_note = time.monotonic()
-                        progress(f"hf continuous: {len(received)}/{len(requests)} requests")
+        yield
     finally:
         cb_logger.setLevel(level)
         cb_logger.removeFilter(no_psutil)
 
+
+def _submit_all(manager, requests: Sequence[dict[str, Any]]) -> _SubmitClock:
+    """Every request added to the manager with its own ``max_new_tokens``; the submit instant."""
+    clock = _SubmitClock(time.time(), time.perf_counter())
+    for r in requests:
+        added = manager.add_request(list(r["prompt_token_ids"]), request_id=r["id"],
+                                    max_new_tokens=int(r["max_tokens"]), eos_token_id=-1,
+                                    record_timestamps=True)
+        if added is None:
+            raise RuntimeError(f"the continuous batching manager refused request {r['id']!r}")
+    return clock
+
+
+def _await_results(manager, by_id: dict[str, dict[str, Any]], timeout_s: float, progress: Progress | None
+                   ) -> tuple[dict[str, Any], dict[str, float]]:
+    """Each request's finished result and the wall-clock time it arrived, by request id."""
+    received: dict[str, Any] = {}
+    arrived: dict[str, float] = {}
+    deadline = time.monotonic() + timeout_s
+    last_note = time.monotonic()
+    while len(received) < len(by_id):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"continuous batching finished {len(received)}/{len(by_id)} "
+                               f"requests in {timeout_s:.0f}s")
+        result = manager.get_result(timeout=1.0)
+        if result is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped with "
+                                   f"{len(by_id) - len(received)} requests unfinished")
+            continue
+        if result.is_finished() and result.request_id in by_id and result.request_id not in received:
+            received[result.request_id] = result
+            arrived[result.request_id] = time.time()
+            if progress and time.monotonic() - last_note > 10:
+                last_note = time.monotonic()
+                progress(f"hf continuous: {len(received)}/{len(by_id)} requests")
+    return received, arrived
+
+
+def _continuous_timings(by_id: dict[str, dict[str, Any]], received: dict[str, Any], arrived: dict[str, float],
+                        clock: _SubmitClock) -> tuple[list[RequestTiming], dict[str, list[int]], int]:
+    """Each request's timing on the wall clock, its output cut to what it asked for, and the
+    tokens generated in all."""
     timings = []
     outputs: dict[str, list[int]] = {}
     computed = 0
@@ -292,10 +336,8 @@ def run_continuous(model, requests: Sequence[dict[str, Any]], *, max_batch_token
         stamps = res.timestamps or []
         timings.append(RequestTiming(
             id=rid, prompt_tokens=len(r["prompt_token_ids"]), requested_tokens=int(r["max_tokens"]),
-            output_tokens=produced, enqueued_at=t_submit,
-            started_at=t_submit + (start - t_submit_perf) if start > 0 else t_submit,
-            first_token_at=t_submit + (stamps[0] - t_submit_perf) if stamps else None,
-            finished_at=t_submit + (end - t_submit_perf) if end > 0 else arrived[rid]))
-    summary = summarize(timings)
-    return BaselineResult("hf-continuous", None, summary.requested_tokens, computed, time.time() - t_call, summary,
-                          timings, outputs)
+            output_tokens=produced, enqueued_at=clock.wall,
+            started_at=clock.to_wall(start) if start > 0 else clock.wall,
+            first_token_at=clock.to_wall(stamps[0]) if stamps else None,
+            finished_at=clock.to_wall(end) if end > 0 else arrived[rid]))
+    return timings, outputs, computed
