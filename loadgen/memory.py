@@ -510,7 +510,41 @@ def kv_dtype_report(requests: Sequence[dict[str, Any]], *, kv_cache_dtypes: Sequ
 
 
 # -- output -----------------------------------------------------------------------------------
+@dataclass
+class _Setup:
+    """What ``main`` settles on from the arguments before measuring anything."""
+    requests: list[dict[str, Any]]
+    max_model_len: int
+    vocab_size: int
+    engine_model: str | None  # the model --engine runs; None without --engine
+    kv_model: str | None  # whose KV bytes per token --kv-cache-dtypes compares
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    max_model_len = _checked_max_model_len(parser, args)
+    setup = _prepare(args, max_model_len)
+    try:
+        report = _measure(args, setup)
+    except (ValueError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    report["workload"].update(name=args.workload, seed=args.seed)
+    given = sys.argv[1:] if argv is None else argv
+    report["command"] = " ".join(["python -m mqinfer.loadgen.memory", *given])
+    report["date_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    kv_bytes = kv_bytes_per_token(STANDARD_CONFIG)
+    report["kv_bytes_per_token_standard_checkpoint"] = kv_bytes
+    print(format_markdown(report, kv_bytes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+            f.write("\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mqinfer.loadgen.memory",
         description="KV-cache memory report: KV waste at saturation for several block sizes, and concurrent "
@@ -552,8 +586,12 @@ def main(argv: list[str] | None = None) -> int:
                              "what --kv-budget slots take as the first one for --model, at the first block size. "
                              "Reports blocks and concurrent sequences at saturation for each.")
     parser.add_argument("--json", metavar="FILE", default=None, help="Write every figure to FILE as JSON.")
-    args = parser.parse_args(argv)
+    return parser
 
+
+def _checked_max_model_len(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The contiguous allocator's reservation per request, once the arguments are checked (a
+    parser error exits)."""
     max_model_len = args.max_model_len or int(STANDARD_CONFIG["max_position_embeddings"])
     if args.num_requests < 1:
         parser.error("--num-requests must be at least 1")
@@ -563,16 +601,24 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-num-seqs must be >= 1 and --max-num-batched-tokens >= --max-num-seqs")
     if args.kv_budget < max(args.block_sizes):
         parser.error(f"--kv-budget must hold at least one block of the largest block size ({max(args.block_sizes)})")
+    return max_model_len
 
+
+def _model_path(model: str) -> str:
+    """``--model`` as a path or a name the loader takes: 'standard' builds or reuses the standard checkpoint."""
+    if model == "standard":
+        from mqinfer.loadgen.checkpoint import make_standard_checkpoint
+
+        return str(make_standard_checkpoint())
+    return model
+
+
+def _prepare(args: argparse.Namespace, max_model_len: int) -> _Setup:
+    """The models to run and the workload, its token ids drawn from the engine model's vocabulary."""
     vocab_size = int(STANDARD_CONFIG["vocab_size"])
     engine_model = None
     if args.engine:
-        if args.model == "standard":
-            from mqinfer.loadgen.checkpoint import make_standard_checkpoint
-
-            engine_model = str(make_standard_checkpoint())
-        else:
-            engine_model = args.model
+        engine_model = _model_path(args.model)
         if engine_model == "tiny":
             from mqinfer.workers.loader import TINY_BOS
 
@@ -583,47 +629,35 @@ def main(argv: list[str] | None = None) -> int:
             vocab_size = int(read_config(engine_model)["vocab_size"])
     # Lengths are drawn before tokens, so the vocabulary changes token ids but never lengths.
     requests = make_workload(args.workload, n=args.num_requests, seed=args.seed, vocab_size=vocab_size)
-    kv_model = engine_model  # whose KV bytes per token --kv-cache-dtypes compares
+    kv_model = engine_model
     if args.kv_cache_dtypes and kv_model is None:
-        if args.model == "standard":
-            from mqinfer.loadgen.checkpoint import make_standard_checkpoint
+        kv_model = _model_path(args.model)
+    return _Setup(requests, max_model_len, vocab_size, engine_model, kv_model)
 
-            kv_model = str(make_standard_checkpoint())
-        else:
-            kv_model = args.model
-    try:
-        report = memory_report(
-            requests, kv_budget=args.kv_budget, block_sizes=args.block_sizes, max_model_len=max_model_len,
+
+def _progress(message: str) -> None:
+    print(f"[memory {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def _measure(args: argparse.Namespace, setup: _Setup) -> dict[str, Any]:
+    """The memory report for the block sizes and, with ``--kv-cache-dtypes``, the dtypes' comparison."""
+    report = memory_report(
+        setup.requests, kv_budget=args.kv_budget, block_sizes=args.block_sizes, max_model_len=setup.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        prefix_caching=args.prefix_caching, seed=args.seed, vocab_size=setup.vocab_size,
+        engine_model=setup.engine_model, num_threads=args.num_threads, progress=_progress,
+    )
+    if args.kv_cache_dtypes:
+        report["kv_cache_dtypes"] = kv_dtype_report(
+            setup.requests, kv_cache_dtypes=args.kv_cache_dtypes,
+            bytes_per_token=model_kv_bytes_per_token(setup.kv_model, args.kv_cache_dtypes),
+            kv_budget=args.kv_budget, block_size=args.block_sizes[0], max_model_len=setup.max_model_len,
             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-            prefix_caching=args.prefix_caching, seed=args.seed, vocab_size=vocab_size, engine_model=engine_model,
-            num_threads=args.num_threads,
-            progress=lambda m: print(f"[memory {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
+            prefix_caching=args.prefix_caching, seed=args.seed, vocab_size=setup.vocab_size,
+            engine_model=setup.engine_model, num_threads=args.num_threads, progress=_progress,
         )
-        if args.kv_cache_dtypes:
-            report["kv_cache_dtypes"] = kv_dtype_report(
-                requests, kv_cache_dtypes=args.kv_cache_dtypes,
-                bytes_per_token=model_kv_bytes_per_token(kv_model, args.kv_cache_dtypes), kv_budget=args.kv_budget,
-                block_size=args.block_sizes[0], max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=args.prefix_caching,
-                seed=args.seed, vocab_size=vocab_size, engine_model=engine_model, num_threads=args.num_threads,
-                progress=lambda m: print(f"[memory {time.strftime('%H:%M:%S')}] {m}", file=sys.stderr, flush=True),
-            )
-            report["kv_cache_dtypes"]["model"] = kv_model
-    except (ValueError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    report["workload"].update(name=args.workload, seed=args.seed)
-    given = sys.argv[1:] if argv is None else argv
-    report["command"] = " ".join(["python -m mqinfer.loadgen.memory", *given])
-    report["date_utc"] = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    kv_bytes = kv_bytes_per_token(STANDARD_CONFIG)
-    report["kv_bytes_per_token_standard_checkpoint"] = kv_bytes
-    print(format_markdown(report, kv_bytes))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-            f.write("\n")
-    return 0
+        report["kv_cache_dtypes"]["model"] = setup.kv_model
+    return report
 
 
 def _kv_cache_dtypes(text: str) -> list[str]:
