@@ -21,11 +21,18 @@ def _times(x: float | None) -> str:
 
 
 def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = None) -> str:
+    return "\n".join([*_header_lines(report, kv_bytes_per_token), *_paged_table(report),
+                      *_contiguous_table(report), *_engine_lines(report), *_kv_dtype_lines(report),
+                      "", *_goal_lines(report)])
+
+
+def _header_lines(report: dict[str, Any], kv_bytes_per_token: int | None) -> list[str]:
+    """The budget, the workload and the limits the runs had, and the saturation rule."""
     w = report["workload"]
     budget = report["kv_budget_tokens"]
     mem = f" ({budget * kv_bytes_per_token / 2**20:.1f} MiB of KV for the standard checkpoint)" \
         if kv_bytes_per_token else ""
-    lines = [
+    return [
         f"KV budget {budget:,} token slots{mem}; workload {w['num_requests']} requests, "
         f"{w['prompt_tokens']:,} prompt + {w['output_tokens']:,} output tokens "
         f"({w['prompt_tokens'] + w['output_tokens']:,} slots to hold them all at once); "
@@ -33,6 +40,12 @@ def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = Non
         f"max_num_batched_tokens {report['max_num_batched_tokens']}; prefix caching "
         f"{'on' if report['prefix_caching'] else 'off'}.",
         f"Saturated step: {report['saturation_rule']}. Means are over saturated steps.",
+    ]
+
+
+def _paged_table(report: dict[str, Any]) -> list[str]:
+    """One row per block size of the paged runs."""
+    lines = [
         "",
         "| block size | steps (saturated) | KV waste | unavoidable (last partial block) | estimate (bs-1)/2 per seq "
         "| KV in use | concurrent seqs mean / max | vs max-len contiguous | vs exact contiguous (first fit) "
@@ -46,7 +59,12 @@ def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = Non
             f"| {_num(p['concurrent_mean'])} / {_num(p['concurrent_max'], 'd')} | {_times(p['ratio_vs_max_len'])} "
             f"| {_times(p['ratio_vs_exact'])} | {_times(p['ratio_vs_exact_sum'])} | {p['preemptions']} |"
         )
-    lines += [
+    return lines
+
+
+def _contiguous_table(report: dict[str, Any]) -> list[str]:
+    """One row per contiguous allocator."""
+    lines = [
         "",
         "| contiguous allocator | reserves per request | placement | steps (saturated) | concurrent seqs mean / max "
         "| reserved slots holding no token |",
@@ -63,41 +81,58 @@ def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = Non
             f"| {labels[name]} | {c['reserves']} | {placement} | {c['steps']} ({c['saturated_steps']}) "
             f"| {_num(c['concurrent_mean'])} / {_num(c['concurrent_max'], 'd')} | {_pct(c['kv_waste'])} |"
         )
+    return lines
+
+
+def _engine_lines(report: dict[str, Any]) -> list[str]:
+    """The engine's cross-check per block size, when ``--engine`` ran it."""
     engine_rows = [p for p in report["paged"] if "engine" in p]
-    if engine_rows:
-        lines.append("")
-        for p in engine_rows:
-            e = p["engine"]
-            lines.append(
-                f"Engine cross-check, block size {p['block_size']} ({e['model']}): {e['steps']} steps "
-                f"({e['saturated_steps']} saturated), KV waste {_pct(e['kv_waste'])}, concurrent mean "
-                f"{_num(e['concurrent_mean'])}; every step identical to the simulation: "
-                f"{'yes' if e['identical_to_simulation'] else 'NO'}."
-            )
+    if not engine_rows:
+        return []
+    lines = [""]
+    for p in engine_rows:
+        e = p["engine"]
+        lines.append(
+            f"Engine cross-check, block size {p['block_size']} ({e['model']}): {e['steps']} steps "
+            f"({e['saturated_steps']} saturated), KV waste {_pct(e['kv_waste'])}, concurrent mean "
+            f"{_num(e['concurrent_mean'])}; every step identical to the simulation: "
+            f"{'yes' if e['identical_to_simulation'] else 'NO'}."
+        )
+    return lines
+
+
+def _kv_dtype_lines(report: dict[str, Any]) -> list[str]:
+    """The KV cache dtypes in the same memory, when ``--kv-cache-dtypes`` compared them."""
     kv = report.get("kv_cache_dtypes")
-    if kv:
-        lines += [
-            "",
-            f"KV cache dtypes in the same memory ({kv['memory_bytes'] / 2**20:.1f} MiB: {kv['basis']}, model "
-            f"{kv['model']}), block size {kv['block_size']}:",
-            "",
-            "| KV cache dtype | bytes per block | blocks | blocks vs first | steps (saturated) "
-            "| concurrent seqs mean / max at saturation | concurrency vs first | preemptions |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for r in kv["rows"]:
-            lines.append(
-                f"| {r['kv_cache_dtype']} | {r['bytes_per_block']:,} | {r['num_kv_blocks']:,} "
-                f"| {_times(r['blocks_ratio'])} | {r['steps']} ({r['saturated_steps']}) "
-                f"| {_num(r['concurrent_mean'])} / {_num(r['concurrent_max'], 'd')} "
-                f"| {_times(r['concurrency_ratio'])} | {r['preemptions']} |"
-            )
-        checked = [r for r in kv["rows"] if "engine_identical_to_simulation" in r]
-        if checked:
-            lines += ["", "Engine cross-check per KV cache dtype, every step identical to the simulation: " + ", ".join(
-                f"{r['kv_cache_dtype']} {'yes' if r['engine_identical_to_simulation'] else 'NO'}" for r in checked
-            ) + "."]
-    lines.append("")
+    if not kv:
+        return []
+    lines = [
+        "",
+        f"KV cache dtypes in the same memory ({kv['memory_bytes'] / 2**20:.1f} MiB: {kv['basis']}, model "
+        f"{kv['model']}), block size {kv['block_size']}:",
+        "",
+        "| KV cache dtype | bytes per block | blocks | blocks vs first | steps (saturated) "
+        "| concurrent seqs mean / max at saturation | concurrency vs first | preemptions |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in kv["rows"]:
+        lines.append(
+            f"| {r['kv_cache_dtype']} | {r['bytes_per_block']:,} | {r['num_kv_blocks']:,} "
+            f"| {_times(r['blocks_ratio'])} | {r['steps']} ({r['saturated_steps']}) "
+            f"| {_num(r['concurrent_mean'])} / {_num(r['concurrent_max'], 'd')} "
+            f"| {_times(r['concurrency_ratio'])} | {r['preemptions']} |"
+        )
+    checked = [r for r in kv["rows"] if "engine_identical_to_simulation" in r]
+    if checked:
+        lines += ["", "Engine cross-check per KV cache dtype, every step identical to the simulation: " + ", ".join(
+            f"{r['kv_cache_dtype']} {'yes' if r['engine_identical_to_simulation'] else 'NO'}" for r in checked
+        ) + "."]
+    return lines
+
+
+def _goal_lines(report: dict[str, Any]) -> list[str]:
+    """Per block size: whether the waste and concurrency goals are met."""
+    lines = []
     for p in report["paged"]:
         waste = {True: "met", False: "not met", None: "n/a (never saturated)"}[p["goal_waste_met"]]
         conc = {True: "met", False: "not met", None: "n/a"}[p["goal_concurrency_met"]]
@@ -106,7 +141,7 @@ def format_markdown(report: dict[str, Any], kv_bytes_per_token: int | None = Non
             f"{_pct(p['unavoidable_waste'])}: {waste}; concurrency {_times(p['ratio_vs_max_len'])} the "
             f"max-length contiguous allocator (goal >= {GOAL_CONCURRENCY_RATIO:g}x): {conc}."
         )
-    return "\n".join(lines)
+    return lines
 
 
 def kv_bytes_per_token(config: dict[str, Any]) -> int:
