@@ -203,6 +203,51 @@ def ab_rounds(engine, requests: list[dict[str, Any]], setting: str, rounds: int)
 
 
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.num_requests < 1 or args.repeat < 1:
+        parser.error("--num-requests and --repeat must be at least 1")
+
+    from mqinfer.procs import short_openmp_spin
+
+    short_openmp_spin()  # the OpenMP setting a worker runs with (transformers measured no different)
+    import torch
+
+    work = _standard_requests(args)
+    requests = work.requests
+    t = time.perf_counter()
+    engine = build_engine(work.model, args)
+    _log(f"engine ready in {time.perf_counter() - t:.1f}s ({torch.get_num_threads()} threads)")
+    if args.prefill_latency:
+        try:
+            lengths = [int(x) for x in args.prefill_latency.split(",")]
+        except ValueError:
+            parser.error(f"--prefill-latency takes comma-separated prompt lengths, got {args.prefill_latency!r}")
+        for n in lengths:
+            print(f"prompt of {n} tokens alone: first token after {prefill_latency(engine, n) * 1000:.1f} ms "
+                  f"(median of 5, {torch.get_num_threads()} threads)")
+        return 0
+    if args.step_medians:
+        decode, joined = step_medians(engine)
+        print(f"decoding step (64 sequences) median {decode * 1e3:.2f} ms; step where a 512-token prompt "
+              f"joins them median {joined * 1e3:.2f} ms ({torch.get_num_threads()} threads)")
+        return 0
+    warm = [dict(r, id=f"warm-{r['id']}", max_tokens=4) for r in requests[:8]]
+    run_engine(engine, warm)
+    if args.ab:
+        print(f"profile_engine --ab: {work.stats.num_requests} standard requests, {args.dtype}, "
+              f"{torch.get_num_threads()} threads")
+        ab_rounds(engine, requests, args.ab, args.repeat)
+        return 0
+    _engine_beside_hf(args, engine, work)
+    if args.ops:
+        _time_ops(engine, requests)
+    if args.torch_profile:
+        _torch_profile(engine, requests, args.top)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.profile_engine", description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-requests", type=int, default=64, help="Requests of the standard workload (default: 64).")
     parser.add_argument("--seed", type=int, default=0, help="Workload seed (default: 0).")
@@ -237,15 +282,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-latency", default=None, metavar="L[,L...]",
                         help="Only time one request alone per prompt length (its prefill step: the least time to "
                              "first token such a prompt can have), e.g. 16,136,256; then exit.")
-    args = parser.parse_args(argv)
-    if args.num_requests < 1 or args.repeat < 1:
-        parser.error("--num-requests and --repeat must be at least 1")
+    return parser
 
-    from mqinfer.procs import short_openmp_spin
 
-    short_openmp_spin()  # the OpenMP setting a worker runs with (transformers measured no different)
-    import torch
+@dataclass
+class _Workload:
+    """The checkpoint and the seeded subset of the standard workload (in its vocabulary) it runs."""
+    model: str
+    requests: list[dict[str, Any]]
+    stats: Any  # loadgen.workload.WorkloadStats
 
+
+def _standard_requests(args: argparse.Namespace) -> _Workload:
+    """The checkpoint (built or reused when ``--model`` is not given) and the workload."""
     from mqinfer.loadgen.checkpoint import make_standard_checkpoint, read_config
     from mqinfer.loadgen.workload import standard_workload, workload_stats
 
@@ -254,37 +303,20 @@ def main(argv: list[str] | None = None) -> int:
     requests = standard_workload(vocab_size=int(config["vocab_size"]), n=args.num_requests, seed=args.seed)
     stats = workload_stats(requests)
     _log(f"{stats.num_requests} requests, {stats.prompt_tokens} prompt tokens, {stats.output_tokens} output tokens")
+    return _Workload(model, requests, stats)
 
-    t = time.perf_counter()
-    engine = build_engine(model, args)
-    _log(f"engine ready in {time.perf_counter() - t:.1f}s ({torch.get_num_threads()} threads)")
-    if args.prefill_latency:
-        try:
-            lengths = [int(x) for x in args.prefill_latency.split(",")]
-        except ValueError:
-            parser.error(f"--prefill-latency takes comma-separated prompt lengths, got {args.prefill_latency!r}")
-        for n in lengths:
-            print(f"prompt of {n} tokens alone: first token after {prefill_latency(engine, n) * 1000:.1f} ms "
-                  f"(median of 5, {torch.get_num_threads()} threads)")
-        return 0
-    if args.step_medians:
-        decode, joined = step_medians(engine)
-        print(f"decoding step (64 sequences) median {decode * 1e3:.2f} ms; step where a 512-token prompt "
-              f"joins them median {joined * 1e3:.2f} ms ({torch.get_num_threads()} threads)")
-        return 0
-    warm = [dict(r, id=f"warm-{r['id']}", max_tokens=4) for r in requests[:8]]
-    run_engine(engine, warm)
-    if args.ab:
-        print(f"profile_engine --ab: {stats.num_requests} standard requests, {args.dtype}, "
-              f"{torch.get_num_threads()} threads")
-        ab_rounds(engine, requests, args.ab, args.repeat)
-        return 0
 
+def _engine_beside_hf(args: argparse.Namespace, engine, work: _Workload) -> None:
+    """``--repeat`` rounds of the engine, each followed by transformers' static batching (unless
+    ``--hf-batch-size 0``), and the ratios between them."""
+    import torch
+
+    requests, stats = work.requests, work.stats
     hf = None
     if args.hf_batch_size:
-        from mqinfer.loadgen.hf_baseline import load_hf_model, run_static, warm_up
+        from mqinfer.loadgen.hf_baseline import load_hf_model, warm_up
 
-        hf = load_hf_model(model, dtype=args.dtype)
+        hf = load_hf_model(work.model, dtype=args.dtype)
         warm_up(hf, requests)
 
     print(f"profile_engine: {stats.num_requests} standard requests (seed {args.seed}), {stats.prompt_tokens} prompt "
@@ -296,37 +328,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{k}] mqinfer engine: {fig.throughput:8.1f} tok/s ({fig.wall_s:.2f}s wall, {fig.cpu_s:.2f}s CPU); "
               f"{format_phases(fig)}")
         if hf is not None:
-            c0 = time.process_time()
-            base = run_static(hf, requests, args.hf_batch_size, progress=None)
-            hf_cpu = time.process_time() - c0
-            ratio = fig.throughput / base.throughput
-            # On a shared machine the CPU seconds each system got say more than wall time.
-            cpu_ratio = hf_cpu / fig.cpu_s if fig.cpu_s > 0 else float("nan")
-            ratios.append((ratio, cpu_ratio))
-            ours = {rid.rsplit("-", 1)[0]: ids for rid, ids in fig.outputs.items()}
-            print(f"[{k}] hf static@{args.hf_batch_size}: {base.throughput:8.1f} tok/s "
-                  f"({base.summary.span_s:.2f}s wall, {hf_cpu:.2f}s CPU); mqinfer / hf = {ratio:.2f}x by wall "
-                  f"time, {cpu_ratio:.2f}x by CPU time; greedy agreement: {_agreement(ours, base.outputs)}")
+            ratios.append(_hf_round(k, fig, hf, requests, args.hf_batch_size))
     if ratios:
         print(f"ratio mqinfer / hf static@{args.hf_batch_size} (wall, CPU): "
               + ", ".join(f"{r:.2f}x / {c:.2f}x" for r, c in ratios))
 
-    if args.ops:
-        from mqinfer.loadgen.op_timer import timing_ops
 
-        with timing_ops(engine.model) as times:
-            fig = run_engine(engine, [dict(r, id=f"{r['id']}-ops") for r in requests])
-        print(f"op by op ({fig.steps} steps, forward {fig.phase_seconds['forward']:.2f}s; the clocks add a few "
-              "microseconds per call):")
-        print(times.table(fig.phase_seconds["forward"]))
-    if args.torch_profile:
-        from torch.profiler import ProfilerActivity, profile, schedule
+def _hf_round(k: int, fig: EngineFigures, hf, requests: list[dict[str, Any]], batch_size: int) -> tuple[float, float]:
+    """transformers' static batching on the requests after the engine's round ``k``; the ratios
+    mqinfer / hf by wall time and by CPU time, printed with the greedy agreement."""
+    from mqinfer.loadgen.hf_baseline import run_static
 
-        steps = schedule(wait=2, warmup=2, active=20, repeat=1)
-        with profile(activities=[ProfilerActivity.CPU], schedule=steps, record_shapes=False) as prof:
-            run_engine(engine, [dict(r, id=f"{r['id']}-prof") for r in requests], profiler=prof)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
-    return 0
+    c0 = time.process_time()
+    base = run_static(hf, requests, batch_size, progress=None)
+    hf_cpu = time.process_time() - c0
+    ratio = fig.throughput / base.throughput
+    # On a shared machine the CPU seconds each system got say more than wall time.
+    cpu_ratio = hf_cpu / fig.cpu_s if fig.cpu_s > 0 else float("nan")
+    ours = {rid.rsplit("-", 1)[0]: ids for rid, ids in fig.outputs.items()}
+    print(f"[{k}] hf static@{batch_size}: {base.throughput:8.1f} tok/s "
+          f"({base.summary.span_s:.2f}s wall, {hf_cpu:.2f}s CPU); mqinfer / hf = {ratio:.2f}x by wall "
+          f"time, {cpu_ratio:.2f}x by CPU time; greedy agreement: {_agreement(ours, base.outputs)}")
+    return ratio, cpu_ratio
+
+
+def _time_ops(engine, requests: list[dict[str, Any]]) -> None:
+    """One more run with the model's kernels timed op by op, and their table."""
+    from mqinfer.loadgen.op_timer import timing_ops
+
+    with timing_ops(engine.model) as times:
+        fig = run_engine(engine, [dict(r, id=f"{r['id']}-ops") for r in requests])
+    print(f"op by op ({fig.steps} steps, forward {fig.phase_seconds['forward']:.2f}s; the clocks add a few "
+          "microseconds per call):")
+    print(times.table(fig.phase_seconds["forward"]))
+
+
+def _torch_profile(engine, requests: list[dict[str, Any]], top: int) -> None:
+    """One more run under torch.profiler, and its ``top`` operators by their own CPU time."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    steps = schedule(wait=2, warmup=2, active=20, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU], schedule=steps, record_shapes=False) as prof:
+        run_engine(engine, [dict(r, id=f"{r['id']}-prof") for r in requests], profiler=prof)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top))
 
 
 if __name__ == "__main__":
