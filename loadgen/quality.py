@@ -139,7 +139,30 @@ def _choices(allowed: tuple[str, ...]):
     return parse
 
 
+class _CannotMeasure(Exception):
+    """A combination the engine cannot run: the command says why and exits with 2."""
+
+
 def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.window < 2:
+        parser.error("--window must be at least 2")
+    try:
+        results = _measure(args)
+    except _CannotMeasure as exc:
+        print(f"quality: {exc}", file=sys.stderr)
+        return 2
+    _print_table(args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "dtype": args.dtype, "python": platform.python_version(),
+                       "window": args.window, "max_tokens": args.max_tokens, "command": sys.argv,
+                       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": [asdict(r) for r in results]}, f, indent=1)
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     from mqinfer.workers.config import QUANTIZATIONS, EngineConfig
 
     parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.quality", description=__doc__.split("\n\n")[0],
@@ -165,29 +188,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-threads", type=int, default=None, help="CPU threads (default: every core).")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: the engine's).")
     parser.add_argument("--json", default=None, metavar="FILE", help="Also write the figures as JSON.")
-    args = parser.parse_args(argv)
-    if args.window < 2:
-        parser.error("--window must be at least 2")
+    return parser
 
+
+def _combinations(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(quantization, KV cache dtype, LM head) to measure, the baseline first; the LM head choice
+    applies to w8a8 only."""
+    from mqinfer.workers.config import EngineConfig
+
+    head_choices = args.quantize_lm_head or ["on" if EngineConfig.quantize_lm_head else "off"]
+    return [(quantization, kv, "int8" if quantization == "w8a8" and head == "on" else "dtype")
+            for quantization in args.quantization for kv in args.kv_cache_dtype
+            for head in (head_choices if quantization == "w8a8" else ["off"])]
+
+
+def _measure(args: argparse.Namespace) -> list[Result]:
+    """Each combination's perplexity on the reference text and greedy agreement with the first's."""
     text = reference_text()
     results: list[Result] = []
     baseline_outputs: dict[str, list[int]] | None = None
     ids: list[int] | None = None
-    head_choices = args.quantize_lm_head or ["on" if EngineConfig.quantize_lm_head else "off"]
-    runs = [(quantization, kv, "int8" if quantization == "w8a8" and head == "on" else "dtype")
-            for quantization in args.quantization for kv in args.kv_cache_dtype
-            for head in (head_choices if quantization == "w8a8" else ["off"])]
-    for quantization, kv, lm_head in runs:
+    for quantization, kv, lm_head in _combinations(args):
         _log(f"--quantization {quantization} --kv-cache-dtype {kv} (LM head: {lm_head}): loading {args.model}")
         try:
             engine = _engine(args, quantization, kv, lm_head)
         except (TypeError, ValueError) as exc:
-            print(f"quality: cannot build the engine with --quantization {quantization} --kv-cache-dtype "
-                  f"{kv}: {exc}", file=sys.stderr)
-            return 2
+            raise _CannotMeasure(f"cannot build the engine with --quantization {quantization} --kv-cache-dtype "
+                                 f"{kv}: {exc}") from exc
         if engine.tokenizer is None:
-            print(f"quality: {args.model} has no tokenizer; perplexity needs one", file=sys.stderr)
-            return 2
+            raise _CannotMeasure(f"{args.model} has no tokenizer; perplexity needs one")
         if ids is None:
             ids = engine.tokenizer.encode(text)[: args.max_text_tokens]
             _log(f"text: {len(ids)} tokens of docstrings from {len(TEXT_MODULES)} modules "
@@ -207,7 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         _log(f"perplexity {ppl:.4f} over {scored} tokens ({result.seconds:.1f}s)")
         del engine
+    return results
 
+
+def _print_table(args: argparse.Namespace, results: list[Result]) -> None:
+    """One row per combination, its perplexity's change against the first row's."""
     base = results[0]
     print(f"quality of {args.model} ({args.dtype}); text: {base.tokens_scored} tokens scored in windows of "
           f"{args.window} (docstrings, Python {platform.python_version()}); greedy: {len(PROMPTS)} chat prompts x "
@@ -220,12 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         prefix = "-" if r.common_prefix is None else f"{r.common_prefix:.0%}"
         print(f"{r.quantization:<13} {r.kv_cache_dtype:<9} {r.lm_head:<7} {r.perplexity:>10.4f} {change:>+9.2%} {same:>9} "
               f"{prefix:>13} {r.kv_blocks:>9}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"model": args.model, "dtype": args.dtype, "python": platform.python_version(),
-                       "window": args.window, "max_tokens": args.max_tokens, "command": sys.argv,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": [asdict(r) for r in results]}, f, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
