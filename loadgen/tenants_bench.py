@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -169,10 +170,38 @@ def max_min_fair(demand: dict[str, float], weights: dict[str, float]) -> dict[st
     return shares
 
 
+@dataclass
+class _Workloads:
+    """Both tenants' requests: the light tenant's for each run and the heavy tenant's flood."""
+    light: list[dict[str, Any]]  # the alone run's
+    light_again: list[dict[str, Any]]  # the flood run's: the same lengths, no prompt block shared with the first run
+    heavy: list[dict[str, Any]]
+    n_light: int
+    n_heavy: int
+
+
+@dataclass
+class _Pipeline:
+    """The running server, a producer on it, the workers, and where their results land."""
+    url: str
+    producer: Any  # mqinfer.client.Producer
+    pool: WorkerPool
+    out: Path
+    tag: str  # makes this run's job ids unique
+
+
+@dataclass
+class _Timings:
+    """The result rows of both runs and how long each took."""
+    alone: list[RequestTiming]
+    alone_s: float
+    flood_light: list[RequestTiming]
+    flood_heavy: list[RequestTiming]
+    flood_s: float
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from mqinfer.client import Producer
     from mqinfer.layout import choose_layout
-    from mqinfer.server import EmbeddedServer
 
     spec = resolve_model(args.model)
     workers, threads, why = choose_layout({"workers": args.workers, "num_threads": args.num_threads,
@@ -186,8 +215,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     n_heavy = n_light * args.heavy_factor
     light = tenant_requests(spec, args, LIGHT, n_light, args.seed)
     heavy = tenant_requests(spec, args, HEAVY, n_heavy, args.seed + 1)
-    # The flood run's light requests: the same lengths, no prompt block shared with the first run.
-    light_again = unshared_prompts(light, 1, spec.vocab_size, spec.min_token_id)
+    work = _Workloads(light, unshared_prompts(light, 1, spec.vocab_size, spec.min_token_id), heavy, n_light, n_heavy)
+    timings = _measure(args, spec, weights, work)
+    window, tenants = _tenant_shares(work, timings, weight_of)
+    return {
+        "model": spec.arg, "workers": args.workers, "tenant_weights": format_tenant_weights(weight_of),
+        "light_rate": args.light_rate, "heavy_factor": args.heavy_factor, "heavy_burst": args.heavy_burst,
+        "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "seed": args.seed,
+        "light_queue_delay_s": {"alone": queue_delays(timings.alone), "flood": queue_delays(timings.flood_light)},
+        "heavy_queue_delay_s": queue_delays(timings.flood_heavy),
+        "run_s": {"alone": timings.alone_s, "flood": timings.flood_s}, "contention_window_s": window,
+        "tenants": tenants,
+    }
+
+
+def _measure(args: argparse.Namespace, spec: ModelSpec, weights: dict[str, float], work: _Workloads) -> _Timings:
+    """Both runs on one embedded server and one set of workers (with the tenant weights), after a
+    warm-up request."""
+    from mqinfer.client import Producer
+    from mqinfer.server import EmbeddedServer
 
     with tempfile.TemporaryDirectory(prefix="mqinfer-tenants-") as tmp:
         scratch = Path(tmp)
@@ -200,44 +246,65 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         pool = WorkerPool(argv, args.workers, out / "logs", out)
         producer = Producer(server.url, stream=STREAM)
         tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        pipeline = _Pipeline(server.url, producer, pool, out, tag)
         try:
             pool.start()
-            warm = {"id": "warmup", "prompt_token_ids": light[0]["prompt_token_ids"][::-1], "max_tokens": 4,
+            warm = {"id": "warmup", "prompt_token_ids": work.light[0]["prompt_token_ids"][::-1], "max_tokens": 4,
                     "ignore_eos": True, "temperature": 0.0}
             producer.submit(warm, job_id=f"warmup-{tag}")
             log(f"tenants: starting {args.workers} worker(s), waiting for a warm-up request")
             wait_done(producer.redis, f"warmup-{tag}", 1, pool, args.timeout_s, "warm-up")
-
-            jobs = {"alone": f"alone-{tag}", LIGHT: f"light-{tag}", HEAVY: f"heavy-{tag}"}
-            log(f"tenants alone: {n_light} light requests at {args.light_rate:g} req/s")
-            t0 = time.time()
-            _submit_all(server.url, [(light, poisson_arrivals(n_light, args.light_rate, args.seed), jobs["alone"])])
-            wait_done(producer.redis, jobs["alone"], n_light, pool, args.timeout_s, "alone")
-            alone_s = time.time() - t0
-            alone, _ = read_results(out, jobs["alone"], light)
-
-            schedules = [(light_again, poisson_arrivals(n_light, args.light_rate, args.seed + 2), jobs[LIGHT])]
-            if args.heavy_burst:
-                log(f"tenants flood: {n_heavy} heavy requests at once, then {n_light} light at {args.light_rate:g} "
-                    "req/s")
-                producer.submit_many(heavy, job_id=jobs[HEAVY])
-            else:
-                rate = args.light_rate * args.heavy_factor
-                log(f"tenants flood: {n_heavy} heavy requests at {rate:g} req/s beside {n_light} light at "
-                    f"{args.light_rate:g} req/s")
-                schedules.append((heavy, poisson_arrivals(n_heavy, rate, args.seed + 3), jobs[HEAVY]))
-            t0 = time.time()
-            _submit_all(server.url, schedules)
-            wait_done(producer.redis, jobs[LIGHT], n_light, pool, args.timeout_s, "flood: light")
-            wait_done(producer.redis, jobs[HEAVY], n_heavy, pool, args.timeout_s, "flood: heavy")
-            flood_s = time.time() - t0
-            flood_light, _ = read_results(out, jobs[LIGHT], light_again)
-            flood_heavy, _ = read_results(out, jobs[HEAVY], heavy)
+            alone, alone_s = _run_alone(args, pipeline, work)
+            flood_light, flood_heavy, flood_s = _run_flood(args, pipeline, work)
         finally:
             pool.stop()
             producer.redis.close()
             server.stop()
+    return _Timings(alone, alone_s, flood_light, flood_heavy, flood_s)
 
+
+def _run_alone(args: argparse.Namespace, pipeline: _Pipeline, work: _Workloads) -> tuple[list[RequestTiming], float]:
+    """The light tenant's requests alone at ``--light-rate``: their result rows and the run's seconds."""
+    job = f"alone-{pipeline.tag}"
+    log(f"tenants alone: {work.n_light} light requests at {args.light_rate:g} req/s")
+    t0 = time.time()
+    _submit_all(pipeline.url, [(work.light, poisson_arrivals(work.n_light, args.light_rate, args.seed), job)])
+    wait_done(pipeline.producer.redis, job, work.n_light, pipeline.pool, args.timeout_s, "alone")
+    alone_s = time.time() - t0
+    alone, _ = read_results(pipeline.out, job, work.light)
+    return alone, alone_s
+
+
+def _run_flood(args: argparse.Namespace, pipeline: _Pipeline, work: _Workloads
+               ) -> tuple[list[RequestTiming], list[RequestTiming], float]:
+    """The light tenant's requests again beside the heavy tenant's (at ``--heavy-factor`` times the
+    rate, or all at once with ``--heavy-burst``): each tenant's result rows and the run's seconds."""
+    jobs = {LIGHT: f"light-{pipeline.tag}", HEAVY: f"heavy-{pipeline.tag}"}
+    n_light, n_heavy = work.n_light, work.n_heavy
+    schedules = [(work.light_again, poisson_arrivals(n_light, args.light_rate, args.seed + 2), jobs[LIGHT])]
+    if args.heavy_burst:
+        log(f"tenants flood: {n_heavy} heavy requests at once, then {n_light} light at {args.light_rate:g} "
+            "req/s")
+        pipeline.producer.submit_many(work.heavy, job_id=jobs[HEAVY])
+    else:
+        rate = args.light_rate * args.heavy_factor
+        log(f"tenants flood: {n_heavy} heavy requests at {rate:g} req/s beside {n_light} light at "
+            f"{args.light_rate:g} req/s")
+        schedules.append((work.heavy, poisson_arrivals(n_heavy, rate, args.seed + 3), jobs[HEAVY]))
+    t0 = time.time()
+    _submit_all(pipeline.url, schedules)
+    wait_done(pipeline.producer.redis, jobs[LIGHT], n_light, pipeline.pool, args.timeout_s, "flood: light")
+    wait_done(pipeline.producer.redis, jobs[HEAVY], n_heavy, pipeline.pool, args.timeout_s, "flood: heavy")
+    flood_s = time.time() - t0
+    flood_light, _ = read_results(pipeline.out, jobs[LIGHT], work.light_again)
+    flood_heavy, _ = read_results(pipeline.out, jobs[HEAVY], work.heavy)
+    return flood_light, flood_heavy, flood_s
+
+
+def _tenant_shares(work: _Workloads, timings: _Timings, weight_of: dict[str, float]
+                   ) -> tuple[float, dict[str, dict[str, Any]]]:
+    """The contention window's length and, per tenant, its weight, offered, fair and served shares."""
+    flood_light, flood_heavy, light_again, heavy = timings.flood_light, timings.flood_heavy, work.light_again, work.heavy
     # Shares while both tenants had requests in the system: from the later first arrival to the
     # earlier last finish.
     start = max(min(t.enqueued_at for t in flood_light), min(t.enqueued_at for t in flood_heavy))
@@ -258,18 +325,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "offered_share": offered[t] / total_offered, "fair_share": fair[t],
             "served_share": served[t] / total_served,
             "tokens_per_s": served[t] / window if window > 0 else None,
-            "requests": n_light if t == LIGHT else n_heavy}
+            "requests": work.n_light if t == LIGHT else work.n_heavy}
         for t in (LIGHT, HEAVY)
     }
-    return {
-        "model": spec.arg, "workers": args.workers, "tenant_weights": format_tenant_weights(weight_of),
-        "light_rate": args.light_rate, "heavy_factor": args.heavy_factor, "heavy_burst": args.heavy_burst,
-        "prompt_len": list(args.prompt_len), "output_len": list(args.output_len), "seed": args.seed,
-        "light_queue_delay_s": {"alone": queue_delays(alone), "flood": queue_delays(flood_light)},
-        "heavy_queue_delay_s": queue_delays(flood_heavy),
-        "run_s": {"alone": alone_s, "flood": flood_s}, "contention_window_s": window,
-        "tenants": tenants,
-    }
+    return window, tenants
 
 
 def _submit_all(url: str, schedules: list[tuple[list[dict[str, Any]], list[float], str]]) -> None:
