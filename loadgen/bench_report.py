@@ -206,6 +206,25 @@ def format_llamacpp_table(llamacpp: dict[str, Any]) -> str:
 
 def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]], online: list[OnlinePoint]) -> None:
     """The finished run on stdout: every line from ``report`` (the JSON's figures) and the rows."""
+    _print_header(report)
+    print(format_table(table_rows))
+    _print_engine_notes(report)
+    with_wait = bool(report.get("compare_wait"))
+    for p in online:
+        print(f"{point_name(p, with_wait)}: {budget_line(p)}")
+    if with_wait:
+        print(format_wait_table(online))
+    throughputs = dict((name, s.throughput) for name, s in table_rows)
+    _print_hf_comparison(report, throughputs)
+    _print_variant_comparisons(report, throughputs)
+    _print_prefix_cache(report, throughputs)
+    if "llamacpp" in report:
+        _print_llamacpp(report["llamacpp"])
+    _print_ceiling(report)
+
+
+def _print_header(report: dict[str, Any]) -> None:
+    """The workload, model and mode, then the machine."""
     w, flags = report["workload"], report["engine_flags"]
     print(f"mqinfer bench: workload {w['name']} ({w['num_requests']} requests, {w['prompt_tokens']} prompt "
           f"tokens, {w['output_tokens']} output tokens asked for, seed {w['seed']}), model {report['model']['arg']}, "
@@ -214,7 +233,10 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
     print(f"machine: {machine.get('cpu', '?')}, {machine['cpus']} cpus, "
           f"{' '.join(f for f in machine.get('flags', []) if f.startswith(('amx', 'avx512_bf16'))) or 'no bf16 units'}"
           f"; load average at start {machine['load_average'][0]:.2f}")
-    print(format_table(table_rows))
+
+
+def _print_engine_notes(report: dict[str, Any]) -> None:
+    """What our own run adds under the table: its overhead, its speculation, the rate `--rate half` chose."""
     if "overhead" in report:
         o = report["overhead"]
         parts = ", ".join(f"{k} {v:.2f}s" for k, v in o["phases_s"].items())
@@ -231,12 +253,10 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
     if "rate_half" in report:
         half = report["rate_half"]
         print(f"--rate half: offline throughput {half['offline_req_s']:.3g} req/s, so online at {half['rate']:g} req/s")
-    with_wait = bool(report.get("compare_wait"))
-    for p in online:
-        print(f"{point_name(p, with_wait)}: {budget_line(p)}")
-    if with_wait:
-        print(format_wait_table(online))
-    throughputs = dict((name, s.throughput) for name, s in table_rows)
+
+
+def _print_hf_comparison(report: dict[str, Any], throughputs: dict[str, float]) -> None:
+    """Our offline throughput over transformers' (static and continuous), and their greedy agreement."""
     ours = throughputs.get("mqinfer offline")
     static_best = report.get("hf_static_best")
     if ours is not None and static_best in throughputs:
@@ -249,8 +269,13 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
         print(f"greedy agreement with {static_best} over {a['compared']} requests: first token "
               f"{a['first_token']:.0%}, identical output {a['identical']:.0%}, common prefix "
               f"{a['common_prefix']:.0%} on average (bf16 near-ties make later tokens differ)")
+
+
+def _print_variant_comparisons(report: dict[str, Any], throughputs: dict[str, float]) -> None:
+    """Our offline throughput over each rerun with one thing changed, their agreement, and the rounds."""
+    ours = throughputs.get("mqinfer offline")
+    flags = report["engine_flags"]
     if ours is not None and "mqinfer offline, unquantized" in throughputs:
-        flags = report["engine_flags"]
         print(f"mqinfer --quantization {flags['quantization']} --kv-cache-dtype {flags['kv_cache_dtype']} / unquantized: "
               f"{_ratio(ours, throughputs['mqinfer offline, unquantized'])}")
     if "agreement_vs_unquantized" in report:
@@ -260,12 +285,11 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
               f"{a['common_prefix']:.0%} on average")
     if ours is not None and "mqinfer offline, other layout" in throughputs:
         other = report["systems"]["mqinfer offline, other layout"]
-        flags = report["engine_flags"]
         print(f"mqinfer ({report['workers']} worker(s) x {flags['num_threads'] or 1} thread(s)) / the other layout "
               f"({other['workers']} x {other['num_threads']}): "
               f"{_ratio(ours, throughputs['mqinfer offline, other layout'])}")
     if ours is not None and "mqinfer offline, unspeculative" in throughputs:
-        print(f"mqinfer --speculative {report['engine_flags']['speculative']} / unspeculative: "
+        print(f"mqinfer --speculative {flags['speculative']} / unspeculative: "
               f"{_ratio(ours, throughputs['mqinfer offline, unspeculative'])}")
     if "agreement_vs_unspeculative" in report:
         a = report["agreement_vs_unspeculative"]
@@ -274,9 +298,14 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
     for variant, r in report.get("rounds", {}).items():
         print(f"mqinfer / {variant} over {len(r['ratios'])} rounds (alternating which ran first): "
               + ", ".join(f"{x:.2f}x" for x in r["ratios"]) + f"; median {r['median_ratio']:.2f}x")
-    if "prefix_cache" in report:
-        from mqinfer.loadgen.prefix_cache import describe
 
+
+def _print_prefix_cache(report: dict[str, Any], throughputs: dict[str, float]) -> None:
+    """The prefix cache's hits (and the work per shard), then the same for the input-order rerun."""
+    from mqinfer.loadgen.prefix_cache import describe
+
+    ours = throughputs.get("mqinfer offline")
+    if "prefix_cache" in report:
         shards = report.get("shards", 1)
         print(f"mqinfer (--order {report.get('order')}"
               + (f", {shards} shards routed by {report.get('route')}" if shards > 1 else "") + "): "
@@ -292,15 +321,21 @@ def print_report(report: dict[str, Any], table_rows: list[tuple[str, RunSummary]
               f"{_ratio(ours, throughputs['mqinfer offline, input order'])}")
         if unordered.get("prefix_cache"):
             print("  input order: " + describe(unordered["prefix_cache"]))
-    if "llamacpp" in report:
-        lc = report["llamacpp"]
-        print(f"llama.cpp: llama-batched-bench -npp {lc['prompt_len']} -ntg {lc['output_len']} -npl "
-              f"{lc['num_requests']} on {Path(lc['gguf']).name}; S = (prompt + generated tokens) / total time, "
-              f"for mqinfer over its span (first started -> last finished)")
-        print(format_llamacpp_table(lc))
-        if lc.get("mqinfer") is not None:
-            best = next(r for r in lc["runs"] if r["threads"] == lc["best_threads"])
-            print(f"mqinfer / llama.cpp (best: -t {lc['best_threads']}): {_ratio(lc['mqinfer']['tok_s'], best['s_tok_s'])}")
+
+
+def _print_llamacpp(lc: dict[str, Any]) -> None:
+    """What llama-batched-bench ran, its table, and our throughput over its best thread count's."""
+    print(f"llama.cpp: llama-batched-bench -npp {lc['prompt_len']} -ntg {lc['output_len']} -npl "
+          f"{lc['num_requests']} on {Path(lc['gguf']).name}; S = (prompt + generated tokens) / total time, "
+          f"for mqinfer over its span (first started -> last finished)")
+    print(format_llamacpp_table(lc))
+    if lc.get("mqinfer") is not None:
+        best = next(r for r in lc["runs"] if r["threads"] == lc["best_threads"])
+        print(f"mqinfer / llama.cpp (best: -t {lc['best_threads']}): {_ratio(lc['mqinfer']['tok_s'], best['s_tok_s'])}")
+
+
+def _print_ceiling(report: dict[str, Any]) -> None:
+    """The matrix rate, the workload's matrix work, the compute ceiling, each system's share, the roofs."""
     rate, before, after, flops = (report["matrix_rate"], report["matrix_rate_before"], report["matrix_rate_after"],
                                   report["flops"])
     print(f"{rate['dtype']} matrix rate: {rate['flops_per_s'] / 1e12:.3f} TFLOP/s ({rate['size']}^3 matmul on "
