@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ from mqinfer.loadgen.bench_report import (
     write_plots,
 )
 from mqinfer.loadgen.metrics import RequestTiming, RunSummary, summarize, token_agreement
-from mqinfer.loadgen.workload import make_workload, workload_stats
+from mqinfer.loadgen.workload import WorkloadStats, make_workload, workload_stats
 
 BENCH_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -285,11 +285,90 @@ def run_bench(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace) -> int:
-    from mqinfer.loadgen.bench_roofs import measure_copy_bandwidth, workload_bytes
-    from mqinfer.loadgen.matrix_rate import compute_ceiling, measure_matmul_rate, workload_flops
+@dataclass
+class _Setup:
+    """What every system in the run shares: the arguments with the worker layout and the dtype
+    resolved, the checkpoint, the seeded workload and the device."""
+    args: argparse.Namespace
+    spec: ModelSpec
+    requests: list[dict[str, Any]]
+    stats: WorkloadStats
+    device: str
 
+
+@dataclass
+class _Before:
+    """What is measured or counted before any system runs."""
+    rate: Any  # MatmulRate
+    flops: Any  # FlopCount
+    need: Any  # WorkloadBytes
+    bandwidth: Any  # CopyBandwidth, or None on a GPU
+
+
+@dataclass
+class _Results:
+    """The figures gathered so far: the report, the throughput table's rows, the online points and
+    our own offline run (what every comparison is taken against)."""
+    json_path: str | None
+    report: dict[str, Any]
+    table_rows: list[tuple[str, RunSummary]] = field(default_factory=list)
+    online: list[OnlinePoint] = field(default_factory=list)
+    ours: RunSummary | None = None
+    our_timings: list[RequestTiming] = field(default_factory=list)
+    our_outputs: dict[str, list[int]] = field(default_factory=dict)
+    static_best: Any = None  # hf_baseline.BaselineResult
+    continuous: Any = None  # hf_baseline.BaselineResult
+
+    def done(self, name: str, summary: RunSummary, entry: dict[str, Any]) -> None:
+        # Each system's figures are logged and saved as soon as it finishes, so that a long run
+        # cut short still leaves what it measured.
+        self.table_rows.append((name, summary))
+        self.report["systems"][name] = entry
+        log(f"{name}: {summary.throughput:.1f} tok/s over {summary.span_s:.1f}s, {summary.num_errors} errors")
+        save_json(self.json_path, self.report)
+
+    def agree(self, key: str, outputs: dict[str, list[int]]) -> None:
+        """Record under ``key`` how far ``outputs`` agree with our offline run's, token by token."""
+        if self.ours is None:
+            return
+        agreement = token_agreement(self.our_outputs, outputs)
+        if agreement is not None:
+            self.report[key] = asdict(agreement)
+
+
+def _run(args: argparse.Namespace) -> int:
     started = time.time()
+    setup = _prepare(args)
+    args = setup.args
+    if args.workers < args.shards:
+        print(f"mqinfer bench: error: --shards {args.shards} needs at least as many workers (got {args.workers})",
+              file=sys.stderr)
+        return 2
+    before = _measure_before(setup)
+    scratch = Path(tempfile.mkdtemp(prefix="mqinfer-bench-"))
+    results = _Results(args.json, _initial_report(setup, before))
+    try:
+        _run_systems(setup, results, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    ceiling = _measure_after(setup, before, results)
+    report = results.report
+    report["ratios"] = _ratios(results)
+    if results.our_outputs and results.static_best is not None:
+        agreement = token_agreement(results.our_outputs, results.static_best.outputs)
+        if agreement is not None:
+            report["agreement_vs_hf_static"] = asdict(agreement)
+    report["ceiling_share"] = {name: s.throughput / ceiling for name, s in results.table_rows
+                               if s.throughput > 0 and (name.startswith("mqinfer offline") or name.startswith("hf-"))}
+    report["wall_s"] = time.time() - started
+    report["load_average_at_end"] = os.getloadavg()
+    print_report(report, results.table_rows, results.online)
+    _write_outputs(args, results)
+    return 0
+
+
+def _prepare(args: argparse.Namespace) -> _Setup:
+    """The checkpoint, the workload, the device, and ``args`` with the layout and dtype made concrete."""
     spec = resolve_model(args.model)
     requests = make_workload(args.workload, n=args.num_requests, seed=args.seed, vocab_size=spec.vocab_size,
                              max_model_len=spec.max_model_len, prompt_len=args.prompt_len,
@@ -313,27 +392,36 @@ def _run(args: argparse.Namespace) -> int:
 
     mm_dtype = str(resolve_dtype(args.dtype, spec.config, device)).removeprefix("torch.")
     args = argparse.Namespace(**{**vars(args), "dtype": mm_dtype, "workers": workers, "num_threads": threads})
-    if workers < args.shards:
-        print(f"mqinfer bench: error: --shards {args.shards} needs at least as many workers (got {workers})",
-              file=sys.stderr)
-        return 2
-    log(f"measuring the {mm_dtype} matrix rate on {device}")
-    rate_before = measure_matmul_rate(args.matrix_size, dtype=mm_dtype, device=device)
-    flops = workload_flops(spec.config, requests)
-    max_num_seqs = args.max_num_seqs or next(o.default for o in ENGINE_OPTIONS if o.name == "max_num_seqs")
-    need = workload_bytes(spec.config, requests, dtype=mm_dtype, quantization=args.quantization,
-                          kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max_num_seqs)
-    bandwidth_before = measure_copy_bandwidth() if device == "cpu" else None
+    return _Setup(args, spec, requests, stats, device)
 
-    scratch = Path(tempfile.mkdtemp(prefix="mqinfer-bench-"))
-    report: dict[str, Any] = {
+
+def _measure_before(setup: _Setup) -> _Before:
+    """The matrix rate, the workload's matrix work and bytes, and (on a CPU) the copy bandwidth."""
+    from mqinfer.loadgen.bench_roofs import measure_copy_bandwidth, workload_bytes
+    from mqinfer.loadgen.matrix_rate import measure_matmul_rate, workload_flops
+
+    args, device = setup.args, setup.device
+    log(f"measuring the {args.dtype} matrix rate on {device}")
+    rate = measure_matmul_rate(args.matrix_size, dtype=args.dtype, device=device)
+    flops = workload_flops(setup.spec.config, setup.requests)
+    max_num_seqs = args.max_num_seqs or next(o.default for o in ENGINE_OPTIONS if o.name == "max_num_seqs")
+    need = workload_bytes(setup.spec.config, setup.requests, dtype=args.dtype, quantization=args.quantization,
+                          kv_cache_dtype=args.kv_cache_dtype, max_num_seqs=max_num_seqs)
+    bandwidth = measure_copy_bandwidth() if device == "cpu" else None
+    return _Before(rate, flops, need, bandwidth)
+
+
+def _initial_report(setup: _Setup, before: _Before) -> dict[str, Any]:
+    """The report's fixed part: when, where, what workload, model and flags; no system's figures yet."""
+    args, spec, flops = setup.args, setup.spec, before.flops
+    return {
         "date": time.strftime(BENCH_DATE_FORMAT),
         "command": command_line(),
         "machine": machine_info(),
         "workload": {"name": args.workload, "seed": args.seed, "prompt_len": args.prompt_len,
                      "output_len": args.output_len, "num_prefixes": args.num_prefixes,
                      "prefix_len": args.prefix_len, "prompt_token_ids": [spec.min_token_id, spec.vocab_size],
-                     **asdict(stats)},
+                     **asdict(setup.stats)},
         "model": {"arg": spec.arg, "config": spec.config},
         "mode": args.mode,
         "workers": args.workers,
@@ -346,174 +434,172 @@ def _run(args: argparse.Namespace) -> int:
                                                        "num_threads", "speculative", "num_speculative_tokens",
                                                        "speculative_max_batched_tokens", "speculative_policy",
                                                        "draft_layers", "draft_model")},
-        "matrix_rate_before": asdict(rate_before),
+        "matrix_rate_before": asdict(before.rate),
         "flops": {**asdict(flops), "total": flops.total, "params_convention": flops.params_convention},
         "systems": {},
     }
-    compare = args.compare or []
-    table_rows: list[tuple[str, RunSummary]] = []
-    online: list[OnlinePoint] = []
-    ours: RunSummary | None = None
-    our_timings: list[RequestTiming] = []
-    our_outputs: dict[str, list[int]] = {}
 
-    def done(name: str, summary: RunSummary, entry: dict[str, Any]) -> None:
-        # Each system's figures are logged and saved as soon as it finishes, so that a long run
-        # cut short still leaves what it measured.
-        table_rows.append((name, summary))
-        report["systems"][name] = entry
-        log(f"{name}: {summary.throughput:.1f} tok/s over {summary.span_s:.1f}s, {summary.num_errors} errors")
-        save_json(args.json, report)
 
-    try:
-        if not args.skip_engine:
-            run = run_engine(args, spec, requests, scratch)
-            ours, online, our_timings, our_outputs = run.offline, run.online, run.timings, run.outputs
-            if run.overhead is not None:
-                report["overhead"] = run.overhead
-            if run.speculation is not None:
-                report["speculation"] = run.speculation
-            if run.prefix_cache is not None:
-                report["prefix_cache"] = run.prefix_cache
-            if run.routing is not None:
-                report["routing"] = run.routing
-            if run.half_rate is not None:
-                report["rate_half"] = {"offline_req_s": request_rate(run.offline), "rate": run.half_rate}
-            if args.compare_wait:
-                report["compare_wait"] = args.compare_wait
-            if online:
-                report["online"] = [{"rate": p.rate, "max_wait_ms": p.max_wait_ms, "summary": p.summary.to_dict(),
-                                     "budget": budget_dict(p), "submit_lag_p99_s": p.submit_lag_p99_s,
-                                     "requests": [asdict(t) for t in p.timings]} for p in online]
-            if ours is not None:
-                done("mqinfer offline", ours, {"summary": ours.to_dict(), "requests": [asdict(t) for t in run.timings]})
-            for p in online:
-                done(point_name(p, bool(args.compare_wait)), p.summary,
+def _run_systems(setup: _Setup, results: _Results, scratch: Path) -> None:
+    """Every system the arguments ask for, in turn: mqinfer, its variants and their rounds, then the peers."""
+    args = setup.args
+    if not args.skip_engine:
+        _run_ours(setup, results, scratch)
+        _run_variants(setup, results, scratch)
+    if args.rounds > 1 and results.ours is not None:
+        rows = dict(results.table_rows)
+        results.report["rounds"] = {}
+        for variant, name in VARIANTS.items():
+            if variant in (args.compare or []):
+                results.report["rounds"][variant] = _more_rounds(args, setup.spec, setup.requests, scratch, variant,
+                                                                 (results.ours.throughput, rows[name].throughput))
+                save_json(args.json, results.report)
+    if HF in (args.compare or []):
+        _run_hf(setup, results, scratch)
+    if LLAMACPP in (args.compare or []):
+        results.report["llamacpp"] = llamacpp.compare(args, setup.spec, results.our_timings, results.ours)
+        save_json(args.json, results.report)
+
+
+def _run_ours(setup: _Setup, results: _Results, scratch: Path) -> None:
+    """mqinfer as the arguments give it: offline, or the online sweep."""
+    args, report = setup.args, results.report
+    run = run_engine(args, setup.spec, setup.requests, scratch)
+    results.ours, results.online, results.our_timings, results.our_outputs = (run.offline, run.online, run.timings,
+                                                                              run.outputs)
+    if run.overhead is not None:
+        report["overhead"] = run.overhead
+    if run.speculation is not None:
+        report["speculation"] = run.speculation
+    if run.prefix_cache is not None:
+        report["prefix_cache"] = run.prefix_cache
+    if run.routing is not None:
+        report["routing"] = run.routing
+    if run.half_rate is not None:
+        report["rate_half"] = {"offline_req_s": request_rate(run.offline), "rate": run.half_rate}
+    if args.compare_wait:
+        report["compare_wait"] = args.compare_wait
+    if run.online:
+        report["online"] = [{"rate": p.rate, "max_wait_ms": p.max_wait_ms, "summary": p.summary.to_dict(),
+                             "budget": budget_dict(p), "submit_lag_p99_s": p.submit_lag_p99_s,
+                             "requests": [asdict(t) for t in p.timings]} for p in run.online]
+    if run.offline is not None:
+        results.done("mqinfer offline", run.offline,
+                     {"summary": run.offline.to_dict(), "requests": [asdict(t) for t in run.timings]})
+    for p in run.online:
+        results.done(point_name(p, bool(args.compare_wait)), p.summary,
                      {"summary": p.summary.to_dict(), "budget": budget_dict(p)})
-        if UNQUANTIZED in compare and not args.skip_engine:
-            log("mqinfer again with --quantization none --kv-cache-dtype auto")
-            plain = run_engine(_variant_args(args, UNQUANTIZED, "unquantized"), spec, requests, scratch / "unquantized")
-            done("mqinfer offline, unquantized", plain.offline, {"summary": plain.offline.to_dict()})
-            if ours is not None:
-                agreement = token_agreement(our_outputs, plain.outputs)
-                if agreement is not None:
-                    report["agreement_vs_unquantized"] = asdict(agreement)
-        if UNSPECULATIVE in compare and not args.skip_engine:
-            log("mqinfer again with --speculative none")
-            plain = run_engine(_variant_args(args, UNSPECULATIVE, "unspeculative"), spec, requests,
-                               scratch / "unspeculative")
-            done("mqinfer offline, unspeculative", plain.offline, {"summary": plain.offline.to_dict()})
-            if ours is not None:
-                agreement = token_agreement(our_outputs, plain.outputs)
-                if agreement is not None:
-                    report["agreement_vs_unspeculative"] = asdict(agreement)
-        if OTHER_LAYOUT in compare and not args.skip_engine:
-            other = other_layout(args)
-            log(f"mqinfer again with --workers {other['workers']} --num-threads {other['num_threads']}")
-            plain = run_engine(_variant_args(args, OTHER_LAYOUT, "other-layout"), spec, requests,
-                               scratch / "other-layout")
-            done("mqinfer offline, other layout", plain.offline, {"summary": plain.offline.to_dict(), **other})
-        if INPUT_ORDER in compare and not args.skip_engine:
-            log("mqinfer again with --order input --route id")
-            plain = run_engine(_variant_args(args, INPUT_ORDER, "input-order"), spec, requests, scratch / "input-order")
-            done("mqinfer offline, input order", plain.offline,
-                 {"summary": plain.offline.to_dict(), "prefix_cache": plain.prefix_cache, "routing": plain.routing})
-            if ours is not None:
-                agreement = token_agreement(our_outputs, plain.outputs)
-                if agreement is not None:
-                    report["agreement_vs_input_order"] = asdict(agreement)
-        if args.rounds > 1 and ours is not None:
-            rows = dict(table_rows)
-            report["rounds"] = {}
-            for variant, name in VARIANTS.items():
-                if variant in compare:
-                    report["rounds"][variant] = _more_rounds(args, spec, requests, scratch, variant,
-                                                             (ours.throughput, rows[name].throughput))
-                    save_json(args.json, report)
-        static_best = continuous = None
-        if HF in compare:
-            from mqinfer.loadgen import hf_baseline
 
-            folder = hf_folder(spec, scratch)
-            log(f"transformers: loading {folder} in {args.dtype} on {device}")
-            model = hf_baseline.load_hf_model(folder, dtype=mm_dtype, device=device)
-            hf_baseline.warm_up(model, requests)
-            for batch_size in args.hf_batch_sizes:
-                r = hf_baseline.run_static(model, requests, batch_size, progress=log)
-                if static_best is None or r.throughput > static_best.throughput:
-                    static_best = r
-                    report["hf_static_best"] = r.label
-                done(r.label, r.summary, r.to_dict())
-            log("transformers continuous batching")
-            try:
-                continuous = hf_baseline.run_continuous(model, requests, max_batch_tokens=args.hf_max_batch_tokens,
+
+def _run_variants(setup: _Setup, results: _Results, scratch: Path) -> None:
+    """The offline reruns of mqinfer with one thing changed that ``--compare`` asks for."""
+    args, spec, requests = setup.args, setup.spec, setup.requests
+    compare = args.compare or []
+    if UNQUANTIZED in compare:
+        log("mqinfer again with --quantization none --kv-cache-dtype auto")
+        plain = run_engine(_variant_args(args, UNQUANTIZED, "unquantized"), spec, requests, scratch / "unquantized")
+        results.done("mqinfer offline, unquantized", plain.offline, {"summary": plain.offline.to_dict()})
+        results.agree("agreement_vs_unquantized", plain.outputs)
+    if UNSPECULATIVE in compare:
+        log("mqinfer again with --speculative none")
+        plain = run_engine(_variant_args(args, UNSPECULATIVE, "unspeculative"), spec, requests,
+                           scratch / "unspeculative")
+        results.done("mqinfer offline, unspeculative", plain.offline, {"summary": plain.offline.to_dict()})
+        results.agree("agreement_vs_unspeculative", plain.outputs)
+    if OTHER_LAYOUT in compare:
+        other = other_layout(args)
+        log(f"mqinfer again with --workers {other['workers']} --num-threads {other['num_threads']}")
+        plain = run_engine(_variant_args(args, OTHER_LAYOUT, "other-layout"), spec, requests,
+                           scratch / "other-layout")
+        results.done("mqinfer offline, other layout", plain.offline, {"summary": plain.offline.to_dict(), **other})
+    if INPUT_ORDER in compare:
+        log("mqinfer again with --order input --route id")
+        plain = run_engine(_variant_args(args, INPUT_ORDER, "input-order"), spec, requests, scratch / "input-order")
+        results.done("mqinfer offline, input order", plain.offline,
+                     {"summary": plain.offline.to_dict(), "prefix_cache": plain.prefix_cache,
+                      "routing": plain.routing})
+        results.agree("agreement_vs_input_order", plain.outputs)
+
+
+def _run_hf(setup: _Setup, results: _Results, scratch: Path) -> None:
+    """transformers on the same checkpoint: static batching at each ``--hf-batch-sizes``, then its
+    continuous batching (whose failure is recorded, not fatal)."""
+    from mqinfer.loadgen import hf_baseline
+
+    args, requests = setup.args, setup.requests
+    folder = hf_folder(setup.spec, scratch)
+    log(f"transformers: loading {folder} in {args.dtype} on {setup.device}")
+    model = hf_baseline.load_hf_model(folder, dtype=args.dtype, device=setup.device)
+    hf_baseline.warm_up(model, requests)
+    for batch_size in args.hf_batch_sizes:
+        r = hf_baseline.run_static(model, requests, batch_size, progress=log)
+        if results.static_best is None or r.throughput > results.static_best.throughput:
+            results.static_best = r
+            results.report["hf_static_best"] = r.label
+        results.done(r.label, r.summary, r.to_dict())
+    log("transformers continuous batching")
+    try:
+        results.continuous = hf_baseline.run_continuous(model, requests, max_batch_tokens=args.hf_max_batch_tokens,
                                                         progress=log, timeout_s=args.timeout_s)
-                done(continuous.label, continuous.summary, continuous.to_dict())
-            except (RuntimeError, TimeoutError, ValueError) as exc:
-                report["systems"]["hf-continuous"] = {"error": str(exc)}
-                log(f"transformers continuous batching failed: {exc}")
-            del model  # its memory back before llama.cpp loads its own copy
-        if LLAMACPP in compare:
-            report["llamacpp"] = llamacpp.compare(args, spec, our_timings, ours)
-            save_json(args.json, report)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        results.done(results.continuous.label, results.continuous.summary, results.continuous.to_dict())
+    except (RuntimeError, TimeoutError, ValueError) as exc:
+        results.report["systems"]["hf-continuous"] = {"error": str(exc)}
+        log(f"transformers continuous batching failed: {exc}")
+    del model  # its memory back before llama.cpp loads its own copy
 
+
+def _measure_after(setup: _Setup, before: _Before, results: _Results) -> float:
+    """The matrix rate (and copy bandwidth) measured again, the ceiling and roofs they give; the ceiling."""
+    from mqinfer.loadgen.bench_roofs import measure_copy_bandwidth
+    from mqinfer.loadgen.matrix_rate import compute_ceiling, measure_matmul_rate
+
+    args, report = setup.args, results.report
     # Measured again at the end and the faster one kept: another process busy on a shared
     # machine during one measurement would otherwise lower the ceiling and flatter every share.
-    log(f"measuring the {mm_dtype} matrix rate again")
-    rate_after = measure_matmul_rate(args.matrix_size, dtype=mm_dtype, device=device)
-    rate = max(rate_before, rate_after, key=lambda r: r.flops_per_s)
-    ceiling = compute_ceiling(flops, rate.flops_per_s)
+    log(f"measuring the {args.dtype} matrix rate again")
+    rate_after = measure_matmul_rate(args.matrix_size, dtype=args.dtype, device=setup.device)
+    rate = max(before.rate, rate_after, key=lambda r: r.flops_per_s)
+    ceiling = compute_ceiling(before.flops, rate.flops_per_s)
     report["matrix_rate_after"] = asdict(rate_after)
     report["matrix_rate"] = asdict(rate)
     report["compute_ceiling_tok_s"] = ceiling
-    if bandwidth_before is not None:
-        report["roofs"] = _roofs(flops.total / rate.flops_per_s, need, bandwidth_before, measure_copy_bandwidth(),
-                                 table_rows, flops.output_tokens, report.get("llamacpp"))
+    if before.bandwidth is not None:
+        report["roofs"] = _roofs(before.flops.total / rate.flops_per_s, before.need, before.bandwidth,
+                                 measure_copy_bandwidth(), results.table_rows, before.flops.output_tokens,
+                                 report.get("llamacpp"))
+    return ceiling
 
+
+def _ratios(results: _Results) -> dict[str, float]:
+    """Our offline throughput over each other system's, the rounds' medians, and over llama.cpp's best."""
+    ours, rows = results.ours, dict(results.table_rows)
+    others = [("vs_hf_static_best", results.static_best), ("vs_hf_continuous", results.continuous),
+              ("vs_unquantized", rows.get("mqinfer offline, unquantized")),
+              ("vs_unspeculative", rows.get("mqinfer offline, unspeculative")),
+              ("vs_other_layout", rows.get("mqinfer offline, other layout")),
+              ("vs_input_order", rows.get("mqinfer offline, input order"))]
     ratios: dict[str, float] = {}
-    if ours is not None and static_best is not None:
-        ratios["vs_hf_static_best"] = ours.throughput / static_best.throughput if static_best.throughput else 0.0
-    if ours is not None and continuous is not None:
-        ratios["vs_hf_continuous"] = ours.throughput / continuous.throughput if continuous.throughput else 0.0
-    plain = dict(table_rows).get("mqinfer offline, unquantized")
-    if ours is not None and plain is not None:
-        ratios["vs_unquantized"] = ours.throughput / plain.throughput if plain.throughput else 0.0
-    unspeculative = dict(table_rows).get("mqinfer offline, unspeculative")
-    if ours is not None and unspeculative is not None:
-        ratios["vs_unspeculative"] = ours.throughput / unspeculative.throughput if unspeculative.throughput else 0.0
-    relaid = dict(table_rows).get("mqinfer offline, other layout")
-    if ours is not None and relaid is not None:
-        ratios["vs_other_layout"] = ours.throughput / relaid.throughput if relaid.throughput else 0.0
-    unordered = dict(table_rows).get("mqinfer offline, input order")
-    if ours is not None and unordered is not None:
-        ratios["vs_input_order"] = ours.throughput / unordered.throughput if unordered.throughput else 0.0
-    for variant, r in report.get("rounds", {}).items():
+    for key, other in others:
+        if ours is not None and other is not None:
+            ratios[key] = ours.throughput / other.throughput if other.throughput else 0.0
+    for variant, r in results.report.get("rounds", {}).items():
         ratios[f"vs_{variant.replace('-', '_')}_median"] = r["median_ratio"]
-    llama = report.get("llamacpp")
+    llama = results.report.get("llamacpp")
     if llama is not None and llama["mqinfer"] is not None:
         best = next(r for r in llama["runs"] if r["threads"] == llama["best_threads"])
         ratios["vs_llamacpp_best"] = llama["mqinfer"]["tok_s"] / best["s_tok_s"] if best["s_tok_s"] else 0.0
-    report["ratios"] = ratios
-    if our_outputs and static_best is not None:
-        agreement = token_agreement(our_outputs, static_best.outputs)
-        if agreement is not None:
-            report["agreement_vs_hf_static"] = asdict(agreement)
-    report["ceiling_share"] = {name: s.throughput / ceiling for name, s in table_rows
-                               if s.throughput > 0 and (name.startswith("mqinfer offline") or name.startswith("hf-"))}
-    report["wall_s"] = time.time() - started
-    report["load_average_at_end"] = os.getloadavg()
-    print_report(report, table_rows, online)
+    return ratios
 
+
+def _write_outputs(args: argparse.Namespace, results: _Results) -> None:
+    """The figures to ``--json`` and the charts to ``--plot``, when asked for."""
     if args.json:
-        save_json(args.json, report)
+        save_json(args.json, results.report)
         log(f"figures written to {args.json}")
     if args.plot:
-        systems = [(n, s.throughput) for n, s in table_rows if not n.startswith("mqinfer @")]
-        for path in write_plots(Path(args.plot), systems, online):
+        systems = [(n, s.throughput) for n, s in results.table_rows if not n.startswith("mqinfer @")]
+        for path in write_plots(Path(args.plot), systems, results.online):
             log(f"chart written to {path}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
