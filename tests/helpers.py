@@ -222,3 +222,17 @@ def shared_prefix_requests(per_group: int, max_tokens: int = 4) -> list[dict]:
         if len(set(shards[0::2])) == len(set(shards[1::2])) == 1:
             return items
     raise AssertionError("no two prefixes that a router keeps apart")
+
+
+def on_one_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` with torch on one thread, its thread count put back afterwards: for
+    reference code made of many small tensor operations, which other threads only slow down (each
+    operation waits for every thread, and on a shared machine another process holds the cores)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.set_num_threads(before)

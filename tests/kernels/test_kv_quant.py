@@ -25,6 +25,7 @@ from mqinfer.kernels.kv_quant import (
     quantize_kv,
 )
 from mqinfer.workers.config import KV_CACHE_DTYPES as CONFIG_KV_CACHE_DTYPES
+from tests.helpers import on_one_thread
 
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 NUM_KV_HEADS = 2
@@ -130,8 +131,8 @@ def test_attention_over_8bit_cache_matches_reference(dtype, backend, head_dim, g
     scale = head_dim**-0.5
     out = paged_attention(q, cache.k, cache.v, md, scale, backend=backend, k_scale=cache.k_scale,
                           v_scale=cache.v_scale)
-    ref = reference_paged_attention(q, cache.k, cache.v, QUERY_LENS, SEQ_LENS, tables, scale,
-                                    cache.k_scale, cache.v_scale)
+    ref = on_one_thread(reference_paged_attention, q, cache.k, cache.v, QUERY_LENS, SEQ_LENS, tables, scale,
+                        cache.k_scale, cache.v_scale)
     assert out.dtype == torch.float32 and out.shape == q.shape
     # The same dequantized values in float32 against float64: only float32 rounding differs.
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -164,8 +165,8 @@ def test_native_kernel_decodes_every_stored_value_exactly(dtype, head_dim):
 def test_bfloat16_queries_over_int8_cache(backend, head_dim):
     cache, md, q, tables = _step(QUERY_LENS, SEQ_LENS, 16, 2, head_dim, INT8, seed=3, q_dtype=torch.bfloat16)
     scale = head_dim**-0.5
-    ref = reference_paged_attention(q.float(), cache.k, cache.v, QUERY_LENS, SEQ_LENS, tables, scale,
-                                    cache.k_scale, cache.v_scale)
+    ref = on_one_thread(reference_paged_attention, q.float(), cache.k, cache.v, QUERY_LENS, SEQ_LENS, tables, scale,
+                        cache.k_scale, cache.v_scale)
     out = paged_attention(q, cache.k, cache.v, md, scale, backend=backend, k_scale=cache.k_scale,
                           v_scale=cache.v_scale)
     assert out.dtype == torch.bfloat16
