@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,29 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
     explicit = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
     return int(explicit) if explicit else usable_cores() + 1
+
+
+_KERNEL_TESTS = Path(__file__).parent / "kernels"
+_torch_default_threads: list[int] = []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Each test process runs torch on one thread, as the worker subprocesses the tests start do.
+    Test processes share the cores with each other and with those workers; with torch's default
+    (a thread per core) each small operation of a test's model or reference code waits for
+    threads that another process holds, which made such tests many times slower on two cores.
+
+    The kernel tests keep torch's default: the native kernels split their work over
+    ``torch.get_num_threads()`` threads, and those tests check the kernels as they run. A test
+    that needs another number of threads sets it itself."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
+    if not _torch_default_threads:
+        _torch_default_threads.append(torch.get_num_threads())
+    in_kernels = _KERNEL_TESTS in Path(str(item.path)).parents
+    torch.set_num_threads(_torch_default_threads[0] if in_kernels else 1)
 
 
 @pytest.fixture(scope="session", autouse=True)
