@@ -27,8 +27,8 @@ engine is measured, not modelled part by part: the gaps between steps, the flush
 (the loop's longest pauses, and most of the TTFT tail), the wake-up on an arrival, the spread of
 step times and a fresh worker's slow first steps are drawn from what the calibration's runs of
 the real pipeline showed (plan_pipeline). A bulk job's workers are fresh; an online target's are
-warm. Not modelled: other processes on the machine, and workers on one machine slowing each
-other down. ``python -m mqinfer.loadgen.plan_check`` measures how far the predictions are from the
+warm. Workers that share a CPU machine slow each other's steps down by a factor the calibration
+measures with engines busy beside it. Not modelled: other processes on the machine. ``python -m mqinfer.loadgen.plan_check`` measures how far the predictions are from the
 real pipeline, and whether the worker count it picks for an SLO is the one the pipeline needs.
 """
 
@@ -176,7 +176,19 @@ def worker_settings(opts: dict[str, Any], calibration: Calibration) -> WorkerSet
         priority_aging_s=aging or None, tenant_weights=_tenant_weights(opts.get("tenant_weights")),
     )
     return WorkerSettings(scheduler, max_batch=opts["max_batch"], max_wait_ms=opts["max_wait_ms"],
-                          flush_rows=opts["flush_rows"], flush_interval_s=opts["flush_interval_s"])
+                          flush_rows=opts["flush_rows"], flush_interval_s=opts["flush_interval_s"],
+                          workers_per_machine=workers_per_machine(opts, calibration))
+
+
+def workers_per_machine(opts: dict[str, Any], calibration: Calibration) -> int:
+    """How many planned workers share one machine's cores: on a CPU, as many as its usable cores
+    hold at the calibrated threads (and ranks) per worker; on a GPU each worker has its own."""
+    from mqinfer.workers.devices import usable_cores
+
+    if not calibration.device.startswith("cpu"):
+        return 1
+    per_worker = (calibration.num_threads or 1) * (opts.get("tensor_parallel_size") or 1)
+    return max(1, usable_cores() // per_worker)
 
 
 def _tenant_weights(text: str | None) -> dict[str, float]:

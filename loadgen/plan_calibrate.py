@@ -18,6 +18,10 @@ Then short runs of the real pipeline (plan_pipeline) measure what the engine alo
 show: a worker's start-up, the worker loop around the engine (gaps between steps, flushes of
 result rows, the wake-up on an arrival) and a fresh worker's slow first steps.
 
+Where the layout puts several workers on one CPU machine, a few of the shapes are timed again
+while other engine processes (``--contention-probe``) run busily beside this one: how much slower
+a step gets when workers share the cores (``contention``), at one other engine and at all of them.
+
 Without the pipeline runs (``pipeline=False``) the loop is left out and the start-up is that of
 a fresh process that only builds the engine. The whole calibration stays within a time budget (two
 minutes on two cores for the tiny model); shapes that would not fit in it are left out and the
@@ -174,6 +178,99 @@ def measure_startup(config, timeout_s: float = 300.0) -> float:
     return ready
 
 
+# What a contention probe's engine keeps running: prompts and decodes together, like a busy worker.
+_BUSY = Scenario("busy", ((16, 64, 16),))
+# The shapes timed again beside busy engines (those of them that fit the engine's limits).
+_CONTENTION_SHAPES = ("prefill 256", "prefill 4x64", "decode 8 at 32", "decode 32 at 32")
+# At most this many busy engines beside the timed one; the factors in between are interpolated.
+_MAX_CONTENTION_PROBES = 7
+
+
+def contention_probes(config) -> int:
+    """How many other engines to run beside the timed one: the other workers of this layout that
+    one machine holds (CPU only; on a GPU each worker has a device of its own)."""
+    from mqinfer.workers.devices import usable_cores
+
+    if not str(config.device or "cpu").startswith("cpu"):
+        return 0
+    per_worker = (config.num_threads or 1) * (config.tensor_parallel_size or 1)
+    return min(usable_cores() // per_worker - 1, _MAX_CONTENTION_PROBES)
+
+
+def _start_probes(config, count: int, timeout_s: float = 300.0) -> list[subprocess.Popen]:
+    """``count`` fresh processes, each running an engine busily until its stdin closes."""
+    settings = {name: getattr(config, name) for name in _PROBE_FIELDS}
+    settings["enable_prefix_caching"] = False
+    procs = [subprocess.Popen([sys.executable, "-m", "mqinfer.loadgen.plan_calibrate", "--contention-probe",
+                               json.dumps(settings)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        line = proc.stdout.readline().strip()
+        late = time.monotonic() > deadline
+        if line != "busy" or late:
+            _stop_probes(procs)
+            why = f"took more than {timeout_s:.0f}s to start" if late else f"failed (exit {proc.poll()}): {line!r}"
+            raise RuntimeError(f"a contention probe {why}")
+    return procs
+
+
+def _stop_probes(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def slowdown(alone: list[StepSample], loaded: list[StepSample]) -> float:
+    """The median over step shapes of (median seconds beside busy engines) / (median alone),
+    at least 1: other engines cannot make a step faster, and a ratio below 1 is noise."""
+    def medians(samples):
+        by_shape: dict[StepShape, list[float]] = {}
+        for sample in samples:
+            by_shape.setdefault(sample.shape, []).append(sample.seconds)
+        return {shape: statistics.median(times) for shape, times in by_shape.items()}
+
+    base, busy = medians(alone), medians(loaded)
+    ratios = [busy[shape] / base[shape] for shape in busy if shape in base and base[shape] > 0]
+    return max(1.0, statistics.median(ratios)) if ratios else 1.0
+
+
+def measure_contention(engine, config, chosen: list[Scenario], alone: list[StepSample],
+                       progress: Callable[[str], None]) -> list[float]:
+    """Step slowdowns beside 1, 2, ... busy engines (as many as the layout puts beside a worker on
+    one machine): a few of the calibration's shapes timed again with other engine processes
+    running; measured at one other and at all of them, interpolated in between."""
+    most = contention_probes(config)
+    if most < 1:
+        return []
+    timed = [s for s in chosen if s.name in _CONTENTION_SHAPES] or chosen[:3]
+    measured: dict[int, float] = {}
+    for others in sorted({1, most}):
+        progress(f"calibration: timing steps beside {others} busy engine(s) (workers sharing this machine)")
+        procs = _start_probes(config, others)
+        try:
+            loaded: list[StepSample] = []
+            for i, scenario in enumerate(timed):
+                for r in range(max(2, scenario.repeats)):
+                    loaded += run_scenario(engine, scenario, salt=10_000 + 100 * i + r)
+        finally:
+            _stop_probes(procs)
+        measured[others] = slowdown(alone, loaded)
+    low, high = measured[1], measured[most]
+    factors = [low + (high - low) * (k - 1) / max(1, most - 1) for k in range(1, most + 1)]
+    progress("calibration: a step beside busy engines takes " + ", ".join(
+        f"{f:.2f}x ({k} other{'s' if k > 1 else ''})" for k, f in measured.items()))
+    return factors
+
+
 def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: bool = True,
               progress: Callable[[str], None] = log.info) -> Calibration:
     """Fit the step-cost model of ``config`` (an ``EngineConfig``) on this machine, timing batch
@@ -208,6 +305,7 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
                 samples += run_scenario(engine, scenario, salt)
                 salt += 1
         device, threads = str(engine.device), engine.num_threads
+        contention = measure_contention(engine, config, chosen, samples, progress)
     finally:
         engine.close()
     if skipped:
@@ -220,7 +318,7 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
         block_size=sc.block_size, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
         model_id=model_id or str(config.model), device=device, num_threads=threads,
         machine={"processor": processor_name(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
-        measured_at=now_text(), step_noise=quantile_samples(step_noise(samples)),
+        measured_at=now_text(), step_noise=quantile_samples(step_noise(samples)), contention=contention,
     )
     if pipeline:
         from mqinfer.loadgen.plan_pipeline import measure_pipeline
@@ -243,8 +341,32 @@ def _startup_probe(settings_json: str) -> int:
     return 0
 
 
+def _contention_probe(settings_json: str) -> int:
+    """Keep an engine busy (prompts and decodes) until stdin closes."""
+    import threading
+
+    from mqinfer.workers.config import EngineConfig
+    from mqinfer.workers.engine import LLMEngine
+
+    logging.disable(logging.INFO)
+    engine = LLMEngine(EngineConfig(**json.loads(settings_json)))
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    run_scenario(engine, Scenario("warm-up", ((4, 64, 8),)), salt=0)
+    print("busy", flush=True)
+    salt = 1
+    while not stop.is_set():
+        run_scenario(engine, _BUSY, salt)
+        salt += 1
+    engine.close()
+    return 0
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--startup-probe":
         sys.exit(_startup_probe(sys.argv[2]))
-    print("usage: python -m mqinfer.loadgen.plan_calibrate --startup-probe JSON", file=sys.stderr)
+    if len(sys.argv) == 3 and sys.argv[1] == "--contention-probe":
+        sys.exit(_contention_probe(sys.argv[2]))
+    print("usage: python -m mqinfer.loadgen.plan_calibrate --startup-probe JSON | --contention-probe JSON",
+          file=sys.stderr)
     sys.exit(2)

@@ -45,7 +45,7 @@ import numpy as np
 
 FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
 # Stored fits of another format version are not read (the user is told to calibrate again).
-FIT_VERSION = 3
+FIT_VERSION = 4
 # Measured samples kept in a stored fit, at most (evenly spaced order statistics of the measured).
 MAX_SAMPLES = 200
 
@@ -200,15 +200,26 @@ class WorkerLoop:
     flush_samples_s: Sequence[float] = ()  # one flush of buffered rows, acks included
     step_noise: Sequence[float] = ()  # measured / modelled seconds of repeated engine steps
     first_step_s: float = 0.0  # extra seconds on a fresh worker's first step
+    # How much slower an engine step runs while other workers on the same machine are in a step
+    # of their own (they share the cores, caches and memory bandwidth): entry k-1 for k others;
+    # past the last entry, the last. Empty: workers do not slow each other down.
+    contention: Sequence[float] = ()
 
     def __post_init__(self) -> None:
-        for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise"):
+        for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise", "contention"):
             values = tuple(float(v) for v in getattr(self, name))
             if any(not v >= 0 for v in values):
                 raise ValueError(f"WorkerLoop.{name} must hold numbers >= 0")
             object.__setattr__(self, name, values)
         if not self.first_step_s >= 0:
             raise ValueError(f"first_step_s must be >= 0, got {self.first_step_s!r}")
+
+    def contention_factor(self, others_busy: int) -> float:
+        """The slowdown of a step that starts while ``others_busy`` other workers of its machine
+        are in a step."""
+        if others_busy <= 0 or not self.contention:
+            return 1.0
+        return self.contention[min(others_busy, len(self.contention)) - 1]
 
     @property
     def mean_gap_s(self) -> float:
@@ -268,13 +279,16 @@ class Calibration:
     # Where startup_s came from: "worker" (the startup cost row of a real worker) or "engine" (a
     # process that only builds the engine, when the pipeline run was left out).
     startup_source: str = "engine"
+    # A step's slowdown while 1, 2, ... other workers of this machine run steps too (WorkerLoop);
+    # measured only where several workers of this layout share a machine's cores.
+    contention: list[float] = field(default_factory=list)
     version: int = FIT_VERSION
 
     @property
     def loop(self) -> WorkerLoop:
         """The worker loop the simulation runs around the engine."""
         return WorkerLoop(self.step_overhead_s, self.gap_samples_s, self.wake_samples_s, self.flush_samples_s,
-                          self.step_noise, self.first_step_s)
+                          self.step_noise, self.first_step_s, self.contention)
 
     def to_json(self) -> str:
         out = asdict(self)

@@ -23,7 +23,7 @@ def calibration_dict(calibration: Calibration, path: Path) -> dict[str, Any]:
             "step_overhead_s": calibration.step_overhead_s, "gap_s": _median(calibration.gap_samples_s),
             "mean_gap_s": loop.mean_gap_s, "flush_s": _median(calibration.flush_samples_s),
             "wake_s": _median(calibration.wake_samples_s), "first_step_s": calibration.first_step_s,
-            "step_noise_p90": _quantile(calibration.step_noise, 0.9),
+            "step_noise_p90": _quantile(calibration.step_noise, 0.9), "contention": list(calibration.contention),
             "startup_source": calibration.startup_source, "machine": calibration.machine}
 
 
@@ -106,6 +106,9 @@ def render(plan: dict[str, Any], fmt: str) -> str:
               f"  worker loop: {ms_text(c['mean_gap_s'])} between steps (mean), a flush of rows "
               f"{ms_text(c['flush_s'])} (median), {ms_text(c['wake_s'])} to wake on an arrival (median), "
               f"a fresh worker's first steps +{ms_text(c['first_step_s'])}"]
+    if c["contention"]:
+        lines.append("  workers sharing a machine: a step takes " + ", ".join(
+            f"{f:.2f}x" for f in c["contention"]) + " as long beside 1, 2, ... others in a step")
     lines += [f"  note: {n}" for n in plan["notes"]]
     return "\n".join(lines)
 

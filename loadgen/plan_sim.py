@@ -22,8 +22,10 @@ worker flushes them as `mqinfer worker` does: after a step that leaves the engin
 once ``flush_rows`` rows or ``flush_interval_s`` seconds have gathered; a flush (Parquet written
 and synced, then acked) stops the loop for a drawn flush time. A blocked worker acts on an
 arriving entry a drawn wake-up after it arrives. A fresh worker's first step can carry the extra
-seconds of its first steps (kernels loading and compiling on a GPU). Every draw comes from one
-generator seeded by ``seed``.
+seconds of its first steps (kernels loading and compiling on a GPU). Workers that share a machine's
+cores (``WorkerSettings.workers_per_machine``) slow each other down: a step that starts while k
+others of its machine are in a step lasts the loop's measured contention factor for k longer.
+Every draw comes from one generator seeded by ``seed``.
 
 Times of each request (arrival, first scheduled, first token, finished) come out as a
 ``RequestOutcome``; TTFT and TPOT follow the bench's rules (loadgen/metrics.py).
@@ -99,6 +101,10 @@ class WorkerSettings:
     max_wait_ms: float | str = 10.0
     flush_rows: int = 256
     flush_interval_s: float = 0.5
+    # Workers that share one machine (workers 0..k-1 the first, k..2k-1 the next, ...), whose steps
+    # slow each other down by the loop's ``contention``; 1: each worker has a machine (or a GPU)
+    # of its own.
+    workers_per_machine: int = 1
 
     @property
     def waiting_bound(self) -> int:
@@ -331,6 +337,14 @@ class Simulation:
         w.token += 1
         self.push(until, _WORKER, w.index, w.token)
 
+    def others_in_step(self, w: _Worker) -> int:
+        """Other workers of ``w``'s machine that are in a step now."""
+        per = self.settings.workers_per_machine
+        if per <= 1:
+            return 0
+        first = w.index - w.index % per
+        return sum(1 for o in self.workers[first:first + per] if o is not w and o.step is not None)
+
     def start_step(self, w: _Worker, t: float) -> bool:
         """Schedule a step and run it (after the loop's gap); False when nothing could run."""
         s, loop = w.scheduler, self.loop
@@ -344,6 +358,8 @@ class Simulation:
                 if o.started_s is None:
                     o.started_s = t + gap
             engine_s = self.model.step_seconds(step_shape(out)) * self.draw(loop.step_noise, 1.0)
+            if loop.contention:
+                engine_s *= loop.contention_factor(self.others_in_step(w))
             if w.fresh:
                 engine_s += loop.first_step_s
                 w.fresh = False

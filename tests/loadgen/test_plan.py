@@ -240,6 +240,38 @@ def test_step_noise_and_a_fresh_workers_first_step_scale_the_engine_time():
     assert min(o.first_token_s for o in fresh.outcomes) >= 0.25
 
 
+def test_workers_sharing_a_machine_slow_each_others_steps_down():
+    reqs = [SimRequest(f"r{i}", _prompt(32, i), 30) for i in range(32)]
+    loop = WorkerLoop(contention=[1.5])
+    apart = simulate(reqs, 2, _settings(max_num_seqs=8), MODEL, loop=loop)
+    plain = simulate(reqs, 2, _settings(max_num_seqs=8), MODEL)
+    # One worker per machine (the default): the factor never applies.
+    assert apart.end_s == pytest.approx(plain.end_s)
+    shared = WorkerSettings(_settings(max_num_seqs=8).scheduler, max_batch=64, max_wait_ms=0.0, workers_per_machine=2)
+    together = simulate(reqs, 2, shared, MODEL, loop=loop)
+    # Both workers are busy from the start to nearly the end: almost every step is 1.5x longer.
+    assert 1.3 * plain.end_s < together.end_s <= 1.5 * plain.end_s + 1e-9
+    # A worker alone on its machine (the second machine's only worker) is not slowed down.
+    single = simulate(reqs, 1, shared, MODEL, loop=loop)
+    assert single.end_s == pytest.approx(simulate(reqs, 1, _settings(max_num_seqs=8), MODEL).end_s)
+    # Past the measured entries the last one holds; none measured: no slowdown.
+    assert WorkerLoop(contention=[1.2, 1.4]).contention_factor(5) == 1.4
+    assert WorkerLoop().contention_factor(3) == 1.0 and loop.contention_factor(0) == 1.0
+
+
+def test_the_contention_factor_is_the_median_slowdown_over_shapes():
+    from mqinfer.loadgen.plan_calibrate import slowdown
+
+    a, b, c = StepShape.of([(64, 64)]), StepShape.of([(1, 40)] * 8), StepShape.of([(1, 40)])
+    alone = [StepSample(a, 0.010), StepSample(a, 0.012), StepSample(b, 0.004), StepSample(c, 0.002)]
+    loaded = [StepSample(a, 0.022), StepSample(b, 0.006), StepSample(b, 0.006), StepSample(c, 0.0042)]
+    # Ratios 2.0, 1.5, 2.1: the median.
+    assert slowdown(alone, loaded) == pytest.approx(2.0)
+    # Faster beside busy engines is noise: never below 1; no shape in common: 1.
+    assert slowdown(alone, [StepSample(a, 0.005)]) == 1.0
+    assert slowdown(alone, [StepSample(StepShape.of([(9, 9)]), 1.0)]) == 1.0
+
+
 def test_quantile_samples_keep_the_extremes_and_thin_the_rest():
     assert quantile_samples([3.0, 1.0, 2.0]) == [1.0, 2.0, 3.0]
     thinned = quantile_samples([float(i) for i in range(1001)], limit=11)
@@ -525,13 +557,17 @@ def test_an_out_of_reach_slo_is_reported_unmet(cache, capsys):
 
 def test_calibrating_the_tiny_model_then_planning(plan_cache, capsys):
     """A real calibration of the engine's steps (no pipeline run: that is the slow test's), then a plan."""
-    from mqinfer.loadgen.plan_calibrate import calibrate
+    from mqinfer.loadgen.plan_calibrate import calibrate, contention_probes
     from mqinfer.workers.config import EngineConfig
 
     calibration = calibrate(EngineConfig(model="tiny", device="cpu", num_threads=1, max_num_seqs=32,
                                          max_num_batched_tokens=512, num_kv_blocks=512),
                             budget_s=10.0, pipeline=False, progress=lambda _: None)
     assert calibration.startup_s > 0 and calibration.quality.num_steps >= 20
+    # Beside busy engine processes, as many as this machine's cores hold besides this one (none on
+    # one core): a step is never faster, and the slowdown is a real measurement, not a guess.
+    assert len(calibration.contention) == contention_probes(EngineConfig(device="cpu", num_threads=1))
+    assert all(1.0 <= f < 20 for f in calibration.contention)
     m = calibration.model
     assert m.step_s_fixed > 0 and m.token_s > 0
     # A 512-token prefill costs more than a one-token decode, and a 32-request decode more than one.
