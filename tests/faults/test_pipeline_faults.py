@@ -44,10 +44,11 @@ def _kill_a_stage(redis_url, redis_client, tmp_path, job: str, stages: int, kill
 
 
 def test_a_middle_stage_killed_mid_step_stops_the_worker_and_loses_nothing(redis_url, redis_client, tmp_path):
-    # Stage 2 of 4 dies: stage 3 waits for it in vain, fails and exits, and rank 0 (stage 0), waiting
-    # for the last stage's logits, stops the worker.
-    log = _kill_a_stage(redis_url, redis_client, tmp_path, "pp-middle-killed", 4, 2)
-    assert "pipeline rank 2 (stage 2 of 4) exited with code -9" in log
+    # Stage 1 of 3 dies: stage 2 waits for it in vain, fails and exits, and rank 0 (stage 0), waiting
+    # for the last stage's logits, stops the worker. (Three stages are the fewest with a middle one,
+    # each a process of its own.)
+    log = _kill_a_stage(redis_url, redis_client, tmp_path, "pp-middle-killed", 3, 1)
+    assert "pipeline rank 1 (stage 1 of 3) exited with code -9" in log
 
 
 @pytest.mark.slow
