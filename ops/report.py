@@ -46,10 +46,12 @@ from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_choice_index, wit
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
 GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
-_SUMMED = ("prompt_tokens", "cached_prompt_tokens", "output_tokens", "rejected_tokens", "device_s", "prefill_s", "decode_s",
+# Of the cached prompt tokens, those each KV tier below the device cache served.
+TIER_TOKEN_FIELDS = ("host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens")
+_SUMMED = ("prompt_tokens", "cached_prompt_tokens", *TIER_TOKEN_FIELDS, "output_tokens", "rejected_tokens", "device_s", "prefill_s", "decode_s",
            "recomputed_s", "kv_block_s", "cost_usd", "input_usd")
 # A group's fields, in the order the renderers (ops/report_render.py) write them.
-GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tokens", "rejected_tokens", "device_s",
+GROUP_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", *TIER_TOKEN_FIELDS, "output_tokens", "rejected_tokens", "device_s",
                 "prefill_s",
                 "decode_s", "recomputed_s", "kv_block_s", "cost_usd", "usd_per_1m_tokens",
                 "usd_per_1m_input_tokens", "usd_per_1m_output_tokens")
@@ -58,7 +60,8 @@ TABLE_FIELDS = ("requests", "prompt_tokens", "cached_prompt_tokens", "output_tok
                 "usd_per_1m_input_tokens", "usd_per_1m_output_tokens", "usd_per_1m_tokens")
 # Shorter headers of the text table's columns.
 TABLE_HEADERS = {"usd_per_1m_input_tokens": "usd_per_1m_in", "usd_per_1m_output_tokens": "usd_per_1m_out",
-                 "allocated_usd": "alloc_usd"}
+                 "allocated_usd": "alloc_usd", "host_cached_tokens": "host_cached", "disk_cached_tokens": "disk_cached",
+                 "shared_cached_tokens": "shared_cached"}
 DEFAULT_TOP = 10
 
 
@@ -81,6 +84,11 @@ class GroupCost:
     kv_block_s: float = 0.0
     # Speculative decoding's proposed tokens that were computed and rejected (billed in device_s).
     rejected_tokens: int = 0
+    # Of cached_prompt_tokens, those the KV tiers below the device cache served (--kv-host-cache-gib,
+    # --kv-disk-cache, --kv-shared-cache).
+    host_cached_tokens: int = 0
+    disk_cached_tokens: int = 0
+    shared_cached_tokens: int = 0
     # The prefill share of cost_usd per million prompt tokens, the decode share per million
     # output tokens; None without such tokens.
     usd_per_1m_input_tokens: float | None = None
@@ -118,6 +126,9 @@ class Totals:
     cached_prompt_tokens: int = 0
     output_tokens: int = 0
     rejected_tokens: int = 0
+    host_cached_tokens: int = 0
+    disk_cached_tokens: int = 0
+    shared_cached_tokens: int = 0
     usd_per_1m_tokens: float | None = None
     usd_per_1m_input_tokens: float | None = None
     usd_per_1m_output_tokens: float | None = None
@@ -299,6 +310,8 @@ def _add_billed(totals: Totals, billed: pa.Table) -> None:
     totals.requests, totals.prompt_tokens = b.requests, b.prompt_tokens
     totals.cached_prompt_tokens, totals.output_tokens = b.cached_prompt_tokens, b.output_tokens
     totals.rejected_tokens = b.rejected_tokens
+    for name in TIER_TOKEN_FIELDS:
+        setattr(totals, name, getattr(b, name))
     totals.usd_per_1m_tokens = b.usd_per_1m_tokens
     totals.usd_per_1m_input_tokens = b.usd_per_1m_input_tokens
     totals.usd_per_1m_output_tokens = b.usd_per_1m_output_tokens
@@ -403,6 +416,9 @@ def _group(row: dict, by: list[str]) -> GroupCost:
         kv_block_s=s["kv_block_s"],
         # Rows written before the column existed read as null.
         rejected_tokens=s["rejected_tokens"] or 0,
+        host_cached_tokens=s["host_cached_tokens"] or 0,
+        disk_cached_tokens=s["disk_cached_tokens"] or 0,
+        shared_cached_tokens=s["shared_cached_tokens"] or 0,
         usd_per_1m_input_tokens=_per_million(s["input_usd"], s["prompt_tokens"]),
         usd_per_1m_output_tokens=_per_million(s["cost_usd"] - s["input_usd"], s["output_tokens"]),
     )

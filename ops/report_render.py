@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from mqinfer.ops.report import GROUP_FIELDS, TABLE_FIELDS, TABLE_HEADERS, Report, Spend, GroupCost, Totals
+from mqinfer.ops.report import (GROUP_FIELDS, TABLE_FIELDS, TABLE_HEADERS, TIER_TOKEN_FIELDS, GroupCost, Report, Spend,
+                                 Totals)
 from mqinfer.schemas.rows import COST_KINDS
 
 # -- rendering ------------------------------------------------------------------------------
@@ -54,6 +55,11 @@ def _table_fields(report: Report) -> tuple[str, ...]:
         # Speculative decoding ran: the proposed tokens it computed and rejected, after the outputs.
         i = fields.index("output_tokens") + 1
         fields = fields[:i] + ("rejected_tokens",) + fields[i:]
+    tiers = tuple(name for name in TIER_TOKEN_FIELDS if getattr(report.totals, name))
+    if tiers:
+        # KV tiers served prompt tokens: how many from each, after the cached tokens.
+        i = fields.index("cached_prompt_tokens") + 1
+        fields = fields[:i] + tiers + fields[i:]
     if report.basis == "allocation":
         i = fields.index("cost_usd") + 1
         fields = fields[:i] + _ALLOCATION_TABLE_FIELDS + fields[i:]

@@ -169,6 +169,37 @@ def test_no_rejected_tokens_column_in_the_table_without_speculation(out):
     assert "rejected_tokens" not in render(cost_report(out), "table")
 
 
+def test_prompt_tokens_served_by_kv_tiers_are_summed_and_shown_when_tiers_ran(tmp_path):
+    import msgspec
+    import pyarrow as pa
+
+    # One file from before the tier columns existed (null, counted as 0), one with them.
+    older = pa.schema([f for f in COST_SCHEMA if not f.name.endswith("d_cached_tokens")])
+    DatasetWriter(tmp_path / "costs", older, "w1").write([row("request", "acme", rid="1", at=T + 1, p=5, o=5, dev=1.0)])
+    DatasetWriter(tmp_path / "costs", COST_SCHEMA, "w2").write([
+        msgspec.structs.replace(row("request", "acme", rid="2", at=T + 2, p=64, c=48, o=9, dev=1.0),
+                                host_cached_tokens=32, disk_cached_tokens=16),
+        msgspec.structs.replace(row("request", "beta", rid="3", at=T + 3, p=64, c=64, o=9, dev=1.0),
+                                shared_cached_tokens=48),
+    ])
+    report = cost_report(tmp_path)
+    tiers = {g.key["tenant"]: (g.host_cached_tokens, g.disk_cached_tokens, g.shared_cached_tokens)
+             for g in report.groups}
+    assert tiers == {"acme": (32, 16, 0), "beta": (0, 0, 48)}
+    t = report.totals
+    assert (t.host_cached_tokens, t.disk_cached_tokens, t.shared_cached_tokens) == (32, 16, 48)
+    assert t.billed.shared_cached_tokens == 48
+    header = render(report, "table").splitlines()[0].split()
+    i = header.index("cached_prompt_tokens")
+    assert header[i + 1:i + 4] == ["host_cached", "disk_cached", "shared_cached"]
+    csv_rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert {r["tenant"]: r["disk_cached_tokens"] for r in csv_rows if r["row"] == "group"} == {"acme": "16", "beta": "0"}
+    assert json.loads(render(report, "json"))["totals"]["host_cached_tokens"] == 32
+    # Without tiers the table keeps its usual columns.
+    DatasetWriter(tmp_path / "plain" / "costs", COST_SCHEMA, "w1").write(ROWS)
+    assert "host_cached" not in render(cost_report(tmp_path / "plain"), "table")
+
+
 def test_cost_files_from_before_device_share_read_beside_new_ones(tmp_path):
     """Old rows billed a whole device each; new rows bill a share. Reports, job costs and the
     per-hour lines sum the device seconds as written, whatever the files hold."""
