@@ -117,6 +117,13 @@ def test_a_rows_result_depends_on_nothing_else(amx_on):
     assert torch.equal(q8.linear(x[40:], packed), batch[40:])
 
 
+@pytest.mark.parametrize("rows", [512, 529, 1100])
+def test_long_prompts_past_the_kernels_row_chunks(rows, amx_on):
+    qweight, scale, bias = _weight(72, 200, rows)
+    x = torch.randn(rows, 200).bfloat16()
+    assert torch.equal(q8.linear(x, q8.pack(qweight, scale, bias)), q8.reference_linear(x, qweight, scale, bias))
+
+
 def test_strided_rows_and_a_given_output(amx_on):
     qweight, scale, bias = _weight(96, 130, 6)
     wide = torch.randn(9, 200)
