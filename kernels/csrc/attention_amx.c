@@ -29,53 +29,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "attention_common.h"
 #include "attention_avx512.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 /* Runs shorter than this go to the per-token versions (decoding tokens, speculative checks). */
 #define AMX_MIN_RUN 16
 
-/* 1 usable, -1 not (the kernel refused the tile state), 0 not asked yet. */
-static int amx_state = 0;
 /* Tests switch the AMX path off to compare with the per-token versions. */
 static int amx_enabled = 1;
-
-static int amx_permitted(void) {
-    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
-    if (state == 0) {
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
-    }
-    return state > 0;
-}
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* Every tile 16 rows of 64 bytes. Scores: tile 0 = S, 1..4 = Q (one per 32 dimensions), 5 = K^T.
-   Output: tiles 0..3 = O (16 dimensions each), 4 = P, 5 = V. */
-static void configure_tiles(void) {
-    tile_config c;
-    memset(&c, 0, sizeof(c));
-    c.palette_id = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
 
 /* MQINFER_ATTENTION_AMX=off (read at every call, so a process can switch it) sends prompt runs to
    the per-token versions too. */
@@ -86,11 +49,11 @@ static int switched_off(void) {
 
 int mq_amx_attention_usable(const mqinfer_attention_args *j) {
     return amx_enabled && j->kv_quant == 0 && j->is_bf16 && (j->head_dim == 64 || j->head_dim == 128)
-        && !switched_off() && amx_permitted();
+        && !switched_off() && mq_amx_permitted();
 }
 
 int mqinfer_attention_use_amx(int enable) {
-    if (!amx_permitted()) return -1;
+    if (!mq_amx_permitted()) return -1;
     const int before = amx_enabled;
     if (enable >= 0) amx_enabled = enable != 0;
     return before;
@@ -173,7 +136,9 @@ static float softmax_row(const float *s, uint16_t *p, int64_t len, int64_t width
 }
 
 /* Tokens s..e-1, one sequence at consecutive positions, KV head h: every query head of h,
-   16 tokens a tile. */
+   16 tokens a tile. Tiles (mq_amx_configure_tiles: every tile 16 rows of 64 bytes): scores,
+   tile 0 = S, 1..4 = Q (one per 32 dimensions), 5 = K^T; output, tiles 0..3 = O (16 dimensions
+   each), 4 = P, 5 = V. */
 static void attend_segment(const mqinfer_attention_args *j, int64_t s, int64_t e, int64_t h, amx_scratch *w) {
     const int64_t D = j->head_dim, DG = D / 32, DC = D / 16, g = j->num_heads / j->num_kv_heads;
     const int64_t len_pad = w->len_pad;
@@ -269,7 +234,7 @@ int mq_attend_with_amx(const mqinfer_attention_args *j, int64_t begin, int64_t e
                 break;
             }
             if (!configured) {
-                configure_tiles();
+                mq_amx_configure_tiles();
                 configured = 1;
             }
             const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;

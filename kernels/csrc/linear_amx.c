@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx_tiles.h"
 #include "native_common.h"
 
 #define PANEL 16
@@ -83,44 +84,11 @@ void mqinfer_amx_linear_pack(const uint16_t *weight, int64_t out_features, int64
 }
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+int mqinfer_amx_linear_available(void) { return mq_amx_permitted(); }
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int tiles_state = 0;  /* 1 granted, -1 refused, 0 not asked */
-
-int mqinfer_amx_linear_available(void) {
-    int state = __atomic_load_n(&tiles_state, __ATOMIC_ACQUIRE);
-    if (state == 0) {
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&tiles_state, state, __ATOMIC_RELEASE);
-    }
-    return state > 0;
-}
-
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* Tiles 0..3: C (rows 0-15 x panel a, rows 0-15 x panel b, rows 16-31 x a, 16-31 x b); 4, 5: A
-   (rows 0-15, 16-31); 6, 7: B (panels a, b). Every tile 16 rows of 64 bytes. */
-static void configure_tiles(void) {
-    tile_config c;
-    memset(&c, 0, sizeof(c));
-    c.palette_id = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
+/* Tiles (mq_amx_configure_tiles: every tile 16 rows of 64 bytes). 0..3: C (rows 0-15 x panel a,
+   rows 0-15 x panel b, rows 16-31 x a, 16-31 x b); 4, 5: A (rows 0-15, 16-31); 6, 7: B (panels
+   a, b). */
 
 static inline void store_bf16(uint16_t *p, __m512 v, __mmask16 m) {
     __m512i u = _mm512_castps_si512(v);
@@ -161,7 +129,7 @@ static int linear_part(const void *ctx, int part, int num_parts) {
         memset(tail, 0, 32 * K * 2);
         for (int64_t r = full; r < M; r++) memcpy(tail + (r - full) * K, x + r * a->x_stride, K * 2);
     }
-    configure_tiles();
+    mq_amx_configure_tiles();
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t r1 = M - r0 < ROW_CHUNK ? M : r0 + ROW_CHUNK;
         for (int64_t pp = first; pp < last; pp++) {
