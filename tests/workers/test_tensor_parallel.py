@@ -54,7 +54,12 @@ def qwen3(tmp_path_factory, make_hf_checkpoint):
 def test_two_ranks_generate_what_one_rank_does(request, family, case):
     folder = request.getfixturevalue(family)
     one, two = _run(folder, 1, CASES[case]), _run(folder, 2, CASES[case])
-    assert_generates_what_one_rank_does(one, two)
+    # Two ranks add the attention and MLP outputs in another order (the all-reduce), so K and V
+    # differ from one rank's in the last float32 bits; in an 8-bit cache such a difference can
+    # move a value across a rounding boundary, one quantization step (1/127 of its row's largest
+    # value), which moves later logprobs by up to about 1e-3. Tokens must still be identical.
+    tol = 2e-3 if CASES[case].get("kv_cache_dtype", "auto") != "auto" else 1e-4
+    assert_generates_what_one_rank_does(one, two, logprob_tol=tol)
     # Two KV heads: one per rank, half the cache each. Qwen2's one KV head: replicated.
     assert two.kv_cache_bytes == (one.kv_cache_bytes if family == "qwen2" else one.kv_cache_bytes // 2)
 
