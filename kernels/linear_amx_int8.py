@@ -4,11 +4,11 @@ VNNI kernel (``linear_int8``) everywhere else.
 Owns ``AmxInt8Weight`` (an int8 weight in the tile unit's layout, packed once) and ``enabled()``
 (whether ``linear_int8.pack`` packs for this kernel). Callers go through ``linear_int8``:
 ``pack`` returns an ``AmxInt8Weight`` where this kernel applies, and ``linear`` / ``swiglu``
-run whichever kernel the weight was packed for.
+run the kernel the weight's ``for_call()`` names (this one unless switched off, below).
 
 Why. The VNNI kernel does 64 multiply-adds per instruction; a tile product does 16 x 16 x 64.
 On one core of this session's Xeon (CPU time, bfloat16 rows, SmolLM2's 1536 -> 576 and 576 ->
-1536 projections, weights in cache) it ran 2.2-2.3x the VNNI kernel at 16 rows and 2.7-3.1x at
+1536 projections, weights in cache) this kernel ran 2.2-2.3x the VNNI kernel at 16 rows and 2.7-3.1x at
 64 and 256, and 1.3-1.5x the bfloat16 AMX kernel (``linear_amx``) there; at one row both int8
 kernels read the weight at the same rate (0.9x in cache, 1.1x from memory). The engine's w8a8
 went from 0.58x of bfloat16's throughput to 1.5x (``mqinfer bench --quantization w8a8 --compare
@@ -20,8 +20,10 @@ the scaling after the sums are the same operations (see the C source).
 
 Switches. ``MQINFER_W8A8_AMX=off`` (or ``0``) keeps w8a8 layers on the VNNI kernel;
 ``MQINFER_CPU_LINEAR=torch`` turns off every native dense kernel, this one included. The switch
-is read when a weight is packed (the two kernels lay the weight out differently): a model's
-layers pack on their first call, so it applies to engines started after it is set.
+is read at every call, as ``MQINFER_ATTENTION_AMX`` is (``profile_engine --ab`` alternates it in
+one engine): a weight packed for this kernel runs on the VNNI kernel while it is off, through a
+second copy of the weight in the VNNI layout, packed on the first such call and kept. A weight
+packed while the switch is off is the VNNI kernel's for good.
 """
 
 from __future__ import annotations
@@ -80,6 +82,24 @@ class AmxInt8Weight(Int8Weight):
 
     PACKED_SIZE, PACK = "mqinfer_amx_qlinear_packed_size", "mqinfer_amx_qlinear_pack"
     SCRATCH_SIZE, RUN = "mqinfer_amx_qlinear_scratch_size", "mqinfer_amx_qlinear"
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 lib: ctypes.CDLL, swiglu: bool = False) -> None:
+        super().__init__(qweight, scale, bias, lib, swiglu)
+        self._scale, self._bias = scale, bias
+        self.vnni: Int8Weight | None = None  # the VNNI kernel's copy, made when the switch is off
+
+    def for_call(self) -> Int8Weight:
+        """This weight while the switch is on; while it is off, the same weight packed for the
+        VNNI kernel (on the first such call, then kept)."""
+        if switched_on():
+            return self
+        if self.vnni is None:
+            lib = dense_library("mqinfer_qlinear_available")
+            if lib is None:
+                raise RuntimeError("the VNNI int8 kernel is not available for this weight's call")
+            self.vnni = Int8Weight(self.source, self._scale, self._bias, lib, self.swiglu)
+        return self.vnni
 
 
 def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,

@@ -157,6 +157,11 @@ class Int8Weight:
         self.scales = _panel_order(scale, self.out_features, swiglu)
         self.bias = None if bias is None else _panel_order(bias, self.out_features, swiglu)
 
+    def for_call(self) -> "Int8Weight":
+        """The packed weight a call runs on now: this one (``linear_amx_int8.AmxInt8Weight``
+        answers by its switch)."""
+        return self
+
 
 def pack_for(kind: type[Int8Weight], lib: ctypes.CDLL | None, qweight: torch.Tensor, scale: torch.Tensor,
              bias: torch.Tensor | None, swiglu: bool) -> Int8Weight | None:
@@ -217,6 +222,7 @@ def swiglu(x: torch.Tensor, weight: Int8Weight, vector_chunk: int, out: torch.Te
 
 def _run(x: torch.Tensor, weight: Int8Weight, out: torch.Tensor | None, vector_chunk: int) -> torch.Tensor:
     lib = native.load()
+    weight = weight.for_call()
     rows, features = x.shape
     dtypes = (torch.float32, torch.bfloat16) if native_takes_bf16() else (torch.float32,)
     x, out = checked_io(x, weight.in_features, weight.out_features, out, dtypes)

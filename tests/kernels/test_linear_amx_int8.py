@@ -161,6 +161,22 @@ def test_what_packs_for_it_and_what_does_not(monkeypatch, amx_on):
         q8.linear(torch.randn(3, 96), q8.pack(qweight, scale, swiglu=True))
 
 
+def test_the_switch_is_read_at_every_call(monkeypatch, amx_on):
+    qweight, scale, bias = _weight(50, 140, 8)
+    x = torch.randn(21, 140).bfloat16()
+    expected = q8.reference_linear(x, qweight, scale, bias)
+    packed = q8.pack(qweight, scale, bias)
+    assert torch.equal(q8.linear(x, packed), expected) and packed.vnni is None
+    # Off: the VNNI kernel on a copy in its layout, made once; on again: the tiles.
+    monkeypatch.setenv(amx8.SWITCH, "off")
+    assert torch.equal(q8.linear(x, packed), expected)
+    vnni = packed.vnni
+    assert type(vnni) is q8.Int8Weight and packed.for_call() is vnni
+    assert torch.equal(q8.linear(x, packed), expected) and packed.vnni is vnni
+    monkeypatch.setenv(amx8.SWITCH, "on")
+    assert packed.for_call() is packed and torch.equal(q8.linear(x, packed), expected)
+
+
 # ------------------------------------------------------------------ a model on it
 @pytest.fixture(scope="module")
 def tiny_qwen2(tmp_path_factory):
