@@ -31,6 +31,16 @@ if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFuncti
 SMALL = ["--device", "cpu", "--small"]
 
 
+@pytest.fixture(autouse=True)
+def one_model_thread(monkeypatch):
+    """The cases build their engines in this process without a thread count, so they take
+    OMP_NUM_THREADS's: one, as for every worker the tests start. With a thread per core, each
+    small step waits on threads that other test processes hold (a case of one second took
+    twenty on two busy cores); what the cases check (the same tokens as the reference) does not
+    depend on the thread count."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
 def test_without_a_gpu_it_says_so_and_exits_0_with_nothing_run(tmp_path, capsys):
     out = tmp_path / "check.json"
