@@ -627,8 +627,8 @@ def _check_step_indices(metadata: AttentionMetadata, num_tokens: int, num_blocks
     """Every index the kernels read, checked once per step (per metadata and cache size), not
     per layer: the checks of the native CPU kernel (``check_attention_indices``: sequence ids,
     positions within the table's width, block ids within the cache) and the query layout and
-    context lengths this kernel reads instead of positions. On a GPU this is one host sync per
-    step."""
+    context lengths this kernel reads instead of positions. On a GPU these are a few host syncs
+    per step."""
     if metadata.triton_checked_blocks == num_blocks:
         return
     if metadata.seq_of_token is None:

@@ -257,17 +257,24 @@ def plan_store_kv(
 _checked_slots: tuple[weakref.ref, int, int] | None = None
 
 
+def _version(t: torch.Tensor) -> int:
+    """The tensor's write counter; -1 for a tensor made under ``torch.inference_mode()`` (the
+    model runner's), which keeps none: a write into it after its check goes unseen here, and
+    only the kernel's own guard keeps a slot it made bad from being written."""
+    return -1 if t.is_inference() else t._version
+
+
 def _check_slots(slot_mapping: torch.Tensor, num_slots: int) -> None:
     """Every slot of ``slot_mapping`` inside the cache, checked unless this very tensor (not
     written since) was already checked against a cache of ``num_slots`` slots."""
     global _checked_slots
     last = _checked_slots
-    if last is not None and last[0]() is slot_mapping and last[1:] == (slot_mapping._version, num_slots):
+    if last is not None and last[0]() is slot_mapping and last[1:] == (_version(slot_mapping), num_slots):
         return
     lo, hi = (int(x) for x in torch.aminmax(slot_mapping))
     if lo < 0 or hi >= num_slots:
         raise ValueError(f"slot_mapping names slots outside the cache (0..{num_slots - 1}), got {lo}..{hi}")
-    _checked_slots = (weakref.ref(slot_mapping), slot_mapping._version, num_slots)
+    _checked_slots = (weakref.ref(slot_mapping), _version(slot_mapping), num_slots)
 
 
 def store_kv(

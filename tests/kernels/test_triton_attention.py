@@ -135,6 +135,20 @@ def test_store_checks_a_slot_mapping_again_once_it_is_written_or_the_cache_shrin
         triton_attention.store_kv(k, k, big, big.clone(), slots)
 
 
+def test_store_checks_slot_mappings_made_in_inference_mode():
+    # The model runner builds each step's metadata under inference_mode: tensors without a
+    # write counter. Each new mapping is still checked; the same one is checked once.
+    k = torch.randn(2, 2, 8)
+    cache = torch.zeros(2, 16, 2, 8)
+    with torch.inference_mode():
+        good, bad = torch.tensor([3, 31]), torch.tensor([3, 32])
+        for _ in range(2):
+            triton_attention.store_kv(k, k, cache, cache.clone(), good)
+        with pytest.raises(ValueError, match=r"outside the cache \(0\.\.31\), got 3\.\.32"):
+            triton_attention.store_kv(k, k, cache, cache.clone(), bad)
+    assert torch.equal(cache[1, 15], k[1])
+
+
 def test_store_kernel_skips_slots_outside_the_cache_and_writes_the_rest():
     # The kernel's own guard, for a launch planned without store_kv's host check.
     k_cache = torch.zeros(2, 16, 2, 8)
@@ -312,8 +326,19 @@ def test_engine_with_the_triton_kernels_generates_what_the_pytorch_path_does(mon
                     done[out.request_id] = out.output_token_ids
         return done
 
+    # Without the fused native ops the model writes K/V through store_kv itself (else the native
+    # rotary kernel writes them on the CPU and the Triton store would never run).
+    monkeypatch.setenv("MQINFER_CPU_OPS", "torch")
     expected = generate()
-    monkeypatch.setattr(llama, "store_kv", triton_attention.store_kv)
+    slot_mappings = []
+
+    def triton_store_kv(*args, **kwargs):
+        slot_mappings.append(args[4])
+        triton_attention.store_kv(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "store_kv", triton_store_kv)
     monkeypatch.setattr(llama, "paged_attention", triton_attention.paged_attention)
     assert generate() == expected
     assert len(expected) == 3 and all(len(t) == 4 for t in expected.values())
+    # Every layer's store of a step got the same slot mapping (checked once, then trusted).
+    assert len(slot_mappings) > len({id(s) for s in slot_mappings}) > 1
