@@ -414,6 +414,17 @@ class JobsWorker(Worker):
     def dequeue_timeout(self) -> int:
         return max(1, math.ceil(self.sweep_interval_s))
 
+    def subscribe(self) -> None:
+        """rq's subscription to this worker's command channel, its listening thread polling five
+        times a second instead of once a minute. On a stop, rq unsubscribes and then waits for
+        that thread, which (with redis-py 8) can sit out its whole poll once the channel is gone:
+        an idle worker sent SIGTERM took up to a minute to exit."""
+        log.info("Worker %s: subscribing to channel %s", self.name, self.pubsub_channel_name)
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(sleep_time=0.2, daemon=True,
+                                                       exception_handler=self._pubsub_exception_handler)
+
     @property
     def should_run_maintenance_tasks(self) -> bool:
         return time.monotonic() >= self._next_sweep or super().should_run_maintenance_tasks

@@ -399,3 +399,20 @@ def test_a_bulk_job_refuses_several_choices_with_an_error_row_naming_n():
     many = _refuse_choices(InputItem(2, request_from_obj({"id": "b", "prompt": "x", "n": 3}), None))
     assert many.request is None and many.error.code == "unsupported_parameter"
     assert many.error.request_id == "b" and "$.n" in many.error.message and many.line == 2
+
+
+def test_an_idle_jobs_worker_stops_at_once(redis_server, redis_url):
+    """SIGTERM makes rq unsubscribe from the worker's command channel and wait for the thread that
+    listens on it; that thread must notice within its short poll, not sit out rq's minute (about
+    one stop in five did). Each cycle here is such a stop."""
+    from mqinfer.ops.jobs import JobsWorker
+
+    for _ in range(4):
+        worker = JobsWorker(redis_server.client(), sweep_interval_s=0.5)
+        worker.subscribe()
+        wait_until(lambda: worker.pubsub.subscribed, timeout=10, what="the command channel subscription")
+        started = time.monotonic()
+        worker.unsubscribe()
+        assert time.monotonic() - started < 5
+        assert not worker.pubsub_thread.is_alive()
+        worker.connection.close()
