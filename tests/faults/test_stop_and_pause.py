@@ -34,7 +34,9 @@ def test_sigterm_drains_hands_back_and_leaves_nothing_pending_under_its_name(red
     # Eight running at once; the short ones finish, and a 0.1 s drain is far too short for the long
     # ones (250 steps).
     a = spawn(redis_url, out, "A", "--claim-idle-ms", "1000", "--drain-timeout-s", "0.1")
-    wait_until(lambda: len(rows(out / "results")) >= 4, timeout=60, what="the short requests' rows")
+    # A flush writes the short ones' rows, then acks them: until the ack, all eight are pending.
+    wait_until(lambda: len(rows(out / "results")) >= 4 and len(pending_ids(redis_client, "A")) <= 4, timeout=60,
+               what="the short requests' rows and acks")
     assert len(pending_ids(redis_client, "A")) == 4  # the long ones are running
     a.signal(signal.SIGTERM)
     assert a.wait() == 0, a.log()
