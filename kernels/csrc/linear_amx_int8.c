@@ -76,45 +76,11 @@ int64_t mqinfer_amx_qlinear_scratch_size(int64_t rows, int64_t in_features) {
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) \
     && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static int tiles_state = 0;  /* 1 granted, -1 refused, 0 not asked */
+#include "amx_tiles.h"
 
 /* Whether the OS lets this process use the tiles (asked once; the grant is per process). */
-int mqinfer_amx_qlinear_available(void) {
-    int state = __atomic_load_n(&tiles_state, __ATOMIC_ACQUIRE);
-    if (state == 0) {
-        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&tiles_state, state, __ATOMIC_RELEASE);
-    }
-    return state > 0;
-}
-
-/* The tile unit's configuration record (palette 1). */
-typedef struct {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* Tiles 0..3: C (rows 0-15 x panel a, rows 0-15 x panel b, rows 16-31 x a, 16-31 x b), int32;
-   4, 5: A (rows 0-15, 16-31); 6, 7: B (panels a, b). Every tile 16 rows of 64 bytes. */
-static void configure_tiles(void) {
-    tile_config c;
-    memset(&c, 0, sizeof(c));
-    c.palette_id = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
+int mqinfer_amx_qlinear_available(void) { return mq_amx_permitted(); }
 
 /* 127 / max|x| (linear_int8.c's row_inverse): 0 for a zero row and where the quotient overflows. */
 static inline float row_inverse(float amax) {
@@ -301,14 +267,16 @@ static int quantize_part(const void *ctx, int part, int num_parts) {
     return 0;
 }
 
-/* Part `part` of the product: a contiguous range of panel pairs, every row. */
+/* Part `part` of the product: a contiguous range of panel pairs, every row. Tiles 0..3: C (rows
+   0-15 x panel a, rows 0-15 x panel b, rows 16-31 x a, 16-31 x b), int32; 4, 5: A (rows 0-15,
+   16-31); 6, 7: B (panels a, b): mq_amx_configure_tiles's 16 rows of 64 bytes each. */
 static int product_part(const void *ctx, int part, int num_parts) {
     const amx_job *job = (const amx_job *)ctx;
     const int64_t M = job->a->rows, kp = job->kp;
     const int64_t first = job->pairs * part / num_parts, last = job->pairs * (part + 1) / num_parts;
     const int8_t *w = (const int8_t *)job->a->packed;
     int32_t c[4][256];
-    configure_tiles();
+    mq_amx_configure_tiles();
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t r1 = M - r0 < ROW_CHUNK ? M : r0 + ROW_CHUNK;
         for (int64_t pp = first; pp < last; pp++) {
