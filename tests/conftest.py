@@ -23,6 +23,22 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return int(explicit) if explicit else usable_cores() + 1
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    """Build the native CPU kernels (or find them in their cache) once, before the test processes
+    start. Each process that finds no library for the current sources compiles its own copy (a
+    minute of CPU on two cores): every test process would, at collection, and every worker they
+    start meanwhile. The xdist controller runs this before it starts its processes."""
+    if hasattr(session.config, "workerinput"):
+        return
+    from mqinfer.kernels import native
+
+    try:
+        native.build()
+    except (OSError, RuntimeError):
+        pass  # no compiler, or the build fails: native.load() says why where a test needs it
+
+
 _KERNEL_TESTS = Path(__file__).parent / "kernels"
 _torch_default_threads: list[int] = []
 
