@@ -27,6 +27,7 @@ from mqinfer.client_core import ClientCore
 from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.replies import CANCEL_SCRIPT, CANCEL_TTL_S, ReplyEvent
 from mqinfer.schemas.request import Request
+from mqinfer.schemas.routing import queue_tier_lookup, tier_homes_of
 from mqinfer.schemas.rows import ResultRow
 
 T = TypeVar("T")
@@ -63,6 +64,11 @@ class AsyncClient:
     @property
     def reply_to(self) -> str:
         return self._core.reply_to
+
+    @property
+    def router(self):
+        """The shard placement (``mqinfer.schemas.routing.PrefixRouter``), as ``Client.router``."""
+        return self._core.router
 
     # -- performing the core's plans ---------------------------------------------------------
     async def _run(self, plan: Plan[T]) -> T:
@@ -138,7 +144,24 @@ class AsyncClient:
                           reply: bool = True, chunk_size: int = 500) -> list[str]:
         """Validate every request, then send them pipelined, ``chunk_size`` per round trip."""
         reqs = self._core.prepare(requests, job_id, reply)
+        await self._look_up_tier_homes(reqs)
         return await self._run(self._core.submit(reqs, chunk_size))
+
+    async def _look_up_tier_homes(self, reqs: list[Request]) -> None:
+        """With prefix routing over shards: ask where the workers' KV tiers hold the prompts'
+        prefixes, so that the router sends them there (docs/kv-tiers.md). A failed lookup routes
+        by hash, as the synchronous client does."""
+        router = self._core.router
+        route_keys = router.unhomed_keys(reqs)
+        if not route_keys:
+            return
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            queue_tier_lookup(pipe, self._core.streams, route_keys)
+            found = tier_homes_of(route_keys, await pipe.execute())
+        except Exception:  # an optimisation, never a reason to refuse a submission
+            return
+        router.add_tier_homes(found)
 
     async def backlog(self, shard: int = 0, *, tenant: str = "default", job_id: str | None = None) -> int:
         """Requests not yet finished (unread plus read and unacked) in the stream that a request of

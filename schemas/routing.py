@@ -64,21 +64,33 @@ def route_digest(key: bytes) -> bytes:
     return hashlib.blake2b(key, digest_size=8).digest()
 
 
+def queue_tier_lookup(pipe, streams: Sequence[str], route_keys: list[bytes]) -> None:
+    """Queue on ``pipe`` (a non-transactional pipeline, sync or asyncio) the lookup of
+    ``route_keys`` in each shard's published prefixes; :func:`tier_homes_of` reads its replies."""
+    digests = [route_digest(k) for k in route_keys]
+    for stream in streams:
+        pipe.zmscore(kv_tier_prefixes(stream), digests)
+
+
+def tier_homes_of(route_keys: list[bytes], replies: Sequence[Sequence[float | None] | None]) -> dict[bytes, int]:
+    """For each route key, the shard whose workers saw it last, if any did (``replies``: the
+    scores :func:`queue_tier_lookup` asked for, one list per shard)."""
+    found: dict[bytes, tuple[float, int]] = {}
+    for shard, scores in enumerate(replies):
+        for key, score in zip(route_keys, scores or ()):
+            if score is not None and (key not in found or score > found[key][0]):
+                found[key] = (score, shard)
+    return {key: shard for key, (_, shard) in found.items()}
+
+
 def tier_homes_from(client, streams: Sequence[str]) -> Callable[[list[bytes]], dict[bytes, int]]:
     """A ``PrefixRouter.tier_homes`` reading the workers' published prefixes with ``client`` (a
     redis.Redis): for each route key, the shard whose workers saw it last, if any did."""
 
     def homes(route_keys: list[bytes]) -> dict[bytes, int]:
-        digests = [route_digest(k) for k in route_keys]
         pipe = client.pipeline(transaction=False)
-        for stream in streams:
-            pipe.zmscore(kv_tier_prefixes(stream), digests)
-        found: dict[bytes, tuple[float, int]] = {}
-        for shard, scores in enumerate(pipe.execute()):
-            for key, score in zip(route_keys, scores or ()):
-                if score is not None and (key not in found or score > found[key][0]):
-                    found[key] = (score, shard)
-        return {key: shard for key, (_, shard) in found.items()}
+        queue_tier_lookup(pipe, streams, route_keys)
+        return tier_homes_of(route_keys, pipe.execute())
 
     return homes
 
@@ -179,6 +191,18 @@ class PrefixRouter:
             found = self.tier_homes(new_keys)
         except Exception:
             return
+        self.add_tier_homes(found)
+
+    def unhomed_keys(self, requests: Sequence[Request]) -> list[bytes]:
+        """The distinct route keys of ``requests`` that have no home yet (none unless routing by
+        prefix): what a caller that looks tier homes up itself (the asyncio client) asks for."""
+        if not self.by_prefix:
+            return []
+        keys = {key for key in map(route_key, requests) if key is not None and key not in self._homes}
+        return list(keys)
+
+    def add_tier_homes(self, found: dict[bytes, int]) -> None:
+        """Make each key's shard (whose workers' tiers hold its prefix) its home."""
         for key, shard in found.items():
             if 0 <= shard < self.shards:
                 self._homes[key] = [shard]

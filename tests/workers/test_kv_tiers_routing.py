@@ -3,6 +3,7 @@ routing by prefix sends a request with such a prefix to that worker's shard, not
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import zlib
@@ -10,9 +11,11 @@ import zlib
 import pytest
 
 from mqinfer.client import Client
+from mqinfer.client_async import AsyncClient
 from mqinfer.schemas import keys
 from mqinfer.schemas.request import request_from_obj
 from mqinfer.schemas.routing import PrefixRouter, route_digest, route_key
+from mqinfer.schemas.stream import decode_entry
 from mqinfer.workers.config import EngineConfig
 from tests.workers.harness import WorkerHarness
 
@@ -55,6 +58,33 @@ def test_a_prefix_goes_to_the_shard_whose_tiers_hold_it(redis_url, redis_client,
         assert client.router.tier_routed == 1
     finally:
         client.close()
+
+    # The asyncio client looks the prefixes up too, and its submission lands on the holding shard.
+    async def submit_async() -> int:
+        aclient = AsyncClient(redis_url, shards=2, route="prefix")
+        try:
+            await aclient.submit_many([{"id": f"a{i}", "prompt_token_ids": p + [i], "max_tokens": 1}
+                                       for i, p in enumerate((held, other))], reply=False)
+            return aclient.router.tier_routed
+        finally:
+            await aclient.close()
+
+    assert asyncio.run(submit_async()) == 1
+    assert _ids_in_shard(redis_client, "requests-1") == {"a0"}
+    assert _ids_in_shard(redis_client, "requests-0") == {"a1"}
+
+
+def _ids_in_shard(redis_client, stream: str) -> set[str]:
+    """The request ids in a shard's stream and its lanes."""
+    ids = set()
+    for key in redis_client.scan_iter(match=f"mqinfer:{{{stream}*"):
+        name = key.decode() if isinstance(key, bytes) else key
+        if not (name == keys.request_stream(stream) or name.startswith(keys.request_stream(stream + ":lane:")[:-1])):
+            continue
+        if redis_client.type(key) not in ("stream", b"stream"):
+            continue
+        ids.update(decode_entry(fields).id for _, fields in redis_client.xrange(key))
+    return ids
 
 
 def test_routing_goes_on_by_hash_when_the_lookup_fails():
