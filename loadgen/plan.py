@@ -102,7 +102,7 @@ def worker_layout(opts: dict[str, Any]) -> Layout:
 
     device = str(opts.get("device") or "auto")
     cuda = device.startswith("cuda") or (device == "auto" and cuda_available())
-    ranks = opts.get("tensor_parallel_size") or 1
+    ranks = worker_ranks(opts)
     accelerator = None
     if cuda:
         import torch
@@ -118,11 +118,16 @@ def worker_layout(opts: dict[str, Any]) -> Layout:
     return Layout("cuda" if cuda else "cpu", threads, share, accelerator)
 
 
+def worker_ranks(opts: dict[str, Any]) -> int:
+    """Processes (and devices on CUDA) of one planned worker: T tensor-parallel x P pipeline ranks."""
+    return (opts.get("tensor_parallel_size") or 1) * (opts.get("pipeline_parallel_size") or 1)
+
+
 def calibration_path(opts: dict[str, Any], layout: Layout) -> Path:
     from mqinfer.workers.devices import usable_cores
 
     engine_key = "|".join(str(opts.get(k)) for k in ("dtype", "quantization", "kv_cache_dtype",
-                                                      "tensor_parallel_size"))
+                                                      "tensor_parallel_size", "pipeline_parallel_size"))
     return fit_path(str(opts.get("model") or "tiny"), engine_key,
                     machine_key(layout.device, layout.num_threads, usable_cores(), layout.accelerator))
 
@@ -187,7 +192,7 @@ def workers_per_machine(opts: dict[str, Any], calibration: Calibration) -> int:
 
     if not calibration.device.startswith("cpu"):
         return 1
-    per_worker = (calibration.num_threads or 1) * (opts.get("tensor_parallel_size") or 1)
+    per_worker = (calibration.num_threads or 1) * worker_ranks(opts)
     return max(1, usable_cores() // per_worker)
 
 
@@ -263,7 +268,8 @@ def _explicit_workers(opts: dict[str, Any], target: Target, layout: Layout) -> i
         return None
     workers, _, _ = choose_layout({"workers": "auto", "num_threads": layout.num_threads, "device": layout.device,
                                    "shards": 1, "model": opts.get("model") or "tiny",
-                                   "tensor_parallel_size": opts.get("tensor_parallel_size")})
+                                   "tensor_parallel_size": opts.get("tensor_parallel_size"),
+                                   "pipeline_parallel_size": opts.get("pipeline_parallel_size")})
     return workers
 
 

@@ -57,7 +57,8 @@ log = logging.getLogger("mqinfer.plan")
 
 # The engine settings a start-up probe passes on to its fresh process.
 _PROBE_FIELDS = ("model", "device", "dtype", "quantization", "kv_cache_dtype", "num_threads", "num_kv_blocks",
-                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tensor_parallel_size")
+                 "max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size", "tensor_parallel_size",
+                 "pipeline_parallel_size")
 
 
 @dataclass(frozen=True)
@@ -193,7 +194,7 @@ def contention_probes(config) -> int:
 
     if not str(config.device or "cpu").startswith("cpu"):
         return 0
-    per_worker = (config.num_threads or 1) * (config.tensor_parallel_size or 1)
+    per_worker = (config.num_threads or 1) * (config.tensor_parallel_size or 1) * (config.pipeline_parallel_size or 1)
     return min(usable_cores() // per_worker - 1, _MAX_CONTENTION_PROBES)
 
 

@@ -439,6 +439,19 @@ def _run(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def test_a_planned_worker_with_tensor_and_pipeline_ranks_bills_and_holds_them_all():
+    from mqinfer.workers.devices import cpu_device_share
+
+    opts = {o.name: o.default for o in PLAN_CMD}
+    opts.update(device="cpu", num_threads=1, tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert planner.worker_ranks(opts) == 4
+    layout = planner.worker_layout(opts)
+    assert layout.device_share == pytest.approx(cpu_device_share(1, 4))
+    # Another split of the layers is another engine: its own calibration.
+    assert planner.calibration_path(opts, layout) != planner.calibration_path({**opts, "pipeline_parallel_size": 1},
+                                                                              layout)
+
+
 def test_plan_json_has_the_contract_keys(cache, capsys):
     code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "120", "--rate", "20",
                         "--slo-ttft-p99-ms", "200", "--device", "cpu", "--format", "json")
