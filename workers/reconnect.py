@@ -63,11 +63,15 @@ class Backoff:
     backoff. The engine keeps stepping meanwhile, rows keep being written, and acks wait: nothing
     that was read is lost (an entry read but not yet tracked stays pending and is re-claimed)."""
 
-    def __init__(self, *, clock: Callable[[], float], busy: Callable[[], bool]) -> None:
+    def __init__(self, *, clock: Callable[[], float], busy: Callable[[], bool],
+                 ping: Callable[[], object] | None = None) -> None:
         """``busy``: whether the engine has work (then the loop goes on at once; otherwise it
-        pauses a little, not to spin while Redis is away)."""
+        pauses a little, not to spin while Redis is away). ``ping``: a round trip to Redis, made
+        before the first call after a failure, so that a call that happens not to need Redis
+        (nothing to ack, say) is not taken for Redis being back."""
         self.clock = clock
         self.busy = busy
+        self.ping = ping
         self.retry_at = 0.0
         self.delay = 0.0
 
@@ -77,18 +81,24 @@ class Backoff:
         if now < self.retry_at:
             return None
         try:
+            if self.delay and self.ping is not None:
+                self.ping()
             result = fn(*args, **kwargs)
         except REDIS_DOWN as exc:
-            self.delay = min(max(self.delay * 2, 0.1), MAX_BACKOFF_S)
-            self.retry_at = now + self.delay
-            log.warning("redis unavailable (%s); retrying in %.1fs", exc, self.delay)
-            if not self.busy():
-                time.sleep(min(self.delay, 0.5))
+            self._failed(now, exc)
             return None
         if self.delay:
             log.info("redis reachable again")
             self.delay = 0.0
         return result
+
+    def _failed(self, now: float, exc: Exception) -> None:
+        """Wait twice as long as last time (up to MAX_BACKOFF_S) before the next try; log it."""
+        self.delay = min(max(self.delay * 2, 0.1), MAX_BACKOFF_S)
+        self.retry_at = now + self.delay
+        log.warning("redis unavailable (%s); retrying in %.1fs", exc, self.delay)
+        if not self.busy():
+            time.sleep(min(self.delay, 0.5))
 
     def retry_now(self) -> None:
         """Try the next call whatever the backoff (the last tries at stop)."""

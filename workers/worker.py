@@ -116,7 +116,8 @@ class Worker:
         # Every Redis call of the loop goes through this: on a connection error it backs off and
         # returns None instead of raising, and skips calls until the backoff has passed
         # (workers/reconnect.py).
-        self._with_backoff = Backoff(clock=clock, busy=lambda: self.engine.has_unfinished())
+        self._with_backoff = Backoff(clock=clock, busy=lambda: self.engine.has_unfinished(),
+                                     ping=lambda: self.redis.ping())
 
     # -- lifecycle ---------------------------------------------------------------------------
     def _install_signals(self) -> None:
