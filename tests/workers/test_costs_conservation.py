@@ -93,6 +93,16 @@ def test_fleet_run_conserves_time_and_bills_duplicates_to_nobody(redis_url, redi
     monkeypatch.delenv("MQINFER_FAULTS")
     others = [start_worker(redis_url, out, *common, "--consumer", name, "--flush-interval-s", "0.1")
               for name in ("w1", "w2")]
+    try:
+        _run_the_fleet(redis_url, redis_client, tmp_path, out, doomed, others)
+    finally:
+        for proc in (doomed, *others):  # a failed check leaves no worker behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+def _run_the_fleet(redis_url, redis_client, tmp_path, out, doomed, others) -> None:
     wait_until(lambda: (out / "costs").exists() and len({c["worker"] for c in rows(out / "costs")}) == 3,
                timeout=120, what="the three workers' startup rows")
 
