@@ -7,12 +7,13 @@ Owns ``AmxInt8Weight`` (an int8 weight in the tile unit's layout, packed once) a
 run the kernel the weight's ``for_call()`` names (this one unless switched off, below).
 
 Why. The VNNI kernel does 64 multiply-adds per instruction; a tile product does 16 x 16 x 64.
-On one core of this session's Xeon (CPU time, bfloat16 rows, SmolLM2's 1536 -> 576 and 576 ->
-1536 projections, weights in cache) this kernel ran 2.2-2.3x the VNNI kernel at 16 rows and 2.7-3.1x at
-64 and 256, and 1.3-1.5x the bfloat16 AMX kernel (``linear_amx``) there; at one row both int8
-kernels read the weight at the same rate (0.9x in cache, 1.1x from memory). The engine's w8a8
-went from 0.58x of bfloat16's throughput to 1.5x (``mqinfer bench --quantization w8a8 --compare
-unquantized``, BENCHMARKS.md).
+On one core of this session's Xeon (bfloat16 rows, SmolLM2's 1536 -> 576 and 576 -> 1536
+projections, weights in cache) this kernel ran 2.3-2.5x the VNNI kernel at 16 rows and
+2.7-2.9x at 64 and 256 (1.4-1.5 TOP/s), and 1.3-1.5x the bfloat16 AMX kernel (``linear_amx``)
+at 64 and 256; at one row both int8 kernels read the weight at the same rate (0.9x in cache,
+1.04x from memory). The engine's w8a8 (standard workload, 2 workers x 1 thread) went from 0.79x
+of bfloat16's throughput to 1.17x (``mqinfer bench --quantization w8a8 --compare unquantized
+--rounds 3``, medians, with ``MQINFER_W8A8_AMX=off`` and without).
 
 Numerics: the VNNI kernel's result bit for bit, hence ``reference_linear``'s: the tiles' int32
 sums are exact (signed by signed bytes, no saturation), and the quantization of the rows and
