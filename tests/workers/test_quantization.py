@@ -251,3 +251,21 @@ def test_smoothing_the_lm_head_keeps_the_function_and_the_tied_embedding(qwen2_t
     torch.testing.assert_close(model.compute_logits(smoothed), before, rtol=1e-4, atol=1e-4)
     spread = lambda t: float(t.max() / t.clamp(min=1e-6).median())  # noqa: E731
     assert spread(smoothed.abs().amax(dim=0)) < spread(hidden.abs().amax(dim=0))
+
+
+@pytest.mark.skipif(not q8.native_available(), reason="no native int8 kernel for this CPU (it needs AVX2, or AVX-512 with VNNI)")
+def test_w8a8_weights_are_packed_at_start_up_and_the_first_step_uses_that_packing():
+    engine = LLMEngine(EngineConfig(model="tiny", num_threads=1, num_kv_blocks=64, quantization="w8a8"))
+    try:
+        layers = [m for m in engine.model.modules() if isinstance(m, Int8Linear)]
+        packed = [(m.packed, m.packed_swiglu) for m in layers]
+        # Every int8 layer holds its packing before any request: the gate/up projections the fused
+        # SwiGLU's (where the fused CPU ops run), the others the plain one.
+        assert layers and all(p is not None or s is not None for p, s in packed)
+        engine.add_request("r", [256, 9, 10], SamplingParams(max_tokens=3, temperature=0.0))
+        while engine.has_unfinished():
+            engine.step()
+        # The steps ran on those packings, packing nothing again.
+        assert all(m.packed is p and m.packed_swiglu is s for m, (p, s) in zip(layers, packed))
+    finally:
+        engine.close()

@@ -555,14 +555,21 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden, out)
 
     def pack_weights(self) -> int:
-        """Pack every bfloat16 dense layer's weight (and the LM head's) for the AMX kernel now, as
-        their first call would: start-up pays it rather than the first step. Returns how many were
-        packed (none without AMX, for other dtypes, or for int8 layers)."""
+        """Pack every dense layer's weight for its native kernel now, as its first call would:
+        start-up pays it rather than the first step. bfloat16 layers (and the LM head) for the AMX
+        kernel; int8 layers (``--quantization``) for theirs, the MLP's gate/up projection for the
+        fused SwiGLU the MLP calls first where the fused CPU ops run. Returns how many were packed
+        (none on other devices, or without a native kernel for the layer)."""
         packed = 0
+        dtype = self.dtype  # the rows' dtype: the model's
+        fused_mlp = cpu_ops.cpu_ops_available()
+        gate_ups = {id(m.gate_up_proj) for m in self.modules() if isinstance(m, MLP)}
         for module in self.modules():
             if isinstance(module, (Linear, LMHead)) and module.weight.device.type == "cpu":
                 rows = torch.empty(1, module.weight.shape[1], dtype=module.weight.dtype)
                 packed += _amx_weight(module, rows) is not None
+            elif hasattr(module, "pack_now") and module.qweight.device.type == "cpu":
+                packed += module.pack_now(dtype, fused=fused_mlp and id(module) in gate_ups)
         return packed
 
     # ------------------------------------------------------------------ loading

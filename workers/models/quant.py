@@ -147,6 +147,20 @@ class Int8Linear(nn.Module):
             self.packed_swiglu = kernels.pack(self.qweight, self.scale, self.bias, swiglu=True)
         return kernels.swiglu(x, self.packed_swiglu, vector_chunk, out)
 
+    def pack_now(self, dtype: torch.dtype, fused: bool = False) -> bool:
+        """Pack the weight for the native kernel now, as the first call with rows of ``dtype``
+        would (``fused``: for ``swiglu``), so that start-up pays it rather than the first step.
+        Whether there was something to pack."""
+        rows = torch.empty(1, self.in_features, dtype=dtype, device=self.qweight.device)
+        if not self._native(rows, fused=fused):
+            return False
+        kernels = self._kernels()
+        if fused and self.packed_swiglu is None:
+            self.packed_swiglu = kernels.pack(self.qweight, self.scale, self.bias, swiglu=True)
+        elif not fused and self.packed is None:
+            self.packed = kernels.pack(self.qweight, self.scale, self.bias)
+        return True
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, mode={self.mode}"
 
