@@ -43,6 +43,7 @@ build fails.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -54,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -254,12 +256,39 @@ def build(flags: tuple[str, ...] | None = None) -> Path:
     library = library_path(flags)
     if library.exists():
         return library
+    folder = library.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    # One process builds; the others (workers of one machine starting together) wait for it and
+    # load its library, instead of each compiling a copy at once on the same cores.
+    with _build_lock(library.with_suffix(".lock")):
+        if not library.exists():
+            _compile_library(library, flags)
+    return library
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path) -> Iterator[None]:
+    """An exclusive lock on ``path`` between processes (none where fcntl is missing)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile_library(library: Path, flags: tuple[str, ...]) -> None:
+    """Compile the sources into ``library`` (written to a temporary name, then renamed)."""
     compiler = _compiler()
     sources = _sources()
     if not sources:
         raise RuntimeError(f"no C sources in {CSRC}")
     folder = library.parent
-    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
         built = Path(tmp) / library.name
         # Each source to an object file, as many at once as there are cores (the attention
@@ -275,8 +304,7 @@ def build(flags: tuple[str, ...] | None = None) -> Path:
         error = _compile([compiler, *flags, "-o", str(built), *map(str, objects), "-lm", "-lpthread"])
         if error:
             raise RuntimeError(error)
-        os.replace(built, library)  # atomic: a concurrent builder's copy is as good
-    return library
+        os.replace(built, library)  # atomic: readers see the whole library or none
 
 
 def _compile(command: list[str]) -> str | None:

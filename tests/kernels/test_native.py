@@ -10,7 +10,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,6 +84,27 @@ def test_extra_flags_get_their_own_cache_entry(monkeypatch, tmp_path):
     assert plain.parent == extra.parent == tmp_path / "kernels"
     assert plain != extra
     assert "-ffp-contract=off" in native.build_flags()  # the one FMA rule, for every build
+
+
+def test_builders_starting_together_compile_the_library_once(monkeypatch, tmp_path):
+    # Processes lock a file beside the library; two threads opening it separately contend the same
+    # way, so two threads stand in for two workers starting at once on a fresh machine.
+    monkeypatch.setenv("MQINFER_CACHE_DIR", str(tmp_path))
+    compiled = []
+
+    def slow_compile(library, flags):
+        compiled.append(library)
+        time.sleep(0.3)  # the other builder arrives while this one compiles
+        library.write_bytes(b"built")
+
+    monkeypatch.setattr(native, "_compile_library", slow_compile)
+    results: list[Path] = []
+    builders = [threading.Thread(target=lambda: results.append(native.build())) for _ in range(2)]
+    for t in builders:
+        t.start()
+    for t in builders:
+        t.join()
+    assert len(compiled) == 1 and results == [compiled[0]] * 2 and compiled[0].read_bytes() == b"built"
 
 
 def _big_logits() -> torch.Tensor:
