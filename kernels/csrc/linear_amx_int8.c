@@ -73,11 +73,13 @@ int64_t mqinfer_amx_qlinear_scratch_size(int64_t rows, int64_t in_features) {
     return padded_rows(rows) * padded_k(in_features) + rows * (int64_t)sizeof(float);
 }
 
+/* AVX-512 VNNI too: the epilogue's silu table lives with the VNNI kernel (linear_int8.c). */
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__) && defined(__AVX512BW__) \
-    && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__)
+    && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 #include "amx_tiles.h"
+#include "int8_epilogue.h"
 
 /* Whether the OS lets this process use the tiles (asked once; the grant is per process). */
 int mqinfer_amx_qlinear_available(void) { return mq_amx_permitted(); }
@@ -86,13 +88,6 @@ int mqinfer_amx_qlinear_available(void) { return mq_amx_permitted(); }
 static inline float row_inverse(float amax) {
     const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
     return inv <= 3.4028234663852886e38f ? inv : 0.0f;
-}
-
-/* Lanes m of x[k..k+15] (float32, or bfloat16 widened exactly), zero elsewhere. */
-static inline __m512 load_row16(const void *x, int64_t k, __mmask16 m, int is_bf16) {
-    if (!is_bf16) return _mm512_maskz_loadu_ps(m, (const float *)x + k);
-    const __m256i h = _mm256_maskz_loadu_epi16(m, (const uint16_t *)x + k);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
 /* One row: q into q (kp bytes, zeros past K), the row's scale into *scale; the VNNI kernel's
@@ -118,73 +113,6 @@ static void quantize_row_s8(const void *x, int is_bf16, int64_t K, int64_t kp, i
     if (K < kp) memset(q + K, 0, (size_t)(kp - K));
 }
 
-static inline __m256 high_half(__m512 v) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)); }
-
-/* bfloat16 as PyTorch rounds float32 to it (nearest even; NaN to the quiet NaN 0x7fc0), in the
-   low 16 bits of each lane; and that value back as float32. */
-static inline __m512i bf16_bits(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-}
-static inline __m512 round_bf16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(v), 16)); }
-static inline uint16_t bf16_of(float f) {
-    return (uint16_t)_mm_cvtsi128_si32(_mm512_castsi512_si128(bf16_bits(_mm512_set1_ps(f))));
-}
-static inline float bf16_round(float f) { return _mm512_cvtss_f32(round_bf16(_mm512_set1_ps(f))); }
-
-/* silu of every bfloat16 gate value as bfloat16 bits, indexed by the gate's bits: the table the
-   VNNI kernel uses, filled the same way (mqinfer_silu_mul's vectorised exponential and
-   division), so the fused SwiGLU has its bits. One entry of padding for the 32-bit gather. */
-static uint16_t silu_bf16_table[(1 << 16) + 1];
-static pthread_once_t silu_bf16_once = PTHREAD_ONCE_INIT;
-static void fill_silu_bf16_table(void) {
-    for (int32_t b = 0; b < (1 << 16); b += 8) {
-        const __m256 g = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_set1_epi32(b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)), 16));
-        const __m256 e = exp_f32x8(_mm256_xor_ps(g, _mm256_set1_ps(-0.0f)));
-        const __m512i sl = bf16_bits(_mm512_castps256_ps512(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e))));
-        _mm_storeu_si128((__m128i *)(silu_bf16_table + b), _mm256_cvtepi32_epi16(_mm512_castsi512_si256(sl)));
-    }
-}
-
-/* SwiGLU into bfloat16: the projection rounded to bfloat16, silu(gate) rounded (the table, or
-   expf past the last whole vector chunk), the product rounded. */
-static inline void store_swiglu_bf16(uint16_t *o, __m512 f, int mode) {
-    if (mode == STORE_SWIGLU) {
-        const __m512i bits16 = bf16_bits(f);
-        const __m256 u = _mm256_castsi256_ps(_mm256_slli_epi32(_mm512_extracti64x4_epi64(bits16, 1), 16));
-        const __m256 sl = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_i32gather_epi32(
-            (const int *)silu_bf16_table, _mm512_castsi512_si256(bits16), 2), 16));
-        const __m512i bits = bf16_bits(_mm512_castps256_ps512(_mm256_mul_ps(sl, u)));
-        _mm_storeu_si128((__m128i *)o, _mm256_cvtepi32_epi16(_mm512_castsi512_si256(bits)));
-    } else {
-        const __m512 r = round_bf16(f);
-        float gs[8], us[8];
-        _mm256_storeu_ps(gs, _mm512_castps512_ps256(r));
-        _mm256_storeu_ps(us, high_half(r));
-        for (int i = 0; i < 8; i++) o[i] = bf16_of(bf16_round(gs[i] / (1.0f + expf(-gs[i]))) * us[i]);
-    }
-}
-
-/* A row's 16 int32 sums of one panel to the output o: scaled as the reference does, then plain
-   or SwiGLU, float32 or bfloat16. */
-static inline void store_sums(void *o, int out_bf16, __m512i acc, float row_scale, const float *scales,
-                              const float *bias, int mode) {
-    __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(row_scale)),
-                             _mm512_loadu_ps(scales));
-    if (bias) f = _mm512_add_ps(f, _mm512_loadu_ps(bias));
-    if (out_bf16) {
-        if (mode == STORE_PLAIN) _mm256_storeu_si256((__m256i *)o, _mm512_cvtepi32_epi16(bf16_bits(f)));
-        else store_swiglu_bf16((uint16_t *)o, f, mode);
-    } else if (mode == STORE_PLAIN) {
-        _mm512_storeu_ps((float *)o, f);
-    } else {
-        store_row((float *)o, _mm512_castps512_ps256(f), high_half(f), mode);
-    }
-}
-
 typedef struct {
     const mqinfer_qlinear_args *a;
     int8_t *q;                /* the quantized rows, [padded rows][kp] */
@@ -206,10 +134,10 @@ static void write_tile(const amx_job *job, const int32_t *c, int64_t row0, int64
         char *o = (char *)a->out + ((row0 + i) * a->out_stride + p * width) * esize;
         const __m512i acc = _mm512_loadu_si512((const void *)(c + i * PANEL));
         if (cols == width) {
-            store_sums(o, esize == 2, acc, job->row_scales[row0 + i], scales, bias, mode);
+            store_int32_sums(o, esize == 2, acc, job->row_scales[row0 + i], scales, bias, mode);
         } else {  /* a partial last panel through a buffer */
             float edge[PANEL];
-            store_sums(edge, esize == 2, acc, job->row_scales[row0 + i], scales, bias, mode);
+            store_int32_sums(edge, esize == 2, acc, job->row_scales[row0 + i], scales, bias, mode);
             memcpy(o, edge, (size_t)(cols * esize));
         }
     }
@@ -306,7 +234,7 @@ static int product_part(const void *ctx, int part, int num_parts) {
 int mqinfer_amx_qlinear(const mqinfer_qlinear_args *args, int num_threads) {
     if (!mqinfer_amx_qlinear_available()) return -2;
     if (args->rows <= 0 || args->out_features <= 0) return 0;
-    if (args->swiglu && args->is_bf16) pthread_once(&silu_bf16_once, fill_silu_bf16_table);
+    if (args->swiglu && args->is_bf16) mq_silu_bf16_ready();
     const int64_t M = args->rows, kp = padded_k(args->in_features), mp = padded_rows(M);
     const int64_t panels = (args->out_features + panel_width(args->swiglu != 0) - 1) / panel_width(args->swiglu != 0);
     int8_t *q = (int8_t *)args->scratch;
