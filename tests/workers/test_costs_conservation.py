@@ -89,7 +89,7 @@ def test_fleet_run_conserves_time_and_bills_duplicates_to_nobody(redis_url, redi
     # before acking them.
     monkeypatch.setenv("MQINFER_FAULTS", "sink.after_write=kill@2")
     doomed = start_worker(redis_url, out, *common, "--consumer", "w3", "--flush-rows", "100000",
-                          "--flush-interval-s", "600")
+                          "--flush-interval-s", "600", "--idle-exit-s", "3")  # its last flush, at exit at the latest
     monkeypatch.delenv("MQINFER_FAULTS")
     others = [start_worker(redis_url, out, *common, "--consumer", name, "--flush-interval-s", "0.1")
               for name in ("w1", "w2")]
