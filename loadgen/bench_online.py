@@ -1,6 +1,6 @@
 """The online run of `mqinfer bench`: Poisson arrivals at an offered rate against running workers.
 
-Workers start first and are warmed with one request; requests then arrive as a Poisson process at
+Workers start first and each is warmed with one request; requests then arrive as a Poisson process at
 ``--rate`` per second (several rates make a sweep), and TTFT / TPOT / e2e are measured from each
 entry's enqueue time. Each point is checked against the latency goal, p99 TTFT <= max wait + 3 engine
 steps (``point_budget``), an engine step being the point's own TPOT p50. Owns ``OnlinePoint``,
@@ -23,6 +23,8 @@ from mqinfer.loadgen.metrics import RequestTiming, RunSummary, TtftBudget, summa
 from mqinfer.loadgen.workload import MIN_TOKEN_ID
 
 BUDGET_STEPS = 3  # the latency goal: p99 TTFT <= max wait + 3 engine steps
+# Warm-up requests sent per worker, at most, before the online runs go on with some workers cold.
+WARMUP_TRIES_PER_WORKER = 4
 
 
 @dataclass
@@ -123,22 +125,47 @@ def submit_on_schedule(producer, requests: list[dict[str, Any]], arrivals: list[
         errors.append(exc)
 
 
+def warm_workers(producer, pool: WorkerPool, out: Path, prompt: list[int], tag: str, workers: int,
+                 timeout_s: float) -> None:
+    """One warm-up request at a time until every worker has run one (a worker's first steps run
+    cold, and the online figures are about warm workers). Workers blocked on the stream are woken
+    in the order they blocked, so each request usually reaches one that has not served yet; after
+    ``WARMUP_TRIES_PER_WORKER`` tries per worker it goes on, saying how many were warmed."""
+    # Reversed, so that it shares no cached prefix blocks with the measured requests.
+    warm = {"id": "warmup", "prompt_token_ids": prompt[::-1], "max_tokens": 8, "ignore_eos": True,
+            "temperature": 0.0}
+    served: set[str] = set()
+    for attempt in range(WARMUP_TRIES_PER_WORKER * workers):
+        job_id = f"bench-warmup-{tag}-{attempt}"
+        producer.submit(warm, job_id=job_id)
+        wait_done(producer.redis, job_id, 1, pool, timeout_s, "warm-up")
+        served |= workers_of(out, job_id)
+        if len(served) >= workers:
+            return
+    log(f"mqinfer online: {len(served)} of {workers} workers ran a warm-up request; the others start cold")
+
+
+def workers_of(out: Path, job_id: str) -> set[str]:
+    """The workers that wrote rows of ``job_id`` under ``out/results``."""
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    table = ds.dataset(out / "results", format="parquet", partitioning="hive").to_table(
+        columns=["worker"], filter=pc.field("job_id") == job_id)
+    return {w for w in table.column("worker").to_pylist() if w}
+
+
 def run_online(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[str, Any]], url: str, producer,
                pool: WorkerPool, out: Path, tag: str, rates: list[float], setting: float | str) -> list[OnlinePoint]:
-    """Warm the workers with one request, then one Poisson run per rate (prompts salted per rate:
+    """Warm each worker with one request, then one Poisson run per rate (prompts salted per rate:
     ``unshared_prompts``); the workers are stopped at the end."""
     from mqinfer.client import Producer
 
     try:
         pool.start()
-        # Reversed, so that it shares no cached prefix blocks with the measured requests.
-        warm = {"id": "warmup", "prompt_token_ids": requests[0]["prompt_token_ids"][::-1], "max_tokens": 8,
-                "ignore_eos": True, "temperature": 0.0}
-        warm_job = f"bench-warmup-{tag}"
-        producer.submit(warm, job_id=warm_job)
         log(f"mqinfer online: starting {args.workers} worker(s) (max wait {wait_label(setting)}), "
-            "waiting for a warm-up request")
-        wait_done(producer.redis, warm_job, 1, pool, args.timeout_s, "warm-up")
+            "waiting for a warm-up request on each")
+        warm_workers(producer, pool, out, requests[0]["prompt_token_ids"], tag, args.workers, args.timeout_s)
         points = []
         for k, rate in enumerate(rates):
             job_id = f"bench-{tag}-r{k}"

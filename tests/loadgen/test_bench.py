@@ -7,6 +7,7 @@ import json
 import statistics
 from pathlib import Path
 
+import pyarrow.dataset as ds
 import pytest
 
 from mqinfer.loadgen import bench, bench_online, bench_pool, bench_report, bench_roofs
@@ -312,7 +313,8 @@ def test_online_bench_compares_wait_settings_at_one_rate(tmp_path, capsys):
     plots = tmp_path / "plots"
     argv = ["--model", "tiny", "--mode", "online", "--rate", "40", "--compare-wait", "20,auto", "--num-requests", "6",
             "--workload", "lognormal", "--prompt-len", "8,64", "--output-len", "4,16", "--matrix-size", "128",
-            "--json", str(out_json), "--idle-exit-s", "30", "--plot", str(plots), "--workers", "1"]
+            "--json", str(out_json), "--idle-exit-s", "30", "--plot", str(plots), "--workers", "2",
+            "--out", str(tmp_path / "out")]
     code = bench.main(argv)
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -333,6 +335,11 @@ def test_online_bench_compares_wait_settings_at_one_rate(tmp_path, capsys):
     assert float(rows[1][3]) == pytest.approx(points["auto"]["summary"]["ttft"]["p99"] * 1000, abs=0.05)
     assert "mqinfer @40 req/s wait auto" in captured.out and "mqinfer @40 req/s wait 20 ms" in captured.out
     assert (plots / "ttft-by-wait.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Each setting's two workers each ran a warm-up request before the measured arrivals.
+    rows = ds.dataset(tmp_path / "out" / "results", format="parquet", partitioning="hive").to_table(
+        columns=["job_id", "worker"]).to_pylist()
+    warmed = {r["worker"] for r in rows if r["job_id"].startswith("bench-warmup-")}
+    assert len(warmed) == 4, warmed
 
 
 def test_fixed_workload_beside_a_stand_in_llamacpp(tmp_path, capsys):
