@@ -4,7 +4,7 @@ pipeline needs.
 
     python -m mqinfer.loadgen.plan_check [--model tiny] [--workload standard] [--num-requests 128]
                                          [--online-requests 300] [--workers 1] [--num-threads 1]
-                                         [--device cpu|cuda] [--rates auto|R,R,R] [--calibrate]
+                                         [--device cpu|cuda] [--rates auto|R,R,R] [--repeats R] [--calibrate]
                                          [--workers-check] [--check-rate QPS] [--check-slo-ms MS]
 
 **Accuracy.** For one workload it runs, through the real pipeline (an embedded server, ``mqinfer
@@ -16,7 +16,8 @@ first when this machine has no stored fit, or with ``--calibrate``). A predictio
 a few simulations with different draws of the loop's measured delays. It prints, for each case, the
 measured and predicted output tokens per second and p99 TTFT and their relative errors ((predicted
 - measured) / measured). The rates (``auto``) are 20%, 50% and 80% of the request rate the offline
-run measured. In the offline run the requests wait in the stream while the workers start, so its
+run measured; ``--repeats R`` runs each rate R times (in turn across the rates) and compares the
+medians. In the offline run the requests wait in the stream while the workers start, so its
 TTFT is counted from the first request's start on both sides (start-up is the plan's separate
 figure), and the simulated workers are fresh (their first steps cold).
 
@@ -65,6 +66,8 @@ class CheckRow:
     predicted_tok_s: float
     measured_ttft_p99_s: float | None
     predicted_ttft_p99_s: float | None
+    # With --repeats R: each run's measured p99 TTFT (the row holds the medians over the runs).
+    measured_ttft_p99_runs_s: list[float] | None = None
 
     @property
     def tok_s_error(self) -> float | None:
@@ -138,13 +141,18 @@ def format_table(rows: list[CheckRow]) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{1000 * x:.1f}"
 
-    head = (f"{'case':<20} {'workers':>7} {'tok/s meas':>11} {'tok/s pred':>11} {'error':>8} "
+    head = (f"{'case':<26} {'workers':>7} {'tok/s meas':>11} {'tok/s pred':>11} {'error':>8} "
             f"{'p99 TTFT ms meas':>17} {'pred':>8} {'error':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.case:<20} {r.workers:>7} {r.measured_tok_s:>11.1f} {r.predicted_tok_s:>11.1f} "
+        lines.append(f"{r.case:<26} {r.workers:>7} {r.measured_tok_s:>11.1f} {r.predicted_tok_s:>11.1f} "
                      f"{pct(r.tok_s_error):>8} {ms(r.measured_ttft_p99_s):>17} {ms(r.predicted_ttft_p99_s):>8} "
                      f"{pct(r.ttft_error):>8}")
+    spread = [r for r in rows if r.measured_ttft_p99_runs_s]
+    if spread:
+        lines.append("(medians over the runs; each run's measured p99 TTFT, ms: "
+                     + "; ".join(f"{r.case.split(',')[0]}: {', '.join(ms(v) for v in r.measured_ttft_p99_runs_s)}"
+                                 for r in spread) + ")")
     return "\n".join(lines)
 
 
@@ -204,16 +212,37 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
     else:
         rates = ns.rates
     requests = _workload(ns, s, ns.online_requests)
-    online = run_engine(bench_args(mode="online", rates=rates, num_requests=len(requests), **common), s.spec,
-                        requests, scratch / "online")
+    # Repeats go round the rates (r1 r2 r3 r1 r2 r3 ...), so that the machine's drift meets every rate.
+    online = run_engine(bench_args(mode="online", rates=rates * ns.repeats, num_requests=len(requests), **common),
+                        s.spec, requests, scratch / "online")
+    runs: dict[float, list[CheckRow]] = {}
     for k, point in enumerate(online.online):
-        # The bench salts each rate's prompts (no prefix shared between rates): the same here.
+        # The bench salts each point's prompts (no prefix shared between points): the same here.
         salted = unshared_prompts(requests, k, s.spec.vocab_size, s.spec.min_token_id)
         tok_s, ttft = predicted(salted, measured_arrivals(salted, point.timings), ns.workers, s.settings,
                                 s.calibration, from_first_start=False)
-        rows.append(CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, tok_s,
-                             measured_ttft_p99(point.timings, from_first_start=False), ttft))
-    return rows
+        runs.setdefault(point.rate, []).append(
+            CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, tok_s,
+                     measured_ttft_p99(point.timings, from_first_start=False), ttft))
+    return rows + [median_row(group) for group in runs.values()]
+
+
+def median_row(runs: list[CheckRow]) -> CheckRow:
+    """One rate's row over its repeated runs: the median of each figure; each run's measured p99
+    kept (alone when there was one run)."""
+    if len(runs) == 1:
+        return runs[0]
+
+    def median(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    first = runs[0]
+    measured = [r.measured_ttft_p99_s for r in runs]
+    return CheckRow(f"{first.case}, {len(runs)} runs", first.workers, median([r.measured_tok_s for r in runs]),
+                    median([r.predicted_tok_s for r in runs]), median(measured),
+                    median([r.predicted_ttft_p99_s for r in runs]),
+                    measured_ttft_p99_runs_s=[m for m in measured if m is not None])
 
 
 def workers_check(ns: argparse.Namespace, s: Setup, scratch: Path) -> dict[str, Any]:
@@ -358,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rates", type=_rates, default="auto",
                         help="Online rates, requests per second, or auto: 20%%, 50%% and 80%% of the offline "
                              "run's request rate (default: auto).")
+    parser.add_argument("--repeats", type=int, default=1, metavar="R",
+                        help="Online runs per rate (default: 1). Near saturation a p99 over a few hundred requests "
+                             "swings from run to run with the machine's speed; with R > 1 each row is the median "
+                             "over R runs, taken in turn across the rates, and each run's p99 is printed.")
     parser.add_argument("--calibrate", action="store_true", help="Calibrate again even when a fit is stored.")
     parser.add_argument("--workers-check", action="store_true",
                         help="Also check the plan's worker count for an SLO against the real pipeline at N-1 and N.")
@@ -371,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     if ns.skip_accuracy and not ns.workers_check:
         parser.error("--skip-accuracy leaves nothing to do without --workers-check")
+    if ns.repeats < 1:
+        parser.error(f"--repeats must be >= 1, got {ns.repeats}")
     import logging
 
     logging.basicConfig(level=logging.WARNING)
