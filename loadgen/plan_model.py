@@ -31,6 +31,7 @@ see :func:`fit_path`), with what it was measured on, so that later plans reuse i
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -45,7 +46,7 @@ import numpy as np
 
 FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
 # Stored fits of another format version are not read (the user is told to calibrate again).
-FIT_VERSION = 4
+FIT_VERSION = 5
 # Measured samples kept in a stored fit, at most (evenly spaced order statistics of the measured).
 MAX_SAMPLES = 200
 
@@ -204,15 +205,35 @@ class WorkerLoop:
     # of their own (they share the cores, caches and memory bandwidth): entry k-1 for k others;
     # past the last entry, the last. Empty: workers do not slow each other down.
     contention: Sequence[float] = ()
+    # A worker's own steps, measured over modelled seconds, by the step's modelled size: bin i
+    # holds the steps modelled below step_noise_bounds_s[i] (and at or above the bound before it);
+    # the last bin, the rest. When given, they replace step_noise: how much slower a step runs in a
+    # worker than back to back on an engine alone depends on its size.
+    step_noise_bounds_s: Sequence[float] = ()
+    step_noise_by_size: Sequence[Sequence[float]] = ()
 
     def __post_init__(self) -> None:
-        for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise", "contention"):
+        for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise", "contention",
+                     "step_noise_bounds_s"):
             values = tuple(float(v) for v in getattr(self, name))
             if any(not v >= 0 for v in values):
                 raise ValueError(f"WorkerLoop.{name} must hold numbers >= 0")
             object.__setattr__(self, name, values)
+        bins = tuple(tuple(float(v) for v in samples) for samples in self.step_noise_by_size)
+        if any(not v >= 0 for samples in bins for v in samples):
+            raise ValueError("WorkerLoop.step_noise_by_size must hold numbers >= 0")
+        if bins and len(bins) != len(self.step_noise_bounds_s) + 1:
+            raise ValueError("WorkerLoop.step_noise_by_size needs one bin more than step_noise_bounds_s")
+        object.__setattr__(self, "step_noise_by_size", bins)
         if not self.first_step_s >= 0:
             raise ValueError(f"first_step_s must be >= 0, got {self.first_step_s!r}")
+
+    def noise_for(self, modelled_s: float) -> Sequence[float]:
+        """The measured/modelled ratios to draw a step's factor from, for a step modelled at
+        ``modelled_s`` seconds."""
+        if not self.step_noise_by_size:
+            return self.step_noise
+        return self.step_noise_by_size[bisect.bisect_right(self.step_noise_bounds_s, modelled_s)]
 
     def contention_factor(self, others_busy: int) -> float:
         """The slowdown of a step that starts while ``others_busy`` other workers of its machine
@@ -268,8 +289,9 @@ class Calibration:
     # WorkerLoop; seconds, samples sorted): the steady gap between two steps, flushes apart; the
     # seconds added to every step that the gaps leave out (metering; negative when the worker's
     # steps ran faster than the fit); a blocked worker's wake-up on an arrival, beyond the batcher's
-    # wait; one flush of rows; measured over modelled seconds of repeated engine steps; and a fresh
-    # worker's extra seconds in its first steps.
+    # wait; one flush of rows; measured over modelled seconds of repeated engine steps (and of a
+    # worker's own steps by their size, step_noise_by_size); and a fresh worker's extra seconds in
+    # its first steps.
     gap_samples_s: list[float] = field(default_factory=list)
     step_overhead_s: float = 0.0
     wake_samples_s: list[float] = field(default_factory=list)
@@ -282,13 +304,16 @@ class Calibration:
     # A step's slowdown while 1, 2, ... other workers of this machine run steps too (WorkerLoop);
     # measured only where several workers of this layout share a machine's cores.
     contention: list[float] = field(default_factory=list)
+    step_noise_bounds_s: list[float] = field(default_factory=list)
+    step_noise_by_size: list[list[float]] = field(default_factory=list)
     version: int = FIT_VERSION
 
     @property
     def loop(self) -> WorkerLoop:
         """The worker loop the simulation runs around the engine."""
         return WorkerLoop(self.step_overhead_s, self.gap_samples_s, self.wake_samples_s, self.flush_samples_s,
-                          self.step_noise, self.first_step_s, self.contention)
+                          self.step_noise, self.first_step_s, self.contention, self.step_noise_bounds_s,
+                          self.step_noise_by_size)
 
     def to_json(self) -> str:
         out = asdict(self)

@@ -18,7 +18,15 @@ rows' log lines (written after each flush of result rows):
   had work left and no flush came between (reading the stream, finishing requests, admitting);
 - ``flush_samples_s``: from a step's end to the first row line after it, when rows were flushed
   there (Parquet written, synced and renamed: tens of milliseconds on a shared disk, the largest
-  single pause of the loop).
+  single pause of the loop);
+- ``step_noise_by_size``: each logged step's seconds over what the step-cost model gives for its
+  shape (the log names its prompt chunks and decode context), in ``NOISE_BINS`` bins of equal
+  counts by the modelled seconds. A worker's steps run slower than the same shapes back to back on
+  an engine alone, by how much depending on their size (measured on the tiny model, 2 cores, one
+  worker at 32 requests/s: 1.05x at the median for steps modelled at 2 ms, 1.14-1.18x from 3.5 to
+  10 ms, 1.07x above): between two steps the loop reads the stream, parses, writes and acks, and
+  the model's weights no longer sit warm in the caches. Taken when the log holds at least
+  ``MIN_STEP_RATIOS`` steps; the simulation then draws a step's factor from its size's bin.
 
 Then, simulating the same requests with the same arrival times (several seeds, averaged):
 ``step_overhead_s`` makes the simulated span of the burst equal the measured one (what the gaps
@@ -43,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mqinfer.loadgen.plan_model import Calibration, WorkerLoop, quantile_samples
+from mqinfer.loadgen.plan_model import MAX_SAMPLES, Calibration, StepCostModel, StepShape, WorkerLoop, quantile_samples
 
 # The pipeline runs' own small workload (not the bench's, which plan_check measures against).
 PIPELINE_PROMPT_LEN = (16, 160)
@@ -56,6 +64,9 @@ PIPELINE_BURST_RATE = 10_000.0
 PIPELINE_RATE_SHARE = 0.1
 # Simulations of one measured run, with different draws, averaged.
 SIM_SEEDS = 5
+# Logged steps needed before their spread replaces the engine-alone one, and the bins by size.
+MIN_STEP_RATIOS = 50
+NOISE_BINS = 4
 # A fresh worker's span over the warm one's within this share of the warm span is noise (two runs of
 # a second each on a shared machine), not slow first steps; a GPU's kernel compiles are far above it.
 FIRST_STEP_NOISE_SHARE = 0.1
@@ -135,6 +146,7 @@ class LoggedStep:
     start: float  # unix seconds
     end: float
     work_left: bool  # requests still running or waiting in the engine after it
+    shape: StepShape | None = None  # None in logs that do not name the step's chunks
 
 
 @dataclass
@@ -156,12 +168,44 @@ def read_timeline(path: Path) -> WorkerTimeline:
                 step = json.loads(msg[len("step "):])
                 end = float(record["ts"])
                 steps.append(LoggedStep(end - float(step["step_s"]), end,
-                                        bool(step.get("running") or step.get("waiting"))))
+                                        bool(step.get("running") or step.get("waiting")), logged_shape(step)))
             elif msg.startswith(ROW_LINE):
                 rows.append(float(record["ts"]))
         except (ValueError, KeyError, TypeError):
             continue
     return WorkerTimeline(sorted(steps, key=lambda s: s.start), sorted(rows))
+
+
+def logged_shape(step: dict[str, Any]) -> StepShape | None:
+    """The shape of a logged step: its prompt chunks as logged, one token for each other request,
+    and the decode context as logged."""
+    chunks, context = step.get("prompt_chunks"), step.get("decode_context")
+    if chunks is None or context is None:
+        return None
+    decode = int(step["requests"]) - len(chunks)
+    shape = StepShape.of([(int(n), int(ctx)) for n, ctx in chunks] + [(1, 0)] * decode)
+    return dataclasses.replace(shape, decode_context=int(context))
+
+
+def step_ratios(timeline: WorkerTimeline, since: float, model: StepCostModel) -> list[tuple[float, float]]:
+    """(modelled seconds, logged over modelled seconds) of each logged step from ``since`` on."""
+    out = []
+    for step in timeline.steps:
+        if step.start >= since and step.shape is not None:
+            modelled = model.step_seconds(step.shape)
+            if modelled > 0:
+                out.append((modelled, (step.end - step.start) / modelled))
+    return out
+
+
+def noise_by_size(ratios: list[tuple[float, float]], bins: int = NOISE_BINS) -> tuple[list[float], list[list[float]]]:
+    """(bounds, bins): ``ratios`` split into ``bins`` bins of equal counts by modelled seconds, each
+    bin's ratios as quantile samples; the bounds between them (modelled seconds)."""
+    ordered = sorted(ratios)
+    cuts = [round(i * len(ordered) / bins) for i in range(bins + 1)]
+    groups = [ordered[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+    bounds = [group[0][0] for group in groups[1:]]
+    return bounds, [quantile_samples((r for _, r in group), MAX_SAMPLES // bins) for group in groups]
 
 
 def loop_samples(timeline: WorkerTimeline, since: float) -> tuple[list[float], list[float]]:
@@ -263,14 +307,18 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
             at_once, trickle = run_engine(bench_args(mode="online", rates=[PIPELINE_BURST_RATE, low_rate], **common),
                                           spec, reqs, scratch / "warm").online
         since = min(t.enqueued_at for t in at_once.timings)
-        gaps, flushes = [], []
+        gaps, flushes, ratios = [], [], []
         for path in sorted((scratch / "warm").rglob("worker-*.log")):
-            g, f = loop_samples(read_timeline(path), since)
+            timeline = read_timeline(path)
+            g, f = loop_samples(timeline, since)
             gaps += g
             flushes += f
+            ratios += step_ratios(timeline, since, calibration.model)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    loop = WorkerLoop(0.0, quantile_samples(gaps), (), quantile_samples(flushes), calibration.step_noise)
+    bounds, by_size = noise_by_size(ratios) if len(ratios) >= MIN_STEP_RATIOS else ([], [])
+    loop = WorkerLoop(0.0, quantile_samples(gaps), (), quantile_samples(flushes), calibration.step_noise,
+                      step_noise_bounds_s=bounds, step_noise_by_size=by_size)
     # The bench gives online point k the arrivals of seed + k.
     overhead = fit_overhead(sim_requests(poisson_arrivals(len(reqs), PIPELINE_BURST_RATE, PIPELINE_SEED)),
                             at_once.summary.span_s, settings, calibration, loop)
@@ -282,10 +330,13 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
     progress(f"calibration: worker start-up {startup if startup is not None else float('nan'):.2f}s; between "
              f"steps {1000 * statistics.median(gaps or [0.0]):.2f} ms (median of {len(gaps)}) "
              f"{1000 * overhead:+.2f} ms; {len(flushes)} flushes of rows, median "
-             f"{1000 * statistics.median(flushes or [0.0]):.1f} ms; wake-up on an arrival "
+             f"{1000 * statistics.median(flushes or [0.0]):.1f} ms; a worker's steps "
+             f"{'/'.join(f'{statistics.median(b):.2f}' for b in by_size) or '-'}x the engine alone's by size "
+             f"({len(ratios)} steps); wake-up on an arrival "
              f"{1000 * statistics.median(wakes or [0.0]):.1f} ms (median of {len(wakes)}); a fresh worker's first "
              f"steps +{1000 * first_step:.0f} ms")
     out = dataclasses.replace(calibration, gap_samples_s=list(loop.gap_samples_s), step_overhead_s=overhead,
+                              step_noise_bounds_s=list(bounds), step_noise_by_size=[list(b) for b in by_size],
                               flush_samples_s=list(loop.flush_samples_s), wake_samples_s=quantile_samples(wakes),
                               first_step_s=first_step)
     if startup is not None:

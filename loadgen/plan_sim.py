@@ -16,8 +16,9 @@ of the outstanding work between the workers.
 
 The loop around the engine is a :class:`WorkerLoop` measured on the real pipeline
 (plan_calibrate): between two steps the worker spends a drawn loop gap (Redis round trips,
-metering, admitting); every step's engine time is scaled by a drawn noise factor (the spread of
-repeated steps of one shape); finished requests buffer two rows each (result and cost), and the
+metering, admitting); every step's engine time is scaled by a drawn noise factor (how a worker's
+own steps of that modelled size ran against the model; the spread of repeated engine steps of one
+shape where no worker's steps were logged); finished requests buffer two rows each (result and cost), and the
 worker flushes them as `mqinfer worker` does: after a step that leaves the engine empty, or
 once ``flush_rows`` rows or ``flush_interval_s`` seconds have gathered; a flush (Parquet written
 and synced, then acked) stops the loop for a drawn flush time. A blocked worker acts on an
@@ -357,7 +358,8 @@ class Simulation:
                 o = self.outcomes[int(sr.request.request_id)]
                 if o.started_s is None:
                     o.started_s = t + gap
-            engine_s = self.model.step_seconds(step_shape(out)) * self.draw(loop.step_noise, 1.0)
+            modelled = self.model.step_seconds(step_shape(out))
+            engine_s = modelled * self.draw(loop.noise_for(modelled), 1.0)
             if loop.contention:
                 engine_s *= loop.contention_factor(self.others_in_step(w))
             if w.fresh:

@@ -379,6 +379,10 @@ class Worker:
                 "finished": sum(1 for o in result.outputs if o.finished), "running": scheduler.num_running,
                 "waiting": scheduler.num_waiting, "kv_usage": round(scheduler.kv_cache_manager.usage, 4),
                 "step_s": round(result.end - result.start, 6),
+                # What the step's time depends on beyond its token count (mqinfer plan's step shape):
+                # each prompt chunk's tokens and context, and the decode tokens' summed context.
+                "prompt_chunks": [[w.num_tokens, w.context_len] for w in result.work if w.num_tokens > 1],
+                "decode_context": sum(w.context_len for w in result.work if w.num_tokens == 1),
             }))
         for out in result.outputs:
             item = self.ownership.get(out.request_id)

@@ -108,10 +108,12 @@ def test_a_fit_needs_enough_steps_and_coefficients_are_checked():
 
 def test_a_stored_calibration_reads_back(tmp_path):
     calibration = _calibration(step_overhead_s=-0.0001, gap_samples_s=[0.0004, 0.001], wake_samples_s=[0.001, 0.009],
-                               flush_samples_s=[0.02, 0.03], step_noise=[0.97, 1.0, 1.2], first_step_s=0.5)
+                               flush_samples_s=[0.02, 0.03], step_noise=[0.97, 1.0, 1.2], first_step_s=0.5,
+                               step_noise_bounds_s=[0.004], step_noise_by_size=[[1.1, 1.3], [1.0]])
     save_calibration(calibration, tmp_path / "plan" / "fit.json")
     assert load_calibration(tmp_path / "plan" / "fit.json") == calibration
-    assert calibration.loop == WorkerLoop(-0.0001, (0.0004, 0.001), (0.001, 0.009), (0.02, 0.03), (0.97, 1.0, 1.2), 0.5)
+    assert calibration.loop == WorkerLoop(-0.0001, (0.0004, 0.001), (0.001, 0.009), (0.02, 0.03), (0.97, 1.0, 1.2), 0.5,
+                                          step_noise_bounds_s=(0.004,), step_noise_by_size=((1.1, 1.3), (1.0,)))
     assert load_calibration(tmp_path / "missing.json") is None
     (tmp_path / "bad.json").write_text("{not json")
     assert load_calibration(tmp_path / "bad.json") is None
@@ -325,6 +327,36 @@ def test_the_loop_is_read_from_a_workers_json_step_log(tmp_path):
     assert gaps == pytest.approx([0.002])
     assert flushes == pytest.approx([0.028, 0.018])
     assert loop_samples(timeline, since=100.011) == ([], pytest.approx([0.028, 0.018]))  # from the second step
+
+
+def test_a_logged_steps_shape_and_its_ratio_to_the_model_by_size(tmp_path):
+    """The worker's step log names each prompt chunk and the decode context: the shape the model
+    prices, and a worker's steps over it, binned by modelled size."""
+    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, logged_shape, noise_by_size, step_ratios
+
+    logged = {"requests": 5, "tokens": 67, "prompt_chunks": [[32, 32], [32, 96]], "decode_context": 300,
+              "step_s": 0.01}
+    shape = logged_shape(logged)
+    assert shape == StepShape.of([(32, 32), (32, 96), (1, 100), (1, 100), (1, 100)])
+    assert logged_shape({"requests": 1, "tokens": 1, "step_s": 0.01}) is None  # an older log: no shape
+    small, big = StepShape(1, 1, 0.0), StepShape(1000, 8, 0.0)
+    steps = [LoggedStep(10.0, 10.0 + 1.2 * MODEL.step_seconds(small), True, small),
+             LoggedStep(11.0, 11.0 + 1.0 * MODEL.step_seconds(big), True, big),
+             LoggedStep(12.0, 12.5, True, None)]
+    ratios = step_ratios(WorkerTimeline(steps, []), since=10.5, model=MODEL)
+    assert ratios == [(pytest.approx(MODEL.step_seconds(big)), pytest.approx(1.0))]
+    ratios = [(0.001 * (i + 1), 1.5 if i < 50 else 1.0) for i in range(100)]  # small steps slower
+    bounds, bins = noise_by_size(ratios, bins=2)
+    assert bounds == [pytest.approx(0.051)] and set(bins[0]) == {1.5} and set(bins[1]) == {1.0}
+    loop = WorkerLoop(step_noise=[0.9], step_noise_bounds_s=bounds, step_noise_by_size=bins)
+    assert set(loop.noise_for(0.01)) == {1.5} and set(loop.noise_for(0.2)) == {1.0}
+    assert WorkerLoop(step_noise=[0.9]).noise_for(0.01) == (0.9,)
+    reqs = [SimRequest(f"r{i}", _prompt(32, i), 30) for i in range(4)]
+    base = simulate(reqs, 1, _settings(), MODEL).end_s
+    slowed = WorkerLoop(step_noise_bounds_s=[1.0], step_noise_by_size=[[2.0], [1.0]])  # every step below 1 s
+    assert simulate(reqs, 1, _settings(), MODEL, loop=slowed).end_s == pytest.approx(2 * base)
+    with pytest.raises(ValueError, match="one bin more"):
+        WorkerLoop(step_noise_bounds_s=[0.1, 0.2], step_noise_by_size=[[1.0]])
 
 
 def test_step_noise_is_each_repeated_step_over_its_shapes_median():
