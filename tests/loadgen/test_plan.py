@@ -627,11 +627,16 @@ def test_calibrating_the_tiny_model_then_planning(plan_cache, capsys):
     assert code == 0 and CONTRACT_KEYS <= set(json.loads(out))
 
 
-def test_calibrate_end_to_end_through_the_command(plan_cache, capsys):
+def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatch):
     """`mqinfer plan --calibrate` on the tiny model: engine steps, a real worker's start-up and loop
     overheads, the fit stored and reused by the next plan."""
+    from mqinfer.loadgen import plan_pipeline
+
+    # Fewer and smaller batches to calibrate, and a smaller workload for the pipeline runs: the
+    # same path, quicker.
+    monkeypatch.setattr(plan_pipeline, "PIPELINE_REQUESTS", 12)
     argv = ["--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu", "--format", "json",
-            "--max-num-seqs", "32"]  # fewer and smaller decode batches to calibrate: the same path, quicker
+            "--max-num-seqs", "32", "--max-num-batched-tokens", "512"]
     code, out, _ = _run(capsys, *argv, "--calibrate")
     assert code == 0
     first = json.loads(out)
