@@ -16,6 +16,7 @@ import subprocess
 from collections import defaultdict
 
 import pytest
+import redis
 
 from mqinfer.schemas import keys
 from mqinfer.ops.compact import compact
@@ -91,10 +92,17 @@ def test_fleet_run_conserves_time_and_bills_duplicates_to_nobody(redis_url, redi
     doomed = start_worker(redis_url, out, *common, "--consumer", "w3", "--flush-rows", "100000",
                           "--flush-interval-s", "600", "--idle-exit-s", "3")  # its last flush, at exit at the latest
     monkeypatch.delenv("MQINFER_FAULTS")
-    others = [start_worker(redis_url, out, *common, "--consumer", name, "--flush-interval-s", "0.1")
-              for name in ("w1", "w2")]
+    others = []
     try:
-        _run_the_fleet(redis_url, redis_client, tmp_path, out, doomed, others)
+        # w3 alone reads first, so that it surely holds requests when it is killed; the others
+        # start once it does, and claim what it never acked.
+        wait_until(lambda: (out / "costs").exists() and any(c["worker"] == "w3" for c in rows(out / "costs")),
+                   timeout=120, what="w3's startup row")
+        requests = _submit(redis_url, tmp_path)
+        wait_until(lambda: _holds_entries(redis_client, "w3"), timeout=60, what="w3 holding entries")
+        others = [start_worker(redis_url, out, *common, "--consumer", name, "--flush-interval-s", "0.1")
+                  for name in ("w1", "w2")]
+        _run_the_fleet(redis_client, out, doomed, others, requests)
     finally:
         for proc in (doomed, *others):  # a failed check leaves no worker behind
             if proc.poll() is None:
@@ -102,10 +110,7 @@ def test_fleet_run_conserves_time_and_bills_duplicates_to_nobody(redis_url, redi
                 proc.communicate()
 
 
-def _run_the_fleet(redis_url, redis_client, tmp_path, out, doomed, others) -> None:
-    wait_until(lambda: (out / "costs").exists() and len({c["worker"] for c in rows(out / "costs")}) == 3,
-               timeout=120, what="the three workers' startup rows")
-
+def _submit(redis_url, tmp_path) -> list[dict]:
     tenants = ["acme", "beta", "gamma"]
     requests = []
     for i in range(6):  # pairs of one shape, submitted one after the other
@@ -119,6 +124,28 @@ def _run_the_fleet(redis_url, redis_client, tmp_path, out, doomed, others) -> No
     sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", redis_url, "--job-id", "job-1"),
                          capture_output=True, text=True)
     assert sub.returncode == 0, sub.stderr
+    return requests
+
+
+def _holds_entries(redis_client, consumer: str) -> bool:
+    """Whether ``consumer`` has read entries it has not acked, in the plain stream or any lane."""
+    for key in redis_client.scan_iter(match="mqinfer:{requests*"):
+        if redis_client.type(key) not in ("stream", b"stream"):
+            continue
+        try:
+            readers = redis_client.xinfo_consumers(key, keys.GROUP)
+        except redis.exceptions.ResponseError:  # no group on it yet
+            continue
+        for c in readers:
+            name = c["name"].decode() if isinstance(c["name"], bytes) else c["name"]
+            if name == consumer and c["pending"] > 0:
+                return True
+    return False
+
+
+def _run_the_fleet(redis_client, out, doomed, others, requests) -> None:
+    wait_until(lambda: len({c["worker"] for c in rows(out / "costs")}) == 3, timeout=120,
+               what="the three workers' startup rows")
     code, err = wait_exit(doomed)
     assert code == -9, f"w3 should have been killed at its second flush; exit {code}: {err[-2000:]}"
     # The survivors claim what w3 read and never acked, run it and ack it; then they are stopped
