@@ -17,6 +17,7 @@ import redis
 from rq import Queue, SimpleWorker
 from rq.serializers import JSONSerializer
 
+from mqinfer.ops.jobs import JobsWorker
 from mqinfer.schemas import keys
 from mqinfer.client import Client, Producer
 from mqinfer.server import _free_port, server_binary
@@ -187,11 +188,18 @@ def test_rate_limits_run_under_the_worker_user_and_a_user_without_them_refuses_t
     assert "Traceback" not in proc.stderr and "loading" not in proc.stderr.lower()
 
 
+class _InProcessWorker(SimpleWorker):
+    """rq's in-process worker, listening on its command channel as `mqinfer jobs worker` does:
+    rq's own listener polls once a minute, and its exit could wait for that poll."""
+
+    subscribe = JobsWorker.subscribe
+
+
 def test_rq_user_runs_a_json_job_and_nothing_else(acl_server):
     client = acl_server.client("rq")
     queue = Queue("mqinfer-jobs", connection=client, serializer=JSONSerializer)
     job = queue.enqueue("builtins.len", [1, 2, 3])
-    SimpleWorker([queue], connection=client, serializer=JSONSerializer).work(burst=True)
+    _InProcessWorker([queue], connection=client, serializer=JSONSerializer).work(burst=True)
     job.refresh()
     assert job.return_value() == 3
     for refused in (lambda: client.flushall(), lambda: client.get("session:admin"),

@@ -335,11 +335,13 @@ from rq import SimpleWorker
 from rq.serializers import JSONSerializer
 from mqinfer.schemas.connection import connect
 from mqinfer.ops import job_tasks
-from mqinfer.ops.jobs import submit_job, job_info
+from mqinfer.ops.jobs import JobsWorker, submit_job, job_info
 job_tasks.TASK_BUDGET_S = 0.5  # the job has no inference worker: do not wait for rows
 client = connect({redis_url!r})
 job = submit_job(client, {str(src)!r}, {str(tmp_path / 'out')!r}, stream="notorch").job_id
-SimpleWorker(["mqinfer-jobs"], connection=client, serializer=JSONSerializer).work(burst=True, max_jobs=2)
+class InProcessWorker(SimpleWorker):  # its command channel listened to as `mqinfer jobs worker` does
+    subscribe = JobsWorker.subscribe
+InProcessWorker(["mqinfer-jobs"], connection=client, serializer=JSONSerializer).work(burst=True, max_jobs=2)
 info = job_info(client, job)
 assert info["status"] == "in_progress" and info["counts"]["fed"] == 5, info
 print("torch imported:", "torch" in sys.modules)
