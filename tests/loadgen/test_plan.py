@@ -635,8 +635,10 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
     # Fewer and smaller decode batches to calibrate, and a smaller workload for the pipeline runs:
     # the same path, quicker.
     monkeypatch.setattr(plan_pipeline, "PIPELINE_REQUESTS", 12)
+    # A target any machine meets, however busy while it calibrates: the plan exits 1 when its
+    # target is not met, and this test is about the calibration, not this machine's speed.
     argv = ["--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu", "--format", "json",
-            "--max-num-seqs", "32"]
+            "--max-num-seqs", "32", "--slo-ttft-p99-ms", "60000"]
     code, out, err = _run(capsys, *argv, "--calibrate")
     assert code == 0, err[-3000:]
     first = json.loads(out)
