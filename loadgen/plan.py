@@ -44,6 +44,7 @@ from typing import Any
 from mqinfer.config import ENGINE_OPTIONS, ConfigError
 from mqinfer.loadgen.plan_model import (
     Calibration,
+    StepCostModel,
     fit_path,
     load_calibration,
     machine_key,
@@ -69,6 +70,10 @@ log = logging.getLogger("mqinfer.plan")
 PEAK_FACTOR = 2.0
 # A calibration made while the load average was above this share of the CPUs gets a note.
 BUSY_LOAD_SHARE = 0.75
+# The plan's p99 TTFT is also simulated with every step this much faster and slower: how far a
+# machine's own speed moves from one minute to the next (a quiet 2-vCPU VM ran the same offline job
+# at 2960-3285 tok/s over nine runs). Near saturation the p99 moves far more than the speed does.
+SPEED_DRIFT = 0.05
 
 
 class NoCalibration(ConfigError):
@@ -316,6 +321,11 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
         tried = [chosen]
     else:
         chosen, tried = fewest_workers(evaluate, upper=upper)
+    band = {"speed_change": SPEED_DRIFT}
+    for name, factor in (("faster", 1.0 - SPEED_DRIFT), ("slower", 1.0 + SPEED_DRIFT)):
+        sim = simulate(requests, chosen.workers, settings, scaled_model(calibration.model, factor),
+                       loop=calibration.loop, seed=opts["seed"], fresh=not target.online)
+        band[f"ttft_p99_s_{name}"] = summarize(sim).ttft_p99_s
     costs = bill(chosen, target, layout, opts["price_per_device_hour"], calibration.startup_s)
     keda = _keda(chosen, target, fixed, opts, requests, evaluate, calibration.startup_s, upper)
     notes = list(workload.notes)
@@ -331,9 +341,16 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
                      "times include other processes' work; calibrate again on a quiet machine for a quiet one")
     ctx = PlanContext(model, workload.name, target, layout, calibration, path, opts["price_per_device_hour"])
     plan = _plan_dict(ctx, chosen, fixed is None, costs, keda, tried, notes)
+    plan["ttft_p99_band"] = band
     if opts.get("plot"):
         plan["sweep"] = sweep(evaluate, workload.requests, chosen, target, count, opts["seed"], upper)
     return plan
+
+
+def scaled_model(model: StepCostModel, factor: float) -> StepCostModel:
+    """``model`` with every step ``factor`` times as long (a machine running slower or faster)."""
+    return replace(model, **{name: getattr(model, name) * factor
+                             for name in ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s")})
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,14 @@ def usd_text(value: float) -> str:
     return f"${value:.{min(digits, 10)}f}"
 
 
+def _band_text(plan: dict[str, Any]) -> str:
+    band = plan.get("ttft_p99_band")
+    if not band or band.get("ttft_p99_s_faster") is None or band.get("ttft_p99_s_slower") is None:
+        return ""
+    return (f" (p99 {ms_text(band['ttft_p99_s_faster'])} to {ms_text(band['ttft_p99_s_slower'])} if this machine "
+            f"runs {100 * band['speed_change']:g}% faster or slower)")
+
+
 def render(plan: dict[str, Any], fmt: str) -> str:
     if fmt == "json":
         return json.dumps(plan, indent=2, sort_keys=False)
@@ -73,7 +81,7 @@ def render(plan: dict[str, Any], fmt: str) -> str:
         ("target", f"{t['description']}: {'met' if t['met'] else 'NOT MET'} ({t['checked']})"),
         ("utilisation", f"{100 * plan['utilisation']:.1f}% of the workers' time busy (steps, the loop around them, "
                         "flushes)"),
-        ("TTFT p50 / p99", f"{ms_text(plan['ttft_p50_s'])} / {ms_text(plan['ttft_p99_s'])}"),
+        ("TTFT p50 / p99", f"{ms_text(plan['ttft_p50_s'])} / {ms_text(plan['ttft_p99_s'])}" + _band_text(plan)),
         ("TPOT p50 / p99", f"{ms_text(plan['tpot_p50_s'])} / {ms_text(plan['tpot_p99_s'])}"),
         ("output_tokens_per_s", f"{plan['output_tokens_per_s']:.1f} (while requests run, start-up excluded)"),
     ]

@@ -498,6 +498,19 @@ def test_plan_json_has_the_contract_keys(cache, capsys):
     # The count found is the fewest: one fewer, if tried, missed the SLO.
     fewer = [s for s in plan["search"] if s["workers"] == plan["workers"] - 1]
     assert all(not s["met"] for s in fewer)
+    # The p99 on a machine 5% faster and 5% slower brackets the plan's.
+    band = plan["ttft_p99_band"]
+    assert band["speed_change"] == 0.05
+    assert band["ttft_p99_s_faster"] <= plan["ttft_p99_s"] <= band["ttft_p99_s_slower"]
+    assert band["ttft_p99_s_faster"] < band["ttft_p99_s_slower"]
+
+
+def test_a_slower_or_faster_machine_scales_every_step():
+    slower = planner.scaled_model(MODEL, 1.05)
+    shape = StepShape.of([(64, 64), (1, 300), (1, 40)])
+    assert slower.step_seconds(shape) == pytest.approx(1.05 * MODEL.step_seconds(shape))
+    reqs = [SimRequest(f"r{i}", _prompt(32, i), 30) for i in range(8)]
+    assert simulate(reqs, 1, _settings(), slower).end_s == pytest.approx(1.05 * simulate(reqs, 1, _settings(), MODEL).end_s)
 
 
 def test_plan_reads_flags_from_the_environment_and_the_config_file(cache, capsys, monkeypatch, tmp_path):
@@ -544,8 +557,8 @@ def test_plan_of_a_jsonl_file_counts_text_prompts_with_the_models_tokenizer(cach
 def test_plan_table_names_the_workers_and_the_costs(cache, capsys):
     code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "100", "--rate", "5", "--device", "cpu")
     assert code == 0
-    for text in ("workers", "TTFT p50 / p99", "output_tokens_per_s", "cost per request", "cost per 1M tokens",
-                 "start-up vs warm", "minReplicaCount"):
+    for text in ("workers", "TTFT p50 / p99", "if this machine runs 5% faster or slower", "output_tokens_per_s",
+                 "cost per request", "cost per 1M tokens", "start-up vs warm", "minReplicaCount"):
         assert text in out
 
 
