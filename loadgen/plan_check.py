@@ -17,7 +17,8 @@ a few simulations with different draws of the loop's measured delays. It prints,
 measured and predicted output tokens per second and p99 TTFT and their relative errors ((predicted
 - measured) / measured). The rates (``auto``) are 20%, 50% and 80% of the request rate the offline
 run measured; ``--repeats R`` runs each rate R times (in turn across the rates) and compares the
-medians. In the offline run the requests wait in the stream while the workers start, so its
+medians. Each online row also shows the p99 predicted with every step 5% faster and 5% slower
+(`mqinfer plan`'s band) and whether the measured p99 lies in it. In the offline run the requests wait in the stream while the workers start, so its
 TTFT is counted from the first request's start on both sides (start-up is the plan's separate
 figure), and the simulated workers are fresh (their first steps cold).
 
@@ -50,6 +51,7 @@ from typing import Any
 
 from mqinfer.loadgen.bench_pool import log
 from mqinfer.loadgen.metrics import RequestTiming, percentile
+from mqinfer.loadgen.plan import SPEED_DRIFT
 
 AUTO_RATE_SHARES = (0.2, 0.5, 0.8)
 # Simulations (different draws of the loop's delays) averaged into one prediction.
@@ -68,6 +70,16 @@ class CheckRow:
     predicted_ttft_p99_s: float | None
     # With --repeats R: each run's measured p99 TTFT (the row holds the medians over the runs).
     measured_ttft_p99_runs_s: list[float] | None = None
+    # Online: the predicted p99 TTFT with every step SPEED_DRIFT faster and slower (`mqinfer plan`'s
+    # band), [faster, slower].
+    predicted_ttft_p99_band_s: list[float] | None = None
+
+    @property
+    def in_band(self) -> bool | None:
+        band, measured = self.predicted_ttft_p99_band_s, self.measured_ttft_p99_s
+        if not band or measured is None:
+            return None
+        return band[0] <= measured <= band[1]
 
     @property
     def tok_s_error(self) -> float | None:
@@ -78,7 +90,8 @@ class CheckRow:
         return _rel(self.predicted_ttft_p99_s, self.measured_ttft_p99_s)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tok_s_error": self.tok_s_error, "ttft_p99_error": self.ttft_error}
+        return {**asdict(self), "tok_s_error": self.tok_s_error, "ttft_p99_error": self.ttft_error,
+                "measured_in_band": self.in_band}
 
 
 def _rel(predicted: float | None, measured: float | None) -> float | None:
@@ -110,18 +123,19 @@ def measured_arrivals(requests: list[dict[str, Any]], timings: list[RequestTimin
 
 
 def predicted(requests: list[dict[str, Any]], arrivals: list[float], workers: int, settings, calibration, *,
-              from_first_start: bool, fresh: bool = False) -> tuple[float, float | None]:
+              from_first_start: bool, fresh: bool = False, speed: float = 1.0) -> tuple[float, float | None]:
     """(output tokens per second, p99 TTFT) of the plan's simulation of ``requests`` arriving at
-    ``arrivals``, each the mean over PREDICTION_SEEDS simulations."""
-    from mqinfer.loadgen.plan import summarize
+    ``arrivals``, each the mean over PREDICTION_SEEDS simulations; ``speed``: every step that many
+    times as long."""
+    from mqinfer.loadgen.plan import scaled_model, summarize
     from mqinfer.loadgen.plan_sim import SimRequest, simulate
 
     sim_requests = [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
                     for r, a in zip(requests, arrivals)]
     tok_s, p99s = [], []
     for seed in range(PREDICTION_SEEDS):
-        sim = simulate(sim_requests, workers, settings, calibration.model, loop=calibration.loop, seed=seed,
-                       fresh=fresh)
+        sim = simulate(sim_requests, workers, settings, scaled_model(calibration.model, speed), loop=calibration.loop,
+                       seed=seed, fresh=fresh)
         ev = summarize(sim)
         tok_s.append(ev.output_tokens_per_s)
         if from_first_start:
@@ -141,13 +155,19 @@ def format_table(rows: list[CheckRow]) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{1000 * x:.1f}"
 
+    def band(r: CheckRow) -> str:
+        if not r.predicted_ttft_p99_band_s:
+            return "-"
+        low, high = r.predicted_ttft_p99_band_s
+        return f"{ms(low)}-{ms(high)} {'in' if r.in_band else 'out'}"
+
     head = (f"{'case':<26} {'workers':>7} {'tok/s meas':>11} {'tok/s pred':>11} {'error':>8} "
-            f"{'p99 TTFT ms meas':>17} {'pred':>8} {'error':>8}")
+            f"{'p99 TTFT ms meas':>17} {'pred':>8} {'error':>8}  {f'pred at +-{100 * SPEED_DRIFT:g}% speed':<20}")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.case:<26} {r.workers:>7} {r.measured_tok_s:>11.1f} {r.predicted_tok_s:>11.1f} "
                      f"{pct(r.tok_s_error):>8} {ms(r.measured_ttft_p99_s):>17} {ms(r.predicted_ttft_p99_s):>8} "
-                     f"{pct(r.ttft_error):>8}")
+                     f"{pct(r.ttft_error):>8}  {band(r):<20}")
     spread = [r for r in rows if r.measured_ttft_p99_runs_s]
     if spread:
         lines.append("(medians over the runs; each run's measured p99 TTFT, ms: "
@@ -219,11 +239,14 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
     for k, point in enumerate(online.online):
         # The bench salts each point's prompts (no prefix shared between points): the same here.
         salted = unshared_prompts(requests, k, s.spec.vocab_size, s.spec.min_token_id)
-        tok_s, ttft = predicted(salted, measured_arrivals(salted, point.timings), ns.workers, s.settings,
-                                s.calibration, from_first_start=False)
+        arrivals = measured_arrivals(salted, point.timings)
+        tok_s, ttft = predicted(salted, arrivals, ns.workers, s.settings, s.calibration, from_first_start=False)
+        band = [predicted(salted, arrivals, ns.workers, s.settings, s.calibration, from_first_start=False,
+                          speed=1.0 + sign * SPEED_DRIFT)[1] for sign in (-1, 1)]
         runs.setdefault(point.rate, []).append(
             CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, tok_s,
-                     measured_ttft_p99(point.timings, from_first_start=False), ttft))
+                     measured_ttft_p99(point.timings, from_first_start=False), ttft,
+                     predicted_ttft_p99_band_s=None if None in band else band))
     return rows + [median_row(group) for group in runs.values()]
 
 
@@ -239,10 +262,12 @@ def median_row(runs: list[CheckRow]) -> CheckRow:
 
     first = runs[0]
     measured = [r.measured_ttft_p99_s for r in runs]
+    bands = [r.predicted_ttft_p99_band_s for r in runs if r.predicted_ttft_p99_band_s]
+    band = [median([b[0] for b in bands]), median([b[1] for b in bands])] if bands else None
     return CheckRow(f"{first.case}, {len(runs)} runs", first.workers, median([r.measured_tok_s for r in runs]),
                     median([r.predicted_tok_s for r in runs]), median(measured),
                     median([r.predicted_ttft_p99_s for r in runs]),
-                    measured_ttft_p99_runs_s=[m for m in measured if m is not None])
+                    measured_ttft_p99_runs_s=[m for m in measured if m is not None], predicted_ttft_p99_band_s=band)
 
 
 def workers_check(ns: argparse.Namespace, s: Setup, scratch: Path) -> dict[str, Any]:

@@ -676,14 +676,18 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
 def test_plan_check_takes_the_median_over_repeated_runs_and_prints_each_runs_p99():
     from mqinfer.loadgen.plan_check import CheckRow, format_table, median_row
 
-    runs = [CheckRow("online 30 req/s", 1, 2000.0, 2100.0, 0.070, 0.080),
-            CheckRow("online 30 req/s", 1, 2200.0, 2000.0, 0.140, 0.090),
-            CheckRow("online 30 req/s", 1, 2100.0, 1900.0, 0.100, 0.070)]
+    runs = [CheckRow("online 30 req/s", 1, 2000.0, 2100.0, 0.070, 0.080, predicted_ttft_p99_band_s=[0.06, 0.11]),
+            CheckRow("online 30 req/s", 1, 2200.0, 2000.0, 0.140, 0.090, predicted_ttft_p99_band_s=[0.07, 0.13]),
+            CheckRow("online 30 req/s", 1, 2100.0, 1900.0, 0.100, 0.070, predicted_ttft_p99_band_s=[0.05, 0.09])]
     row = median_row(runs)
     assert (row.case, row.measured_tok_s, row.predicted_tok_s) == ("online 30 req/s, 3 runs", 2100.0, 2000.0)
     assert (row.measured_ttft_p99_s, row.predicted_ttft_p99_s) == (0.100, 0.080)
     assert row.ttft_error == pytest.approx(-0.2) and row.measured_ttft_p99_runs_s == [0.070, 0.140, 0.100]
+    assert row.predicted_ttft_p99_band_s == [0.06, 0.11] and row.in_band
+    assert runs[0].in_band and not runs[1].in_band and runs[1].to_dict()["measured_in_band"] is False
+    assert CheckRow("offline bulk", 1, 1.0, 1.0, 0.5, 0.5).in_band is None
     assert median_row(runs[:1]) is runs[0]
     table = format_table([runs[0], row])
     assert "online 30 req/s, 3 runs" in table and "online 30 req/s: 70.0, 140.0, 100.0)" in table
+    assert "60.0-110.0 in" in table and "pred at +-5% speed" in table
     assert "each run's" not in format_table(runs[:1])
