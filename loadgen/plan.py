@@ -44,7 +44,6 @@ from typing import Any
 from mqinfer.config import ENGINE_OPTIONS, ConfigError
 from mqinfer.loadgen.plan_model import (
     Calibration,
-    StepCostModel,
     fit_path,
     load_calibration,
     machine_key,
@@ -323,7 +322,7 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
         chosen, tried = fewest_workers(evaluate, upper=upper)
     band = {"speed_change": SPEED_DRIFT}
     for name, factor in (("faster", 1.0 - SPEED_DRIFT), ("slower", 1.0 + SPEED_DRIFT)):
-        sim = simulate(requests, chosen.workers, settings, scaled_model(calibration.model, factor),
+        sim = simulate(requests, chosen.workers, settings, calibration.model.scaled(factor),
                        loop=calibration.loop, seed=opts["seed"], fresh=not target.online)
         band[f"ttft_p99_s_{name}"] = summarize(sim).ttft_p99_s
     costs = bill(chosen, target, layout, opts["price_per_device_hour"], calibration.startup_s)
@@ -345,12 +344,6 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     if opts.get("plot"):
         plan["sweep"] = sweep(evaluate, workload.requests, chosen, target, count, opts["seed"], upper)
     return plan
-
-
-def scaled_model(model: StepCostModel, factor: float) -> StepCostModel:
-    """``model`` with every step ``factor`` times as long (a machine running slower or faster)."""
-    return replace(model, **{name: getattr(model, name) * factor
-                             for name in ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s")})
 
 
 @dataclass(frozen=True)

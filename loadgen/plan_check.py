@@ -18,9 +18,10 @@ measured and predicted output tokens per second and p99 TTFT and their relative 
 - measured) / measured). The rates (``auto``) are 20%, 50% and 80% of the request rate the offline
 run measured; ``--repeats R`` runs each rate R times (in turn across the rates) and compares the
 medians. Each online row also shows the p99 predicted with every step 5% faster and 5% slower
-(`mqinfer plan`'s band) and whether the measured p99 lies in it. In the offline run the requests wait in the stream while the workers start, so its
-TTFT is counted from the first request's start on both sides (start-up is the plan's separate
-figure), and the simulated workers are fresh (their first steps cold).
+(`mqinfer plan`'s band) and whether the measured p99 lies in it. In the offline run the requests
+wait in the stream while the workers start, so its TTFT is counted from the first request's start
+on both sides (start-up is the plan's separate figure), and the simulated workers are fresh (their
+first steps cold).
 
 **Worker count** (``--workers-check``). `mqinfer plan --rate R --slo-ttft-p99-ms S` on the online
 workload picks N workers; the real pipeline then runs the same requests at R with N-1 and N workers.
@@ -127,14 +128,14 @@ def predicted(requests: list[dict[str, Any]], arrivals: list[float], workers: in
     """(output tokens per second, p99 TTFT) of the plan's simulation of ``requests`` arriving at
     ``arrivals``, each the mean over PREDICTION_SEEDS simulations; ``speed``: every step that many
     times as long."""
-    from mqinfer.loadgen.plan import scaled_model, summarize
+    from mqinfer.loadgen.plan import summarize
     from mqinfer.loadgen.plan_sim import SimRequest, simulate
 
     sim_requests = [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
                     for r, a in zip(requests, arrivals)]
     tok_s, p99s = [], []
     for seed in range(PREDICTION_SEEDS):
-        sim = simulate(sim_requests, workers, settings, scaled_model(calibration.model, speed), loop=calibration.loop,
+        sim = simulate(sim_requests, workers, settings, calibration.model.scaled(speed), loop=calibration.loop,
                        seed=seed, fresh=fresh)
         ev = summarize(sim)
         tok_s.append(ev.output_tokens_per_s)

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 
 FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
+# StepCostModel's coefficients, one per feature.
+COEFFICIENTS = ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s")
 # Stored fits of another format version are not read (the user is told to calibrate again).
 FIT_VERSION = 5
 # Measured samples kept in a stored fit, at most (evenly spaced order statistics of the measured).
@@ -95,7 +97,7 @@ class StepCostModel:
     decode_ctx_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s"):
+        for name in COEFFICIENTS:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value >= 0):
                 raise ValueError(f"step cost coefficient {name} must be a finite number >= 0, got {value!r}")
@@ -103,6 +105,10 @@ class StepCostModel:
     @property
     def coefficients(self) -> tuple[float, float, float, float, float]:
         return (self.step_s_fixed, self.token_s, self.seq_s, self.pair_s, self.decode_ctx_s)
+
+    def scaled(self, factor: float) -> "StepCostModel":
+        """This model with every step ``factor`` times as long (a machine running slower or faster)."""
+        return StepCostModel(*(getattr(self, name) * factor for name in COEFFICIENTS))
 
     def step_seconds(self, shape: StepShape) -> float:
         return (self.step_s_fixed + self.token_s * shape.tokens + self.seq_s * shape.seqs

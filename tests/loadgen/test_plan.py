@@ -506,7 +506,7 @@ def test_plan_json_has_the_contract_keys(cache, capsys):
 
 
 def test_a_slower_or_faster_machine_scales_every_step():
-    slower = planner.scaled_model(MODEL, 1.05)
+    slower = MODEL.scaled(1.05)
     shape = StepShape.of([(64, 64), (1, 300), (1, 40)])
     assert slower.step_seconds(shape) == pytest.approx(1.05 * MODEL.step_seconds(shape))
     reqs = [SimRequest(f"r{i}", _prompt(32, i), 30) for i in range(8)]
