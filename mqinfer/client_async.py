@@ -99,9 +99,13 @@ class AsyncClient:
                 self._read_lock.release()
 
     async def _take_read_turn(self, timeout_s: float | None) -> bool:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the lock to a task that
+        # was cancelled in the same moment the lock came free, so the cancelled waiter would go
+        # on reading with the turn instead of raising CancelledError.
         try:
-            await asyncio.wait_for(self._read_lock.acquire(), timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(timeout_s):
+                await self._read_lock.acquire()
+        except TimeoutError:
             return False
         return True
 

@@ -106,8 +106,9 @@ def test_a_cancelled_async_waiter_hands_the_read_turn_back(redis_url, redis_clie
     async def main():
         async with AsyncClient(redis_url) as client:
             await client.submit({"id": "a", "prompt": "x"})
+            others = blocked_in(redis_client, "xread")  # readers left by earlier tests on this server
             reader = asyncio.create_task(client.result("a", timeout=20))
-            await asyncio.to_thread(wait_until, lambda: blocked_in(redis_client, "xread"), timeout=10,
+            await asyncio.to_thread(wait_until, lambda: blocked_in(redis_client, "xread") > others, timeout=10,
                                     what="the reader to hold the read turn, blocked in XREAD")
             reader.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -121,3 +122,19 @@ def test_a_cancelled_async_waiter_hands_the_read_turn_back(redis_url, redis_clie
 
     row, waited = asyncio.run(main())
     assert row.text == "after" and waited < 2.0
+
+
+def test_a_waiter_cancelled_as_the_read_turn_comes_free_does_not_keep_it(redis_url):
+    async def main():
+        async with AsyncClient(redis_url) as client:
+            turn = client._read_lock
+            await turn.acquire()  # another coroutine holds the read turn
+            waiter = asyncio.create_task(client.result("a", timeout=20))
+            await asyncio.sleep(0.05)  # the waiter now waits for the turn
+            turn.release()
+            waiter.cancel()  # in the same moment as the turn comes free
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(waiter, 5)
+            return turn.locked()
+
+    assert asyncio.run(main()) is False
