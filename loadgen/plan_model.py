@@ -48,7 +48,7 @@ FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
 # StepCostModel's coefficients, one per feature.
 COEFFICIENTS = ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s")
 # Stored fits of another format version are not read (the user is told to calibrate again).
-FIT_VERSION = 5
+FIT_VERSION = 6
 # Measured samples kept in a stored fit, at most (evenly spaced order statistics of the measured).
 MAX_SAMPLES = 200
 
@@ -217,6 +217,13 @@ class WorkerLoop:
     # worker than back to back on an engine alone depends on its size.
     step_noise_bounds_s: Sequence[float] = ()
     step_noise_by_size: Sequence[Sequence[float]] = ()
+    # How slow a worker's steps ran, in the order they ran: each step's rank within its size bin,
+    # 0 the fastest, 1 the slowest. Slow steps can come in runs (the machine slows down for a
+    # while), which independent draws do not reproduce; the simulation walks this series in
+    # stretches of step_noise_block_steps steps, each from a random point of it, and takes each
+    # step's factor from its bin at the walked rank.
+    step_noise_series: Sequence[float] = ()
+    step_noise_block_steps: int = 0
 
     def __post_init__(self) -> None:
         for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise", "contention",
@@ -231,6 +238,12 @@ class WorkerLoop:
         if bins and len(bins) != len(self.step_noise_bounds_s) + 1:
             raise ValueError("WorkerLoop.step_noise_by_size needs one bin more than step_noise_bounds_s")
         object.__setattr__(self, "step_noise_by_size", bins)
+        series = tuple(float(u) for u in self.step_noise_series)
+        if any(not 0.0 <= u <= 1.0 for u in series):
+            raise ValueError("WorkerLoop.step_noise_series must hold ranks in [0, 1]")
+        if series and not (bins and self.step_noise_block_steps >= 1):
+            raise ValueError("WorkerLoop.step_noise_series needs step_noise_by_size and a step_noise_block_steps >= 1")
+        object.__setattr__(self, "step_noise_series", series)
         if not self.first_step_s >= 0:
             raise ValueError(f"first_step_s must be >= 0, got {self.first_step_s!r}")
 
@@ -312,6 +325,8 @@ class Calibration:
     contention: list[float] = field(default_factory=list)
     step_noise_bounds_s: list[float] = field(default_factory=list)
     step_noise_by_size: list[list[float]] = field(default_factory=list)
+    step_noise_series: list[float] = field(default_factory=list)  # WorkerLoop's
+    step_noise_block_steps: int = 0
     version: int = FIT_VERSION
 
     @property
@@ -319,7 +334,7 @@ class Calibration:
         """The worker loop the simulation runs around the engine."""
         return WorkerLoop(self.step_overhead_s, self.gap_samples_s, self.wake_samples_s, self.flush_samples_s,
                           self.step_noise, self.first_step_s, self.contention, self.step_noise_bounds_s,
-                          self.step_noise_by_size)
+                          self.step_noise_by_size, self.step_noise_series, self.step_noise_block_steps)
 
     def to_json(self) -> str:
         out = asdict(self)

@@ -26,7 +26,12 @@ rows' log lines (written after each flush of result rows):
   worker at 32 requests/s: 1.05x at the median for steps modelled at 2 ms, 1.14-1.18x from 3.5 to
   10 ms, 1.07x above): between two steps the loop reads the stream, parses, writes and acks, and
   the model's weights no longer sit warm in the caches. Taken when the log holds at least
-  ``MIN_STEP_RATIOS`` steps; the simulation then draws a step's factor from its size's bin.
+  ``MIN_STEP_RATIOS`` steps; the simulation then takes a step's factor from its size's bin.
+- ``step_noise_series``: the same steps in the order they ran, each as its rank within its bin
+  (0 fastest, 1 slowest). A worker's slow steps come in runs (the machine slows down for a while:
+  measured at 32 requests/s, the ratio's autocorrelation was 0.61 at a lag of one step and 0.2 at
+  fifty), so the simulation walks this series in stretches of ``step_noise_block_steps`` steps
+  (slow_period_steps: a few of its correlation times) instead of drawing each step on its own.
 
 Then, simulating the same requests with the same arrival times (several seeds, averaged):
 ``step_overhead_s`` makes the simulated span of the burst equal the measured one (what the gaps
@@ -39,8 +44,10 @@ when that is within FIRST_STEP_NOISE_SHARE of the warm span: noise).
 from __future__ import annotations
 
 import argparse
+import bisect
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -67,6 +74,9 @@ SIM_SEEDS = 5
 # Logged steps needed before their spread replaces the engine-alone one, and the bins by size.
 MIN_STEP_RATIOS = 50
 NOISE_BINS = 4
+# The simulation walks the series of slow and fast steps in stretches this many correlation times
+# long (slow_period_steps), long enough to keep a slow period whole.
+SLOW_PERIOD_BLOCKS = 4
 # A fresh worker's span over the warm one's within this share of the warm span is noise (two runs of
 # a second each on a shared machine), not slow first steps; a GPU's kernel compiles are far above it.
 FIRST_STEP_NOISE_SHARE = 0.1
@@ -187,25 +197,59 @@ def logged_shape(step: dict[str, Any]) -> StepShape | None:
     return dataclasses.replace(shape, decode_context=int(context))
 
 
-def step_ratios(timeline: WorkerTimeline, since: float, model: StepCostModel) -> list[tuple[float, float]]:
-    """(modelled seconds, logged over modelled seconds) of each logged step from ``since`` on."""
+def step_ratios(timeline: WorkerTimeline, since: float, model: StepCostModel) -> list[tuple[float, float, float]]:
+    """(start, modelled seconds, logged over modelled seconds) of each logged step from ``since``
+    on, in the order they ran."""
     out = []
     for step in timeline.steps:
         if step.start >= since and step.shape is not None:
             modelled = model.step_seconds(step.shape)
             if modelled > 0:
-                out.append((modelled, (step.end - step.start) / modelled))
+                out.append((step.start, modelled, (step.end - step.start) / modelled))
     return out
 
 
-def noise_by_size(ratios: list[tuple[float, float]], bins: int = NOISE_BINS) -> tuple[list[float], list[list[float]]]:
-    """(bounds, bins): ``ratios`` split into ``bins`` bins of equal counts by modelled seconds, each
-    bin's ratios as quantile samples; the bounds between them (modelled seconds)."""
-    ordered = sorted(ratios)
+def noise_by_size(ratios: list[tuple[float, float, float]], bins: int = NOISE_BINS) -> tuple[list[float], list[list[float]]]:
+    """(bounds, bins): ``ratios`` (step_ratios') split into ``bins`` bins of equal counts by
+    modelled seconds, each bin's ratios as quantile samples; the bounds between them (modelled
+    seconds)."""
+    ordered = sorted((modelled, ratio) for _, modelled, ratio in ratios)
     cuts = [round(i * len(ordered) / bins) for i in range(bins + 1)]
     groups = [ordered[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
     bounds = [group[0][0] for group in groups[1:]]
     return bounds, [quantile_samples((r for _, r in group), MAX_SAMPLES // bins) for group in groups]
+
+
+def rank_series(ratios: list[tuple[float, float, float]], bounds: list[float],
+                by_size: list[list[float]]) -> list[float]:
+    """The rank of each of ``ratios`` (step_ratios', in the order the steps ran): where its ratio
+    lies among its size bin's samples, 0 the fastest, 1 the slowest (ties count half)."""
+    out = []
+    for _, modelled, ratio in ratios if by_size else ():
+        samples = by_size[bisect.bisect_right(bounds, modelled)]
+        below, upto = bisect.bisect_left(samples, ratio), bisect.bisect_right(samples, ratio)
+        out.append(round((below + upto) / (2 * len(samples)), 4))
+    return out
+
+
+def slow_period_steps(ranks: list[float]) -> int:
+    """How many steps the walk through ``ranks`` (rank_series') stays on one stretch of it:
+    SLOW_PERIOD_BLOCKS times the steps' correlation time (the first lag at which the ranks'
+    autocorrelation falls below 1/e), at most half the series; 0 when the series is too short to
+    say."""
+    if len(ranks) < MIN_STEP_RATIOS:
+        return 0
+    mean = statistics.fmean(ranks)
+    centred = [u - mean for u in ranks]
+    variance = sum(c * c for c in centred)
+    if variance <= 0:
+        return 0
+    lag = 1
+    while lag < len(ranks) // 2:
+        if sum(a * b for a, b in zip(centred, centred[lag:])) / variance < math.exp(-1):
+            break
+        lag += 1
+    return min(SLOW_PERIOD_BLOCKS * lag, len(ranks) // 2)
 
 
 def loop_samples(timeline: WorkerTimeline, since: float) -> tuple[list[float], list[float]]:
@@ -213,8 +257,6 @@ def loop_samples(timeline: WorkerTimeline, since: float) -> tuple[list[float], l
     the next step, when no rows were flushed between; each flush from a step's end to the first row
     line after it (only the first flush after a step: a later one, such as the exit's, follows an
     idle wait)."""
-    import bisect
-
     gaps, flushes = [], []
     rows = timeline.row_times
     steps = [s for s in timeline.steps if s.start >= since]
@@ -317,8 +359,11 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     bounds, by_size = noise_by_size(ratios) if len(ratios) >= MIN_STEP_RATIOS else ([], [])
+    series = rank_series(sorted(ratios), bounds, by_size)
+    block = slow_period_steps(series)
     loop = WorkerLoop(0.0, quantile_samples(gaps), (), quantile_samples(flushes), calibration.step_noise,
-                      step_noise_bounds_s=bounds, step_noise_by_size=by_size)
+                      step_noise_bounds_s=bounds, step_noise_by_size=by_size,
+                      step_noise_series=series if block else (), step_noise_block_steps=block)
     # The bench gives online point k the arrivals of seed + k.
     overhead = fit_overhead(sim_requests(poisson_arrivals(len(reqs), PIPELINE_BURST_RATE, PIPELINE_SEED)),
                             at_once.summary.span_s, settings, calibration, loop)
@@ -337,6 +382,8 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
              f"steps +{1000 * first_step:.0f} ms")
     out = dataclasses.replace(calibration, gap_samples_s=list(loop.gap_samples_s), step_overhead_s=overhead,
                               step_noise_bounds_s=list(bounds), step_noise_by_size=[list(b) for b in by_size],
+                              step_noise_series=list(loop.step_noise_series),
+                              step_noise_block_steps=loop.step_noise_block_steps,
                               flush_samples_s=list(loop.flush_samples_s), wake_samples_s=quantile_samples(wakes),
                               first_step_s=first_step)
     if startup is not None:

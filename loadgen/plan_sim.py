@@ -16,9 +16,13 @@ of the outstanding work between the workers.
 
 The loop around the engine is a :class:`WorkerLoop` measured on the real pipeline
 (plan_calibrate): between two steps the worker spends a drawn loop gap (Redis round trips,
-metering, admitting); every step's engine time is scaled by a drawn noise factor (how a worker's
+metering, admitting); every step's engine time is scaled by a noise factor (how a worker's
 own steps of that modelled size ran against the model; the spread of repeated engine steps of one
-shape where no worker's steps were logged); finished requests buffer two rows each (result and cost), and the
+shape where no worker's steps were logged). Where the calibration logged when the worker's steps
+ran slow, the factors follow that series: where a machine's slow steps come in runs, each machine
+of the simulation walks the measured series in stretches of steps, each from a random point of
+it, and a step takes its bin's factor at the walked rank; otherwise each factor is an independent
+draw. Finished requests buffer two rows each (result and cost), and the
 worker flushes them as `mqinfer worker` does: after a step that leaves the engine empty, or
 once ``flush_rows`` rows or ``flush_interval_s`` seconds have gathered; a flush (Parquet written
 and synced, then acked) stops the loop for a drawn flush time. A blocked worker acts on an
@@ -170,6 +174,27 @@ class _Draws:
         return samples[0] if len(samples) == 1 else samples[self.rng.randrange(len(samples))]
 
 
+class _SlowPeriods:
+    """Each machine's walk through the measured series of step ranks (WorkerLoop.step_noise_series):
+    stretches of ``block`` steps, each from a random point of the series."""
+
+    def __init__(self, ranks: Sequence[float], block: int, draws: _Draws) -> None:
+        self.ranks, self.block, self.draws = ranks, block, draws
+        self.walks: dict[int, tuple[int, int]] = {}  # machine: (next index into ranks, steps left in the stretch)
+
+    def next_rank(self, machine: int) -> float:
+        index, left = self.walks.get(machine, (0, 0))
+        if left <= 0:
+            index, left = self.draws.rng.randrange(max(1, len(self.ranks) - self.block + 1)), self.block
+        self.walks[machine] = (index + 1, left - 1)
+        return self.ranks[min(index, len(self.ranks) - 1)]
+
+
+def quantile_at(samples: Sequence[float], rank: float) -> float:
+    """The value at ``rank`` (0 to 1) of sorted ``samples``."""
+    return samples[min(len(samples) - 1, int(rank * len(samples)))]
+
+
 class Simulation:
     """One run of ``requests`` through ``num_workers`` simulated workers (see :func:`simulate`)."""
 
@@ -192,6 +217,8 @@ class Simulation:
         self.pending_total = 0  # entries read by some worker and not finished
         self.num_steps = self.num_flushes = 0
         self.draw = _Draws(seed)
+        self.slow_periods = (_SlowPeriods(loop.step_noise_series, loop.step_noise_block_steps, self.draw)
+                             if loop.step_noise_series else None)
 
     def push(self, t: float, kind: int, index: int, token: int = 0) -> None:
         heapq.heappush(self.events, (t, kind, self.seq, index, token))
@@ -346,6 +373,14 @@ class Simulation:
         first = w.index - w.index % per
         return sum(1 for o in self.workers[first:first + per] if o is not w and o.step is not None)
 
+    def noise_factor(self, w: _Worker, modelled_s: float) -> float:
+        """How much slower than modelled ``w``'s next step runs."""
+        samples = self.loop.noise_for(modelled_s)
+        if self.slow_periods is None or not samples:
+            return self.draw(samples, 1.0)
+        machine = w.index // max(1, self.settings.workers_per_machine)
+        return quantile_at(samples, self.slow_periods.next_rank(machine))
+
     def start_step(self, w: _Worker, t: float) -> bool:
         """Schedule a step and run it (after the loop's gap); False when nothing could run."""
         s, loop = w.scheduler, self.loop
@@ -359,7 +394,7 @@ class Simulation:
                 if o.started_s is None:
                     o.started_s = t + gap
             modelled = self.model.step_seconds(step_shape(out))
-            engine_s = modelled * self.draw(loop.noise_for(modelled), 1.0)
+            engine_s = modelled * self.noise_factor(w, modelled)
             if loop.contention:
                 engine_s *= loop.contention_factor(self.others_in_step(w))
             if w.fresh:

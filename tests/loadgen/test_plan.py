@@ -344,8 +344,8 @@ def test_a_logged_steps_shape_and_its_ratio_to_the_model_by_size(tmp_path):
              LoggedStep(11.0, 11.0 + 1.0 * MODEL.step_seconds(big), True, big),
              LoggedStep(12.0, 12.5, True, None)]
     ratios = step_ratios(WorkerTimeline(steps, []), since=10.5, model=MODEL)
-    assert ratios == [(pytest.approx(MODEL.step_seconds(big)), pytest.approx(1.0))]
-    ratios = [(0.001 * (i + 1), 1.5 if i < 50 else 1.0) for i in range(100)]  # small steps slower
+    assert ratios == [(11.0, pytest.approx(MODEL.step_seconds(big)), pytest.approx(1.0))]
+    ratios = [(float(i), 0.001 * (i + 1), 1.5 if i < 50 else 1.0) for i in range(100)]  # small steps slower
     bounds, bins = noise_by_size(ratios, bins=2)
     assert bounds == [pytest.approx(0.051)] and set(bins[0]) == {1.5} and set(bins[1]) == {1.0}
     loop = WorkerLoop(step_noise=[0.9], step_noise_bounds_s=bounds, step_noise_by_size=bins)
@@ -357,6 +357,48 @@ def test_a_logged_steps_shape_and_its_ratio_to_the_model_by_size(tmp_path):
     assert simulate(reqs, 1, _settings(), MODEL, loop=slowed).end_s == pytest.approx(2 * base)
     with pytest.raises(ValueError, match="one bin more"):
         WorkerLoop(step_noise_bounds_s=[0.1, 0.2], step_noise_by_size=[[1.0]])
+
+
+def test_the_series_of_slow_steps_ranks_each_step_in_its_bin_and_measures_how_long_slowness_lasts():
+    from mqinfer.loadgen.plan_pipeline import MIN_STEP_RATIOS, rank_series, slow_period_steps
+
+    # Two size bins; each step's rank is where its ratio lies among its own bin's samples.
+    bounds, by_size = [0.01], [[1.0, 1.1, 1.2, 1.3], [2.0, 3.0]]
+    ranks = rank_series([(5.0, 0.001, 1.0), (5.5, 0.001, 1.3), (6.0, 0.02, 3.0), (6.5, 0.02, 2.5)], bounds, by_size)
+    assert ranks == [0.125, 0.875, 0.75, 0.5]
+    assert rank_series([(5.0, 0.001, 1.0)], [], []) == []
+    # Slowness that lasts 20 steps is walked in longer stretches than slowness that changes every
+    # step; a series too short to tell gives no walk.
+    runs = [1.0 if (i // 20) % 2 else 0.0 for i in range(400)]
+    alternating = [float(i % 2) for i in range(400)]
+    assert slow_period_steps(alternating) == 4  # four times a correlation time of one step
+    assert 20 < slow_period_steps(runs) <= 200  # at most half the series
+    assert slow_period_steps(runs[:MIN_STEP_RATIOS - 1]) == 0
+
+
+def test_the_simulation_walks_the_measured_series_of_slow_steps():
+    from mqinfer.loadgen.plan_sim import _Draws, _SlowPeriods
+
+    # A stretch of the series is walked in order, step by step, then the walk jumps.
+    ranks = [i / 100 for i in range(100)]
+    walk = _SlowPeriods(ranks, 5, _Draws(3))
+    stretch = [walk.next_rank(0) for _ in range(5)]
+    assert stretch == pytest.approx([stretch[0] + k / 100 for k in range(5)])
+    assert [walk.next_rank(0) for _ in range(5)] != pytest.approx([stretch[-1] + k / 100 for k in range(1, 6)])
+    # Each machine walks its own stretch.
+    assert [walk.next_rank(1) for _ in range(5)] != pytest.approx(stretch)
+    # Steps take their factor at the walked rank: a series all slow runs every step at its bin's
+    # slowest factor, one all fast at its fastest.
+    reqs = [SimRequest(f"r{i}", _prompt(32, i), 30) for i in range(4)]
+    def loop(rank):
+        return WorkerLoop(step_noise_bounds_s=[], step_noise_by_size=[[1.0, 2.0, 3.0]],
+                          step_noise_series=[rank] * 100, step_noise_block_steps=10)
+    fast, slow = (simulate(reqs, 1, _settings(), MODEL, loop=loop(rank)).end_s for rank in (0.0, 0.999))
+    assert slow == pytest.approx(3 * fast)
+    with pytest.raises(ValueError, match="ranks in"):
+        WorkerLoop(step_noise_by_size=[[1.0]], step_noise_series=[1.5], step_noise_block_steps=1)
+    with pytest.raises(ValueError, match="needs step_noise_by_size"):
+        WorkerLoop(step_noise_series=[0.5], step_noise_block_steps=1)
 
 
 def test_step_noise_is_each_repeated_step_over_its_shapes_median():
