@@ -73,6 +73,9 @@ PIPELINE_RATE_SHARE = 0.1
 SIM_SEEDS = 5
 # Logged steps needed before their spread replaces the engine-alone one, and the bins by size.
 MIN_STEP_RATIOS = 50
+# Steps that started while k other workers of the machine were in a step, needed before their
+# slowdown replaces the engines-alone one for k (pipeline_contention).
+MIN_CONTENTION_STEPS = 20
 NOISE_BINS = 4
 # The simulation walks the series of slow and fast steps in stretches this many correlation times
 # long (slow_period_steps), long enough to keep a slow period whole.
@@ -309,6 +312,67 @@ def wake_samples(trickle, timings, settings, calibration: Calibration, loop: Wor
     return sorted(out)
 
 
+def logged_samples(folder: Path, since: float, model: StepCostModel
+                   ) -> tuple[list[float], list[float], list[tuple[float, float, float]]]:
+    """(gaps, flushes, step ratios) from the step logs of the workers that ran in ``folder``, from
+    ``since`` on (loop_samples', step_ratios')."""
+    gaps, flushes, ratios = [], [], []
+    for path in sorted(folder.rglob("worker-*.log")):
+        timeline = read_timeline(path)
+        g, f = loop_samples(timeline, since)
+        gaps += g
+        flushes += f
+        ratios += step_ratios(timeline, since, model)
+    return gaps, flushes, ratios
+
+
+def contention_ratios(timelines: list[WorkerTimeline], since: float, model: StepCostModel, bounds: list[float],
+                      by_size: list[list[float]]) -> dict[int, list[float]]:
+    """Each logged step of several workers sharing a machine, over a lone worker's step of its size
+    (the median of its size bin), grouped by how many of the other workers were in a step when it
+    started."""
+    busy = [[(s.start, s.end) for s in t.steps if s.start >= since] for t in timelines]
+    out: dict[int, list[float]] = {}
+    for i, timeline in enumerate(timelines):
+        for start, modelled, ratio in step_ratios(timeline, since, model):
+            others = 0
+            for j, steps in enumerate(busy):
+                k = bisect.bisect_right(steps, (start, float("inf"))) - 1
+                others += j != i and k >= 0 and steps[k][0] <= start < steps[k][1]
+            lone = statistics.median(by_size[bisect.bisect_right(bounds, modelled)])
+            out.setdefault(others, []).append(ratio / lone)
+    return out
+
+
+def pipeline_contention(config, calibration: Calibration, run: Callable[[int, Path], Any], scratch: Path,
+                        bounds: list[float], by_size: list[list[float]],
+                        progress: Callable[[str], None]) -> list[float]:
+    """How much slower a worker's step runs while k others of its machine are in a step, measured
+    with every worker of the machine serving the same burst through the real pipeline (Redis, the
+    producer and the result writers share the cores too, which engines alone beside each other do
+    not show): for each k seen in at least MIN_CONTENTION_STEPS steps, the median of those steps
+    over a lone worker's; for another k, the engines-alone factor (``calibration.contention``). At
+    least 1 each. Empty where one worker has the machine."""
+    from mqinfer.loadgen.plan_calibrate import contention_probes
+
+    most = contention_probes(config)
+    if most < 1 or not by_size:
+        return list(calibration.contention)
+    progress(f"calibration: {most + 1} warmed-up workers sharing this machine: the same requests at once")
+    with step_logs():
+        at_once = run(most + 1, scratch / "shared")
+    since = min(t.enqueued_at for t in at_once.timings)
+    timelines = [read_timeline(path) for path in sorted((scratch / "shared").rglob("worker-*.log"))]
+    ratios = contention_ratios(timelines, since, calibration.model, bounds, by_size)
+    probed = list(calibration.contention) or [1.0] * most
+    factors = [max(1.0, statistics.median(ratios[k]) if len(ratios.get(k, ())) >= MIN_CONTENTION_STEPS
+                   else probed[min(k, len(probed)) - 1]) for k in range(1, most + 1)]
+    progress("calibration: in the pipeline, a step beside busy workers takes " + ", ".join(
+        f"{f:.2f}x ({k} other{'s' if k > 1 else ''}, {len(ratios.get(k, ()))} steps)"
+        for k, f in enumerate(factors, 1)))
+    return factors
+
+
 def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None]) -> Calibration:
     """``calibration`` with the worker's start-up and loop (see the module's description) measured
     on short runs of the real pipeline with one worker."""
@@ -348,17 +412,14 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
         with step_logs():
             at_once, trickle = run_engine(bench_args(mode="online", rates=[PIPELINE_BURST_RATE, low_rate], **common),
                                           spec, reqs, scratch / "warm").online
-        since = min(t.enqueued_at for t in at_once.timings)
-        gaps, flushes, ratios = [], [], []
-        for path in sorted((scratch / "warm").rglob("worker-*.log")):
-            timeline = read_timeline(path)
-            g, f = loop_samples(timeline, since)
-            gaps += g
-            flushes += f
-            ratios += step_ratios(timeline, since, calibration.model)
+        gaps, flushes, ratios = logged_samples(scratch / "warm", min(t.enqueued_at for t in at_once.timings),
+                                               calibration.model)
+        bounds, by_size = noise_by_size(ratios) if len(ratios) >= MIN_STEP_RATIOS else ([], [])
+        contention = pipeline_contention(config, calibration, lambda n, path: run_engine(
+            bench_args(mode="online", rates=[PIPELINE_BURST_RATE], **{**common, "workers": n}), spec, reqs,
+            path).online[0], scratch, bounds, by_size, progress)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    bounds, by_size = noise_by_size(ratios) if len(ratios) >= MIN_STEP_RATIOS else ([], [])
     series = rank_series(sorted(ratios), bounds, by_size)
     block = slow_period_steps(series)
     loop = WorkerLoop(0.0, quantile_samples(gaps), (), quantile_samples(flushes), calibration.step_noise,
@@ -385,7 +446,7 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
                               step_noise_series=list(loop.step_noise_series),
                               step_noise_block_steps=loop.step_noise_block_steps,
                               flush_samples_s=list(loop.flush_samples_s), wake_samples_s=quantile_samples(wakes),
-                              first_step_s=first_step)
+                              first_step_s=first_step, contention=contention)
     if startup is not None:
         out = dataclasses.replace(out, startup_s=startup, startup_source="worker")
     return out

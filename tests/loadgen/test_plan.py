@@ -401,6 +401,20 @@ def test_the_simulation_walks_the_measured_series_of_slow_steps():
         WorkerLoop(step_noise_series=[0.5], step_noise_block_steps=1)
 
 
+def test_contention_in_the_pipeline_is_a_step_over_a_lone_workers_by_how_many_others_were_in_a_step():
+    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, contention_ratios
+
+    shape = StepShape(10, 1, 0.0)
+    m = MODEL.step_seconds(shape)
+    # Worker A: a step alone at 1.0x, then one at 1.5x that starts while B is in a step.
+    a = WorkerTimeline([LoggedStep(10.0, 10.0 + 1.0 * m, True, shape), LoggedStep(20.0, 20.0 + 1.5 * m, True, shape)], [])
+    # Worker B: a step from 19.9995 (A's second step starts inside it), 1.2x; and one before `since`.
+    b = WorkerTimeline([LoggedStep(5.0, 5.0 + m, True, shape), LoggedStep(19.9995, 19.9995 + 1.2 * m, True, shape)], [])
+    out = contention_ratios([a, b], since=9.0, model=MODEL, bounds=[], by_size=[[0.9, 1.0, 1.1]])
+    # Over the lone worker's median (1.0): A's first step and B's step started with nobody else in one.
+    assert sorted(out[0]) == pytest.approx([1.0, 1.2]) and out[1] == [pytest.approx(1.5)]
+
+
 def test_step_noise_is_each_repeated_step_over_its_shapes_median():
     from mqinfer.loadgen.plan_calibrate import step_noise
 
