@@ -747,3 +747,19 @@ def test_plan_check_takes_the_median_over_repeated_runs_and_prints_each_runs_p99
     assert "online 30 req/s, 3 runs" in table and "online 30 req/s: 70.0, 140.0, 100.0)" in table
     assert "60.0-110.0 in" in table and "pred at +-5% speed" in table
     assert "each run's" not in format_table(runs[:1])
+
+
+def test_plan_check_says_whether_each_measured_p99_lies_in_the_simulated_runs_spread():
+    from mqinfer.loadgen.plan_check import CheckRow, format_table, median_row, spread_of
+
+    assert spread_of([0.01 * i for i in range(1, 12)]) == pytest.approx([0.02, 0.10])
+    assert spread_of([0.05]) is None
+    runs = [CheckRow("online 30 req/s", 1, 2000.0, 2000.0, 0.070, 0.080, predicted_ttft_p99_spread_s=[0.06, 0.11]),
+            CheckRow("online 30 req/s", 1, 2000.0, 2000.0, 0.140, 0.090, predicted_ttft_p99_spread_s=[0.07, 0.13]),
+            CheckRow("online 30 req/s", 1, 2000.0, 2000.0, 0.080, 0.070, predicted_ttft_p99_spread_s=[0.05, 0.09])]
+    assert [r.in_spread for r in runs] == [True, False, True]
+    assert runs[1].to_dict()["measured_in_spread"] is False
+    row = median_row(runs)
+    assert row.predicted_ttft_p99_spread_s == [0.06, 0.11] and row.runs_in_spread == 2
+    table = format_table([runs[1], row])
+    assert "70.0-130.0 out" in table and "60.0-110.0 2/3 in" in table and "pred runs p10-p90" in table
