@@ -117,6 +117,25 @@ def summarize(sim: SimResult) -> Evaluation:
     )
 
 
+def summarize_pooled(sims: Sequence[SimResult]) -> Evaluation:
+    """One evaluation of several simulations of the same requests (different draws): percentiles
+    over every simulation's requests together, throughput and time figures their means."""
+    evs = [summarize(sim) for sim in sims]
+    if len(evs) == 1:
+        return evs[0]
+    done = [o for sim in sims for o in sim.outcomes if o.error is None]
+    ttft50, ttft99 = _percentiles([o.ttft_s for o in done if o.ttft_s is not None])
+    tpot50, tpot99 = _percentiles([o.tpot_s for o in done if o.tpot_s is not None])
+
+    def mean(name: str) -> float:
+        return sum(getattr(ev, name) for ev in evs) / len(evs)
+
+    return replace(evs[0], ttft_p50_s=ttft50, ttft_p99_s=ttft99, tpot_p50_s=tpot50, tpot_p99_s=tpot99,
+                   output_tokens_per_s=mean("output_tokens_per_s"), utilisation=mean("utilisation"),
+                   window_s=mean("window_s"), end_s=mean("end_s"), num_steps=round(mean("num_steps")),
+                   num_preemptions=round(mean("num_preemptions")))
+
+
 def judge(ev: Evaluation, target: Target, startup_s: float) -> Evaluation:
     """``ev`` with whether it meets ``target``, by how much, and a line saying what was checked."""
     checks: list[tuple[float | None, float, str]] = []  # (achieved, required, label)

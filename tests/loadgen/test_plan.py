@@ -163,6 +163,20 @@ def test_throughput_saturates_at_the_batch_limit():
     assert ev.output_tokens_per_s == pytest.approx(8000, rel=0.05)
 
 
+def test_pooled_simulations_take_percentiles_over_every_request_and_average_the_rest():
+    from mqinfer.loadgen.plan_target import summarize, summarize_pooled
+
+    reqs = [SimRequest(f"r{i}", _prompt(16, i), output_tokens=20, arrival_s=0.01 * i) for i in range(30)]
+    loop = WorkerLoop(step_noise=[0.5, 1.0, 3.0])  # each draw's steps differ
+    sims = [simulate(reqs, 1, _settings(), MODEL, loop=loop, seed=k) for k in range(3)]
+    pooled, alone = summarize_pooled(sims), [summarize(s) for s in sims]
+    assert summarize_pooled(sims[:1]) == alone[0]
+    ttfts = sorted(o.ttft_s for s in sims for o in s.outcomes)
+    assert pooled.ttft_p99_s == pytest.approx(np.percentile(ttfts, 99))
+    assert pooled.output_tokens_per_s == pytest.approx(sum(e.output_tokens_per_s for e in alone) / 3)
+    assert pooled.num_requests == 30 and len({e.ttft_p99_s for e in alone}) > 1
+
+
 def test_the_kv_cache_limit_preempts_as_the_engine_does():
     reqs = [SimRequest(f"r{i}", _prompt(64, i), output_tokens=64) for i in range(8)]
     roomy = simulate(reqs, 1, _settings(), MODEL)
