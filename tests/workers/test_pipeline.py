@@ -123,7 +123,7 @@ def test_run_one_command_on_200_mixed_lines(tmp_path):
                           "tenant": "a" if i % 2 else "b"})
     src = write_jsonl(tmp_path / "mixed.jsonl", lines)
     out = tmp_path / "out"
-    proc = subprocess.run(mqinfer_cmd("run", str(src), "--out", str(out), "--num-threads", "1"),
+    proc = subprocess.run(mqinfer_cmd("run", str(src), "--out", str(out), "--workers", "1", "--num-threads", "1"),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     results = rows(out / "results")
