@@ -139,7 +139,7 @@ def test_workers_auto_bills_the_machine(tmp_path):
 
 
 def test_a_worker_killed_mid_run_is_billed_as_lost_and_the_bill_still_adds_up(tmp_path):
-    items = requests(48, 160)
+    items = requests(24, 160)
     out = tmp_path / "killed"
     src = write_jsonl(tmp_path / "killed.jsonl", items)
     began = time.time()
