@@ -114,7 +114,7 @@ def test_a_small_weights_run(tmp_path, capsys):
 
 
 def test_a_small_throughput_run(tmp_path, capsys):
-    result = _run(tmp_path, "throughput", "--throughput-requests", "6", "--rounds", "1")
+    result = _run(tmp_path, "throughput", "--throughput-requests", "2", "--rounds", "1")
     assert "throughput: the standard workload" in capsys.readouterr().out
     t = result["throughput"]
     assert [(r["round"], r["lanes"]) for r in t["runs"]] == [(1, "tenant"), (1, "none")]
