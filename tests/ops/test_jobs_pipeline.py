@@ -222,7 +222,7 @@ def test_small_job_finishes_first_then_the_big_one_is_cancelled(env):
 def test_deadline_expires_the_job_and_keeps_finished_rows(env):
     items = native(2, "quick", max_tokens=2) + native(6, "slow", max_tokens=2000, ignore_eos=True)
     src = write_jsonl(env.base / "exp.jsonl", items)
-    job_id = submit_job(env.client, src, env.base / "exp", max_in_flight=4, deadline=parse_deadline("+8")).job_id
+    job_id = submit_job(env.client, src, env.base / "exp", max_in_flight=4, deadline=parse_deadline("+5")).job_id
     info = wait_final(env.client, job_id, timeout=90)
     assert info["status"] == "expired"
     got = output(env.base / "exp")
