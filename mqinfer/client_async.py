@@ -76,6 +76,8 @@ class AsyncClient:
         result: Any = None
         error: Exception | None = None
         holding_turn = False
+        task = asyncio.current_task()
+        cancels = task.cancelling() if task is not None else 0
         try:
             while True:
                 try:
@@ -93,6 +95,11 @@ class AsyncClient:
                         result = await self._perform(action)
                     except Exception as exc:  # the plan decides what a failed call means
                         error = exc
+                # On Python 3.11, asyncio.wait_for (which redis-py uses to write a command under its
+                # socket timeout) returns normally when the task is cancelled in the moment its
+                # inner call finishes: the request to cancel is then only in the task's count.
+                if task is not None and task.cancelling() > cancels:
+                    raise asyncio.CancelledError()
         finally:
             plan.close()
             if holding_turn:

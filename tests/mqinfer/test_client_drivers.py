@@ -138,3 +138,29 @@ def test_a_waiter_cancelled_as_the_read_turn_comes_free_does_not_keep_it(redis_u
             return turn.locked()
 
     assert asyncio.run(main()) is False
+
+
+def test_a_waiter_cancelled_at_any_moment_raises_cancelled_error(redis_url):
+    """Cancelled as it starts, mid-call or between calls: the waiter raises CancelledError and
+    hands the read turn back. (On Python 3.11, redis-py writes each command under
+    asyncio.wait_for, which drops a cancellation that lands as the write completes: a few percent
+    of the cancels right after the waiter starts.)"""
+    async def main():
+        outcomes = []
+        async with AsyncClient(redis_url) as client:
+            await client.submit({"id": "a", "prompt": "x"})
+            for k in range(60):
+                waiter = asyncio.create_task(client.result("a", timeout=2))
+                await asyncio.sleep(0 if k % 3 else 0.001 * (k % 7))
+                waiter.cancel()
+                try:
+                    await waiter
+                    outcomes.append("returned")
+                except asyncio.CancelledError:
+                    outcomes.append("cancelled")
+                except Exception as exc:
+                    outcomes.append(type(exc).__name__)
+            return outcomes, client._read_lock.locked()
+
+    outcomes, locked = asyncio.run(main())
+    assert outcomes == ["cancelled"] * 60 and not locked
