@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Iterable
 from typing import Any, TypeVar
 
 from mqinfer.client_actions import (
@@ -76,8 +76,6 @@ class AsyncClient:
         result: Any = None
         error: Exception | None = None
         holding_turn = False
-        task = asyncio.current_task()
-        cancels = task.cancelling() if task is not None else 0
         try:
             while True:
                 try:
@@ -92,14 +90,9 @@ class AsyncClient:
                     self._read_lock.release()
                 else:
                     try:
-                        result = await self._perform(action)
+                        result = await _cancellable(self._perform(action))
                     except Exception as exc:  # the plan decides what a failed call means
                         error = exc
-                # On Python 3.11, asyncio.wait_for (which redis-py uses to write a command under its
-                # socket timeout) returns normally when the task is cancelled in the moment its
-                # inner call finishes: the request to cancel is then only in the task's count.
-                if task is not None and task.cancelling() > cancels:
-                    raise asyncio.CancelledError()
         finally:
             plan.close()
             if holding_turn:
@@ -216,6 +209,22 @@ class AsyncClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+async def _cancellable(call: Awaitable[T]) -> T:
+    """Await ``call`` in a task of its own, so that cancelling the caller raises CancelledError at
+    once. On Python 3.11 asyncio.wait_for, which redis-py uses to write each command under its
+    socket timeout, returns normally when the task is cancelled as the write completes: awaited
+    directly, the call would go on into a blocking read and the caller would never see its
+    cancellation. The abandoned call is cancelled and its outcome dropped (a read consumes nothing:
+    the next read starts from the same cursors)."""
+    task = asyncio.ensure_future(call)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        task.cancel()
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        raise
 
 
 def _async_connect(url: str, cluster: bool):

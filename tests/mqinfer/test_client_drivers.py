@@ -144,7 +144,7 @@ def test_a_waiter_cancelled_at_any_moment_raises_cancelled_error(redis_url):
     """Cancelled as it starts, mid-call or between calls: the waiter raises CancelledError and
     hands the read turn back. (On Python 3.11, redis-py writes each command under
     asyncio.wait_for, which drops a cancellation that lands as the write completes: a few percent
-    of the cancels right after the waiter starts.)"""
+    of the cancels right after the waiter starts; the waiter then read on until its timeout.)"""
     async def main():
         outcomes = []
         async with AsyncClient(redis_url) as client:
