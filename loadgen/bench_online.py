@@ -23,8 +23,12 @@ from mqinfer.loadgen.metrics import RequestTiming, RunSummary, TtftBudget, summa
 from mqinfer.loadgen.workload import MIN_TOKEN_ID
 
 BUDGET_STEPS = 3  # the latency goal: p99 TTFT <= max wait + 3 engine steps
-# Warm-up requests sent per worker, at most, before the online runs go on with some workers cold.
-WARMUP_TRIES_PER_WORKER = 4
+# After a warm-up request that reached an already warm worker (another was still starting), the
+# next one waits this long.
+WARMUP_PAUSE_S = 0.2
+# The warm-up gives up after this long (or the run's --timeout-s, if shorter): a worker that has
+# not read a request by then is not starting, it is stuck.
+WARMUP_LIMIT_S = 300.0
 
 
 @dataclass
@@ -129,20 +133,29 @@ def warm_workers(producer, pool: WorkerPool, out: Path, prompt: list[int], tag: 
                  timeout_s: float) -> None:
     """One warm-up request at a time until every worker has run one (a worker's first steps run
     cold, and the online figures are about warm workers). Workers blocked on the stream are woken
-    in the order they blocked, so each request usually reaches one that has not served yet; after
-    ``WARMUP_TRIES_PER_WORKER`` tries per worker it goes on, saying how many were warmed."""
+    in the order they blocked, so each request usually reaches one that has not served yet; one
+    still starting lets a warm one take the request, so after such a try the next waits
+    WARMUP_PAUSE_S. It gives up after WARMUP_LIMIT_S (or ``timeout_s``), saying how many were warmed."""
     # Reversed, so that it shares no cached prefix blocks with the measured requests.
     warm = {"id": "warmup", "prompt_token_ids": prompt[::-1], "max_tokens": 8, "ignore_eos": True,
             "temperature": 0.0}
     served: set[str] = set()
-    for attempt in range(WARMUP_TRIES_PER_WORKER * workers):
+    limit_s = min(timeout_s, WARMUP_LIMIT_S)
+    deadline = time.monotonic() + limit_s
+    attempt = 0
+    while time.monotonic() < deadline:
         job_id = f"bench-warmup-{tag}-{attempt}"
         producer.submit(warm, job_id=job_id)
         wait_done(producer.redis, job_id, 1, pool, timeout_s, "warm-up")
-        served |= workers_of(out, job_id)
+        new = workers_of(out, job_id) - served
+        served |= new
         if len(served) >= workers:
             return
-    log(f"mqinfer online: {len(served)} of {workers} workers ran a warm-up request; the others start cold")
+        attempt += 1
+        if not new:
+            time.sleep(WARMUP_PAUSE_S)
+    log(f"mqinfer online: {len(served)} of {workers} workers ran a warm-up request within {limit_s:g}s; "
+        "the others start cold")
 
 
 def workers_of(out: Path, job_id: str) -> set[str]:
