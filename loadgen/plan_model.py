@@ -48,7 +48,7 @@ FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
 # StepCostModel's coefficients, one per feature.
 COEFFICIENTS = ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s")
 # Stored fits of another format version are not read (the user is told to calibrate again).
-FIT_VERSION = 6
+FIT_VERSION = 7
 # Measured samples kept in a stored fit, at most (evenly spaced order statistics of the measured).
 MAX_SAMPLES = 200
 
@@ -224,6 +224,12 @@ class WorkerLoop:
     # step's factor from its bin at the walked rank.
     step_noise_series: Sequence[float] = ()
     step_noise_block_steps: int = 0
+    # The median modelled seconds of the largest bin's steps. What makes a worker's step slower
+    # than the engine alone's (the loop's reads, writes and acks between steps leave the caches
+    # colder) costs about the same time whatever the step's size: a step modelled longer than this
+    # takes the extra seconds a step of this size took, not the same share (the offline job's
+    # large steps ran at the engine-alone speed). 0: every step takes its factor as drawn.
+    step_noise_top_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise", "contention",
@@ -244,8 +250,18 @@ class WorkerLoop:
         if series and not (bins and self.step_noise_block_steps >= 1):
             raise ValueError("WorkerLoop.step_noise_series needs step_noise_by_size and a step_noise_block_steps >= 1")
         object.__setattr__(self, "step_noise_series", series)
+        if not self.step_noise_top_s >= 0:
+            raise ValueError(f"step_noise_top_s must be >= 0, got {self.step_noise_top_s!r}")
         if not self.first_step_s >= 0:
             raise ValueError(f"first_step_s must be >= 0, got {self.first_step_s!r}")
+
+    def scaled_noise(self, factor: float, modelled_s: float) -> float:
+        """A drawn factor for a step modelled at ``modelled_s``, as its extra seconds at the
+        largest bin's size (step_noise_top_s) when the step is larger."""
+        top = self.step_noise_top_s
+        if top <= 0 or modelled_s <= top:
+            return factor
+        return 1.0 + (factor - 1.0) * top / modelled_s
 
     def noise_for(self, modelled_s: float) -> Sequence[float]:
         """The measured/modelled ratios to draw a step's factor from, for a step modelled at
@@ -327,6 +343,7 @@ class Calibration:
     step_noise_by_size: list[list[float]] = field(default_factory=list)
     step_noise_series: list[float] = field(default_factory=list)  # WorkerLoop's
     step_noise_block_steps: int = 0
+    step_noise_top_s: float = 0.0
     version: int = FIT_VERSION
 
     @property
@@ -334,7 +351,8 @@ class Calibration:
         """The worker loop the simulation runs around the engine."""
         return WorkerLoop(self.step_overhead_s, self.gap_samples_s, self.wake_samples_s, self.flush_samples_s,
                           self.step_noise, self.first_step_s, self.contention, self.step_noise_bounds_s,
-                          self.step_noise_by_size, self.step_noise_series, self.step_noise_block_steps)
+                          self.step_noise_by_size, self.step_noise_series, self.step_noise_block_steps,
+                          self.step_noise_top_s)
 
     def to_json(self) -> str:
         out = asdict(self)

@@ -26,7 +26,10 @@ rows' log lines (written after each flush of result rows):
   worker at 32 requests/s: 1.05x at the median for steps modelled at 2 ms, 1.14-1.18x from 3.5 to
   10 ms, 1.07x above): between two steps the loop reads the stream, parses, writes and acks, and
   the model's weights no longer sit warm in the caches. Taken when the log holds at least
-  ``MIN_STEP_RATIOS`` steps; the simulation then takes a step's factor from its size's bin.
+  ``MIN_STEP_RATIOS`` steps; the simulation then takes a step's factor from its size's bin. A
+  step larger than the largest bin's median (``step_noise_top_s``) takes the extra seconds a step
+  of that size took, not the same share: the extra is about a fixed time per step, and the
+  offline job's large steps ran at the engine-alone speed.
 - ``step_noise_series``: the same steps in the order they ran, each as its rank within its bin
   (0 fastest, 1 slowest). A worker's slow steps come in runs (the machine slows down for a while:
   measured at 32 requests/s, the ratio's autocorrelation was 0.61 at a lag of one step and 0.2 at
@@ -212,15 +215,17 @@ def step_ratios(timeline: WorkerTimeline, since: float, model: StepCostModel) ->
     return out
 
 
-def noise_by_size(ratios: list[tuple[float, float, float]], bins: int = NOISE_BINS) -> tuple[list[float], list[list[float]]]:
-    """(bounds, bins): ``ratios`` (step_ratios') split into ``bins`` bins of equal counts by
+def noise_by_size(ratios: list[tuple[float, float, float]], bins: int = NOISE_BINS
+                  ) -> tuple[list[float], list[list[float]], float]:
+    """(bounds, bins, top): ``ratios`` (step_ratios') split into ``bins`` bins of equal counts by
     modelled seconds, each bin's ratios as quantile samples; the bounds between them (modelled
-    seconds)."""
+    seconds); the largest bin's median modelled seconds."""
     ordered = sorted((modelled, ratio) for _, modelled, ratio in ratios)
     cuts = [round(i * len(ordered) / bins) for i in range(bins + 1)]
     groups = [ordered[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
     bounds = [group[0][0] for group in groups[1:]]
-    return bounds, [quantile_samples((r for _, r in group), MAX_SAMPLES // bins) for group in groups]
+    top = statistics.median(m for m, _ in groups[-1]) if groups else 0.0
+    return bounds, [quantile_samples((r for _, r in group), MAX_SAMPLES // bins) for group in groups], top
 
 
 def rank_series(ratios: list[tuple[float, float, float]], bounds: list[float],
@@ -414,7 +419,7 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
                                           spec, reqs, scratch / "warm").online
         gaps, flushes, ratios = logged_samples(scratch / "warm", min(t.enqueued_at for t in at_once.timings),
                                                calibration.model)
-        bounds, by_size = noise_by_size(ratios) if len(ratios) >= MIN_STEP_RATIOS else ([], [])
+        bounds, by_size, top = noise_by_size(ratios) if len(ratios) >= MIN_STEP_RATIOS else ([], [], 0.0)
         contention = pipeline_contention(config, calibration, lambda n, path: run_engine(
             bench_args(mode="online", rates=[PIPELINE_BURST_RATE], **{**common, "workers": n}), spec, reqs,
             path).online[0], scratch, bounds, by_size, progress)
@@ -424,7 +429,8 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
     block = slow_period_steps(series)
     loop = WorkerLoop(0.0, quantile_samples(gaps), (), quantile_samples(flushes), calibration.step_noise,
                       step_noise_bounds_s=bounds, step_noise_by_size=by_size,
-                      step_noise_series=series if block else (), step_noise_block_steps=block)
+                      step_noise_series=series if block else (), step_noise_block_steps=block,
+                      step_noise_top_s=top)
     # The bench gives online point k the arrivals of seed + k.
     overhead = fit_overhead(sim_requests(poisson_arrivals(len(reqs), PIPELINE_BURST_RATE, PIPELINE_SEED)),
                             at_once.summary.span_s, settings, calibration, loop)
@@ -445,6 +451,7 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
                               step_noise_bounds_s=list(bounds), step_noise_by_size=[list(b) for b in by_size],
                               step_noise_series=list(loop.step_noise_series),
                               step_noise_block_steps=loop.step_noise_block_steps,
+                              step_noise_top_s=loop.step_noise_top_s,
                               flush_samples_s=list(loop.flush_samples_s), wake_samples_s=quantile_samples(wakes),
                               first_step_s=first_step, contention=contention)
     if startup is not None:

@@ -377,9 +377,11 @@ class Simulation:
         """How much slower than modelled ``w``'s next step runs."""
         samples = self.loop.noise_for(modelled_s)
         if self.slow_periods is None or not samples:
-            return self.draw(samples, 1.0)
-        machine = w.index // max(1, self.settings.workers_per_machine)
-        return quantile_at(samples, self.slow_periods.next_rank(machine))
+            factor = self.draw(samples, 1.0)
+        else:
+            machine = w.index // max(1, self.settings.workers_per_machine)
+            factor = quantile_at(samples, self.slow_periods.next_rank(machine))
+        return self.loop.scaled_noise(factor, modelled_s)
 
     def start_step(self, w: _Worker, t: float) -> bool:
         """Schedule a step and run it (after the loop's gap); False when nothing could run."""

@@ -360,8 +360,9 @@ def test_a_logged_steps_shape_and_its_ratio_to_the_model_by_size(tmp_path):
     ratios = step_ratios(WorkerTimeline(steps, []), since=10.5, model=MODEL)
     assert ratios == [(11.0, pytest.approx(MODEL.step_seconds(big)), pytest.approx(1.0))]
     ratios = [(float(i), 0.001 * (i + 1), 1.5 if i < 50 else 1.0) for i in range(100)]  # small steps slower
-    bounds, bins = noise_by_size(ratios, bins=2)
+    bounds, bins, top = noise_by_size(ratios, bins=2)
     assert bounds == [pytest.approx(0.051)] and set(bins[0]) == {1.5} and set(bins[1]) == {1.0}
+    assert top == pytest.approx(0.0755)  # the larger bin's median modelled seconds
     loop = WorkerLoop(step_noise=[0.9], step_noise_bounds_s=bounds, step_noise_by_size=bins)
     assert set(loop.noise_for(0.01)) == {1.5} and set(loop.noise_for(0.2)) == {1.0}
     assert WorkerLoop(step_noise=[0.9]).noise_for(0.01) == (0.9,)
@@ -371,6 +372,24 @@ def test_a_logged_steps_shape_and_its_ratio_to_the_model_by_size(tmp_path):
     assert simulate(reqs, 1, _settings(), MODEL, loop=slowed).end_s == pytest.approx(2 * base)
     with pytest.raises(ValueError, match="one bin more"):
         WorkerLoop(step_noise_bounds_s=[0.1, 0.2], step_noise_by_size=[[1.0]])
+
+
+def test_a_step_larger_than_the_largest_bins_takes_that_bins_extra_seconds_not_its_share():
+    loop = WorkerLoop(step_noise_bounds_s=[], step_noise_by_size=[[1.2]], step_noise_top_s=0.005)
+    assert loop.scaled_noise(1.2, 0.004) == 1.2 and loop.scaled_noise(1.2, 0.005) == 1.2
+    assert loop.scaled_noise(1.2, 0.050) == pytest.approx(1.02)  # 1 ms extra on a 50 ms step
+    assert loop.scaled_noise(0.9, 0.010) == pytest.approx(0.95)  # a fast draw shrinks the same way
+    assert WorkerLoop().scaled_noise(1.2, 0.050) == 1.2
+    # In the simulation: steps of about 15 ms drawn at 2x, against a bin measured at 5 ms.
+    reqs = [SimRequest(f"r{i}", _prompt(32, i), 30) for i in range(4)]
+    flat = StepCostModel(0.015, 0.0, 0.0, 0.0)
+    base = simulate(reqs, 1, _settings(), flat).end_s
+    share = WorkerLoop(step_noise_bounds_s=[], step_noise_by_size=[[2.0]])
+    extra = WorkerLoop(step_noise_bounds_s=[], step_noise_by_size=[[2.0]], step_noise_top_s=0.005)
+    assert simulate(reqs, 1, _settings(), flat, loop=share).end_s == pytest.approx(2 * base)
+    assert simulate(reqs, 1, _settings(), flat, loop=extra).end_s == pytest.approx(base * (1 + 0.005 / 0.015))
+    with pytest.raises(ValueError, match="step_noise_top_s"):
+        WorkerLoop(step_noise_top_s=-1.0)
 
 
 def test_the_series_of_slow_steps_ranks_each_step_in_its_bin_and_measures_how_long_slowness_lasts():
