@@ -723,9 +723,11 @@ def test_calibrating_the_tiny_model_then_planning(plan_cache, capsys):
     opts = {o.name: o.default for o in PLAN_CMD}
     opts.update(device="cpu", max_num_seqs=32, max_num_batched_tokens=512, num_kv_blocks=512)
     save_calibration(calibration, planner.calibration_path(opts, planner.worker_layout(opts)))
+    # A target any machine meets, however busy while it calibrated (the plan exits 1 when its
+    # target is out of reach; this test is about the calibration, not this machine's speed).
     code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu",
                         "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-kv-blocks", "512",
-                        "--format", "json")
+                        "--slo-ttft-p99-ms", "60000", "--format", "json")
     assert code == 0 and CONTRACT_KEYS <= set(json.loads(out))
 
 
