@@ -78,6 +78,7 @@ ONLINE_SEEDS = 3
 
 
 def seeds_for(target: Target) -> int:
+    """Simulations pooled into one evaluation of ``target``."""
     return ONLINE_SEEDS if target.online else 1
 
 
@@ -315,12 +316,15 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     requests = with_arrivals(workload.requests, target.rate, count, opts["seed"])
     target = replace(target, idle_ttft_p99_s=idle_ttft_p99(requests, settings, calibration, target.max_wait_s))
 
+    def pooled(reqs: list[SimRequest], n: int, goal: Target, speed: float = 1.0) -> Evaluation:
+        # A bulk job's workers start with the job (their first steps cold); online ones are warm.
+        return summarize_pooled([simulate(reqs, n, settings, calibration.model.scaled(speed), loop=calibration.loop,
+                                          seed=opts["seed"] + k, fresh=not goal.online)
+                                 for k in range(seeds_for(goal))])
+
     def evaluate(n: int, reqs: list[SimRequest] = requests, goal: Target = target, quiet: bool = False
                  ) -> Evaluation:
-        # A bulk job's workers start with the job (their first steps cold); online ones are warm.
-        ev = judge(summarize_pooled([simulate(reqs, n, settings, calibration.model, loop=calibration.loop,
-                                              seed=opts["seed"] + k, fresh=not goal.online)
-                                     for k in range(seeds_for(goal))]), goal, calibration.startup_s)
+        ev = judge(pooled(reqs, n, goal), goal, calibration.startup_s)
         if not quiet:
             progress(f"{n} worker(s): {ev.why}{'' if ev.met else ' - not met'}")
         return ev
@@ -334,9 +338,7 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
         chosen, tried = fewest_workers(evaluate, upper=upper)
     band = {"speed_change": SPEED_DRIFT}
     for name, factor in (("faster", 1.0 - SPEED_DRIFT), ("slower", 1.0 + SPEED_DRIFT)):
-        band[f"ttft_p99_s_{name}"] = summarize_pooled([
-            simulate(requests, chosen.workers, settings, calibration.model.scaled(factor), loop=calibration.loop,
-                     seed=opts["seed"] + k, fresh=not target.online) for k in range(seeds_for(target))]).ttft_p99_s
+        band[f"ttft_p99_s_{name}"] = pooled(requests, chosen.workers, target, factor).ttft_p99_s
     costs = bill(chosen, target, layout, opts["price_per_device_hour"], calibration.startup_s)
     keda = _keda(chosen, target, fixed, opts, requests, evaluate, calibration.startup_s, upper)
     notes = list(workload.notes)

@@ -13,18 +13,17 @@ worker`` processes, the result rows: the bench's offline and online modes), an o
 requests with the same worker count and the same arrival times (those the rows measured: when each
 entry entered the stream) with the plan's calibrated step-cost model and worker loop (calibrated
 first when this machine has no stored fit, or with ``--calibrate``). A prediction is the mean over
-PREDICTION_SEEDS simulations with different draws of the loop's measured delays. It prints, for each case, the
-measured and predicted output tokens per second and p99 TTFT and their relative errors ((predicted
-- measured) / measured). The rates (``auto``) are 20%, 50% and 80% of the request rate the offline
-run measured; ``--repeats R`` runs each rate R times (in turn across the rates) and compares the
-medians. Each online row also shows the 10th-90th percentile of the simulations' p99s (a p99 of a
-few hundred requests is itself a noisy figure: the range one run's p99 falls in four times in five
-if the model is right) and how many measured runs lay in their own range, and the p99 predicted
-with every step 5% faster and 5% slower (`mqinfer plan`'s band) and whether the measured p99 lies
-in it. In the offline run the requests
-wait in the stream while the workers start, so its TTFT is counted from the first request's start
-on both sides (start-up is the plan's separate figure), and the simulated workers are fresh (their
-first steps cold).
+PREDICTION_SEEDS simulations with different draws of the loop's measured delays. It prints, for
+each case, the measured and predicted output tokens per second and p99 TTFT and their relative
+errors ((predicted - measured) / measured). The rates (``auto``) are 20%, 50% and 80% of the
+request rate the offline run measured; ``--repeats R`` runs each rate R times (in turn across the
+rates) and compares the medians. Each online row also shows the 10th-90th percentile of the
+simulations' p99s (a p99 of a few hundred requests is itself a noisy figure: the range one run's
+p99 falls in four times in five if the model is right) and how many measured runs lay in their own
+range, and the p99 predicted with every step 5% faster and 5% slower (`mqinfer plan`'s band) and
+whether the measured p99 lies in it. In the offline run the requests wait in the stream while the
+workers start, so its TTFT is counted from the first request's start on both sides (start-up is
+the plan's separate figure), and the simulated workers are fresh (their first steps cold).
 
 **Worker count** (``--workers-check``). `mqinfer plan --rate R --slo-ttft-p99-ms S` on the online
 workload picks N workers; the real pipeline then runs the same requests at R with N-1 and N workers.
@@ -89,17 +88,11 @@ class CheckRow:
 
     @property
     def in_band(self) -> bool | None:
-        band, measured = self.predicted_ttft_p99_band_s, self.measured_ttft_p99_s
-        if not band or measured is None:
-            return None
-        return band[0] <= measured <= band[1]
+        return _within(self.predicted_ttft_p99_band_s, self.measured_ttft_p99_s)
 
     @property
     def in_spread(self) -> bool | None:
-        spread, measured = self.predicted_ttft_p99_spread_s, self.measured_ttft_p99_s
-        if not spread or measured is None:
-            return None
-        return spread[0] <= measured <= spread[1]
+        return _within(self.predicted_ttft_p99_spread_s, self.measured_ttft_p99_s)
 
     @property
     def tok_s_error(self) -> float | None:
@@ -112,6 +105,13 @@ class CheckRow:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "tok_s_error": self.tok_s_error, "ttft_p99_error": self.ttft_error,
                 "measured_in_band": self.in_band, "measured_in_spread": self.in_spread}
+
+
+def _within(bounds: list[float] | None, measured: float | None) -> bool | None:
+    """Whether ``measured`` lies in [low, high] (None when either is missing)."""
+    if not bounds or measured is None:
+        return None
+    return bounds[0] <= measured <= bounds[1]
 
 
 def _rel(predicted: float | None, measured: float | None) -> float | None:
@@ -181,19 +181,16 @@ def format_table(rows: list[CheckRow]) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{1000 * x:.1f}"
 
+    def bounds(pair: list[float] | None, inside: str) -> str:
+        return "-" if not pair else f"{ms(pair[0])}-{ms(pair[1])} {inside}"
+
     def band(r: CheckRow) -> str:
-        if not r.predicted_ttft_p99_band_s:
-            return "-"
-        low, high = r.predicted_ttft_p99_band_s
-        return f"{ms(low)}-{ms(high)} {'in' if r.in_band else 'out'}"
+        return bounds(r.predicted_ttft_p99_band_s, "in" if r.in_band else "out")
 
     def spread(r: CheckRow) -> str:
-        if not r.predicted_ttft_p99_spread_s:
-            return "-"
-        low, high = r.predicted_ttft_p99_spread_s
         inside = (f"{r.runs_in_spread}/{len(r.measured_ttft_p99_runs_s or ())} in" if r.runs_in_spread is not None
                   else "in" if r.in_spread else "out")
-        return f"{ms(low)}-{ms(high)} {inside}"
+        return bounds(r.predicted_ttft_p99_spread_s, inside)
 
     head = (f"{'case':<26} {'workers':>7} {'tok/s meas':>11} {'tok/s pred':>11} {'error':>8} "
             f"{'p99 TTFT ms meas':>17} {'pred':>8} {'error':>8}  {'pred runs p10-p90':<20} "
@@ -298,6 +295,7 @@ def median_row(runs: list[CheckRow]) -> CheckRow:
 
     first = runs[0]
     measured = [r.measured_ttft_p99_s for r in runs]
+
     def medians(pairs: list[list[float] | None]) -> list[float] | None:
         present = [p for p in pairs if p]
         return [median([p[0] for p in present]), median([p[1] for p in present])] if present else None

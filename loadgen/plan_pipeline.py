@@ -232,8 +232,10 @@ def rank_series(ratios: list[tuple[float, float, float]], bounds: list[float],
                 by_size: list[list[float]]) -> list[float]:
     """The rank of each of ``ratios`` (step_ratios', in the order the steps ran): where its ratio
     lies among its size bin's samples, 0 the fastest, 1 the slowest (ties count half)."""
+    if not by_size:
+        return []
     out = []
-    for _, modelled, ratio in ratios if by_size else ():
+    for _, modelled, ratio in ratios:
         samples = by_size[bisect.bisect_right(bounds, modelled)]
         below, upto = bisect.bisect_left(samples, ratio), bisect.bisect_right(samples, ratio)
         out.append(round((below + upto) / (2 * len(samples)), 4))
@@ -317,13 +319,17 @@ def wake_samples(trickle, timings, settings, calibration: Calibration, loop: Wor
     return sorted(out)
 
 
+def read_timelines(folder: Path) -> list[WorkerTimeline]:
+    """The timelines of every worker that logged under ``folder``."""
+    return [read_timeline(path) for path in sorted(folder.rglob("worker-*.log"))]
+
+
 def logged_samples(folder: Path, since: float, model: StepCostModel
                    ) -> tuple[list[float], list[float], list[tuple[float, float, float]]]:
     """(gaps, flushes, step ratios) from the step logs of the workers that ran in ``folder``, from
     ``since`` on (loop_samples', step_ratios')."""
     gaps, flushes, ratios = [], [], []
-    for path in sorted(folder.rglob("worker-*.log")):
-        timeline = read_timeline(path)
+    for timeline in read_timelines(folder):
         g, f = loop_samples(timeline, since)
         gaps += g
         flushes += f
@@ -337,6 +343,7 @@ def contention_ratios(timelines: list[WorkerTimeline], since: float, model: Step
     (the median of its size bin), grouped by how many of the other workers were in a step when it
     started."""
     busy = [[(s.start, s.end) for s in t.steps if s.start >= since] for t in timelines]
+    lone = [statistics.median(samples) for samples in by_size]
     out: dict[int, list[float]] = {}
     for i, timeline in enumerate(timelines):
         for start, modelled, ratio in step_ratios(timeline, since, model):
@@ -344,8 +351,7 @@ def contention_ratios(timelines: list[WorkerTimeline], since: float, model: Step
             for j, steps in enumerate(busy):
                 k = bisect.bisect_right(steps, (start, float("inf"))) - 1
                 others += j != i and k >= 0 and steps[k][0] <= start < steps[k][1]
-            lone = statistics.median(by_size[bisect.bisect_right(bounds, modelled)])
-            out.setdefault(others, []).append(ratio / lone)
+            out.setdefault(others, []).append(ratio / lone[bisect.bisect_right(bounds, modelled)])
     return out
 
 
@@ -367,8 +373,7 @@ def pipeline_contention(config, calibration: Calibration, run: Callable[[int, Pa
     with step_logs():
         at_once = run(most + 1, scratch / "shared")
     since = min(t.enqueued_at for t in at_once.timings)
-    timelines = [read_timeline(path) for path in sorted((scratch / "shared").rglob("worker-*.log"))]
-    ratios = contention_ratios(timelines, since, calibration.model, bounds, by_size)
+    ratios = contention_ratios(read_timelines(scratch / "shared"), since, calibration.model, bounds, by_size)
     probed = list(calibration.contention) or [1.0] * most
     factors = [max(1.0, statistics.median(ratios[k]) if len(ratios.get(k, ())) >= MIN_CONTENTION_STEPS
                    else probed[min(k, len(probed)) - 1]) for k in range(1, most + 1)]
