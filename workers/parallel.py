@@ -55,6 +55,7 @@ import torch
 
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.heap import freeze_startup_heap
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
 
 log = logging.getLogger("mqinfer.parallel")
@@ -502,6 +503,7 @@ def follower_main(argv: list[str] | None = None) -> int:
         from mqinfer.workers.pipeline import StageRunner as runner_class
     runner = runner_class(model, info, scheduler_config, device, resolve_dtype(info.dtype),
                           kv_cache_dtype=config.kv_cache_dtype, group=group)
+    freeze_startup_heap()
     outbox.write(b"ready\n")
     outbox.flush()
     with torch.inference_mode():

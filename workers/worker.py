@@ -49,6 +49,7 @@ from mqinfer.workers.busy import BusyTime, summary_path, write_exit_summary
 from mqinfer.workers.config import WorkerConfig
 from mqinfer.workers.costs import Meter, RequestMeter, WorkModel, kv_block_shares, process_start_time
 from mqinfer.workers.engine import EngineInputError, LLMEngine, choice_id
+from mqinfer.workers.heap import CollectorPauses, freeze_startup_heap
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
@@ -100,6 +101,7 @@ class Worker:
         self.stopping = False
         # Built by start(), once the engine is up.
         self.engine: LLMEngine | None = None
+        self.gc_pauses: CollectorPauses | None = None  # installed by run(), after start-up
         self.meter: Meter | None = None
         self.acks: Acks | None = None
         self.ownership: Ownership | None = None
@@ -134,6 +136,10 @@ class Worker:
         """Serve until SIGTERM or idle exit; 0 on a clean stop, 3 when rows could not be written."""
         self._install_signals()
         self.start()
+        # Here, not in start(): a test that starts a worker in its own process must not freeze that
+        # process's heap.
+        freeze_startup_heap()
+        self.gc_pauses = CollectorPauses().install()
         code = 0
         try:
             while not self.stopping:
@@ -535,6 +541,8 @@ class Worker:
         summary = {"consumer": self.consumer, "exit_code": code, **self.busy_summary(),
                    "requests_finished": self.acks.requests_finished, "result_rows": self.acks.rows_written,
                    "uptime_s": round(max(0.0, now - self.meter.start), 4), "stopped_at": now}
+        if self.gc_pauses is not None:
+            summary["gc"] = self.gc_pauses.summary()
         engine = self.engine
         if engine is not None and engine.spec_stats.proposer != "none":
             # Speculative decoding's totals, and the engine's steps to put them against.
@@ -548,6 +556,9 @@ class Worker:
         if self.engine is not None:
             self.engine.close()
         log.info("worker %s stopped; busy time %s", self.consumer, json.dumps(self.busy_summary()))
+        if self.gc_pauses is not None:
+            log.info("worker %s: garbage collector while serving %s", self.consumer,
+                     json.dumps(self.gc_pauses.summary()))
         path = summary_path(self.config.out_dir, self.consumer)
         try:
             write_exit_summary(path, self.exit_summary(code))
