@@ -48,6 +48,13 @@ LIVE_CONSUMER_MS = 10_000
 # How often a worker whose engine and waiting queue are full looks for lanes with nothing waiting
 # here (Ingest._read_newcomers).
 NEWCOMER_CHECK_S = 0.05
+# A Redis server ends a blocked read that no arrival woke at its next timer tick, not at the
+# timeout asked for: every 100 ms at the default `hz 10` (a BLOCK of 5 ms returns after 100). A
+# worker that blocked on the server for its batcher's 10 ms max wait would start the batch up to
+# 90 ms late; waits shorter than two ticks are taken here instead, in naps between reads that do
+# not block.
+SERVER_TICK_S = 0.1
+NAP_S = 0.002
 # Dead letters kept, about.
 DEAD_LETTERS_MAXLEN = 100_000
 
@@ -255,21 +262,51 @@ class Ingest:
         newcomer = any(c.get("inactive") == -1 for c in others)
         return max(1 if startable and not newcomer else 0, min(room, share))
 
-    def _block_ms(self) -> int | None:
-        """How long XREADGROUP may block: never while the engine has work to step."""
-        if not self.block_reads or self.engine.has_unfinished() or self.acks.rows_buffered:
-            return None
+    def _idle(self) -> bool:
+        """Nothing to step and nothing to flush: the loop may wait for arrivals."""
+        return self.block_reads and not self.engine.has_unfinished() and not self.acks.rows_buffered
+
+    def _until_due(self) -> float | None:
+        """Seconds until something held here is due: the batcher's release (its max wait) or the
+        throttle's next retry; None when nothing is."""
         wait = self.batcher.time_until_release(engine_idle=True)
         if self.throttle is not None:
             retry = self.throttle.time_until_retry(self.clock())
             if retry is not None:
                 wait = retry if wait is None else min(wait, retry)
-        if wait is not None:
-            return max(1, int(wait * 1000)) if wait > 0 else None
-        cap = 1000
+        return wait
+
+    def _block_ms(self) -> int | None:
+        """How long XREADGROUP may block on the server: never while the engine has work to step,
+        and only so long that the server's late timeout (:data:`SERVER_TICK_S`) still ends it
+        before the next thing held here is due; the rest of such a wait is napped here
+        (:meth:`_nap`)."""
+        if not self._idle():
+            return None
+        due = self._until_due()
+        if due is not None:
+            return int(1000 * (due - SERVER_TICK_S)) if due >= 2 * SERVER_TICK_S else None
+        return int(1000 * self._idle_cap_s())
+
+    def _idle_cap_s(self) -> float:
+        """The longest wait for arrivals with nothing due: a second, or the idle exit's time."""
+        cap = 1.0
         if self.config.idle_exit_s is not None:
-            cap = min(cap, max(1, int(self.config.idle_exit_s * 1000)))
+            cap = min(cap, max(0.001, self.config.idle_exit_s))
         return cap
+
+    def _nap(self) -> None:
+        """After a read that did not block and found nothing, while something held here comes due
+        within a server tick: sleep a short slice here, then the loop reads again (an arrival waits
+        at most :data:`NAP_S` to join the batch)."""
+        if not self._idle():
+            return
+        due = self._until_due()
+        if due is None or due <= 0:
+            return
+        t0 = time.perf_counter()
+        time.sleep(min(due, NAP_S))
+        self.blocked_s += time.perf_counter() - t0
 
     # -- reading ---------------------------------------------------------------------------------
     def read(self, now: float) -> None:
@@ -310,7 +347,10 @@ class Ingest:
         finally:
             if block is not None:
                 self.blocked_s += time.perf_counter() - t_read
-        self._take(response)
+        if response:
+            self._take(response)
+        elif block is None:
+            self._nap()
 
     def _take(self, response) -> None:
         """Accept what an XREADGROUP over one or more lanes returned."""
@@ -418,6 +458,7 @@ class Ingest:
         the plain stream, which is among them)."""
         block = self._block_ms()
         if block is None:
+            self._nap()
             return
         streams = {lane.key: ">" for lane in lanes}
         if self.cluster:
@@ -439,11 +480,13 @@ class Ingest:
     def _pause(self) -> None:
         """Nothing may be read: with nothing to step either (only rate-limited requests held), wait
         until the throttle's next retry instead of turning the loop at full speed."""
-        block = self._block_ms()
-        if block is None or self.throttle is None or not len(self.throttle):
+        if not self._idle() or self.throttle is None or not len(self.throttle):
+            return
+        due = self._until_due()
+        if due is not None and due <= 0:
             return
         t0 = time.perf_counter()
-        time.sleep(block / 1000.0)
+        time.sleep(self._idle_cap_s() if due is None else min(due, self._idle_cap_s()))
         self.blocked_s += time.perf_counter() - t0
 
     def recover_own_pending(self) -> None:
