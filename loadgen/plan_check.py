@@ -17,7 +17,8 @@ PREDICTION_SEEDS simulations with different draws of the loop's measured delays.
 each case, the measured and predicted output tokens per second and p99 TTFT and their relative
 errors ((predicted - measured) / measured). The rates (``auto``) are 20%, 50% and 80% of the
 request rate the offline run measured; ``--repeats R`` runs each rate R times (in turn across the
-rates) and compares the medians. Each online row also shows the 10th-90th percentile of the
+rates) and compares the p99 TTFT of all a rate's requests together (the simulations' likewise)
+and the medians of the other figures. Each online row also shows the 10th-90th percentile of the
 simulations' p99s (a p99 of a few hundred requests is itself a noisy figure: the range one run's
 p99 falls in four times in five if the model is right) and how many measured runs lay in their own
 range, and the p99 predicted with every step 5% faster and 5% slower (`mqinfer plan`'s band) and
@@ -48,7 +49,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,9 @@ BAND_SEEDS = 8
 CHECK_RATE_SHARE = 0.9
 
 
+_POOLED_FIELDS = ("measured_ttfts_s", "predicted_ttfts_s", "band_ttfts_s")
+
+
 @dataclass
 class CheckRow:
     case: str
@@ -76,7 +80,7 @@ class CheckRow:
     predicted_tok_s: float
     measured_ttft_p99_s: float | None
     predicted_ttft_p99_s: float | None
-    # With --repeats R: each run's measured p99 TTFT (the row holds the medians over the runs).
+    # With --repeats R: each run's measured p99 TTFT (see rate_row for the row's own figures).
     measured_ttft_p99_runs_s: list[float] | None = None
     # Online: the predicted p99 TTFT with every step SPEED_DRIFT faster and slower (`mqinfer plan`'s
     # band), [faster, slower].
@@ -85,6 +89,14 @@ class CheckRow:
     # --repeats, the medians of each run's, and how many runs' measured p99 lay in their own.
     predicted_ttft_p99_spread_s: list[float] | None = None
     runs_in_spread: int | None = None
+    # With --repeats R: the medians of the runs' measured and predicted p99s (the row's own p99s
+    # are then those of every run's requests together).
+    ttft_p99_medians_s: list[float | None] | None = None
+    # Every TTFT behind the row's p99s: each request's, measured, and each simulated request's over
+    # all the simulations (not written to JSON).
+    measured_ttfts_s: list[float] | None = field(default=None, repr=False)
+    predicted_ttfts_s: list[float] | None = field(default=None, repr=False)
+    band_ttfts_s: list[list[float]] | None = field(default=None, repr=False)  # [faster, slower]
 
     @property
     def in_band(self) -> bool | None:
@@ -103,7 +115,8 @@ class CheckRow:
         return _rel(self.predicted_ttft_p99_s, self.measured_ttft_p99_s)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tok_s_error": self.tok_s_error, "ttft_p99_error": self.ttft_error,
+        figures = {k: v for k, v in asdict(self).items() if k not in _POOLED_FIELDS}
+        return {**figures, "tok_s_error": self.tok_s_error, "ttft_p99_error": self.ttft_error,
                 "measured_in_band": self.in_band, "measured_in_spread": self.in_spread}
 
 
@@ -125,14 +138,18 @@ def _ttft_p99(values: list[float]) -> float | None:
     return percentile(values, 99) if values else None
 
 
-def measured_ttft_p99(timings: list[RequestTiming], from_first_start: bool) -> float | None:
+def measured_ttfts(timings: list[RequestTiming], from_first_start: bool) -> list[float]:
     ok = [t for t in timings if t.ok and t.first_token_at is not None]
     if not ok:
-        return None
+        return []
     if from_first_start:
         origin = min(t.started_at for t in ok)
-        return _ttft_p99([t.first_token_at - max(t.enqueued_at, origin) for t in ok])
-    return _ttft_p99([t.ttft for t in ok])
+        return [t.first_token_at - max(t.enqueued_at, origin) for t in ok]
+    return [t.ttft for t in ok]
+
+
+def measured_ttft_p99(timings: list[RequestTiming], from_first_start: bool) -> float | None:
+    return _ttft_p99(measured_ttfts(timings, from_first_start))
 
 
 def measured_arrivals(requests: list[dict[str, Any]], timings: list[RequestTiming]) -> list[float]:
@@ -142,31 +159,40 @@ def measured_arrivals(requests: list[dict[str, Any]], timings: list[RequestTimin
     return [by_id[r["id"]] - first for r in requests]
 
 
+@dataclass
+class Prediction:
+    """The plan's simulations of one run: output tokens per second and p99 TTFT (means over the
+    simulations), each simulation's p99 TTFT (sorted), and every simulated request's TTFT."""
+
+    tok_s: float
+    ttft_p99_s: float | None
+    p99s: list[float]
+    ttfts: list[float]
+
+
 def predicted(requests: list[dict[str, Any]], arrivals: list[float], workers: int, settings, calibration, *,
               from_first_start: bool, fresh: bool = False, speed: float = 1.0,
-              seeds: int = PREDICTION_SEEDS) -> tuple[float, float | None, list[float]]:
-    """(output tokens per second, p99 TTFT, each simulation's p99 TTFT) of the plan's simulation of
-    ``requests`` arriving at ``arrivals``, the first two the means over ``seeds`` simulations;
-    ``speed``: every step that many times as long."""
+              seeds: int = PREDICTION_SEEDS) -> Prediction:
+    """The plan's ``seeds`` simulations of ``requests`` arriving at ``arrivals``; ``speed``: every
+    step that many times as long."""
     from mqinfer.loadgen.plan import summarize
     from mqinfer.loadgen.plan_sim import SimRequest, simulate
 
     sim_requests = [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
                     for r, a in zip(requests, arrivals)]
-    tok_s, p99s = [], []
+    tok_s, p99s, pooled = [], [], []
     for seed in range(seeds):
         sim = simulate(sim_requests, workers, settings, calibration.model.scaled(speed), loop=calibration.loop,
                        seed=seed, fresh=fresh)
-        ev = summarize(sim)
-        tok_s.append(ev.output_tokens_per_s)
-        if from_first_start:
-            origin = min(o.started_s for o in sim.outcomes if o.started_s is not None)
-            p99s.append(_ttft_p99([o.first_token_s - max(o.arrival_s, origin) for o in sim.outcomes
-                                   if o.first_token_s is not None]))
-        else:
-            p99s.append(ev.ttft_p99_s)
-    p99s = sorted(p for p in p99s if p is not None)
-    return statistics.mean(tok_s), statistics.mean(p99s) if p99s else None, p99s
+        tok_s.append(summarize(sim).output_tokens_per_s)
+        done = [o for o in sim.outcomes if o.error is None and o.first_token_s is not None]
+        origin = min((o.started_s for o in done if o.started_s is not None), default=0.0)
+        ttfts = [o.first_token_s - (max(o.arrival_s, origin) if from_first_start else o.arrival_s) for o in done]
+        if ttfts:
+            p99s.append(_ttft_p99(ttfts))
+        pooled += ttfts
+    p99s.sort()
+    return Prediction(statistics.mean(tok_s), statistics.mean(p99s) if p99s else None, p99s, pooled)
 
 
 def spread_of(p99s: list[float]) -> list[float] | None:
@@ -202,9 +228,18 @@ def format_table(rows: list[CheckRow]) -> str:
                      f"{pct(r.ttft_error):>8}  {spread(r):<20} {band(r):<20}")
     spread = [r for r in rows if r.measured_ttft_p99_runs_s]
     if spread:
-        lines.append("(medians over the runs; each run's measured p99 TTFT, ms: "
-                     + "; ".join(f"{r.case.split(',')[0]}: {', '.join(ms(v) for v in r.measured_ttft_p99_runs_s)}"
-                                 for r in spread) + ")")
+        pooled = any(r.ttft_p99_medians_s for r in spread)
+
+        def runs_text(r: CheckRow) -> str:
+            text = f"{r.case.split(',')[0]}: {', '.join(ms(v) for v in r.measured_ttft_p99_runs_s)}"
+            if r.ttft_p99_medians_s:
+                measured, predicted = r.ttft_p99_medians_s
+                text += f" (median {ms(measured)}, predicted {ms(predicted)})"
+            return text
+
+        lines.append(("(over a rate's runs: the p99 TTFT of all their requests together, medians of the rest; "
+                      if pooled else "(medians over the runs; ")
+                     + "each run's measured p99 TTFT, ms: " + "; ".join(runs_text(r) for r in spread) + ")")
     return "\n".join(lines)
 
 
@@ -254,10 +289,10 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
     requests = _workload(ns, s, ns.num_requests)
     offline = run_engine(bench_args(mode="offline", num_requests=len(requests), **common), s.spec, requests,
                          scratch / "offline")
-    tok_s, ttft, _ = predicted(requests, [0.0] * len(requests), ns.workers, s.settings, s.calibration,
-                            from_first_start=True, fresh=True)
-    rows = [CheckRow("offline bulk", ns.workers, offline.offline.throughput, tok_s,
-                     measured_ttft_p99(offline.timings, from_first_start=True), ttft)]
+    bulk = predicted(requests, [0.0] * len(requests), ns.workers, s.settings, s.calibration, from_first_start=True,
+                     fresh=True)
+    rows = [CheckRow("offline bulk", ns.workers, offline.offline.throughput, bulk.tok_s,
+                     measured_ttft_p99(offline.timings, from_first_start=True), bulk.ttft_p99_s)]
     log(format_table(rows))
     if ns.rates == "auto":
         rates = [float(f"{request_rate(offline.offline) * share:.3g}") for share in AUTO_RATE_SHARES]
@@ -272,20 +307,27 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
         # The bench salts each point's prompts (no prefix shared between points): the same here.
         salted = unshared_prompts(requests, k, s.spec.vocab_size, s.spec.min_token_id)
         arrivals = measured_arrivals(salted, point.timings)
-        tok_s, ttft, p99s = predicted(salted, arrivals, ns.workers, s.settings, s.calibration, from_first_start=False)
+        sim = predicted(salted, arrivals, ns.workers, s.settings, s.calibration, from_first_start=False)
         band = [predicted(salted, arrivals, ns.workers, s.settings, s.calibration, from_first_start=False,
-                          speed=1.0 + sign * SPEED_DRIFT, seeds=BAND_SEEDS)[1] for sign in (-1, 1)]
+                          speed=1.0 + sign * SPEED_DRIFT, seeds=BAND_SEEDS) for sign in (-1, 1)]
+        band_p99s = [b.ttft_p99_s for b in band]
+        measured = measured_ttfts(point.timings, from_first_start=False)
         runs.setdefault(point.rate, []).append(
-            CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, tok_s,
-                     measured_ttft_p99(point.timings, from_first_start=False), ttft,
-                     predicted_ttft_p99_band_s=None if None in band else band,
-                     predicted_ttft_p99_spread_s=spread_of(p99s)))
-    return rows + [median_row(group) for group in runs.values()]
+            CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, sim.tok_s,
+                     _ttft_p99(measured), sim.ttft_p99_s,
+                     predicted_ttft_p99_band_s=None if None in band_p99s else band_p99s,
+                     predicted_ttft_p99_spread_s=spread_of(sim.p99s), measured_ttfts_s=measured,
+                     predicted_ttfts_s=sim.ttfts, band_ttfts_s=[b.ttfts for b in band]))
+    return rows + [rate_row(group) for group in runs.values()]
 
 
-def median_row(runs: list[CheckRow]) -> CheckRow:
-    """One rate's row over its repeated runs: the median of each figure; each run's measured p99
-    kept (alone when there was one run)."""
+def rate_row(runs: list[CheckRow]) -> CheckRow:
+    """One rate's row over its repeated runs: the p99 TTFT of every run's requests together,
+    measured and simulated (where the runs carry them; else the medians of the runs' p99s), the
+    medians of the other figures, and each run's measured p99 (alone when there was one run).
+
+    A p99 of 300 requests rests on its three slowest: one run's moves by a fifth between runs near
+    saturation, so the runs' requests are pooled before the percentile is taken, on both sides."""
     if len(runs) == 1:
         return runs[0]
 
@@ -300,13 +342,22 @@ def median_row(runs: list[CheckRow]) -> CheckRow:
         present = [p for p in pairs if p]
         return [median([p[0] for p in present]), median([p[1] for p in present])] if present else None
 
+    measured_p99 = median(measured)
+    predicted_p99 = median([r.predicted_ttft_p99_s for r in runs])
+    band = medians([r.predicted_ttft_p99_band_s for r in runs])
+    medians_s = None
+    if all(r.measured_ttfts_s and r.predicted_ttfts_s for r in runs):
+        medians_s = [measured_p99, predicted_p99]
+        measured_p99 = _ttft_p99([t for r in runs for t in r.measured_ttfts_s])
+        predicted_p99 = _ttft_p99([t for r in runs for t in r.predicted_ttfts_s])
+        if all(r.band_ttfts_s for r in runs):
+            band = [_ttft_p99([t for r in runs for t in r.band_ttfts_s[k]]) for k in (0, 1)]
     return CheckRow(f"{first.case}, {len(runs)} runs", first.workers, median([r.measured_tok_s for r in runs]),
-                    median([r.predicted_tok_s for r in runs]), median(measured),
-                    median([r.predicted_ttft_p99_s for r in runs]),
+                    median([r.predicted_tok_s for r in runs]), measured_p99, predicted_p99,
                     measured_ttft_p99_runs_s=[m for m in measured if m is not None],
-                    predicted_ttft_p99_band_s=medians([r.predicted_ttft_p99_band_s for r in runs]),
+                    predicted_ttft_p99_band_s=band,
                     predicted_ttft_p99_spread_s=medians([r.predicted_ttft_p99_spread_s for r in runs]),
-                    runs_in_spread=sum(1 for r in runs if r.in_spread))
+                    runs_in_spread=sum(1 for r in runs if r.in_spread), ttft_p99_medians_s=medians_s)
 
 
 def workers_check(ns: argparse.Namespace, s: Setup, scratch: Path) -> dict[str, Any]:

@@ -765,27 +765,50 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
 
 
 def test_plan_check_takes_the_median_over_repeated_runs_and_prints_each_runs_p99():
-    from mqinfer.loadgen.plan_check import CheckRow, format_table, median_row
+    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row
 
     runs = [CheckRow("online 30 req/s", 1, 2000.0, 2100.0, 0.070, 0.080, predicted_ttft_p99_band_s=[0.06, 0.11]),
             CheckRow("online 30 req/s", 1, 2200.0, 2000.0, 0.140, 0.090, predicted_ttft_p99_band_s=[0.07, 0.13]),
             CheckRow("online 30 req/s", 1, 2100.0, 1900.0, 0.100, 0.070, predicted_ttft_p99_band_s=[0.05, 0.09])]
-    row = median_row(runs)
+    row = rate_row(runs)
     assert (row.case, row.measured_tok_s, row.predicted_tok_s) == ("online 30 req/s, 3 runs", 2100.0, 2000.0)
     assert (row.measured_ttft_p99_s, row.predicted_ttft_p99_s) == (0.100, 0.080)
     assert row.ttft_error == pytest.approx(-0.2) and row.measured_ttft_p99_runs_s == [0.070, 0.140, 0.100]
     assert row.predicted_ttft_p99_band_s == [0.06, 0.11] and row.in_band
     assert runs[0].in_band and not runs[1].in_band and runs[1].to_dict()["measured_in_band"] is False
     assert CheckRow("offline bulk", 1, 1.0, 1.0, 0.5, 0.5).in_band is None
-    assert median_row(runs[:1]) is runs[0]
+    assert rate_row(runs[:1]) is runs[0]
     table = format_table([runs[0], row])
     assert "online 30 req/s, 3 runs" in table and "online 30 req/s: 70.0, 140.0, 100.0)" in table
     assert "60.0-110.0 in" in table and "pred at +-5% speed" in table
     assert "each run's" not in format_table(runs[:1])
 
 
+def test_plan_check_pools_a_rates_runs_before_taking_the_p99():
+    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row
+
+    # Three runs of 100 requests: two calm ones and one with a slow spell; simulated likewise.
+    calm = [0.010 + 0.0001 * i for i in range(100)]
+    spell = calm[:90] + [0.2] * 10
+    runs = [CheckRow("online 30 req/s", 1, 2000.0, 2000.0, None, None, measured_ttfts_s=m, predicted_ttfts_s=p,
+                     band_ttfts_s=[p, [2 * t for t in p]])
+            for m, p in ((calm, calm), (calm, spell), (spell, calm))]
+    for r in runs:
+        r.measured_ttft_p99_s = sorted(r.measured_ttfts_s)[98]
+        r.predicted_ttft_p99_s = sorted(r.predicted_ttfts_s)[98]
+    row = rate_row(runs)
+    # 300 requests together, 10 of them slow: the p99 is a slow one on both sides; the medians of
+    # the runs' p99s are the calm runs' (about 20 ms).
+    assert row.measured_ttft_p99_s == pytest.approx(0.2) and row.predicted_ttft_p99_s == pytest.approx(0.2)
+    assert row.ttft_p99_medians_s == pytest.approx([0.0198, 0.0198])
+    assert row.predicted_ttft_p99_band_s == pytest.approx([0.2, 0.4])
+    assert "measured_ttfts_s" not in row.to_dict() and "measured_ttfts_s" not in runs[0].to_dict()
+    table = format_table([row])
+    assert "all their requests together" in table and "(median 19.8, predicted 19.8)" in table
+
+
 def test_plan_check_says_whether_each_measured_p99_lies_in_the_simulated_runs_spread():
-    from mqinfer.loadgen.plan_check import CheckRow, format_table, median_row, spread_of
+    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row, spread_of
 
     assert spread_of([0.01 * i for i in range(1, 12)]) == pytest.approx([0.02, 0.10])
     assert spread_of([0.05]) is None
@@ -794,7 +817,7 @@ def test_plan_check_says_whether_each_measured_p99_lies_in_the_simulated_runs_sp
             CheckRow("online 30 req/s", 1, 2000.0, 2000.0, 0.080, 0.070, predicted_ttft_p99_spread_s=[0.05, 0.09])]
     assert [r.in_spread for r in runs] == [True, False, True]
     assert runs[1].to_dict()["measured_in_spread"] is False
-    row = median_row(runs)
+    row = rate_row(runs)
     assert row.predicted_ttft_p99_spread_s == [0.06, 0.11] and row.runs_in_spread == 2
     table = format_table([runs[1], row])
     assert "70.0-130.0 out" in table and "60.0-110.0 2/3 in" in table and "pred runs p10-p90" in table
