@@ -22,7 +22,11 @@ and the medians of the other figures. Each online row also shows the 10th-90th p
 simulations' p99s (a p99 of a few hundred requests is itself a noisy figure: the range one run's
 p99 falls in four times in five if the model is right) and how many measured runs lay in their own
 range, and the p99 predicted with every step 5% faster and 5% slower (`mqinfer plan`'s band) and
-whether the measured p99 lies in it. In the offline run the requests wait in the stream while the
+whether the measured p99 lies in it. The online runs' workers log their steps, and each run
+also says how much slower than at calibration its steps ran (their logged time over what the
+calibration expects of a worker's step of that shape, the median) and the p99 predicted with
+every step that much slower: what is left between that and the measured p99 is the model's, the
+rest is the machine's speed moving since the calibration. In the offline run the requests wait in the stream while the
 workers start, so its TTFT is counted from the first request's start on both sides (start-up is
 the plan's separate figure), and the simulated workers are fresh (their first steps cold).
 
@@ -69,7 +73,7 @@ BAND_SEEDS = 8
 CHECK_RATE_SHARE = 0.9
 
 
-_POOLED_FIELDS = ("measured_ttfts_s", "predicted_ttfts_s", "band_ttfts_s")
+_POOLED_FIELDS = ("measured_ttfts_s", "predicted_ttfts_s", "band_ttfts_s", "at_speed_ttfts_s")
 
 
 @dataclass
@@ -97,6 +101,12 @@ class CheckRow:
     measured_ttfts_s: list[float] | None = field(default=None, repr=False)
     predicted_ttfts_s: list[float] | None = field(default=None, repr=False)
     band_ttfts_s: list[list[float]] | None = field(default=None, repr=False)  # [faster, slower]
+    # Online: how much slower than at calibration the worker's steps ran during the run (each run's,
+    # in order), and the p99 TTFT predicted with every step that much slower (over a rate's runs,
+    # that of all their simulated requests together).
+    run_speeds: list[float] | None = None
+    predicted_ttft_p99_at_speed_s: float | None = None
+    at_speed_ttfts_s: list[float] | None = field(default=None, repr=False)
 
     @property
     def in_band(self) -> bool | None:
@@ -240,6 +250,13 @@ def format_table(rows: list[CheckRow]) -> str:
         lines.append(("(over a rate's runs: the p99 TTFT of all their requests together, medians of the rest; "
                       if pooled else "(medians over the runs; ")
                      + "each run's measured p99 TTFT, ms: " + "; ".join(runs_text(r) for r in spread) + ")")
+    timed = [r for r in rows if r.run_speeds]
+    if timed:
+        lines.append("the worker's steps over the calibration's, in each run; the p99 TTFT predicted with every step "
+                     "that much slower: " + "; ".join(
+                         f"{r.case.split(',')[0]}: {', '.join(f'{v:.3f}' for v in r.run_speeds)}x, "
+                         f"{ms(r.predicted_ttft_p99_at_speed_s)} ms "
+                         f"({pct(_rel(r.predicted_ttft_p99_at_speed_s, r.measured_ttft_p99_s))})" for r in timed))
     return "\n".join(lines)
 
 
@@ -283,7 +300,7 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
     """The offline run and the online runs at three rates, measured and predicted."""
     from mqinfer.loadgen.bench import run_engine
     from mqinfer.loadgen.bench_online import request_rate, unshared_prompts
-    from mqinfer.loadgen.plan_pipeline import bench_args
+    from mqinfer.loadgen.plan_pipeline import bench_args, machine_speed, read_timelines, step_logs
 
     common = dict(model=ns.model, workload=ns.workload, seed=ns.seed, workers=ns.workers, engine=s.flags)
     requests = _workload(ns, s, ns.num_requests)
@@ -300,8 +317,10 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
         rates = ns.rates
     requests = _workload(ns, s, ns.online_requests)
     # Repeats go round the rates (r1 r2 r3 r1 r2 r3 ...), so that the machine's drift meets every rate.
-    online = run_engine(bench_args(mode="online", rates=rates * ns.repeats, num_requests=len(requests), **common),
-                        s.spec, requests, scratch / "online")
+    with step_logs():
+        online = run_engine(bench_args(mode="online", rates=rates * ns.repeats, num_requests=len(requests),
+                                       **common), s.spec, requests, scratch / "online")
+    timelines = read_timelines(scratch / "online")
     runs: dict[float, list[CheckRow]] = {}
     for k, point in enumerate(online.online):
         # The bench salts each point's prompts (no prefix shared between points): the same here.
@@ -312,12 +331,19 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
                           speed=1.0 + sign * SPEED_DRIFT, seeds=BAND_SEEDS) for sign in (-1, 1)]
         band_p99s = [b.ttft_p99_s for b in band]
         measured = measured_ttfts(point.timings, from_first_start=False)
-        runs.setdefault(point.rate, []).append(
-            CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, sim.tok_s,
-                     _ttft_p99(measured), sim.ttft_p99_s,
-                     predicted_ttft_p99_band_s=None if None in band_p99s else band_p99s,
-                     predicted_ttft_p99_spread_s=spread_of(sim.p99s), measured_ttfts_s=measured,
-                     predicted_ttfts_s=sim.ttfts, band_ttfts_s=[b.ttfts for b in band]))
+        row = CheckRow(f"online {point.rate:g} req/s", ns.workers, point.summary.throughput, sim.tok_s,
+                       _ttft_p99(measured), sim.ttft_p99_s,
+                       predicted_ttft_p99_band_s=None if None in band_p99s else band_p99s,
+                       predicted_ttft_p99_spread_s=spread_of(sim.p99s), measured_ttfts_s=measured,
+                       predicted_ttfts_s=sim.ttfts, band_ttfts_s=[b.ttfts for b in band])
+        speed = machine_speed(timelines, min(t.enqueued_at for t in point.timings),
+                              max(t.finished_at for t in point.timings), s.calibration)
+        if speed is not None:
+            at_speed = predicted(salted, arrivals, ns.workers, s.settings, s.calibration, from_first_start=False,
+                                 speed=speed, seeds=BAND_SEEDS)
+            row.run_speeds, row.predicted_ttft_p99_at_speed_s = [speed], at_speed.ttft_p99_s
+            row.at_speed_ttfts_s = at_speed.ttfts
+        runs.setdefault(point.rate, []).append(row)
     return rows + [rate_row(group) for group in runs.values()]
 
 
@@ -352,12 +378,17 @@ def rate_row(runs: list[CheckRow]) -> CheckRow:
         predicted_p99 = _ttft_p99([t for r in runs for t in r.predicted_ttfts_s])
         if all(r.band_ttfts_s for r in runs):
             band = [_ttft_p99([t for r in runs for t in r.band_ttfts_s[k]]) for k in (0, 1)]
+    speeds = [v for r in runs for v in (r.run_speeds or ())]
+    at_speed = median([r.predicted_ttft_p99_at_speed_s for r in runs])
+    if all(r.at_speed_ttfts_s for r in runs):
+        at_speed = _ttft_p99([t for r in runs for t in r.at_speed_ttfts_s])
     return CheckRow(f"{first.case}, {len(runs)} runs", first.workers, median([r.measured_tok_s for r in runs]),
                     median([r.predicted_tok_s for r in runs]), measured_p99, predicted_p99,
                     measured_ttft_p99_runs_s=[m for m in measured if m is not None],
                     predicted_ttft_p99_band_s=band,
                     predicted_ttft_p99_spread_s=medians([r.predicted_ttft_p99_spread_s for r in runs]),
-                    runs_in_spread=sum(1 for r in runs if r.in_spread), ttft_p99_medians_s=medians_s)
+                    runs_in_spread=sum(1 for r in runs if r.in_spread), ttft_p99_medians_s=medians_s,
+                    run_speeds=speeds or None, predicted_ttft_p99_at_speed_s=at_speed)
 
 
 def workers_check(ns: argparse.Namespace, s: Setup, scratch: Path) -> dict[str, Any]:

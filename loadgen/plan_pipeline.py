@@ -324,6 +324,24 @@ def read_timelines(folder: Path) -> list[WorkerTimeline]:
     return [read_timeline(path) for path in sorted(folder.rglob("worker-*.log"))]
 
 
+def machine_speed(timelines: list[WorkerTimeline], since: float, until: float, calibration: Calibration
+                  ) -> float | None:
+    """How much slower than at calibration the workers' steps ran between ``since`` and ``until``:
+    the median over their logged steps of logged seconds over what the calibration expects of a
+    worker's step of that shape (the step model times the median of its size bin's spread); None
+    without logged steps."""
+    loop = calibration.loop
+    ratios = []
+    for timeline in timelines:
+        for start, modelled, ratio in step_ratios(timeline, since, calibration.model):
+            if start > until:
+                break
+            spread = loop.noise_for(modelled)
+            typical = loop.scaled_noise(statistics.median(spread), modelled) if spread else 1.0
+            ratios.append(ratio / typical)
+    return statistics.median(ratios) if ratios else None
+
+
 def logged_samples(folder: Path, since: float, model: StepCostModel
                    ) -> tuple[list[float], list[float], list[tuple[float, float, float]]]:
     """(gaps, flushes, step ratios) from the step logs of the workers that ran in ``folder``, from

@@ -520,6 +520,34 @@ def test_the_bill_online_is_workers_times_their_share_over_the_rate():
     assert math.isclose(bulk.startup_share + bulk.warm_share, 1.0)
 
 
+def test_the_machines_speed_in_a_run_is_its_steps_over_what_the_calibration_expects_of_them():
+    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, machine_speed
+
+    # The calibration saw a worker's small steps 1.2x the model and its large ones 1.0x; in the run
+    # both ran 10% slower than that, and a step after the run's window ran far slower still.
+    calibration = _calibration(step_noise_bounds_s=[0.005], step_noise_by_size=[[1.1, 1.2, 1.3], [0.9, 1.0, 1.1]])
+    model = calibration.model
+    small, big = StepShape(1, 1, 0.0), StepShape(1000, 8, 0.0)
+    assert model.step_seconds(small) < 0.005 < model.step_seconds(big)
+    steps = [LoggedStep(10.0 + i, 10.0 + i + 1.1 * 1.2 * model.step_seconds(small), True, small) for i in range(3)]
+    steps += [LoggedStep(20.0 + i, 20.0 + i + 1.1 * model.step_seconds(big), True, big) for i in range(2)]
+    steps += [LoggedStep(40.0, 40.0 + 3.0 * model.step_seconds(big), True, big)]
+    timelines = [WorkerTimeline(steps, [])]
+    assert machine_speed(timelines, 10.0, 30.0, calibration) == pytest.approx(1.1)
+    assert machine_speed(timelines, 50.0, 60.0, calibration) is None
+
+
+def test_plan_check_prints_the_runs_speed_and_the_p99_predicted_at_it():
+    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row
+
+    runs = [CheckRow("online 30 req/s", 1, 2000.0, 2000.0, 0.050, 0.040, run_speeds=[speed],
+                     predicted_ttft_p99_at_speed_s=at) for speed, at in ((1.02, 0.045), (1.08, 0.052))]
+    row = rate_row(runs)
+    assert row.run_speeds == [1.02, 1.08] and row.predicted_ttft_p99_at_speed_s == pytest.approx(0.0485)
+    table = format_table([row])
+    assert "online 30 req/s: 1.020, 1.080x, 48.5 ms (-3.0%)" in table
+
+
 # -- the command ----------------------------------------------------------------------------------
 def _calibration(**changes) -> Calibration:
     base = dict(model=StepCostModel(0.002, 5e-5, 3e-5, 1.2e-7), quality=FitQuality(100, 0, 0.03, 0.08),
