@@ -48,7 +48,7 @@ FEATURES = ("step", "tokens", "seqs", "pairs", "decode_context")
 # StepCostModel's coefficients, one per feature.
 COEFFICIENTS = ("step_s_fixed", "token_s", "seq_s", "pair_s", "decode_ctx_s")
 # Stored fits of another format version are not read (the user is told to calibrate again).
-FIT_VERSION = 7
+FIT_VERSION = 8
 # Measured samples kept in a stored fit, at most (evenly spaced order statistics of the measured).
 MAX_SAMPLES = 200
 
@@ -230,6 +230,12 @@ class WorkerLoop:
     # takes the extra seconds a step of this size took, not the same share (the offline job's
     # large steps ran at the engine-alone speed). 0: every step takes its factor as drawn.
     step_noise_top_s: float = 0.0
+    # What the gap before a step adds for each request that finished in the step before it (its
+    # rows and cost built, its reply sent) and for each request the step starts (its entry read,
+    # decoded, checked and admitted); gap_samples_s then hold the rest of each gap. A loop at a
+    # higher request rate than the calibration's spends more of its time between steps.
+    gap_per_finished_s: float = 0.0
+    gap_per_started_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("gap_samples_s", "wake_samples_s", "flush_samples_s", "step_noise", "contention",
@@ -250,8 +256,9 @@ class WorkerLoop:
         if series and not (bins and self.step_noise_block_steps >= 1):
             raise ValueError("WorkerLoop.step_noise_series needs step_noise_by_size and a step_noise_block_steps >= 1")
         object.__setattr__(self, "step_noise_series", series)
-        if not self.step_noise_top_s >= 0:
-            raise ValueError(f"step_noise_top_s must be >= 0, got {self.step_noise_top_s!r}")
+        for name in ("step_noise_top_s", "gap_per_finished_s", "gap_per_started_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
         if not self.first_step_s >= 0:
             raise ValueError(f"first_step_s must be >= 0, got {self.first_step_s!r}")
 
@@ -344,6 +351,8 @@ class Calibration:
     step_noise_series: list[float] = field(default_factory=list)  # WorkerLoop's
     step_noise_block_steps: int = 0
     step_noise_top_s: float = 0.0
+    gap_per_finished_s: float = 0.0  # WorkerLoop's
+    gap_per_started_s: float = 0.0
     version: int = FIT_VERSION
 
     @property
@@ -352,7 +361,7 @@ class Calibration:
         return WorkerLoop(self.step_overhead_s, self.gap_samples_s, self.wake_samples_s, self.flush_samples_s,
                           self.step_noise, self.first_step_s, self.contention, self.step_noise_bounds_s,
                           self.step_noise_by_size, self.step_noise_series, self.step_noise_block_steps,
-                          self.step_noise_top_s)
+                          self.step_noise_top_s, self.gap_per_finished_s, self.gap_per_started_s)
 
     def to_json(self) -> str:
         out = asdict(self)

@@ -16,7 +16,8 @@ of the outstanding work between the workers.
 
 The loop around the engine is a :class:`WorkerLoop` measured on the real pipeline
 (plan_calibrate): between two steps the worker spends a drawn loop gap (Redis round trips,
-metering, admitting); every step's engine time is scaled by a noise factor (how a worker's
+metering, admitting), more for each request the last step finished and each the step starts
+(``gap_per_finished_s``, ``gap_per_started_s``); every step's engine time is scaled by a noise factor (how a worker's
 own steps of that modelled size ran against the model; the spread of repeated engine steps of one
 shape where no worker's steps were logged). Where the calibration logged when the worker's steps
 ran slow, the factors follow that series: where a machine's slow steps come in runs, each machine
@@ -154,6 +155,7 @@ class _Worker:
     rows: int = 0  # rows buffered, not yet flushed
     oldest_row_s: float = 0.0
     fresh: bool = False  # its next step is its first
+    finished_last: int = 0  # requests its last step finished (their rows are built before the next)
 
 
 def step_shape(out: SchedulerOutput) -> StepShape:
@@ -315,6 +317,7 @@ class Simulation:
             o = self.outcomes[int(sr.request.request_id)]
             if need and o.first_token_s is None:
                 o.first_token_s = t
+        w.finished_last = len(done)
         for request in done:
             self.finish(request, t)
 
@@ -390,11 +393,13 @@ class Simulation:
         for request in out.finished:  # refused (prompt too long, too big for the cache) or expired
             self.finish(request, t, request.error_code or request.status.finish_reason)
         if out.scheduled:
-            gap = max(0.0, self.draw(loop.gap_samples_s) + loop.step_overhead_s)
-            for sr in out.scheduled:  # a request starts with the engine step that first runs it
-                o = self.outcomes[int(sr.request.request_id)]
-                if o.started_s is None:
-                    o.started_s = t + gap
+            starting = [self.outcomes[int(sr.request.request_id)] for sr in out.scheduled]
+            starting = [o for o in starting if o.started_s is None]
+            gap = max(0.0, self.draw(loop.gap_samples_s) + loop.step_overhead_s
+                      + loop.gap_per_finished_s * w.finished_last + loop.gap_per_started_s * len(starting))
+            w.finished_last = 0
+            for o in starting:  # a request starts with the engine step that first runs it
+                o.started_s = t + gap
             modelled = self.model.step_seconds(step_shape(out))
             engine_s = modelled * self.noise_factor(w, modelled)
             if loop.contention:

@@ -343,6 +343,37 @@ def test_the_loop_is_read_from_a_workers_json_step_log(tmp_path):
     assert loop_samples(timeline, since=100.011) == ([], pytest.approx([0.028, 0.018]))  # from the second step
 
 
+def test_the_gaps_between_steps_are_fitted_with_a_cost_per_request_finished_and_started():
+    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, gap_costs, gap_records
+
+    steps = [LoggedStep(0.0, 0.010, True, finished=1), LoggedStep(0.0125, 0.020, True, prefills=2),
+             LoggedStep(0.021, 0.030, False)]
+    gaps, flushes, counts = gap_records(WorkerTimeline(steps, []), since=0.0)
+    assert gaps == pytest.approx([0.0025, 0.001]) and not flushes and counts == [(1, 2), (0, 0)]
+    # Gaps of 0.6 ms, +0.15 ms per request finished before and +0.8 ms per request started after,
+    # with a little noise: the fit finds the two costs and leaves the constant part.
+    rng = np.random.default_rng(3)
+    counts = [(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(400)]
+    gaps = [0.0006 + 0.00015 * f + 0.0008 * p + float(rng.normal(0, 2e-5)) for f, p in counts]
+    rest, per_finished, per_started = gap_costs(gaps, counts)
+    assert per_finished == pytest.approx(0.00015, rel=0.05) and per_started == pytest.approx(0.0008, rel=0.05)
+    assert np.median(rest) == pytest.approx(0.0006, rel=0.05)
+    # No request beside enough gaps: the gaps as they are.
+    assert gap_costs(gaps[:10], counts[:10]) == (gaps[:10], 0.0, 0.0)
+    assert gap_costs(gaps, [(0, 0)] * len(gaps))[1:] == (0.0, 0.0)
+
+
+def test_the_simulated_loop_spends_the_per_request_gap_costs():
+    reqs = [SimRequest(f"r{i}", _prompt(32, i), 4, arrival_s=0.0) for i in range(3)]
+    plain = simulate(reqs, 1, _settings(max_num_seqs=1), MODEL, loop=WorkerLoop())
+    costly = simulate(reqs, 1, _settings(max_num_seqs=1), MODEL,
+                      loop=WorkerLoop(gap_per_finished_s=0.01, gap_per_started_s=0.02))
+    # One request at a time: each start costs 20 ms, and each after the first follows a finish (10 ms).
+    assert costly.end_s - plain.end_s == pytest.approx(3 * 0.02 + 2 * 0.01)
+    with pytest.raises(ValueError, match="gap_per_started_s"):
+        WorkerLoop(gap_per_started_s=-1.0)
+
+
 def test_a_logged_steps_shape_and_its_ratio_to_the_model_by_size(tmp_path):
     """The worker's step log names each prompt chunk and the decode context: the shape the model
     prices, and a worker's steps over it, binned by modelled size."""
