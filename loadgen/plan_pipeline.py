@@ -443,6 +443,21 @@ def pipeline_contention(config, calibration: Calibration, run: Callable[[int, Pa
     return factors
 
 
+def warm_loop(gaps: list[float], flushes: list[float], ratios: list[tuple[float, float, float]],
+              step_noise: list[float], noise: tuple[list[float], list[list[float]], float], **costs: float
+              ) -> WorkerLoop:
+    """The worker loop of the warm run's samples: its gaps (their requests' parts taken out) and
+    flushes, its steps' spread by size (``noise``: noise_by_size's) walked in the order the steps
+    ran where slow steps came in runs, and the per-request gap ``costs``."""
+    bounds, by_size, top = noise
+    series = rank_series(sorted(ratios), bounds, by_size)
+    block = slow_period_steps(series)
+    return WorkerLoop(0.0, quantile_samples(gaps), (), quantile_samples(flushes), step_noise,
+                      step_noise_bounds_s=bounds, step_noise_by_size=by_size,
+                      step_noise_series=series if block else (), step_noise_block_steps=block,
+                      step_noise_top_s=top, **costs)
+
+
 def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None]) -> Calibration:
     """``calibration`` with the worker's start-up and loop (see the module's description) measured
     on short runs of the real pipeline with one worker."""
@@ -490,13 +505,9 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
             path).online[0], scratch, bounds, by_size, progress)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    series = rank_series(sorted(ratios), bounds, by_size)
-    block = slow_period_steps(series)
     rest, per_finished, per_started = gap_costs(gaps, counts)
-    loop = WorkerLoop(0.0, quantile_samples(rest), (), quantile_samples(flushes), calibration.step_noise,
-                      step_noise_bounds_s=bounds, step_noise_by_size=by_size,
-                      step_noise_series=series if block else (), step_noise_block_steps=block,
-                      step_noise_top_s=top, gap_per_finished_s=per_finished, gap_per_started_s=per_started)
+    loop = warm_loop(rest, flushes, ratios, calibration.step_noise, (bounds, by_size, top),
+                     gap_per_finished_s=per_finished, gap_per_started_s=per_started)
     # The bench gives online point k the arrivals of seed + k.
     overhead = fit_overhead(sim_requests(poisson_arrivals(len(reqs), PIPELINE_BURST_RATE, PIPELINE_SEED)),
                             at_once.summary.span_s, settings, calibration, loop)
@@ -519,8 +530,8 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
                               step_noise_series=list(loop.step_noise_series),
                               step_noise_block_steps=loop.step_noise_block_steps,
                               step_noise_top_s=loop.step_noise_top_s, gap_per_finished_s=per_finished,
-                              gap_per_started_s=per_started, flush_samples_s=list(loop.flush_samples_s), wake_samples_s=quantile_samples(wakes),
-                              first_step_s=first_step, contention=contention)
+                              gap_per_started_s=per_started, flush_samples_s=list(loop.flush_samples_s),
+                              wake_samples_s=quantile_samples(wakes), first_step_s=first_step, contention=contention)
     if startup is not None:
         out = dataclasses.replace(out, startup_s=startup, startup_source="worker")
     return out
