@@ -26,9 +26,10 @@ whether the measured p99 lies in it. The online runs' workers log their steps, a
 also says how much slower than at calibration its steps ran (their logged time over what the
 calibration expects of a worker's step of that shape, the median) and the p99 predicted with
 every step that much slower: what is left between that and the measured p99 is the model's, the
-rest is the machine's speed moving since the calibration. In the offline run the requests wait in the stream while the
-workers start, so its TTFT is counted from the first request's start on both sides (start-up is
-the plan's separate figure), and the simulated workers are fresh (their first steps cold).
+rest is the machine's speed moving since the calibration. In the offline run the requests wait
+in the stream while the workers start, so its TTFT is counted from the first request's start on
+both sides (start-up is the plan's separate figure), and the simulated workers are fresh (their
+first steps cold).
 
 **Worker count** (``--workers-check``). `mqinfer plan --rate R --slo-ttft-p99-ms S` on the online
 workload picks N workers; the real pipeline then runs the same requests at R with N-1 and N workers.
@@ -368,20 +369,20 @@ def rate_row(runs: list[CheckRow]) -> CheckRow:
         present = [p for p in pairs if p]
         return [median([p[0] for p in present]), median([p[1] for p in present])] if present else None
 
-    measured_p99 = median(measured)
-    predicted_p99 = median([r.predicted_ttft_p99_s for r in runs])
+    def pooled(per_run: list[list[float] | None], otherwise: Any) -> Any:
+        """The p99 of every run's values together, or ``otherwise`` where a run has none."""
+        return _ttft_p99([t for values in per_run for t in values]) if all(per_run) else otherwise
+
+    medians_s = [median(measured), median([r.predicted_ttft_p99_s for r in runs])]
+    measured_p99 = pooled([r.measured_ttfts_s for r in runs], medians_s[0])
+    predicted_p99 = pooled([r.predicted_ttfts_s for r in runs], medians_s[1])
     band = medians([r.predicted_ttft_p99_band_s for r in runs])
-    medians_s = None
-    if all(r.measured_ttfts_s and r.predicted_ttfts_s for r in runs):
-        medians_s = [measured_p99, predicted_p99]
-        measured_p99 = _ttft_p99([t for r in runs for t in r.measured_ttfts_s])
-        predicted_p99 = _ttft_p99([t for r in runs for t in r.predicted_ttfts_s])
-        if all(r.band_ttfts_s for r in runs):
-            band = [_ttft_p99([t for r in runs for t in r.band_ttfts_s[k]]) for k in (0, 1)]
+    if all(r.band_ttfts_s for r in runs):
+        band = [pooled([r.band_ttfts_s[k] for r in runs], None) for k in (0, 1)]
+    if not all(r.measured_ttfts_s and r.predicted_ttfts_s for r in runs):
+        medians_s = None  # the row's own p99s are the medians already
     speeds = [v for r in runs for v in (r.run_speeds or ())]
-    at_speed = median([r.predicted_ttft_p99_at_speed_s for r in runs])
-    if all(r.at_speed_ttfts_s for r in runs):
-        at_speed = _ttft_p99([t for r in runs for t in r.at_speed_ttfts_s])
+    at_speed = pooled([r.at_speed_ttfts_s for r in runs], median([r.predicted_ttft_p99_at_speed_s for r in runs]))
     return CheckRow(f"{first.case}, {len(runs)} runs", first.workers, median([r.measured_tok_s for r in runs]),
                     median([r.predicted_tok_s for r in runs]), measured_p99, predicted_p99,
                     measured_ttft_p99_runs_s=[m for m in measured if m is not None],

@@ -372,14 +372,19 @@ def machine_speed(timelines: list[WorkerTimeline], since: float, until: float, c
     worker's step of that shape (the step model times the median of its size bin's spread); None
     without logged steps."""
     loop = calibration.loop
+    medians: dict[int, float] = {}  # by the spread's identity: each bin's median taken once
     ratios = []
     for timeline in timelines:
         for start, modelled, ratio in step_ratios(timeline, since, calibration.model):
             if start > until:
                 break
             spread = loop.noise_for(modelled)
-            typical = loop.scaled_noise(statistics.median(spread), modelled) if spread else 1.0
-            ratios.append(ratio / typical)
+            if not spread:
+                ratios.append(ratio)
+                continue
+            if id(spread) not in medians:
+                medians[id(spread)] = statistics.median(spread)
+            ratios.append(ratio / loop.scaled_noise(medians[id(spread)], modelled))
     return statistics.median(ratios) if ratios else None
 
 

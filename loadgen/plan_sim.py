@@ -17,9 +17,9 @@ of the outstanding work between the workers.
 The loop around the engine is a :class:`WorkerLoop` measured on the real pipeline
 (plan_calibrate): between two steps the worker spends a drawn loop gap (Redis round trips,
 metering, admitting), more for each request the last step finished and each the step starts
-(``gap_per_finished_s``, ``gap_per_started_s``); every step's engine time is scaled by a noise factor (how a worker's
-own steps of that modelled size ran against the model; the spread of repeated engine steps of one
-shape where no worker's steps were logged). Where the calibration logged when the worker's steps
+(``gap_per_finished_s``, ``gap_per_started_s``); every step's engine time is scaled by a noise
+factor (how a worker's own steps of that modelled size ran against the model; the spread of
+repeated engine steps of one shape where no worker's steps were logged). Where the calibration logged when the worker's steps
 ran slow, the factors follow that series: where a machine's slow steps come in runs, each machine
 of the simulation walks the measured series in stretches of steps, each from a random point of
 it, and a step takes its bin's factor at the walked rank; otherwise each factor is an independent
@@ -393,8 +393,8 @@ class Simulation:
         for request in out.finished:  # refused (prompt too long, too big for the cache) or expired
             self.finish(request, t, request.error_code or request.status.finish_reason)
         if out.scheduled:
-            starting = [self.outcomes[int(sr.request.request_id)] for sr in out.scheduled]
-            starting = [o for o in starting if o.started_s is None]
+            starting = [o for o in (self.outcomes[int(sr.request.request_id)] for sr in out.scheduled)
+                        if o.started_s is None]
             gap = max(0.0, self.draw(loop.gap_samples_s) + loop.step_overhead_s
                       + loop.gap_per_finished_s * w.finished_last + loop.gap_per_started_s * len(starting))
             w.finished_last = 0
