@@ -3,7 +3,7 @@ at a time while the engine runs (``python -m mqinfer.loadgen.profile_engine --op
 
 torch.profiler cannot see inside the native kernels (ctypes calls appear as the time of the step
 itself), so this wraps the functions the model calls (the dense layers by their weight's role,
-natively or through PyTorch's matmul, SwiGLU, rotary + KV store, attention, residual + RMSNorm)
+natively (AMX tiles or vector kernels) or through PyTorch's matmul, SwiGLU, rotary + KV store, attention, residual + RMSNorm)
 with a clock, for one run, and puts them back afterwards. Dense layers also report their
 multiply-add rate, to set against the machine's matmul rate at large sizes.
 """
@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 
 class OpTimes:
-    """Each op's wall seconds and the calling thread's CPU seconds (on a shared machine the
-    second holds still where the first grows with other processes' load; with one model thread
-    it is all of the op's work)."""
+    """Each op's wall seconds and the process's CPU seconds, all its threads (on a shared machine
+    the second holds still where the first grows with other processes' load; with several model
+    threads, CPU over wall seconds says how many of them the op kept busy)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
@@ -48,10 +48,10 @@ class OpTimes:
 
 def _timed(times: OpTimes, name, fn, flops=None, native: dict | None = None):
     def wrapper(*args, **kwargs):
-        t, c = time.perf_counter(), time.thread_time()
+        t, c = time.perf_counter(), time.process_time()
         out = fn(*args, **kwargs)
         label = name(*args) if callable(name) else name
-        times.add(label, time.perf_counter() - t, flops(*args) if flops else 0.0, time.thread_time() - c)
+        times.add(label, time.perf_counter() - t, flops(*args) if flops else 0.0, time.process_time() - c)
         if native is not None:
             native["ran"] = True
         return out
@@ -64,12 +64,12 @@ def _timed_module(times: OpTimes, roles: dict[int, str], fn, native: dict):
     wrapper instead (``native["ran"]``), and not twice."""
     def forward(module, x, *args, **kwargs):
         native["ran"] = False
-        t, c = time.perf_counter(), time.thread_time()
+        t, c = time.perf_counter(), time.process_time()
         out = fn(module, x, *args, **kwargs)
         if not native["ran"]:
             rows, (out_features, in_features) = x.shape[0], module.weight.shape
             times.add(f"dense {roles.get(id(module.weight), '?')} (torch)", time.perf_counter() - t,
-                      2.0 * rows * in_features * out_features, time.thread_time() - c)
+                      2.0 * rows * in_features * out_features, time.process_time() - c)
         return out
     return forward
 
@@ -79,6 +79,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     """Clock the model's kernels until the block ends (then the originals are restored)."""
     from mqinfer.kernels import cpu_ops
     from mqinfer.kernels import linear as dense
+    from mqinfer.kernels import linear_amx as amx
     from mqinfer.kernels import linear_int8 as q8
     from mqinfer.kernels import linear_w8a16 as w16
     from mqinfer.workers.models.llama import Attention, Linear, LMHead
@@ -94,6 +95,9 @@ def timing_ops(model) -> Iterator[OpTimes]:
     def linear_name(x, packed, *_):
         return f"dense {roles.get(id(packed.source), '?')}"
 
+    def amx_name(x, packed, *_):
+        return f"dense {roles.get(id(packed.source), '?')} (AMX)"
+
     def linear_flops(x, packed, *_):
         return 2.0 * x.shape[0] * packed.in_features * packed.out_features
 
@@ -104,7 +108,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     native = {"ran": False}
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
              (q8, "linear", q8.linear), (q8, "swiglu", q8.swiglu),
-             (w16, "linear", w16.linear), (w16, "swiglu", w16.swiglu),
+             (w16, "linear", w16.linear), (w16, "swiglu", w16.swiglu), (amx, "linear", amx.linear),
              (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm),
              (cpu_ops, "silu_mul", cpu_ops.silu_mul), (Linear, "forward", Linear.forward),
              (LMHead, "forward", LMHead.forward)]
@@ -115,6 +119,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops, native)
     w16.linear = _timed(times, linear_name, w16.linear, linear_flops, native)
     w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops, native)
+    amx.linear = _timed(times, amx_name, amx.linear, linear_flops, native)
     cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv)
     cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm)
     cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul)

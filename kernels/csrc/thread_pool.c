@@ -2,6 +2,15 @@
    count, asleep on a condition variable between calls (so they take no CPU from PyTorch's own
    threads while the model's matmuls run), woken for each parallel call.
 
+   Waking a sleeping thread costs tens of microseconds on a virtual machine (the idle vCPU is
+   halted and the host must deliver the wake-up), which is the whole of a small call: a
+   decoding step at batch 1 makes about four dense calls per layer of 0.1-0.8 ms each, and with
+   two threads and sleeping workers the 1152 x 896 projection took longer than on one thread.
+   So after each call a worker first watches the generation for a short while (SPIN_US, or
+   MQINFER_POOL_SPIN_US; 0 turns it off) before it sleeps, and the caller likewise watches for
+   the last part to finish before it waits on done_cv: the next call of the same step finds
+   the workers awake, and between steps (a millisecond or more of Python) they sleep.
+
    A call publishes (fn, ctx, num_parts) under the pool's mutex and bumps the generation; the
    caller and the woken workers then claim parts one at a time until none is left, and the
    caller waits until every part is done. Parts are claimed, not assigned, so a worker that
@@ -14,12 +23,22 @@
    its first parallel call. */
 #include <pthread.h>
 #include <stdlib.h>
+#include <time.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define CPU_RELAX() _mm_pause()
+#else
+#define CPU_RELAX() ((void)0)
+#endif
 
 #include "mqinfer_native.h"
 #include "native_common.h"
 
 /* More threads than this gain nothing for these kernels; the caller's count is capped. */
 #define MAX_THREADS 256
+/* How long a worker watches for the next call, and the caller for its call's last part,
+   before sleeping (microseconds). */
+#define SPIN_US 200
 
 typedef struct {
     pthread_mutex_t run_lock; /* held by the one caller that owns the pool for a call */
@@ -30,7 +49,8 @@ typedef struct {
     int num_workers;          /* workers running */
     int size;                 /* the thread count the workers were started for */
     int stop;
-    uint64_t generation;
+    uint64_t generation;      /* stored atomically: spinning workers read it without mu */
+    uint64_t parts_left;      /* parts of the current call not yet finished; likewise */
     mq_part_fn fn;
     const void *ctx;
     int num_parts, next_part, parts_done, failed;
@@ -44,6 +64,37 @@ static pool_t pool = {
     .done_cv = PTHREAD_COND_INITIALIZER,
 };
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+static int64_t spin_ns; /* stored atomically: the workers read it while the caller may set it */
+
+/* Read by the caller at every call (so that a process can switch it, as the A/B runs do). */
+static void read_spin(void) {
+    const char *v = getenv("MQINFER_POOL_SPIN_US");
+    const long us = v && *v ? strtol(v, NULL, 10) : SPIN_US;
+    __atomic_store_n(&spin_ns, us > 0 ? (int64_t)us * 1000 : 0, __ATOMIC_RELAXED);
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Spins for at most spin_ns while (*word == value) == equal, that is until *word changes from
+   value (equal = 1) or becomes value (equal = 0); returns whether it did. Reads without the
+   mutex: the writers store these words atomically under it, and a spinner that sees the change
+   takes the mutex before it touches anything else. */
+static int spin_while(const uint64_t *word, uint64_t value, int equal) {
+    const int64_t ns = __atomic_load_n(&spin_ns, __ATOMIC_RELAXED);
+    if (ns <= 0) return 0;
+    const int64_t deadline = now_ns() + ns;
+    for (;;) {
+        for (int i = 0; i < 64; i++) {
+            if ((__atomic_load_n(word, __ATOMIC_ACQUIRE) == value) != equal) return 1;
+            CPU_RELAX();
+        }
+        if (now_ns() >= deadline) return 0;
+    }
+}
 
 /* Claims and runs parts of the current call until none is left. Called with mu held; returns
    with mu held. */
@@ -57,7 +108,8 @@ static void work_on_parts(void) {
         const int failed = fn(ctx, part, num_parts);
         pthread_mutex_lock(&pool.mu);
         pool.failed |= failed != 0;
-        if (++pool.parts_done == pool.num_parts) pthread_cond_signal(&pool.done_cv);
+        __atomic_store_n(&pool.parts_left, (uint64_t)(pool.num_parts - ++pool.parts_done), __ATOMIC_RELEASE);
+        if (pool.parts_done == pool.num_parts) pthread_cond_signal(&pool.done_cv);
     }
 }
 
@@ -66,6 +118,11 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&pool.mu);
     uint64_t seen = pool.generation;
     for (;;) {
+        if (!pool.stop && pool.generation == seen) {
+            pthread_mutex_unlock(&pool.mu);
+            spin_while(&pool.generation, seen, 1);
+            pthread_mutex_lock(&pool.mu);
+        }
         while (!pool.stop && pool.generation == seen) pthread_cond_wait(&pool.work_cv, &pool.mu);
         if (pool.stop) break;
         seen = pool.generation;
@@ -93,6 +150,7 @@ static void register_atfork(void) { pthread_atfork(NULL, NULL, forget_pool_after
 static void stop_workers(void) {
     pthread_mutex_lock(&pool.mu);
     pool.stop = 1;
+    __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE); /* ends their spins */
     pthread_cond_broadcast(&pool.work_cv);
     pthread_mutex_unlock(&pool.mu);
     for (int w = 0; w < pool.num_workers; w++) pthread_join(pool.threads[w], NULL);
@@ -132,6 +190,7 @@ int mq_parallel(mq_part_fn fn, const void *ctx, int num_parts, int num_threads) 
     if (num_threads > MAX_THREADS) num_threads = MAX_THREADS;
     if (num_parts <= 1 || num_threads <= 1) return run_inline(fn, ctx, num_parts);
     pthread_once(&atfork_once, register_atfork);
+    read_spin();
     if (pthread_mutex_trylock(&pool.run_lock) != 0) return run_inline(fn, ctx, num_parts);
     ensure_size(num_threads);
     pthread_mutex_lock(&pool.mu);
@@ -139,9 +198,15 @@ int mq_parallel(mq_part_fn fn, const void *ctx, int num_parts, int num_threads) 
     pool.ctx = ctx;
     pool.num_parts = num_parts;
     pool.next_part = pool.parts_done = pool.failed = 0;
-    pool.generation++;
+    __atomic_store_n(&pool.parts_left, (uint64_t)num_parts, __ATOMIC_RELEASE);
+    __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool.work_cv);
     work_on_parts();
+    if (pool.parts_done < pool.num_parts) {
+        pthread_mutex_unlock(&pool.mu);
+        spin_while(&pool.parts_left, 0, 0);
+        pthread_mutex_lock(&pool.mu);
+    }
     while (pool.parts_done < pool.num_parts) pthread_cond_wait(&pool.done_cv, &pool.mu);
     const int failed = pool.failed;
     pthread_mutex_unlock(&pool.mu);

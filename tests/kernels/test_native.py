@@ -141,6 +141,29 @@ def test_pool_is_started_once_per_thread_count(threads):
 
 
 @needs_library
+@pytest.mark.parametrize("spin_us", ["0", "200", "5000"])
+def test_workers_that_watch_for_the_next_call_then_sleep(threads, monkeypatch, spin_us):
+    """After a call the pool's workers watch for the next one for MQINFER_POOL_SPIN_US before they
+    sleep: back-to-back calls give the same results with any setting, and once the calls stop the
+    workers stop taking CPU (a worker that never slept would take a core for the whole pause)."""
+    monkeypatch.setenv("MQINFER_POOL_SPIN_US", spin_us)
+    x = _big_logits()
+    expected = reference_greedy_argmax(x)
+    threads(3)
+    md = build_attention_metadata([1] * 8, [40] * 8, [[b, b + 8, b + 16] for b in range(8)], 16, 4)
+    k_cache = torch.randn(24, 16, 2, 64)
+    q = torch.randn(8, 8, 64)
+    reference = paged_attention(q, k_cache, k_cache, md, 0.125, backend="native")
+    for _ in range(200):
+        assert torch.equal(greedy_argmax(x), expected)
+        assert torch.equal(paged_attention(q, k_cache, k_cache, md, 0.125, backend="native"), reference)
+    time.sleep(0.05)  # longer than the longest spin here: every worker is asleep or about to be
+    cpu = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu < 0.1
+
+
+@needs_library
 def test_a_forked_child_gets_its_own_pool(threads):
     # The parent's workers do not exist in a child: the child must start its own rather than
     # wait for them forever.
