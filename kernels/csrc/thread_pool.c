@@ -9,7 +9,10 @@
    So after each call a worker first watches the generation for a short while (SPIN_US, or
    MQINFER_POOL_SPIN_US; 0 turns it off) before it sleeps, and the caller likewise watches for
    the last part to finish before it waits on done_cv: the next call of the same step finds
-   the workers awake, and between steps (a millisecond or more of Python) they sleep.
+   the workers awake, and between steps (a millisecond or more of Python) they sleep. A watching
+   thread yields its core every microsecond or so, so that a thread that wants it (PyTorch's
+   OpenMP threads between the native calls, another worker's where the threads outnumber the
+   cores) is not kept waiting for the watch to end.
 
    A call publishes (fn, ctx, num_parts) under the pool's mutex and bumps the generation; the
    caller and the woken workers then claim parts one at a time until none is left, and the
@@ -22,6 +25,7 @@
    parent's workers: a pthread_atfork handler forgets them, and the child starts its own on
    its first parallel call. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <time.h>
 #if defined(__x86_64__) || defined(__i386__)
@@ -93,6 +97,7 @@ static int spin_while(const uint64_t *word, uint64_t value, int equal) {
             CPU_RELAX();
         }
         if (now_ns() >= deadline) return 0;
+        sched_yield(); /* a thread that wants this core (PyTorch's, another worker's) gets it */
     }
 }
 
