@@ -162,6 +162,31 @@ void mqinfer_apply_bitmask(const mqinfer_bitmask_args *args, int num_threads) {
 typedef float T_f32;
 typedef uint16_t T_bf16;
 
+#ifdef __AVX512F__
+/* 16-lane versions of the helpers above, the same operations in the same order (so a row's
+   vector body and its scalar tail agree bit for bit); RMSNorm and SiLU use them. */
+static inline __m512 load_f32x16(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+static inline __m512i bf16_bits16(__m512 v) {  /* round to nearest even, in the low 16 bits */
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
+}
+static inline __m512 round_bf16x16(__m512 v) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
+}
+static inline void store_bf16x16(uint16_t *p, __m512 v) {
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16(v)));
+}
+static inline void store_f32x16(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
+static inline __m512 keep_f32x16(__m512 v) { return v; }
+#endif
+
 /* ------------------------------------------------------------------ residual add + RMSNorm */
 /* Sum of squares in the order of PyTorch's sum over a contiguous float row (SumKernel's
    cascade_sum, which this PyTorch runs on 8-float vectors): four interleaved vector
@@ -169,7 +194,7 @@ typedef uint16_t T_bf16;
    together, then the scalar tail and the 8 lanes added one by one; rows shorter than a vector
    use four interleaved scalars. x.pow(2).mean(-1) then agrees with PyTorch bit for bit. */
 #define SUM_LANES 8
-static float sum_squares(const float *x, int64_t n) {
+static float sum_squares_scalar(const float *x, int64_t n) {
     if (n < SUM_LANES) {
         float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         int64_t i = 0;
@@ -224,6 +249,77 @@ static float sum_squares(const float *x, int64_t n) {
     return total;
 }
 
+#ifdef __AVX2__
+/* sum_squares_scalar with each group of 8 lanes in one register: the same multiplies and adds,
+   lane for lane, in the same order (the multiply and the add kept apart), hence the same sum. */
+static float sum_squares(const float *x, int64_t n) {
+    if (n < SUM_LANES) return sum_squares_scalar(x, n);
+    const int64_t vec_size = n / SUM_LANES, size_ilp = vec_size / 4;
+    __m256 acc[4][4];
+    for (int lev = 0; lev < 4; lev++)
+        for (int k = 0; k < 4; k++) acc[lev][k] = _mm256_setzero_ps();
+    const int64_t step = 16, mask = step - 1, power = 4;
+    int64_t i = 0;
+    for (; i + step <= size_ilp;) {
+        for (int64_t j = 0; j < step; j++, i++)
+            for (int k = 0; k < 4; k++) {
+                const __m256 v = _mm256_loadu_ps(x + (i * 4 + k) * SUM_LANES);
+                acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_mul_ps(v, v));
+            }
+        for (int lev = 1; lev < 4; lev++) {
+            for (int k = 0; k < 4; k++) {
+                acc[lev][k] = _mm256_add_ps(acc[lev][k], acc[lev - 1][k]);
+                acc[lev - 1][k] = _mm256_setzero_ps();
+            }
+            if ((i & (mask << (lev * power))) != 0) break;
+        }
+    }
+    for (; i < size_ilp; i++)
+        for (int k = 0; k < 4; k++) {
+            const __m256 v = _mm256_loadu_ps(x + (i * 4 + k) * SUM_LANES);
+            acc[0][k] = _mm256_add_ps(acc[0][k], _mm256_mul_ps(v, v));
+        }
+    for (int lev = 1; lev < 4; lev++)
+        for (int k = 0; k < 4; k++) acc[0][k] = _mm256_add_ps(acc[0][k], acc[lev][k]);
+    for (int64_t v = size_ilp * 4; v < vec_size; v++) {
+        const __m256 e = _mm256_loadu_ps(x + v * SUM_LANES);
+        acc[0][0] = _mm256_add_ps(acc[0][0], _mm256_mul_ps(e, e));
+    }
+    for (int k = 1; k < 4; k++) acc[0][0] = _mm256_add_ps(acc[0][0], acc[0][k]);
+    float lanes[SUM_LANES];
+    _mm256_storeu_ps(lanes, acc[0][0]);
+    float total = 0.0f;
+    for (int64_t e = vec_size * SUM_LANES; e < n; e++) { const float s = x[e] * x[e]; total += s; }
+    for (int l = 0; l < SUM_LANES; l++) total += lanes[l];
+    return total;
+}
+#else
+#define sum_squares sum_squares_scalar
+#endif
+
+/* The elementwise loops of a bfloat16 row, 16 lanes at a time where AVX-512 is there (the
+   same operations per element as the scalar loops that finish the row, hence the same bits):
+   RMS_ADD_BODY is h = round(residual + delta) into buf and residual, RMS_SCALE_BODY is
+   out = weight * round(buf * r). Nothing for float32 rows, whose loops the compiler vectorises. */
+#ifdef __AVX512F__
+#define RMS_ADD_BODY_bf16(res, d, buf, H, i)                                                 \
+    for (; i + 16 <= H; i += 16) {                                                           \
+        const __m512 sum = _mm512_add_ps(load_bf16x16(res + i), load_bf16x16(d + i));         \
+        _mm512_storeu_ps(buf + i, round_bf16x16(sum));                                       \
+        store_bf16x16(res + i, sum);                                                         \
+    }
+#define RMS_SCALE_BODY_bf16(buf, w, r, o, H, i)                                              \
+    for (; i + 16 <= H; i += 16) {                                                           \
+        const __m512 y = round_bf16x16(_mm512_mul_ps(_mm512_loadu_ps(buf + i), _mm512_set1_ps(r))); \
+        store_bf16x16(o + i, _mm512_mul_ps(_mm512_loadu_ps(w + i), y));                      \
+    }
+#else
+#define RMS_ADD_BODY_bf16(res, d, buf, H, i)
+#define RMS_SCALE_BODY_bf16(buf, w, r, o, H, i)
+#endif
+#define RMS_ADD_BODY_f32(res, d, buf, H, i)
+#define RMS_SCALE_BODY_f32(buf, w, r, o, H, i)
+
 /* residual <- residual + delta (when delta is given), out <- rms_norm(residual) * weight, with
    PyTorch's roundings: the sum rounded to T, the normalised row rounded to T before the
    weight multiplies it, the product rounded to T. */
@@ -241,7 +337,9 @@ static int add_rms_norm_##TY(const void *p, int64_t begin, int64_t end) {       
         T_##TY *o = (T_##TY *)a->out + t * H;                                                \
         if (a->delta) {                                                                      \
             const T_##TY *d = (const T_##TY *)a->delta + t * a->delta_stride;                \
-            for (int64_t i = 0; i < H; i++) {                                                \
+            int64_t i = 0;                                                                   \
+            RMS_ADD_BODY_##TY(res, d, buf, H, i)                                             \
+            for (; i < H; i++) {                                                             \
                 const float h = RD_##TY(LD_##TY(res, i) + LD_##TY(d, i));                    \
                 buf[i] = h;                                                                  \
                 ST_##TY(res, i, h);                                                          \
@@ -251,7 +349,9 @@ static int add_rms_norm_##TY(const void *p, int64_t begin, int64_t end) {       
         }                                                                                    \
         const float var = sum_squares(buf, H) / (float)H;                                    \
         const float r = 1.0f / sqrtf(var + a->eps);                                          \
-        for (int64_t i = 0; i < H; i++) {                                                    \
+        int64_t i = 0;                                                                       \
+        RMS_SCALE_BODY_##TY(buf, w, r, o, H, i)                                              \
+        for (; i < H; i++) {                                                                 \
             const float y = RD_##TY(buf[i] * r);                                             \
             ST_##TY(o, i, w[i] * y);                                                         \
         }                                                                                    \
@@ -270,28 +370,6 @@ int mqinfer_add_rms_norm(const mqinfer_rms_norm_args *args, int num_threads) {
 /* ------------------------------------------------------------------ SiLU(gate) * up */
 /* exp_f32, and exp_f32x8 / exp_f32x16 with AVX2 / AVX-512: silu_exp.h. */
 #ifdef __AVX512F__
-/* 16-lane versions of the helpers above, the same operations in the same order (so a row's
-   vector body and its scalar tail agree bit for bit). */
-static inline __m512 load_f32x16(const float *p) { return _mm512_loadu_ps(p); }
-static inline __m512 load_bf16x16(const uint16_t *p) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-static inline __m512i bf16_bits16(__m512 v) {  /* round to nearest even, in the low 16 bits */
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    return _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7fc0));
-}
-static inline __m512 round_bf16x16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16));
-}
-static inline void store_bf16x16(uint16_t *p, __m512 v) {
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(bf16_bits16(v)));
-}
-static inline void store_f32x16(float *p, __m512 v) { _mm512_storeu_ps(p, v); }
-static inline __m512 keep_f32x16(__m512 v) { return v; }
 #define LDV_f32(p) load_f32x16(p)
 #define STV_f32(p, v) store_f32x16(p, v)
 #define RDV_f32(v) keep_f32x16(v)
