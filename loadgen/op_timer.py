@@ -3,9 +3,10 @@ at a time while the engine runs (``python -m mqinfer.loadgen.profile_engine --op
 
 torch.profiler cannot see inside the native kernels (ctypes calls appear as the time of the step
 itself), so this wraps the functions the model calls (the dense layers by their weight's role,
-natively (AMX tiles or vector kernels) or through PyTorch's matmul, SwiGLU, rotary + KV store, attention, residual + RMSNorm)
-with a clock, for one run, and puts them back afterwards. Dense layers also report their
-multiply-add rate, to set against the machine's matmul rate at large sizes.
+natively on AMX tiles or vector kernels or through PyTorch's matmul, SwiGLU, rotary + KV store,
+attention, residual + RMSNorm) with a clock, for one run, and puts them back afterwards. Dense
+layers also report their multiply-add rate, to set against the machine's matmul rate at large
+sizes.
 """
 
 from __future__ import annotations

@@ -84,19 +84,19 @@ static int64_t now_ns(void) {
 }
 
 /* Spins for at most spin_ns while (*word == value) == equal, that is until *word changes from
-   value (equal = 1) or becomes value (equal = 0); returns whether it did. Reads without the
-   mutex: the writers store these words atomically under it, and a spinner that sees the change
-   takes the mutex before it touches anything else. */
-static int spin_while(const uint64_t *word, uint64_t value, int equal) {
+   value (equal = 1) or becomes value (equal = 0); the callers check again under the mutex
+   either way. Reads without the mutex: the writers store these words atomically under it, and
+   a spinner that sees the change takes the mutex before it touches anything else. */
+static void spin_while(const uint64_t *word, uint64_t value, int equal) {
     const int64_t ns = __atomic_load_n(&spin_ns, __ATOMIC_RELAXED);
-    if (ns <= 0) return 0;
+    if (ns <= 0) return;
     const int64_t deadline = now_ns() + ns;
     for (;;) {
         for (int i = 0; i < 64; i++) {
-            if ((__atomic_load_n(word, __ATOMIC_ACQUIRE) == value) != equal) return 1;
+            if ((__atomic_load_n(word, __ATOMIC_ACQUIRE) == value) != equal) return;
             CPU_RELAX();
         }
-        if (now_ns() >= deadline) return 0;
+        if (now_ns() >= deadline) return;
         sched_yield(); /* a thread that wants this core (PyTorch's, another worker's) gets it */
     }
 }
