@@ -1,7 +1,7 @@
 /* AVX2 versions of the paged attention kernel (see paged_attention.c for the contract), for
    head sizes 64 and 128 and 1 to 8 query heads per KV head: CPUs without AVX-512 (and, on
-   those with it, the shapes its versions do not cover) would otherwise run the portable
-   loops, about ten times slower.
+   those with it, float8 caches, which its versions do not read) would otherwise run the
+   portable loops, about ten times slower.
 
    One (token, KV head) at a time, as everywhere in this kernel: the g query heads' scores
    against every key of the sequence, their softmax, then the weighted sum of V rows.

@@ -127,6 +127,14 @@ static inline void weights_times_value_scales(const mqinfer_attention_args *j, c
     }
 }
 
+/* Tokens token_begin..token_end - 1 of a call by an AVX-512 version (attention_avx512.c: heads 64
+   or 128 wide, 1 to 8 query heads per KV head, caches in the activations' type or int8), with buf
+   holding at least (num_heads / num_kv_heads) * max_len floats. Returns 1, or 0 (doing nothing)
+   where there is none for the call (or the library was built without AVX-512).
+   mq_attend_avx512_wide: the same for 5 to 8 query heads per KV head, called by the first. */
+int mq_attend_avx512(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf);
+int mq_attend_avx512_wide(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf);
+
 /* Tokens token_begin..token_end - 1 of a call by an AVX2 version, with buf holding at least
    (num_heads / num_kv_heads) * max_len floats. Returns 1, or 0 (doing nothing) where the
    library has no AVX2 version for the call's shape (or was built without AVX2 and FMA). */

@@ -1,12 +1,11 @@
 /* Paged attention on CPU: reads the paged KV cache in place, one (query token, KV head) at a
    time, with no gather, no padding and float32 accumulation; the KV head's g query heads share
-   every K/V row it loads. AVX-512 versions for the common head shapes (64 or 128 wide, 3 or 4
-   query heads per KV head, as in SmolLM2 and the Llama 3 family), AVX2 versions
-   (attention_avx2.c) for heads 64 or 128 wide with 1 to 8 query heads per KV head, the
-   portable loops for every other shape and CPU. 8-bit caches (int8, float8 e4m3, with a
-   bfloat16 scale per row) are read with float32 or bfloat16 activations and float32
-   arithmetic: int8 ones by the AVX-512 versions where the shape has one, the rest by the AVX2
-   versions and the portable loops.
+   every K/V row it loads. For heads 64 or 128 wide with 1 to 8 query heads per KV head (SmolLM2,
+   the Llama 3 and Qwen2.5 families): AVX-512 versions (attention_avx512.c) and, on CPUs without
+   AVX-512, AVX2 versions (attention_avx2.c); the portable loops here for every other shape and
+   CPU. 8-bit caches (int8, float8 e4m3, with a bfloat16 scale per row) are read with float32 or
+   bfloat16 activations and float32 arithmetic: int8 ones by the AVX-512 versions, float8 ones
+   by the AVX2 versions, and the portable loops for other shapes.
 
    Work is cut into runs of consecutive tokens of about equal cost (a token's cost grows with
    its context), one run per thread; each token is computed by one thread in one fixed order,
@@ -103,169 +102,6 @@ DEFINE_ATTEND(attend_bf16_fp8, uint16_t, uint8_t, bf16_to_float, fp8e4m3_to_floa
 
 #if defined(__AVX512F__)
 #include "attention_avx512.h"
-/* Hand-vectorised versions for the common head shapes: one K/V row is D/16 registers, the
-   q rows and the output accumulators of the G query heads stay in registers for the whole
-   context. */
-/* The horizontal sums of 16 vectors at once: lane r of the result is a[r]'s lanes added in
-   exactly the tree _mm512_reduce_add_ps uses (256-bit halves, then 128-bit quarters, then
-   pairs {0,1}+{2,3}, then the last two), so scores are bit for bit those of the one-at-a-time
-   reduction, at two shuffles per addition instead of a dependent chain per score. */
-static inline __m512 reduce16_add_ps(const __m512 *a) {
-    __m512 b[8], c[4], d[2];
-    for (int p = 0; p < 8; p++)
-        b[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)),
-                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)));
-    for (int p = 0; p < 4; p++)
-        c[p] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)),
-                             _mm512_shuffle_f32x4(b[2 * p], b[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)));
-    for (int p = 0; p < 2; p++)
-        d[p] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(c[2 * p], c[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    /* e's lane 4k + m holds the sum of a[4m + k]. */
-    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), e);
-}
-
-#define DEFINE_ATTEND_AVX512(NAME, T, TKV, VLOAD, VLOADKV, VSTORE, ROUNDW, ROUNDW16, SCALED, DV, GV)       \
-static void NAME(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, float *buf) { \
-    float inv_sum[GV];                                                                            \
-    enum { D = DV, G = GV, NV = DV / 16 };                                                        \
-    const int64_t hkv = j->num_kv_heads, bs = j->block_size;                                      \
-    float *scores = buf;                                                                          \
-    const T *q = (const T *)j->q;                                                                 \
-    const TKV *kc = (const TKV *)j->k_cache, *vc = (const TKV *)j->v_cache;                      \
-    T *out = (T *)j->out;                                                                         \
-    const __m512 scale = _mm512_set1_ps(j->scale);                                                \
-    for (int64_t t = token_begin; t < token_end; t++) {                                           \
-        const int64_t len = j->positions[t] + 1;                                                  \
-        const int64_t *table = j->block_tables + j->seq_of_token[t] * j->max_blocks;              \
-        for (int64_t h = 0; h < hkv; h++) {                                                       \
-            __m512 qv[G][NV];                                                                     \
-            for (int i = 0; i < G; i++)                                                           \
-                for (int v = 0; v < NV; v++)                                                      \
-                    qv[i][v] = _mm512_mul_ps(VLOAD(q + t * j->q_token_stride + (h * G + i) * D + 16 * v), scale); \
-            for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
-                const int64_t n = len - first < bs ? len - first : bs;                            \
-                const TKV *kb = kc + (table[blk] * bs * hkv + h) * D;                             \
-                /* An 8-bit cache's key scales of this block and KV head, one per slot. */   \
-                const uint16_t *ksb = SCALED ? j->k_scale + table[blk] * bs * hkv + h : NULL;    \
-                const char *ahead = prefetch_target(j, t, token_end, h, 0, blk, sizeof(TKV));      \
-                const int64_t row_bytes = hkv * D * sizeof(TKV), head_bytes = D * sizeof(TKV);      \
-                int64_t o = 0;                                                                    \
-                for (; o + 16 <= n; o += 16) {                                                    \
-                    /* 16 keys at a time: their partial dot products are summed across lanes  \
-                       together (reduce16_add_ps), the same additions as 16 reduce_add_ps. */ \
-                    __m512 part[G][16];                                                           \
-                    for (int r = 0; r < 16; r++) {                                                \
-                        if (ahead) prefetch_row(ahead + (o + r) * row_bytes, head_bytes);         \
-                        __m512 kv[NV];                                                            \
-                        for (int v = 0; v < NV; v++) kv[v] = VLOADKV(kb + (o + r) * hkv * D + 16 * v); \
-                        for (int i = 0; i < G; i++) {                                             \
-                            __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);                          \
-                            for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[i][v], kv[v], acc); \
-                            part[i][r] = acc;                                                     \
-                        }                                                                         \
-                    }                                                                             \
-                    __m512 ks16 = _mm512_setzero_ps();                                            \
-                    if (SCALED) {  /* the 16 keys' scales */                                      \
-                        float ks[16];                                                             \
-                        for (int r = 0; r < 16; r++) ks[r] = bf16_to_float(ksb[(o + r) * hkv]);   \
-                        ks16 = _mm512_loadu_ps(ks);                                               \
-                    }                                                                             \
-                    for (int i = 0; i < G; i++)                                                   \
-                        _mm512_storeu_ps(scores + i * len + first + o,                            \
-                                         SCALED ? _mm512_mul_ps(reduce16_add_ps(part[i]), ks16)   \
-                                                : reduce16_add_ps(part[i]));                      \
-                }                                                                                 \
-                for (; o < n; o++) {                                                              \
-                    if (ahead) prefetch_row(ahead + o * row_bytes, head_bytes);                   \
-                    __m512 kv[NV];                                                                \
-                    for (int v = 0; v < NV; v++) kv[v] = VLOADKV(kb + o * hkv * D + 16 * v);      \
-                    for (int i = 0; i < G; i++) {                                                 \
-                        __m512 acc = _mm512_mul_ps(qv[i][0], kv[0]);                              \
-                        for (int v = 1; v < NV; v++) acc = _mm512_fmadd_ps(qv[i][v], kv[v], acc); \
-                        const float s1 = _mm512_reduce_add_ps(acc);                               \
-                        scores[i * len + first + o] = SCALED ? s1 * bf16_to_float(ksb[o * hkv]) : s1; \
-                    }                                                                             \
-                }                                                                                 \
-            }                                                                                     \
-            /* Softmax with the portable version's arithmetic: the max and the exponentials \
-               16 at a time (the same operations per element), each head's sum still added  \
-               in position order, the G heads' sums interleaved so their chains overlap. */  \
-            for (int i = 0; i < G; i++) {                                                         \
-                float *s = scores + i * len;                                                      \
-                __m512 mv = _mm512_set1_ps(-FLT_MAX);                                             \
-                int64_t p = 0;                                                                    \
-                for (; p + 16 <= len; p += 16) mv = _mm512_max_ps(_mm512_loadu_ps(s + p), mv);    \
-                float m = _mm512_reduce_max_ps(mv);                                               \
-                for (; p < len; p++) m = s[p] > m ? s[p] : m;                                     \
-                const __m512 mb = _mm512_set1_ps(m);                                              \
-                for (p = 0; p + 16 <= len; p += 16)                                               \
-                    _mm512_storeu_ps(s + p, exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + p), mb))); \
-                for (; p < len; p++) s[p] = exp_nonpositive(s[p] - m);                           \
-            }                                                                                     \
-            {                                                                                     \
-                float sum[G];                                                                     \
-                for (int i = 0; i < G; i++) sum[i] = 0.0f;                                        \
-                for (int64_t p = 0; p < len; p++)                                                 \
-                    for (int i = 0; i < G; i++) sum[i] += scores[i * len + p];                    \
-                for (int i = 0; i < G; i++) inv_sum[i] = 1.0f / sum[i];                           \
-            }                                                                                     \
-            for (int i = 0; i < G; i++) {                                                         \
-                float *s = scores + i * len;                                                      \
-                int64_t p = 0;                                                                    \
-                for (; p + 16 <= len; p += 16) _mm512_storeu_ps(s + p, ROUNDW16(_mm512_loadu_ps(s + p))); \
-                for (; p < len; p++) s[p] = ROUNDW(s[p]);                                         \
-            }                                                                                     \
-            if (SCALED) weights_times_value_scales(j, table, h, G, len, scores);                  \
-            __m512 acc[G][NV];                                                                    \
-            for (int i = 0; i < G; i++)                                                           \
-                for (int v = 0; v < NV; v++) acc[i][v] = _mm512_setzero_ps();                     \
-            for (int64_t first = 0, blk = 0; first < len; first += bs, blk++) {                   \
-                const int64_t n = len - first < bs ? len - first : bs;                            \
-                const TKV *vb = vc + (table[blk] * bs * hkv + h) * D;                             \
-                const char *ahead = prefetch_target(j, t, token_end, h, 1, blk, sizeof(TKV));      \
-                const int64_t row_bytes = hkv * D * sizeof(TKV), head_bytes = D * sizeof(TKV);      \
-                for (int64_t o = 0; o < n; o++) {                                                 \
-                    if (ahead) prefetch_row(ahead + o * row_bytes, head_bytes);                   \
-                    __m512 vv[NV];                                                                \
-                    for (int v = 0; v < NV; v++) vv[v] = VLOADKV(vb + o * hkv * D + 16 * v);      \
-                    for (int i = 0; i < G; i++) {                                                 \
-                        const __m512 w = _mm512_set1_ps(scores[i * len + first + o]);            \
-                        for (int v = 0; v < NV; v++) acc[i][v] = _mm512_fmadd_ps(w, vv[v], acc[i][v]); \
-                    }                                                                             \
-                }                                                                                 \
-            }                                                                                     \
-            for (int i = 0; i < G; i++)                                                           \
-                for (int v = 0; v < NV; v++)                                                      \
-                    VSTORE(out + (t * j->num_heads + h * G + i) * D + 16 * v,                     \
-                           _mm512_mul_ps(acc[i][v], _mm512_set1_ps(inv_sum[i])));                 \
-        }                                                                                         \
-    }                                                                                             \
-}
-/* Each shape's four versions: float32 or bfloat16 activations over a cache of their own type,
-   then over an int8 cache. */
-#define DEFINE_AVX512_FOR(DV, GV)                                                                 \
-DEFINE_ATTEND_AVX512(attend_f32_##DV##_##GV, float, float, vload_f32, vload_f32, vstore_f32, keep_f32,   \
-                     keep_f32x16, 0, DV, GV)                                                      \
-DEFINE_ATTEND_AVX512(attend_bf16_##DV##_##GV, uint16_t, uint16_t, vload_bf16, vload_bf16, vstore_bf16,  \
-                     round_to_bf16, round_to_bf16x16, 0, DV, GV)                                  \
-DEFINE_ATTEND_AVX512(attend_f32_int8_##DV##_##GV, float, int8_t, vload_f32, vload_int8, vstore_f32,     \
-                     keep_f32, keep_f32x16, 1, DV, GV)                                            \
-DEFINE_ATTEND_AVX512(attend_bf16_int8_##DV##_##GV, uint16_t, int8_t, vload_bf16, vload_int8, vstore_bf16, \
-                     keep_f32, keep_f32x16, 1, DV, GV)
-DEFINE_AVX512_FOR(64, 3)
-DEFINE_AVX512_FOR(64, 4)
-DEFINE_AVX512_FOR(128, 3)
-DEFINE_AVX512_FOR(128, 4)
-#define AVX512_KINDS(DV, GV) \
-    {attend_f32_##DV##_##GV, attend_bf16_##DV##_##GV, attend_f32_int8_##DV##_##GV, attend_bf16_int8_##DV##_##GV}
-/* [g == 4][head_dim == 128][attention_kind]: kinds 0 to 3 (no float8 caches). */
-static const attend_fn avx512_versions[2][2][4] = {
-    {AVX512_KINDS(64, 3), AVX512_KINDS(128, 3)},
-    {AVX512_KINDS(64, 4), AVX512_KINDS(128, 4)},
-};
 #define HAVE_SPECIALISED 1
 #endif
 
@@ -295,17 +131,9 @@ int mqinfer_attention_selftest(const float *x, int64_t n, float *exp_one, float 
 /* Tokens token_begin..token_end - 1, each on its own: the AVX-512 version for the call's shape,
    else the AVX2 one, else the portable loops. */
 static void attend_per_token(const mqinfer_attention_args *j, int64_t begin, int64_t end, float *buf) {
-    const int64_t g = j->num_heads / j->num_kv_heads, D = j->head_dim;
-    (void)g; (void)D;
-#ifdef HAVE_SPECIALISED
     /* The AVX-512 versions read caches in the activations' type or int8 caches; float8 caches
        go to the AVX2 versions (every AVX-512 CPU has AVX2 and FMA) or the portable loops. */
-    const int kind = attention_kind(j);
-    if (kind < 4 && (D == 64 || D == 128) && (g == 3 || g == 4)) {
-        avx512_versions[g == 4][D == 128][kind](j, begin, end, buf);
-        return;
-    }
-#endif
+    if (mq_attend_avx512(j, begin, end, buf)) return;
     if (mq_attend_avx2(j, begin, end, buf)) return;
     static const attend_fn portable[6] = {attend_f32, attend_bf16, attend_f32_int8, attend_bf16_int8,
                                           attend_f32_fp8, attend_bf16_fp8};

@@ -144,8 +144,8 @@ def test_random_batches_match_reference(backend, data, block_size, g, seed):
 
 
 # The native CPU kernel: the generic C loops (head sizes other than 64 / 128, or more than 8
-# query heads per KV head), the AVX-512 versions (64 x 4, 128 x 4) and the AVX2 versions (64 or
-# 128 x 1..8 query heads per KV head), each against the reference.
+# query heads per KV head) and the vectorised versions (64 or 128 x 1..8 query heads per KV head:
+# AVX-512 where the CPU has it, else AVX2), each against the reference.
 @needs_native
 @pytest.mark.parametrize("head_dim,g", [(16, 1), (16, 4), (32, 2), (64, 12), (64, 1), (64, 3), (64, 4), (64, 7),
                                         (128, 2), (128, 3), (128, 4), (128, 5), (128, 8)])
@@ -157,7 +157,7 @@ def test_native_kernel_matches_reference(head_dim, g):
 
 
 @needs_native
-@pytest.mark.parametrize("head_dim,g", [(16, 4), (64, 4), (64, 3), (128, 6)])
+@pytest.mark.parametrize("head_dim,g", [(16, 4), (64, 4), (64, 3), (64, 7), (128, 6)])
 def test_native_kernel_bfloat16_close_to_reference(head_dim, g):
     out, ref, *_ = _run_case([1, 12, 1, 40], [30, 12, 47, 90], 16, g, seed=5, dtype=torch.bfloat16,
                              backend="native", head_dim=head_dim)
@@ -168,7 +168,7 @@ def test_native_kernel_bfloat16_close_to_reference(head_dim, g):
 @needs_native
 @pytest.mark.parametrize("block_size", [8, 12, 16, 24, 48])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("g", [3, 4])
+@pytest.mark.parametrize("g", [1, 3, 4, 6, 7, 8])
 def test_native_vectorised_kernels_any_block_size(block_size, head_dim, g):
     # The AVX-512 versions score keys 16 at a time within a block and one at a time for the
     # rest, the AVX2 versions 8 at a time: blocks of 8, 12 (8 + 4), 24 (16 + 8) and 48, with

@@ -125,8 +125,8 @@ BACKENDS = ["torch", pytest.param("native", marks=needs_native)]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("head_dim, g", [(16, 1), (16, 3), (64, 4), (64, 3), (128, 4), (128, 3), (128, 2), (64, 8)])
 def test_attention_over_8bit_cache_matches_reference(dtype, backend, head_dim, g):
-    # head 16: the native kernel's portable loops; 64 / 128 with 3 or 4 query heads per KV head:
-    # its AVX-512 versions for int8 where the CPU has them; the others: its AVX2 versions.
+    # head 16: the native kernel's portable loops; 64 / 128: its AVX-512 versions for int8 where
+    # the CPU has them; float8, and CPUs without AVX-512: its AVX2 versions.
     cache, md, q, tables = _step(QUERY_LENS, SEQ_LENS, 16, g, head_dim, dtype, seed=head_dim + g)
     scale = head_dim**-0.5
     out = paged_attention(q, cache.k, cache.v, md, scale, backend=backend, k_scale=cache.k_scale,
@@ -180,8 +180,8 @@ def test_bfloat16_queries_over_int8_cache(backend, head_dim):
 def test_native_bfloat16_activations_over_8bit_cache_round_the_float32_result_once(dtype, head_dim, g):
     # Over an 8-bit cache the native kernel widens bfloat16 queries exactly, computes in float32
     # and rounds the output once, to nearest even: bit for bit its float32 result rounded by
-    # torch. Head 16: the portable loops; 64 / 128 with 3 or 4 query heads per KV head: the
-    # AVX-512 versions for int8 where the CPU has them; the others: the AVX2 versions.
+    # torch. Head 16: the portable loops; 64 / 128: the AVX-512 versions for int8 where the CPU
+    # has them; float8, and CPUs without AVX-512: the AVX2 versions.
     cache, md, q, _ = _step(QUERY_LENS, SEQ_LENS, 16, g, head_dim, dtype, seed=head_dim * g, q_dtype=torch.bfloat16)
     scale = head_dim**-0.5
     out = paged_attention(q, cache.k, cache.v, md, scale, backend="native", k_scale=cache.k_scale,
