@@ -3,7 +3,10 @@ CPUs with AMX; PyTorch's matmul everywhere else.
 
 Owns ``AmxWeight`` (a bfloat16 ``[out, in]`` weight in the tile unit's layout, packed from the
 tensor it remembers), ``pack`` (an ``AmxWeight``, or None where the kernel does not apply),
-``takes(x)`` (whether a call with these rows goes to the kernel) and ``linear``.
+``pack_swiglu`` (the same for SwiGLU's fused gate/up weight), ``takes(x)`` (whether a call with
+these rows goes to the kernel), ``linear`` and ``swiglu`` (``silu(gate) * up`` straight from the
+tiles: the bits of ``linear`` followed by ``cpu_ops.silu_mul``, without the intermediate twice as
+wide).
 
 Why. PyTorch's bfloat16 matmul (oneDNN) lays the weight out for the tile unit again on every
 call. On one core of this session's Xeon, against ``F.linear`` on the same operands (CPU time):
@@ -41,6 +44,8 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.mqinfer_amx_linear_pack.argtypes, lib.mqinfer_amx_linear_pack.restype = [_PTR, _I64, _I64, _PTR], None
     lib.mqinfer_amx_linear.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]
     lib.mqinfer_amx_linear.restype = ctypes.c_int
+    lib.mqinfer_amx_swiglu.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]
+    lib.mqinfer_amx_swiglu.restype = ctypes.c_int
     return lib
 
 
@@ -54,17 +59,28 @@ def available() -> bool:
     return _library() is not None
 
 
+# Features per panel of the packed weight.
+PANEL = 16
+
+
 class AmxWeight:
     """A bfloat16 ``[out_features, in_features]`` weight packed for the kernel; remembers the
-    tensor it was packed from (``packed_from``), as ``linear.PackedWeight`` does."""
+    tensor it was packed from (``packed_from``), as ``linear.PackedWeight`` does. ``inter``: for
+    SwiGLU's gate/up weight (``pack_swiglu``), the intermediate size (gate rows first, then as
+    many up rows), packed with the gate's and the up projection's panels of 16 features
+    alternating; 0 for a plain weight."""
 
-    def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL) -> None:
+    def __init__(self, weight: torch.Tensor, lib: ctypes.CDLL, swiglu: bool = False) -> None:
         self.out_features, self.in_features = weight.shape
-        weight = weight.contiguous()
-        size = lib.mqinfer_amx_linear_packed_size(self.out_features, self.in_features)
-        self.data = torch.empty(int(size), dtype=torch.bfloat16)
-        lib.mqinfer_amx_linear_pack(weight.data_ptr(), self.out_features, self.in_features, self.data.data_ptr())
         self.source = weight
+        self.inter = self.out_features // 2 if swiglu else 0
+        if swiglu:
+            weight = _alternate_panels(weight, self.inter)
+        weight = weight.contiguous()
+        rows = weight.shape[0]
+        size = lib.mqinfer_amx_linear_packed_size(rows, self.in_features)
+        self.data = torch.empty(int(size), dtype=torch.bfloat16)
+        lib.mqinfer_amx_linear_pack(weight.data_ptr(), rows, self.in_features, self.data.data_ptr())
 
     def packed_from(self, weight: torch.Tensor) -> bool:
         return (weight.data_ptr() == self.source.data_ptr() and weight.shape == self.source.shape
@@ -79,6 +95,25 @@ def pack(weight: torch.Tensor) -> AmxWeight | None:
         return None
     lib = _library()
     return None if lib is None else AmxWeight(weight, lib)
+
+
+def _alternate_panels(weight: torch.Tensor, inter: int) -> torch.Tensor:
+    """``[2 * inter, K]`` gate/up rows as panels of 16 alternating (gate features 0-15, up features
+    0-15, gate 16-31, ...), each half zero-padded to a whole panel."""
+    padded = -(-inter // PANEL) * PANEL
+    halves = torch.zeros(2, padded, weight.shape[1], dtype=weight.dtype)
+    halves[:, :inter] = weight.view(2, inter, -1)
+    return halves.view(2, padded // PANEL, PANEL, -1).transpose(0, 1).reshape(2 * padded, -1)
+
+
+def pack_swiglu(weight: torch.Tensor) -> AmxWeight | None:
+    """SwiGLU's fused gate/up weight ``[2 * I, in_features]`` (gate rows first) packed for
+    ``swiglu``, or None where the kernel does not apply (as ``pack``, or an odd row count)."""
+    if (weight.dim() != 2 or weight.dtype != torch.bfloat16 or weight.device.type != "cpu"
+            or weight.shape[1] % K_BLOCK or weight.shape[0] % 2):
+        return None
+    lib = _library()
+    return None if lib is None else AmxWeight(weight, lib, swiglu=True)
 
 
 def takes(x: torch.Tensor) -> bool:
@@ -113,4 +148,30 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None,
     return out
 
 
-__all__ = ["AmxWeight", "MAX_ROWS", "available", "linear", "pack", "takes"]
+def swiglu(x: torch.Tensor, weight: AmxWeight, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` ``[T, I]`` of ``x``'s gate/up projection (``weight`` from
+    ``pack_swiglu``), into ``out`` (a contiguous bfloat16 ``[T, I]``) when given: the bits of
+    ``linear`` with the same weight followed by ``cpu_ops.silu_mul`` (``vector_chunk`` as there, a
+    multiple of 16)."""
+    rows, features = x.shape
+    if not weight.inter:
+        raise ValueError("swiglu takes a weight packed by pack_swiglu")
+    if features != weight.in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        raise ValueError(f"x must be a bfloat16 CPU tensor [T, {weight.in_features}], got {list(x.shape)} {x.dtype}")
+    if vector_chunk < 0 or vector_chunk % PANEL:
+        raise ValueError(f"vector_chunk must be a non-negative multiple of {PANEL}, got {vector_chunk}")
+    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(rows, weight.inter, dtype=torch.bfloat16)
+    elif out.shape != (rows, weight.inter) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 tensor [{rows}, {weight.inter}]")
+    status = _library().mqinfer_amx_swiglu(
+        x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), rows, features, weight.inter,
+        x.stride(0) if rows > 1 else features, weight.inter, vector_chunk, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"the AMX dense-layer kernel failed (status {status})")
+    return out
+
+
+__all__ = ["AmxWeight", "MAX_ROWS", "available", "linear", "pack", "pack_swiglu", "swiglu", "takes"]

@@ -110,6 +110,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
              (q8, "linear", q8.linear), (q8, "swiglu", q8.swiglu),
              (w16, "linear", w16.linear), (w16, "swiglu", w16.swiglu), (amx, "linear", amx.linear),
+             (amx, "swiglu", amx.swiglu),
              (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm),
              (cpu_ops, "silu_mul", cpu_ops.silu_mul), (Linear, "forward", Linear.forward),
              (LMHead, "forward", LMHead.forward)]
@@ -121,6 +122,8 @@ def timing_ops(model) -> Iterator[OpTimes]:
     w16.linear = _timed(times, linear_name, w16.linear, linear_flops, native)
     w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops, native)
     amx.linear = _timed(times, amx_name, amx.linear, linear_flops, native)
+    # The AMX kernel's SwiGLU weight is the whole [2 * I, K] gate/up projection.
+    amx.swiglu = _timed(times, "dense gate_up + SwiGLU (AMX)", amx.swiglu, linear_flops, native)
     cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv)
     cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm)
     cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul)

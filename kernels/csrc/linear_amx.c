@@ -14,15 +14,23 @@
    a tile product depends only on its own row of x), not on the batch or the thread count. The
    summation order is not oneDNN's, so results differ from PyTorch's in the last bits.
 
+   SwiGLU. For the MLP's fused gate/up projection the caller packs the weight with the gate's
+   and the up projection's panels alternating (pair p: gate features 16p..16p+15, then the same
+   up features) and asks for silu(gate) * up: each pair's two C tiles hold a row's gate and up
+   sums side by side, rounded to bfloat16 as the plain store would write them, and the epilogue
+   writes silu(gate) * up with cpu_ops.c's SwiGLU arithmetic (mqinfer_silu_mul): the same bits as
+   the projection followed by that kernel, without the intermediate twice as wide.
+
    Work is split across threads by pairs of panels; rows go in chunks of ROW_CHUNK, each chunk's
    rows against every panel pair of the thread, 32 rows (two A tiles) against 32 features (two B
-   tiles) at a time. */
+   tiles) at a time, 16 rows (one A tile) for a last block of 16 or fewer. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "amx_tiles.h"
 #include "native_common.h"
+#include "silu_exp.h"
 
 #define PANEL 16
 #define KBLOCK 32
@@ -49,6 +57,8 @@ int mqinfer_amx_linear_available(void);
 int mqinfer_amx_linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows,
                        int64_t in_features, int64_t out_features, int64_t x_stride, int64_t out_stride,
                        int num_threads);
+int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t rows, int64_t in_features,
+                       int64_t inter, int64_t x_stride, int64_t out_stride, int64_t vector_chunk, int num_threads);
 
 int64_t mqinfer_amx_linear_packed_size(int64_t out_features, int64_t in_features) {
     return (out_features + PANEL - 1) / PANEL * PANEL * ((in_features + KBLOCK - 1) / KBLOCK * KBLOCK);
@@ -108,18 +118,131 @@ static void write_tile(const float *c, int64_t rows, int64_t cols, const uint16_
         store_bf16(out + r * out_stride, _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b), m);
 }
 
+/* SwiGLU's rounding (cpu_ops.c's bf16_bits16): to nearest even, NaN to the quiet NaN. */
+static inline __m512i bf16_bits16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+}
+static inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : rounded;
+}
+static inline float bits_bf16(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
+/* 16 sums as the plain store rounds them (store_bf16), back to float. */
+static inline __m512 as_stored(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
+}
+
+/* Rows of SwiGLU from a pair's C tiles: gate sums cg and up sums cu of `cols` features (row stride
+   16 floats). `vector`: the columns take the vectorised exponential, as mqinfer_silu_mul does
+   within a row's whole vector chunks; otherwise expf, as past them. */
+static void write_swiglu(const float *cg, const float *cu, int64_t rows, int64_t cols, int vector, uint16_t *out,
+                         int64_t out_stride) {
+    const __mmask16 m = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 g = as_stored(_mm512_loadu_ps(cg + r * 16)), u = as_stored(_mm512_loadu_ps(cu + r * 16));
+        if (vector) {
+            const __m512 e = exp_f32x16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
+            const __m512 s = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+            _mm256_mask_storeu_epi16(out + r * out_stride, m, _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, u))));
+        } else {
+            float gs[16], us[16];
+            _mm512_storeu_ps(gs, g);
+            _mm512_storeu_ps(us, u);
+            for (int64_t i = 0; i < cols; i++) {
+                const float s = bits_bf16(bf16_bits(gs[i] / (1.0f + expf(-gs[i]))));
+                out[r * out_stride + i] = bf16_bits(s * us[i]);
+            }
+        }
+    }
+}
+
 typedef struct {
     const mqinfer_amx_linear_args *a;
     int64_t pairs;  /* pairs of panels */
+    int64_t inter;  /* SwiGLU: the intermediate size (pair p: gate then up features 16p..); 0 plain */
+    int64_t body;   /* SwiGLU: output columns below this take the vectorised exponential */
 } linear_call;
+
+/* 16 or 32 rows (two_rows) at xa (row stride lda bytes) against panel a, and panel b (two_panels),
+   over the whole K; the sums into c[0..3] as the tiles are numbered. Constant flags: the compiler
+   makes one loop per combination. */
+static inline __attribute__((always_inline)) void block_sums(const uint16_t *xa, int64_t lda, const uint16_t *wa,
+                                                             const uint16_t *wb, int64_t kblocks, float c[4][256],
+                                                             const int two_rows, const int two_panels) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kb = 0; kb < kblocks; kb++) {
+        _tile_loadd(4, xa + kb * KBLOCK, lda);
+        if (two_rows) _tile_loadd(5, xa + 16 * (lda / 2) + kb * KBLOCK, lda);
+        _tile_loadd(6, wa + kb * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_rows) _tile_dpbf16ps(2, 5, 6);
+        if (two_panels) {
+            _tile_loadd(7, wb + kb * 512, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two_rows) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c[0], 64);
+    if (two_rows) _tile_stored(2, c[2], 64);
+    if (two_panels) {
+        _tile_stored(1, c[1], 64);
+        if (two_rows) _tile_stored(3, c[3], 64);
+    }
+}
+
+typedef void (*block_fn)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, int64_t, float[4][256]);
+static void block_1_1(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
+    block_sums(x, lda, wa, wb, kb, c, 0, 0);
+}
+static void block_1_2(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
+    block_sums(x, lda, wa, wb, kb, c, 0, 1);
+}
+static void block_2_1(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
+    block_sums(x, lda, wa, wb, kb, c, 1, 0);
+}
+static void block_2_2(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
+    block_sums(x, lda, wa, wb, kb, c, 1, 1);
+}
+/* [two_rows][two_panels] */
+static const block_fn blocks[2][2] = {{block_1_1, block_1_2}, {block_2_1, block_2_2}};
+
+/* One 32-row block's results from its C tiles into the output: plain (with the bias) or SwiGLU. */
+static void write_block(const linear_call *call, float c[4][256], int64_t m, int64_t rows, int64_t pp, int two) {
+    const mqinfer_amx_linear_args *a = call->a;
+    const uint16_t *bias = (const uint16_t *)a->bias;
+    uint16_t *out = (uint16_t *)a->out;
+    for (int half = 0; half < 2; half++) {
+        const int64_t hr = rows - 16 * half < 16 ? rows - 16 * half : 16;
+        if (hr <= 0) continue;
+        if (call->inter) {
+            const int64_t n0 = pp * PANEL, cols = call->inter - n0 < PANEL ? call->inter - n0 : PANEL;
+            write_swiglu(c[2 * half], c[2 * half + 1], hr, cols, n0 + PANEL <= call->body,
+                         out + (m + 16 * half) * a->out_stride + n0, a->out_stride);
+            continue;
+        }
+        for (int side = 0; side < 1 + two; side++) {
+            const int64_t n0 = (2 * pp + side) * PANEL, N = a->out_features;
+            const int64_t cols = N - n0 < PANEL ? N - n0 : PANEL;
+            write_tile(c[2 * half + side], hr, cols, bias ? bias + n0 : NULL,
+                       out + (m + 16 * half) * a->out_stride + n0, a->out_stride);
+        }
+    }
+}
 
 static int linear_part(const void *ctx, int part, int num_parts) {
     const linear_call *call = (const linear_call *)ctx;
     const mqinfer_amx_linear_args *a = call->a;
     const int64_t M = a->rows, K = a->in_features, N = a->out_features, kblocks = K / KBLOCK;
     const int64_t first = call->pairs * part / num_parts, last = call->pairs * (part + 1) / num_parts;
-    const uint16_t *x = (const uint16_t *)a->x, *w = (const uint16_t *)a->packed, *bias = (const uint16_t *)a->bias;
-    uint16_t *out = (uint16_t *)a->out;
+    const uint16_t *x = (const uint16_t *)a->x, *w = (const uint16_t *)a->packed;
     float c[4][256];
     uint16_t *tail = NULL;  /* the last rows of x, padded to 32 with zeros */
     const int64_t full = M / 32 * 32;
@@ -139,31 +262,9 @@ static int linear_part(const void *ctx, int part, int num_parts) {
             for (int64_t m = r0; m < r1; m += 32) {
                 const uint16_t *xa = m < full ? x + m * a->x_stride : tail;
                 const int64_t lda = (m < full ? a->x_stride : K) * 2;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t kb = 0; kb < kblocks; kb++) {
-                    _tile_loadd(4, xa + kb * KBLOCK, lda);
-                    _tile_loadd(5, xa + 16 * (lda / 2) + kb * KBLOCK, lda);
-                    _tile_loadd(6, wa + kb * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) {
-                        _tile_loadd(7, wb + kb * 512, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c[0], 64); _tile_stored(2, c[2], 64);
-                if (two) { _tile_stored(1, c[1], 64); _tile_stored(3, c[3], 64); }
                 const int64_t rows = M - m < 32 ? M - m : 32;
-                for (int half = 0; half < 2; half++) {
-                    const int64_t hr = rows - 16 * half < 16 ? rows - 16 * half : 16;
-                    if (hr <= 0) continue;
-                    for (int side = 0; side < 1 + two; side++) {
-                        const int64_t n0 = (side ? pb : pa) * PANEL, cols = N - n0 < PANEL ? N - n0 : PANEL;
-                        write_tile(c[2 * half + side], hr, cols, bias ? bias + n0 : NULL,
-                                   out + (m + 16 * half) * a->out_stride + n0, a->out_stride);
-                    }
-                }
+                blocks[rows > 16][two](xa, lda, wa, wb, kblocks, c);
+                write_block(call, c, m, rows, pp, two);
             }
         }
     }
@@ -172,24 +273,49 @@ static int linear_part(const void *ctx, int part, int num_parts) {
     return 0;
 }
 
+static int run_call(linear_call *call, int num_threads) {
+    int64_t parts = num_threads < 1 ? 1 : num_threads;
+    if (parts > call->pairs) parts = call->pairs;
+    return mq_parallel(linear_part, call, (int)parts, num_threads) ? -1 : 0;
+}
+
 /* Returns 0; -1 out of memory; -2 no AMX here, or in_features not a multiple of 32. */
 int mqinfer_amx_linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows,
                        int64_t in_features, int64_t out_features, int64_t x_stride, int64_t out_stride,
                        int num_threads) {
-    const mqinfer_amx_linear_args args_ = {x, packed, bias, out, rows, in_features, out_features, x_stride,
-                                           out_stride};
-    const mqinfer_amx_linear_args *args = &args_;
-    if (args->rows <= 0 || args->out_features <= 0) return 0;
-    if (args->in_features % KBLOCK || !mqinfer_amx_linear_available()) return -2;
-    linear_call call = {args, ((args->out_features + PANEL - 1) / PANEL + 1) / 2};
-    int64_t parts = num_threads < 1 ? 1 : num_threads;
-    if (parts > call.pairs) parts = call.pairs;
-    return mq_parallel(linear_part, &call, (int)parts, num_threads) ? -1 : 0;
+    const mqinfer_amx_linear_args args = {x, packed, bias, out, rows, in_features, out_features, x_stride,
+                                          out_stride};
+    if (rows <= 0 || out_features <= 0) return 0;
+    if (in_features % KBLOCK || !mqinfer_amx_linear_available()) return -2;
+    linear_call call = {&args, ((out_features + PANEL - 1) / PANEL + 1) / 2, 0, 0};
+    return run_call(&call, num_threads);
+}
+
+/* silu(gate) * up [rows, inter] of x's gate/up projection, its weight packed as the header says
+   (2 * ceil(inter / 16) panels). vector_chunk: PyTorch's SiLU takes its vectorised exponential on
+   the whole chunks of this many values of a row (cpu_ops.silu_vector_chunk; a multiple of 16),
+   std::exp past them. Returns as mqinfer_amx_linear. */
+int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t rows, int64_t in_features,
+                       int64_t inter, int64_t x_stride, int64_t out_stride, int64_t vector_chunk, int num_threads) {
+    const int64_t pairs = (inter + PANEL - 1) / PANEL;
+    const mqinfer_amx_linear_args args = {x, packed, NULL, out, rows, in_features, 2 * pairs * PANEL, x_stride,
+                                          out_stride};
+    if (rows <= 0 || inter <= 0) return 0;
+    if (in_features % KBLOCK || vector_chunk % PANEL || !mqinfer_amx_linear_available()) return -2;
+    linear_call call = {&args, pairs, inter, vector_chunk > 0 ? inter / vector_chunk * vector_chunk : 0};
+    return run_call(&call, num_threads);
 }
 
 #else
 
 int mqinfer_amx_linear_available(void) { return 0; }
+
+int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t rows, int64_t in_features,
+                       int64_t inter, int64_t x_stride, int64_t out_stride, int64_t vector_chunk, int num_threads) {
+    (void)x; (void)packed; (void)out; (void)rows; (void)in_features; (void)inter; (void)x_stride;
+    (void)out_stride; (void)vector_chunk; (void)num_threads;
+    return -2;
+}
 
 int mqinfer_amx_linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows,
                        int64_t in_features, int64_t out_features, int64_t x_stride, int64_t out_stride,

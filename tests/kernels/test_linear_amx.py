@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mqinfer.kernels import linear_amx
+from mqinfer.kernels import cpu_ops, linear_amx
 
 pytestmark = pytest.mark.skipif(not linear_amx.available(), reason="no AMX tiles on this CPU (or no C compiler)")
 
@@ -96,7 +96,7 @@ def test_a_bfloat16_model_packs_every_layer_at_start(tmp_path):
     from mqinfer.loadgen.checkpoint import make_llama_checkpoint
     from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.engine import LLMEngine
-    from mqinfer.workers.models.llama import Linear, LMHead
+    from mqinfer.workers.models.llama import MLP, Linear, LMHead
 
     folder = make_llama_checkpoint(tmp_path / "ck", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -104,6 +104,74 @@ def test_a_bfloat16_model_packs_every_layer_at_start(tmp_path):
     engine = LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", num_threads=1, num_kv_blocks=32))
     layers = [m for m in engine.model.modules() if isinstance(m, (Linear, LMHead))]
     assert len(layers) == 2 * 4 + 1
-    assert all(isinstance(m.packed, linear_amx.AmxWeight) and m.packed.packed_from(m.weight) for m in layers)
+    gate_ups = [m.gate_up_proj for m in engine.model.modules() if isinstance(m, MLP)]
+    assert len(gate_ups) == 2
+    # The MLP's gate/up projection for the fused SwiGLU only (where the fused CPU ops run), the
+    # others as they are.
+    fused = cpu_ops.cpu_ops_available()
+    for m in layers:
+        packed = m.packed_swiglu if fused and m in gate_ups else m.packed
+        assert isinstance(packed, linear_amx.AmxWeight) and packed.packed_from(m.weight)
+        assert packed.inter == (m.weight.shape[0] // 2 if fused and m in gate_ups else 0)
+    if fused:
+        assert all(m.packed is None for m in gate_ups)
     assert engine.startup_seconds["pack weights"] > 0
     assert engine.model.pack_weights() == len(layers)  # packing again finds them packed
+
+
+@pytest.mark.parametrize("inter,in_features", [(1408, 512), (1536, 576), (40, 64), (24, 32)])
+@pytest.mark.parametrize("rows", [1, 9, 16, 17, 33, 140])
+def test_fused_swiglu_is_the_projection_then_silu_mul_bit_for_bit(inter, in_features, rows):
+    # Intermediate sizes that fill whole panels of 16 and ones that do not; rows that fill one A
+    # tile, two, and a partial last block. The bits of the plain kernel followed by silu_mul, for
+    # PyTorch's vector chunk (every column through the vectorised exponential where the row has
+    # whole chunks) and for none (std::exp throughout).
+    torch.manual_seed(inter + rows)
+    w = (torch.randn(2 * inter, in_features) * 0.1).bfloat16()
+    x = torch.randn(rows, in_features).bfloat16()
+    packed = linear_amx.pack_swiglu(w)
+    assert packed is not None and packed.packed_from(w) and packed.inter == inter
+    gate_up = linear_amx.linear(x, linear_amx.pack(w))
+    for chunk in (cpu_ops.silu_vector_chunk(torch.bfloat16), 0, 32):
+        got = linear_amx.swiglu(x, packed, chunk)
+        assert got.shape == (rows, inter)
+        if chunk == cpu_ops.silu_vector_chunk(torch.bfloat16):
+            assert torch.equal(got.view(torch.int16), cpu_ops.silu_mul(gate_up).view(torch.int16))
+        # PyTorch's SwiGLU on the same projection (its exponential agrees with both forms here).
+        assert torch.equal(got.view(torch.int16), (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).view(torch.int16))
+    out = torch.empty(rows, inter, dtype=torch.bfloat16)
+    wide = torch.zeros(rows, in_features + 32).bfloat16()
+    wide[:, :in_features] = x
+    assert linear_amx.swiglu(wide[:, :in_features], packed, 64, out=out) is out
+    assert torch.equal(out, linear_amx.swiglu(x, packed, 64))
+
+
+def test_fused_swiglu_refuses_what_it_cannot_take():
+    w = torch.randn(64, 96).bfloat16()
+    assert linear_amx.pack_swiglu(torch.randn(63, 96).bfloat16()) is None  # no gate/up halves
+    assert linear_amx.pack_swiglu(w.float()) is None
+    x = torch.randn(3, 96).bfloat16()
+    with pytest.raises(ValueError, match="pack_swiglu"):
+        linear_amx.swiglu(x, linear_amx.pack(w), 64)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        linear_amx.swiglu(x, linear_amx.pack_swiglu(w), 24)
+    with pytest.raises(ValueError, match=r"\[3, 32\]"):
+        linear_amx.swiglu(x, linear_amx.pack_swiglu(w), 64, out=torch.empty(3, 64, dtype=torch.bfloat16))
+
+
+def test_the_models_mlp_takes_the_fused_swiglu_with_the_same_bits(monkeypatch):
+    from mqinfer.workers.models.llama import MLP, ModelConfig
+
+    if not cpu_ops.cpu_ops_available():
+        pytest.skip("the native CPU ops are not built here")
+    torch.manual_seed(3)
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=100, hidden_size=128, intermediate_size=200,
+                         num_layers=1, num_heads=4, num_kv_heads=2, head_dim=32, max_position_embeddings=64)
+    mlp = MLP(config, torch.bfloat16, "cpu")
+    for p in mlp.parameters():
+        p.data.copy_(torch.randn_like(p, dtype=torch.float32) * 0.1)
+    x = torch.randn(21, 128).bfloat16()
+    fused = mlp(x)
+    assert isinstance(mlp.gate_up_proj.packed_swiglu, linear_amx.AmxWeight) and mlp.gate_up_proj.packed is None
+    gate_up = mlp.gate_up_proj(x)  # the plain projection, then SwiGLU and down on their own
+    assert torch.equal(fused, mlp.down_proj(cpu_ops.silu_mul(gate_up)))

@@ -78,6 +78,18 @@ def _amx_weight(module: nn.Module, x: torch.Tensor) -> linear_amx.AmxWeight | No
     return packed
 
 
+def _amx_swiglu_weight(module: nn.Module, x: torch.Tensor, vector_chunk: int) -> linear_amx.AmxWeight | None:
+    """SwiGLU's gate/up weight packed for the AMX kernel's fused SwiGLU when rows ``x`` go to the
+    kernel (as ``_amx_weight``) and the layer has no bias: kept in ``module.packed_swiglu``, made
+    again when the weight was replaced; None otherwise."""
+    if module.bias is not None or vector_chunk % linear_amx.PANEL or not linear_amx.takes(x):
+        return None
+    packed = module.packed_swiglu
+    if not isinstance(packed, linear_amx.AmxWeight) or not packed.packed_from(module.weight):
+        packed = module.packed_swiglu = linear_amx.pack_swiglu(module.weight)
+    return packed
+
+
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
         super().__init__()
@@ -107,11 +119,15 @@ class Linear(nn.Module):
 
     def swiglu(self, x: torch.Tensor, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
         """For SwiGLU's fused gate/up projection (gate rows first): ``silu(gate) * up`` straight
-        from the native dense kernel's registers, the same bits as the projection followed by
-        ``cpu_ops.silu_mul`` (``vector_chunk`` as there), without the 2 x wide intermediate;
-        None where the kernel does not apply (the caller runs those two steps)."""
+        from the native dense kernel's registers (float32) or the AMX kernel's tiles (bfloat16,
+        no bias), the same bits as the projection followed by ``cpu_ops.silu_mul``
+        (``vector_chunk`` as there), without the 2 x wide intermediate; None where neither
+        applies (the caller runs those two steps)."""
         packed = _packed_weight(self, x, attr="packed_swiglu", pack=lambda w: dense.pack_swiglu(w, self.bias))
-        return None if packed is None else dense.swiglu(x, packed, vector_chunk, out)
+        if packed is not None:
+            return dense.swiglu(x, packed, vector_chunk, out)
+        amx = _amx_swiglu_weight(self, x, vector_chunk)
+        return None if amx is None else linear_amx.swiglu(x, amx, vector_chunk, out)
 
 
 class Activations:
@@ -557,7 +573,7 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> int:
         """Pack every dense layer's weight for its native kernel now, as its first call would:
         start-up pays it rather than the first step. bfloat16 layers (and the LM head) for the AMX
-        kernel; int8 layers (``--quantization``) for theirs, the MLP's gate/up projection for the
+        kernel, int8 layers (``--quantization``) for theirs: the MLP's gate/up projection for the
         fused SwiGLU the MLP calls first where the fused CPU ops run. Returns how many were packed
         (none on other devices, or without a native kernel for the layer)."""
         packed = 0
@@ -567,7 +583,12 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Linear, LMHead)) and module.weight.device.type == "cpu":
                 rows = torch.empty(1, module.weight.shape[1], dtype=module.weight.dtype)
-                packed += _amx_weight(module, rows) is not None
+                # The MLP's gate/up goes to the fused SwiGLU where it runs, and only there.
+                if (fused_mlp and id(module) in gate_ups
+                        and _amx_swiglu_weight(module, rows, cpu_ops.silu_vector_chunk(rows.dtype)) is not None):
+                    packed += 1
+                else:
+                    packed += _amx_weight(module, rows) is not None
             elif hasattr(module, "pack_now") and module.qweight.device.type == "cpu":
                 packed += module.pack_now(dtype, fused=fused_mlp and id(module) in gate_ups)
         return packed
