@@ -116,11 +116,11 @@ def pack_swiglu(weight: torch.Tensor) -> AmxWeight | None:
     return None if lib is None else AmxWeight(weight, lib, swiglu=True)
 
 
-def takes(x: torch.Tensor) -> bool:
-    """Whether rows ``x`` go to the kernel: 2-D bfloat16 on CPU, at most ``MAX_ROWS`` of them,
-    the kernel available."""
-    return (x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < x.shape[0] <= MAX_ROWS
-            and x.shape[1] % K_BLOCK == 0 and available())
+def takes(x: torch.Tensor, max_rows: int | None = MAX_ROWS) -> bool:
+    """Whether rows ``x`` go to the kernel: 2-D bfloat16 on CPU, at most ``max_rows`` of them
+    (None: any number), the kernel available."""
+    return (x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[0] > 0
+            and (max_rows is None or x.shape[0] <= max_rows) and x.shape[1] % K_BLOCK == 0 and available())
 
 
 def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None,

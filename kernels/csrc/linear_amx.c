@@ -143,23 +143,31 @@ static inline __m512 as_stored(__m512 v) {
 /* Rows of SwiGLU from a pair's C tiles: gate sums cg and up sums cu of `cols` features (row stride
    16 floats). `vector`: the columns take the vectorised exponential, as mqinfer_silu_mul does
    within a row's whole vector chunks; otherwise expf, as past them. */
+static inline void swiglu_row16(const float *cg, const float *cu, __mmask16 m, uint16_t *out) {
+    const __m512 g = as_stored(_mm512_loadu_ps(cg)), u = as_stored(_mm512_loadu_ps(cu));
+    const __m512 e = exp_f32x16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
+    const __m512 s = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    _mm256_mask_storeu_epi16(out, m, _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, u))));
+}
+
 static void write_swiglu(const float *cg, const float *cu, int64_t rows, int64_t cols, int vector, uint16_t *out,
                          int64_t out_stride) {
     const __mmask16 m = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+    if (vector) {
+        /* Four rows at a time: their exponentials and divisions are independent chains. */
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4)
+            for (int k = 0; k < 4; k++) swiglu_row16(cg + (r + k) * 16, cu + (r + k) * 16, m, out + (r + k) * out_stride);
+        for (; r < rows; r++) swiglu_row16(cg + r * 16, cu + r * 16, m, out + r * out_stride);
+        return;
+    }
     for (int64_t r = 0; r < rows; r++) {
-        const __m512 g = as_stored(_mm512_loadu_ps(cg + r * 16)), u = as_stored(_mm512_loadu_ps(cu + r * 16));
-        if (vector) {
-            const __m512 e = exp_f32x16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
-            const __m512 s = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-            _mm256_mask_storeu_epi16(out + r * out_stride, m, _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, u))));
-        } else {
-            float gs[16], us[16];
-            _mm512_storeu_ps(gs, g);
-            _mm512_storeu_ps(us, u);
-            for (int64_t i = 0; i < cols; i++) {
-                const float s = bits_bf16(bf16_bits(gs[i] / (1.0f + expf(-gs[i]))));
-                out[r * out_stride + i] = bf16_bits(s * us[i]);
-            }
+        float gs[16], us[16];
+        _mm512_storeu_ps(gs, as_stored(_mm512_loadu_ps(cg + r * 16)));
+        _mm512_storeu_ps(us, as_stored(_mm512_loadu_ps(cu + r * 16)));
+        for (int64_t i = 0; i < cols; i++) {
+            const float s = bits_bf16(bf16_bits(gs[i] / (1.0f + expf(-gs[i]))));
+            out[r * out_stride + i] = bf16_bits(s * us[i]);
         }
     }
 }
@@ -172,10 +180,11 @@ typedef struct {
 } linear_call;
 
 /* 16 or 32 rows (two_rows) at xa (row stride lda bytes) against panel a, and panel b (two_panels),
-   over the whole K; the sums into c[0..3] as the tiles are numbered. Constant flags: the compiler
-   makes one loop per combination. */
+   over the whole K, into the C tiles (numbered as above). Constant flags: the compiler makes one
+   loop per combination. The sums stay in the tiles (store_sums takes them out), so that the
+   tile unit works on them while the core writes the block before. */
 static inline __attribute__((always_inline)) void block_sums(const uint16_t *xa, int64_t lda, const uint16_t *wa,
-                                                             const uint16_t *wb, int64_t kblocks, float c[4][256],
+                                                             const uint16_t *wb, int64_t kblocks,
                                                              const int two_rows, const int two_panels) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t kb = 0; kb < kblocks; kb++) {
@@ -190,6 +199,26 @@ static inline __attribute__((always_inline)) void block_sums(const uint16_t *xa,
             if (two_rows) _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+typedef void (*block_fn)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, int64_t);
+static void block_1_1(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb) {
+    block_sums(x, lda, wa, wb, kb, 0, 0);
+}
+static void block_1_2(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb) {
+    block_sums(x, lda, wa, wb, kb, 0, 1);
+}
+static void block_2_1(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb) {
+    block_sums(x, lda, wa, wb, kb, 1, 0);
+}
+static void block_2_2(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb) {
+    block_sums(x, lda, wa, wb, kb, 1, 1);
+}
+/* [two_rows][two_panels] */
+static const block_fn blocks[2][2] = {{block_1_1, block_1_2}, {block_2_1, block_2_2}};
+
+/* The C tiles block_sums filled, into c[0..3] as the tiles are numbered. */
+static void store_sums(float c[4][256], int two_rows, int two_panels) {
     _tile_stored(0, c[0], 64);
     if (two_rows) _tile_stored(2, c[2], 64);
     if (two_panels) {
@@ -197,22 +226,6 @@ static inline __attribute__((always_inline)) void block_sums(const uint16_t *xa,
         if (two_rows) _tile_stored(3, c[3], 64);
     }
 }
-
-typedef void (*block_fn)(const uint16_t *, int64_t, const uint16_t *, const uint16_t *, int64_t, float[4][256]);
-static void block_1_1(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
-    block_sums(x, lda, wa, wb, kb, c, 0, 0);
-}
-static void block_1_2(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
-    block_sums(x, lda, wa, wb, kb, c, 0, 1);
-}
-static void block_2_1(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
-    block_sums(x, lda, wa, wb, kb, c, 1, 0);
-}
-static void block_2_2(const uint16_t *x, int64_t lda, const uint16_t *wa, const uint16_t *wb, int64_t kb, float c[4][256]) {
-    block_sums(x, lda, wa, wb, kb, c, 1, 1);
-}
-/* [two_rows][two_panels] */
-static const block_fn blocks[2][2] = {{block_1_1, block_1_2}, {block_2_1, block_2_2}};
 
 /* One 32-row block's results from its C tiles into the output: plain (with the bias) or SwiGLU. */
 static void write_block(const linear_call *call, float c[4][256], int64_t m, int64_t rows, int64_t pp, int two) {
@@ -243,7 +256,8 @@ static int linear_part(const void *ctx, int part, int num_parts) {
     const int64_t M = a->rows, K = a->in_features, N = a->out_features, kblocks = K / KBLOCK;
     const int64_t first = call->pairs * part / num_parts, last = call->pairs * (part + 1) / num_parts;
     const uint16_t *x = (const uint16_t *)a->x, *w = (const uint16_t *)a->packed;
-    float c[4][256];
+    float c[2][4][256];     /* the block in the tiles' sums, and the one before it */
+    int64_t prev_m = -1, prev_rows = 0, prev_pp = 0, prev_two = 0, cur = 0;
     uint16_t *tail = NULL;  /* the last rows of x, padded to 32 with zeros */
     const int64_t full = M / 32 * 32;
     if (full < M) {
@@ -263,11 +277,15 @@ static int linear_part(const void *ctx, int part, int num_parts) {
                 const uint16_t *xa = m < full ? x + m * a->x_stride : tail;
                 const int64_t lda = (m < full ? a->x_stride : K) * 2;
                 const int64_t rows = M - m < 32 ? M - m : 32;
-                blocks[rows > 16][two](xa, lda, wa, wb, kblocks, c);
-                write_block(call, c, m, rows, pp, two);
+                blocks[rows > 16][two](xa, lda, wa, wb, kblocks);
+                /* The block before is written while the tile unit sums this one. */
+                if (prev_m >= 0) write_block(call, c[cur ^ 1], prev_m, prev_rows, prev_pp, (int)prev_two);
+                store_sums(c[cur], rows > 16, two);
+                prev_m = m, prev_rows = rows, prev_pp = pp, prev_two = two, cur ^= 1;
             }
         }
     }
+    if (prev_m >= 0) write_block(call, c[cur ^ 1], prev_m, prev_rows, prev_pp, (int)prev_two);
     _tile_release();
     free(tail);
     return 0;

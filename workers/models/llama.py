@@ -78,11 +78,14 @@ def _amx_weight(module: nn.Module, x: torch.Tensor) -> linear_amx.AmxWeight | No
     return packed
 
 
+SWIGLU_MAX_ROWS = None
+
+
 def _amx_swiglu_weight(module: nn.Module, x: torch.Tensor, vector_chunk: int) -> linear_amx.AmxWeight | None:
     """SwiGLU's gate/up weight packed for the AMX kernel's fused SwiGLU when rows ``x`` go to the
     kernel (as ``_amx_weight``) and the layer has no bias: kept in ``module.packed_swiglu``, made
     again when the weight was replaced; None otherwise."""
-    if module.bias is not None or vector_chunk % linear_amx.PANEL or not linear_amx.takes(x):
+    if module.bias is not None or vector_chunk % linear_amx.PANEL or not linear_amx.takes(x, SWIGLU_MAX_ROWS):
         return None
     packed = module.packed_swiglu
     if not isinstance(packed, linear_amx.AmxWeight) or not packed.packed_from(module.weight):
