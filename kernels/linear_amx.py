@@ -12,7 +12,9 @@ Why. PyTorch's bfloat16 matmul (oneDNN) lays the weight out for the tile unit ag
 call. On one core of this session's Xeon, against ``F.linear`` on the same operands (CPU time):
 1.35-2.4x from 1 to 64 rows (SmolLM2's and the 0.5B shape's layers and LM heads, weights read at
 10-26 GB/s instead of 8-10), 1.0-1.3x at 512 rows, 0.8-1.0x at 2048, where oneDNN's blocking for
-long prompts is better: calls of more than ``MAX_ROWS`` rows stay with PyTorch.
+long prompts is better: calls of more than ``MAX_ROWS`` rows stay with PyTorch. The fused SwiGLU
+is the exception (``takes(x, None)``): PyTorch would need the SwiGLU kernel's pass over the
+intermediate too, which the tiles' epilogue does while the tile unit sums the next block.
 
 Numerics: float32 sums of exact bfloat16 products in the tile unit's order, the bias added in
 float32, one rounding to bfloat16; a row's result does not depend on the other rows or the

@@ -144,11 +144,12 @@ static void write_tile(const amx_job *job, const int32_t *c, int64_t row0, int64
 }
 
 /* 16 or 32 rows (two_rows) starting at row m against panel a, and panel b (two_panels), over the
-   whole K; the sums into c[0..3] as the tiles are numbered. Constant flags: the compiler makes
-   one loop per combination. */
+   whole K, into the C tiles (numbered as below). Constant flags: the compiler makes one loop per
+   combination. The sums stay in the tiles (store_sums takes them out), so that the tile unit works
+   on them while the core writes the block before. */
 static inline __attribute__((always_inline)) void block_sums(const int8_t *xq, int64_t kp, const int8_t *wa,
-                                                             const int8_t *wb, int32_t c[4][256],
-                                                             const int two_rows, const int two_panels) {
+                                                             const int8_t *wb, const int two_rows,
+                                                             const int two_panels) {
     const int64_t kblocks = kp / KBLOCK;
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t kb = 0; kb < kblocks; kb++) {
@@ -163,6 +164,26 @@ static inline __attribute__((always_inline)) void block_sums(const int8_t *xq, i
             if (two_rows) _tile_dpbssd(3, 5, 7);
         }
     }
+}
+
+typedef void (*block_fn)(const int8_t *, int64_t, const int8_t *, const int8_t *);
+static void block_sums_1_1(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb) {
+    block_sums(x, kp, wa, wb, 0, 0);
+}
+static void block_sums_1_2(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb) {
+    block_sums(x, kp, wa, wb, 0, 1);
+}
+static void block_sums_2_1(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb) {
+    block_sums(x, kp, wa, wb, 1, 0);
+}
+static void block_sums_2_2(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb) {
+    block_sums(x, kp, wa, wb, 1, 1);
+}
+/* [two_rows][two_panels] */
+static const block_fn blocks[2][2] = {{block_sums_1_1, block_sums_1_2}, {block_sums_2_1, block_sums_2_2}};
+
+/* The C tiles block_sums filled, into c[0..3] as the tiles are numbered. */
+static void store_sums(int32_t c[4][256], int two_rows, int two_panels) {
     _tile_stored(0, c[0], 64);
     if (two_rows) _tile_stored(2, c[2], 64);
     if (two_panels) {
@@ -171,17 +192,15 @@ static inline __attribute__((always_inline)) void block_sums(const int8_t *xq, i
     }
 }
 
-static void block_sums_1_1(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb, int32_t c[4][256]) {
-    block_sums(x, kp, wa, wb, c, 0, 0);
-}
-static void block_sums_1_2(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb, int32_t c[4][256]) {
-    block_sums(x, kp, wa, wb, c, 0, 1);
-}
-static void block_sums_2_1(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb, int32_t c[4][256]) {
-    block_sums(x, kp, wa, wb, c, 1, 0);
-}
-static void block_sums_2_2(const int8_t *x, int64_t kp, const int8_t *wa, const int8_t *wb, int32_t c[4][256]) {
-    block_sums(x, kp, wa, wb, c, 1, 1);
+/* A block's sums (its first row m, rows, panel pair pp) through the epilogue into the output. */
+static void write_block(const amx_job *job, int32_t c[4][256], int64_t m, int64_t rows, int64_t pp,
+                        int two_panels) {
+    for (int half = 0; half < 2; half++) {
+        const int64_t hr = rows - 16 * half < 16 ? rows - 16 * half : 16;
+        if (hr <= 0) continue;
+        write_tile(job, c[2 * half], m + 16 * half, hr, 2 * pp);
+        if (two_panels) write_tile(job, c[2 * half + 1], m + 16 * half, hr, 2 * pp + 1);
+    }
 }
 
 /* Part `part` of the quantization: a contiguous range of rows. */
@@ -203,7 +222,9 @@ static int product_part(const void *ctx, int part, int num_parts) {
     const int64_t M = job->a->rows, kp = job->kp;
     const int64_t first = job->pairs * part / num_parts, last = job->pairs * (part + 1) / num_parts;
     const int8_t *w = (const int8_t *)job->a->packed;
-    int32_t c[4][256];
+    int32_t c[2][4][256];  /* the block in the tiles' sums, and the one before it */
+    int64_t prev_m = -1, prev_rows = 0, prev_pp = 0, cur = 0;
+    int prev_two = 0;
     mq_amx_configure_tiles();
     for (int64_t r0 = 0; r0 < M; r0 += ROW_CHUNK) {
         const int64_t r1 = M - r0 < ROW_CHUNK ? M : r0 + ROW_CHUNK;
@@ -213,18 +234,15 @@ static int product_part(const void *ctx, int part, int num_parts) {
             const int8_t *wa = w + pa * PANEL * kp, *wb = two_panels ? w + pb * PANEL * kp : wa;
             for (int64_t m = r0; m < r1; m += 32) {
                 const int64_t rows = r1 - m < 32 ? r1 - m : 32;
-                const int8_t *xq = job->q + m * kp;
-                if (rows > 16) (two_panels ? block_sums_2_2 : block_sums_2_1)(xq, kp, wa, wb, c);
-                else (two_panels ? block_sums_1_2 : block_sums_1_1)(xq, kp, wa, wb, c);
-                for (int half = 0; half < 2; half++) {
-                    const int64_t hr = rows - 16 * half < 16 ? rows - 16 * half : 16;
-                    if (hr <= 0) continue;
-                    write_tile(job, c[2 * half], m + 16 * half, hr, pa);
-                    if (two_panels) write_tile(job, c[2 * half + 1], m + 16 * half, hr, pb);
-                }
+                blocks[rows > 16][two_panels](job->q + m * kp, kp, wa, wb);
+                /* The block before is written while the tile unit sums this one. */
+                if (prev_m >= 0) write_block(job, c[cur ^ 1], prev_m, prev_rows, prev_pp, prev_two);
+                store_sums(c[cur], rows > 16, two_panels);
+                prev_m = m, prev_rows = rows, prev_pp = pp, prev_two = two_panels, cur ^= 1;
             }
         }
     }
+    if (prev_m >= 0) write_block(job, c[cur ^ 1], prev_m, prev_rows, prev_pp, prev_two);
     _tile_release();
     return 0;
 }

@@ -78,6 +78,10 @@ def _amx_weight(module: nn.Module, x: torch.Tensor) -> linear_amx.AmxWeight | No
     return packed
 
 
+# Rows up to which the MLP's gate/up projection takes the AMX kernel's fused SwiGLU (None: any
+# number). Unlike the plain layers, which leave long prompts to PyTorch's matmul (see
+# linear_amx.MAX_ROWS), the fused form beats PyTorch's matmul followed by the SwiGLU kernel there
+# too: the standard workload ran 1.02-1.06x faster than with 512 rows at most (BENCHMARKS.md).
 SWIGLU_MAX_ROWS = None
 
 
