@@ -140,9 +140,7 @@ static inline __m512 as_stored(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
 }
 
-/* Rows of SwiGLU from a pair's C tiles: gate sums cg and up sums cu of `cols` features (row stride
-   16 floats). `vector`: the columns take the vectorised exponential, as mqinfer_silu_mul does
-   within a row's whole vector chunks; otherwise expf, as past them. */
+/* One row of SwiGLU, 16 features wide (m: those that exist), with the vectorised exponential. */
 static inline void swiglu_row16(const float *cg, const float *cu, __mmask16 m, uint16_t *out) {
     const __m512 g = as_stored(_mm512_loadu_ps(cg)), u = as_stored(_mm512_loadu_ps(cu));
     const __m512 e = exp_f32x16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
@@ -150,18 +148,17 @@ static inline void swiglu_row16(const float *cg, const float *cu, __mmask16 m, u
     _mm256_mask_storeu_epi16(out, m, _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, u))));
 }
 
+/* Rows of SwiGLU from a pair's C tiles: gate sums cg and up sums cu of `cols` features (row stride
+   16 floats). `vector`: the columns take the vectorised exponential, as mqinfer_silu_mul does
+   within a row's whole vector chunks; otherwise expf, as past them. */
 static void write_swiglu(const float *cg, const float *cu, int64_t rows, int64_t cols, int vector, uint16_t *out,
                          int64_t out_stride) {
     const __mmask16 m = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-    if (vector) {
-        /* Four rows at a time: their exponentials and divisions are independent chains. */
-        int64_t r = 0;
-        for (; r + 4 <= rows; r += 4)
-            for (int k = 0; k < 4; k++) swiglu_row16(cg + (r + k) * 16, cu + (r + k) * 16, m, out + (r + k) * out_stride);
-        for (; r < rows; r++) swiglu_row16(cg + r * 16, cu + r * 16, m, out + r * out_stride);
-        return;
-    }
     for (int64_t r = 0; r < rows; r++) {
+        if (vector) {
+            swiglu_row16(cg + r * 16, cu + r * 16, m, out + r * out_stride);
+            continue;
+        }
         float gs[16], us[16];
         _mm512_storeu_ps(gs, as_stored(_mm512_loadu_ps(cg + r * 16)));
         _mm512_storeu_ps(us, as_stored(_mm512_loadu_ps(cu + r * 16)));
