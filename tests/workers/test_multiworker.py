@@ -17,7 +17,7 @@ import redis.exceptions
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
-from tests.helpers import rows, start_worker, wait_exit, wait_until
+from tests.helpers import blocked_in, rows, start_worker, wait_exit, wait_until
 
 STREAM = keys.request_stream("requests")
 
@@ -54,7 +54,11 @@ def _share_then_scale_down(redis_url, redis_client, out, plan: list[tuple[str, l
     def join(*names: str) -> None:
         for name in names:
             workers[name] = start_worker(redis_url, out, "--consumer", name, *args)
-        wait_until(lambda: _consumers(redis_client) >= set(workers), timeout=120, what="every worker reading")
+        # A worker joins the group before its model loads; it reads once loaded, and a job
+        # submitted before then would go to the others by design.
+        wait_until(lambda: _consumers(redis_client) >= set(workers)
+                   and blocked_in(redis_client, "xreadgroup") >= len(workers), timeout=120,
+                   what="every worker reading")
 
     n = 24
     try:
