@@ -125,28 +125,38 @@ def takes(x: torch.Tensor, max_rows: int | None = MAX_ROWS) -> bool:
             and (max_rows is None or x.shape[0] <= max_rows) and x.shape[1] % K_BLOCK == 0 and available())
 
 
-def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ W.T (+ bias)`` for bfloat16 ``x`` ``[T, in_features]`` (unit column stride), into
-    ``out`` (a contiguous bfloat16 ``[T, out_features]``) when given."""
+def _operands(x: torch.Tensor, weight: AmxWeight, out: torch.Tensor | None,
+              cols: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The call's rows (``x`` checked, made contiguous where its strides do not suit the kernel),
+    its ``[T, cols]`` output (``out`` checked, or a new tensor) and the rows' stride."""
     rows, features = x.shape
     if features != weight.in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         raise ValueError(f"x must be a bfloat16 CPU tensor [T, {weight.in_features}], got {list(x.shape)} {x.dtype}")
     if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
         x = x.contiguous()
     if out is None:
-        out = torch.empty(rows, weight.out_features, dtype=torch.bfloat16)
-    elif out.shape != (rows, weight.out_features) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bfloat16 tensor [{rows}, {weight.out_features}]")
+        out = torch.empty(rows, cols, dtype=torch.bfloat16)
+    elif out.shape != (rows, cols) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 tensor [{rows}, {cols}]")
+    return x, out, x.stride(0) if rows > 1 else features
+
+
+def _check(status: int) -> None:
+    if status != 0:
+        raise RuntimeError(f"the AMX dense-layer kernel failed (status {status})")
+
+
+def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for bfloat16 ``x`` ``[T, in_features]`` (unit column stride), into
+    ``out`` (a contiguous bfloat16 ``[T, out_features]``) when given."""
+    x, out, x_stride = _operands(x, weight, out, weight.out_features)
     if bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.bfloat16
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous bfloat16 tensor [{weight.out_features}]")
-    status = _library().mqinfer_amx_linear(
-        x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
-        features, weight.out_features, x.stride(0) if rows > 1 else features, weight.out_features,
-        torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"the AMX dense-layer kernel failed (status {status})")
+    _check(_library().mqinfer_amx_linear(
+        x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+        weight.in_features, weight.out_features, x_stride, weight.out_features, torch.get_num_threads()))
     return out
 
 
@@ -155,24 +165,14 @@ def swiglu(x: torch.Tensor, weight: AmxWeight, vector_chunk: int, out: torch.Ten
     ``pack_swiglu``), into ``out`` (a contiguous bfloat16 ``[T, I]``) when given: the bits of
     ``linear`` with the same weight followed by ``cpu_ops.silu_mul`` (``vector_chunk`` as there, a
     multiple of 16)."""
-    rows, features = x.shape
     if not weight.inter:
         raise ValueError("swiglu takes a weight packed by pack_swiglu")
-    if features != weight.in_features or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        raise ValueError(f"x must be a bfloat16 CPU tensor [T, {weight.in_features}], got {list(x.shape)} {x.dtype}")
     if vector_chunk < 0 or vector_chunk % PANEL:
         raise ValueError(f"vector_chunk must be a non-negative multiple of {PANEL}, got {vector_chunk}")
-    if x.stride(1) != 1 or (rows > 1 and x.stride(0) < features):
-        x = x.contiguous()
-    if out is None:
-        out = torch.empty(rows, weight.inter, dtype=torch.bfloat16)
-    elif out.shape != (rows, weight.inter) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bfloat16 tensor [{rows}, {weight.inter}]")
-    status = _library().mqinfer_amx_swiglu(
-        x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), rows, features, weight.inter,
-        x.stride(0) if rows > 1 else features, weight.inter, vector_chunk, torch.get_num_threads())
-    if status != 0:
-        raise RuntimeError(f"the AMX dense-layer kernel failed (status {status})")
+    x, out, x_stride = _operands(x, weight, out, weight.inter)
+    _check(_library().mqinfer_amx_swiglu(
+        x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0], weight.in_features, weight.inter,
+        x_stride, weight.inter, vector_chunk, torch.get_num_threads()))
     return out
 
 

@@ -30,7 +30,6 @@
 
 #include "amx_tiles.h"
 #include "native_common.h"
-#include "silu_exp.h"
 
 #define PANEL 16
 #define KBLOCK 32
@@ -93,7 +92,13 @@ void mqinfer_amx_linear_pack(const uint16_t *weight, int64_t out_features, int64
         }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+/* AVX-512 BW/VL/VNNI too: the SwiGLU epilogue shares the w8a8 kernels' bfloat16 rounding and silu
+   table (int8_epilogue.h; the table lives with the VNNI kernel, linear_int8.c). Every CPU with
+   AMX has them. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) \
+    && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
+#include "int8_epilogue.h"
+
 int mqinfer_amx_linear_available(void) { return mq_amx_permitted(); }
 
 /* Tiles (mq_amx_configure_tiles: every tile 16 rows of 64 bytes). 0..3: C (rows 0-15 x panel a,
@@ -118,54 +123,34 @@ static void write_tile(const float *c, int64_t rows, int64_t cols, const uint16_
         store_bf16(out + r * out_stride, _mm512_add_ps(_mm512_loadu_ps(c + r * 16), b), m);
 }
 
-/* SwiGLU's rounding (cpu_ops.c's bf16_bits16): to nearest even, NaN to the quiet NaN. */
-static inline __m512i bf16_bits16(__m512 v) {
+/* 16 sums as the plain store rounds them (store_bf16), in the low 16 bits of each lane. */
+static inline __m512i stored_bits(__m512 v) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
-}
-static inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits16(v), 16)); }
-static inline uint16_t bf16_bits(float f) {
-    uint32_t u; memcpy(&u, &f, 4);
-    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : rounded;
-}
-static inline float bits_bf16(uint16_t b) { uint32_t u = (uint32_t)b << 16; float f; memcpy(&f, &u, 4); return f; }
-/* 16 sums as the plain store rounds them (store_bf16), back to float. */
-static inline __m512 as_stored(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
-}
-
-/* One row of SwiGLU, 16 features wide (m: those that exist), with the vectorised exponential. */
-static inline void swiglu_row16(const float *cg, const float *cu, __mmask16 m, uint16_t *out) {
-    const __m512 g = as_stored(_mm512_loadu_ps(cg)), u = as_stored(_mm512_loadu_ps(cu));
-    const __m512 e = exp_f32x16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
-    const __m512 s = round_bf16x16(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-    _mm256_mask_storeu_epi16(out, m, _mm512_cvtepi32_epi16(bf16_bits16(_mm512_mul_ps(s, u))));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
 }
 
 /* Rows of SwiGLU from a pair's C tiles: gate sums cg and up sums cu of `cols` features (row stride
-   16 floats). `vector`: the columns take the vectorised exponential, as mqinfer_silu_mul does
-   within a row's whole vector chunks; otherwise expf, as past them. */
+   16 floats), each rounded as the plain store writes it. `vector`: silu(gate) from the table of
+   mqinfer_silu_mul's vectorised arithmetic (one gather of the gates' bfloat16 bits), as that kernel
+   computes the columns within a row's whole vector chunks; otherwise expf, as past them. Then the
+   product rounded as mqinfer_silu_mul stores it. */
 static void write_swiglu(const float *cg, const float *cu, int64_t rows, int64_t cols, int vector, uint16_t *out,
                          int64_t out_stride) {
     const __mmask16 m = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
     for (int64_t r = 0; r < rows; r++) {
+        const __m512i g = stored_bits(_mm512_loadu_ps(cg + r * 16));
+        const __m512 u = _mm512_castsi512_ps(_mm512_slli_epi32(stored_bits(_mm512_loadu_ps(cu + r * 16)), 16));
+        __m512 s;
         if (vector) {
-            swiglu_row16(cg + r * 16, cu + r * 16, m, out + r * out_stride);
-            continue;
+            s = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_i32gather_epi32(g, (const int *)mq_silu_bf16_table, 2), 16));
+        } else {
+            float gs[16];
+            _mm512_storeu_ps(gs, _mm512_castsi512_ps(_mm512_slli_epi32(g, 16)));
+            for (int64_t i = 0; i < cols; i++) gs[i] = bf16_round(gs[i] / (1.0f + expf(-gs[i])));
+            s = _mm512_loadu_ps(gs);
         }
-        float gs[16], us[16];
-        _mm512_storeu_ps(gs, as_stored(_mm512_loadu_ps(cg + r * 16)));
-        _mm512_storeu_ps(us, as_stored(_mm512_loadu_ps(cu + r * 16)));
-        for (int64_t i = 0; i < cols; i++) {
-            const float s = bits_bf16(bf16_bits(gs[i] / (1.0f + expf(-gs[i]))));
-            out[r * out_stride + i] = bf16_bits(s * us[i]);
-        }
+        _mm256_mask_storeu_epi16(out + r * out_stride, m, _mm512_cvtepi32_epi16(bf16_bits(_mm512_mul_ps(s, u))));
     }
 }
 
@@ -317,6 +302,7 @@ int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t row
                                           out_stride};
     if (rows <= 0 || inter <= 0) return 0;
     if (in_features % KBLOCK || vector_chunk % PANEL || !mqinfer_amx_linear_available()) return -2;
+    if (vector_chunk > 0) mq_silu_bf16_ready();
     linear_call call = {&args, pairs, inter, vector_chunk > 0 ? inter / vector_chunk * vector_chunk : 0};
     return run_call(&call, num_threads);
 }

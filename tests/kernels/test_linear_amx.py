@@ -159,7 +159,7 @@ def test_fused_swiglu_refuses_what_it_cannot_take():
         linear_amx.swiglu(x, linear_amx.pack_swiglu(w), 64, out=torch.empty(3, 64, dtype=torch.bfloat16))
 
 
-def test_the_models_mlp_takes_the_fused_swiglu_with_the_same_bits(monkeypatch):
+def test_the_models_mlp_takes_the_fused_swiglu_with_the_same_bits():
     from mqinfer.workers.models.llama import MLP, ModelConfig
 
     if not cpu_ops.cpu_ops_available():

@@ -78,18 +78,13 @@ def _amx_weight(module: nn.Module, x: torch.Tensor) -> linear_amx.AmxWeight | No
     return packed
 
 
-# Rows up to which the MLP's gate/up projection takes the AMX kernel's fused SwiGLU (None: any
-# number). Unlike the plain layers, which leave long prompts to PyTorch's matmul (see
-# linear_amx.MAX_ROWS), the fused form beats PyTorch's matmul followed by the SwiGLU kernel there
-# too: the standard workload ran 1.02-1.06x faster than with 512 rows at most (BENCHMARKS.md).
-SWIGLU_MAX_ROWS = None
-
-
 def _amx_swiglu_weight(module: nn.Module, x: torch.Tensor, vector_chunk: int) -> linear_amx.AmxWeight | None:
     """SwiGLU's gate/up weight packed for the AMX kernel's fused SwiGLU when rows ``x`` go to the
-    kernel (as ``_amx_weight``) and the layer has no bias: kept in ``module.packed_swiglu``, made
-    again when the weight was replaced; None otherwise."""
-    if module.bias is not None or vector_chunk % linear_amx.PANEL or not linear_amx.takes(x, SWIGLU_MAX_ROWS):
+    kernel and the layer has no bias: kept in ``module.packed_swiglu``, made again when the weight
+    was replaced; None otherwise. Any number of rows: unlike the plain layers, which leave long
+    prompts to PyTorch's matmul (``linear_amx.MAX_ROWS``), the fused form beats PyTorch's matmul
+    followed by the SwiGLU kernel there too (BENCHMARKS.md)."""
+    if module.bias is not None or vector_chunk % linear_amx.PANEL or not linear_amx.takes(x, None):
         return None
     packed = module.packed_swiglu
     if not isinstance(packed, linear_amx.AmxWeight) or not packed.packed_from(module.weight):
