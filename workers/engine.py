@@ -861,15 +861,22 @@ class LLMEngine:
                 continue
             kind, message = outcome
             if kind == "error":
-                failed.append((rid, message))
+                failed.append((request, message))
             elif request.status is RequestStatus.FINISHED_LENGTH:
                 request.status = RequestStatus.FINISHED_STOPPED
             elif not request.is_finished:
                 done.append(rid)
         if done:
             self.scheduler.finish_requests(done, RequestStatus.FINISHED_STOPPED)
-        for rid, message in failed:
-            self.scheduler.finish_requests([rid], RequestStatus.FINISHED_ERROR, "invalid_response_format", message)
+        for request, message in failed:
+            if request.is_finished:
+                # Ended this step by a token the mask allowed only because nothing else could
+                # come (the constraint cannot be completed): an error, never a valid "stop".
+                request.status = RequestStatus.FINISHED_ERROR
+                request.error_code, request.error = "invalid_response_format", message
+                continue
+            self.scheduler.finish_requests([request.request_id], RequestStatus.FINISHED_ERROR,
+                                           "invalid_response_format", message)
 
     def _account(self, t0: float, t1: float, t2: float, ran: ModelRunnerOutput | None) -> None:
         """Add this step's phase times: schedule [t0, t1], runner [t1, t2] (split by the runner's

@@ -44,6 +44,19 @@ import torch
 
 from mqinfer.kernels.cpu_ops import apply_token_bitmask, unpack_bitmask
 from mqinfer.schemas.response_format import GrammarSpec
+from mqinfer.workers.grammar_check import (
+    COMPILE_STACK_BYTES,
+    GrammarChecker,
+    check_bounds,
+    compile_grammar,
+    describe_error,
+    first_mask_problem,
+    kind_name,
+    llg_tokenizer,
+    on_stack,
+    one_line,
+    stack_executor,
+)
 
 if TYPE_CHECKING:
     import llguidance
@@ -78,47 +91,48 @@ def _llguidance():
     return llguidance
 
 
-class _ByteTokens:
-    """The byte tokenizer (workers/tokenizer.py ``ByteTokenizer``) as llguidance reads a tokenizer:
-    token i < 256 is the byte i; the rest are special tokens, never part of text."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        self.eos_token_id = tokenizer.eos_token_id
-        self.bos_token_id = tokenizer.bos_token_id
-        self.tokens = [bytes([i]) for i in range(256)] + [f"<|special_{i}|>".encode() for i in range(256, vocab_size)]
-        self.special_token_ids = list(range(256, vocab_size))
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        return list(text if isinstance(text, bytes) else text.encode("utf-8"))
-
-
-def build_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
-    """llguidance's view of the engine's tokenizer: the byte tokenizer of the tiny model, or a
-    ``tokenizers`` tokenizer (a checkpoint's tokenizer.json, or one rebuilt from a GGUF file) from
-    its JSON. ``vocab_size`` is the model's (the logits' width); ``eos_token_ids`` all end the text."""
-    llg = _llguidance()
+def tokenizer_spec(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> dict:
+    """The engine's tokenizer as plain data that llguidance's tokenizer is built from, here and in
+    the grammar checker process (:func:`mqinfer.workers.grammar_check.llg_tokenizer`): the byte
+    tokenizer of the tiny model, or a ``tokenizers`` tokenizer (a checkpoint's tokenizer.json, or
+    one rebuilt from a GGUF file) as its JSON. ``vocab_size`` is the model's (the logits' width);
+    ``eos_token_ids`` all end the text."""
     from mqinfer.workers.tokenizer import ByteTokenizer, HFTokenizer
 
-    eos = sorted(eos_token_ids) or None
+    eos = sorted(eos_token_ids)
     if isinstance(tokenizer, ByteTokenizer):
-        size = max(vocab_size, tokenizer.vocab_size)
-        return llg.LLTokenizer(llg.TokenizerWrapper(_ByteTokens(tokenizer, size)), n_vocab=size, eos_token=eos)
+        return {"kind": "bytes", "vocab_size": max(vocab_size, tokenizer.vocab_size), "eos": eos,
+                "eos_token_id": tokenizer.eos_token_id, "bos_token_id": tokenizer.bos_token_id}
     if isinstance(tokenizer, HFTokenizer):
-        size = max(vocab_size, tokenizer.vocab_size)
-        return llg.LLTokenizer(tokenizer.to_json(), n_vocab=size, eos_token=eos)
+        return {"kind": "hf", "json": tokenizer.to_json(), "vocab_size": max(vocab_size, tokenizer.vocab_size),
+                "eos": eos}
     raise GrammarError(f"response_format: no grammar support for a {type(tokenizer).__name__}")
 
 
-class GrammarCompiler:
-    """Grammars compiled against one tokenizer, the most recently used ``capacity`` of them kept."""
+def build_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the engine's tokenizer (see :func:`tokenizer_spec`)."""
+    _llguidance()
+    return llg_tokenizer(tokenizer_spec(tokenizer, vocab_size, eos_token_ids))
 
-    def __init__(self, tokenizer: llguidance.LLTokenizer, capacity: int = GRAMMAR_CACHE_SIZE) -> None:
+
+class GrammarCompiler:
+    """Grammars compiled against one tokenizer, the most recently used ``capacity`` of them kept.
+
+    A grammar not seen before is bounded (:func:`~mqinfer.workers.grammar_check.check_bounds`),
+    then checked by ``checker`` (a :class:`~mqinfer.workers.grammar_check.GrammarChecker`, the
+    child process where a crash or a hang costs nothing), then compiled here on a thread with a
+    large stack. Without a checker (tests of the compiler alone) the first-mask check runs here."""
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, capacity: int = GRAMMAR_CACHE_SIZE,
+                 checker: GrammarChecker | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, got {capacity}")
         self.tokenizer = tokenizer
         self.capacity = capacity
+        self.checker = checker
         # key -> a matcher in its initial state, or the message of a grammar that failed.
         self._cache: OrderedDict[str, llguidance.LLMatcher | str] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None
         self.hits = 0
         self.misses = 0
 
@@ -142,29 +156,41 @@ class GrammarCompiler:
             raise GrammarError(f"{compiled} - at `{spec.path}`")
         return compiled.deep_copy()
 
+    def close(self) -> None:
+        if self.checker is not None:
+            self.checker.close()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
     def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher | str:
         size = len(spec.source.encode("utf-8"))
-        what = {"json_schema": "the JSON schema", "regex": "the regex", "lark": "the Lark grammar",
-                "gbnf": "the GBNF grammar"}[spec.kind]
+        what = kind_name(spec.kind)
         if size > MAX_GRAMMAR_BYTES:
             return f"response_format: {what} is {size} bytes, over the limit of {MAX_GRAMMAR_BYTES} bytes"
-        llg = _llguidance()
-        try:
-            if spec.kind == "json_schema":
-                grammar = llg.LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
-            else:
-                grammar = llg.grammar_from(spec.kind, spec.source)
-        except ValueError as exc:
-            return f"response_format: {what} cannot be compiled: {exc}"
-        matcher = llg.LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            return f"response_format: {what} cannot be compiled: {_one_line(matcher.get_error())}"
-        return matcher
+        over = check_bounds(spec.kind, spec.source)
+        if over is not None:
+            return over
+        _llguidance()
+        if self.checker is not None:
+            refused = self.checker.check(spec.kind, spec.source)
+            if refused is not None:
+                return refused
+        if self._executor is None:
+            self._executor = stack_executor(COMPILE_STACK_BYTES, "grammar-compile")
 
+        def build() -> llguidance.LLMatcher | str:
+            try:
+                matcher = compile_grammar(self.tokenizer, spec.kind, spec.source, JSON_OPTIONS)
+            except ValueError as exc:
+                return f"response_format: {what} cannot be compiled: {one_line(str(exc))}"
+            if self.checker is None:
+                problem = first_mask_problem(matcher)
+                if problem is not None:
+                    return f"response_format: {what} cannot be used: {problem}"
+            return matcher
 
-def _one_line(message: str) -> str:
-    """llguidance's messages can carry a multi-line excerpt of the grammar: keep the first line."""
-    return message.strip().splitlines()[0] if message.strip() else "unknown error"
+        return on_stack(self._executor, build)
 
 
 @dataclass
@@ -262,16 +288,20 @@ class StructuredOutputs:
     ``background`` False fills the masks on the calling thread when the step begins (the same
     computation, for tests and measurements). ``mask_threads``: threads llguidance uses to fill
     a step's masks (on a CPU engine the forward pass has the cores, so one is enough).
+    ``isolate`` (the default) checks each new grammar in the grammar checker process before this
+    process compiles it (workers/grammar_check.py); False compiles here at once.
     """
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *,
-                 background: bool = True, mask_threads: int = 1, cache_size: int = GRAMMAR_CACHE_SIZE) -> None:
+                 background: bool = True, mask_threads: int = 1, cache_size: int = GRAMMAR_CACHE_SIZE,
+                 isolate: bool = True) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._eos_ids = tuple(sorted(eos_token_ids))
         self.background = background
         self._mask_threads = mask_threads
         self._cache_size = cache_size
+        self._isolate = isolate
         self._compiler: GrammarCompiler | None = None
         self._executor: Any = None
         self._thread: ThreadPoolExecutor | None = None
@@ -283,8 +313,9 @@ class StructuredOutputs:
         """Built on the first constrained request (a large vocabulary takes about a second)."""
         if self._compiler is None:
             llg = _llguidance()
-            tokenizer = build_tokenizer(self._tokenizer, self.vocab_size, self._eos_ids)
-            self._compiler = GrammarCompiler(tokenizer, self._cache_size)
+            spec = tokenizer_spec(self._tokenizer, self.vocab_size, self._eos_ids)
+            checker = GrammarChecker(spec, JSON_OPTIONS) if self._isolate else None
+            self._compiler = GrammarCompiler(llg_tokenizer(spec), self._cache_size, checker)
             self._executor = llg.LLExecutor(num_threads=self._mask_threads)
         return self._compiler
 
@@ -313,6 +344,8 @@ class StructuredOutputs:
         if self._thread is not None:
             self._thread.shutdown(wait=True)
             self._thread = None
+        if self._compiler is not None:
+            self._compiler.close()
 
     # -- one step -----------------------------------------------------------------------------
     def begin_step(self, scheduled: Sequence[ScheduledRequest]) -> StepMasks | None:
@@ -368,11 +401,12 @@ class StructuredOutputs:
         for token in tokens:
             if not matcher.consume_token(token):
                 return "error", (f"response_format: the grammar rejected output token {state.num_consumed}"
-                                 f" ({token}): {_one_line(matcher.get_error())} - at `{state.spec.path}`")
+                                 f" ({token}): {one_line(matcher.get_error())} - at `{state.spec.path}`")
             state.num_consumed += 1
         state.accepting = matcher.is_accepting()
         if matcher.is_error():
-            return "error", f"response_format: {_one_line(matcher.get_error())} - at `{state.spec.path}`"
+            problem = describe_error(matcher.get_error(), state.num_consumed)
+            return "error", f"response_format: {problem} - at `{state.spec.path}`"
         if matcher.is_stopped():
             return "done", None
         return None
@@ -412,5 +446,6 @@ __all__ = [
     "StepMasks",
     "StructuredOutputs",
     "build_tokenizer",
+    "tokenizer_spec",
     "default_mask_threads",
 ]
