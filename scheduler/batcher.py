@@ -186,6 +186,12 @@ class DynamicBatcher(Generic[T]):
             return 0.0
         return max(0.0, queue[0][0] + self.wait_s() - self._clock())
 
+    def requeue(self, items: list[T]) -> None:
+        """Put released items that could not start yet back at the front, in their order, due at
+        once (their wait is over)."""
+        for item in reversed(items):
+            self._queue.appendleft((float("-inf"), item))
+
     def remove(self, item: T) -> bool:
         """Take one waiting item out (a cancelled request); False when it is not waiting here."""
         for i, (_, queued) in enumerate(self._queue):

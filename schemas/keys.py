@@ -56,6 +56,12 @@ def inflight_hash(stream: str) -> str:
     return f"mqinfer:{{{stream}}}:inflight"
 
 
+def ran_alone(stream: str, entry_id: str) -> str:
+    """Set (to the worker's consumer name, for a day) when an entry's last try starts running alone
+    in a worker: if that worker dies, the entry is the one that killed it."""
+    return f"mqinfer:{{{stream}}}:alone:{entry_id}"
+
+
 def worker_uptime(stream: str, consumer: str) -> str:
     """Hash of one worker of stream ``S``: when its timeline began, its last heartbeat, the device
     seconds of the cost rows it has written, its model and price, and the claim of whoever bills the

@@ -34,6 +34,7 @@ from mqinfer.workers.engine import EngineInputError
 from mqinfer.workers.entries import InFlight, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.last_try import LastTries
 from mqinfer.workers.lanes import Lane, LaneSet, expected_service, lane_of, qualify, split
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.tenant_limits import request_tokens
@@ -174,6 +175,7 @@ class Ingest:
         self.budget_guard = budget_guard
         self.throttle = throttle
         self.clock = clock
+        self.last_tries = LastTries(redis_client, config.stream, consumer, config.max_deliveries)
         # Reads may block while the worker has nothing to do; a test that drives the loop by hand
         # turns this off.
         self.block_reads = True
@@ -587,7 +589,7 @@ class Ingest:
             return
         if redelivered:
             self.replies.restart(request, attempt)
-        refused = self._refusal(request, attempt)
+        refused = self._refusal(entry_id, request, attempt)
         if refused is not None:
             code, message, finish_reason = refused
             self.acks.add_error(entry_id, request.id, request.job_id, code, message, attempt=attempt,
@@ -620,12 +622,12 @@ class Ingest:
         else:
             self.batcher.add(entry_id)
 
-    def _refusal(self, request: Request, attempt: int) -> tuple[str | None, str | None, str] | None:
+    def _refusal(self, entry_id: str, request: Request,
+                 attempt: int) -> tuple[str | None, str | None, str] | None:
         """Why a valid request ends before it runs: (error code, message, finish reason), or None."""
-        if attempt > self.config.max_deliveries:
-            return (errors.MAX_DELIVERIES_EXCEEDED,
-                    f"delivered {attempt} times (--max-deliveries {self.config.max_deliveries}); "
-                    "its workers died or failed each time", "error")
+        over = self.last_tries.refusal(entry_id, attempt)
+        if over is not None:
+            return errors.MAX_DELIVERIES_EXCEEDED, over, "error"
         if self.jobs.cancelled(request.job_id):
             return None, None, "cancelled"
         if self.config.enforce_budgets:

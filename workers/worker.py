@@ -111,6 +111,8 @@ class Worker:
         self.uptime: UptimeRecord | None = None
         self.lost: LostTime | None = None
         self._last_lost_scan = float("-inf")
+        # The entry whose last try runs alone in the engine now (workers/last_try.py), if any.
+        self._alone: str | None = None
         self._wait_gauges: tuple[Gauge, Gauge, Gauge] | None = None
         # With KV tiers: the prompt prefixes they hold, published for prefix routing.
         self.tier_prefixes: TierPrefixes | None = None
@@ -340,15 +342,34 @@ class Worker:
 
     def _admit(self) -> None:
         idle = not self.engine.has_unfinished()
+        if idle:
+            self._alone = None
         batch = self.batcher.poll(engine_idle=idle)
         if not batch:
             return
         now = self.clock()
         if idle:
             self.meter.idle_until(now)
-        for entry_id in batch:
-            item = self.ownership.get(entry_id)
+        last_tries = self.ingest.last_tries
+        # A last try runs alone (workers/last_try.py): while one runs, or one waits for the engine
+        # to empty, nothing else starts; the rest go back to the batcher's front.
+        items = [(entry_id, self.ownership.get(entry_id)) for entry_id in batch]
+        waits_alone = any(item is not None and last_tries.runs_alone(item.attempt) for _, item in items)
+        later: list[str] = []
+        for entry_id, item in items:
             if item is None:
+                continue
+            if self._alone is not None:
+                later.append(entry_id)
+                continue
+            if last_tries.runs_alone(item.attempt):
+                if self.engine.has_unfinished():
+                    later.append(entry_id)
+                    continue
+                self._with_backoff(last_tries.mark, entry_id)
+                self._alone = entry_id
+            elif waits_alone:
+                later.append(entry_id)
                 continue
             req = item.request
             try:
@@ -359,7 +380,11 @@ class Worker:
                 self.ownership.release(entry_id)
                 self.acks.add_error(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,
                                     enqueued_at=item.enqueued_at, request=req)
+                if self._alone == entry_id:
+                    self._alone = None
                 continue
+        if later:
+            self.batcher.requeue(later)
 
     def _step(self) -> None:
         result = self.engine.step()

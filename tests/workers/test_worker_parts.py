@@ -137,19 +137,60 @@ def test_drain_hands_back_unfinished_work_for_another_worker_at_once(harness, re
     assert (row["id"], row["attempt"], row["worker"], row["output_tokens"]) == ("long", 1, "harness-2", 40)
 
 
-def test_an_entry_delivered_more_than_max_deliveries_ends_with_an_error_row(harness, redis_client):
+def test_an_entry_over_max_deliveries_that_ran_alone_before_ends_with_an_error_row(harness, redis_client):
     h = harness(max_deliveries=3)
     over = submit(redis_client, request("over"))
+    beside = submit(redis_client, request("beside"))
+    capped = submit(redis_client, request("capped"))
     last = submit(redis_client, request("last-chance"))
     read_as(redis_client, "ghost")
+    # "over" ran alone on its last try and its worker died: it is the one that kills workers.
+    redis_client.set(keys.ran_alone("requests", over), "ghost")
     set_idle(redis_client, "ghost", over, 5_000, delivered=3)
+    # "beside" was only held next to such a request each time: it gets a try of its own, alone.
+    set_idle(redis_client, "ghost", beside, 5_000, delivered=3)
+    # Whatever happened, twice --max-deliveries ends it.
+    set_idle(redis_client, "ghost", capped, 5_000, delivered=6)
     set_idle(redis_client, "ghost", last, 5_000, delivered=2)
-    h.until(lambda: len(h.results()) == 2, what="both rows")
+    h.until(lambda: len(h.results()) == 4, what="every row")
     by_id = {r["id"]: r for r in h.results()}
-    assert by_id["over"]["finish_reason"] == "error" and by_id["over"]["error_code"] == "max_deliveries_exceeded"
-    assert by_id["over"]["attempt"] == 4 and by_id["over"]["output_tokens"] == 0
+    for rid, attempt in (("over", 4), ("capped", 7)):
+        assert by_id[rid]["finish_reason"] == "error" and by_id[rid]["error_code"] == "max_deliveries_exceeded"
+        assert by_id[rid]["attempt"] == attempt and by_id[rid]["output_tokens"] == 0
+    assert "the worker running it alone died" in by_id["over"]["error"]
+    assert by_id["beside"]["finish_reason"] == "length" and by_id["beside"]["attempt"] == 4
     assert by_id["last-chance"]["finish_reason"] == "length" and by_id["last-chance"]["attempt"] == 3
+    # The two that ran got their try marked before it started.
+    assert redis_client.get(keys.ran_alone("requests", beside)) == h.consumer.encode()
+    assert redis_client.get(keys.ran_alone("requests", last)) == h.consumer.encode()
     assert pending(redis_client) == {} and redis_client.xlen(STREAM) == 0
+
+
+def test_a_last_try_runs_alone_in_the_engine(harness, redis_client):
+    h = harness(max_deliveries=3)
+    first = [submit(redis_client, request(f"early-{i}", max_tokens=200)) for i in range(2)]
+    h.until(lambda: all(h.running(e) for e in first), what="two requests running")
+    solo = submit(redis_client, request("solo", max_tokens=12))
+    read_as(redis_client, "ghost")
+    set_idle(redis_client, "ghost", solo, 5_000, delivered=2)  # its next delivery is its last
+    h.until(lambda: solo in h.worker.ownership, advance_s=0.05, what="the last try taken over")
+    assert all(h.running(e) for e in first)
+    later = [submit(redis_client, request(f"late-{i}", max_tokens=12)) for i in range(2)]
+    together = []
+
+    def step_once():
+        running = [e for e in [*first, solo, *later] if h.running(e)]
+        together.append(running)
+        return len(h.results()) == 5
+
+    h.until(step_once, advance_s=0.05, what="every row")
+    with_solo = [r for r in together if solo in r]
+    assert with_solo and all(r == [solo] for r in with_solo), together
+    # It waited for the two already running, and the two that came after it waited for it.
+    first_alone = together.index([solo])
+    assert not any(e in r for r in together[first_alone:] for e in first)
+    assert not any(e in r for r in together[:first_alone] for e in later)
+    assert {r["id"]: r["attempt"] for r in h.results()}["solo"] == 3
 
 
 def test_a_duplicate_is_computed_once_and_each_copy_answered_on_its_reply_stream(harness, redis_client):

@@ -1,0 +1,59 @@
+"""A request's last tries run alone, so that a request that crashes its worker ends with an error
+row and the requests that were merely beside it do not.
+
+Every delivery of a stream entry counts (the server's delivery count): a worker that dies holding
+entries leaves them pending, and whoever takes them over (``XAUTOCLAIM``) counts one more delivery.
+If one request kills every worker that runs it, its count grows with each death, and so does the
+count of every request that happened to be held beside it. So:
+
+- an entry on its last try (delivery ``--max-deliveries``, or any later one, and never the first)
+  runs **alone**: the worker starts it only when its engine is empty, starts nothing else until
+  it has finished, and marks the entry (``keys.ran_alone``) before it starts;
+- an entry delivered more than ``--max-deliveries`` times ends with ``max_deliveries_exceeded``
+  if it ran alone before (its worker died while running it and nothing else), or once it reaches
+  twice ``--max-deliveries`` (whatever happened); otherwise it was only held beside the request
+  that crashed its worker, and gets its own try alone.
+"""
+
+from __future__ import annotations
+
+from mqinfer.schemas import keys
+from mqinfer.workers.lanes import split, stream_of
+
+# How long the mark of a try alone is kept (an entry's row is written long before).
+MARK_TTL_S = 24 * 3600
+
+
+class LastTries:
+    """The rule above for one worker (``stream``: its ``--stream``)."""
+
+    def __init__(self, redis, stream: str, consumer: str, max_deliveries: int) -> None:
+        self.redis = redis
+        self.stream = stream
+        self.consumer = consumer
+        self.max_deliveries = max_deliveries
+
+    def runs_alone(self, attempt: int) -> bool:
+        return attempt >= max(2, self.max_deliveries)
+
+    def refusal(self, qid: str, attempt: int) -> str | None:
+        """The message of the ``max_deliveries_exceeded`` row of an entry on delivery ``attempt``,
+        or None while it may still run."""
+        limit = self.max_deliveries
+        if attempt <= limit:
+            return None
+        if attempt > 2 * limit:
+            return (f"delivered {attempt} times (--max-deliveries {limit}); its workers died or failed "
+                    "each time")
+        if self.redis.exists(self._key(qid)):
+            return (f"delivered {attempt} times (--max-deliveries {limit}); the worker running it alone "
+                    "died: this request crashes the workers that run it")
+        return None
+
+    def mark(self, qid: str) -> None:
+        """Say that ``qid`` starts running alone here (before it starts)."""
+        self.redis.set(self._key(qid), self.consumer, ex=MARK_TTL_S)
+
+    def _key(self, qid: str) -> str:
+        entry_id, lane = split(qid)
+        return keys.ran_alone(stream_of(self.stream, lane), entry_id)
