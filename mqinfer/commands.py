@@ -36,16 +36,22 @@ def worker_config(opts: dict, *, redis_url: str, out: Path):
 
 
 def read_input(path: str, job_id: str | None):
-    """Check every line of INPUT; returns (requests, invalid items, duplicate-id messages)."""
+    """Check every line of INPUT; returns (requests, invalid items, duplicate-id messages).
+
+    A line that repeats an earlier line's id with the same request is a harmless repeat: it is not
+    sent, and only a message says so. One that reuses an id for a different request is an invalid
+    item (``duplicate_id``, known as ``line:<N>``): its request would otherwise vanish unnoticed."""
     import msgspec
 
-    from mqinfer.schemas.files import iter_input
+    from mqinfer.schemas import errors
+    from mqinfer.schemas.errors import RequestError
+    from mqinfer.schemas.files import InputItem, iter_input
 
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no such input file: {p}")
     requests, invalid, duplicates = [], [], []
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple[int, bytes]] = {}
     for item in iter_input(p):
         if item.request is None:
             invalid.append(item)
@@ -54,10 +60,18 @@ def read_input(path: str, job_id: str | None):
         if job_id is not None:
             req = msgspec.structs.replace(req, job_id=job_id)
         key = req.id
+        encoded = msgspec.msgpack.encode(req)
         if key in seen:
-            duplicates.append(f"line {item.line}: id {key!r} repeats line {seen[key]}: not sent")
+            first, content = seen[key]
+            if content == encoded:
+                duplicates.append(f"line {item.line}: id {key!r} repeats line {first} with the same request: "
+                                  "not sent again")
+            else:
+                invalid.append(InputItem(item.line, None, RequestError(
+                    errors.DUPLICATE_ID, f"id {key!r} repeats line {first} with a different request: this line "
+                    "is not run; ids must be unique within a job - at `$.id`")))
             continue
-        seen[key] = item.line
+        seen[key] = (item.line, encoded)
         requests.append(req)
     return requests, invalid, duplicates
 

@@ -28,6 +28,7 @@ from mqinfer.layout import choose_layout
 from mqinfer.machine import Window, bill_remainder, settle_lost, worker_shares
 from mqinfer.procs import die_with_parent, mqinfer_command
 from mqinfer.schemas import lanes as lane_scheme
+from mqinfer.supervise import Supervisor
 from mqinfer.schemas.prefix_order import prefix_order
 
 STATE_DIR = ".mqinfer"
@@ -295,11 +296,17 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             places = placement(opts)
             shares, window.devices = worker_shares(opts, places)
             window.start()
-            for i in range(opts["workers"]):
-                workers.append(subprocess.Popen(
+            def start(i: int) -> subprocess.Popen:
+                return subprocess.Popen(
                     worker_argv(opts, out, i, streams[i % len(streams)], places[i], device_share=shares[i]), env=env,
                     stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True,
-                    preexec_fn=die_with_parent()))
+                    preexec_fn=die_with_parent())
+
+            def started_again(proc: subprocess.Popen) -> None:
+                window.pids.append(proc.pid)
+                lock.add_children([proc.pid])
+
+            workers.extend(start(i) for i in range(opts["workers"]))
             window.pids = [w.pid for w in workers]
             lock.add_children([w.pid for w in workers])
             _wait_for_workers(client, [keys.request_stream(s) for s in streams], opts["group"], workers)
@@ -312,8 +319,15 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
                          max_lanes=opts["max_lanes"]).submit_many(todo)
             print(f"job {job_id}: submitted {len(todo)} requests", file=sys.stderr, flush=True)
             generated_keys = [keys.generated_tokens(s) for s in streams]
+
+            def stream_keys() -> list[str]:
+                return [k for s in streams for k in lane_scheme.stream_keys(client, s)]
+
+            supervisor = Supervisor(client, workers, start, stream_keys, opts["group"],
+                                    claim_idle_ms=opts["claim_idle_ms"], max_deliveries=opts["max_deliveries"],
+                                    on_start=started_again)
             return _wait_done(client, done_keys, len(requests), workers, generated_keys, job_id,
-                              [k for s in streams for k in lane_scheme.stream_keys(client, s)], opts["group"])
+                              stream_keys(), opts["group"], supervisor)
         except Interrupted:
             print("\nmqinfer run: stopping: workers finish what they run and write it "
                   f"(up to --drain-timeout-s {opts['drain_timeout_s']:g}s)", file=sys.stderr, flush=True)
@@ -391,16 +405,20 @@ def _mark_done(client, done_keys: list[str], requests, shards: int, shard_index)
 
 
 def _wait_done(client, done_keys: list[str], total: int, workers: list[subprocess.Popen],
-               generated_keys: list[str], job_id: str, stream_keys: list[str], group: str) -> int:
+               generated_keys: list[str], job_id: str, stream_keys: list[str], group: str,
+               supervisor: Supervisor | None = None) -> int:
     """Until every request has a row (0), or every worker exited (1; 2 when none got as far as
     reading a request: they could not load the model), showing progress: requests done, and the
-    tokens the workers generated for the job so far (movement while the first requests still run)."""
+    tokens the workers generated for the job so far (movement while the first requests still run).
+    ``supervisor`` restarts the workers that die holding requests (mqinfer/supervise.py)."""
     progress = _Progress(total)
     done = tokens = 0
     while True:
         done = _count_done(client, done_keys, done)
         tokens = _count_generated(client, generated_keys, job_id, tokens)
         progress.show(done, tokens)
+        if supervisor is not None and done < total:
+            supervisor.check(done)
         if done >= total:
             progress.show(done, tokens, force=True)
             progress.close()

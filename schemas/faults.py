@@ -1,7 +1,8 @@
 """Named fault-injection points for tests: faults the operating system cannot produce for root.
 
 Off unless the environment variable ``MQINFER_FAULTS`` is set, which only tests do:
-``MQINFER_FAULTS="point=action[@N],..."`` with actions ``kill`` (SIGKILL this process),
+``MQINFER_FAULTS="point=action[@N],..."`` with actions ``kill`` (SIGKILL this process), ``segv``
+(SIGSEGV, as a crash in native code ends a process),
 ``enospc`` (raise ``OSError(ENOSPC)``), ``eio`` (raise ``OSError(EIO)``) or ``sleep:S``; ``@N``
 fires on the N-th time the point is reached (default: the first), and only then; ``@*`` fires
 every time (a disk that stays full).
@@ -9,7 +10,8 @@ every time (a disk that stays full).
 Points: ``sink.before_rename`` (a Parquet part file of either dataset is written and fsynced
 under its temporary name), ``sink.results.before_rename`` and ``sink.costs.before_rename`` (the
 same, for one dataset only), ``sink.after_write`` (rows are durable, before the ack),
-``worker.after_step`` (each engine step), ``tp.rank_step`` (each step of a tensor-parallel
+``worker.after_step`` (each engine step), ``worker.admit.<id>`` (a worker hands the request
+``id`` to its engine: a request that crashes whichever worker runs it), ``tp.rank_step`` (each step of a tensor-parallel
 rank other than 0, before it runs the model), ``pp.stage_step.<s>`` (each step of pipeline stage
 ``s`` on its ranks other than rank 0, after its first micro-batch), ``compact.<step>`` (each step of compaction, as
 :func:`mqinfer.ops.compact.compact` names them: ``temp_written``, ``journal_written``,
@@ -55,6 +57,9 @@ def hit(point: str) -> None:
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    elif action == "segv":
+        signal.signal(signal.SIGSEGV, signal.SIG_DFL)  # no Python fault handler: end as a crash does
+        os.kill(os.getpid(), signal.SIGSEGV)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
     elif action == "eio":

@@ -50,8 +50,11 @@ Role = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 NumChoices = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHOICES)]
 # OpenAI's presence and frequency penalties.
 Penalty = Annotated[float, msgspec.Meta(ge=-2.0, le=2.0)]
-# vLLM's and Hugging Face's repetition penalty: 1 is off, above 1 discourages repeats.
-RepetitionPenalty = Annotated[float, msgspec.Meta(gt=0.0)]
+# vLLM's and Hugging Face's repetition penalty: 1 is off, above 1 discourages repeats. It divides
+# (or multiplies) a seen token's logit, so it is bounded to keep logits finite and meaningful.
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+RepetitionPenalty = Annotated[float, msgspec.Meta(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 # Token id -> bias. JSON object keys are text: "50256" decodes as the token id 50256.
 LogitBias = Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
@@ -140,7 +143,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
         if not math.isfinite(self.temperature):
             raise ValueError("temperature must be a finite number - at `$.temperature`")
         if not math.isfinite(self.repetition_penalty):
-            raise ValueError("repetition_penalty must be a finite number > 0 - at `$.repetition_penalty`")
+            raise ValueError(f"repetition_penalty must be a finite number from {MIN_REPETITION_PENALTY} to "
+                             f"{MAX_REPETITION_PENALTY} - at `$.repetition_penalty`")
         if self.deadline is not None and not math.isfinite(self.deadline):
             raise ValueError("deadline must be a finite number of unix seconds - at `$.deadline`")
         if isinstance(self.stop, str):

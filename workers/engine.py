@@ -591,6 +591,16 @@ class LLMEngine:
                     f"{self.info.name} - at `{sampling.field_prefix}.logit_bias`",
                 )
 
+    def _check_stop_token_ids(self, sampling: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        for i, token in enumerate(sampling.stop_token_ids):
+            if not 0 <= token < vocab:
+                raise EngineInputError(
+                    errors.INVALID_TOKEN_ID,
+                    f"stop_token_ids: token id {token} is outside the vocabulary (0..{vocab - 1}) of model "
+                    f"{self.info.name} - at `{sampling.field_prefix}.stop_token_ids[{i}]`",
+                )
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str = "default", share_group: str | None = None,
@@ -611,6 +621,7 @@ class LLMEngine:
         self._check_length(len(ids))
         self._check_token_ids(ids)
         self._check_logit_bias(sampling)
+        self._check_stop_token_ids(sampling)
         if sampling.stop and self.tokenizer is None:
             raise EngineInputError(
                 "invalid_request",

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import select
 import signal
 import subprocess
@@ -241,6 +242,8 @@ def stack_executor(stack_bytes: int, name: str) -> ThreadPoolExecutor:
 
 
 _STACK_LOCK = threading.Lock()
+# What the checker's reader returns when the answer did not come in time.
+_TIMED_OUT = b"\0timed out"
 
 
 # -- the worker's side ---------------------------------------------------------------------------
@@ -270,15 +273,16 @@ class GrammarChecker:
             proc.stdin.write(json.dumps({"kind": kind, "source": source}).encode() + b"\n")
             proc.stdin.flush()
         except OSError:
+            self.restarts += 1
             return self._died(what)
         line = self._read_line(self.timeout_s)
         if line is None:
-            if self._proc is not None and self._proc.poll() is None:
-                self._stop()
-                self.restarts += 1
-                return (f"response_format: {what} took longer than {self.timeout_s:g}s to compile; "
-                        "it is too complex")
+            self.restarts += 1
             return self._died(what)
+        if line is _TIMED_OUT:
+            self._stop()
+            self.restarts += 1
+            return f"response_format: {what} took longer than {self.timeout_s:g}s to compile; it is too complex"
         answer = json.loads(line)
         if answer.get("error"):
             return f"response_format: {what} {answer['error']}"
@@ -293,32 +297,40 @@ class GrammarChecker:
         from mqinfer.procs import die_with_parent
 
         env = dict(os.environ, MQINFER_GRAMMAR_CHECK_STACK=str(self.stack_bytes))
+        orphan_guard = die_with_parent(signal.SIGKILL)
+
+        def preexec() -> None:
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected: no core file
+            if orphan_guard is not None:
+                orphan_guard()
+
         self._proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "mqinfer.workers.grammar_check"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, preexec_fn=die_with_parent(signal.SIGKILL),
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, preexec_fn=preexec,
         )
         self._buffer = b""
         hello = {"tokenizer": self._tokenizer, "json_options": self._json_options}
         self._proc.stdin.write(json.dumps(hello).encode() + b"\n")
         self._proc.stdin.flush()
         ready = self._read_line(START_TIMEOUT_S)
-        if ready is None or json.loads(ready).get("ready") is not True:
+        if ready is None or ready is _TIMED_OUT or json.loads(ready).get("ready") is not True:
             self._stop()
             raise OSError("it exited or did not answer while building the tokenizer")
         return self._proc
 
     def _read_line(self, timeout_s: float) -> bytes | None:
-        """The child's next answer line, or None when it died or ``timeout_s`` passed."""
+        """The child's next answer line; None when its output ended (it died), ``_TIMED_OUT``
+        when ``timeout_s`` passed first."""
         proc = self._proc
         deadline = time.monotonic() + timeout_s
         fd = proc.stdout.fileno()
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0:
-                return None
+                return _TIMED_OUT
             ready, _, _ = select.select([fd], [], [], left)
             if not ready:
-                return None
+                return _TIMED_OUT
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 return None
@@ -327,9 +339,13 @@ class GrammarChecker:
         return line
 
     def _died(self, what: str) -> str:
-        code = self._proc.wait() if self._proc is not None else None
+        code = None
+        if self._proc is not None:
+            try:
+                code = self._proc.wait(timeout=START_TIMEOUT_S)  # a core dump may take a moment
+            except subprocess.TimeoutExpired:
+                pass
         self._stop()
-        self.restarts += 1
         how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
         return (f"response_format: compiling {what} crashed the grammar checker ({how}); "
                 "it is too deep or too large to compile safely")

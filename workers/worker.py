@@ -372,6 +372,7 @@ class Worker:
                 later.append(entry_id)
                 continue
             req = item.request
+            faults.hit(f"worker.admit.{req.id}")
             try:
                 self.engine.add_request(entry_id, item.prompt_token_ids, item.sampling, arrival_time=item.enqueued_at,
                                         priority=req.priority, deadline=req.deadline, tenant=req.tenant,

@@ -56,6 +56,13 @@ def _dead(name: str, fields: dict, code: str) -> Case:
 
 _valid = pack(_req("trunc-mp"))
 _huge_prompt = "A" * (1 << 20)
+# A chain of alternatives 5,000 rules deep (about 110 KB, under the size limit): compiling it
+# recursed past the native stack and crashed the worker.
+_chain = "\n".join(["root ::= r0", *(f'r{k} ::= "t{k}" | r{k + 1}' for k in range(5000)), 'r5000 ::= "end"'])
+
+
+def _grammar(text: str, syntax: str = "gbnf") -> dict:
+    return {"type": "grammar", "grammar": text, "syntax": syntax}
 
 CASES: list[Case] = [
     # -- broken encodings: no id can be read ---------------------------------------------------
@@ -122,6 +129,25 @@ CASES: list[Case] = [
          "prompt_too_long", "long-prompt", decode=None),
     _row("another model", _j(_req("other-model", model="llama-70b")), "model_mismatch", "other-model",
          decode=None),
+    _row("stop token outside the vocabulary", _j(_req("oov-stop", stop_token_ids=[72, 100_000])),
+         "invalid_token_id", "oov-stop", decode=None),
+    _row("huge repetition penalty", _j(_req("huge-rep", repetition_penalty=1e308)), "invalid_request", "huge-rep"),
+    _row("tiny repetition penalty", _j(_req("tiny-rep", repetition_penalty=1e-308)), "invalid_request", "tiny-rep"),
+    # -- constraints that crash a compiler or can never be met ---------------------------------------
+    _row("grammar bomb: 5,000 chained rules", _j(_req("gbnf-chain", response_format=_grammar(_chain))),
+         "invalid_response_format", "gbnf-chain", decode=None),
+    _row("grammar nested 200 deep", _j(_req("lark-deep", response_format=_grammar(
+        "start: " + "(" * 200 + '"a"' + ")" * 200, "lark"))), "invalid_response_format", "lark-deep", decode=None),
+    _row("regex that matches nothing", _j(_req("regex-never", response_format={"type": "regex", "regex": "[a&&b]"})),
+         "invalid_response_format", "regex-never", decode=None),
+    _row("grammar rule x ::= x", _j(_req("gbnf-loop", response_format=_grammar("root ::= x\nx ::= x"))),
+         "invalid_response_format", "gbnf-loop", decode=None),
+    _row("schema whose refs form a cycle", _j(_req("schema-cycle", response_format={
+        "type": "json_schema", "json_schema": {"name": "c", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}},
+                                                                         "$ref": "#/$defs/a"}}})),
+         "invalid_response_format", "schema-cycle", decode=None),
+    _row("regex with an unclosed group", _j(_req("regex-open", response_format={"type": "regex", "regex": "(ab"})),
+         "invalid_response_format", "regex-open", decode=None),
     # -- odd but valid: an ordinary row, the id kept as data and never used as a path ---------------
     _row("id with path separators", _j(_req("../../etc/passwd")), None, "../../etc/passwd", decode=None),
     _row("id with a backslash and dots", _p(_req("..\\..\\win.ini")), None, "..\\..\\win.ini", decode=None),

@@ -238,6 +238,7 @@ def test_choices_penalties_and_logit_bias_of_native_requests():
 @pytest.mark.parametrize(("obj", "path"), [
     ({"n": 0}, "$.n"), ({"n": 129}, "$.n"), ({"presence_penalty": -2.1}, "$.presence_penalty"),
     ({"frequency_penalty": 3}, "$.frequency_penalty"), ({"repetition_penalty": -1}, "$.repetition_penalty"),
+    ({"repetition_penalty": 1e-308}, "$.repetition_penalty"), ({"repetition_penalty": 1e308}, "$.repetition_penalty"),
     ({"logit_bias": {"1": -101}}, "$.logit_bias"), ({"logit_bias": {"x": 1}}, "$.logit_bias"),
     ({"logit_bias": {str(i): 1 for i in range(301)}}, "$.logit_bias"), ({"best_of": 2}, "best_of"),
 ])

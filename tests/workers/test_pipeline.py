@@ -177,5 +177,5 @@ def test_submit_reports_invalid_lines_and_sends_the_rest(redis_url, redis_client
     assert sub.returncode == 1
     assert "line 2: invalid_request" in sub.stderr and "top_k" in sub.stderr
     assert "line 3: invalid_json" in sub.stderr
-    assert "line 4: id 'ok' repeats line 1" in sub.stderr
+    assert "line 4: duplicate_id: id 'ok' repeats line 1 with a different request" in sub.stderr
     assert redis_client.xlen(STREAM) == 1
