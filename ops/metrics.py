@@ -32,8 +32,11 @@ Names (``_total`` is added to counters by the client library):
                                                        had capacity and nothing to run
 ``mqinfer_device_seconds_total``            counter    wall time by ``state``: startup, idle, busy
 ``mqinfer_queueing_delay_seconds``          gauge      age of the oldest entry no worker has read
+                                                       (by ``stream``, as the two below)
 ``mqinfer_memory_utilization_ratio``        gauge      device memory in use (0-1); CPU: host RAM
-``mqinfer_stream_lag``                      gauge      entries not yet delivered + pending
+``mqinfer_stream_lag``                      gauge      entries not yet delivered + pending, by
+                                                       ``stream``: every worker of the stream exports
+                                                       the same value (take max by stream)
 ``mqinfer_stream_pending``                  gauge      entries delivered, not yet acked
 ``mqinfer_dead_letters_total``              counter    entries sent to the dead-letter stream
 ``mqinfer_redeliveries_total``              counter    entries taken over from another consumer

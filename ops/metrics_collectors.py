@@ -118,14 +118,16 @@ class StreamCollector:
                 delay = max(0.0, self.clock() - ms / 1000.0)
         return lag, pending, length, delay
 
-    @staticmethod
-    def _families(values: dict[str, tuple[int, int, int, float]] | None):
+    def _families(self, values: dict[str, tuple[int, int, int, float]] | None):
+        # Every worker of a stream exports the same fleet-wide values, labelled with the stream:
+        # the fleet's backlog is sum(max by (stream) (mqinfer_stream_lag)), never a sum over workers.
         lag = GaugeMetricFamily("mqinfer_stream_lag", "Entries of the request stream and its lanes not yet "
-                                "delivered to a worker plus those delivered and not yet acknowledged.")
+                                "delivered to a worker plus those delivered and not yet acknowledged (the same "
+                                "value from every worker of the stream).", labels=["stream"])
         pending = GaugeMetricFamily("mqinfer_stream_pending", "Entries delivered and not yet acknowledged, "
-                                    "over the stream and its lanes.")
+                                    "over the stream and its lanes.", labels=["stream"])
         delay = GaugeMetricFamily("mqinfer_queueing_delay_seconds", "Age of the oldest request in the stream or "
-                                  "its lanes that no worker has read yet (0 when none waits).")
+                                  "its lanes that no worker has read yet (0 when none waits).", labels=["stream"])
         lane_length = GaugeMetricFamily("mqinfer_lane_length", "Entries in one lane's stream (unread or pending); "
                                         "lane plain is the plain stream.", labels=["lane"])
         lane_lag = GaugeMetricFamily("mqinfer_lane_lag", "Entries of one lane not yet delivered to a worker.",
@@ -133,9 +135,10 @@ class StreamCollector:
         lane_age = GaugeMetricFamily("mqinfer_lane_oldest_age_seconds", "Age of the oldest unread entry of one "
                                      "lane (0 when none waits).", labels=["lane"])
         if values is not None:
-            lag.add_metric([], sum(v[0] + v[1] for v in values.values()))
-            pending.add_metric([], sum(v[1] for v in values.values()))
-            delay.add_metric([], max(v[3] for v in values.values()))
+            stream = [self.stream_key]
+            lag.add_metric(stream, sum(v[0] + v[1] for v in values.values()))
+            pending.add_metric(stream, sum(v[1] for v in values.values()))
+            delay.add_metric(stream, max(v[3] for v in values.values()))
             for lane, (unread, _pending, length, age) in sorted(values.items()):
                 lane_length.add_metric([lane], length)
                 lane_lag.add_metric([lane], unread)

@@ -116,9 +116,10 @@ def test_stream_lag_pending_and_queueing_delay(redis_client):
     m = WorkerMetrics()
     m.watch_stream(redis_client, stream, keys.GROUP, clock=lambda: 1_010.0)
     s = samples(m)
-    assert s["mqinfer_stream_lag"] == 5 and s["mqinfer_stream_pending"] == 2
+    label = f'{{stream="{stream}"}}'
+    assert s["mqinfer_stream_lag" + label] == 5 and s["mqinfer_stream_pending" + label] == 2
     # The oldest entry nobody read was added at 1_002 s (its id's milliseconds).
-    assert s["mqinfer_queueing_delay_seconds"] == pytest.approx(8.0)
+    assert s["mqinfer_queueing_delay_seconds" + label] == pytest.approx(8.0)
     assert ids[2] == b"1002000-0"
 
     other = WorkerMetrics()
@@ -137,12 +138,13 @@ def test_stream_metrics_count_every_lane_in_total_and_per_lane(redis_client):
     m = WorkerMetrics()
     m.watch_stream(redis_client, plain, keys.GROUP, clock=lambda: 1_010.0, lanes=lambda: {"t-a-1": lane})
     s = samples(m)
-    assert s["mqinfer_stream_lag"] == 4 and s["mqinfer_stream_pending"] == 1
+    label = f'{{stream="{plain}"}}'
+    assert s["mqinfer_stream_lag" + label] == 4 and s["mqinfer_stream_pending" + label] == 1
     assert s['mqinfer_lane_length{lane="plain"}'] == 1 and s['mqinfer_lane_length{lane="t-a-1"}'] == 3
     assert s['mqinfer_lane_lag{lane="t-a-1"}'] == 2
     # The lane's oldest unread entry was added at 1_001 s; the plain stream's at 1_000 s.
     assert s['mqinfer_lane_oldest_age_seconds{lane="t-a-1"}'] == pytest.approx(9.0)
-    assert s["mqinfer_queueing_delay_seconds"] == pytest.approx(10.0)
+    assert s["mqinfer_queueing_delay_seconds" + label] == pytest.approx(10.0)
 
 
 def test_budget_gauges(redis_client):

@@ -29,7 +29,11 @@ from mqinfer.ops.budgets import spend_key
 from tests.helpers import rows, start_worker, wait_exit, wait_until
 
 STREAM = keys.request_stream("requests")
-SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$")
+# The stream-level gauges carry the stream they describe.
+LAG, PENDING, DELAY = (f'{name}{{stream="{STREAM}"}}' for name in
+                       ("mqinfer_stream_lag", "mqinfer_stream_pending", "mqinfer_queueing_delay_seconds"))
+# A sample line: name, labels (quoted values may hold braces: stream="mqinfer:{requests}"), value.
+SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^"}]|"(?:[^"\\]|\\.)*")*\})? (\S+)$')
 
 NAMES = [
     "mqinfer_num_requests_running", "mqinfer_num_requests_waiting", "mqinfer_kv_cache_usage_ratio",
@@ -100,7 +104,7 @@ def test_every_metric_is_exported_and_moves(redis_url, redis_client, tmp_path):
         m0 = scrape(port)
         for name in NAMES:
             assert any(k == name or k.startswith(name + "{") for k in m0), f"{name} is not exported"
-        assert m0["mqinfer_stream_lag"] == 0 and m0["mqinfer_num_requests_running"] == 0
+        assert m0[LAG] == 0 and m0["mqinfer_num_requests_running"] == 0
         assert m0['mqinfer_tenant_budget_usd{tenant="acme"}'] == 100.0
         assert 0 < m0["mqinfer_memory_utilization_ratio"] <= 1
 
@@ -123,9 +127,9 @@ def test_every_metric_is_exported_and_moves(redis_url, redis_client, tmp_path):
         # zero-1 (refused as read). The queueing delay (the age of the oldest entry no worker has
         # read) stays 0 here, as this worker reads everything ahead; test_metrics.py checks it.
         seen = wait_until(lambda: (lambda m: m if m["mqinfer_num_requests_waiting"] >= 4
-                                   and m["mqinfer_stream_lag"] >= len(work) + 1 else None)(scrape(port)),
+                                   and m[LAG] >= len(work) + 1 else None)(scrape(port)),
                           timeout=30, interval=0.05, what="requests waiting in the batcher")
-        assert seen["mqinfer_stream_pending"] >= len(work) + 1  # the two ghost entries, and what the worker read
+        assert seen[PENDING] >= len(work) + 1  # the two ghost entries, and what the worker read
 
         peaks = {"mqinfer_num_requests_running": 0.0, "mqinfer_kv_cache_usage_ratio": 0.0}
 
@@ -134,7 +138,7 @@ def test_every_metric_is_exported_and_moves(redis_url, redis_client, tmp_path):
             for k in peaks:
                 peaks[k] = max(peaks[k], m[k])
             done = {r["id"] for r in rows(out / "results")} if (out / "results").exists() else set()
-            return m if len(done) == len(work) + 2 and m["mqinfer_stream_lag"] == 0 else None
+            return m if len(done) == len(work) + 2 and m[LAG] == 0 else None
 
         wait_until(all_rows_written, timeout=120, interval=0.05, what="every row to be written and acked")
         assert peaks["mqinfer_num_requests_running"] >= 1 and peaks["mqinfer_kv_cache_usage_ratio"] > 0.5
@@ -152,7 +156,7 @@ def test_every_metric_is_exported_and_moves(redis_url, redis_client, tmp_path):
         add(redis_client, request("capped-2", "capped", [256, 1, 2, 3], 4))
         wait_until(row_of("p2"), timeout=30, what="p2's row")
         wait_until(row_of("capped-2"), timeout=30, what="capped-2's row")
-        wait_until(lambda: scrape(port)["mqinfer_stream_lag"] == 0, timeout=30, what="every entry acked")
+        wait_until(lambda: scrape(port)[LAG] == 0, timeout=30, what="every entry acked")
         m1 = scrape(port)
     finally:
         if worker.poll() is None:
@@ -205,4 +209,4 @@ def test_every_metric_is_exported_and_moves(redis_url, redis_client, tmp_path):
     assert delta('mqinfer_device_seconds_total{state="idle"}') > 0
     assert 0 < m1["mqinfer_batch_idle_ratio"] < 1
     assert m1["mqinfer_num_requests_running"] == 0 and m1["mqinfer_num_requests_waiting"] == 0
-    assert m1["mqinfer_stream_pending"] == 0 and m1["mqinfer_queueing_delay_seconds"] == 0
+    assert m1[PENDING] == 0 and m1[DELAY] == 0

@@ -202,6 +202,34 @@ def test_kubernetes_deployment_probes_the_metrics_port(tmp_path):
     tomllib.loads(config_map["data"]["budgets.toml"])
 
 
+def _keda_lanes_query() -> str:
+    docs = list(yaml.safe_load_all((DEPLOY / "keda.yaml").read_text()))
+    scaled = next(d for d in docs if d["kind"] == "ScaledObject")
+    return next(t for t in scaled["spec"]["triggers"] if t["name"] == "lanes")["metadata"]["query"]
+
+
+@pytest.mark.skipif(PROMTOOL is None, reason="promtool is not installed (apt-get install prometheus)")
+def test_the_keda_lanes_query_counts_the_fleet_backlog_once_whatever_the_workers(tmp_path):
+    """The shipped query, evaluated by Prometheus's own engine over the series of three workers of
+    one stream and two of another (a sharded fleet): each stream's backlog counts once."""
+    a, b = "mqinfer:{requests}", "mqinfer:{requests:1}"
+    series = [(a, "w1", 120), (a, "w2", 120), (a, "w3", 121), (b, "w4", 30), (b, "w5", 30)]
+    test = {
+        "evaluation_interval": "1m",
+        "tests": [{
+            "interval": "1m",
+            "input_series": [{"series": f'mqinfer_stream_lag{{instance="{w}:9400", job="mqinfer", stream="{s}"}}',
+                              "values": f"{v}x5"} for s, w, v in series],
+            "promql_expr_test": [{"expr": _keda_lanes_query(), "eval_time": "3m",
+                                  "exp_samples": [{"labels": "{}", "value": 121 + 30}]}],
+        }],
+    }
+    path = tmp_path / "keda-query.test.yml"
+    path.write_text(yaml.safe_dump(test))
+    result = subprocess.run([PROMTOOL, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_keda_scaled_object_follows_the_worker_stream_and_scales_to_zero():
     jsonschema = pytest.importorskip("jsonschema")
     from mqinfer.schemas import keys
