@@ -283,6 +283,10 @@ def rotary_store_kv(
     kernel quantizes each rotated k row and each v row as it writes them, with the bytes and
     scales of the PyTorch quantizing ``store_kv`` (``kv_quant.quantize_kv``)."""
     num_tokens, heads, head_dim = qk.shape
+    # The kernel reads one position and one slot per token, whatever ``trusted`` says.
+    for name, index in (("positions", positions), ("slot_mapping", slot_mapping)):
+        if tuple(index.shape) != (num_tokens,):
+            raise ValueError(f"{name} must hold one entry per token ({num_tokens}), got shape {tuple(index.shape)}")
     quantized = k_scale is not None
     if quantized:
         check_scales(k_cache, v_cache, k_scale, v_scale)

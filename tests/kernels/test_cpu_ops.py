@@ -306,6 +306,21 @@ def test_rotary_store_kv_checks_untrusted_indices():
         rotary_store_kv(qk, v, 2, cos, sin, torch.tensor([0, 1]), *caches, torch.tensor([0, 8]))
 
 
+@pytest.mark.parametrize("trusted", [False, True])
+def test_rotary_store_kv_refuses_indices_shorter_or_longer_than_the_tokens(trusted):
+    # The kernel reads positions[t] and slots[t] for every token t: a short index would be read
+    # past its end (trusted or not, the values may be fine and the length wrong).
+    qk, v = torch.randn(3, 3, 4), torch.randn(3, 1, 4)
+    cos, sin = _rope_tables(10, 4)
+    caches = torch.zeros(2, 4, 1, 4), torch.zeros(2, 4, 1, 4)
+    ok = torch.tensor([0, 1, 2])
+    for positions, slots, name in ((torch.tensor([0, 1]), ok, "positions"), (ok, torch.tensor([0, 1]), "slot_mapping"),
+                                   (ok, torch.tensor([0, 1, 2, 3]), "slot_mapping"),
+                                   (ok.view(3, 1), ok, "positions")):
+        with pytest.raises(ValueError, match=f"{name} must hold one entry per token \\(3\\)"):
+            rotary_store_kv(qk, v, 2, cos, sin, positions, *caches, slots, trusted=trusted)
+
+
 # ------------------------------------------------------------------ switches
 def test_env_switch_forces_the_pytorch_path(monkeypatch):
     monkeypatch.setenv("MQINFER_CPU_OPS", "torch")
