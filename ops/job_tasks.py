@@ -20,9 +20,9 @@ joins the queue, so a job submitted behind a huge one is validated and fed at on
 
 **Order.** With ``order`` prefix (the job hash's field, set at submit) each index part of
 INDEX_PART_LINES lines is fed in prefix-tree order
-(:func:`mqinfer.schemas.prefix_order.prefix_key`), so requests of the part that share a prompt
-prefix reach the workers next to each other and the prefix is computed once while its KV blocks are
-cached. The order is per part, not across the whole input: requests that share a prefix but lie in
+(:func:`mqinfer.schemas.prefix_order.prefix_key`, under the workers' default prefix cache scope:
+by tenant and cache salt first), so requests of the part that can share a prompt prefix reach the
+workers next to each other and the prefix is computed once while its KV blocks are cached. The order is per part, not across the whole input: requests that share a prefix but lie in
 different parts are not brought together. The permutation is stored in the index part when it is
 validated, and the feed cursor (``feed_part``, ``feed_offset``) counts positions in it, so a
 resumed task continues exactly where the last one stopped. The index itself stays in input order,
