@@ -175,9 +175,10 @@ class Client:
     any node): by their leading prompt tokens, so that requests sharing a prefix meet on one shard's
     workers, within a balance slack (``route="prefix"``, see ``mqinfer.schemas.routing``), or by a
     hash of their id (``route="id"``); ``prefix_cache_scope`` is the workers' (``tenant`` by default,
-    as theirs), so that a prefix group holds only requests that can share its KV. ``max_backlog`` turns on backpressure: a submission waits
-    (``backpressure="wait"``, up to ``backpressure_timeout_s``) or raises ``BackpressureError``
-    (``"raise"``) while the stream holds more unfinished requests than that.
+    as theirs), so that a prefix group holds only requests that can share its KV. ``max_backlog``
+    turns on backpressure: a submission waits (``backpressure="wait"``, up to
+    ``backpressure_timeout_s``) or raises ``BackpressureError`` (``"raise"``) while the stream holds
+    more unfinished requests than that.
 
     Requests get this client's reply stream as ``reply_to`` unless they name their own or are
     submitted with ``reply=False``; ``result`` and ``stream`` read it. Replies a caller never asks
