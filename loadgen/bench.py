@@ -44,7 +44,8 @@ from mqinfer.loadgen.bench_online import (
     run_online,
 )
 from mqinfer.loadgen.bench_options import (
-    HALF, HF, INPUT_ORDER, LLAMACPP, OTHER_LAYOUT, UNQUANTIZED, UNSPECULATIVE, VARIANTS, VLLM, add_bench_arguments,
+    GLOBAL_SCOPE, HALF, HF, INPUT_ORDER, LLAMACPP, OTHER_LAYOUT, UNQUANTIZED, UNSPECULATIVE, VARIANTS, VLLM,
+    add_bench_arguments,
 )
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, worker_argv, worker_wait_setting
 from mqinfer.loadgen.prefix_cache import describe as describe_hits
@@ -99,7 +100,8 @@ def run_engine(args: argparse.Namespace, spec: ModelSpec, requests: list[dict[st
     if streams:
         from mqinfer.client import Client
 
-        producer = Client(server.url, stream=STREAM, shards=shards, route=args.route)
+        producer = Client(server.url, stream=STREAM, shards=shards, route=args.route,
+                          prefix_cache_scope=args.prefix_cache_scope)
     else:
         producer = Producer(server.url, stream=STREAM)
     tag = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -159,6 +161,7 @@ def _variant_args(args: argparse.Namespace, variant: str | None, folder: str) ->
               UNSPECULATIVE: {"speculative": "none"},
               INPUT_ORDER: {"order": "input", "route": "id"},
               OTHER_LAYOUT: other_layout(args),
+              GLOBAL_SCOPE: {"prefix_cache_scope": "global"},
               None: {}}[variant]
     return argparse.Namespace(**{**vars(args), **change, "mode": "offline", "rate": [], "compare_wait": None,
                                  "out": str(Path(args.out) / folder) if args.out else None})
@@ -217,8 +220,10 @@ def _validate(args: argparse.Namespace) -> str | None:
         return "--compare other-layout compares CPU layouts offline; leave out --device cuda and --mode online"
     if args.rounds > 1 and (args.mode != "offline" or args.skip_engine
                             or not any(v in (args.compare or []) for v in VARIANTS)):
-        return ("--rounds applies to --mode offline with --compare unquantized, unspeculative, input-order or "
-                "other-layout")
+        return ("--rounds applies to --mode offline with --compare unquantized, unspeculative, input-order, "
+                "other-layout or global-scope")
+    if args.compare and GLOBAL_SCOPE in args.compare and args.prefix_cache_scope == "global":
+        return "--compare global-scope needs --prefix-cache-scope tenant (it reruns mqinfer with global)"
     if args.skip_engine and not args.compare:
         return "--skip-engine leaves nothing to run without --compare hf or llamacpp"
     if args.workload == "standard" and (args.prompt_len or args.output_len):
@@ -433,7 +438,7 @@ def _initial_report(setup: _Setup, before: _Before) -> dict[str, Any]:
                                                        "num_kv_blocks", "block_size", "max_batch", "max_wait_ms",
                                                        "num_threads", "speculative", "num_speculative_tokens",
                                                        "speculative_max_batched_tokens", "speculative_policy",
-                                                       "draft_layers", "draft_model")},
+                                                       "draft_layers", "draft_model", "prefix_cache_scope")},
         "matrix_rate_before": asdict(before.rate),
         "flops": {**asdict(flops), "total": flops.total, "params_convention": flops.params_convention},
         "systems": {},
@@ -502,17 +507,15 @@ def _run_variants(setup: _Setup, results: _Results, scratch: Path) -> None:
     """The offline reruns of mqinfer with one thing changed that ``--compare`` asks for."""
     args, spec, requests = setup.args, setup.spec, setup.requests
     compare = args.compare or []
-    if UNQUANTIZED in compare:
-        log("mqinfer again with --quantization none --kv-cache-dtype auto")
-        plain = run_engine(_variant_args(args, UNQUANTIZED, "unquantized"), spec, requests, scratch / "unquantized")
-        results.done("mqinfer offline, unquantized", plain.offline, {"summary": plain.offline.to_dict()})
-        results.agree("agreement_vs_unquantized", plain.outputs)
-    if UNSPECULATIVE in compare:
-        log("mqinfer again with --speculative none")
-        plain = run_engine(_variant_args(args, UNSPECULATIVE, "unspeculative"), spec, requests,
-                           scratch / "unspeculative")
-        results.done("mqinfer offline, unspeculative", plain.offline, {"summary": plain.offline.to_dict()})
-        results.agree("agreement_vs_unspeculative", plain.outputs)
+    for variant, flags in ((UNQUANTIZED, "--quantization none --kv-cache-dtype auto"),
+                           (UNSPECULATIVE, "--speculative none"), (GLOBAL_SCOPE, "--prefix-cache-scope global")):
+        if variant not in compare:
+            continue
+        log(f"mqinfer again with {flags}")
+        plain = run_engine(_variant_args(args, variant, variant), spec, requests, scratch / variant)
+        extra = {"prefix_cache": plain.prefix_cache} if variant == GLOBAL_SCOPE else {}
+        results.done(VARIANTS[variant], plain.offline, {"summary": plain.offline.to_dict(), **extra})
+        results.agree(f"agreement_vs_{variant.replace('-', '_')}", plain.outputs)
     if OTHER_LAYOUT in compare:
         other = other_layout(args)
         log(f"mqinfer again with --workers {other['workers']} --num-threads {other['num_threads']}")
@@ -584,7 +587,8 @@ def _ratios(results: _Results) -> dict[str, float]:
               ("vs_unquantized", rows.get("mqinfer offline, unquantized")),
               ("vs_unspeculative", rows.get("mqinfer offline, unspeculative")),
               ("vs_other_layout", rows.get("mqinfer offline, other layout")),
-              ("vs_input_order", rows.get("mqinfer offline, input order"))]
+              ("vs_input_order", rows.get("mqinfer offline, input order")),
+              ("vs_global_scope", rows.get("mqinfer offline, global scope"))]
     ratios: dict[str, float] = {}
     for key, other in others:
         if ours is not None and other is not None:

@@ -11,6 +11,7 @@ import math
 
 from mqinfer.config import Option, add_options
 from mqinfer.layout import parse_workers
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, PREFIX_CACHE_SCOPES
 
 HALF = "half"  # --rate: half the throughput of an offline run of the same requests
 AUTO = "auto"  # --max-wait-ms: the adaptive batcher
@@ -28,10 +29,14 @@ UNSPECULATIVE = "unspeculative"
 # run had single-threaded workers, else one single-threaded worker per core (what --workers auto's
 # rule for the model's size chooses between)
 OTHER_LAYOUT = "other-layout"
-PEERS = (HF, LLAMACPP, VLLM, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE, OTHER_LAYOUT)
+# --compare: the same mqinfer run again with --prefix-cache-scope global (what keeping tenants' caches
+# apart costs a job; the bench's requests are one tenant's, so its prefix hits should be the same)
+GLOBAL_SCOPE = "global-scope"
+PEERS = (HF, LLAMACPP, VLLM, UNQUANTIZED, INPUT_ORDER, UNSPECULATIVE, OTHER_LAYOUT, GLOBAL_SCOPE)
 # The --compare entries that rerun mqinfer with one thing changed, and their systems' names.
 VARIANTS = {UNQUANTIZED: "mqinfer offline, unquantized", UNSPECULATIVE: "mqinfer offline, unspeculative",
-            INPUT_ORDER: "mqinfer offline, input order", OTHER_LAYOUT: "mqinfer offline, other layout"}
+            INPUT_ORDER: "mqinfer offline, input order", OTHER_LAYOUT: "mqinfer offline, other layout",
+            GLOBAL_SCOPE: "mqinfer offline, global scope"}
 
 
 def positive_int(text: str) -> int:
@@ -203,9 +208,12 @@ BENCH_COMPARISON = [
            "none --kv-cache-dtype auto (to measure either); input-order = mqinfer again with --order input --route "
            "id (what prefix order and routing are worth); unspeculative = mqinfer again with --speculative none "
            "(what --speculative gains or costs); other-layout = mqinfer again with one worker of every core where "
-           "it ran single-threaded workers, else with one single-threaded worker per core (CPU); e.g. hf,llamacpp.",
+           "it ran single-threaded workers, else with one single-threaded worker per core (CPU); global-scope = "
+           "mqinfer again with --prefix-cache-scope global (the bench's requests are one tenant's: the prefix "
+           "hits and speed should be the same); e.g. hf,llamacpp.",
            metavar="PEER[,PEER]"),
-    Option("rounds", positive_int, 1, "With --compare unquantized, unspeculative, input-order or other-layout "
+    Option("rounds", positive_int, 1, "With --compare unquantized, unspeculative, input-order, other-layout or "
+           "global-scope "
            "(offline): run mqinfer and each such variant R times, alternating which goes first (round 1 mqinfer "
            "first, round 2 the variant first, ...), and report every round's ratio and their median: on a shared "
            "or noisy machine one pair of runs can differ by more than the effect measured. The table shows round 1 "
@@ -263,6 +271,8 @@ BENCH_ENGINE = [
       )),
     Option("max_wait_ms", parse_wait_ms, None, "Dual-threshold batcher: wait threshold in milliseconds, or auto "
            "(default: the worker's).", metavar="T"),
+    Option("prefix_cache_scope", str, DEFAULT_PREFIX_CACHE_SCOPE, "Who shares cached prompt KV in the workers "
+           "(see `mqinfer worker --help`; default: tenant).", choices=PREFIX_CACHE_SCOPES),
 ]
 # The groups of `mqinfer bench --help`, in order.
 BENCH_GROUPS = (("workload", BENCH_WORKLOAD),

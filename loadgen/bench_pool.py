@@ -38,7 +38,7 @@ def worker_argv(args: argparse.Namespace, model_arg: str, redis_url: str, out: P
         argv += ["--speculative", args.speculative]
     for name in ("max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "block_size", "max_batch",
                  "max_wait_ms", "num_threads", "num_speculative_tokens", "speculative_max_batched_tokens",
-                 "speculative_policy", "draft_layers", "draft_model"):
+                 "speculative_policy", "draft_layers", "draft_model", "prefix_cache_scope"):
         value = getattr(args, name, None)
         if value is not None:
             argv += ["--" + name.replace("_", "-"), str(value)]

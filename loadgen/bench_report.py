@@ -295,6 +295,13 @@ def _print_variant_comparisons(report: dict[str, Any], throughputs: dict[str, fl
         a = report["agreement_vs_unspeculative"]
         print(f"greedy agreement with the unspeculative run over {a['compared']} requests: identical output "
               f"{a['identical']:.0%} (bf16 batches of different shapes can break near-ties)")
+    if ours is not None and "mqinfer offline, global scope" in throughputs:
+        print(f"mqinfer --prefix-cache-scope {flags.get('prefix_cache_scope')} / global: "
+              f"{_ratio(ours, throughputs['mqinfer offline, global scope'])}")
+    if "agreement_vs_global_scope" in report:
+        a = report["agreement_vs_global_scope"]
+        print(f"greedy agreement with the global-scope run over {a['compared']} requests: identical output "
+              f"{a['identical']:.0%}")
     for variant, r in report.get("rounds", {}).items():
         print(f"mqinfer / {variant} over {len(r['ratios'])} rounds (alternating which ran first): "
               + ", ".join(f"{x:.2f}x" for x in r["ratios"]) + f"; median {r['median_ratio']:.2f}x")
@@ -321,6 +328,9 @@ def _print_prefix_cache(report: dict[str, Any], throughputs: dict[str, float]) -
               f"{_ratio(ours, throughputs['mqinfer offline, input order'])}")
         if unordered.get("prefix_cache"):
             print("  input order: " + describe(unordered["prefix_cache"]))
+    scoped = report.get("systems", {}).get("mqinfer offline, global scope")
+    if scoped and scoped.get("prefix_cache"):
+        print("  --prefix-cache-scope global: " + describe(scoped["prefix_cache"]))
 
 
 def _print_llamacpp(lc: dict[str, Any]) -> None:

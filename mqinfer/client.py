@@ -47,6 +47,7 @@ from mqinfer.client_core import (
 )
 from mqinfer.schemas import keys
 from mqinfer.schemas import lanes as lane_scheme
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE
 from mqinfer.schemas.connection import connect, connect_redis, is_cluster
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.replies import (
@@ -173,9 +174,11 @@ class Client:
     streams ``requests-0 .. requests-{N-1}`` (``cluster=True`` for a Redis Cluster, ``url`` being
     any node): by their leading prompt tokens, so that requests sharing a prefix meet on one shard's
     workers, within a balance slack (``route="prefix"``, see ``mqinfer.schemas.routing``), or by a
-    hash of their id (``route="id"``). ``max_backlog`` turns on backpressure: a submission waits
-    (``backpressure="wait"``, up to ``backpressure_timeout_s``) or raises ``BackpressureError``
-    (``"raise"``) while the stream holds more unfinished requests than that.
+    hash of their id (``route="id"``); ``prefix_cache_scope`` is the workers' (``tenant`` by default,
+    as theirs), so that a prefix group holds only requests that can share its KV. ``max_backlog``
+    turns on backpressure: a submission waits (``backpressure="wait"``, up to
+    ``backpressure_timeout_s``) or raises ``BackpressureError`` (``"raise"``) while the stream holds
+    more unfinished requests than that.
 
     Requests get this client's reply stream as ``reply_to`` unless they name their own or are
     submitted with ``reply=False``; ``result`` and ``stream`` read it. Replies a caller never asks
@@ -188,13 +191,14 @@ class Client:
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack",
                  cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix", lanes: str = lane_scheme.DEFAULT_LANES,
-                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES) -> None:
+                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES,
+                 prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> None:
         if client is None and redis_url is None:
             raise ValueError("Client needs a redis_url or a client")
         self._core = ClientCore(stream=stream, shards=shards, reply_to=reply_to, max_backlog=max_backlog,
                                 backpressure=backpressure, backpressure_timeout_s=backpressure_timeout_s,
                                 fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route,
-                                lanes=lanes, max_lanes=max_lanes)
+                                lanes=lanes, max_lanes=max_lanes, prefix_cache_scope=prefix_cache_scope)
         self._owns_redis = client is None
         self.redis = client if client is not None else connect_redis(redis_url, cluster=cluster)
         self._core.cluster = is_cluster(self.redis)

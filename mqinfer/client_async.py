@@ -25,6 +25,7 @@ from mqinfer.client_actions import (
 )
 from mqinfer.client_core import ClientCore
 from mqinfer.schemas import lanes as lane_scheme
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE
 from mqinfer.schemas.replies import CANCEL_SCRIPT, CANCEL_TTL_S, ReplyEvent
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.routing import queue_tier_lookup, tier_homes_of
@@ -43,13 +44,14 @@ class AsyncClient:
                  max_backlog: int | None = None, backpressure: str = "wait",
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack",
                  cancel_ttl_s: int = CANCEL_TTL_S, route: str = "prefix", lanes: str = lane_scheme.DEFAULT_LANES,
-                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES) -> None:
+                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES,
+                 prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> None:
         if client is None and redis_url is None:
             raise ValueError("AsyncClient needs a redis_url or a client")
         self._core = ClientCore(stream=stream, shards=shards, reply_to=reply_to, max_backlog=max_backlog,
                                 backpressure=backpressure, backpressure_timeout_s=backpressure_timeout_s,
                                 fmt=fmt, cancel_ttl_s=cancel_ttl_s, route=route,
-                                lanes=lanes, max_lanes=max_lanes)
+                                lanes=lanes, max_lanes=max_lanes, prefix_cache_scope=prefix_cache_scope)
         self._owns_redis = client is None
         if client is None:
             client = _async_connect(redis_url, cluster)

@@ -39,6 +39,7 @@ from mqinfer.client_actions import (
 from mqinfer.client_replies import ReplyBook, RequestKey
 from mqinfer.schemas import errors, keys
 from mqinfer.schemas import lanes as lane_scheme
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.schemas.routing import PrefixRouter
@@ -129,7 +130,8 @@ class ClientCore:
                  backpressure_timeout_s: float = 60.0, fmt: str = "msgpack", cancel_ttl_s: int = CANCEL_TTL_S,
                  cluster: bool = False, clock: Callable[[], float] = time.monotonic,
                  route: str = "prefix", lanes: str = lane_scheme.DEFAULT_LANES,
-                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES) -> None:
+                 max_lanes: int = lane_scheme.DEFAULT_MAX_LANES,
+                 prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> None:
         if backpressure not in ("wait", "raise"):
             raise ValueError(f"backpressure must be 'wait' or 'raise', got {backpressure!r}")
         if max_backlog is not None and max_backlog < 1:
@@ -145,7 +147,7 @@ class ClientCore:
         self.stream = stream
         self.streams = shard_streams(stream, shards)
         self.stream_keys = [keys.request_stream(s) for s in self.streams]
-        self.router = PrefixRouter(len(self.streams), route=route)
+        self.router = PrefixRouter(len(self.streams), route=route, prefix_cache_scope=prefix_cache_scope)
         self.reply_to = reply_to or new_reply_stream()
         if not self.reply_to.startswith(keys.REPLY_PREFIX):
             raise ValueError(f"reply_to must start with {keys.REPLY_PREFIX!r}, got {self.reply_to!r}")

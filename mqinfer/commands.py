@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from mqinfer.config import ENGINE_OPTIONS, STREAM, WORKER_OPTIONS, Option
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE
 
 
 def _fields(opts: dict, options: list[Option]) -> dict:
@@ -82,7 +83,8 @@ def submit_sharded(opts: dict, redis_url: str, requests) -> tuple[int, str]:
 
     client = Client(redis_url, stream=opts["stream"], shards=opts["shards"], cluster=opts["redis_cluster"],
                     fmt=opts.get("format", "msgpack"), route=opts.get("route", "prefix"),
-                    lanes=opts["lanes"], max_lanes=opts["max_lanes"])
+                    lanes=opts["lanes"], max_lanes=opts["max_lanes"],
+                    prefix_cache_scope=opts.get("prefix_cache_scope", DEFAULT_PREFIX_CACHE_SCOPE))
     try:
         sent = len(client.submit_many(requests, reply=False))
     finally:

@@ -22,7 +22,7 @@ import argparse
 import os
 import tomllib
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -171,6 +171,14 @@ JOB_ID = Option("job_id", str, None, "Job id stamped on every request (default: 
                 metavar="ID")
 
 ENGINE_OPTIONS = options_from(EngineConfig)
+# Producers that order or route by prefix (submit, jobs submit) group requests as the workers share
+# their cached KV: the workers' flag, with the same name (so one MQINFER_PREFIX_CACHE_SCOPE serves
+# both) and default.
+PREFIX_CACHE_SCOPE = replace(
+    next(o for o in ENGINE_OPTIONS if o.name == "prefix_cache_scope"), field=None,
+    help="The workers' --prefix-cache-scope, which prefix order and routing follow: tenant = requests are "
+         "grouped by tenant and cache_salt before their prompt, since only those share cached KV; global = by "
+         "cache_salt alone, so that different tenants' requests with one prefix go together.")
 _WORKER_FIELDS = {o.name: o for o in options_from(WorkerConfig)}
 # Stream and cluster flags are shared with the producer commands (submit, jobs).
 STREAM = _WORKER_FIELDS["stream"]

@@ -179,7 +179,7 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
     machine = None
     if todo:
         if opts["order"] == "prefix":
-            todo = prefix_order(todo)
+            todo = prefix_order(todo, opts["prefix_cache_scope"])
         window = Window(devices=1.0, price_per_device_hour=opts["price_per_device_hour"])
         try:
             status = _compute(todo, requests, done_before, out, job_id, opts, lock, window)

@@ -20,9 +20,9 @@ joins the queue, so a job submitted behind a huge one is validated and fed at on
 
 **Order.** With ``order`` prefix (the job hash's field, set at submit) each index part of
 INDEX_PART_LINES lines is fed in prefix-tree order
-(:func:`mqinfer.schemas.prefix_order.prefix_key`), so requests of the part that share a prompt
-prefix reach the workers next to each other and the prefix is computed once while its KV blocks are
-cached. The order is per part, not across the whole input: requests that share a prefix but lie in
+(:func:`mqinfer.schemas.prefix_order.prefix_key`, under the job's ``prefix_cache_scope``, the
+workers': by tenant and cache salt first by default), so requests of the part that can share a prompt prefix reach the
+workers next to each other and the prefix is computed once while its KV blocks are cached. The order is per part, not across the whole input: requests that share a prefix but lie in
 different parts are not brought together. The permutation is stored in the index part when it is
 validated, and the feed cursor (``feed_part``, ``feed_offset``) counts positions in it, so a
 resumed task continues exactly where the last one stopped. The index itself stays in input order,
@@ -73,6 +73,7 @@ from mqinfer.schemas import errors, keys
 from mqinfer.schemas.connection import CLUSTER_TRANSIENT
 from mqinfer.schemas.keys import shard_index, shard_streams
 from mqinfer.schemas.lanes import DEFAULT_MAX_LANES, parse_lanes
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE
 from mqinfer.schemas.prefix_order import prefix_key
 from mqinfer.schemas.routing import PrefixRouter, tier_homes_from
 from mqinfer.ops.job_cost import JobCost, job_cost, rows_since
@@ -285,7 +286,11 @@ class JobRun:
         # A job registered before these fields existed fed in input order, routed by id and fed
         # the plain streams.
         self.order = str(self.job.get("order") or "input")
-        self.router = PrefixRouter(self.shards, route=str(self.job.get("route") or "id"))
+        # The workers' scope, which the job's prefix groups keep to (a job registered before the
+        # field existed: the default).
+        self.prefix_cache_scope = str(self.job.get("prefix_cache_scope") or DEFAULT_PREFIX_CACHE_SCOPE)
+        self.router = PrefixRouter(self.shards, route=str(self.job.get("route") or "id"),
+                                   prefix_cache_scope=self.prefix_cache_scope)
         if self.router.by_prefix:
             # Prefixes go where the workers' KV tiers hold them (docs/kv-tiers.md).
             self.router.tier_homes = tier_homes_from(self.data, self.streams)
@@ -383,7 +388,7 @@ class JobRun:
                 deadline = job_deadline if deadline is None else min(deadline, job_deadline)
             req = msgspec.structs.replace(req, job_id=self.job_id, deadline=deadline)
             if self.order == "prefix":
-                sort_keys.append((prefix_key(req), row))
+                sort_keys.append((prefix_key(req, self.prefix_cache_scope), row))
             columns["id"].append(req.id)
             columns["request"].append(encode_request(req, "msgpack"))
             columns["api"].append(req.api)

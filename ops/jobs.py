@@ -46,6 +46,7 @@ from mqinfer.ops.job_store import (
 from mqinfer.ops.job_tasks import DEFAULT_LEASE_S, enqueue_task, new_task_id, set_data_client
 from mqinfer.schemas.files import input_format
 from mqinfer.schemas.lanes import DEFAULT_MAX_LANES, check_max_lanes, parse_lanes
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, PREFIX_CACHE_SCOPES
 from mqinfer.schemas.routing import ROUTES
 
 ORDERS = ("prefix", "input")
@@ -105,7 +106,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
                queue_name: str = QUEUE_NAME, lease_s: float = DEFAULT_LEASE_S, shards: int = 1,
                order: str = "prefix", route: str = "prefix", data=None,
                worker_out: list[str] | None = None, lanes: str = "none",
-               max_lanes: int = DEFAULT_MAX_LANES) -> SubmitResult:
+               max_lanes: int = DEFAULT_MAX_LANES,
+               prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> SubmitResult:
     """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task.
 
     ``client`` holds the job and the rq queue. ``data`` is the server (or cluster) of the request
@@ -123,6 +125,9 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     """
     _check_options(max_in_flight=max_in_flight, chunk_size=chunk_size, lease_s=lease_s, stream=stream,
                    order=order, route=route)
+    if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
+        raise ValueError(f"--prefix-cache-scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
+                         f"got {prefix_cache_scope!r}")
     lanes = parse_lanes(lanes)
     check_max_lanes(max_lanes)
     streams = shard_streams(stream, shards)
@@ -152,7 +157,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     store.register({
         "id": job_id, "status": VALIDATING, "input": str(source), "input_format": fmt, "out": str(out),
         "stream": stream, "shards": shards, "order": order, "route": route, "lanes": lanes,
-        "max_lanes": max_lanes,
+        "max_lanes": max_lanes, "prefix_cache_scope": prefix_cache_scope,
         "data": "separate" if store.split else "same", "queue": queue_name,
         "deadline": "" if deadline is None else repr(float(deadline)),
         "max_in_flight": max_in_flight, "chunk_size": chunk_size, "lease_s": repr(float(lease_s)),

@@ -5,7 +5,8 @@ tokens without padding, so it never needs a dummy slot).
 
 The free list is also the eviction order. It holds every block with no owner, least recently
 used first. A full block whose tokens are known gets a chained hash (the parent block's hash,
-this block's token ids and an optional extra key) and is registered in the hash → block map;
+this block's token ids and an optional extra key; the first block's parent is the root of its
+cache partition, ``partition_root_hash``) and is registered in the hash → block map;
 when its last owner lets go it stays registered in the free list, so a later request with the
 same prefix can take it back out (a hit), until ``allocate`` reuses it for something else (an
 eviction). Hashes are 128-bit BLAKE2b digests, and a hit is still confirmed by comparing the
@@ -44,6 +45,18 @@ def hash_block_tokens(
     if extra_key:
         h.update(len(extra_key).to_bytes(4, "little"))
         h.update(extra_key)
+    return h.digest()
+
+
+def partition_root_hash(partition: bytes) -> BlockHash | None:
+    """The parent hash of a request's first block in the cache partition ``partition``
+    (schemas/cache_scope.py): None, the shared root, for the empty partition. Every later hash
+    is chained from it, so two partitions never produce the same block hash."""
+    if not partition:
+        return None
+    h = hashlib.blake2b(b"partition", digest_size=16)
+    h.update(len(partition).to_bytes(4, "little"))
+    h.update(partition)
     return h.digest()
 
 

@@ -6,6 +6,8 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, check_scope
+
 PREEMPTION_MODES = ("recompute", "swap")
 
 # Tenant weights as the scheduler keeps them: (tenant, weight) pairs sorted by tenant.
@@ -84,6 +86,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     enable_prefix_caching: bool = True
+    # Who shares cached prefix blocks (schemas/cache_scope.py): "tenant", requests of one tenant
+    # (and one cache salt); "global", every request (of one cache salt).
+    prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE
     # What a preempted request does with its KV: "recompute" drops it (the prefix cache keeps
     # what it can) and computes it again on re-admission; "swap" copies it to a host-memory
     # pool of ``num_swap_blocks`` blocks and back, falling back to recompute when that is full.
@@ -116,6 +121,7 @@ class SchedulerConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, got {self.enable_prefix_caching!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        check_scope(self.prefix_cache_scope)
         swap = self.num_swap_blocks
         if not isinstance(swap, int) or isinstance(swap, bool) or swap < 0:
             raise ValueError(f"num_swap_blocks must be an integer >= 0, got {self.num_swap_blocks!r}")

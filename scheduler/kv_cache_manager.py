@@ -14,6 +14,11 @@ blocks the way ``free`` does, so their full blocks stay in the prefix cache; swa
 back whichever of those are still cached as hits and copies only the rest. The manager only
 decides which blocks go where; it returns the block pairs, and the model runner copies.
 
+Requests share cached blocks only within a cache partition (schemas/cache_scope.py): under the
+scope ``tenant`` (the default) a request's tenant and cache salt, under ``global`` its salt alone.
+The partition is the root of the request's chained block hashes, so it separates the device cache
+and every tier below it alike.
+
 A block is registered in the prefix cache once it is full of *computed* tokens, that is,
 tokens whose KV an earlier step has written. Caching a block while the step that writes it
 is still to run would let another request in that same step read it before it is written.
@@ -35,7 +40,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from mqinfer.scheduler.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, cache_partition, check_scope
+from mqinfer.scheduler.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens, partition_root_hash
 from mqinfer.scheduler.request import EngineRequest
 
 # (device block id, block hash, token ids) of one block to copy between the device and the tiers.
@@ -72,12 +78,17 @@ class TierBlock:
 
 class KVCacheManager:
     def __init__(
-        self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0
+        self, block_size: int, num_blocks: int, enable_prefix_caching: bool = True, num_swap_blocks: int = 0,
+        prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # Who shares cached blocks: a request's first block hash is chained from the root of its
+        # partition (its tenant under "tenant", and its cache salt), so every block hash, here and
+        # in the tiers below, belongs to one partition.
+        self.prefix_cache_scope = check_scope(prefix_cache_scope)
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         # Chained hashes of a request's full blocks, computed once and kept across preemptions
@@ -445,6 +456,10 @@ class KVCacheManager:
         """The blocks a request holds, in position order (a copy, for inspection)."""
         return list(self._req_blocks.get(request_id, ()))
 
+    def root_hash(self, request: EngineRequest) -> BlockHash | None:
+        """The parent hash of the request's first block: the root of its cache partition."""
+        return partition_root_hash(cache_partition(self.prefix_cache_scope, request.tenant, request.cache_salt))
+
     def _block_hashes(self, request: EngineRequest, num_blocks: int) -> list[BlockHash]:
         """Chained hashes of the request's first ``num_blocks`` blocks (which must be full)."""
         rid = request.request_id
@@ -454,7 +469,7 @@ class KVCacheManager:
         if len(hashes) < num_blocks:
             bs = self.block_size
             tokens = request.all_token_ids
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else self.root_hash(request)
             for i in range(len(hashes), num_blocks):
                 parent = hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs])
                 hashes.append(parent)

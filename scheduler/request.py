@@ -148,6 +148,9 @@ class EngineRequest:
     share_group: str | None = None
     # Whether proposed tokens may be checked for this request (speculative decoding).
     speculative: bool = True
+    # With the tenant (under the cache manager's scope), the prefix-cache partition the request
+    # shares cached blocks within (schemas/cache_scope.py).
+    cache_salt: str | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

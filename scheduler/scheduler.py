@@ -114,6 +114,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             config.block_size, config.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
+            prefix_cache_scope=config.prefix_cache_scope,
         )
         # Unfinished requests by id.
         self._requests: dict[str, EngineRequest] = {}

@@ -48,6 +48,7 @@ _COMMON_PASSTHROUGH = {
     "min_tokens": "min_tokens",
     "ignore_eos": "ignore_eos",
     "speculative": "speculative",
+    "cache_salt": "cache_salt",
     "stop_token_ids": "stop_token_ids",
     "n": "n",
     "presence_penalty": "presence_penalty",

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from mqinfer.schemas import errors
+from mqinfer.schemas.cache_scope import MAX_CACHE_SALT_LENGTH
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.response_format import ResponseFormat, grammar_spec
 
@@ -58,6 +59,7 @@ RepetitionPenalty = Annotated[float, msgspec.Meta(ge=MIN_REPETITION_PENALTY, le=
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
 # Token id -> bias. JSON object keys are text: "50256" decodes as the token id 50256.
 LogitBias = Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
+CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -106,6 +108,9 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     # False keeps the request out of speculative decoding (the worker's --speculative).
     speculative: bool = True
     tenant: Label = "default"
+    # Requests share cached prompt KV only with requests of the same salt (and, under the worker's
+    # default --prefix-cache-scope tenant, of the same tenant): schemas/cache_scope.py.
+    cache_salt: CacheSalt | None = None
     model: str | None = None
     request_type: Label = "default"
     priority: Priority = 0

@@ -6,7 +6,11 @@ requests with the same leading prompt. The route key is that leading prompt, the
 ``ROUTE_TOKENS`` token ids (a few KV blocks) or, for text and chats whose tokens the producer
 cannot see, the first ``ROUTE_BYTES`` bytes in the prefix-tree encoding of ``prefix_order``.
 A prompt shorter than that has no key: it shares no full block with anyone worth chasing, and it
-goes to the shard of its id, as without routing (a hash spreads such requests evenly).
+goes to the shard of its id, as without routing (a hash spreads such requests evenly). The key
+starts with the request's cache partition under the workers' prefix cache scope
+(schemas/cache_scope.py: tenant and ``cache_salt`` under ``tenant``, the default; the salt alone
+under ``global``), since requests of two partitions share no KV: a prefix group never spans
+partitions, and a worker publishes what its tiers hold under the key of the partition that wrote it.
 
 Balance comes before locality, but within a slack: ``PrefixRouter.assign`` places one
 submission's requests group by group (heaviest first) on the group's home shard (where the key
@@ -36,8 +40,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Sequence
 
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, cache_partition, check_scope
 from mqinfer.schemas.keys import kv_tier_prefixes, shard_index
-from mqinfer.schemas.prefix_order import prefix_key
+from mqinfer.schemas.prefix_order import prompt_key
 from mqinfer.schemas.request import Request
 
 ROUTE_TOKENS = 64  # four blocks of the default block size
@@ -46,17 +51,22 @@ DEFAULT_SLACK = 0.1
 ROUTES = ("prefix", "id")
 
 
-def route_key(request: Request) -> bytes | None:
-    """The leading prompt that decides the request's shard, or None when the prompt is shorter."""
-    kind, key = prefix_key(request)
+def route_key(request: Request, scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> bytes | None:
+    """The cache partition (under the prefix cache ``scope``) and leading prompt that decide the
+    request's shard, or None when the prompt is shorter. Without a partition (``global``, no
+    salt) the key is the leading prompt alone, as before scopes existed."""
+    kind, key = prompt_key(request)
     if kind == 0:
         ids = key[:ROUTE_TOKENS]
         if len(ids) < ROUTE_TOKENS:
             return None
-        return b"t" + b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids)
-    if len(key) < ROUTE_BYTES:
+        out = b"t" + b"".join(int(t).to_bytes(4, "little", signed=False) for t in ids)
+    elif len(key) < ROUTE_BYTES:
         return None
-    return b"b" + key[:ROUTE_BYTES]
+    else:
+        out = b"b" + key[:ROUTE_BYTES]
+    partition = cache_partition(scope, request.tenant, request.cache_salt)
+    return b"p" + len(partition).to_bytes(4, "little") + partition + out if partition else out
 
 
 def route_digest(key: bytes) -> bytes:
@@ -116,13 +126,14 @@ class _Group:
 class PrefixRouter:
     """Decides the shard of each request of a submission (see the module docstring).
 
-    ``route="id"`` keeps the plain placement by a hash of (job_id, id). State: the work sent to
+    ``route="id"`` keeps the plain placement by a hash of (job_id, id); ``prefix_cache_scope`` is the
+    workers' (``--prefix-cache-scope``), which decides the partition part of a route key. State: the work sent to
     each shard, the shards each recent key went to (at most ``max_keys``), and ``spilled``.
     """
 
     def __init__(self, shards: int, *, route: str = "prefix", slack: float = DEFAULT_SLACK,
-                 max_keys: int = 100_000, tier_homes: Callable[[list[bytes]], dict[bytes, int]] | None = None
-                 ) -> None:
+                 max_keys: int = 100_000, tier_homes: Callable[[list[bytes]], dict[bytes, int]] | None = None,
+                 prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> None:
         if route not in ROUTES:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}, got {route!r}")
         if shards < 1:
@@ -131,6 +142,8 @@ class PrefixRouter:
             raise ValueError(f"slack must be >= 0, got {slack}")
         self.shards = shards
         self.route = route
+        # The workers' prefix cache scope: route keys name the partition the KV is cached in.
+        self.prefix_cache_scope = check_scope(prefix_cache_scope)
         self.slack = slack
         self.max_keys = max_keys
         self.load = [0] * shards
@@ -158,7 +171,7 @@ class PrefixRouter:
         groups: dict[bytes, _Group] = {}
         loose: list[_Group] = []
         for i, req in enumerate(requests):
-            key = route_key(req)
+            key = route_key(req, self.prefix_cache_scope)
             work = work_estimate(req)
             if key is None:
                 loose.append(_Group(None, [i], work))
@@ -198,7 +211,8 @@ class PrefixRouter:
         prefix): what a caller that looks tier homes up itself (the asyncio client) asks for."""
         if not self.by_prefix:
             return []
-        keys = {key for key in map(route_key, requests) if key is not None and key not in self._homes}
+        scope = self.prefix_cache_scope
+        keys = {key for key in (route_key(r, scope) for r in requests) if key is not None and key not in self._homes}
         return list(keys)
 
     def add_tier_homes(self, found: dict[bytes, int]) -> None:

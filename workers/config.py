@@ -18,6 +18,7 @@ from mqinfer.scheduler.config import (
     PREEMPTION_MODES, SchedulerConfig, format_tenant_weights, parse_tenant_weights,
 )
 from mqinfer.schemas import keys
+from mqinfer.schemas.cache_scope import PREFIX_CACHE_SCOPES, check_scope
 from mqinfer.schemas.lanes import DEFAULT_LANES, DEFAULT_MAX_LANES, check_max_lanes, parse_lanes
 from mqinfer.workers.devices import parse_device, parse_devices
 from mqinfer.schemas.stream import MAX_ENTRY_BYTES
@@ -140,6 +141,12 @@ class EngineConfig:
         "Context length (default: the model's).", metavar="N"))
     enable_prefix_caching: bool = field(default=_SCHEDULER.enable_prefix_caching, metadata=flag(
         "Prefix caching: requests sharing a prompt prefix share its KV blocks.", name="prefix_cache"))
+    prefix_cache_scope: str = field(default=_SCHEDULER.prefix_cache_scope, metadata=flag(
+        "Who shares cached prompt KV, on the device and in every KV tier: tenant = only requests of the "
+        "same tenant (and cache_salt), so that no tenant can tell from its time to first token or its "
+        "cached_prompt_tokens whether another tenant sent the same prompt; global = every request of the "
+        "same cache_salt (none: all of them), for a single-tenant fleet or where tenants may share.",
+        choices=PREFIX_CACHE_SCOPES))
     # Seeds the sampling seeds drawn for requests that give none.
     seed: int = 0
     num_threads: int | None = field(default=None, metadata=flag(
@@ -266,6 +273,7 @@ class EngineConfig:
         if not (self.swap_space_gib >= 0 and math.isfinite(self.swap_space_gib)):
             raise ValueError(f"swap_space_gib must be a finite number >= 0, got {self.swap_space_gib}")
         parse_tenant_weights(self.tenant_weights)  # raises ValueError naming a bad entry
+        check_scope(self.prefix_cache_scope)
         self._check_kv_tiers()
 
     def _check_kv_tiers(self) -> None:

@@ -285,6 +285,7 @@ def _scheduler_config(config: EngineConfig, num_blocks: int, num_swap_blocks: in
         max_num_seqs=config.max_num_seqs,
         max_model_len=max_len,
         enable_prefix_caching=config.enable_prefix_caching,
+        prefix_cache_scope=config.prefix_cache_scope,
         preemption_mode=config.preemption_mode,
         num_swap_blocks=num_swap_blocks,
         priority_aging_s=config.priority_aging_s,
@@ -604,11 +605,12 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str = "default", share_group: str | None = None,
-                    speculative: bool = True) -> None:
+                    speculative: bool = True, cache_salt: str | None = None) -> None:
         """Queue a request (with ``sampling.n`` choices); ``speculative`` False keeps it out of
         speculative decoding, as do a grammar (``sampling.grammar``), which must compile (else
         ``invalid_response_format``), and a presence, frequency or repetition penalty.
-        ``share_group`` is the scheduler's fair-share group (None: the tenant's)."""
+        ``share_group`` is the scheduler's fair-share group (None: the tenant's); the tenant and
+        ``cache_salt`` choose the prefix-cache partition (``--prefix-cache-scope``)."""
         n = sampling.n
         seq_ids = [choice_id(request_id, i) for i in range(n)]
         for rid in seq_ids:
@@ -653,6 +655,7 @@ class LLMEngine:
                 tenant=tenant,
                 share_group=share_group,
                 speculative=speculative,
+                cache_salt=cache_salt,
                 sampling_seed=seed,
             ))
         if sampling.grammar is not None:

@@ -10,8 +10,9 @@ A blob is::
     check   BLAKE2b-128 of everything before it
 
 The identity is a digest of what makes two workers' KV for the same tokens interchangeable (the
-model's weights, dtype, KV cache format, block size, rotary settings: ``workers/kv_tiers.py``
-builds it). :func:`decode` returns the block only when the blob is whole (lengths), unchanged
+model's weights, dtype, KV cache format, block size, rotary settings) and of the prefix cache
+scope that wrote the blob (``workers/kv_tiers.py`` builds it), so a blob of one scope is
+``foreign`` to a worker of the other. :func:`decode` returns the block only when the blob is whole (lengths), unchanged
 (checksum), of this identity and of exactly the tokens asked for; anything else raises
 :class:`BlockRejected` with the reason (``torn``, ``corrupt``, ``foreign``, ``tokens``), which the
 tiers count as a miss. Nothing in a blob is ever executed or unpickled.

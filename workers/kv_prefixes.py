@@ -12,6 +12,7 @@ wrong or stale one costs only a prefix computed again.
 
 from __future__ import annotations
 
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE
 from mqinfer.schemas.keys import kv_tier_prefixes
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.routing import route_digest, route_key
@@ -22,8 +23,12 @@ TTL_S = 7 * 86_400
 
 
 class TierPrefixes:
-    def __init__(self, client, stream: str, *, max_prefixes: int = MAX_PREFIXES, ttl_s: int = TTL_S) -> None:
+    def __init__(self, client, stream: str, *, max_prefixes: int = MAX_PREFIXES, ttl_s: int = TTL_S,
+                 prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> None:
         self.client = client
+        # The worker's scope: a prefix is published under the route key of the cache partition
+        # its KV was written in, so only producers routing that partition find it.
+        self.prefix_cache_scope = prefix_cache_scope
         self.key = kv_tier_prefixes(stream)
         self.max_prefixes = max_prefixes
         self.ttl_s = ttl_s
@@ -32,7 +37,7 @@ class TierPrefixes:
 
     def add(self, request: Request) -> None:
         """A request this worker ran to the end: its prompt's prefix is in the tiers now."""
-        key = route_key(request)
+        key = route_key(request, self.prefix_cache_scope)
         if key is not None:
             self._pending.add(route_digest(key))
 

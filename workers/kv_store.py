@@ -1,6 +1,7 @@
 """Where KV tier blobs live: host memory and a directory, behind one small interface.
 
-A store maps a key (32 bytes: the model identity and the block's chained hash) to a blob
+A store maps a key (32 bytes: the model identity, which names the prefix cache scope too, and the
+block's chained hash, which starts from the request's cache partition) to a blob
 (``workers/kv_codec.py``): ``put``, ``get``, ``contains``, ``discard``. Each has a size limit in
 bytes and evicts least recently used first; each counts what it does in a :class:`StoreStats`
 (read by the metrics thread: plain numbers only).

@@ -19,7 +19,10 @@ this class moves them and keeps them:
 A block's key is the model identity and its chained hash, so workers of the same model and
 settings share blocks through a directory, across restarts, and those of another never do. The
 identity covers what changes the KV of the same tokens: the weights (the model id's hash), dtype,
-the device cache's KV format, quantization, block size and the rotary frequencies.
+the device cache's KV format, quantization, block size and the rotary frequencies; and the prefix
+cache scope, so that a tier written under one scope is never read under another. Within a scope,
+the chained hash starts from the request's cache partition (its tenant under ``tenant``, its cache
+salt), so partitions never share a block here either.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, as_raw, dequantize_kv, quantize_kv
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, check_scope
 from mqinfer.workers import kv_codec
 from mqinfer.workers.kv_codec import BlockGeometry, BlockRejected
 from mqinfer.workers.kv_store import DirectoryStore, HostStore
@@ -55,12 +59,16 @@ WRITE_QUEUE_BYTES = 256 << 20
 
 
 def model_identity(model_id: str, dtype: str, kv_cache_dtype: str, block_size: int, quantization: str,
-                   smoothquant_alpha: float, rotary_inv_freq: torch.Tensor | None) -> bytes:
-    """16 bytes naming everything that makes two workers' KV for the same tokens interchangeable."""
+                   smoothquant_alpha: float, rotary_inv_freq: torch.Tensor | None,
+                   prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> bytes:
+    """16 bytes naming everything that makes two workers' KV for the same tokens interchangeable,
+    and the prefix cache scope that wrote it: a block written under one scope is never read under
+    another (the block hash already separates the partitions within a scope)."""
     fields = {
         "format": kv_codec.VERSION, "model": model_id, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
         "block_size": block_size, "quantization": quantization,
         "smoothquant_alpha": smoothquant_alpha if quantization == "w8a8" else None,
+        "prefix_cache_scope": check_scope(prefix_cache_scope),
     }
     digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16)
     if rotary_inv_freq is not None:
@@ -288,7 +296,8 @@ def attach_engine_tiers(config, info, model, runner, scheduler) -> KVTiers | Non
         raise ValueError("KV tiers do not combine with pipeline parallelism (each stage holds some layers)")
     rotary = getattr(model, "rotary", None)
     identity = model_identity(info.model_id, info.dtype, config.kv_cache_dtype, config.block_size,
-                              config.quantization, config.smoothquant_alpha, getattr(rotary, "inv_freq", None))
+                              config.quantization, config.smoothquant_alpha, getattr(rotary, "inv_freq", None),
+                              config.prefix_cache_scope)
     tiers = build_tiers(host_bytes=int(config.kv_host_cache_gib * 2**30), disk_dir=config.kv_disk_cache,
                         disk_bytes=int(config.kv_disk_cache_gib * 2**30), shared_dir=config.kv_shared_cache,
                         shared_bytes=int(config.kv_shared_cache_gib * 2**30), identity=identity,

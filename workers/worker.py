@@ -183,7 +183,8 @@ class Worker:
             self.engine = engine = LLMEngine(cfg.engine, clock=self.clock)
         info = engine.info
         if getattr(engine, "kv_tiers", None) is not None:
-            self.tier_prefixes = TierPrefixes(self.redis, cfg.stream)
+            self.tier_prefixes = TierPrefixes(self.redis, cfg.stream,
+                                              prefix_cache_scope=cfg.engine.prefix_cache_scope)
         self.billing.model = info.model_id
         share = cfg.device_share if cfg.device_share is not None else engine.device_share
         self.billing.device_share = share
@@ -376,7 +377,8 @@ class Worker:
             try:
                 self.engine.add_request(entry_id, item.prompt_token_ids, item.sampling, arrival_time=item.enqueued_at,
                                         priority=req.priority, deadline=req.deadline, tenant=req.tenant,
-                                        share_group=share_group(entry_id), speculative=req.speculative)
+                                        share_group=share_group(entry_id), speculative=req.speculative,
+                                        cache_salt=req.cache_salt)
             except EngineInputError as exc:
                 self.ownership.release(entry_id)
                 self.acks.add_error(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,

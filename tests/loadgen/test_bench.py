@@ -134,7 +134,7 @@ def test_fixed_workload_and_peer_flags_parse():
     assert parse("--prompt-len", "4,8", "--output-len", "2,2").prompt_len == (4, 8)  # ranges for the others
     defaults = parse()
     assert (defaults.compare, defaults.llamacpp_bin, defaults.gguf, defaults.llamacpp_threads) == (None,) * 4
-    for argv in (["--compare", "vllm"], ["--compare", ","], ["--prompt-len", "0"], ["--output-len", "8,4"],
+    for argv in (["--compare", "sglang"], ["--compare", ","], ["--prompt-len", "0"], ["--output-len", "8,4"],
                  ["--prompt-len", "x"], ["--llamacpp-threads", "0"], ["--workload", "exact"]):
         with pytest.raises(SystemExit):
             parse(*argv)
@@ -193,6 +193,8 @@ def test_llamacpp_flags_are_checked_before_any_work(tmp_path, capsys):
     (["--num-prefixes", "4"], "apply to --workload shared-prefix only"),
     (["--mode", "online", "--rate", "2", "--shards", "2"], "--shards applies to --mode offline only"),
     (["--order", "input", "--compare", "input-order"], "--compare input-order needs --order prefix"),
+    (["--prefix-cache-scope", "global", "--compare", "global-scope"],
+     "--compare global-scope needs --prefix-cache-scope tenant"),
     (["--rounds", "2"], "--rounds applies to --mode offline with --compare unquantized"),
     (["--rounds", "2", "--compare", "hf"], "--rounds applies to --mode offline with --compare unquantized"),
     (["--rounds", "2", "--mode", "online", "--rate", "2", "--speculative", "ngram", "--compare", "unspeculative"],
@@ -491,3 +493,23 @@ def test_other_layout_reruns_with_one_worker_of_every_thread(tmp_path, capsys):
     assert "/ the other layout (1 x 2): " in captured.out
     assert bench.run_bench(parse("--compare", "other-layout", "--mode", "online", "--rate", "2")) == 2
     assert "compares CPU layouts offline" in capsys.readouterr().err
+
+
+def test_a_shared_prefix_job_finds_the_same_prefixes_under_both_cache_scopes(tmp_path, capsys):
+    """The bench's requests are one tenant's: the default scope keeps every prefix hit of global."""
+    out_json = tmp_path / "bench.json"
+    code = bench.main(["--model", "tiny", "--workload", "shared-prefix", "--num-requests", "16", "--num-prefixes", "2",
+                       "--prefix-len", "64,96", "--output-len", "2,4", "--matrix-size", "128", "--workers", "1",
+                       "--num-threads", "1", "--compare", "global-scope", "--json", str(out_json),
+                       "--idle-exit-s", "30"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(out_json.read_text())
+    assert report["engine_flags"]["prefix_cache_scope"] == "tenant"
+    scoped, shared = report["prefix_cache"], report["systems"]["mqinfer offline, global scope"]["prefix_cache"]
+    assert scoped["hit_tokens"] == shared["hit_tokens"] > 0
+    assert report["agreement_vs_global_scope"]["identical"] == 1.0
+    ours, other = (report["systems"][k]["summary"] for k in ("mqinfer offline", "mqinfer offline, global scope"))
+    assert report["ratios"]["vs_global_scope"] == pytest.approx(ours["throughput"] / other["throughput"])
+    assert "mqinfer --prefix-cache-scope tenant / global: " in captured.out
+    assert "--prefix-cache-scope global: " in captured.out

@@ -293,3 +293,28 @@ def test_a_zero_device_share_exits_2_with_message():
                              capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
         assert out.returncode == 2, (command, out.stderr)
         assert "--device-share must be a number > 0" in out.stderr, (command, out.stderr)
+
+
+def test_prefix_cache_scope_from_every_source_reaches_the_scheduler_and_run(monkeypatch, tmp_path):
+    assert _resolve([])["prefix_cache_scope"] == "tenant"  # the default: no sharing between tenants
+    opts = _resolve(["--prefix-cache-scope", "global"])
+    assert engine_config(opts).prefix_cache_scope == "global"
+    assert "prefix_cache_scope" in {o.name for o in RUN_CMD}  # `run` takes it and hands it to its workers
+    option = next(o for o in ENGINE_OPTIONS if o.name == "prefix_cache_scope")
+    assert _resolve(option.argv("global"))["prefix_cache_scope"] == "global"
+    monkeypatch.setenv("MQINFER_PREFIX_CACHE_SCOPE", "global")
+    assert _resolve([])["prefix_cache_scope"] == "global"
+    monkeypatch.delenv("MQINFER_PREFIX_CACHE_SCOPE")
+    assert _resolve([], _config(tmp_path, 'prefix-cache-scope = "global"\n'))["prefix_cache_scope"] == "global"
+    for build in (lambda: EngineConfig(prefix_cache_scope="everyone"),
+                  lambda: SchedulerConfig(prefix_cache_scope="everyone")):
+        with pytest.raises(ValueError, match="prefix_cache_scope must be one of tenant, global, got 'everyone'"):
+            build()
+
+
+def test_a_bad_prefix_cache_scope_exits_2_with_message():
+    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
+                          "--prefix-cache-scope", "everyone"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2, out.stderr
+    assert "--prefix-cache-scope" in out.stderr and "tenant" in out.stderr, out.stderr

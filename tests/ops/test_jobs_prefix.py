@@ -6,6 +6,7 @@ case with real inference workers."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 
@@ -49,6 +50,32 @@ def _by_prompt(items: list[dict]) -> list[str]:
 
 
 # -- order -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("scope", ["tenant", "global"])
+def test_a_jobs_prefix_groups_keep_to_the_workers_cache_scope(redis_client, tmp_path, scope):
+    """Two tenants send the same prompts: under the default scope each tenant's requests come
+    together (they cannot share with the other's), under global each prompt's requests do."""
+    items = [dict(d, id=f"{tenant}{i}", tenant=tenant) for i, d in enumerate(_interleaved(6))
+             for tenant in ("b", "a")]
+    src = write_jsonl(tmp_path / "in.jsonl", items)
+    res = submit_job(redis_client, src, tmp_path / "out", stream="scoped", order="prefix", max_in_flight=100,
+                     prefix_cache_scope=scope)
+    assert redis_client.hget(keys.job_key(res.job_id), "prefix_cache_scope") == scope.encode()
+    _feed_all(redis_client, res.job_id, len(items))
+    sent = _stream_order(redis_client, "scoped")
+    by_prompt = [rid[1:] for rid in _by_prompt([d for d in items if d["tenant"] == "b"])]  # "1", "4", "2", ...
+    assert by_prompt == ["1", "4", "2", "5", "0", "3"]
+    if scope == "tenant":
+        assert sent == [f"a{i}" for i in by_prompt] + [f"b{i}" for i in by_prompt]
+    else:  # the same prompt's requests together, in input order
+        assert sent == [f"{t}{i}" for i in by_prompt for t in ("b", "a")]
+
+
+def test_a_bad_prefix_cache_scope_is_refused_at_submit(redis_client, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", _interleaved(2))
+    with pytest.raises(ValueError, match="--prefix-cache-scope must be one of tenant, global, got 'everyone'"):
+        submit_job(redis_client, src, tmp_path / "out", stream="bad", prefix_cache_scope="everyone")
+
+
 @pytest.mark.parametrize("order", ["prefix", "input"])
 def test_requests_enter_the_stream_in_prefix_order_and_the_output_stays_in_input_order(
         redis_client, tmp_path, order):
@@ -232,6 +259,13 @@ def test_cli_submit_takes_order_and_route(redis_url, redis_client, tmp_path):
     assert done.returncode == 0, done.stderr
     job = redis_client.hgetall(keys.job_key(json.loads(done.stdout)["job_id"]))
     assert (job[b"order"], job[b"route"], job[b"shards"]) == (b"input", b"id", b"2")
+    assert job[b"prefix_cache_scope"] == b"tenant"  # the workers' default
+    scoped = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o3"), "--redis",
+                                        redis_url, "--json"), **common,
+                            env=dict(os.environ, MQINFER_PREFIX_CACHE_SCOPE="global"))
+    assert scoped.returncode == 0, scoped.stderr
+    job = redis_client.hgetall(keys.job_key(json.loads(scoped.stdout)["job_id"]))
+    assert job[b"prefix_cache_scope"] == b"global"
     bad = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o2"), "--redis", redis_url,
                                      "--order", "random"), **common)
     assert bad.returncode == 2 and "--order" in bad.stderr

@@ -17,8 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mqinfer.scheduler import scheduler as scheduler_module
-from mqinfer.scheduler.block_pool import BlockPool, hash_block_tokens
+from mqinfer.scheduler.block_pool import BlockPool, hash_block_tokens, partition_root_hash
 from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, cache_partition
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
@@ -26,6 +27,9 @@ from tests.helpers import FakeClock, ShadowKV
 
 EOS = 0
 FILL = 7  # the model's only sampled token: never EOS
+
+# The root of the hash chain of a tenant "default" request under the manager's default scope.
+ROOT = partition_root_hash(cache_partition(DEFAULT_PREFIX_CACHE_SCOPE, "default", None))
 
 _fresh = itertools.count(50_000)
 
@@ -79,7 +83,7 @@ OTHER = list(range(30, 42))  # an unrelated one, also three full blocks
 
 def chain_hashes(tokens: list[int], block_size: int = 4) -> list[bytes]:
     """The prefix-cache hashes of the full blocks of ``tokens``."""
-    hashes, parent = [], None
+    hashes, parent = [], ROOT
     for i in range(len(tokens) // block_size):
         parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size])
         hashes.append(parent)

@@ -233,9 +233,10 @@ def test_a_request_aged_past_the_best_level_goes_before_it():
 def test_a_held_request_keeps_its_tenants_turn_and_then_takes_the_cached_prefix():
     """b (light tenant) shares a prefix with a (heavy) that a is computing: b is held back in that
     step and the heavy tenant's next request goes ahead; once a slot frees, b is still the light
-    tenant's turn ahead of the heavy backlog, and finds the prefix cached."""
+    tenant's turn ahead of the heavy backlog, and finds the prefix cached. Tenants share cached
+    prefixes only under the global scope, which this test needs."""
     prefix = list(range(500, 512))  # three full blocks of 4
-    driver = Driver(config(max_num_seqs=2))
+    driver = Driver(config(max_num_seqs=2, prefix_cache_scope="global"))
     a = driver.add(req("a", "heavy", arrival=0.0, prompt=prefix + [1, 2], max_tokens=4))
     heavy = [driver.add(req(f"h{i}", "heavy", arrival=1.0 + i, max_tokens=4)) for i in range(10)]
     b = driver.add(req("b", "light", arrival=50.0, prompt=prefix + [3, 4], max_tokens=4))
@@ -247,6 +248,25 @@ def test_a_held_request_keeps_its_tenants_turn_and_then_takes_the_cached_prefix(
     assert order.index("b") < order.index("h1")
     assert b.num_cached_tokens == len(prefix)
     assert a.num_cached_tokens == 0 and all(r.is_finished for r in heavy)
+
+
+def test_under_the_tenant_scope_another_tenants_prefix_is_neither_waited_for_nor_hit():
+    """Under the default scope b cannot use the heavy tenant's prefix, so it is not held back for it
+    (it is admitted with a, in the same step) and computes its whole prompt; later, each tenant's
+    request with that prefix hits its own tenant's copy."""
+    prefix = list(range(500, 512))
+    driver = Driver(config(max_num_seqs=2))
+    a = driver.add(req("a", "heavy", arrival=0.0, prompt=prefix + [1, 2], max_tokens=4))
+    b = driver.add(req("b", "light", arrival=50.0, prompt=prefix + [3, 4], max_tokens=4))
+    out = driver.step()
+    assert [sr.request.request_id for sr in out.scheduled] == ["a", "b"]
+    driver.run()
+    a2 = driver.add(req("a2", "heavy", arrival=60.0, prompt=prefix + [5, 6], max_tokens=4))
+    b2 = driver.add(req("b2", "light", arrival=60.0, prompt=prefix + [5, 6], max_tokens=4))
+    driver.run()
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
+    # Each tenant's second request finds its own tenant's prefix, never the other's.
+    assert a2.num_cached_tokens == len(prefix) and b2.num_cached_tokens == len(prefix)
 
 
 # -- the waiting head in admission order --------------------------------------------------------

@@ -13,10 +13,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mqinfer.scheduler.block_pool import hash_block_tokens
+from mqinfer.scheduler.block_pool import hash_block_tokens, partition_root_hash
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, cache_partition
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from tests.helpers import ShadowKV
+
+# The root of the hash chain of a tenant "default" request under the manager's default scope.
+ROOT = partition_root_hash(cache_partition(DEFAULT_PREFIX_CACHE_SCOPE, "default", None))
 
 
 def make_request(rid: str, tokens: list[int]) -> EngineRequest:
@@ -283,7 +287,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert prefix[-bs:] == block.token_ids
             for j in range(bs):
                 assert self.kv.device[base + j] == prefix[: len(prefix) - bs + j + 1]
-            parent = None
+            parent = ROOT
             for i in range(0, len(prefix), bs):
                 parent = hash_block_tokens(parent, prefix[i : i + bs])
             assert parent == block_hash

@@ -9,11 +9,15 @@ and its own store, and can be told to lose a block, as a corrupt file would be l
 
 from __future__ import annotations
 
-from mqinfer.scheduler.block_pool import hash_block_tokens
+from mqinfer.scheduler.block_pool import hash_block_tokens, partition_root_hash
+from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, cache_partition
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager, TierBlock
 from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 
 BS = 4
+
+# The root of the hash chain of a tenant "default" request under the manager's default scope.
+ROOT = partition_root_hash(cache_partition(DEFAULT_PREFIX_CACHE_SCOPE, "default", None))
 
 
 class ShadowTiers:
@@ -46,7 +50,7 @@ class ShadowTiers:
 
 
 def hashes(tokens, n):
-    out, parent = [], None
+    out, parent = [], ROOT
     for i in range(n):
         parent = hash_block_tokens(parent, tokens[i * BS: (i + 1) * BS])
         out.append(parent)

@@ -44,6 +44,16 @@ def test_completions_line_maps_every_supported_parameter():
     assert decode_request(encode_request(req), fmt="msgpack") == req
 
 
+def test_cache_salt_in_either_body_and_a_bad_one_named_in_the_body():
+    assert decode_request(json.dumps(line({"prompt": "x", "cache_salt": "team-red"}))).cache_salt == "team-red"
+    req = decode_request(json.dumps(chat({"messages": [{"role": "user", "content": "x"}], "cache_salt": "s"})))
+    assert req.cache_salt == "s" and decode_request(encode_request(req), fmt="msgpack") == req
+    for bad in ("", 3, "s" * 257):
+        err = reject(line({"prompt": "x", "cache_salt": bad}))
+        assert err.code == errors.INVALID_REQUEST and "$.body.cache_salt" in err.message, err.message
+        assert err.request_id == "c-1"
+
+
 def test_completions_prompt_forms():
     assert decode_request(json.dumps(line({"prompt": [1, 2, 3]}))).prompt_token_ids == [1, 2, 3]
     assert decode_request(json.dumps(line({"prompt": ["only one"]}))).prompt == "only one"

@@ -42,3 +42,18 @@ def test_chats_group_by_their_first_messages_and_ids_come_before_text():
     start = ordered.index("c2")
     assert ordered[start : start + 3] == ["c2", "c3", "c1"]
     assert set(ordered) == {r.id for r in requests}
+
+
+def test_the_order_keeps_each_cache_partition_together():
+    """Under the default scope a prefix group never spans tenants or salts; under global, requests
+    without a salt sort by prompt alone, as before scopes existed."""
+    def req(rid, tenant, ids, salt=None):
+        return Request(id=rid, tenant=tenant, prompt_token_ids=ids, cache_salt=salt)
+
+    requests = [req("a1", "acme", [5, 1]), req("b1", "beta", [5, 2]), req("a2", "acme", [5, 3]),
+                req("b2", "beta", [5, 0]), req("s1", "acme", [5, 4], salt="x"), req("a0", "acme", [4])]
+    by_tenant = [r.id for r in prefix_order(requests)]
+    assert by_tenant == ["a0", "a1", "a2", "s1", "b2", "b1"]
+    assert [r.id for r in prefix_order(requests, "tenant")] == by_tenant
+    # Global: the salted request apart from the rest, the others by their prompts whatever the tenant.
+    assert [r.id for r in prefix_order(requests, "global")] == ["a0", "b2", "a1", "b1", "a2", "s1"]

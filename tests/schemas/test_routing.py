@@ -90,3 +90,25 @@ def test_short_prompts_and_route_id_go_by_the_request_id():
     assert not PrefixRouter(1).by_prefix and PrefixRouter(1).assign(reqs) == [0] * len(reqs)
     with pytest.raises(ValueError, match="route"):
         PrefixRouter(2, route="round-robin")
+
+
+def test_the_key_names_the_cache_partition_of_the_scope():
+    ids = list(range(3, 3 + ROUTE_TOKENS))
+
+    def req(rid, tenant="default", salt=None):
+        return Request(id=rid, prompt_token_ids=ids + [1], tenant=tenant, cache_salt=salt)
+
+    acme, acme2, beta = req("a", "acme"), req("a2", "acme"), req("b", "beta")
+    # Default scope (tenant): one key per tenant and salt, so a group never spans tenants.
+    assert route_key(acme) == route_key(acme2) != route_key(beta)
+    assert route_key(acme) != route_key(req("s", "acme", salt="x")) != route_key(req("s2", "beta", salt="x"))
+    # Global: the tenant plays no part, and without a salt the key is the leading prompt alone.
+    assert route_key(acme, "global") == route_key(beta, "global") == b"t" + b"".join(
+        t.to_bytes(4, "little") for t in ids)
+    assert route_key(req("s", "acme", salt="x"), "global") == route_key(req("s2", "beta", salt="x"), "global")
+    assert route_key(req("s", salt="x"), "global") != route_key(acme, "global")
+    # A router groups by those keys.
+    assert len(PrefixRouter(2).unhomed_keys([acme, acme2, beta])) == 2
+    assert len(PrefixRouter(2, prefix_cache_scope="global").unhomed_keys([acme, acme2, beta])) == 1
+    with pytest.raises(ValueError, match="prefix_cache_scope"):
+        PrefixRouter(2, prefix_cache_scope="everyone")

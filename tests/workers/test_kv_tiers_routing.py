@@ -95,3 +95,30 @@ def test_routing_goes_on_by_hash_when_the_lookup_fails():
     ids = prompt_homed_on(1, 2, seed=3)
     assert router.assign([request_from_obj({"id": "a", "prompt_token_ids": ids})]) == [1]
     assert router.tier_routed == 0
+
+
+@pytest.mark.parametrize("scope", ["tenant", "global"])
+def test_a_worker_publishes_its_prefixes_under_its_cache_scope(redis_url, redis_client, tmp_path, scope):
+    """A producer routing another tenant's identical prompt finds the prefix only under the global
+    scope: under the default one the other tenant could not use that KV anyway."""
+    held = prompt_homed_on(0, 2, seed=4)
+    engine = EngineConfig(num_threads=1, kv_cache_dtype="int8", num_kv_blocks=32, max_model_len=256,
+                          kv_disk_cache=str(tmp_path / "kv"), prefix_cache_scope=scope)
+    h = WorkerHarness(redis_url, tmp_path / "out", consumer="shard-1", engine=engine, stream="requests-1").start()
+    redis_client.xadd(keys.request_stream("requests-1"), {"json": json.dumps(
+        {"id": "first", "tenant": "acme", "prompt_token_ids": held + [1, 2], "max_tokens": 2, "temperature": 0}),
+        "v": "1"})
+    h.until(lambda: h.results(), max_turns=500, advance_s=0.5, what="the row")
+    h.turn(3, advance_s=1.0)
+    acme = request_from_obj({"id": "a", "tenant": "acme", "prompt_token_ids": held + [3]})
+    globex = request_from_obj({"id": "g", "tenant": "globex", "prompt_token_ids": held + [3]})
+    assert redis_client.zrange(keys.kv_tier_prefixes("requests-1"), 0, -1) == [route_digest(route_key(acme, scope))]
+    h.stop()
+
+    for req, found in ((acme, True), (globex, scope == "global")):
+        client = Client(redis_url, shards=2, route="prefix", prefix_cache_scope=scope)
+        try:
+            client.router.assign([req])
+            assert client.router.tier_routed == int(found), (req.tenant, scope)
+        finally:
+            client.close()

@@ -51,3 +51,29 @@ def test_a_full_disk_tier_and_a_re_run_from_disk(tmp_path):
     # (the new worker's device cache starts empty and, at 8 blocks, evicts as the prefixes rotate).
     assert all(c["cached_prompt_tokens"] == 48 for c in costs)
     assert 3 * 48 <= sum(c["disk_cached_tokens"] for c in costs) <= 9 * 48
+
+
+def test_run_keeps_tenants_apart_by_default_and_shares_with_global_scope(tmp_path):
+    """Two tenants send the same three prompts through `mqinfer run` (one worker, one request at a
+    time, with a disk tier): by default each tenant computes every prompt itself; with
+    --prefix-cache-scope global the tenant second with a prompt finds it, and the outputs are the same."""
+    input_path = tmp_path / "job.jsonl"
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 256) for _ in range(48)] + [i + 3] for i in range(3)]
+    write_jsonl(input_path, [{"id": f"{tenant}-{i}", "tenant": tenant, "prompt_token_ids": p, "max_tokens": 3,
+                              "temperature": 0, "ignore_eos": True}
+                             for tenant in ("acme", "globex") for i, p in enumerate(prompts)])
+    cached, outputs = {}, {}
+    for scope in ("default", "global"):
+        extra = ["--prefix-cache-scope", scope] if scope == "global" else []
+        done = run(input_path, tmp_path / scope, tmp_path / f"kv-{scope}", *extra)
+        assert done.returncode == 0, done.stderr[-3000:]
+        costs = [c for c in rows(tmp_path / scope / "costs") if c["kind"] == "request"]
+        cached[scope] = {c["id"]: c["cached_prompt_tokens"] for c in costs}
+        outputs[scope] = {r["id"]: r["output_token_ids"] for r in rows(tmp_path / scope / "results")}
+    # The worker takes the tenants' lanes in turn, so either tenant may come first with a prompt: by
+    # default neither finds the other's; with global the second finds the first's.
+    assert all(n == 0 for n in cached["default"].values()) and len(cached["default"]) == 6
+    assert all(sorted((cached["global"][f"acme-{i}"], cached["global"][f"globex-{i}"])) == [0, 48]
+               for i in range(3))
+    assert outputs["default"] == outputs["global"] and len(outputs["default"]) == 6
