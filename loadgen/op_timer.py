@@ -27,12 +27,23 @@ class OpTimes:
         self.cpu_seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.flops: dict[str, float] = defaultdict(float)
+        # Bytes a bandwidth-bound op must move; rows and the weight's (K, N) of a dense op (for
+        # their roofs: loadgen/op_roofs.py).
+        self.bytes: dict[str, float] = defaultdict(float)
+        self.rows: dict[str, int] = defaultdict(int)
+        self.shapes: dict[str, tuple[int, int]] = {}
 
-    def add(self, name: str, seconds: float, flops: float = 0.0, cpu_seconds: float = 0.0) -> None:
+    def add(self, name: str, seconds: float, flops: float = 0.0, cpu_seconds: float = 0.0, nbytes: float = 0.0,
+            shape: tuple[int, int, int] | None = None) -> None:
+        """``shape``: a dense op's (rows, K, N)."""
         self.seconds[name] += seconds
         self.cpu_seconds[name] += cpu_seconds
         self.calls[name] += 1
         self.flops[name] += flops
+        self.bytes[name] += nbytes
+        if shape is not None:
+            self.rows[name] += shape[0]
+            self.shapes[name] = shape[1:]
 
     def table(self, forward_s: float) -> str:
         """Ops by wall time, with their share of the forward pass; GFLOP/s over CPU time."""
@@ -47,12 +58,14 @@ class OpTimes:
         return "\n".join(lines)
 
 
-def _timed(times: OpTimes, name, fn, flops=None, native: dict | None = None):
+def _timed(times: OpTimes, name, fn, flops=None, native: dict | None = None, nbytes=None, shape=None):
     def wrapper(*args, **kwargs):
         t, c = time.perf_counter(), time.process_time()
         out = fn(*args, **kwargs)
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
         label = name(*args) if callable(name) else name
-        times.add(label, time.perf_counter() - t, flops(*args) if flops else 0.0, time.process_time() - c)
+        times.add(label, wall, flops(*args) if flops else 0.0, cpu, nbytes(*args) if nbytes else 0.0,
+                  shape(*args) if shape else None)
         if native is not None:
             native["ran"] = True
         return out
@@ -70,7 +83,8 @@ def _timed_module(times: OpTimes, roles: dict[int, str], fn, native: dict):
         if not native["ran"]:
             rows, (out_features, in_features) = x.shape[0], module.weight.shape
             times.add(f"dense {roles.get(id(module.weight), '?')} (torch)", time.perf_counter() - t,
-                      2.0 * rows * in_features * out_features, time.process_time() - c)
+                      2.0 * rows * in_features * out_features, time.process_time() - c,
+                      shape=(rows, in_features, out_features))
         return out
     return forward
 
@@ -105,6 +119,27 @@ def timing_ops(model) -> Iterator[OpTimes]:
     def swiglu_flops(x, packed, *_):
         return 4.0 * x.shape[0] * packed.in_features * packed.out_features
 
+    def linear_shape(x, packed, *_):
+        return x.shape[0], packed.in_features, packed.out_features
+
+    def swiglu_shape(x, packed, *_):  # gate and up: twice the output columns
+        return x.shape[0], packed.in_features, 2 * packed.out_features
+
+    def attention_bytes(q, k_cache, v_cache, metadata, *_):
+        # Every key and value of every sequence's context once, the queries read, the output written.
+        per_token = k_cache[0].numel() * k_cache.element_size() // metadata.block_size
+        return 2.0 * int(metadata.seq_lens.sum()) * per_token + 2.0 * q.numel() * q.element_size()
+
+    def rotary_bytes(qk, v, *_):  # q and k read and written (q in place, k to the cache), v copied
+        return 2.0 * (qk.numel() * qk.element_size() + v.numel() * v.element_size())
+
+    def norm_bytes(residual, delta, *_):  # residual (and delta) read, the sum and the normalised rows written
+        reads = residual.numel() * (2 if delta is not None else 1)
+        return (reads + 2 * residual.numel()) * residual.element_size()
+
+    def silu_bytes(gate_up, *_):  # [T, 2I] read, [T, I] written
+        return 1.5 * gate_up.numel() * gate_up.element_size()
+
     times = OpTimes()
     native = {"ran": False}
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
@@ -115,22 +150,22 @@ def timing_ops(model) -> Iterator[OpTimes]:
              (cpu_ops, "silu_mul", cpu_ops.silu_mul), (Linear, "forward", Linear.forward),
              (LMHead, "forward", LMHead.forward)]
     attentions = [(m, m.paged_attention) for m in model.modules() if isinstance(m, Attention)]
-    dense.linear = _timed(times, linear_name, dense.linear, linear_flops, native)
-    dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops, native)
-    q8.linear = _timed(times, linear_name, q8.linear, linear_flops, native)
-    q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops, native)
-    w16.linear = _timed(times, linear_name, w16.linear, linear_flops, native)
-    w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops, native)
-    amx.linear = _timed(times, amx_name, amx.linear, linear_flops, native)
+    dense.linear = _timed(times, linear_name, dense.linear, linear_flops, native, shape=linear_shape)
+    dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops, native, shape=swiglu_shape)
+    q8.linear = _timed(times, linear_name, q8.linear, linear_flops, native, shape=linear_shape)
+    q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops, native, shape=swiglu_shape)
+    w16.linear = _timed(times, linear_name, w16.linear, linear_flops, native, shape=linear_shape)
+    w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops, native, shape=swiglu_shape)
+    amx.linear = _timed(times, amx_name, amx.linear, linear_flops, native, shape=linear_shape)
     # The AMX kernel's SwiGLU weight is the whole [2 * I, K] gate/up projection.
-    amx.swiglu = _timed(times, "dense gate_up + SwiGLU (AMX)", amx.swiglu, linear_flops, native)
-    cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv)
-    cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm)
-    cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul)
+    amx.swiglu = _timed(times, "dense gate_up + SwiGLU (AMX)", amx.swiglu, linear_flops, native, shape=linear_shape)
+    cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv, nbytes=rotary_bytes)
+    cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm, nbytes=norm_bytes)
+    cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul, nbytes=silu_bytes)
     Linear.forward = _timed_module(times, roles, Linear.forward, native)
     LMHead.forward = _timed_module(times, roles, LMHead.forward, native)
     for m, fn in attentions:
-        m.paged_attention = _timed(times, "attention", fn)
+        m.paged_attention = _timed(times, "attention", fn, nbytes=attention_bytes)
     try:
         yield times
     finally:

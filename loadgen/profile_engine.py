@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _engine_beside_hf(args, engine, work)
     if args.ops:
-        _time_ops(engine, requests)
+        _time_ops(engine, requests, args.dtype)
     if args.torch_profile:
         _torch_profile(engine, requests, args.top)
     return 0
@@ -270,7 +270,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="Also profile the engine's steps with torch.profiler and print the top operators.")
     parser.add_argument("--ops", action="store_true",
                         help="Also time the model's kernels op by op over one more run (CPU: the native kernels "
-                             "torch.profiler cannot see into), with each dense layer's multiply-add rate.")
+                             "torch.profiler cannot see into), each against its roof measured on this machine: "
+                             "dense layers against PyTorch's matmul at the same shapes, attention and the "
+                             "elementwise ops against copy bandwidth; and the time outside the ops.")
     parser.add_argument("--top", type=int, default=20, help="Rows of the torch.profiler table (default: 20).")
     parser.add_argument("--ab", default=None, metavar="VAR=VALUE",
                         help="Run the requests alternately as they are and with this environment setting (a kernel "
@@ -352,15 +354,19 @@ def _hf_round(k: int, fig: EngineFigures, hf, requests: list[dict[str, Any]], ba
     return ratio, cpu_ratio
 
 
-def _time_ops(engine, requests: list[dict[str, Any]]) -> None:
-    """One more run with the model's kernels timed op by op, and their table."""
+def _time_ops(engine, requests: list[dict[str, Any]], dtype: str) -> None:
+    """One more run with the model's kernels timed op by op, then each op's roof measured on this
+    machine (loadgen/op_roofs.py), and their table."""
+    from mqinfer.loadgen.op_roofs import measure_roofs, roof_table
     from mqinfer.loadgen.op_timer import timing_ops
 
     with timing_ops(engine.model) as times:
         fig = run_engine(engine, [dict(r, id=f"{r['id']}-ops") for r in requests])
-    print(f"op by op ({fig.steps} steps, forward {fig.phase_seconds['forward']:.2f}s; the clocks add a few "
-          "microseconds per call):")
-    print(times.table(fig.phase_seconds["forward"]))
+    _log("measuring each op's roof: the copy bandwidth and the matmul rate at every dense op's shape")
+    roofs = measure_roofs(times, dtype)
+    print(f"op by op ({fig.steps} steps, forward {fig.phase_seconds['forward']:.2f}s of {fig.wall_s:.2f}s; the "
+          f"clocks add a few microseconds per call; copy bandwidth {roofs.copy_bytes_per_s / 1e9:.2f} GB/s):")
+    print(roof_table(times, roofs, fig.phase_seconds["forward"], fig.phase_seconds))
 
 
 def _torch_profile(engine, requests: list[dict[str, Any]], top: int) -> None:

@@ -119,6 +119,29 @@ def test_op_timing_clocks_the_kernels_and_puts_them_back(timed_run):
     assert put_back
 
 
+def test_each_op_is_held_against_its_own_roof(timed_run):
+    from mqinfer.loadgen.op_roofs import Roofs, measure_roofs, roof_table
+
+    times, fig, _ = timed_run
+    # The bytes attention must move: every key and value of each step's contexts, so more than the
+    # cache of one step's tokens, and counted per call.
+    assert times.bytes["attention"] > 0 and times.bytes["residual + RMSNorm"] > 0
+    assert times.bytes["rotary + KV store"] > 0
+    dense = [name for name in times.shapes if name.startswith("dense")]
+    assert dense and all(len(times.shapes[n]) == 2 and times.rows[n] >= times.calls[n] for n in dense)
+    roofs = measure_roofs(times, "float32")
+    assert roofs.copy_bytes_per_s > 1e8 and set(roofs.dense_flops_per_s) == set(dense)
+    assert all(rate > 0 for rate in roofs.dense_flops_per_s.values())
+    table = roof_table(times, roofs, fig.phase_seconds["forward"], fig.phase_seconds)
+    lines = {line.split("  ")[0]: line for line in table.splitlines()}
+    assert "GB/s" in lines["attention"] and "%" in lines["attention"].split("GB/s")[-1]
+    assert all("GF/s" in lines[name] for name in dense)
+    assert "forward, outside the ops" in table and "step: schedule" in table and "step: sample" in table
+    # A roof of zero bytes per second cannot give a share: the column is left empty, not infinite.
+    empty = roof_table(times, Roofs(copy_bytes_per_s=0.0), fig.phase_seconds["forward"], {})
+    assert "inf" not in empty
+
+
 def test_op_timing_clocks_the_native_dense_layers(timed_run):
     from mqinfer.kernels import linear as dense
 
