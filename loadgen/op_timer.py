@@ -89,6 +89,35 @@ def _timed_module(times: OpTimes, roles: dict[int, str], fn, native: dict):
     return forward
 
 
+# What each op's roof needs (loadgen/op_roofs.py): a dense op's (rows, K, N), the bytes a
+# bandwidth-bound op must move.
+def _linear_shape(x, packed, *_):
+    return x.shape[0], packed.in_features, packed.out_features
+
+
+def _swiglu_shape(x, packed, *_):  # gate and up: twice the output columns
+    return x.shape[0], packed.in_features, 2 * packed.out_features
+
+
+def _attention_bytes(q, k_cache, v_cache, metadata, *_):
+    # Every key and value of every sequence's context once, the queries read, the output written.
+    per_token = k_cache[0].numel() * k_cache.element_size() // metadata.block_size
+    return 2.0 * int(metadata.seq_lens.sum()) * per_token + 2.0 * q.numel() * q.element_size()
+
+
+def _rotary_bytes(qk, v, *_):  # q and k read and written (q in place, k to the cache), v copied
+    return 2.0 * (qk.numel() * qk.element_size() + v.numel() * v.element_size())
+
+
+def _norm_bytes(residual, delta, *_):  # residual (and delta) read, the sum and the normalised rows written
+    reads = residual.numel() * (2 if delta is not None else 1)
+    return (reads + 2 * residual.numel()) * residual.element_size()
+
+
+def _silu_bytes(gate_up, *_):  # [T, 2I] read, [T, I] written
+    return 1.5 * gate_up.numel() * gate_up.element_size()
+
+
 @contextlib.contextmanager
 def timing_ops(model) -> Iterator[OpTimes]:
     """Clock the model's kernels until the block ends (then the originals are restored)."""
@@ -119,27 +148,6 @@ def timing_ops(model) -> Iterator[OpTimes]:
     def swiglu_flops(x, packed, *_):
         return 4.0 * x.shape[0] * packed.in_features * packed.out_features
 
-    def linear_shape(x, packed, *_):
-        return x.shape[0], packed.in_features, packed.out_features
-
-    def swiglu_shape(x, packed, *_):  # gate and up: twice the output columns
-        return x.shape[0], packed.in_features, 2 * packed.out_features
-
-    def attention_bytes(q, k_cache, v_cache, metadata, *_):
-        # Every key and value of every sequence's context once, the queries read, the output written.
-        per_token = k_cache[0].numel() * k_cache.element_size() // metadata.block_size
-        return 2.0 * int(metadata.seq_lens.sum()) * per_token + 2.0 * q.numel() * q.element_size()
-
-    def rotary_bytes(qk, v, *_):  # q and k read and written (q in place, k to the cache), v copied
-        return 2.0 * (qk.numel() * qk.element_size() + v.numel() * v.element_size())
-
-    def norm_bytes(residual, delta, *_):  # residual (and delta) read, the sum and the normalised rows written
-        reads = residual.numel() * (2 if delta is not None else 1)
-        return (reads + 2 * residual.numel()) * residual.element_size()
-
-    def silu_bytes(gate_up, *_):  # [T, 2I] read, [T, I] written
-        return 1.5 * gate_up.numel() * gate_up.element_size()
-
     times = OpTimes()
     native = {"ran": False}
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
@@ -150,22 +158,22 @@ def timing_ops(model) -> Iterator[OpTimes]:
              (cpu_ops, "silu_mul", cpu_ops.silu_mul), (Linear, "forward", Linear.forward),
              (LMHead, "forward", LMHead.forward)]
     attentions = [(m, m.paged_attention) for m in model.modules() if isinstance(m, Attention)]
-    dense.linear = _timed(times, linear_name, dense.linear, linear_flops, native, shape=linear_shape)
-    dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops, native, shape=swiglu_shape)
-    q8.linear = _timed(times, linear_name, q8.linear, linear_flops, native, shape=linear_shape)
-    q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops, native, shape=swiglu_shape)
-    w16.linear = _timed(times, linear_name, w16.linear, linear_flops, native, shape=linear_shape)
-    w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops, native, shape=swiglu_shape)
-    amx.linear = _timed(times, amx_name, amx.linear, linear_flops, native, shape=linear_shape)
+    dense.linear = _timed(times, linear_name, dense.linear, linear_flops, native, shape=_linear_shape)
+    dense.swiglu = _timed(times, "dense gate_up + SwiGLU", dense.swiglu, swiglu_flops, native, shape=_swiglu_shape)
+    q8.linear = _timed(times, linear_name, q8.linear, linear_flops, native, shape=_linear_shape)
+    q8.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", q8.swiglu, swiglu_flops, native, shape=_swiglu_shape)
+    w16.linear = _timed(times, linear_name, w16.linear, linear_flops, native, shape=_linear_shape)
+    w16.swiglu = _timed(times, "dense gate_up + SwiGLU (int8)", w16.swiglu, swiglu_flops, native, shape=_swiglu_shape)
+    amx.linear = _timed(times, amx_name, amx.linear, linear_flops, native, shape=_linear_shape)
     # The AMX kernel's SwiGLU weight is the whole [2 * I, K] gate/up projection.
-    amx.swiglu = _timed(times, "dense gate_up + SwiGLU (AMX)", amx.swiglu, linear_flops, native, shape=linear_shape)
-    cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv, nbytes=rotary_bytes)
-    cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm, nbytes=norm_bytes)
-    cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul, nbytes=silu_bytes)
+    amx.swiglu = _timed(times, "dense gate_up + SwiGLU (AMX)", amx.swiglu, linear_flops, native, shape=_linear_shape)
+    cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv, nbytes=_rotary_bytes)
+    cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm, nbytes=_norm_bytes)
+    cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul, nbytes=_silu_bytes)
     Linear.forward = _timed_module(times, roles, Linear.forward, native)
     LMHead.forward = _timed_module(times, roles, LMHead.forward, native)
     for m, fn in attentions:
-        m.paged_attention = _timed(times, "attention", fn, nbytes=attention_bytes)
+        m.paged_attention = _timed(times, "attention", fn, nbytes=_attention_bytes)
     try:
         yield times
     finally:

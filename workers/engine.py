@@ -592,6 +592,17 @@ class LLMEngine:
                     f"{self.info.name} - at `{sampling.field_prefix}.logit_bias`",
                 )
 
+    def _check_sampling(self, sampling: SamplingParams) -> None:
+        """What a request's sampling asks of this model: token ids in its vocabulary, a tokenizer
+        for stop strings."""
+        self._check_logit_bias(sampling)
+        self._check_stop_token_ids(sampling)
+        if sampling.stop and self.tokenizer is None:
+            raise EngineInputError(
+                "invalid_request",
+                f"stop: stop strings need a tokenizer and model {self.info.name} has none; use stop_token_ids",
+            )
+
     def _check_stop_token_ids(self, sampling: SamplingParams) -> None:
         vocab = self.info.vocab_size
         for i, token in enumerate(sampling.stop_token_ids):
@@ -622,13 +633,7 @@ class LLMEngine:
             raise EngineInputError("invalid_request", "prompt_token_ids: the prompt has no tokens")
         self._check_length(len(ids))
         self._check_token_ids(ids)
-        self._check_logit_bias(sampling)
-        self._check_stop_token_ids(sampling)
-        if sampling.stop and self.tokenizer is None:
-            raise EngineInputError(
-                "invalid_request",
-                f"stop: stop strings need a tokenizer and model {self.info.name} has none; use stop_token_ids",
-            )
+        self._check_sampling(sampling)
         if sampling.grammar is not None:
             if self.structured is None:
                 raise EngineInputError(

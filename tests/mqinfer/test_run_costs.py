@@ -70,7 +70,7 @@ def check_machine_bill(out: Path, began: float, ended: float) -> dict:
     for c in costs:
         by_worker[c["worker"]].append(c)
     ours = by_worker.pop(RUN_WORKER, [])
-    shares = {}
+    shares, spans = {}, {}
     for worker, mine in by_worker.items():
         (share,) = {c["device_share"] for c in mine}
         (startup,) = [c for c in mine if c["kind"] == "startup"]
@@ -80,7 +80,12 @@ def check_machine_bill(out: Path, began: float, ended: float) -> dict:
         if not any(c["kind"] == "lost" for c in mine):  # a killed worker's rows end at its last beat
             assert sum(c["device_s"] for c in mine) == pytest.approx((end - begin) * share, rel=0.005), worker
         shares[worker] = share
-    assert sum(shares.values()) <= 1.0 + 1e-9  # together the workers hold at most the machine
+        spans[worker] = (begin, end)
+    # Together the workers alive at any one time hold at most the machine (a worker the run started
+    # again after one died takes the dead one's place).
+    for at in (begin for begin, _ in spans.values()):
+        alive = [shares[w] for w, (b, e) in spans.items() if b <= at < e]
+        assert sum(alive) <= 1.0 + 1e-9, (at, spans, shares)
     # The run's own row: what no worker covered, and nothing more.
     workers_s = sum(c["device_s"] for mine in by_worker.values() for c in mine)
     assert workers_s <= wall * devices * 1.001
@@ -160,6 +165,8 @@ def test_a_worker_killed_mid_run_is_billed_as_lost_and_the_bill_still_adds_up(tm
     ended = time.time()
     assert proc.returncode == 0, stderr[-3000:]
     assert sorted(r["id"] for r in rows(out / "results")) == sorted(r["id"] for r in items)
+    # It died holding requests: the run made them claimable at once and started a worker in its place.
+    assert f"(pid {doomed}) died (signal SIGKILL)" in stderr and "started worker" in stderr, stderr[-3000:]
     compact(out)  # the run compacted before its own row; compacting again changes no sum
     record = check_machine_bill(out, began, ended)
     name = next(w for w in record["shares"] if w.startswith(f"{socket.gethostname()}-{doomed}-"))
