@@ -104,8 +104,10 @@ class SlotShares:
         running = self._running
         for group in over:
             for victim in reversed(running):
+                # An interactive request (one with a latency target) never gives way to a bulk one.
                 if (victim.fair_key == group and victim.priority >= request.priority
-                        and id(victim) not in self._admitted):
+                        and id(victim) not in self._admitted
+                        and (request.interactive or not victim.interactive)):
                     break
             else:
                 continue
