@@ -594,11 +594,13 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str = "default", share_group: str | None = None,
-                    speculative: bool = True) -> None:
+                    speculative: bool = True, slo_ttft_ms: int | None = None,
+                    slo_tpot_ms: int | None = None) -> None:
         """Queue a request (with ``sampling.n`` choices); ``speculative`` False keeps it out of
         speculative decoding, as do a grammar (``sampling.grammar``), which must compile (else
         ``invalid_response_format``), and a presence, frequency or repetition penalty.
-        ``share_group`` is the scheduler's fair-share group (None: the tenant's)."""
+        ``share_group`` is the scheduler's fair-share group (None: the tenant's). ``slo_ttft_ms`` and
+        ``slo_tpot_ms`` are the request's latency targets (scheduler/slo.py); None: none."""
         n = sampling.n
         seq_ids = [choice_id(request_id, i) for i in range(n)]
         for rid in seq_ids:
@@ -642,6 +644,8 @@ class LLMEngine:
                 tenant=tenant,
                 share_group=share_group,
                 speculative=speculative,
+                slo_ttft_ms=slo_ttft_ms,
+                slo_tpot_ms=slo_tpot_ms,
                 sampling_seed=seed,
             ))
         if sampling.grammar is not None:
@@ -761,6 +765,9 @@ class LLMEngine:
                 depth = max(len(sr.spec_token_ids) for sr in scheduler_output.scheduled)
             self.scheduler.record_step_time(scheduler_output.num_batched_tokens, t2 - t1, ran.draft_seconds, depth)
         outputs = self._postprocess(scheduler_output, ran)
+        if ran is not None:
+            # The whole step, schedule to results: what a running request waits for each token.
+            self.scheduler.record_step(time.perf_counter() - t0)
         self._account(t0, t1, t2, ran)
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
 
