@@ -1,0 +1,113 @@
+"""Latency targets through a real worker (the in-process harness: real engine with the tiny model
+in float32, real Parquet rows, the embedded server): bad target values end as error rows naming
+the field while the rest of the batch runs; tenant defaults and the slo_met column; the planned
+steps change no greedy output and lose or repeat no request."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mqinfer.workers.config import EngineConfig
+from tests.workers.harness import WorkerHarness, request, submit
+
+
+def harness(redis_url, out, **config) -> WorkerHarness:
+    engine = config.pop("engine", EngineConfig(num_threads=1, dtype="float32"))
+    return WorkerHarness(redis_url, out, engine=engine, **config).start()
+
+
+def openai_line(rid: str, **body) -> dict:
+    return {"custom_id": rid, "method": "POST", "url": "/v1/completions",
+            "body": {"prompt": [256, 10, 11], "max_tokens": 3, "temperature": 0, **body}}
+
+
+HOSTILE = [0, -1, -(2**63), 2**70, 86_400_001, 1.5, 1e300, 50.0, "100", True, [], {"ms": 5}]
+
+
+def test_hostile_target_values_end_as_error_rows_naming_the_field(redis_url, redis_client, tmp_path):
+    w = harness(redis_url, tmp_path / "out")
+    sent = {}
+    for i, value in enumerate(HOSTILE):
+        sent[f"t{i}"] = "$.slo_ttft_ms"
+        submit(redis_client, request(f"t{i}", slo_ttft_ms=value))
+        sent[f"p{i}"] = "$.slo_tpot_ms"
+        submit(redis_client, request(f"p{i}", slo_ttft_ms=500, slo_tpot_ms=value))
+        sent[f"o{i}"] = "$.body.slo_tpot_ms"
+        submit(redis_client, openai_line(f"o{i}", slo_tpot_ms=value))
+    good = {"g1": request("g1", slo_ttft_ms=1, slo_tpot_ms=86_400_000), "g2": openai_line("g2", slo_ttft_ms=2000),
+            "g3": request("g3", slo_tpot_ms=None)}
+    for obj in good.values():
+        submit(redis_client, obj)
+    total = len(sent) + len(good)
+    w.until(lambda: len(w.results()) >= total, what="every row")
+    rows = {r["id"]: r for r in w.results()}
+    assert len(w.results()) == total and set(rows) == set(sent) | set(good)  # none lost, none twice
+    for rid, path in sent.items():
+        row = rows[rid]
+        assert row["finish_reason"] == "error" and row["error_code"] == "invalid_request", row
+        assert f"`{path}`" in row["error"], row["error"]
+        assert row["slo_met"] is None
+    for rid in good:
+        assert rows[rid]["finish_reason"] == "length" and rows[rid]["output_tokens"] >= 3
+    assert rows["g3"]["slo_met"] is None  # null targets: a bulk request
+    assert rows["g1"]["slo_met"] is not None and rows["g2"]["slo_met"] is not None
+
+
+def test_tenant_defaults_and_slo_met_on_the_workers_clock(redis_url, redis_client, tmp_path):
+    # Each loop turn is one engine step and 10 ms on the worker's clock: a request's tokens come
+    # 10 ms apart, so a 30 ms TPOT target is met and a 5 ms one is missed.
+    w = harness(redis_url, tmp_path / "out", tenant_slos="chat=60000/30")
+    submit(redis_client, request("default-targets", max_tokens=6, tenant="chat"))
+    submit(redis_client, request("own-targets", max_tokens=6, tenant="chat", slo_tpot_ms=5))
+    submit(redis_client, request("bulk", max_tokens=6, tenant="batch"))
+    w.until(lambda: len(w.results()) == 3, advance_s=0.01, what="three rows")
+    rows = {r["id"]: r for r in w.results()}
+    assert rows["default-targets"]["slo_met"] is True
+    assert rows["own-targets"]["slo_met"] is False  # its own target replaces the tenant's
+    assert rows["bulk"]["slo_met"] is None
+    sample = w.metrics.registry.get_sample_value
+    assert sample("mqinfer_slo_requests_total", {"tenant": "chat"}) == 2
+    assert sample("mqinfer_slo_misses_total", {"tenant": "chat", "kind": "tpot"}) == 1
+    assert sample("mqinfer_slo_misses_total", {"tenant": "chat", "kind": "ttft"}) is None
+    assert sample("mqinfer_slo_requests_total", {"tenant": "batch"}) is None
+
+
+def backlog(n: int = 24) -> list[dict]:
+    return [{"id": f"bulk{i}", "prompt_token_ids": [256] + [(i * 37 + j * 11) % 250 + 1 for j in range(20 + i * 3)],
+             "max_tokens": 24 + i % 9, "temperature": 0, "ignore_eos": True, "tenant": "batch"} for i in range(n)]
+
+
+def chats(targets: bool) -> list[dict]:
+    extra = {"slo_ttft_ms": 2000, "slo_tpot_ms": 1} if targets else {}
+    return [{"id": f"chat{i}", "prompt_token_ids": [256] + [(i * 53 + j) % 250 + 1 for j in range(12 + i)],
+             "max_tokens": 16, "temperature": 0, "ignore_eos": True, "tenant": "chat", **extra} for i in range(6)]
+
+
+def run_mix(redis_url, redis_client, out, targets: bool) -> tuple[dict[str, list[int]], int]:
+    redis_client.flushall()
+    w = harness(redis_url, out, max_batch=64)
+    for obj in backlog():
+        submit(redis_client, obj)
+    w.until(lambda: w.worker.engine.scheduler.num_running >= 20, what="the backlog running")
+    w.turn(12)  # decodes under way, the step-time model warm
+    for obj in chats(targets):
+        submit(redis_client, obj)
+    w.until(lambda: len(w.results()) == 30, max_turns=3000, what="every row")
+    rows = w.results()
+    planned = w.worker.engine.scheduler.slo.num_planned_steps
+    w.stop()
+    w.worker.redis.close()
+    assert len(rows) == 30 and len({r["id"] for r in rows}) == 30  # none lost, none twice
+    assert all(r["finish_reason"] == "length" for r in rows)
+    return {r["id"]: r["output_token_ids"] for r in rows}, planned
+
+
+def test_float32_greedy_outputs_are_the_same_with_and_without_interactive_traffic(redis_url, redis_client, tmp_path):
+    """The same 30 requests twice: all bulk, then six of them with targets no step can meet
+    (1 ms per token), so that nearly every planned step leaves most bulk decodes out."""
+    alone, planned_alone = run_mix(redis_url, redis_client, tmp_path / "alone", targets=False)
+    mixed, planned_mixed = run_mix(redis_url, redis_client, tmp_path / "mixed", targets=True)
+    assert planned_alone == 0 and planned_mixed > 10
+    assert mixed == alone
