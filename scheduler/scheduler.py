@@ -267,11 +267,12 @@ class Scheduler:
             slo.scheduled(((sr.request, sr.num_new_tokens) for sr in out.scheduled), plan is not None)
         return out
 
-    def record_step(self, seconds: float) -> None:
-        """The engine's measured time for the step last scheduled (schedule to results), which
-        keeps the step-time model of latency targets current (scheduler/slo.py)."""
+    def record_step(self, seconds: float, gap_s: float | None = None) -> None:
+        """The engine's measured time for the step last scheduled (schedule to results) and the
+        time between the previous step's end and its start (None after an idle spell), which keep
+        the step-time model of latency targets current (scheduler/slo.py)."""
         if self.slo is not None:
-            self.slo.record(seconds)
+            self.slo.record(seconds, gap_s)
 
     def _schedule_step(self, out: SchedulerOutput, plan: StepPlan | None = None) -> None:
         """Serve the running requests (preempting when the cache is full), then admit waiting ones."""

@@ -13,7 +13,9 @@ planned here (:meth:`SloScheduling.plan`):
   and the model as they are now. Until it has seen ``MIN_STEPS`` steps no step is planned.
 * The target step time is the tightest TPOT target among the running interactive requests (else
   among the waiting ones; with TTFT targets only, a ``TTFT_STEPS``-th of the tightest TTFT; after
-  the last one left, the last target), times ``SAFETY`` for the worker's time between steps.
+  the last one left, the last target). A step may be predicted to take that, times ``SAFETY``,
+  less the worker's measured time between steps (rows, replies, reading the stream), which a
+  running request waits for too.
 * Interactive requests come first in the scheduling order (scheduler.py), so they are served and
   admitted first, and are never the victim of a preemption made for a bulk request. Their prompt
   tokens run as many as fit the target, and never fewer than their time to first token needs:
@@ -24,9 +26,10 @@ planned here (:meth:`SloScheduling.plan`):
   resume where they were in a later step. Bulk prompt chunks (running ones and admissions) get
   the time that is left, and at least ``MIN_BULK_PROMPT_TOKENS`` tokens per step.
 * No starvation: a running bulk sequence runs in at least one of every ``BULK_MIN_EVERY``
-  consecutive steps (a left-out decode is forced into the step once it has sat out
-  ``BULK_MIN_EVERY - 1`` steps in a row; a prompt chunk then gets ``MIN_BULK_PROMPT_TOKENS``
-  tokens whatever the time left).
+  consecutive steps. Each step runs at least a ``BULK_MIN_EVERY``-th of the bulk decodes (those
+  that have sat out longest), whatever the time, so that the rate is spread over the steps; and a
+  sequence that has sat out ``BULK_MIN_EVERY - 1`` steps in a row runs in the next one (a prompt
+  chunk then gets ``MIN_BULK_PROMPT_TOKENS`` tokens whatever the time left).
 
 With no interactive request in the scheduler and none recent, :meth:`SloScheduling.plan` returns
 None and the scheduler composes the step exactly as without this module; the model still learns
@@ -47,16 +50,18 @@ MAX_SLO_MS = 86_400_000
 MIN_STEPS = 8
 # Per step, the weight kept by older measurements (about the last 1 / (1 - DECAY) steps count).
 DECAY = 0.98
-# Share of the target step time that a planned step may be predicted to take: the rest is left
-# for the worker's work between steps (rows, replies, reading the stream) and the model's error.
-SAFETY = 0.75
+# Share of the target step time that a planned step and the worker's time between steps may be
+# predicted to take together: the rest is left for the model's error.
+SAFETY = 0.85
+# The weight of each new measurement of the worker's time between steps in its running average.
+GAP_SMOOTHING = 0.1
 # A request with only a TTFT target: its prompt should take about this many steps at most.
 TTFT_STEPS = 4
 # Seconds after the last interactive request left during which steps are still planned, so that
 # the next request of a stream does not arrive behind a full bulk step.
 RECENT_S = 2.0
 # A running bulk sequence runs in at least one of every this many consecutive steps.
-BULK_MIN_EVERY = 4
+BULK_MIN_EVERY = 8
 # Bulk prompt tokens a planned step runs at least (when any bulk prompt waits for them).
 MIN_BULK_PROMPT_TOKENS = 16
 
@@ -274,6 +279,8 @@ class SloScheduling:
         self._step = 0
         self._last_run: dict[str, int] = {}
         self._shape: StepShape | None = None
+        # Running average of the worker's seconds between the end of a step and the next one.
+        self.gap_s = 0.0
         self.num_planned_steps = 0
 
     # -- requests in and out ------------------------------------------------------------------
@@ -304,10 +311,11 @@ class SloScheduling:
         target = self._target_s(running)
         if target is None:
             return None
-        budget = target * SAFETY
+        budget = target * SAFETY - self.gap_s
         plan = StepPlan(target_s=target)
         shape = StepShape()
         decodes: list[tuple[int, int, EngineRequest]] = []
+        forced = 0  # overdue bulk decodes
         prompt_left = 0  # interactive prompt tokens still to compute
         prompt_need = 0  # of those, what this step must run for their TTFT
         step = self._step
@@ -327,6 +335,7 @@ class SloScheduling:
             if num_new <= 1:
                 if overdue:
                     shape.add(1, request.num_tokens)
+                    forced += 1
                 else:
                     decodes.append((last, position, request))
         for request in self._interactive.values():
@@ -338,13 +347,16 @@ class SloScheduling:
             fit = self._prompt_fit(shape, budget)
             plan.interactive_prompt_tokens = min(prompt_left, max(prompt_need, fit))
             shape = shape.with_prompt(plan.interactive_prompt_tokens)
-        # Bulk decodes, those that have sat out longest first, while the step stays in budget.
+        # Bulk decodes, those that have sat out longest first: a share of them whatever the time
+        # (so that the minimum rate is spread over the steps rather than met all at once by the
+        # overdue), then more while the step stays in budget.
         decodes.sort(key=lambda d: (d[0], d[1]))
+        quota = -(-(len(decodes) + forced) // BULK_MIN_EVERY) - forced
         n = 0
         for _, _, request in decodes:
             trial = StepShape(shape.tokens, shape.seqs, shape.pairs, shape.decode_context)
             trial.add(1, request.num_tokens)
-            if model.predict(trial) > budget:
+            if n >= quota and model.predict(trial) > budget:
                 break
             shape = trial
             n += 1
@@ -365,11 +377,14 @@ class SloScheduling:
                 last_run[request.request_id] = step
         self._shape = shape
 
-    def record(self, seconds: float) -> None:
-        """The measured time of the step last scheduled."""
+    def record(self, seconds: float, gap_s: float | None = None) -> None:
+        """The measured time of the step last scheduled, and the worker's time between the step
+        before it and this one (None when the worker was idle in between)."""
         if self._shape is not None:
             self.model.observe(self._shape, seconds)
             self._shape = None
+        if gap_s is not None and gap_s >= 0 and math.isfinite(gap_s):
+            self.gap_s += GAP_SMOOTHING * (gap_s - self.gap_s)
 
     # -- internals ----------------------------------------------------------------------------
     def _target_s(self, running: Sequence[EngineRequest]) -> float | None:

@@ -342,6 +342,8 @@ class LLMEngine:
         timer.lap("runner and KV cache")
         self._make_proposer(config, draft)
         self.spec_stats = SpecStats(config.speculative)
+        # When the last step that ran a model ended (perf_counter), while requests were left to run.
+        self._last_step_end: float | None = None
         self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
         # KV tiers below the device cache (host memory, disk, a shared directory), if configured.
         self.kv_tiers = attach_engine_tiers(config, self.info, self.model, self.runner, self.scheduler)
@@ -766,8 +768,12 @@ class LLMEngine:
             self.scheduler.record_step_time(scheduler_output.num_batched_tokens, t2 - t1, ran.draft_seconds, depth)
         outputs = self._postprocess(scheduler_output, ran)
         if ran is not None:
-            # The whole step, schedule to results: what a running request waits for each token.
-            self.scheduler.record_step(time.perf_counter() - t0)
+            # The whole step, schedule to results, and the worker's time since the step before
+            # (when it had work to step): what a running request waits for between its tokens.
+            end = time.perf_counter()
+            last = self._last_step_end
+            self.scheduler.record_step(end - t0, t0 - last if last is not None else None)
+            self._last_step_end = end if self.scheduler.has_unfinished_requests() else None
         self._account(t0, t1, t2, ran)
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
 
