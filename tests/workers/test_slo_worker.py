@@ -153,3 +153,34 @@ def test_planned_steps_keep_interactive_tpot_well_below_its_time_beside_the_back
     planned = statistics.median(chat_tpot_ms(redis_url, redis_client, tmp_path / "b", plans=True))
     assert planned <= 0.6 * unplanned, (planned, unplanned)
     assert planned <= 40, planned
+
+
+def test_targets_combine_with_speculation_choices_and_structured_output(redis_url, redis_client, tmp_path):
+    """With ngram speculation on and a backlog beside them, interactive requests with n = 2 choices
+    or a regex response_format get the same rows as without targets."""
+    def rows_of(out, targets: dict) -> dict:
+        redis_client.flushall()
+        w = harness(redis_url, out, engine=EngineConfig(
+            num_threads=1, dtype="float32", speculative="ngram", num_speculative_tokens=3))
+        for obj in backlog(16):
+            submit(redis_client, obj)
+        w.until(lambda: w.worker.engine.scheduler.num_running >= 12, what="the backlog running")
+        w.turn(10)
+        submit(redis_client, {"id": "choices", "prompt_token_ids": [256, 5, 6, 5, 6, 5, 6], "max_tokens": 12,
+                              "temperature": 0, "ignore_eos": True, "n": 2, "tenant": "chat", **targets})
+        submit(redis_client, {"id": "regex", "prompt": "Pets?", "max_tokens": 40, "temperature": 0,
+                              "response_format": {"type": "regex", "regex": "(cat|dog)s? [0-9]{1,2}"},
+                              "tenant": "chat", **targets})
+        w.until(lambda: len(w.results()) == 19, max_turns=3000, what="every row")
+        planned = w.worker.engine.scheduler.slo.num_planned_steps
+        w.worker.redis.close()
+        return {(r["id"], r["index"]): (r["output_token_ids"], r["schema_valid"], r["slo_met"])
+                for r in w.results()}, planned
+
+    plain, _ = rows_of(tmp_path / "plain", {})
+    targeted, planned = rows_of(tmp_path / "targeted", {"slo_ttft_ms": 5000, "slo_tpot_ms": 1})
+    assert planned > 0 and len(targeted) == 19
+    assert {k: v[:2] for k, v in targeted.items()} == {k: v[:2] for k, v in plain.items()}
+    assert targeted[("regex", 0)][1] is True and {("choices", 0), ("choices", 1)} <= set(targeted)
+    assert all(targeted[k][2] is not None for k in (("choices", 0), ("choices", 1), ("regex", 0)))
+    assert all(v[2] is None for k, v in plain.items())
