@@ -65,6 +65,13 @@ are proposed than the request can still emit (its ``max_tokens`` and context lim
 ``update_from_output`` the accepted ones become output tokens like sampled ones; the rejected
 ones' computed tokens are rolled back and the blocks only they needed are given back.
 
+Latency targets (scheduler/slo.py): a request with ``slo_ttft_ms`` or ``slo_tpot_ms`` is
+interactive and comes before every bulk request in the scheduling order (the first item of the
+order key), so it is served and admitted first and never the victim of a preemption made for a
+bulk request. While interactive requests are in, ``SloScheduling.plan`` returns a ``StepPlan``
+that this loop and admission consult: bulk sequences it leaves out are passed over (they keep
+their KV), and prompt chunks run only the tokens it allows. Without one (None) nothing changes.
+
 The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
 ``update_from_output()`` with the sampled tokens, strictly in that order.
 """
@@ -291,17 +298,11 @@ class Scheduler:
             if num_new > cap:
                 num_new = cap
             if plan is not None and num_new > 0:
-                # A planned step (latency targets): a bulk sequence left out keeps its KV and
-                # resumes later; prompt chunks take the tokens their kind may run.
-                if id(request) in plan.skip:
+                # A planned step (latency targets): a bulk sequence left out (0) keeps its KV.
+                num_new = plan.running_tokens(request, num_new)
+                if num_new == 0:
                     i += 1
                     continue
-                if num_new > 1:
-                    num_new = plan.prompt_limit(request, num_new)
-                    if num_new == 0:
-                        i += 1
-                        continue
-                    plan.take(request, num_new)
             if num_new <= 0:
                 # Only reachable if a sampled token went missing; skip rather than schedule nothing.
                 i += 1

@@ -242,6 +242,16 @@ class StepPlan:
     interactive_prompt_tokens: int = 0
     bulk_prompt_tokens: int = 0
 
+    def running_tokens(self, request: EngineRequest, num_new: int) -> int:
+        """How many of its ``num_new`` tokens a running request runs this step (0: it sits out,
+        keeping its KV), taken from the allowance of its kind when they are prompt tokens."""
+        if id(request) in self.skip:
+            return 0
+        if num_new > 1:
+            num_new = self.prompt_limit(request, num_new)
+            self.take(request, num_new)
+        return num_new
+
     def prompt_limit(self, request: EngineRequest, num_new: int) -> int:
         """How many of ``num_new`` prompt tokens ``request`` may run this step (0: it sits out)."""
         if request.interactive:
