@@ -601,8 +601,8 @@ class LLMEngine:
         """Queue a request (with ``sampling.n`` choices); ``speculative`` False keeps it out of
         speculative decoding, as do a grammar (``sampling.grammar``), which must compile (else
         ``invalid_response_format``), and a presence, frequency or repetition penalty.
-        ``share_group`` is the scheduler's fair-share group (None: the tenant's). ``slo_ttft_ms`` and
-        ``slo_tpot_ms`` are the request's latency targets (scheduler/slo.py); None: none."""
+        ``share_group`` is the scheduler's fair-share group (None: the tenant's); ``slo_*_ms`` its
+        latency targets (scheduler/slo.py)."""
         n = sampling.n
         seq_ids = [choice_id(request_id, i) for i in range(n)]
         for rid in seq_ids:
@@ -645,9 +645,7 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 tenant=tenant,
                 share_group=share_group,
-                speculative=speculative,
-                slo_ttft_ms=slo_ttft_ms,
-                slo_tpot_ms=slo_tpot_ms,
+                speculative=speculative, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
                 sampling_seed=seed,
             ))
         if sampling.grammar is not None:
