@@ -184,3 +184,21 @@ def test_targets_combine_with_speculation_choices_and_structured_output(redis_ur
     assert targeted[("regex", 0)][1] is True and {("choices", 0), ("choices", 1)} <= set(targeted)
     assert all(targeted[k][2] is not None for k in (("choices", 0), ("choices", 1), ("regex", 0)))
     assert all(v[2] is None for k, v in plain.items())
+
+
+def test_missed_targets_reads_ttft_and_tpot_from_the_row():
+    from mqinfer.schemas.rows import ResultRow
+    from mqinfer.workers.slo import missed_targets
+
+    def row(first: float | None, finished: float, tokens: int, reason: str = "length", started=1.0) -> ResultRow:
+        return ResultRow(id="r", model="m", finish_reason=reason, output_tokens=tokens, enqueued_at=1.0,
+                         started_at=started, first_token_at=first, finished_at=finished, worker="w")
+
+    assert missed_targets((None, None), row(1.1, 2.0, 10)) is None  # bulk: no verdict
+    # 200 ms to the first token, then 9 gaps of 88.9 ms.
+    assert missed_targets((200, 89), row(1.2, 2.0, 10)) == ()
+    assert missed_targets((199, 89), row(1.2, 2.0, 10)) == ("ttft",)
+    assert missed_targets((200, 88), row(1.2, 2.0, 10)) == ("tpot",)
+    assert missed_targets((None, 1), row(1.2, 9.0, 1)) == ()  # one token: no gap to measure
+    assert missed_targets((500, 50), row(None, 3.0, 0, "expired")) == ("ttft",)  # ran, never got a token
+    assert missed_targets((500, 50), row(None, 3.0, 0, "error", started=None)) is None  # never ran
