@@ -68,7 +68,7 @@ ones' computed tokens are rolled back and the blocks only they needed are given 
 Latency targets (scheduler/slo.py): a request with ``slo_ttft_ms`` or ``slo_tpot_ms`` is
 interactive and comes before every bulk request in the scheduling order (the first item of the
 order key), so it is served and admitted first and never the victim of a preemption made for a
-bulk request. While interactive requests are in, ``SloScheduling.plan`` returns a ``StepPlan``
+bulk request; when the running slots are full it preempts the last bulk request running. While interactive requests are in, ``SloScheduling.plan`` returns a ``StepPlan``
 that this loop and admission consult: bulk sequences it leaves out are passed over (they keep
 their KV), and prompt chunks run only the tokens it allows. Without one (None) nothing changes.
 
@@ -401,8 +401,9 @@ class Scheduler:
         waiting = self._waiting
         if not (self._num_waiting and budget > 0):
             return
-        if len(running) >= self.config.max_num_seqs and waiting.num_groups < 2:
-            return  # full, and no other group to take a slot back for
+        if len(running) >= self.config.max_num_seqs and waiting.num_groups < 2 and not (
+                (head := waiting.peek()) is not None and head[1].interactive):
+            return  # full, and no other group (or interactive request) to take a slot back for
         # Prefix blocks being computed now (the next full block of every request still in its
         # prompt): a waiting request whose next block is one of them is held back this step,
         # to find it cached in a later step instead of computing it a second time. It waits

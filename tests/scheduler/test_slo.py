@@ -228,3 +228,18 @@ def test_plans_stop_recent_s_after_the_last_interactive_request_left():
     running = {r.request_id for r in d.scheduler._running}
     d.step()
     assert slo.num_planned_steps == planned and set(d.steps[-1]) == running
+
+
+def test_an_interactive_request_takes_a_bulk_slot_when_every_slot_is_full():
+    """One tenant, every slot held by its bulk requests: the interactive request does not wait for
+    one of them to finish; the bulk request it displaces comes back and finishes."""
+    d = Driver(config(max_num_seqs=4))
+    bulk = [d.add(16, 60, tenant="t") for _ in range(6)]
+    for _ in range(3):
+        d.step()
+    chat = d.add(8, 5, tenant="t", slo_tpot_ms=1000)
+    d.step()
+    assert chat.request_id in d.steps[-1] and len(d.steps[-1]) <= 4
+    assert len(d.preempted) == 1 and d.preempted[0] in {r.request_id for r in bulk}
+    d.run()
+    assert all(r.num_output_tokens == 60 for r in bulk) and chat.num_output_tokens == 5
