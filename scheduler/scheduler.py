@@ -68,9 +68,10 @@ ones' computed tokens are rolled back and the blocks only they needed are given 
 Latency targets (scheduler/slo.py): a request with ``slo_ttft_ms`` or ``slo_tpot_ms`` is
 interactive and comes before every bulk request in the scheduling order (the first item of the
 order key), so it is served and admitted first and never the victim of a preemption made for a
-bulk request; when the running slots are full it preempts the last bulk request running. While interactive requests are in, ``SloScheduling.plan`` returns a ``StepPlan``
-that this loop and admission consult: bulk sequences it leaves out are passed over (they keep
-their KV), and prompt chunks run only the tokens it allows. Without one (None) nothing changes.
+bulk request; when the running slots are full it preempts the last bulk request running. While
+interactive requests are in, ``SloScheduling.plan`` returns a ``StepPlan`` that this loop and
+admission consult: bulk sequences it leaves out are passed over (they keep their KV), and prompt
+chunks run only the tokens it allows. Without one (None) nothing changes.
 
 The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
 ``update_from_output()`` with the sampled tokens, strictly in that order.
