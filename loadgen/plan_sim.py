@@ -70,6 +70,9 @@ class SimRequest:
     arrival_s: float = 0.0
     priority: int = 0
     tenant: str = "default"
+    # Latency targets (interactive requests): the scheduler plans steps to them as a worker's does.
+    slo_ttft_ms: int | None = None
+    slo_tpot_ms: int | None = None
 
 
 @dataclass
@@ -350,7 +353,7 @@ class Simulation:
             s.add_request(EngineRequest(str(index), list(r.prompt_token_ids),
                                   SamplingParams(max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True),
                                   arrival_time=r.arrival_s, priority=r.priority, max_model_len=max_len,
-                                  tenant=r.tenant))
+                                  tenant=r.tenant, slo_ttft_ms=r.slo_ttft_ms, slo_tpot_ms=r.slo_tpot_ms))
         if s.has_unfinished_requests() and self.start_step(w, t):
             return
         if self.stream and took:  # more unread entries than this turn took
@@ -410,6 +413,8 @@ class Simulation:
             w.step, w.needs_sample = out, [sr.needs_sample for sr in out.scheduled]
             w.busy_s += gap + engine_s
             w.batcher.observe_step(engine_s)
+            # As the engine does: the step-time model of latency targets learns from every step.
+            s.record_step(engine_s, gap)
             self.num_steps += 1
             self.wait(w, t + gap + engine_s)
             return True

@@ -66,7 +66,7 @@ def read_workload_file(path: str, model: str) -> Workload:
         for choice in range(getattr(req, "n", 1) or 1):
             rid = req.id if choice == 0 else f"{req.id}#{choice}"
             requests.append(SimRequest(rid, tuple(ids), int(req.max_tokens), priority=int(req.priority),
-                                       tenant=req.tenant))
+                                       tenant=req.tenant, slo_ttft_ms=req.slo_ttft_ms, slo_tpot_ms=req.slo_tpot_ms))
     if not requests:
         raise ValueError(f"{path}: no valid request to plan for ({invalid} invalid lines)")
     notes = []

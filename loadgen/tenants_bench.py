@@ -53,7 +53,7 @@ def tenant_weights(text: str) -> dict[str, float]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="`tiny`, a checkpoint folder, or a .gguf file (default: the standard benchmark checkpoint).")
     g.add_argument("--light-requests", type=positive_int, default=50, metavar="N",
                    help="The light tenant's requests in each run (default: 50).")
-    g.add_argument("--light-rate", type=_positive_float, default=0.5, metavar="R",
+    g.add_argument("--light-rate", type=positive_float, default=0.5, metavar="R",
                    help="The light tenant's arrivals per second, a Poisson process (default: 0.5).")
     g.add_argument("--heavy-factor", type=positive_int, default=10, metavar="K",
                    help="The heavy tenant offers K times the light one's load: K times its requests, at K "
@@ -268,7 +268,7 @@ def _run_alone(args: argparse.Namespace, pipeline: _Pipeline, work: _Workloads) 
     job = f"alone-{pipeline.tag}"
     log(f"tenants alone: {work.n_light} light requests at {args.light_rate:g} req/s")
     t0 = time.time()
-    _submit_all(pipeline.url, [(work.light, poisson_arrivals(work.n_light, args.light_rate, args.seed), job)])
+    submit_all(pipeline.url, [(work.light, poisson_arrivals(work.n_light, args.light_rate, args.seed), job)])
     wait_done(pipeline.producer.redis, job, work.n_light, pipeline.pool, args.timeout_s, "alone")
     alone_s = time.time() - t0
     alone, _ = read_results(pipeline.out, job, work.light)
@@ -292,7 +292,7 @@ def _run_flood(args: argparse.Namespace, pipeline: _Pipeline, work: _Workloads
             f"{args.light_rate:g} req/s")
         schedules.append((work.heavy, poisson_arrivals(n_heavy, rate, args.seed + 3), jobs[HEAVY]))
     t0 = time.time()
-    _submit_all(pipeline.url, schedules)
+    submit_all(pipeline.url, schedules)
     wait_done(pipeline.producer.redis, jobs[LIGHT], n_light, pipeline.pool, args.timeout_s, "flood: light")
     wait_done(pipeline.producer.redis, jobs[HEAVY], n_heavy, pipeline.pool, args.timeout_s, "flood: heavy")
     flood_s = time.time() - t0
@@ -331,7 +331,7 @@ def _tenant_shares(work: _Workloads, timings: _Timings, weight_of: dict[str, flo
     return window, tenants
 
 
-def _submit_all(url: str, schedules: list[tuple[list[dict[str, Any]], list[float], str]]) -> None:
+def submit_all(url: str, schedules: list[tuple[list[dict[str, Any]], list[float], str]]) -> None:
     """Each (requests, arrival offsets, job id) on its own thread and connection, all from one start."""
     from mqinfer.client import Producer
 

@@ -28,6 +28,10 @@ Names (``_total`` is added to counters by the client library):
 ``mqinfer_inter_token_latency_seconds``     histogram  gap between a request's tokens
 ``mqinfer_e2e_request_latency_seconds``     histogram  enqueue to result row
 ``mqinfer_request_queue_time_seconds``      histogram  enqueue to the first step that runs it
+``mqinfer_slo_requests_total``              counter    finished requests with latency targets, by
+                                                       ``tenant``
+``mqinfer_slo_misses_total``                counter    of those, targets missed, by ``tenant`` and
+                                                       ``kind``: ttft, tpot
 ``mqinfer_batch_idle_ratio``                gauge      share of the last minute or so the engine
                                                        had capacity and nothing to run
 ``mqinfer_device_seconds_total``            counter    wall time by ``state``: startup, idle, busy
@@ -167,6 +171,15 @@ class WorkerMetrics:
             "mqinfer_request_queue_time_seconds", "Time from enqueue to the first engine step that runs the request.",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self._slo_requests = Counter(
+            "mqinfer_slo_requests", "Finished requests with latency targets (slo_ttft_ms, slo_tpot_ms, "
+            f"--tenant-slos), by tenant (at most {self.max_tenant_labels} by name).", ["tenant"], registry=r,
+        )
+        self._slo_misses = Counter(
+            "mqinfer_slo_misses", "Latency targets missed by finished requests, by tenant and kind (ttft: time to "
+            "first token, tpot: time per output token).", ["tenant", "kind"], registry=r,
+        )
+        self._slo_tenants: set[str] = set()
 
     def _add_stream_metrics(self) -> None:
         """What happened to stream entries: dead letters, take-overs, rows, duplicates, trimmed ones."""
@@ -245,6 +258,18 @@ class WorkerMetrics:
         counter = self.finished.get(reason)
         if counter is not None:
             counter.inc()
+
+    def slo_outcome(self, tenant: str, missed: tuple[str, ...]) -> None:
+        """A finished request with latency targets, and the kinds of target it missed."""
+        label = tenant
+        if tenant not in self._slo_tenants:
+            if len(self._slo_tenants) < self.max_tenant_labels:
+                self._slo_tenants.add(tenant)
+            else:
+                label = OTHER_TENANT
+        self._slo_requests.labels(label).inc()
+        for kind in missed:
+            self._slo_misses.labels(label, kind).inc()
 
     def record_step(self, result, scheduler, spec_stats=None) -> None:
         """One engine step: generated tokens, inter-token latency, prefix-cache and preemption counts.

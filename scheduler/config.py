@@ -112,6 +112,10 @@ class SchedulerConfig:
     # (scheduler/speculation.py) expects to pay for themselves; False: every request that can
     # runs up to num_speculative_tokens, whatever its acceptance so far.
     speculative_adaptive: bool = True
+    # While requests with latency targets are in, plan each step to keep them (scheduler/slo.py):
+    # bulk decodes and prompt tokens only as many as the step-time model says fit. False composes
+    # every step as if no request had a target (they still come first in the order).
+    slo_step_plans: bool = True
 
     def __post_init__(self) -> None:
         self._normalize_tenant_weights()
@@ -131,6 +135,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not isinstance(self.slo_step_plans, bool):
+            raise ValueError(f"slo_step_plans must be true or false, got {self.slo_step_plans!r}")
         if not isinstance(self.speculative_adaptive, bool):
             raise ValueError(f"speculative_adaptive must be true or false, got {self.speculative_adaptive!r}")
         aging = self.priority_aging_s

@@ -11,7 +11,9 @@ arrival; see scheduler.py), so a tenant's own requests keep exactly the schedule
 tenant goes next:
 
 * Among the tenants whose next request has the best (lowest) priority, the one with the smallest
-  counter (ties: the earlier order key). A request of a better priority therefore always goes
+  counter (ties: the earlier order key). Requests with a latency target (interactive) rank before
+  all others whatever their priority (scheduler/slo.py), so priority levels are compared within
+  the best latency class. A request of a better priority therefore always goes
   before one of a worse priority, whatever the counters, and within a level the tenant that has
   received the least weighted service goes first.
 * Except when, in the plain order key, the first request of all has a worse priority than that:
@@ -39,9 +41,10 @@ from itertools import islice
 
 from mqinfer.scheduler.request import EngineRequest
 
-# The scheduler's order key: (arrival_time + priority * aging (or the priority without aging),
-# priority, arrival_time, sequence number). Smallest first; no two requests share one.
-OrderKey = tuple[float, int, float, int]
+# The scheduler's order key: (latency class: 0 for a request with a latency target, 1 without;
+# arrival_time + priority * aging (or the priority without aging), priority, arrival_time,
+# sequence number). Smallest first; no two requests share one.
+OrderKey = tuple[int, float, int, float, int]
 Entry = tuple[OrderKey, EngineRequest]
 
 # Service charged per prompt token computed and per output token generated (before dividing by
@@ -88,7 +91,7 @@ class _TenantOrder:
     __slots__ = ("_fair", "_plain", "_version")
 
     def __init__(self) -> None:
-        self._fair: list[tuple[int, float, OrderKey, int, _Tenant]] = []
+        self._fair: list[tuple[int, int, float, OrderKey, int, _Tenant]] = []
         self._plain: list[tuple[OrderKey, int, _Tenant]] = []
         self._version: dict[_Tenant, int] = {}
 
@@ -97,7 +100,7 @@ class _TenantOrder:
         version = self._version.get(tenant, 0) + 1
         self._version[tenant] = version
         # Keys are unique, so the comparisons never reach the tenant objects.
-        heapq.heappush(self._fair, (key[1], counter, key, version, tenant))
+        heapq.heappush(self._fair, (key[0], key[2], counter, key, version, tenant))
         heapq.heappush(self._plain, (key, version, tenant))
 
     def remove(self, tenant: _Tenant) -> None:
@@ -110,13 +113,13 @@ class _TenantOrder:
             heapq.heappop(plain)
         if not plain:
             return None
-        while fair[0][3] != version[fair[0][4]]:
+        while fair[0][4] != version[fair[0][5]]:
             heapq.heappop(fair)
         first_key, _, first = plain[0]
-        best_priority, _, _, _, fairest = fair[0]
-        # The plain order's first request has a worse priority than the best level: it has aged
-        # past that level, and goes first.
-        return first if first_key[1] > best_priority else fairest
+        best_class, best_priority, _, _, _, fairest = fair[0]
+        # The plain order's first request has a worse priority than the best level (of the best
+        # latency class): it has aged past that level, and goes first.
+        return first if (first_key[0], first_key[2]) > (best_class, best_priority) else fairest
 
 
 def _walk(heap: list[Entry]) -> Iterator[Entry]:

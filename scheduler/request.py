@@ -151,6 +151,11 @@ class EngineRequest:
     # With the tenant (under the cache manager's scope), the prefix-cache partition the request
     # shares cached blocks within (schemas/cache_scope.py).
     cache_salt: str | None = None
+    # Latency targets in milliseconds (time to first token from arrival, time per output token
+    # after it); a request with either is interactive, and the scheduler sizes steps to them
+    # (scheduler/slo.py). None: no target.
+    slo_ttft_ms: int | None = None
+    slo_tpot_ms: int | None = None
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -185,6 +190,10 @@ class EngineRequest:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt must have at least one token")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name} must be a positive integer of milliseconds or None, got {value!r}")
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
 
@@ -192,6 +201,11 @@ class EngineRequest:
     def fair_key(self) -> str:
         """The fair-share group: ``share_group``, or the tenant when it has none."""
         return self.tenant if self.share_group is None else self.share_group
+
+    @property
+    def interactive(self) -> bool:
+        """Whether the request has a latency target (else it is bulk)."""
+        return self.slo_ttft_ms is not None or self.slo_tpot_ms is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -65,6 +65,14 @@ are proposed than the request can still emit (its ``max_tokens`` and context lim
 ``update_from_output`` the accepted ones become output tokens like sampled ones; the rejected
 ones' computed tokens are rolled back and the blocks only they needed are given back.
 
+Latency targets (scheduler/slo.py): a request with ``slo_ttft_ms`` or ``slo_tpot_ms`` is
+interactive and comes before every bulk request in the scheduling order (the first item of the
+order key), so it is served and admitted first and never the victim of a preemption made for a
+bulk request; when the running slots are full it preempts the last bulk request running. While
+interactive requests are in, ``SloScheduling.plan`` returns a ``StepPlan`` that this loop and
+admission consult: bulk sequences it leaves out are passed over (they keep their KV), and prompt
+chunks run only the tokens it allows. Without one (None) nothing changes.
+
 The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
 ``update_from_output()`` with the sampled tokens, strictly in that order.
 """
@@ -82,11 +90,13 @@ from mqinfer.scheduler.fair import PROMPT_TOKEN_WEIGHT, OrderKey, WaitingQueue
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
 from mqinfer.scheduler.request import EngineRequest, RequestStatus
+from mqinfer.scheduler.slo import SloScheduling, StepPlan
 from mqinfer.scheduler.slot_share import SlotShares
 from mqinfer.scheduler.speculation import SpeculationPolicy
 
-# (arrival_time + priority * aging, priority, arrival_time, sequence number of add_request): the
-# scheduling order, smallest first. Without aging, the first item is the priority itself.
+# (latency class, arrival_time + priority * aging, priority, arrival_time, sequence number of
+# add_request): the scheduling order, smallest first. The latency class is 0 for a request with a
+# latency target and 1 without; without aging, the second item is the priority itself.
 _OrderKey = OrderKey
 
 # How many requests at the head of the waiting queue have their prefix-cache hits protected from
@@ -111,6 +121,8 @@ class Scheduler:
         self.proposer = proposer if config.num_speculative_tokens > 0 else None
         # How many proposals each request runs, from measured step times and acceptance.
         self.speculation = SpeculationPolicy()
+        # Step plans while requests with latency targets are in (scheduler/slo.py).
+        self.slo = SloScheduling(config.max_num_batched_tokens) if config.slo_step_plans else None
         self.kv_cache_manager = KVCacheManager(
             config.block_size, config.num_kv_blocks, enable_prefix_caching=config.enable_prefix_caching,
             num_swap_blocks=config.num_swap_blocks if config.preemption_mode == "swap" else 0,
@@ -205,6 +217,8 @@ class Scheduler:
         self._num_waiting += 1
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, key[-1], request))
+        if self.slo is not None:
+            self.slo.add(request, self.clock())
 
     def finish_requests(
         self,
@@ -252,13 +266,24 @@ class Scheduler:
         kv = self.kv_cache_manager
         if self._num_waiting and kv.enable_prefix_caching:
             kv.protect_prefix_hits(self._waiting_head)
+        slo = self.slo
+        plan = slo.plan(self._running, self.clock()) if slo is not None else None
         try:
-            self._schedule_step(out)
+            self._schedule_step(out, plan)
         finally:
             kv.protect_prefix_hits(None)
+        if slo is not None:
+            slo.scheduled(((sr.request, sr.num_new_tokens) for sr in out.scheduled), plan is not None)
         return out
 
-    def _schedule_step(self, out: SchedulerOutput) -> None:
+    def record_step(self, seconds: float, gap_s: float | None = None) -> None:
+        """The engine's measured time for the step last scheduled (schedule to results) and the
+        time between the previous step's end and its start (None after an idle spell), which keep
+        the step-time model of latency targets current (scheduler/slo.py)."""
+        if self.slo is not None:
+            self.slo.record(seconds, gap_s)
+
+    def _schedule_step(self, out: SchedulerOutput, plan: StepPlan | None = None) -> None:
         """Serve the running requests (preempting when the cache is full), then admit waiting ones."""
         kv = self.kv_cache_manager
         running = self._running
@@ -274,6 +299,12 @@ class Scheduler:
             num_new = len(request.all_token_ids) - request.num_computed_tokens
             if num_new > cap:
                 num_new = cap
+            if plan is not None and num_new > 0:
+                # A planned step (latency targets): a bulk sequence left out (0) keeps its KV.
+                num_new = plan.running_tokens(request, num_new)
+                if num_new == 0:
+                    i += 1
+                    continue
             if num_new <= 0:
                 # Only reachable if a sampled token went missing; skip rather than schedule nothing.
                 i += 1
@@ -299,7 +330,7 @@ class Scheduler:
         # come back, more than are left, so it cannot bounce straight back in; only one whose
         # prefix blocks are shared with a running request needs less, and may come back at once
         # (for swap, the runner's out-before-in copy order keeps that correct).
-        self._admit(out, budget)
+        self._admit(out, budget, plan)
         if self.proposer is not None:
             self._add_proposals(out)
 
@@ -366,14 +397,15 @@ class Scheduler:
             head += self._waiting.head(limit - len(head))
         return head
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit(self, out: SchedulerOutput, budget: int, plan: StepPlan | None = None) -> None:
         kv = self.kv_cache_manager
         running = self._running
         waiting = self._waiting
         if not (self._num_waiting and budget > 0):
             return
-        if len(running) >= self.config.max_num_seqs and waiting.num_groups < 2:
-            return  # full, and no other group to take a slot back for
+        if len(running) >= self.config.max_num_seqs and waiting.num_groups < 2 and not (
+                (head := waiting.peek()) is not None and head[1].interactive):
+            return  # full, and no other group (or interactive request) to take a slot back for
         # Prefix blocks being computed now (the next full block of every request still in its
         # prompt): a waiting request whose next block is one of them is held back this step,
         # to find it cached in a later step instead of computing it a second time. It waits
@@ -383,13 +415,14 @@ class Scheduler:
         held = self._held
         waiting.reorder()
         try:
-            self._admit_from_queue(out, budget, computing, held)
+            self._admit_from_queue(out, budget, computing, held, plan)
         finally:
             for entry in held:
                 waiting.push(entry)
             held.clear()
 
-    def _admit_from_queue(self, out: SchedulerOutput, budget: int, computing: set, held: list) -> None:
+    def _admit_from_queue(self, out: SchedulerOutput, budget: int, computing: set, held: list,
+                          plan: StepPlan | None) -> None:
         running = self._running
         waiting = self._waiting
         max_num_seqs = self.config.max_num_seqs
@@ -402,7 +435,14 @@ class Scheduler:
                 break
             request = entry[1]
             while True:
-                placed = self._place(request, budget, computing, held, out) if len(running) < max_num_seqs else None
+                limit = budget
+                if plan is not None:
+                    # A planned step (latency targets): interactive requests come first in the
+                    # order, and a bulk one runs only the prompt tokens the plan leaves it.
+                    limit = min(budget, plan.prompt_limit(request, request.num_tokens - request.num_computed_tokens))
+                    if limit <= 0:
+                        return
+                placed = self._place(request, limit, computing, held, out) if len(running) < max_num_seqs else None
                 if placed is not None:
                     break
                 # No slot or no blocks for it: a group below its share of the running slots takes
@@ -420,6 +460,8 @@ class Scheduler:
             if placed > 0:
                 shares.admitted(request)
                 budget -= placed
+                if plan is not None:
+                    plan.take(request, placed)
 
     def _place(self, request: EngineRequest, budget: int, computing: set, held: list,
                out: SchedulerOutput) -> int | None:
@@ -619,7 +661,7 @@ class Scheduler:
     def _order_key(self, request: EngineRequest, seq: int) -> _OrderKey:
         aging = self.config.priority_aging_s
         rank = request.arrival_time + request.priority * aging if aging is not None else float(request.priority)
-        return (rank, request.priority, request.arrival_time, seq)
+        return (0 if request.interactive else 1, rank, request.priority, request.arrival_time, seq)
 
     def _preempt(self, request: EngineRequest, out: SchedulerOutput) -> None:
         request.status = RequestStatus.PREEMPTED
@@ -648,4 +690,6 @@ class Scheduler:
         rid = request.request_id
         if self._requests.pop(rid, None) is not None:
             self._waiting.leave(request)
+            if self.slo is not None:
+                self.slo.end(request, self.clock())
         self._order.pop(rid, None)

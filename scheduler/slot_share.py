@@ -82,6 +82,12 @@ class SlotShares:
         The victim is that group's last request in scheduling
         order. Returns the tokens the victim had been given in this step (back to the budget),
         or -1 when nothing was preempted (the group is then refused for the rest of the pass)."""
+        if request.interactive:
+            # An interactive request (with a latency target) takes the slot of the last bulk one
+            # running, whatever the groups: it must not wait for a bulk request to finish.
+            for victim in reversed(self._running):
+                if not victim.interactive and id(victim) not in self._admitted:
+                    return self._take(victim, out)
         key = request.fair_key
         waiting = self._waiting
         if waiting.num_groups < 2:
@@ -104,21 +110,28 @@ class SlotShares:
         running = self._running
         for group in over:
             for victim in reversed(running):
+                # An interactive request (one with a latency target) never gives way to a bulk one.
                 if (victim.fair_key == group and victim.priority >= request.priority
-                        and id(victim) not in self._admitted):
+                        and id(victim) not in self._admitted
+                        and (request.interactive or not victim.interactive)):
                     break
             else:
                 continue
-            running.remove(victim)
-            freed = 0
-            for i, sr in enumerate(out.scheduled):
-                if sr.request is victim:
-                    freed = sr.num_new_tokens
-                    del out.scheduled[i]
-                    break
-            self._preempt(victim, out)
-            out.preempted.append(victim)
-            counts[group] -= 1
-            return freed
+            return self._take(victim, out)
         self._refused.add(key)
         return -1
+
+    def _take(self, victim: EngineRequest, out: SchedulerOutput) -> int:
+        """Preempt ``victim`` (running): the tokens it had been given in this step."""
+        self._running.remove(victim)
+        freed = 0
+        for i, sr in enumerate(out.scheduled):
+            if sr.request is victim:
+                freed = sr.num_new_tokens
+                del out.scheduled[i]
+                break
+        self._preempt(victim, out)
+        out.preempted.append(victim)
+        if self._counts is not None:
+            self._counts[victim.fair_key] -= 1
+        return freed

@@ -10,8 +10,8 @@ What we cannot honour is refused, never silently dropped: a parameter we do not 
 (``best_of`` other than 1, ``tools``, ``stream``, ...) is an ``unsupported_parameter`` error naming
 it; a value of the wrong type or out of OpenAI's range is ``invalid_request``. ``n`` (1..128),
 ``presence_penalty`` and ``frequency_penalty`` (-2..2), ``logit_bias`` (at most 300 token ids, each
-biased by -100..100) are OpenAI's, on both endpoints; ``repetition_penalty`` (> 0) is an
-extension. ``response_format`` (``text``, ``json_object``, ``json_schema``) is honoured on both
+biased by -100..100) are OpenAI's, on both endpoints; ``repetition_penalty`` (> 0) and the
+latency targets ``slo_ttft_ms`` and ``slo_tpot_ms`` (positive integers) are extensions. ``response_format`` (``text``, ``json_object``, ``json_schema``) is honoured on both
 endpoints; the ``regex`` and ``grammar`` types are extensions of native requests and are
 ``unsupported_parameter`` here.
 A ``null`` parameter counts as absent, as in the OpenAI API. Where OpenAI and we differ in a
@@ -55,6 +55,8 @@ _COMMON_PASSTHROUGH = {
     "frequency_penalty": "frequency_penalty",
     "logit_bias": "logit_bias",
     "repetition_penalty": "repetition_penalty",
+    "slo_ttft_ms": "slo_ttft_ms",
+    "slo_tpot_ms": "slo_tpot_ms",
 }
 # Parameters accepted only at one value (what we do anyway): name -> (allowed value, type).
 _FIXED = {

@@ -57,6 +57,9 @@ MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 100.0
 RepetitionPenalty = Annotated[float, msgspec.Meta(ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)]
 Bias = Annotated[float, msgspec.Meta(ge=-100.0, le=100.0)]
+# A latency target in milliseconds: at least 1, at most a day (a longer one is a mistake, not a target).
+MAX_SLO_MS = 86_400_000
+SloMs = Annotated[int, msgspec.Meta(ge=1, le=MAX_SLO_MS)]
 # Token id -> bias. JSON object keys are text: "50256" decodes as the token id 50256.
 LogitBias = Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]
@@ -115,6 +118,12 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     request_type: Label = "default"
     priority: Priority = 0
     deadline: float | None = None
+    # Latency targets: time to first token (from enqueue) and time per output token after it, in
+    # milliseconds. A request with either is interactive: while such requests run, the worker sizes
+    # its steps to meet them (scheduler/slo.py), and its result row says whether they were met
+    # (``slo_met``). Without them the worker's --tenant-slos default for the tenant applies, if any.
+    slo_ttft_ms: SloMs | None = None
+    slo_tpot_ms: SloMs | None = None
     reply_to: ReplyTo | None = None
     job_id: RequestId | None = None
     metadata: dict[str, str] = {}

@@ -62,6 +62,10 @@ RESULT_SCHEMA = pa.schema(
         # files written before the column existed still read, where null means 0
         # (with_choice_index; compaction writes the 0).
         pa.field("index", pa.int32()),
+        # Whether the request met every latency target it had (slo_ttft_ms, slo_tpot_ms, or its
+        # tenant's --tenant-slos; see workers/slo.py); null without targets, for a request that
+        # never ran, and in rows written before the column existed.
+        pa.field("slo_met", pa.bool_()),
     ]
 )
 
@@ -147,6 +151,7 @@ class ResultRow(msgspec.Struct, kw_only=True):
     metadata: dict[str, str] = {}
     schema_valid: bool | None = None
     index: int = 0
+    slo_met: bool | None = None
 
 
 class CostRow(msgspec.Struct, kw_only=True):

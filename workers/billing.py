@@ -25,6 +25,7 @@ from mqinfer.schemas.request import Request
 from mqinfer.schemas.rows import CostRow, ResultRow, error_result_row
 from mqinfer.workers.costs import RequestMeter, wasted_work_row
 from mqinfer.workers.entries import InFlight, entry_time
+from mqinfer.workers.slo import LatencyTargets, missed_targets
 
 
 def tier_columns(tier_cached_tokens: dict[str, int] | None) -> dict[str, int]:
@@ -38,13 +39,16 @@ class Billing:
     the engine is up)."""
 
     def __init__(self, worker: str, price_per_device_hour: float, *, clock: Callable[[], float] = time.time,
-                 model: str | None = None, device_share: float = 1.0) -> None:
+                 model: str | None = None, device_share: float = 1.0,
+                 targets: LatencyTargets | None = None) -> None:
         self.worker = worker
         self.price = price_per_device_hour
         self.clock = clock
         self.model = model
         # The share of a priced device this worker holds (workers/costs.py): every row says it.
         self.device_share = device_share
+        # Each request's latency targets, for its row's slo_met.
+        self.targets = targets or LatencyTargets()
 
     def _usd(self, device_s: float) -> float:
         return device_s * self.price / 3600.0
@@ -63,6 +67,9 @@ class Billing:
             finished_at=now, worker=self.worker, attempt=item.attempt, metadata=dict(req.metadata),
             schema_valid=out.schema_valid, index=out.index,
         )
+        missed = missed_targets(self.targets.of(req), row)
+        if missed is not None:
+            row.slo_met = not missed
         cost = CostRow(
             kind="request", job_id=req.job_id, id=req.id, tenant=req.tenant, model=self.model,
             request_type=req.request_type, prompt_tokens=out.num_prompt_tokens,

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from mqinfer.scheduler.config import (
     PREEMPTION_MODES, SchedulerConfig, format_tenant_weights, parse_tenant_weights,
 )
+from mqinfer.scheduler.slo import BULK_MIN_EVERY, format_tenant_slos, parse_tenant_slos
 from mqinfer.schemas import keys
 from mqinfer.schemas.cache_scope import PREFIX_CACHE_SCOPES, check_scope
 from mqinfer.schemas.lanes import DEFAULT_LANES, DEFAULT_MAX_LANES, check_max_lanes, parse_lanes
@@ -69,6 +70,13 @@ def tenant_limits_flag(text: str) -> str | None:
     limits). ValueError names the bad entry."""
     limits = parse_tenant_limits(text)
     return format_tenant_limits(limits) if limits else None
+
+
+def tenant_slos_flag(text: str) -> str | None:
+    """``--tenant-slos`` checked and written the one way (``a=500/50,b=2000/100``); empty: None (no
+    targets). ValueError names the bad entry."""
+    slos = parse_tenant_slos(text)
+    return format_tenant_slos(slos) if slos else None
 
 
 def parse_wait_ms(text: str) -> float | str:
@@ -377,6 +385,15 @@ class WorkerConfig:
         "second of the rate. A request over the limit waits (other tenants' requests go past it) and ends "
         "with error_code rate_limited if its deadline passes first.", metavar="T=TOK[:REQ],...",
         parse=tenant_limits_flag))
+    # Text as on the command line (`a=500/50`), so that it passes unchanged to child processes.
+    tenant_slos: str | None = field(default=None, metadata=flag(
+        "Latency targets per tenant, for its requests that set neither slo_ttft_ms nor slo_tpot_ms: "
+        "tenant=TTFT_MS/TPOT_MS,... (time to first token from enqueue, and time per output token after it, "
+        "in milliseconds; a tenant not named has none). A request with targets is interactive: while one "
+        "runs, each step holds only the bulk decodes and prompt tokens that the worker's measured step times "
+        f"say fit within the tightest target (a bulk sequence still runs at least one step in {BULK_MIN_EVERY}), "
+        "and its result row's slo_met says whether the targets were met.", metavar="T=TTFT/TPOT,...",
+        parse=tenant_slos_flag))
 
     def __post_init__(self) -> None:
         auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"
@@ -404,6 +421,7 @@ class WorkerConfig:
             if not ok:
                 raise ValueError(message)
         parse_tenant_limits(self.tenant_limits)  # raises ValueError naming a bad entry
+        parse_tenant_slos(self.tenant_slos)
         object.__setattr__(self, "lanes", parse_lanes(self.lanes))
         check_max_lanes(self.max_lanes)
 
@@ -411,3 +429,8 @@ class WorkerConfig:
     def tenant_limit_map(self) -> dict[str, TenantLimit]:
         """``tenant_limits`` parsed: tenant -> its limits."""
         return parse_tenant_limits(self.tenant_limits)
+
+    @property
+    def tenant_slo_map(self) -> dict[str, tuple[int, int]]:
+        """``tenant_slos`` parsed: tenant -> (TTFT ms, TPOT ms)."""
+        return parse_tenant_slos(self.tenant_slos)

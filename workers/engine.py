@@ -343,6 +343,8 @@ class LLMEngine:
         timer.lap("runner and KV cache")
         self._make_proposer(config, draft)
         self.spec_stats = SpecStats(config.speculative)
+        # When the last step that ran a model ended (perf_counter), while requests were left to run.
+        self._last_step_end: float | None = None
         self.scheduler = Scheduler(self.scheduler_config, clock=clock, proposer=self.proposer)
         # KV tiers below the device cache (host memory, disk, a shared directory), if configured.
         self.kv_tiers = attach_engine_tiers(config, self.info, self.model, self.runner, self.scheduler)
@@ -616,12 +618,14 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     deadline: float | None = None, tenant: str = "default", share_group: str | None = None,
-                    speculative: bool = True, cache_salt: str | None = None) -> None:
+                    speculative: bool = True, cache_salt: str | None = None, slo_ttft_ms: int | None = None,
+                    slo_tpot_ms: int | None = None) -> None:
         """Queue a request (with ``sampling.n`` choices); ``speculative`` False keeps it out of
         speculative decoding, as do a grammar (``sampling.grammar``), which must compile (else
         ``invalid_response_format``), and a presence, frequency or repetition penalty.
         ``share_group`` is the scheduler's fair-share group (None: the tenant's); the tenant and
-        ``cache_salt`` choose the prefix-cache partition (``--prefix-cache-scope``)."""
+        ``cache_salt`` choose the prefix-cache partition (``--prefix-cache-scope``); ``slo_*_ms``
+        are its latency targets (scheduler/slo.py)."""
         n = sampling.n
         seq_ids = [choice_id(request_id, i) for i in range(n)]
         for rid in seq_ids:
@@ -659,8 +663,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 tenant=tenant,
                 share_group=share_group,
-                speculative=speculative,
-                cache_salt=cache_salt,
+                speculative=speculative, cache_salt=cache_salt, slo_ttft_ms=slo_ttft_ms,
+                slo_tpot_ms=slo_tpot_ms,
                 sampling_seed=seed,
             ))
         if sampling.grammar is not None:
@@ -780,6 +784,13 @@ class LLMEngine:
                 depth = max(len(sr.spec_token_ids) for sr in scheduler_output.scheduled)
             self.scheduler.record_step_time(scheduler_output.num_batched_tokens, t2 - t1, ran.draft_seconds, depth)
         outputs = self._postprocess(scheduler_output, ran)
+        if ran is not None:
+            # The whole step, schedule to results, and the worker's time since the step before
+            # (when it had work to step): what a running request waits for between its tokens.
+            end = time.perf_counter()
+            last = self._last_step_end
+            self.scheduler.record_step(end - t0, t0 - last if last is not None else None)
+            self._last_step_end = end if self.scheduler.has_unfinished_requests() else None
         self._account(t0, t1, t2, ran)
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
 

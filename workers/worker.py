@@ -60,6 +60,7 @@ from mqinfer.workers.parallel import RankFailure
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.sink import Sinks
+from mqinfer.workers.slo import LatencyTargets, missed_targets
 from mqinfer.workers.throttle import Throttle
 from mqinfer.workers.uptime import LostTime, UptimeRecord
 
@@ -93,7 +94,8 @@ class Worker:
         self.budget_guard = budget_guard
         self.batcher = DynamicBatcher(max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
         self.jobs = JobStatuses(self.redis, clock=clock)
-        self.billing = Billing(self.consumer, config.price_per_device_hour, clock=clock)
+        self.billing = Billing(self.consumer, config.price_per_device_hour, clock=clock,
+                               targets=LatencyTargets(config.tenant_slo_map))
         self.replies = Replies(self.consumer, config.stream, maxlen=config.reply_maxlen, ttl_s=config.reply_ttl_s)
         self.idempotency = Idempotency(self.redis, config.stream, ttl_s=config.idempotency_ttl_s,
                                        replies=self.replies, billing=self.billing, metrics=metrics)
@@ -374,11 +376,12 @@ class Worker:
                 continue
             req = item.request
             faults.hit(f"worker.admit.{req.id}")
+            ttft_ms, tpot_ms = self.billing.targets.of(req)
             try:
                 self.engine.add_request(entry_id, item.prompt_token_ids, item.sampling, arrival_time=item.enqueued_at,
                                         priority=req.priority, deadline=req.deadline, tenant=req.tenant,
                                         share_group=share_group(entry_id), speculative=req.speculative,
-                                        cache_salt=req.cache_salt)
+                                        cache_salt=req.cache_salt, slo_ttft_ms=ttft_ms, slo_tpot_ms=tpot_ms)
             except EngineInputError as exc:
                 self.ownership.release(entry_id)
                 self.acks.add_error(entry_id, req.id, req.job_id, exc.code, exc.message, attempt=item.attempt,
@@ -458,6 +461,8 @@ class Worker:
             fields = finished_fields(item, choice, row, cost, meter)
             rows.append(row)
             costs.append(cost)
+            if row.slo_met is not None:
+                self.metrics.slo_outcome(row.tenant, missed_targets(self.billing.targets.of(item.request), row))
             log_lines.append(("finished %s", (json.dumps(fields),), fields))
         self.acks.add_choices(item.entry_id, rows, costs, reply_to=item.request.reply_to, computed=True,
                               log_lines=log_lines)

@@ -136,6 +136,22 @@ def test_one_request_alone_waits_for_the_batcher_then_its_prefill_step():
         assert o.output_tokens == 5 and sim.num_steps == 5
 
 
+def test_the_simulation_plans_steps_to_latency_targets_as_the_worker_does():
+    """The plan runs the real scheduler: interactive requests beside a backlog decode at their
+    target, as on a worker, instead of at the backlog's step time."""
+    def tpot_s(targets: dict) -> float:
+        bulk = [SimRequest(f"b{i}", _prompt(128, i), 300) for i in range(100)]
+        chats = [SimRequest(f"c{i}", _prompt(32, 500 + i), 40, arrival_s=1.0 + 0.2 * i, tenant="chat", **targets)
+                 for i in range(4)]
+        sim = simulate(bulk + chats, 1, _settings(max_num_seqs=128), MODEL)
+        assert [o.output_tokens for o in sim.outcomes] == [r.output_tokens for r in bulk + chats]
+        return max(o.tpot_s for o in sim.outcomes[100:])
+
+    backlog_step = MODEL.step_seconds(StepShape.of([(1, 200)] * 101))
+    assert tpot_s({}) == pytest.approx(backlog_step, rel=0.3)
+    assert tpot_s({"slo_ttft_ms": 500, "slo_tpot_ms": 2}) <= 0.002
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
     sim = simulate([SimRequest("a", _prompt(300), 2)], 1, _settings(max_num_batched_tokens=128), MODEL)
     chunks = [(128, 128), (128, 256), (44, 300)]

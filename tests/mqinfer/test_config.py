@@ -269,6 +269,50 @@ def test_a_bad_tenant_limit_exits_2_with_message():
             "a finite number > 0, got '-1'") in out.stderr
 
 
+def test_tenant_slos_from_every_source_reach_the_worker_and_child_workers(monkeypatch, tmp_path):
+    opts = _resolve(["--tenant-slos", " chat = 500/50, batch=60000/2000"])
+    assert opts["tenant_slos"] == "chat=500/50,batch=60000/2000"  # checked and written one way
+    config = worker_config(opts, redis_url="redis://h", out=Path("o"))
+    assert config.tenant_slo_map == {"chat": (500, 50), "batch": (60000, 2000)}
+    option = next(o for o in WORKER_OPTIONS if o.name == "tenant_slos")
+    assert _resolve(option.argv(opts["tenant_slos"]))["tenant_slos"] == "chat=500/50,batch=60000/2000"
+    assert "tenant_slos" in {o.name for o in RUN_CMD}  # `run` takes it and hands it to its workers
+    monkeypatch.setenv("MQINFER_TENANT_SLOS", "a=300/30")
+    assert _resolve([])["tenant_slos"] == "a=300/30"
+    monkeypatch.delenv("MQINFER_TENANT_SLOS")
+    assert _resolve([], _config(tmp_path, 'tenant-slos = "b=400/40"\n'))["tenant_slos"] == "b=400/40"
+    assert _resolve([])["tenant_slos"] is None
+
+
+@pytest.mark.parametrize("value, message", [
+    ("a=500", r"the targets of tenant 'a' must be TTFT_MS/TPOT_MS, got '500'"),
+    ("a=0/50", r"the TTFT target of tenant 'a' must be a whole number of milliseconds from 1 to 86400000, got '0'"),
+    ("a=500/-5", r"the TPOT target of tenant 'a' must be a whole number"),
+    ("a=500/2.5", r"the TPOT target of tenant 'a' must be a whole number"),
+    ("a=500/86400001", r"the TPOT target of tenant 'a' must be a whole number"),
+    ("a=1/1,a=2/2", r"tenant 'a' is given twice"),
+])
+def test_bad_tenant_slos_name_the_flag_the_source_and_the_entry(monkeypatch, tmp_path, value, message):
+    with pytest.raises(ConfigError, match=r"--tenant-slos \(from command line\): tenant SLOs: " + message):
+        _resolve(["--tenant-slos", value])
+    with pytest.raises(ConfigError, match=r"--tenant-slos \(from config file key tenant_slos\): "):
+        _resolve([], _config(tmp_path, f'tenant-slos = "{value}"\n'))
+    monkeypatch.setenv("MQINFER_TENANT_SLOS", value)
+    with pytest.raises(ConfigError, match=r"--tenant-slos \(from environment MQINFER_TENANT_SLOS\): "):
+        _resolve([])
+    with pytest.raises(ValueError, match=message):
+        WorkerConfig(redis_url="redis://h", out_dir=Path("o"), tenant_slos=value)
+
+
+def test_a_bad_tenant_slo_exits_2_with_message():
+    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
+                          "--tenant-slos", "chat=500/0"], capture_output=True, text=True,
+                         env={"PATH": "/usr/bin:/bin"})
+    assert out.returncode == 2
+    assert ("--tenant-slos (from command line): tenant SLOs: the TPOT target of tenant 'chat' must be a whole "
+            "number of milliseconds from 1 to 86400000, got '0'") in out.stderr
+
+
 def test_device_share_from_every_source_reaches_the_worker_and_run(monkeypatch, tmp_path):
     opts = _resolve(["--device-share", "0.25"])
     assert worker_config(opts, redis_url="redis://h", out=Path("o")).device_share == 0.25

@@ -28,7 +28,7 @@ def test_result_schema_is_the_contract():
     assert RESULT_SCHEMA.names == [
         "job_id", "id", "tenant", "model", "request_type", "finish_reason", "error_code", "error",
         "prompt_tokens", "output_tokens", "output_token_ids", "text", "logprobs", "enqueued_at", "started_at",
-        "first_token_at", "finished_at", "worker", "attempt", "metadata", "schema_valid", "index",
+        "first_token_at", "finished_at", "worker", "attempt", "metadata", "schema_valid", "index", "slo_met",
     ]
     types = {f.name: f.type for f in RESULT_SCHEMA}
     assert types["schema_valid"] == pa.bool_() and RESULT_SCHEMA.field("schema_valid").nullable
@@ -45,7 +45,8 @@ def test_result_schema_is_the_contract():
     nullable = {f.name for f in RESULT_SCHEMA if f.nullable}
     # index: nullable only so that files written before it read (as 0); workers always write it.
     assert nullable == {"job_id", "error_code", "error", "text", "logprobs", "enqueued_at", "started_at",
-                        "first_token_at", "schema_valid", "index"}
+                        "first_token_at", "schema_valid", "index", "slo_met"}
+    assert types["slo_met"] == pa.bool_()
 
 
 def test_cost_schema_is_the_contract():

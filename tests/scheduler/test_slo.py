@@ -1,0 +1,245 @@
+"""Steps planned to latency targets (scheduler/slo.py), driven by the fake model over a shadow KV
+cache (tests/scheduler/test_scheduler.py) on a fake clock, with step times from a known cost
+function so that the step-time model has something true to learn."""
+
+from __future__ import annotations
+
+import pytest
+
+from mqinfer.scheduler.config import SchedulerConfig
+from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
+from mqinfer.scheduler.scheduler import Scheduler
+from mqinfer.scheduler.slo import (
+    BULK_MIN_EVERY, MIN_STEPS, RECENT_S, SAFETY, StepShape, StepTimeModel, format_tenant_slos, parse_tenant_slos,
+)
+from tests.helpers import FakeClock
+from tests.scheduler.test_scheduler import FakeModel
+
+T0 = 1_700_000_000.0
+
+
+def step_seconds(shape: StepShape) -> float:
+    """The fake machine: 2 ms a step, 20 us a token, 300 us a sequence, a little for attention."""
+    return 0.002 + 2e-5 * shape.tokens + 3e-4 * shape.seqs + 1e-9 * shape.pairs + 2e-8 * shape.decode_context
+
+
+class Driver:
+    """schedule -> fake model -> update, the clock moved by each step's (fake) time, which the
+    scheduler records as the engine does."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.clock = FakeClock(T0)
+        self.scheduler = Scheduler(config, clock=self.clock)
+        self.model = FakeModel(self.scheduler)
+        self.steps: list[dict[str, int]] = []
+        self.step_s: list[float] = []
+        self.preempted: list[str] = []
+        self.finished: dict[str, EngineRequest] = {}
+        self._seq = 0
+
+    def add(self, prompt_len: int, max_tokens: int, *, rid: str | None = None, **fields) -> EngineRequest:
+        self._seq += 1
+        request = EngineRequest(rid or f"r{self._seq}", [5 + (self._seq * 7 + i) % 50 for i in range(prompt_len)],
+                                SamplingParams(max_tokens=max_tokens), arrival_time=self.clock(), **fields)
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self):
+        scheduler = self.scheduler
+        out = scheduler.schedule()
+        shape = StepShape.of((sr.num_new_tokens, sr.request.num_computed_tokens + sr.num_new_tokens)
+                             for sr in out.scheduled)
+        seconds = step_seconds(shape) if out.scheduled else 0.0
+        sampled = self.model.run(out)
+        for request in scheduler.update_from_output(out, sampled) + out.finished:
+            self.finished[request.request_id] = request
+        self.preempted += [r.request_id for r in out.preempted]
+        self.steps.append({sr.request.request_id: sr.num_new_tokens for sr in out.scheduled})
+        self.step_s.append(seconds)
+        self.clock.advance(seconds)
+        scheduler.record_step(seconds)
+        return out
+
+    def run(self, max_steps: int = 5000) -> None:
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                return
+            self.step()
+        raise AssertionError("requests left unfinished")
+
+
+def config(**kw) -> SchedulerConfig:
+    return SchedulerConfig(**{"num_kv_blocks": 2048, "max_num_seqs": 128, "max_num_batched_tokens": 512,
+                              "max_model_len": 1024, **kw})
+
+
+def test_tenant_slos_parse_and_refuse_bad_entries():
+    slos = parse_tenant_slos(" chat = 500/50 , a=b=2000/100")
+    assert slos == {"chat": (500, 50), "a=b": (2000, 100)}
+    assert parse_tenant_slos(format_tenant_slos(slos)) == slos
+    assert parse_tenant_slos("") == {} and parse_tenant_slos(None) == {}
+    for bad, words in [("chat=500", "TTFT_MS/TPOT_MS"), ("chat=0/50", "TTFT target"), ("chat=500/-1", "TPOT target"),
+                       ("chat=1.5/50", "TTFT target"), ("chat=500/x", "TPOT target"), ("=500/50", "not tenant="),
+                       ("chat=500/50,chat=1/1", "twice"), ("chat=500/50,", "entry 2 is empty"),
+                       ("chat=500/99999999999", "TPOT target")]:
+        with pytest.raises(ValueError, match=words):
+            parse_tenant_slos(bad)
+
+
+def test_engine_request_refuses_a_target_that_is_not_a_positive_integer():
+    for bad in (0, -3, 1.5, "50", True):
+        with pytest.raises(ValueError, match="slo_tpot_ms must be a positive integer"):
+            EngineRequest("r", [1, 2], SamplingParams(), slo_tpot_ms=bad)
+    assert EngineRequest("r", [1], SamplingParams(), slo_ttft_ms=200).interactive
+    assert not EngineRequest("r", [1], SamplingParams()).interactive
+
+
+def test_step_time_model_learns_a_linear_machine_and_predicts_new_shapes():
+    model = StepTimeModel()
+    shapes = [StepShape.of([(1, 100 + i)] * (1 + i % 40) + ([(64, 64 + i)] if i % 5 == 0 else []))
+              for i in range(120)]
+    for shape in shapes:
+        assert not model.ready or model.num_steps >= MIN_STEPS
+        model.observe(shape, step_seconds(shape))
+    assert model.ready
+    for shape in (StepShape.of([(1, 300)] * 7), StepShape.of([(1, 50)] * 90), StepShape.of([(128, 128), (1, 80)])):
+        assert model.predict(shape) == pytest.approx(step_seconds(shape), rel=0.05)
+    assert all(c >= 0 for c in model.coefficients())
+
+
+def test_without_interactive_requests_steps_are_exactly_those_without_plans():
+    """Bulk only: the plan hook never changes a step (the same steps, token for token, as a
+    scheduler without it), though its model learns from every step."""
+    traces = []
+    for plans in (True, False):
+        d = Driver(config(slo_step_plans=plans, block_size=4, num_kv_blocks=40, max_num_seqs=16,
+                              max_num_batched_tokens=64))
+        for i in range(40):
+            d.add(20 + (i * 13) % 90, 5 + (i * 7) % 30)
+        for _ in range(10):
+            d.step()
+        for i in range(10):  # later arrivals, and KV pressure (40 blocks of 4 tokens)
+            d.add(60 + i * 11, 40)
+        d.run()
+        traces.append((d.steps, d.preempted))
+        if plans:
+            assert d.scheduler.slo.num_planned_steps == 0 and d.scheduler.slo.model.ready
+    assert traces[0] == traces[1]
+    assert traces[0][1], "the workload was meant to preempt"
+
+
+def warm(d: Driver, n_bulk: int = 60, prompt: int = 48, max_tokens: int = 400) -> list[EngineRequest]:
+    bulk = [d.add(prompt, max_tokens) for _ in range(n_bulk)]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in bulk):
+        d.step()
+    for _ in range(MIN_STEPS):
+        d.step()
+    return bulk
+
+
+def test_steps_beside_a_backlog_hold_the_tightest_tpot_target_and_bulk_keeps_its_kv():
+    d = Driver(config())
+    bulk = warm(d)
+    full_step = d.step_s[-1]
+    target_ms = 12
+    assert full_step > target_ms / 1000  # without plans every step would miss the target
+    chat = d.add(32, 40, slo_ttft_ms=200, slo_tpot_ms=target_ms)
+    loose = d.add(16, 40, slo_tpot_ms=500)
+    first = len(d.steps)
+    before = {r.request_id: (list(r.block_ids), r.num_computed_tokens) for r in bulk}
+    out = d.step()
+    left_out = [r for r in bulk if r.request_id not in d.steps[-1]]
+    assert left_out, "a planned step leaves bulk decodes out"
+    for r in left_out:  # a left-out sequence keeps its KV and position
+        assert r.status is RequestStatus.RUNNING and (r.block_ids, r.num_computed_tokens) == before[r.request_id]
+    assert out.scheduled[0].request is chat or chat.request_id in d.steps[-1]
+    while not chat.is_finished:
+        d.step()
+        assert chat.request_id in d.steps[-1]  # an interactive request runs every step
+    steps = d.step_s[first:]
+    # Predicted within SAFETY of the tightest target; the model is fitted to the same machine.
+    assert max(steps) <= target_ms / 1000 * (SAFETY + 0.1), max(steps)
+    # TTFT: the prompt ran at once (it arrived with the first planned step's clock).
+    assert chat.num_output_tokens == 40 and not d.preempted
+    # The looser target did not widen the steps while the tighter one ran; after both leave, steps
+    # are planned for RECENT_S more seconds, then composed as without targets.
+    d.run()
+    assert {r.request_id for r in bulk} <= set(d.finished) and loose.request_id in d.finished
+
+
+def test_every_bulk_sequence_runs_at_least_once_in_every_bulk_min_every_steps():
+    d = Driver(config())
+    bulk = warm(d, n_bulk=80, max_tokens=300)
+    start = len(d.steps)
+    chats = [d.add(16, 200, slo_tpot_ms=1)]  # a target no step can meet: the least bulk possible
+    for _ in range(60):
+        d.step()
+    for r in bulk:
+        ran = [i for i in range(start, len(d.steps)) if r.request_id in d.steps[i]]
+        gaps = [b - a for a, b in zip([start - 1] + ran, ran + [len(d.steps)])]
+        assert max(gaps) <= BULK_MIN_EVERY, (r.request_id, gaps)
+    assert all(c.request_id in d.steps[-1] for c in chats)
+
+
+def test_an_interactive_prompt_is_admitted_first_and_chunked_to_its_ttft():
+    d = Driver(config(max_num_batched_tokens=1024))
+    warm(d, n_bulk=30)
+    waiting_bulk = [d.add(300, 10) for _ in range(4)]  # bulk prompts queued before the chat
+    chat = d.add(600, 4, slo_ttft_ms=60, slo_tpot_ms=5)
+    steps_before = len(d.steps)
+    while chat.num_output_tokens == 0:
+        d.step()
+        assert d.steps[-1].get(chat.request_id, 0) >= 1
+    elapsed = sum(d.step_s[steps_before:])
+    # Admitted in the first step, ahead of the bulk prompts queued before it, and its 600 tokens
+    # spread over the steps its TTFT allowed rather than the few tokens a 5 ms step fits.
+    assert chat.request_id in d.steps[steps_before]
+    assert elapsed <= 0.060 * 1.5, elapsed
+    assert len(d.steps) - steps_before > 1  # chunked, not run in one long step
+
+
+def test_an_interactive_request_is_never_preempted_for_a_bulk_one():
+    # 40 blocks of 16 tokens: the bulk requests outgrow the cache and preempt one another.
+    d = Driver(config(num_kv_blocks=40, max_num_batched_tokens=256))
+    for _ in range(6):
+        d.add(64, 120)
+    for _ in range(3):
+        d.step()
+    chat = d.add(32, 150, slo_tpot_ms=50)
+    d.run()
+    assert d.preempted, "the cache was meant to run out"
+    assert chat.request_id not in d.preempted
+    assert chat.num_output_tokens == 150 and len(d.finished) == 7
+
+
+def test_plans_stop_recent_s_after_the_last_interactive_request_left():
+    d = Driver(config())
+    warm(d, max_tokens=2000)
+    chat = d.add(8, 3, slo_tpot_ms=5)
+    while not chat.is_finished:
+        d.step()
+    slo = d.scheduler.slo
+    left_at = d.clock()
+    planned = slo.num_planned_steps
+    while d.clock() < left_at + RECENT_S:
+        d.step()
+    assert slo.num_planned_steps > planned  # still planned for a while: the next one may come soon
+    planned = slo.num_planned_steps
+    running = {r.request_id for r in d.scheduler._running}
+    d.step()
+    assert slo.num_planned_steps == planned and set(d.steps[-1]) == running
+
+
+def test_an_interactive_request_takes_a_bulk_slot_when_every_slot_is_full():
+    """One tenant, every slot held by its bulk requests: the interactive request does not wait for
+    one of them to finish; the bulk request it displaces comes back and finishes."""
+    d = Driver(config(max_num_seqs=4))
+    bulk = [d.add(16, 60, tenant="t") for _ in range(6)]
+    for _ in range(3):
+        d.step()
+    chat = d.add(8, 5, tenant="t", slo_tpot_ms=1000)
+    d.step()
+    assert chat.request_id in d.steps[-1] and len(d.steps[-1]) <= 4
+    assert len(d.preempted) == 1 and d.preempted[0] in {r.request_id for r in bulk}
+    d.run()
+    assert all(r.num_output_tokens == 60 for r in bulk) and chat.num_output_tokens == 5
