@@ -57,8 +57,11 @@ FRESH = Option("fresh", bool, False, "Start the job over: remove its result and 
 UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")
 
 # `report costs`
-BY = Option("by", str, "tenant", "Comma-separated group keys: tenant, model, request_type, job_id, worker.",
-            metavar="KEYS")
+BY = Option("by", str, "tenant", "Comma-separated group keys: tenant, model, request_type, job_id, worker, "
+            "model_variant (dtype, quantization, KV cache dtype, tensor and pipeline ranks), metadata.KEY (the "
+            "requests' metadata label KEY; requests without it group as (none)), prompt_band (0-127, 128-511, "
+            "512-2047, 2048-8191, 8192+ prompt tokens) and output_band (0-31, 32-127, 128-511, 512-2047, 2048+ "
+            "output tokens).", metavar="KEYS")
 REPORT_FORMAT = Option("format", str, "table", "Output format.", choices=("table", "csv", "json"))
 SINCE = Option("since", str, None, "Only rows finished at or after this time (ISO 8601 or unix seconds).",
                metavar="WHEN")

@@ -446,7 +446,8 @@ def _mark_costs(table: pa.Table, kept: pa.Table) -> tuple[pa.Table, pa.Array, bo
     # A row written twice is one row. "request" and "duplicate" are the same row at two
     # moments, so they compare equal here.
     kind_class = pc.if_else(pc.is_in(table["kind"], value_set=billable_kinds), "request", table["kind"])
-    names = [name for name in COST_SCHEMA.names if name != "kind"]
+    # Map columns (metadata) cannot be grouping keys; rows equal in the rest are one request's.
+    names = [f.name for f in COST_SCHEMA if f.name != "kind" and not pa.types.is_map(f.type)]
     probe = table.select(names).append_column("kind_class", kind_class).append_column("pos", _arange(table.num_rows))
     firsts = probe.group_by(names + ["kind_class"], use_threads=False).aggregate([("pos", "min")])["pos_min"]
     table = table.take(pc.take(firsts, pc.sort_indices(firsts)))

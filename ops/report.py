@@ -4,8 +4,9 @@
 :class:`Report`; ``ops/report_render.py`` turns it into an aligned table, CSV or JSON, and draws
 PNG charts when matplotlib is installed.
 
-* **Groups** (``--by`` any of tenant, model, request_type, job_id, worker) sum the ``request``
-  rows only: requests, prompt (input) and output tokens, device seconds and their prefill /
+* **Groups** (``--by`` any of tenant, model, request_type, job_id, worker, model_variant, a
+  request's metadata label ``metadata.KEY``, and the length bands ``prompt_band`` and
+  ``output_band``: ops/report_keys.py) sum the ``request`` rows only: requests, prompt (input) and output tokens, device seconds and their prefill /
   decode / recomputed split, KV block-seconds, dollars, and dollars per million tokens: all
   tokens, input tokens (the prefill share of the cost) and output tokens (the decode share).
 * **Totals**, the same lines in every format: ``billed`` (the ``request`` rows, what the groups
@@ -42,10 +43,10 @@ import pyarrow.dataset as ds
 
 from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
+from mqinfer.ops.report_keys import checked_by, with_group_columns
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_choice_index, with_device_share
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
-GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
 # Of the cached prompt tokens, those each KV tier below the device cache served.
 TIER_TOKEN_FIELDS = ("host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens")
 _SUMMED = ("prompt_tokens", "cached_prompt_tokens", *TIER_TOKEN_FIELDS, "output_tokens", "rejected_tokens", "device_s", "prefill_s", "decode_s",
@@ -224,7 +225,7 @@ def cost_report(
     """
     if basis not in BASES:
         raise ValueError(f"unknown cost basis {basis!r}: use one of {', '.join(BASES)}")
-    by = _checked_by(by)
+    by = checked_by(by)
     if top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
     if since is not None and until is not None and until <= since:
@@ -234,7 +235,7 @@ def cost_report(
         raise FileNotFoundError(f"no such output folder: {out}")
     if not (out / COSTS_DIR).is_dir():
         raise FileNotFoundError(f"no {COSTS_DIR}/ dataset in {out}")
-    table = _with_input_cost(_read_costs(out, since, until))
+    table = with_group_columns(_with_input_cost(_read_costs(out, since, until)), by)
 
     totals = _totals_by_kind(table)
     billed = table.filter(pc.equal(table["kind"], "request"))
@@ -247,18 +248,6 @@ def cost_report(
     return Report(by=by, since=since, until=until, groups=groups, totals=totals,
                   top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
                   requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis)
-
-
-def _checked_by(by: Sequence[str]) -> list[str]:
-    """The ``by`` columns as a list (a single name taken as one column); ValueError unless they are
-    one or more distinct ``GROUP_KEYS``."""
-    if isinstance(by, str):
-        by = [by]
-    by = list(by)
-    bad = [key for key in by if key not in GROUP_KEYS]
-    if bad or not by or len(set(by)) != len(by):
-        raise ValueError(f"cannot group costs by {by!r}: use one or more distinct keys of {', '.join(GROUP_KEYS)}")
-    return by
 
 
 def _totals_by_kind(table: pa.Table) -> Totals:

@@ -42,6 +42,7 @@ from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT
 from mqinfer.schemas import errors, faults, keys
 from mqinfer.schemas.connection import connect_redis, redact
 from mqinfer.schemas.dataset import remove_temp_files
+from mqinfer.schemas.rows import model_variant
 from mqinfer.workers.acks import Acks, SinkError
 from mqinfer.workers.billing import Billing, finished_fields
 from mqinfer.workers.buckets import TokenBuckets, server_clock_unless
@@ -183,6 +184,11 @@ class Worker:
         if getattr(engine, "kv_tiers", None) is not None:
             self.tier_prefixes = TierPrefixes(self.redis, cfg.stream)
         self.billing.model = info.model_id
+        ecfg = cfg.engine
+        self.billing.model_variant = model_variant(
+            dtype=info.dtype, quantization=ecfg.quantization,
+            kv_cache_dtype=info.dtype if ecfg.kv_cache_dtype == "auto" else ecfg.kv_cache_dtype,
+            tensor_parallel_size=ecfg.tensor_parallel_size, pipeline_parallel_size=ecfg.pipeline_parallel_size)
         share = cfg.device_share if cfg.device_share is not None else engine.device_share
         self.billing.device_share = share
         self.meter = Meter(
