@@ -17,8 +17,9 @@ PNG charts when matplotlib is installed.
   kind's share of all device time is listed too.
 * **The most expensive requests**, and **a series per hour** (of ``finished_at``; an idle row
   counts in the hour it was written, though it may cover time before it).
-* **Budgets** (``ops/budgets.py``): each budgeted tenant's spend in the window, per budget
-  period, and whether it reached its budget; groups keyed by tenant are marked.
+* **Budgets** (``ops/budgets.py``): each budgeted group's spend (tenants, jobs, ``metadata.KEY =
+  VALUE`` groups) in the window, per budget period, the warning thresholds it reached and whether
+  it reached its budget; groups keyed by a budgeted key are marked.
 
 A request with ``n`` > 1 choices has a ``request`` row per choice (``index``); it counts as one
 request (its choice-0 row), and its tokens and cost are those of every choice.
@@ -42,7 +43,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
-from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
+from mqinfer.ops.budgets import Budgets, BudgetStatus, check_groups
 from mqinfer.ops.report_keys import checked_by, with_group_columns
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_choice_index, with_device_share
 from mqinfer.schemas.dataset import COSTS_DIR, part_files
@@ -94,8 +95,11 @@ class GroupCost:
     # output tokens; None without such tokens.
     usd_per_1m_input_tokens: float | None = None
     usd_per_1m_output_tokens: float | None = None
-    # With budgets and a tenant key: whether that tenant reached its budget (None: no budget).
+    # With budgets and a budgeted key (tenant, job_id, metadata.KEY) among the group's keys: whether
+    # one of its budgeted groups reached its budget (None: none has a budget), and the highest
+    # warning threshold (percent) one reached (None: none reached).
     over_budget: bool | None = None
+    budget_threshold: float | None = None
     # ``--basis allocation``: the group's share of the overhead of the worker-hours it used
     # (ops/allocation.py), and cost_usd plus that share. 0 and cost_usd under ``usage``.
     allocated_device_s: float = 0.0
@@ -193,6 +197,9 @@ class Report:
     hourly: list[HourCost] = field(default_factory=list)
     # None when no budgets were given.
     budgets: list[BudgetStatus] | None = None
+    # Whether the groups carry budget marks (over_budget, budget_threshold): budgets were given and
+    # ``by`` has a key they budget (tenant, job_id, metadata.KEY).
+    budget_marks: bool = False
     # Requests (job_id, id) with more than one ``request`` cost row in the window, and how many
     # rows beyond one each they have: both 0 after ``mqinfer compact``.
     requests_counted_more_than_once: int = 0
@@ -244,10 +251,11 @@ def cost_report(
     counted_twice, extra_rows = _repeated_requests(billed)
     statuses = None
     if budgets is not None:
-        statuses = _budget_statuses(budgets, billed, by, groups)
+        statuses = _budget_statuses(budgets, with_group_columns(billed, budgets.keys()), by, groups)
     return Report(by=by, since=since, until=until, groups=groups, totals=totals,
                   top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
-                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis)
+                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis,
+                  budget_marks=budgets is not None and any(k in budgets.keys() for k in by))
 
 
 def _totals_by_kind(table: pa.Table) -> Totals:
@@ -307,13 +315,19 @@ def _add_billed(totals: Totals, billed: pa.Table) -> None:
 
 
 def _budget_statuses(budgets: Budgets, billed: pa.Table, by: list[str], groups: list[GroupCost]) -> list[BudgetStatus]:
-    """Each budgeted tenant's spend in the window against its budget; with groups keyed by tenant,
-    each group marked with whether its tenant reached its budget."""
-    statuses = check_budgets(budgets, _spend_by_period(billed, budgets))
-    if "tenant" in by:
-        over = {s.tenant: s.over for s in statuses}
+    """Each budgeted group's spend in the window against its budget; with groups keyed by a
+    budgeted key, each group marked with whether one of its budgeted groups reached its budget
+    and the highest threshold reached."""
+    statuses = check_groups(budgets, _spend_by_period(billed, budgets))
+    status = {(s.key, s.value): s for s in statuses}
+    keys = [k for k in by if k in budgets.keys()]
+    if keys:
         for g in groups:
-            g.over_budget = over.get(g.key["tenant"] or "default")
+            mine = [status.get((k, (g.key[k] or "default") if k == "tenant" else g.key[k])) for k in keys]
+            mine = [s for s in mine if s is not None]
+            if mine:
+                g.over_budget = any(s.over for s in mine)
+                g.budget_threshold = max((t for s in mine for t in s.thresholds_reached), default=None)
     return statuses
 
 
@@ -463,17 +477,23 @@ def _hourly(table: pa.Table) -> list[HourCost]:
     return [series[k] for k in sorted(series)]
 
 
-def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str], float]:
+def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str, str], float]:
+    """Spend by (group key, value, period) for every key the budgets name (``billed`` has a
+    column per key: with_group_columns)."""
     if not billed.num_rows:
         return {}
     if budgets.period == "total":
         period = pa.array([""] * billed.num_rows, pa.string())
     else:
         period = pc.strftime(billed["finished_at"], format="%Y-%m" if budgets.period == "month" else "%Y-%m-%d")
-    spend = pa.table({"tenant": pc.fill_null(billed["tenant"], "default"), "period": period,
-                      "cost_usd": billed["cost_usd"]})
-    agg = spend.group_by(["tenant", "period"], use_threads=False).aggregate([("cost_usd", "sum")])
-    return {(r["tenant"], r["period"]): r["cost_usd_sum"] for r in agg.to_pylist()}
+    out: dict[tuple[str, str, str], float] = {}
+    for key in budgets.keys():
+        values = pc.fill_null(billed[key], "default") if key == "tenant" else billed[key]
+        spend = pa.table({"value": values, "period": period, "cost_usd": billed["cost_usd"]})
+        spend = spend.filter(pc.is_valid(spend["value"]))
+        agg = spend.group_by(["value", "period"], use_threads=False).aggregate([("cost_usd", "sum")])
+        out.update({(key, r["value"], r["period"]): r["cost_usd_sum"] for r in agg.to_pylist()})
+    return out
 
 
 def schema_validity(out_dir: str | os.PathLike[str]) -> tuple[int, int] | None:

@@ -72,6 +72,25 @@ def _summary(totals: Totals) -> dict[str, GroupCost | Spend]:
             "total": Spend(device_s=totals.device_s, cost_usd=totals.cost_usd)}
 
 
+def budget_mark(over: bool | None, threshold: float | None) -> str:
+    """A group's budget mark: OVER, the highest warning threshold it reached (``>=80%``), ok, or
+    empty when none of its groups has a budget."""
+    if over is None:
+        return ""
+    if over:
+        return "OVER"
+    return f">={threshold:g}%" if threshold is not None else "ok"
+
+
+def budget_status(status) -> str:
+    """The status column of the budgets table: OVER BUDGET, a warning, or ok."""
+    if status.over:
+        return "OVER BUDGET"
+    if status.thresholds_reached:
+        return f"warning: >={status.thresholds_reached[-1]:g}%"
+    return "ok"
+
+
 def render(report: Report, fmt: Literal["table", "csv", "json"] = "table") -> str:
     """The report as aligned text tables, CSV (the groups, then the summary lines) or JSON
     (everything)."""
@@ -87,12 +106,13 @@ def render(report: Report, fmt: Literal["table", "csv", "json"] = "table") -> st
 def _render_csv(report: Report) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    budget_column = ["over_budget"] if report.budgets is not None and "tenant" in report.by else []
+    budget_column = ["over_budget", "budget_threshold"] if report.budget_marks else []
     # ``row`` tells the groups (``group``) from the summary lines (SUMMARY_LINES).
     fields = _group_fields(report)
     w.writerow(["row"] + report.by + list(fields) + budget_column)
     for g in report.groups:
-        extra = ["" if g.over_budget is None else str(g.over_budget).lower()] if budget_column else []
+        extra = (["" if g.over_budget is None else str(g.over_budget).lower(),
+                  "" if g.budget_threshold is None else g.budget_threshold] if budget_column else [])
         w.writerow(
             ["group"] + ["" if g.key[k] is None else g.key[k] for k in report.by]
             + ["" if getattr(g, m, None) is None else getattr(g, m) for m in fields]
@@ -135,13 +155,13 @@ def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
 
 
 def _render_table(report: Report) -> str:
-    budget_column = report.budgets is not None and "tenant" in report.by
+    budget_column = report.budget_marks
     fields = _table_fields(report)
     headers = report.by + [TABLE_HEADERS.get(m, m) for m in fields] + (["budget"] if budget_column else [])
     numeric = [False] * len(report.by) + [True] * len(fields) + ([False] if budget_column else [])
     rows = []
     for g in report.groups:
-        mark = ["" if g.over_budget is None else "OVER" if g.over_budget else "ok"] if budget_column else []
+        mark = [budget_mark(g.over_budget, g.budget_threshold)] if budget_column else []
         rows.append(["(none)" if g.key[k] is None else str(g.key[k]) for k in report.by]
                     + [_fmt_number(m, getattr(g, m)) for m in fields] + mark)
     t = report.totals
@@ -179,13 +199,13 @@ def _render_table(report: Report) -> str:
         out += ["", "budgets:"]
         if report.budgets:
             out += _aligned(
-                ["tenant", "period", "budget_usd", "spent_usd", "remaining_usd", "status"],
-                [[s.tenant, s.period or "total", _fmt_number("usd", s.budget_usd), _fmt_number("usd", s.spent_usd),
-                  _fmt_number("usd", s.remaining_usd), "OVER BUDGET" if s.over else "ok"] for s in report.budgets],
+                ["group", "period", "budget_usd", "spent_usd", "remaining_usd", "status"],
+                [[s.group, s.period or "total", _fmt_number("usd", s.budget_usd), _fmt_number("usd", s.spent_usd),
+                  _fmt_number("usd", s.remaining_usd), budget_status(s)] for s in report.budgets],
                 [False, False, True, True, True, False],
             )
         else:
-            out.append("  (no tenant has a budget)")
+            out.append("  (no group has a budget)")
     return "\n".join(out) + "\n"
 
 

@@ -5,7 +5,7 @@ logs their requests (``finished ...``, ``<reason> row ...``: the log never count
 requests than the results dataset holds), and only then does one transaction acknowledge their
 entries with everything that goes with it: the entry leaves the stream (``XDEL``) and the
 in-flight hash, its id joins the job's done set, a registered bulk job gets the row on its result
-stream, the tenant's spend grows by the row's cost (``--enforce-budgets``), the job's count of
+stream, the spend of its tenant and budgeted groups grows by the row's cost (``--enforce-budgets``), the job's count of
 generated tokens is brought up to date, and the request's idempotency record becomes ``done``. Entries that end without a row of their own (a duplicate, a
 dead letter, a lost entry another entry carries) are acked the same way.
 
@@ -108,7 +108,8 @@ class Acks:
         if reply_to is not None:
             self.replies.final_when_durable(reply_to, first, choices)
         if self.budget_guard is not None and computed:
-            self.budget_guard.note(entry_id, first.tenant, cost_usd, first.finished_at)
+            self.budget_guard.note(entry_id, first.tenant, cost_usd, first.finished_at, job_id=first.job_id,
+                                   metadata=first.metadata)
         for row in rows:
             self.metrics.finish(row.finish_reason or "error")
         self._row_log.extend(log_lines)
