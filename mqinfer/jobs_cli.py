@@ -17,7 +17,8 @@ import sys
 import time
 
 from mqinfer.config import (
-    LANES, LOG_LEVEL, MAX_LANES, ORDER, REDIS, REDIS_CLUSTER, ROUTE, SHARDS, STREAM, ConfigError, Option, add_options,
+    LANES, LOG_LEVEL, MAX_COST_USD, MAX_LANES, ORDER, REDIS, REDIS_CLUSTER, ROUTE, SHARDS, STREAM, ConfigError, Option,
+    add_options,
     load_config_file, resolve,
 )
 from mqinfer.ops.job_lanes import DEFAULT_JOB_LANES
@@ -77,7 +78,8 @@ JOB_LANES = dataclasses.replace(LANES, default=DEFAULT_JOB_LANES, help="The lane
                                 "own lanes are removed when it ends.")
 
 SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, ROUTE, JOB_ORDER, JOB_LANES, MAX_LANES,
-                  DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE, LEASE_S, WORKER_OUT, SUBMIT_JSON, LOG_LEVEL]
+                  DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE, LEASE_S, WORKER_OUT, MAX_COST_USD, SUBMIT_JSON,
+                  LOG_LEVEL]
 WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, WORKER_NAME, BURST, LOG_LEVEL]
 STATUS_OPTIONS = [REDIS, JOBS_REDIS, STATUS_WORKER_OUT, STATUS_JSON, WATCH, INTERVAL, LOG_LEVEL]
 LIST_OPTIONS = [REDIS, JOBS_REDIS, LIMIT, LIST_JSON, LOG_LEVEL]
@@ -191,7 +193,7 @@ def cmd_submit(args, opts: dict) -> int:
         max_in_flight=opts["max_in_flight"], chunk_size=opts["chunk_size"], queue_name=opts["queue"],
         lease_s=opts["lease_s"], shards=opts["shards"], order=opts["order"], route=opts["route"],
         data=_data_client(opts), worker_out=parse_folders(opts["worker_out"]), lanes=opts["lanes"],
-        max_lanes=opts["max_lanes"],
+        max_lanes=opts["max_lanes"], max_cost_usd=opts["max_cost_usd"],
     )
     if opts["json"]:
         print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))

@@ -25,7 +25,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,8 +109,10 @@ def compact(out_dir: str | os.PathLike[str], *, fault: FaultHook | None = None) 
     return stats
 
 
-def drop_job(out_dir: str | os.PathLike[str], job_id: str) -> tuple[int, int]:
-    """Remove every result and cost row of ``job_id`` from ``out_dir`` (``mqinfer run --fresh``).
+def drop_job(out_dir: str | os.PathLike[str], job_id: str, ids: Collection[str] | None = None) -> tuple[int, int]:
+    """Remove every result and cost row of ``job_id`` from ``out_dir`` (``mqinfer run --fresh``), or
+    with ``ids`` only those of these requests (``mqinfer run`` retrying the requests a cost cap
+    stopped).
 
     Uses the same crash-safe journal as :func:`compact`; returns (result rows, cost rows) removed.
     """
@@ -128,6 +130,9 @@ def drop_job(out_dir: str | os.PathLike[str], job_id: str) -> tuple[int, int]:
                 if schema is COST_SCHEMA:
                     table = with_device_share(table)
                 mine = pc.fill_null(pc.equal(table["job_id"], job_id), False)
+                if ids is not None:
+                    mine = pc.and_(mine, pc.fill_null(pc.is_in(table["id"], value_set=pa.array(sorted(ids),
+                                                                                          pa.string())), False))
                 count = pc.sum(mine).as_py() or 0
                 if not count:
                     continue
