@@ -147,20 +147,24 @@ def build_parser() -> CommandParser:
             "unread, pending, the age of the oldest unread entry, and when a producer last wrote to each.",
             LANES_CMD, required=("redis",))
     p = command("compact", "Rewrite DIR/results keeping one row per (job_id, id); mark discarded "
-                "duplicates' cost rows as `duplicate`.", COMMON)
-    p.add_argument("dir", metavar="DIR", help="Output folder of a job or worker.")
+                "duplicates' cost rows as `duplicate`. Several folders are compacted one after another.", COMMON)
+    p.add_argument("dir", metavar="DIR", nargs="+", help="Output folder of a job or worker (local: compaction "
+                   "renames files and holds a lock, which object stores do not offer).")
     report = sub.add_parser("report", help="Reports over an output folder.", description="Reports over an output folder.")
     rsub = report.add_subparsers(dest="report", metavar="REPORT")
     rc = command(
-        "costs", "Cost by tenant, model, request type, job or worker.", REPORT_COSTS_CMD, under=rsub,
-        description="Cost by tenant, model, request type, job or worker. Under the groups, in every format: "
+        "costs", "Cost by tenant, model, request type, job, worker, model variant, metadata label or "
+        "length band.", REPORT_COSTS_CMD, under=rsub,
+        description="Cost by tenant, model, request type, job, worker, model variant, metadata label or length "
+        "band, over one output folder or several (their rows together), local or pyarrow filesystem URIs "
+        "(s3://bucket/prefix?endpoint_override=host:port&scheme=http, gs://...). Under the groups, in every format: "
         "`billed` (the request rows, what the groups add up to), `overhead` (startup + idle + lost rows; "
         "`lost`: what a killed worker used and never wrote), `duplicate` (cost rows of results that compaction discarded) and `TOTAL` (every row: the three "
         "added up); only `billed` is charged to a tenant. Run it after `mqinfer compact DIR`: before, "
         "a retried request's rows each count as a request, and a warning on stderr says how many. "
         "A [report] table of the --config file overrides its top level here.",
     )
-    rc.add_argument("dir", metavar="DIR", help="Output folder (with costs/).")
+    rc.add_argument("dir", metavar="DIR", nargs="+", help="Output folder (with costs/), or a filesystem URI of one.")
     from mqinfer import jobs_cli
     from mqinfer.loadgen.bench_options import add_bench_arguments
     from mqinfer.loadgen.plan_options import PLAN_CMD, PLAN_DESCRIPTION, PLAN_HELP
@@ -346,12 +350,20 @@ def cmd_redis(args, opts: dict) -> int:
 def cmd_compact(args, opts: dict) -> int:
     from mqinfer.ops.compact import compact
 
-    directory = Path(args.dir)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"no such output folder: {directory}")
-    s = compact(directory)
-    print(f"results: {s.results_before} rows -> {s.results_after} ({s.duplicates_removed} duplicates removed); "
-          f"costs: {s.costs_before} rows -> {s.costs_after} ({s.cost_rows_marked_duplicate} marked duplicate)")
+    for directory in args.dir:
+        if "://" in directory:
+            raise ValueError(f"cannot compact {directory}: compaction needs a local folder (it renames files "
+                             "under a lock); compact where the workers write, before copying to object storage")
+    directories = [Path(d) for d in args.dir]
+    for directory in directories:
+        if not directory.is_dir():
+            raise FileNotFoundError(f"no such output folder: {directory}")
+    for directory in directories:
+        s = compact(directory)
+        where = f"{directory}: " if len(directories) > 1 else ""
+        print(f"{where}results: {s.results_before} rows -> {s.results_after} ({s.duplicates_removed} duplicates "
+              f"removed); costs: {s.costs_before} rows -> {s.costs_after} ({s.cost_rows_marked_duplicate} marked "
+              "duplicate)")
     return 0
 
 
@@ -377,7 +389,7 @@ def cmd_report(args, opts: dict) -> int:
     by = [b.strip() for b in opts["by"].split(",") if b.strip()]
     try:
         budgets = load_budgets(opts["budgets"]) if opts["budgets"] else None
-        report = cost_report(Path(args.dir), by=by, since=_parse_time(opts["since"]),
+        report = cost_report(args.dir, by=by, since=_parse_time(opts["since"]),
                              until=_parse_time(opts["until"]), top=opts["top"], budgets=budgets,
                              basis=opts["basis"])
     except (ValueError, OSError) as exc:

@@ -45,8 +45,8 @@ import pyarrow.dataset as ds
 from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_groups
 from mqinfer.ops.report_keys import checked_by, with_group_columns
+from mqinfer.ops.report_sources import as_sources, is_uri, read_costs
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_choice_index, with_device_share
-from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
 # Of the cached prompt tokens, those each KV tier below the device cache served.
 TIER_TOKEN_FIELDS = ("host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens")
@@ -214,7 +214,7 @@ def _per_million(cost: float, tokens: int) -> float | None:
 
 
 def cost_report(
-    out_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     by: Sequence[str] = ("tenant",),
     since: float | None = None,
     until: float | None = None,
@@ -223,7 +223,9 @@ def cost_report(
     budgets: Budgets | None = None,
     basis: str = "usage",
 ) -> Report:
-    """Sum the costs dataset under ``out_dir`` by the ``by`` columns.
+    """Sum the costs dataset under ``out_dir`` by the ``by`` columns: one output folder or
+    several (their rows together), each a local path or a pyarrow filesystem URI
+    (ops/report_sources.py).
 
     ``since`` (inclusive) and ``until`` (exclusive) bound ``finished_at``, in unix seconds.
     Groups are ordered by cost, highest first; ``top`` is how many of the most expensive
@@ -237,12 +239,7 @@ def cost_report(
         raise ValueError(f"top must be >= 0, got {top}")
     if since is not None and until is not None and until <= since:
         raise ValueError(f"empty time window: until ({until}) must be after since ({since})")
-    out = Path(out_dir)
-    if not out.is_dir():
-        raise FileNotFoundError(f"no such output folder: {out}")
-    if not (out / COSTS_DIR).is_dir():
-        raise FileNotFoundError(f"no {COSTS_DIR}/ dataset in {out}")
-    table = with_group_columns(_with_input_cost(_read_costs(out, since, until)), by)
+    table = with_group_columns(_with_input_cost(_read_costs(as_sources(out_dir), since, until)), by)
 
     totals = _totals_by_kind(table)
     billed = table.filter(pc.equal(table["kind"], "request"))
@@ -331,21 +328,19 @@ def _budget_statuses(budgets: Budgets, billed: pa.Table, by: list[str], groups: 
     return statuses
 
 
-def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str]) -> str | None:
+def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str] | Sequence[str]) -> str | None:
     """One line for stderr when some request has several ``request`` cost rows; else None."""
     n = report.requests_counted_more_than_once
     if not n:
         return None
+    folders = " ".join(as_sources(out_dir))
     return (f"warning: {n} request{'s are' if n != 1 else ' is'} counted more than once "
             f"({report.extra_request_rows} extra `request` cost row{'s' if report.extra_request_rows != 1 else ''}): "
-            f"{out_dir} has not been compacted; run `mqinfer compact {out_dir}` first")
+            f"{folders} {'has' if ' ' not in folders else 'have'} not been compacted; "
+            f"run `mqinfer compact {folders}` first")
 
 
-def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table:
-    files = part_files(out / COSTS_DIR)
-    if not files:
-        return COST_SCHEMA.empty_table()
-    dataset = ds.dataset([str(f) for f in files], format="parquet", schema=COST_SCHEMA)
+def _read_costs(sources: list[str], since: float | None, until: float | None) -> pa.Table:
     condition = None
     ts_type = COST_SCHEMA.field("finished_at").type
     if since is not None:
@@ -353,7 +348,7 @@ def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table
     if until is not None:
         upper = ds.field("finished_at") < pa.scalar(round(until * 1_000_000), ts_type)
         condition = upper if condition is None else condition & upper
-    return with_choice_index(with_device_share(dataset.to_table(filter=condition)), COST_SCHEMA)
+    return with_choice_index(with_device_share(read_costs(sources, condition)), COST_SCHEMA)
 
 
 def _with_input_cost(table: pa.Table) -> pa.Table:
@@ -496,22 +491,20 @@ def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str,
     return out
 
 
-def schema_validity(out_dir: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """(rows whose text validated, rows with a ``response_format``) in ``out_dir``'s results, from
-    the ``schema_valid`` column (null for rows without one); None when there are no results or no
-    row had a ``response_format``."""
-    import pyarrow.dataset as ds
-
-    root = Path(out_dir) / "results"
-    if not root.is_dir():
-        return None
-    dataset = ds.dataset(root, format="parquet", partitioning="hive")
-    if not dataset.files or "schema_valid" not in dataset.schema.names:
-        return None
-    column = dataset.to_table(columns=["schema_valid"])["schema_valid"]
-    constrained = len(column) - column.null_count
-    if not constrained:
-        return None
-    valid = sum(1 for v in column.to_pylist() if v)
-    return valid, constrained
+def schema_validity(out_dir: str | os.PathLike[str] | Sequence[str]) -> tuple[int, int] | None:
+    """(rows whose text validated, rows with a ``response_format``) in the results of the local
+    output folders ``out_dir``, from the ``schema_valid`` column (null for rows without one); None
+    when there are no results or no row had a ``response_format``."""
+    valid = constrained = 0
+    for source in as_sources(out_dir):
+        root = Path(source) / "results"
+        if is_uri(source) or not root.is_dir():
+            continue
+        dataset = ds.dataset(root, format="parquet", partitioning="hive")
+        if not dataset.files or "schema_valid" not in dataset.schema.names:
+            continue
+        column = dataset.to_table(columns=["schema_valid"])["schema_valid"]
+        constrained += len(column) - column.null_count
+        valid += sum(1 for v in column.to_pylist() if v)
+    return (valid, constrained) if constrained else None
 
