@@ -340,7 +340,9 @@ def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str] | Sequen
             f"run `mqinfer compact {folders}` first")
 
 
-def _read_costs(sources: list[str], since: float | None, until: float | None) -> pa.Table:
+def _read_costs(sources, since: float | None, until: float | None) -> pa.Table:
+    """Every cost row of ``sources`` (one output folder or several) finished in the window."""
+    sources = as_sources(sources)
     condition = None
     ts_type = COST_SCHEMA.field("finished_at").type
     if since is not None:
