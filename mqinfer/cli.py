@@ -69,9 +69,13 @@ SINCE = Option("since", str, None, "Only rows finished at or after this time (IS
 UNTIL = Option("until", str, None, "Only rows finished before this time (ISO 8601 or unix seconds).",
                metavar="WHEN")
 TOP = Option("top", int, 10, "How many of the most expensive requests to list.", metavar="N")
-REPORT_BUDGETS = Option("budgets", str, None, "TOML file of per-tenant budgets: mark tenants over budget.",
-                        metavar="FILE")
+REPORT_BUDGETS = Option("budgets", str, None, "TOML file of budgets (tenants, jobs, metadata.KEY = VALUE groups, "
+                        "warning thresholds; see docs/costs.md): list each group's spend and the thresholds it "
+                        "reached, and mark the groups of a budgeted key.", metavar="FILE")
 PLOT = Option("plot", str, None, "Also write PNG charts into DIR (needs matplotlib).", metavar="DIR")
+HTML = Option("html", str, None, "Also write the report as one self-contained HTML page: the tables, and inline SVG "
+              "charts of the groups' cost per hour, dollars per million tokens by group, cost per request, the "
+              "overhead share and budgets against spend (it loads nothing from elsewhere).", metavar="FILE")
 BASIS = Option("basis", str, "usage", "usage: each group pays for its requests' device time. allocation: also for a "
                "share of the workers' startup, idle and lost time, per worker and hour, in proportion to its "
                "requests' device time there (new columns alloc_usd and total_usd; totals unchanged).",
@@ -85,7 +89,7 @@ SUBMIT_CMD = [REDIS, STREAM, SHARDS, ROUTE, LANES, MAX_LANES, REDIS_CLUSTER, JOB
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
 LANES_FORMAT = Option("format", str, "table", "Output format.", choices=("table", "json"))
 LANES_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, LANES_FORMAT, *COMMON]
-REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, BASIS]
+REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, HTML, BASIS]
 
 log = logging.getLogger("mqinfer")
 
@@ -405,6 +409,15 @@ def cmd_report(args, opts: dict) -> int:
                 "(schema_valid)")
         # The table gets it as a last line; csv and json stay machine-readable.
         print(line, file=sys.stdout if opts["format"] == "table" else sys.stderr)
+    if opts["html"]:
+        from mqinfer.ops.report_html import render_html
+
+        try:
+            Path(opts["html"]).write_text(render_html(report), encoding="utf-8")
+        except OSError as exc:
+            print(f"mqinfer report costs: error: cannot write {opts['html']}: {exc}", file=sys.stderr)
+            return 2
+        print(f"html: {opts['html']}", file=sys.stderr)
     if opts["plot"]:
         try:
             charts = plot(report, opts["plot"])

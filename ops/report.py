@@ -45,6 +45,7 @@ import pyarrow.dataset as ds
 from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
 from mqinfer.ops.budgets import Budgets, BudgetStatus, check_groups
 from mqinfer.ops.report_keys import checked_by, with_group_columns
+from mqinfer.ops.report_series import CostBin, GroupHour, cost_distribution, group_hours
 from mqinfer.ops.report_sources import as_sources, is_uri, read_costs
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_choice_index, with_device_share
 
@@ -197,6 +198,9 @@ class Report:
     hourly: list[HourCost] = field(default_factory=list)
     # None when no budgets were given.
     budgets: list[BudgetStatus] | None = None
+    # The billed cost of each group per hour, and how many requests cost how much (charts).
+    hourly_by_group: list[GroupHour] = field(default_factory=list)
+    cost_distribution: list[CostBin] = field(default_factory=list)
     # Whether the groups carry budget marks (over_budget, budget_threshold): budgets were given and
     # ``by`` has a key they budget (tenant, job_id, metadata.KEY).
     budget_marks: bool = False
@@ -252,7 +256,8 @@ def cost_report(
     return Report(by=by, since=since, until=until, groups=groups, totals=totals,
                   top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
                   requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis,
-                  budget_marks=budgets is not None and any(k in budgets.keys() for k in by))
+                  budget_marks=budgets is not None and any(k in budgets.keys() for k in by),
+                  hourly_by_group=group_hours(billed, by), cost_distribution=cost_distribution(billed))
 
 
 def _totals_by_kind(table: pa.Table) -> Totals:
