@@ -183,3 +183,57 @@ def test_metrics_per_group_and_threshold(redis_client):
     redis_client.hincrbyfloat(group_spend_key("bm"), "job_id=nightly", 0.05)
     text = generate_latest(m.registry).decode()
     assert 'mqinfer_budget_threshold_reached{key="job_id",threshold="100",value="nightly"} 1.0' in text
+
+
+def test_a_worker_refuses_a_spent_label_group_and_exports_its_lines(redis_url, redis_client, tmp_path):
+    """A real worker with --enforce-budgets: the first request labelled business_line=retail spends
+    that group's whole (tiny) budget; the next one is refused, another label's request runs, and the
+    metrics say the group reached every threshold."""
+    import json
+    import signal
+    import socket
+    import urllib.request
+
+    from mqinfer.schemas import keys
+    from tests.helpers import rows, start_worker, wait_exit, wait_until
+
+    budgets = tmp_path / "budgets.toml"
+    budgets.write_text('[metadata.business_line]\nretail = 0.000000001\ntravel = 1000\n')
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "out"
+    worker = start_worker(redis_url, out, "--stream", "bgw", "--budgets", str(budgets), "--enforce-budgets",
+                          "--metrics-port", str(port), "--flush-interval-s", "0.1", "--price-per-device-hour", "36",
+                          "--consumer", "w1")
+
+    def send(rid, line):
+        redis_client.xadd(keys.request_stream("bgw"), {"json": json.dumps(
+            {"id": rid, "prompt_token_ids": [5, 6, 7, 8], "max_tokens": 4, "ignore_eos": True, "temperature": 0,
+             "metadata": {"business_line": line}}), "v": "1"})
+
+    def results():
+        return {r["id"]: r for r in rows(out / "results")} if (out / "results").is_dir() else {}
+
+    try:
+        send("r1", "retail")
+        wait_until(lambda: redis_client.hget(group_spend_key("bgw"), "metadata.business_line=retail"),
+                   timeout=120, what="r1's spend acked")
+        send("r2", "retail")
+        send("t1", "travel")
+        wait_until(lambda: {"r1", "r2", "t1"} <= set(results()), timeout=60, what="three rows")
+        got = results()
+        assert got["r1"]["finish_reason"] == "length" and got["t1"]["finish_reason"] == "length"
+        assert got["r2"]["error_code"] == "budget_exceeded"
+        assert "metadata.business_line='retail'" in got["r2"]["error"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+        for threshold in ("50", "80", "100"):
+            assert (f'mqinfer_budget_threshold_reached{{key="metadata.business_line",threshold="{threshold}",'
+                    'value="retail"} 1.0') in text
+            assert (f'mqinfer_budget_threshold_reached{{key="metadata.business_line",threshold="{threshold}",'
+                    'value="travel"} 0.0') in text
+    finally:
+        worker.send_signal(signal.SIGTERM)
+        code, err = wait_exit(worker)
+    assert code == 0, err[-3000:]
