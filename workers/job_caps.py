@@ -18,11 +18,16 @@ count once it acks them). Running the job again with a higher cap carries on.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 
+from redis.exceptions import RedisError
+
 from mqinfer.schemas import keys
 from mqinfer.workers.entries import text
+
+log = logging.getLogger("mqinfer.worker")
 
 # How long a read of a job's cap and spend stays good, and how many jobs are remembered at most.
 REFRESH_S = 1.0
@@ -43,7 +48,13 @@ class JobCaps:
         now = self.clock()
         cached = self._read.get(job_id)
         if fresh or cached is None or now - cached[0] >= self.refresh_s:
-            cap, spent = self.redis.hmget(keys.job_cost(job_id), "max_cost_usd", "spent_usd")
+            try:
+                cap, spent = self.redis.hmget(keys.job_cost(job_id), "max_cost_usd", "spent_usd")
+            except RedisError as exc:
+                # Redis is away (the worker's loop backs off and reconnects elsewhere): go on with
+                # the last reading, and start requests of a job never read, rather than stop here.
+                log.debug("job %s: cost cap unavailable (%s)", job_id, exc)
+                return (cached[1], cached[2]) if cached is not None else (None, 0.0)
             if len(self._read) > MAX_CACHED_JOBS:
                 self._read.clear()
             cached = (now, float(text(cap)) if cap is not None else None, float(text(spent)) if spent else 0.0)

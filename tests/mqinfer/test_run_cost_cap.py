@@ -110,3 +110,21 @@ def test_job_caps_count_acked_spend_local_spend_and_read_again_near_the_cap(redi
     caps.charged(["j"])
     local["j"] = 0.0
     assert caps.exceeded("j", local.get) is None
+
+
+def test_job_caps_go_on_with_the_last_reading_while_redis_is_away(redis_client):
+    import redis
+
+    clock = FakeClock(1000.0)
+    set_cap(redis_client, "k", 1.0, spent_usd=2.0)
+    caps = JobCaps(redis_client, clock=clock, refresh_s=1.0)
+    assert caps.exceeded("k", lambda _job: 0.0) is not None
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    # Nothing listens there; one try, no retries.
+    away = redis.Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0))
+    caps.redis = away
+    clock.advance(5.0)
+    assert caps.exceeded("k", lambda _job: 0.0) is not None  # the last reading: still over
+    assert JobCaps(away, clock=clock).exceeded("never-read", lambda _job: 0.0) is None
