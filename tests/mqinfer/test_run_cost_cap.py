@@ -1,6 +1,6 @@
 """`mqinfer run --max-cost-usd`: a capped job spends at most its cap plus the requests in flight when
 it reached it, the rest end with budget_exceeded rows, the summary says so, and running again
-with a higher cap carries on. Real runs of the built-in tiny model; the cap is a quarter of what
+with a higher cap carries on. Real runs of the built-in tiny model; the cap is an eighth of what
 the same job cost uncapped on this machine a moment before."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_a_capped_run_stops_at_its_cap_and_a_second_run_carries_on(tmp_path):
               "temperature": 0, "ignore_eos": True} for i in range(N)]
     src = write_jsonl(tmp_path / "in.jsonl", items)
     _run(src, tmp_path / "free", "--job-id", "capped")
-    cap = sum(_request_costs(tmp_path / "free").values()) / 4
+    cap = sum(_request_costs(tmp_path / "free").values()) / 8
 
     out = tmp_path / "out"
     proc = _run(src, out, "--job-id", "capped", "--max-cost-usd", repr(cap))
