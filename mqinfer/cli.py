@@ -161,7 +161,8 @@ def build_parser() -> CommandParser:
         "length band.", REPORT_COSTS_CMD, under=rsub,
         description="Cost by tenant, model, request type, job, worker, model variant, metadata label or length "
         "band, over one output folder or several (their rows together), local or pyarrow filesystem URIs "
-        "(s3://bucket/prefix?endpoint_override=host:port&scheme=http, gs://...). Under the groups, in every format: "
+        "(s3://bucket/prefix?endpoint_override=host:port&scheme=http, gs://...). Under the groups, in every "
+        "format: "
         "`billed` (the request rows, what the groups add up to), `overhead` (startup + idle + lost rows; "
         "`lost`: what a killed worker used and never wrote), `duplicate` (cost rows of results that compaction discarded) and `TOTAL` (every row: the three "
         "added up); only `billed` is charged to a tenant. Run it after `mqinfer compact DIR`: before, "

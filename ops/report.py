@@ -2,13 +2,16 @@
 
 :func:`cost_report` reads ``DIR/costs`` (optionally a ``finished_at`` window) and returns a
 :class:`Report`; ``ops/report_render.py`` turns it into an aligned table, CSV or JSON, and draws
-PNG charts when matplotlib is installed.
+PNG charts when matplotlib is installed; ``ops/report_html.py`` a self-contained HTML page. The
+rows come from one output folder or several, local or behind a filesystem URI
+(``ops/report_sources.py``).
 
 * **Groups** (``--by`` any of tenant, model, request_type, job_id, worker, model_variant, a
   request's metadata label ``metadata.KEY``, and the length bands ``prompt_band`` and
-  ``output_band``: ops/report_keys.py) sum the ``request`` rows only: requests, prompt (input) and output tokens, device seconds and their prefill /
-  decode / recomputed split, KV block-seconds, dollars, and dollars per million tokens: all
-  tokens, input tokens (the prefill share of the cost) and output tokens (the decode share).
+  ``output_band``: ops/report_keys.py) sum the ``request`` rows only: requests, prompt (input)
+  and output tokens, device seconds and their prefill / decode / recomputed split, KV
+  block-seconds, dollars, and dollars per million tokens: all tokens, input tokens (the prefill
+  share of the cost) and output tokens (the decode share).
 * **Totals**, the same lines in every format: ``billed`` (the ``request`` rows, what the groups
   add up to), ``overhead`` (the ``startup``, ``idle`` and ``lost`` rows; ``lost``: the time a
   killed worker used and never wrote), ``duplicate`` (cost rows of

@@ -32,7 +32,8 @@ body{font:14px/1.4 system-ui,sans-serif;margin:24px;color:#222;max-width:1100px}
 h1{font-size:20px}h2{font-size:16px;margin-top:28px}
 table{border-collapse:collapse;margin:8px 0;font-variant-numeric:tabular-nums}
 th,td{border-bottom:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#f4f4f4}
-td.k,th.k{text-align:left;white-space:nowrap}tr.sum td{font-weight:600}.wide{overflow-x:auto}figure{margin:12px 0}figcaption{color:#555}
+td.k,th.k{text-align:left;white-space:nowrap}tr.sum td{font-weight:600}.wide{overflow-x:auto}
+figure{margin:12px 0}figcaption{color:#555}
 svg text{font:11px system-ui,sans-serif;fill:#333}.over{color:#b00;font-weight:600}
 """
 
