@@ -13,8 +13,8 @@ import html
 from collections.abc import Sequence
 
 from mqinfer.ops.report import Report
-from mqinfer.ops.report_render import (_fmt_number, _summary, _summary_lines, _table_fields, budget_mark,
-                                        budget_status)
+from mqinfer.ops.report_render import (budget_mark, budget_status, fmt_number, summary_by_name, summary_lines,
+                                        table_fields)
 from mqinfer.schemas.rows import COST_KINDS
 
 # The charts, by the id of the figure that holds each (tests look them up by these).
@@ -199,14 +199,14 @@ def render_html(report: Report, title: str = "mqinfer cost report") -> str:
     """The report as one HTML page (tables and inline SVG charts; nothing loaded from elsewhere)."""
     t = report.totals
     window = f"{report.since or 'the beginning'} to {report.until or 'now'}"
-    fields = _table_fields(report)
-    group_rows = [[_label({k: g.key[k]}) for k in report.by] + [_fmt_number(m, getattr(g, m)) for m in fields]
+    fields = table_fields(report)
+    group_rows = [[_label({k: g.key[k]}) for k in report.by] + [fmt_number(m, getattr(g, m)) for m in fields]
                   + ([budget_mark(g.over_budget, g.budget_threshold)] if report.budget_marks else [])
                   for g in report.groups]
-    summary = _summary(t)
+    summary = summary_by_name(t)
     sums = [[label] + [""] * (len(report.by) - 1)
-            + [_fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else "" for m in fields]
-            + ([""] if report.budget_marks else []) for name, label in _summary_lines(report)]
+            + [fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else "" for m in fields]
+            + ([""] if report.budget_marks else []) for name, label in summary_lines(report)]
     per_million = [(_label(g.key), g.usd_per_1m_tokens, PALETTE[i % len(PALETTE)])
                    for i, g in enumerate(report.groups[:20]) if g.usd_per_1m_tokens is not None]
     per_million.sort(key=lambda r: -r[1])
@@ -236,18 +236,18 @@ def render_html(report: Report, title: str = "mqinfer cost report") -> str:
         parts += ["<h2>Most expensive requests</h2>", _table(
             ["job_id", "id", "tenant", "worker", "prompt_tokens", "output_tokens", "device_s", "cost_usd"],
             [[r.job_id or "(none)", r.id or "", r.tenant or "", r.worker, r.prompt_tokens, r.output_tokens,
-              _fmt_number("device_s", r.device_s), _fmt_number("cost_usd", r.cost_usd)] for r in report.top_requests],
+              fmt_number("device_s", r.device_s), fmt_number("cost_usd", r.cost_usd)] for r in report.top_requests],
             keys=4)]
     if report.hourly:
         parts += ["<h2>Per hour (UTC)</h2>", _table(
             ["hour", "requests", *(f"{k}_s" for k in COST_KINDS), "cost_usd"],
-            [[h.hour, h.requests, *(_fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS),
-              _fmt_number("cost_usd", h.cost_usd)] for h in report.hourly])]
+            [[h.hour, h.requests, *(fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS),
+              fmt_number("cost_usd", h.cost_usd)] for h in report.hourly])]
     if report.budgets:
         parts += ["<h2>Budgets</h2>", _table(
             ["group", "period", "budget_usd", "spent_usd", "remaining_usd", "status"],
-            [[s.group, s.period or "total", _fmt_number("usd", s.budget_usd), _fmt_number("usd", s.spent_usd),
-              _fmt_number("usd", s.remaining_usd), budget_status(s)] for s in report.budgets])]
+            [[s.group, s.period or "total", fmt_number("usd", s.budget_usd), fmt_number("usd", s.spent_usd),
+              fmt_number("usd", s.remaining_usd), budget_status(s)] for s in report.budgets])]
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
 

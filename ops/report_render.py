@@ -39,7 +39,8 @@ ALLOCATION_FIELDS = ("allocated_device_s", "allocated_usd", "total_usd")
 _ALLOCATION_TABLE_FIELDS = ("allocated_usd", "total_usd")
 
 
-def _summary_lines(report: Report) -> tuple[tuple[str, str], ...]:
+def summary_lines(report: Report) -> tuple[tuple[str, str], ...]:
+    """The summary lines under the groups, (name, table label) each, in order."""
     if report.basis != "allocation":
         return SUMMARY_LINES
     return SUMMARY_LINES[:2] + ALLOCATION_LINES + SUMMARY_LINES[2:]
@@ -49,7 +50,8 @@ def _group_fields(report: Report) -> tuple[str, ...]:
     return GROUP_FIELDS + (ALLOCATION_FIELDS if report.basis == "allocation" else ())
 
 
-def _table_fields(report: Report) -> tuple[str, ...]:
+def table_fields(report: Report) -> tuple[str, ...]:
+    """The group columns of the text table (and the HTML page) for this report."""
     fields = TABLE_FIELDS
     if report.totals.rejected_tokens:
         # Speculative decoding ran: the proposed tokens it computed and rejected, after the outputs.
@@ -66,7 +68,8 @@ def _table_fields(report: Report) -> tuple[str, ...]:
     return fields
 
 
-def _summary(totals: Totals) -> dict[str, GroupCost | Spend]:
+def summary_by_name(totals: Totals) -> dict[str, GroupCost | Spend]:
+    """Each summary line's sums, by its name."""
     return {"billed": totals.billed, "overhead": totals.overhead, "duplicate": totals.duplicate,
             "allocated": totals.allocated, "unallocated": totals.unallocated,
             "total": Spend(device_s=totals.device_s, cost_usd=totals.cost_usd)}
@@ -118,8 +121,8 @@ def _render_csv(report: Report) -> str:
             + ["" if getattr(g, m, None) is None else getattr(g, m) for m in fields]
             + extra
         )
-    summary = _summary(report.totals)
-    for name, _ in _summary_lines(report):
+    summary = summary_by_name(report.totals)
+    for name, _ in summary_lines(report):
         line = summary[name]
         w.writerow([name] + [""] * len(report.by)
                    + ["" if getattr(line, m, None) is None else getattr(line, m) for m in fields]
@@ -127,7 +130,8 @@ def _render_csv(report: Report) -> str:
     return buf.getvalue()
 
 
-def _fmt_number(name: str, value: Any) -> str:
+def fmt_number(name: str, value: Any) -> str:
+    """A value of the column ``name`` as the tables show it."""
     if value is None:
         return "-"
     if name.startswith("usd_per_1m"):
@@ -156,20 +160,20 @@ def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
 
 def _render_table(report: Report) -> str:
     budget_column = report.budget_marks
-    fields = _table_fields(report)
+    fields = table_fields(report)
     headers = report.by + [TABLE_HEADERS.get(m, m) for m in fields] + (["budget"] if budget_column else [])
     numeric = [False] * len(report.by) + [True] * len(fields) + ([False] if budget_column else [])
     rows = []
     for g in report.groups:
         mark = [budget_mark(g.over_budget, g.budget_threshold)] if budget_column else []
         rows.append(["(none)" if g.key[k] is None else str(g.key[k]) for k in report.by]
-                    + [_fmt_number(m, getattr(g, m)) for m in fields] + mark)
+                    + [fmt_number(m, getattr(g, m)) for m in fields] + mark)
     t = report.totals
-    summary = _summary(t)
+    summary = summary_by_name(t)
     footer = [[label] + [""] * (len(report.by) - 1)
-              + [_fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else ""
+              + [fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else ""
                  for m in fields]
-              + ([""] if budget_column else []) for name, label in _summary_lines(report)]
+              + ([""] if budget_column else []) for name, label in summary_lines(report)]
     out = _aligned(headers, rows, numeric, footer)
 
     out += ["", "device time by kind (share of the TOTAL):"]
@@ -183,7 +187,7 @@ def _render_table(report: Report) -> str:
         out += _aligned(
             ["job_id", "id", "tenant", "worker", "prompt_tokens", "output_tokens", "device_s", "cost_usd"],
             [[r.job_id or "(none)", r.id or "", r.tenant or "", r.worker, str(r.prompt_tokens), str(r.output_tokens),
-              _fmt_number("device_s", r.device_s), _fmt_number("cost_usd", r.cost_usd)] for r in report.top_requests],
+              fmt_number("device_s", r.device_s), fmt_number("cost_usd", r.cost_usd)] for r in report.top_requests],
             [False] * 4 + [True] * 4,
         )
     if report.hourly:
@@ -191,8 +195,8 @@ def _render_table(report: Report) -> str:
         out += _aligned(
             ["hour", "requests", "prompt_tokens", "output_tokens", *(f"{k}_s" for k in COST_KINDS), "cost_usd"],
             [[h.hour, str(h.requests), str(h.prompt_tokens), str(h.output_tokens)]
-             + [_fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS]
-             + [_fmt_number("cost_usd", h.cost_usd)] for h in report.hourly],
+             + [fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS]
+             + [fmt_number("cost_usd", h.cost_usd)] for h in report.hourly],
             [False] + [True] * (4 + len(COST_KINDS)),
         )
     if report.budgets is not None:
@@ -200,8 +204,8 @@ def _render_table(report: Report) -> str:
         if report.budgets:
             out += _aligned(
                 ["group", "period", "budget_usd", "spent_usd", "remaining_usd", "status"],
-                [[s.group, s.period or "total", _fmt_number("usd", s.budget_usd), _fmt_number("usd", s.spent_usd),
-                  _fmt_number("usd", s.remaining_usd), budget_status(s)] for s in report.budgets],
+                [[s.group, s.period or "total", fmt_number("usd", s.budget_usd), fmt_number("usd", s.spent_usd),
+                  fmt_number("usd", s.remaining_usd), budget_status(s)] for s in report.budgets],
                 [False, False, True, True, True, False],
             )
         else:
