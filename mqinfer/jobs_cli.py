@@ -332,6 +332,9 @@ def render_status(info: dict) -> str:
         f"  tokens     {t['prompt']} prompt, {t['output']} output",
         "  cost       " + _cost_line(info),
     ]
+    if info.get("max_cost_usd") is not None:
+        lines.append(f"  cost cap   ${info['max_cost_usd']:g} (--max-cost-usd): requests the cap stopped are "
+                     "failed, with error rows budget_exceeded")
     rate, trate = info["throughput"]["requests_per_s"], info["throughput"]["output_tokens_per_s"]
     if rate is not None:
         lines.append(f"  throughput {rate:.2f} req/s, {trate or 0:.1f} output tokens/s; eta {_duration(info['eta_s'])}")

@@ -326,7 +326,7 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None, rows: J
         "counts": {"total": total, **counts, "invalid": invalid, "skipped": _i(job, "skipped"),
                    "in_flight": in_flight, "fed": _i(job, "fed"), "done": done},
         "tokens": {"prompt": _i(job, "prompt_tokens"), "output": _i(job, "output_tokens")},
-        "cost_usd": cost_usd, "cost": cost,
+        "cost_usd": cost_usd, "cost": cost, "max_cost_usd": _f(job, "max_cost_usd"),
         "throughput": {"requests_per_s": rate, "output_tokens_per_s": token_rate},
         "eta_s": eta,
         "validated": bool(_i(job, "validated")),
