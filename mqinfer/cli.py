@@ -21,6 +21,7 @@ from mqinfer.config import (
     JOB_ID,
     LOG_FORMAT,
     LOG_LEVEL,
+    MAX_COST_USD,
     ORDER,
     REDIS,
     REDIS_CLUSTER,
@@ -58,17 +59,24 @@ FRESH = Option("fresh", bool, False, "Start the job over: remove its result and 
 UNIX_SOCKET = Option("unix_socket", bool, False, "Listen on a unix socket instead of TCP.")
 
 # `report costs`
-BY = Option("by", str, "tenant", "Comma-separated group keys: tenant, model, request_type, job_id, worker.",
-            metavar="KEYS")
+BY = Option("by", str, "tenant", "Comma-separated group keys: tenant, model, request_type, job_id, worker, "
+            "model_variant (dtype, quantization, KV cache dtype, tensor and pipeline ranks), metadata.KEY (the "
+            "requests' metadata label KEY; requests without it group as (none)), prompt_band (0-127, 128-511, "
+            "512-2047, 2048-8191, 8192+ prompt tokens) and output_band (0-31, 32-127, 128-511, 512-2047, 2048+ "
+            "output tokens).", metavar="KEYS")
 REPORT_FORMAT = Option("format", str, "table", "Output format.", choices=("table", "csv", "json"))
 SINCE = Option("since", str, None, "Only rows finished at or after this time (ISO 8601 or unix seconds).",
                metavar="WHEN")
 UNTIL = Option("until", str, None, "Only rows finished before this time (ISO 8601 or unix seconds).",
                metavar="WHEN")
 TOP = Option("top", int, 10, "How many of the most expensive requests to list.", metavar="N")
-REPORT_BUDGETS = Option("budgets", str, None, "TOML file of per-tenant budgets: mark tenants over budget.",
-                        metavar="FILE")
+REPORT_BUDGETS = Option("budgets", str, None, "TOML file of budgets (tenants, jobs, metadata.KEY = VALUE groups, "
+                        "warning thresholds; see docs/costs.md): list each group's spend and the thresholds it "
+                        "reached, and mark the groups of a budgeted key.", metavar="FILE")
 PLOT = Option("plot", str, None, "Also write PNG charts into DIR (needs matplotlib).", metavar="DIR")
+HTML = Option("html", str, None, "Also write the report as one self-contained HTML page: the tables, and inline SVG "
+              "charts of the groups' cost per hour, dollars per million tokens by group, cost per request, the "
+              "overhead share and budgets against spend (it loads nothing from elsewhere).", metavar="FILE")
 BASIS = Option("basis", str, "usage", "usage: each group pays for its requests' device time. allocation: also for a "
                "share of the workers' startup, idle and lost time, per worker and hour, in proportion to its "
                "requests' device time there (new columns alloc_usd and total_usd; totals unchanged).",
@@ -76,14 +84,14 @@ BASIS = Option("basis", str, "usage", "usage: each group pays for its requests' 
 
 COMMON = [LOG_LEVEL, LOG_FORMAT]
 WORKER_CMD = [REDIS, OUT, STREAM, *ENGINE_OPTIONS, *WORKER_OPTIONS, *COMMON]
-RUN_CMD = [OUT, REDIS, STREAM, SHARDS, ROUTE, WORKERS, JOB_ID, FRESH, ORDER, *ENGINE_OPTIONS,
+RUN_CMD = [OUT, REDIS, STREAM, SHARDS, ROUTE, WORKERS, JOB_ID, FRESH, ORDER, MAX_COST_USD, *ENGINE_OPTIONS,
            *[o for o in WORKER_OPTIONS if o.name != "consumer"], *COMMON]
 SUBMIT_CMD = [REDIS, STREAM, SHARDS, ROUTE, PREFIX_CACHE_SCOPE, LANES, MAX_LANES, REDIS_CLUSTER, JOB_ID, FORMAT,
               *COMMON]
 REDIS_CMD = [DATA_DIR, PORT, UNIX_SOCKET, *COMMON]
 LANES_FORMAT = Option("format", str, "table", "Output format.", choices=("table", "json"))
 LANES_CMD = [REDIS, STREAM, SHARDS, REDIS_CLUSTER, LANES_FORMAT, *COMMON]
-REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, BASIS]
+REPORT_COSTS_CMD = [BY, REPORT_FORMAT, SINCE, UNTIL, TOP, REPORT_BUDGETS, PLOT, HTML, BASIS]
 
 log = logging.getLogger("mqinfer")
 
@@ -145,20 +153,25 @@ def build_parser() -> CommandParser:
             "unread, pending, the age of the oldest unread entry, and when a producer last wrote to each.",
             LANES_CMD, required=("redis",))
     p = command("compact", "Rewrite DIR/results keeping one row per (job_id, id); mark discarded "
-                "duplicates' cost rows as `duplicate`.", COMMON)
-    p.add_argument("dir", metavar="DIR", help="Output folder of a job or worker.")
+                "duplicates' cost rows as `duplicate`. Several folders are compacted one after another.", COMMON)
+    p.add_argument("dir", metavar="DIR", nargs="+", help="Output folder of a job or worker (local: compaction "
+                   "renames files and holds a lock, which object stores do not offer).")
     report = sub.add_parser("report", help="Reports over an output folder.", description="Reports over an output folder.")
     rsub = report.add_subparsers(dest="report", metavar="REPORT")
     rc = command(
-        "costs", "Cost by tenant, model, request type, job or worker.", REPORT_COSTS_CMD, under=rsub,
-        description="Cost by tenant, model, request type, job or worker. Under the groups, in every format: "
+        "costs", "Cost by tenant, model, request type, job, worker, model variant, metadata label or "
+        "length band.", REPORT_COSTS_CMD, under=rsub,
+        description="Cost by tenant, model, request type, job, worker, model variant, metadata label or length "
+        "band, over one output folder or several (their rows together), local or pyarrow filesystem URIs "
+        "(s3://bucket/prefix?endpoint_override=host:port&scheme=http, gs://...). Under the groups, in every "
+        "format: "
         "`billed` (the request rows, what the groups add up to), `overhead` (startup + idle + lost rows; "
         "`lost`: what a killed worker used and never wrote), `duplicate` (cost rows of results that compaction discarded) and `TOTAL` (every row: the three "
         "added up); only `billed` is charged to a tenant. Run it after `mqinfer compact DIR`: before, "
         "a retried request's rows each count as a request, and a warning on stderr says how many. "
         "A [report] table of the --config file overrides its top level here.",
     )
-    rc.add_argument("dir", metavar="DIR", help="Output folder (with costs/).")
+    rc.add_argument("dir", metavar="DIR", nargs="+", help="Output folder (with costs/), or a filesystem URI of one.")
     from mqinfer import jobs_cli
     from mqinfer.loadgen.bench_options import add_bench_arguments
     from mqinfer.loadgen.plan_options import PLAN_CMD, PLAN_DESCRIPTION, PLAN_HELP
@@ -344,12 +357,20 @@ def cmd_redis(args, opts: dict) -> int:
 def cmd_compact(args, opts: dict) -> int:
     from mqinfer.ops.compact import compact
 
-    directory = Path(args.dir)
-    if not directory.is_dir():
-        raise FileNotFoundError(f"no such output folder: {directory}")
-    s = compact(directory)
-    print(f"results: {s.results_before} rows -> {s.results_after} ({s.duplicates_removed} duplicates removed); "
-          f"costs: {s.costs_before} rows -> {s.costs_after} ({s.cost_rows_marked_duplicate} marked duplicate)")
+    for directory in args.dir:
+        if "://" in directory:
+            raise ValueError(f"cannot compact {directory}: compaction needs a local folder (it renames files "
+                             "under a lock); compact where the workers write, before copying to object storage")
+    directories = [Path(d) for d in args.dir]
+    for directory in directories:
+        if not directory.is_dir():
+            raise FileNotFoundError(f"no such output folder: {directory}")
+    for directory in directories:
+        s = compact(directory)
+        where = f"{directory}: " if len(directories) > 1 else ""
+        print(f"{where}results: {s.results_before} rows -> {s.results_after} ({s.duplicates_removed} duplicates "
+              f"removed); costs: {s.costs_before} rows -> {s.costs_after} ({s.cost_rows_marked_duplicate} marked "
+              "duplicate)")
     return 0
 
 
@@ -375,7 +396,7 @@ def cmd_report(args, opts: dict) -> int:
     by = [b.strip() for b in opts["by"].split(",") if b.strip()]
     try:
         budgets = load_budgets(opts["budgets"]) if opts["budgets"] else None
-        report = cost_report(Path(args.dir), by=by, since=_parse_time(opts["since"]),
+        report = cost_report(args.dir, by=by, since=_parse_time(opts["since"]),
                              until=_parse_time(opts["until"]), top=opts["top"], budgets=budgets,
                              basis=opts["basis"])
     except (ValueError, OSError) as exc:
@@ -391,6 +412,15 @@ def cmd_report(args, opts: dict) -> int:
                 "(schema_valid)")
         # The table gets it as a last line; csv and json stay machine-readable.
         print(line, file=sys.stdout if opts["format"] == "table" else sys.stderr)
+    if opts["html"]:
+        from mqinfer.ops.report_html import render_html
+
+        try:
+            Path(opts["html"]).write_text(render_html(report), encoding="utf-8")
+        except OSError as exc:
+            print(f"mqinfer report costs: error: cannot write {opts['html']}: {exc}", file=sys.stderr)
+            return 2
+        print(f"html: {opts['html']}", file=sys.stderr)
     if opts["plot"]:
         try:
             charts = plot(report, opts["plot"])

@@ -17,8 +17,8 @@ import sys
 import time
 
 from mqinfer.config import (
-    LANES, LOG_LEVEL, MAX_LANES, ORDER, PREFIX_CACHE_SCOPE, REDIS, REDIS_CLUSTER, ROUTE, SHARDS, STREAM, ConfigError,
-    Option, add_options, load_config_file, resolve,
+    LANES, LOG_LEVEL, MAX_COST_USD, MAX_LANES, ORDER, PREFIX_CACHE_SCOPE, REDIS, REDIS_CLUSTER, ROUTE, SHARDS, STREAM,
+    ConfigError, Option, add_options, load_config_file, resolve,
 )
 from mqinfer.ops.job_lanes import DEFAULT_JOB_LANES
 
@@ -77,7 +77,8 @@ JOB_LANES = dataclasses.replace(LANES, default=DEFAULT_JOB_LANES, help="The lane
                                 "own lanes are removed when it ends.")
 
 SUBMIT_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, OUT, STREAM, SHARDS, ROUTE, JOB_ORDER, PREFIX_CACHE_SCOPE,
-                  JOB_LANES, MAX_LANES, DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE, LEASE_S, WORKER_OUT, SUBMIT_JSON,
+                  JOB_LANES, MAX_LANES, DEADLINE, MAX_IN_FLIGHT, CHUNK_SIZE, QUEUE, LEASE_S, WORKER_OUT, MAX_COST_USD,
+                  SUBMIT_JSON,
                   LOG_LEVEL]
 WORKER_OPTIONS = [REDIS, JOBS_REDIS, REDIS_CLUSTER, QUEUE, SWEEP_INTERVAL_S, WORKER_NAME, BURST, LOG_LEVEL]
 STATUS_OPTIONS = [REDIS, JOBS_REDIS, STATUS_WORKER_OUT, STATUS_JSON, WATCH, INTERVAL, LOG_LEVEL]
@@ -193,6 +194,7 @@ def cmd_submit(args, opts: dict) -> int:
         lease_s=opts["lease_s"], shards=opts["shards"], order=opts["order"], route=opts["route"],
         data=_data_client(opts), worker_out=parse_folders(opts["worker_out"]), lanes=opts["lanes"],
         max_lanes=opts["max_lanes"], prefix_cache_scope=opts["prefix_cache_scope"],
+        max_cost_usd=opts["max_cost_usd"],
     )
     if opts["json"]:
         print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))
@@ -331,6 +333,9 @@ def render_status(info: dict) -> str:
         f"  tokens     {t['prompt']} prompt, {t['output']} output",
         "  cost       " + _cost_line(info),
     ]
+    if info.get("max_cost_usd") is not None:
+        lines.append(f"  cost cap   ${info['max_cost_usd']:g} (--max-cost-usd): requests the cap stopped are "
+                     "failed, with error rows budget_exceeded")
     rate, trate = info["throughput"]["requests_per_s"], info["throughput"]["output_tokens_per_s"]
     if rate is not None:
         lines.append(f"  throughput {rate:.2f} req/s, {trate or 0:.1f} output tokens/s; eta {_duration(info['eta_s'])}")

@@ -125,7 +125,7 @@ def _covered(out: Path, window: Window) -> tuple[float, float, str | None]:
     import pyarrow.dataset as ds
 
     from mqinfer.schemas.dataset import COSTS_DIR, part_files
-    from mqinfer.schemas.rows import COST_SCHEMA
+    from mqinfer.schemas.rows import COST_SCHEMA, distinct_rows
 
     files = part_files(out / COSTS_DIR)
     if not files:
@@ -138,7 +138,7 @@ def _covered(out: Path, window: Window) -> tuple[float, float, str | None]:
     table = table.filter(pc.is_in(table["worker"], value_set=pa.array(names, pa.string())))
     if table.num_rows:
         # A part published twice alike (a retried write) counts once, as compaction keeps it.
-        table = table.group_by(table.schema.names, use_threads=False).aggregate([])
+        table = distinct_rows(table)
     models = [m for m in table["model"].to_pylist() if m]
     return (float(pc.sum(table["device_s"]).as_py() or 0.0), float(pc.sum(table["cost_usd"]).as_py() or 0.0),
             models[0] if models else None)

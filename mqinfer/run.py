@@ -8,7 +8,9 @@ its embedded server and workers die with it (``mqinfer.procs``).
 
 The results dataset is the record of what is done: a row is durable before its stream entry is
 acked, so a run cut anywhere (Ctrl-C, kill -9, a crash) leaves rows for exactly the requests
-whose work is kept, and the next run sends only the rest.
+whose work is kept, and the next run sends only the rest. ``--max-cost-usd`` caps what the job
+spends (``mqinfer.workers.job_caps``); the requests the cap stopped have ``budget_exceeded`` rows,
+which the next run removes and computes again (under its own cap, if any).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, WORKER_OPTIONS, ConfigErr
 from mqinfer.layout import choose_layout
 from mqinfer.machine import Window, bill_remainder, settle_lost, worker_shares
 from mqinfer.procs import die_with_parent, mqinfer_command
+from mqinfer.run_caps import cap_summary, check_cap, set_cost_cap, stopped_by_cap
 from mqinfer.schemas import lanes as lane_scheme
+from mqinfer.schemas.errors import BUDGET_EXCEEDED
 from mqinfer.supervise import Supervisor
 from mqinfer.schemas.prefix_order import prefix_order
 
@@ -54,6 +58,7 @@ def check_run_flags(opts: dict) -> None:
     if opts["workers"] < opts["shards"]:
         raise ConfigError(f"--workers ({opts['workers']}) must be at least --shards ({opts['shards']}): "
                           "each shard's stream is read by its own workers")
+    check_cap(opts.get("max_cost_usd"))
     if opts["redis_cluster"] and not opts["redis"]:
         raise ConfigError("--redis-cluster needs --redis URL of a cluster node (the embedded server is not a cluster)")
     from mqinfer.commands import worker_config
@@ -162,6 +167,11 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
         results, costs = drop_job(out, job_id)
         if results or costs:
             print(f"--fresh: removed {results} result rows and {costs} cost rows of job {job_id}", file=sys.stderr)
+    capped = stopped_by_cap(out, job_id)
+    if capped:
+        # They never ran: running the job again (with a higher cap, or none) computes them now.
+        drop_job(out, job_id, capped)
+        print(f"job {job_id}: {len(capped)} requests a cost cap stopped earlier run now", file=sys.stderr)
     requests, invalid, duplicates = read_input(str(input_path), job_id)
     for message in duplicates:
         print(message, file=sys.stderr)
@@ -260,6 +270,16 @@ class _Signals:
               file=sys.stderr, flush=True)
 
 
+def _embedded_server(out: Path):
+    """The run's own Redis-compatible server, in the output folder's state."""
+    from mqinfer.server import EmbeddedServer, ServerError
+
+    try:
+        return EmbeddedServer(out / STATE_DIR / "redis", unix_socket=True).start()
+    except ServerError as exc:
+        raise ConfigError(f"cannot start the embedded server: {exc}") from None
+
+
 def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts: dict, lock,
              window: Window) -> int:
     """Serve ``todo`` with the run's workers; ``window`` gets the devices the run holds and when
@@ -268,7 +288,6 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
     from mqinfer.client import Producer
     from mqinfer.schemas.connection import connect_redis
     from mqinfer.schemas.keys import shard_index, shard_streams
-    from mqinfer.server import EmbeddedServer, ServerError
 
     streams = shard_streams(opts["stream"], opts["shards"])
     server = client = None
@@ -277,16 +296,14 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
         try:
             redis_url = opts["redis"]
             if not redis_url:
-                try:
-                    server = EmbeddedServer(out / STATE_DIR / "redis", unix_socket=True).start()
-                except ServerError as exc:
-                    raise ConfigError(f"cannot start the embedded server: {exc}") from None
+                server = _embedded_server(out)
                 redis_url = server.url
             client = connect_redis(redis_url, cluster=opts["redis_cluster"])
             if server is not None:
                 # The server is this run's alone (the folder is locked): what an earlier, killed run
                 # left in it is superseded by the rows on disk.
                 client.flushall()
+            set_cost_cap(client, out, job_id, opts.get("max_cost_usd"))
             done_keys = [keys.job_done_set(s, job_id) for s in streams]
             _mark_done(client, done_keys, [r for r in requests if r.id in done_before], len(streams), shard_index)
             env = dict(os.environ, MQINFER_REDIS=redis_url)
@@ -296,6 +313,7 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             places = placement(opts)
             shares, window.devices = worker_shares(opts, places)
             window.start()
+
             def start(i: int) -> subprocess.Popen:
                 return subprocess.Popen(
                     worker_argv(opts, out, i, streams[i % len(streams)], places[i], device_share=shares[i]), env=env,
@@ -582,6 +600,9 @@ def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, 
     else:
         print(f"this run: nothing computed{earlier}")
     print(f"cost: ${cost:.6f} of requests at ${opts['price_per_device_hour']}/device-hour")
+    line = cap_summary(codes.get(BUDGET_EXCEEDED, 0), opts.get("max_cost_usd"))
+    if line:
+        print(line)
     if machine is not None:
         # Every cost row of this run: the workers' (requests, startup, idle, ...) and the run's own
         # idle row for what no worker covered; they add up to the machine's time.

@@ -25,7 +25,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,8 +109,10 @@ def compact(out_dir: str | os.PathLike[str], *, fault: FaultHook | None = None) 
     return stats
 
 
-def drop_job(out_dir: str | os.PathLike[str], job_id: str) -> tuple[int, int]:
-    """Remove every result and cost row of ``job_id`` from ``out_dir`` (``mqinfer run --fresh``).
+def drop_job(out_dir: str | os.PathLike[str], job_id: str, ids: Collection[str] | None = None) -> tuple[int, int]:
+    """Remove every result and cost row of ``job_id`` from ``out_dir`` (``mqinfer run --fresh``), or
+    with ``ids`` only those of these requests (``mqinfer run`` retrying the requests a cost cap
+    stopped).
 
     Uses the same crash-safe journal as :func:`compact`; returns (result rows, cost rows) removed.
     """
@@ -128,6 +130,9 @@ def drop_job(out_dir: str | os.PathLike[str], job_id: str) -> tuple[int, int]:
                 if schema is COST_SCHEMA:
                     table = with_device_share(table)
                 mine = pc.fill_null(pc.equal(table["job_id"], job_id), False)
+                if ids is not None:
+                    mine = pc.and_(mine, pc.fill_null(pc.is_in(table["id"], value_set=pa.array(sorted(ids),
+                                                                                          pa.string())), False))
                 count = pc.sum(mine).as_py() or 0
                 if not count:
                     continue
@@ -446,7 +451,8 @@ def _mark_costs(table: pa.Table, kept: pa.Table) -> tuple[pa.Table, pa.Array, bo
     # A row written twice is one row. "request" and "duplicate" are the same row at two
     # moments, so they compare equal here.
     kind_class = pc.if_else(pc.is_in(table["kind"], value_set=billable_kinds), "request", table["kind"])
-    names = [name for name in COST_SCHEMA.names if name != "kind"]
+    # Map columns (metadata) cannot be grouping keys; rows equal in the rest are one request's.
+    names = [f.name for f in COST_SCHEMA if f.name != "kind" and not pa.types.is_map(f.type)]
     probe = table.select(names).append_column("kind_class", kind_class).append_column("pos", _arange(table.num_rows))
     firsts = probe.group_by(names + ["kind_class"], use_threads=False).aggregate([("pos", "min")])["pos_min"]
     table = table.take(pc.take(firsts, pc.sort_indices(firsts)))

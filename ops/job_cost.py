@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from mqinfer.schemas.dataset import COSTS_DIR, part_files, partition_for
-from mqinfer.schemas.rows import COST_SCHEMA
+from mqinfer.schemas.rows import COST_SCHEMA, distinct_rows
 
 log = logging.getLogger("mqinfer.jobs")
 
@@ -96,7 +96,7 @@ def job_cost(folders: Iterable[str | os.PathLike[str]], job_id: str, *, since: f
         table = dataset.to_table(filter=ds.field("job_id") == job_id)
     if table.num_rows:
         # A row written twice alike (a part published again) counts once, as compaction keeps it.
-        table = table.group_by(COST_SCHEMA.names, use_threads=False).aggregate([])
+        table = distinct_rows(table)
     if missing:
         log.warning("job %s: no costs/ dataset in %s; its rows there, if any, are not counted", job_id,
                     ", ".join(missing))

@@ -107,7 +107,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
                order: str = "prefix", route: str = "prefix", data=None,
                worker_out: list[str] | None = None, lanes: str = "none",
                max_lanes: int = DEFAULT_MAX_LANES,
-               prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> SubmitResult:
+               prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE,
+               max_cost_usd: float | None = None) -> SubmitResult:
     """Register a job for ``input_path`` writing into ``out_dir`` and enqueue its first task.
 
     ``client`` holds the job and the rq queue. ``data`` is the server (or cluster) of the request
@@ -121,13 +122,17 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     lane of its shard's stream each request goes to, by its tenant and this job (``tenant,job``, the
     default of `mqinfer jobs submit`: a lane per tenant of the job), registered as producers register
     lanes, at most ``max_lanes`` in the registry; the job's own lanes are removed when it ends.
-    ``none`` (this function's default, as before lanes): the plain streams.
+    ``none`` (this function's default, as before lanes): the plain streams. ``max_cost_usd``: the
+    job's cost cap, which the inference workers enforce (``keys.job_cost``: set on the streams'
+    server before the first request is fed; workers/job_caps.py).
     """
     _check_options(max_in_flight=max_in_flight, chunk_size=chunk_size, lease_s=lease_s, stream=stream,
                    order=order, route=route)
     if prefix_cache_scope not in PREFIX_CACHE_SCOPES:
         raise ValueError(f"--prefix-cache-scope must be one of {', '.join(PREFIX_CACHE_SCOPES)}, "
                          f"got {prefix_cache_scope!r}")
+    if max_cost_usd is not None and not (math.isfinite(max_cost_usd) and max_cost_usd > 0):
+        raise ValueError(f"--max-cost-usd must be a number of USD > 0, got {max_cost_usd}")
     lanes = parse_lanes(lanes)
     check_max_lanes(max_lanes)
     streams = shard_streams(stream, shards)
@@ -151,6 +156,8 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         job_id = new_job_id()
         spool.write_manifest({"job_id": job_id, "input": str(source), "out": str(out), "created_at": now})
 
+    if max_cost_usd is not None:
+        (client if data is None else data).hset(keys.job_cost(job_id), "max_cost_usd", repr(float(max_cost_usd)))
     chain = uuid.uuid4().hex
     task_id = new_task_id(job_id)
     store = JobStore(client, job_id, data=data)
@@ -164,6 +171,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         "created_at": repr(now), "chain": chain, "task": task_id, "beat": repr(now), "total": 0, "invalid": 0,
         "val_parts": 0, "fed": 0, "skipped": 0, "collected": 0, "row_parts": len(parts),
         "resumed_rows": adopted, "worker_out": json.dumps(parse_folders(worker_out)),
+        "max_cost_usd": "" if max_cost_usd is None else repr(float(max_cost_usd)),
     }, parts=parts)
     enqueue_task(client, queue_name, job_id, chain, task_id)
     return SubmitResult(job_id, resumed, adopted)
@@ -324,7 +332,7 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None, rows: J
         "counts": {"total": total, **counts, "invalid": invalid, "skipped": _i(job, "skipped"),
                    "in_flight": in_flight, "fed": _i(job, "fed"), "done": done},
         "tokens": {"prompt": _i(job, "prompt_tokens"), "output": _i(job, "output_tokens")},
-        "cost_usd": cost_usd, "cost": cost,
+        "cost_usd": cost_usd, "cost": cost, "max_cost_usd": _f(job, "max_cost_usd"),
         "throughput": {"requests_per_s": rate, "output_tokens_per_s": token_rate},
         "eta_s": eta,
         "validated": bool(_i(job, "validated")),

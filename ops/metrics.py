@@ -47,6 +47,11 @@ Names (``_total`` is added to counters by the client library):
 ``mqinfer_cost_usd_total``                  counter    billed dollars by ``tenant`` (capped)
 ``mqinfer_tenant_budget_usd``               gauge      a tenant's budget (with ``--budgets``)
 ``mqinfer_tenant_spend_usd``                gauge      its fleet-wide spend this budget period
+``mqinfer_budget_usd``                      gauge      a budgeted group's budget, by ``key``
+                                                       (tenant, job_id, metadata.KEY) and ``value``
+``mqinfer_budget_spend_usd``                gauge      its fleet-wide spend this budget period
+``mqinfer_budget_threshold_reached``        gauge      1 once it reached the warning ``threshold``
+                                                       (percent of its budget), else 0
 ``mqinfer_tenant_rate_limit``               gauge      a tenant's limit (``--tenant-limits``), by
                                                        ``kind``: tokens_per_second,
                                                        requests_per_second
@@ -378,7 +383,8 @@ class WorkerMetrics:
         self.registry.register(KVTierCollector(snapshot))
 
     def watch_budgets(self, guard, client=None) -> None:
-        """Export each budgeted tenant's budget and spend (``guard``: an ``ops.budgets.BudgetGuard``;
+        """Export each budgeted tenant's and group's budget, spend and warning thresholds reached
+        (``guard``: an ``ops.budgets.BudgetGuard``;
         ``client``: the Redis client scrapes read spend with, by default the guard's)."""
         self.registry.register(BudgetCollector(guard, client, self.max_tenant_labels))
 

@@ -229,6 +229,10 @@ class RateLimitCollector:
 
 
 class BudgetCollector:
+    """Budgets and spend: the tenants' (as ever), and every budgeted group's with the warning
+    thresholds it reached (tenants, jobs, ``metadata.KEY = VALUE`` groups; at most ``max_groups``
+    of them, in the order the budgets file lists them)."""
+
     def __init__(self, guard, client, max_tenants: int) -> None:
         self.guard = guard
         self.client = client
@@ -239,25 +243,43 @@ class BudgetCollector:
 
     def collect(self):
         try:
-            spend = self.guard.spend_snapshot(self.client)
+            spend = self.guard.group_spend_snapshot(self.client)
         except Exception as exc:
-            log.debug("tenant spend unavailable: %s", exc)
+            log.debug("budget spend unavailable: %s", exc)
             spend = None
         return list(self._families(spend))
 
-    def _families(self, spend: dict[str, float] | None):
+    def _families(self, spend: dict[tuple[str, str], float] | None):
         budget = GaugeMetricFamily("mqinfer_tenant_budget_usd", "A tenant's budget for the current budget period.",
                                    labels=["tenant"])
         spent = GaugeMetricFamily("mqinfer_tenant_spend_usd", "A tenant's spend in the current budget period, "
                                   "over every worker (acknowledged requests).", labels=["tenant"])
+        group_budget = GaugeMetricFamily(
+            "mqinfer_budget_usd", "A budgeted group's budget for the current budget period (key: tenant, job_id "
+            "or metadata.KEY; value: the tenant, job id or label value).", labels=["key", "value"])
+        group_spent = GaugeMetricFamily(
+            "mqinfer_budget_spend_usd", "A budgeted group's spend in the current budget period, over every worker "
+            "(acknowledged requests).", labels=["key", "value"])
+        reached = GaugeMetricFamily(
+            "mqinfer_budget_threshold_reached", "1 once a budgeted group's spend this budget period reached the "
+            "warning threshold (percent of its budget), else 0.", labels=["key", "value", "threshold"])
         budgets = self.guard.budgets
         tenants = sorted(budgets.tenants)[: self.max_tenants]
         for tenant in tenants:
             budget.add_metric([tenant], budgets.tenants[tenant])
+        groups = budgets.listed()[: self.max_tenants]
+        for key, value, usd in groups:
+            group_budget.add_metric([key, value], usd)
         if spend is not None:
             for tenant in tenants:
-                spent.add_metric([tenant], spend.get(tenant, 0.0))
-        return budget, spent
+                spent.add_metric([tenant], spend.get(("tenant", tenant), 0.0))
+            for key, value, usd in groups:
+                now = spend.get((key, value), 0.0)
+                group_spent.add_metric([key, value], now)
+                hit = budgets.reached(now, usd)
+                for threshold in budgets.thresholds:
+                    reached.add_metric([key, value, f"{threshold:g}"], 1.0 if threshold in hit else 0.0)
+        return budget, spent, group_budget, group_spent, reached
 
 
 def _text(value) -> str | None:

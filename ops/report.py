@@ -2,12 +2,16 @@
 
 :func:`cost_report` reads ``DIR/costs`` (optionally a ``finished_at`` window) and returns a
 :class:`Report`; ``ops/report_render.py`` turns it into an aligned table, CSV or JSON, and draws
-PNG charts when matplotlib is installed.
+PNG charts when matplotlib is installed; ``ops/report_html.py`` a self-contained HTML page. The
+rows come from one output folder or several, local or behind a filesystem URI
+(``ops/report_sources.py``).
 
-* **Groups** (``--by`` any of tenant, model, request_type, job_id, worker) sum the ``request``
-  rows only: requests, prompt (input) and output tokens, device seconds and their prefill /
-  decode / recomputed split, KV block-seconds, dollars, and dollars per million tokens: all
-  tokens, input tokens (the prefill share of the cost) and output tokens (the decode share).
+* **Groups** (``--by`` any of tenant, model, request_type, job_id, worker, model_variant, a
+  request's metadata label ``metadata.KEY``, and the length bands ``prompt_band`` and
+  ``output_band``: ops/report_keys.py) sum the ``request`` rows only: requests, prompt (input)
+  and output tokens, device seconds and their prefill / decode / recomputed split, KV
+  block-seconds, dollars, and dollars per million tokens: all tokens, input tokens (the prefill
+  share of the cost) and output tokens (the decode share).
 * **Totals**, the same lines in every format: ``billed`` (the ``request`` rows, what the groups
   add up to), ``overhead`` (the ``startup``, ``idle`` and ``lost`` rows; ``lost``: the time a
   killed worker used and never wrote), ``duplicate`` (cost rows of
@@ -16,8 +20,9 @@ PNG charts when matplotlib is installed.
   kind's share of all device time is listed too.
 * **The most expensive requests**, and **a series per hour** (of ``finished_at``; an idle row
   counts in the hour it was written, though it may cover time before it).
-* **Budgets** (``ops/budgets.py``): each budgeted tenant's spend in the window, per budget
-  period, and whether it reached its budget; groups keyed by tenant are marked.
+* **Budgets** (``ops/budgets.py``): each budgeted group's spend (tenants, jobs, ``metadata.KEY =
+  VALUE`` groups) in the window, per budget period, the warning thresholds it reached and whether
+  it reached its budget; groups keyed by a budgeted key are marked.
 
 A request with ``n`` > 1 choices has a ``request`` row per choice (``index``); it counts as one
 request (its choice-0 row), and its tokens and cost are those of every choice.
@@ -41,11 +46,12 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from mqinfer.ops.allocation import BASES, OVERHEAD_KINDS, allocate_overhead
-from mqinfer.ops.budgets import Budgets, BudgetStatus, check_budgets
+from mqinfer.ops.budgets import Budgets, BudgetStatus, check_groups
+from mqinfer.ops.report_keys import checked_by, with_group_columns
+from mqinfer.ops.report_series import CostBin, GroupHour, cost_distribution, group_hours
+from mqinfer.ops.report_sources import as_sources, is_uri, read_costs
 from mqinfer.schemas.rows import COST_KINDS, COST_SCHEMA, with_choice_index, with_device_share
-from mqinfer.schemas.dataset import COSTS_DIR, part_files
 
-GROUP_KEYS = ("tenant", "model", "request_type", "job_id", "worker")
 # Of the cached prompt tokens, those each KV tier below the device cache served.
 TIER_TOKEN_FIELDS = ("host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens")
 _SUMMED = ("prompt_tokens", "cached_prompt_tokens", *TIER_TOKEN_FIELDS, "output_tokens", "rejected_tokens", "device_s", "prefill_s", "decode_s",
@@ -93,8 +99,11 @@ class GroupCost:
     # output tokens; None without such tokens.
     usd_per_1m_input_tokens: float | None = None
     usd_per_1m_output_tokens: float | None = None
-    # With budgets and a tenant key: whether that tenant reached its budget (None: no budget).
+    # With budgets and a budgeted key (tenant, job_id, metadata.KEY) among the group's keys: whether
+    # one of its budgeted groups reached its budget (None: none has a budget), and the highest
+    # warning threshold (percent) one reached (None: none reached).
     over_budget: bool | None = None
+    budget_threshold: float | None = None
     # ``--basis allocation``: the group's share of the overhead of the worker-hours it used
     # (ops/allocation.py), and cost_usd plus that share. 0 and cost_usd under ``usage``.
     allocated_device_s: float = 0.0
@@ -192,6 +201,12 @@ class Report:
     hourly: list[HourCost] = field(default_factory=list)
     # None when no budgets were given.
     budgets: list[BudgetStatus] | None = None
+    # The billed cost of each group per hour, and how many requests cost how much (charts).
+    hourly_by_group: list[GroupHour] = field(default_factory=list)
+    cost_distribution: list[CostBin] = field(default_factory=list)
+    # Whether the groups carry budget marks (over_budget, budget_threshold): budgets were given and
+    # ``by`` has a key they budget (tenant, job_id, metadata.KEY).
+    budget_marks: bool = False
     # Requests (job_id, id) with more than one ``request`` cost row in the window, and how many
     # rows beyond one each they have: both 0 after ``mqinfer compact``.
     requests_counted_more_than_once: int = 0
@@ -206,7 +221,7 @@ def _per_million(cost: float, tokens: int) -> float | None:
 
 
 def cost_report(
-    out_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
     by: Sequence[str] = ("tenant",),
     since: float | None = None,
     until: float | None = None,
@@ -215,7 +230,9 @@ def cost_report(
     budgets: Budgets | None = None,
     basis: str = "usage",
 ) -> Report:
-    """Sum the costs dataset under ``out_dir`` by the ``by`` columns.
+    """Sum the costs dataset under ``out_dir`` by the ``by`` columns: one output folder or
+    several (their rows together), each a local path or a pyarrow filesystem URI
+    (ops/report_sources.py).
 
     ``since`` (inclusive) and ``until`` (exclusive) bound ``finished_at``, in unix seconds.
     Groups are ordered by cost, highest first; ``top`` is how many of the most expensive
@@ -224,17 +241,12 @@ def cost_report(
     """
     if basis not in BASES:
         raise ValueError(f"unknown cost basis {basis!r}: use one of {', '.join(BASES)}")
-    by = _checked_by(by)
+    by = checked_by(by)
     if top < 0:
         raise ValueError(f"top must be >= 0, got {top}")
     if since is not None and until is not None and until <= since:
         raise ValueError(f"empty time window: until ({until}) must be after since ({since})")
-    out = Path(out_dir)
-    if not out.is_dir():
-        raise FileNotFoundError(f"no such output folder: {out}")
-    if not (out / COSTS_DIR).is_dir():
-        raise FileNotFoundError(f"no {COSTS_DIR}/ dataset in {out}")
-    table = _with_input_cost(_read_costs(out, since, until))
+    table = with_group_columns(_with_input_cost(_read_costs(as_sources(out_dir), since, until)), by)
 
     totals = _totals_by_kind(table)
     billed = table.filter(pc.equal(table["kind"], "request"))
@@ -243,22 +255,12 @@ def cost_report(
     counted_twice, extra_rows = _repeated_requests(billed)
     statuses = None
     if budgets is not None:
-        statuses = _budget_statuses(budgets, billed, by, groups)
+        statuses = _budget_statuses(budgets, with_group_columns(billed, budgets.keys()), by, groups)
     return Report(by=by, since=since, until=until, groups=groups, totals=totals,
                   top_requests=_top_requests(billed, top), hourly=_hourly(table), budgets=statuses,
-                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis)
-
-
-def _checked_by(by: Sequence[str]) -> list[str]:
-    """The ``by`` columns as a list (a single name taken as one column); ValueError unless they are
-    one or more distinct ``GROUP_KEYS``."""
-    if isinstance(by, str):
-        by = [by]
-    by = list(by)
-    bad = [key for key in by if key not in GROUP_KEYS]
-    if bad or not by or len(set(by)) != len(by):
-        raise ValueError(f"cannot group costs by {by!r}: use one or more distinct keys of {', '.join(GROUP_KEYS)}")
-    return by
+                  requests_counted_more_than_once=counted_twice, extra_request_rows=extra_rows, basis=basis,
+                  budget_marks=budgets is not None and any(k in budgets.keys() for k in by),
+                  hourly_by_group=group_hours(billed, by), cost_distribution=cost_distribution(billed))
 
 
 def _totals_by_kind(table: pa.Table) -> Totals:
@@ -318,31 +320,37 @@ def _add_billed(totals: Totals, billed: pa.Table) -> None:
 
 
 def _budget_statuses(budgets: Budgets, billed: pa.Table, by: list[str], groups: list[GroupCost]) -> list[BudgetStatus]:
-    """Each budgeted tenant's spend in the window against its budget; with groups keyed by tenant,
-    each group marked with whether its tenant reached its budget."""
-    statuses = check_budgets(budgets, _spend_by_period(billed, budgets))
-    if "tenant" in by:
-        over = {s.tenant: s.over for s in statuses}
+    """Each budgeted group's spend in the window against its budget; with groups keyed by a
+    budgeted key, each group marked with whether one of its budgeted groups reached its budget
+    and the highest threshold reached."""
+    statuses = check_groups(budgets, _spend_by_period(billed, budgets))
+    status = {(s.key, s.value): s for s in statuses}
+    keys = [k for k in by if k in budgets.keys()]
+    if keys:
         for g in groups:
-            g.over_budget = over.get(g.key["tenant"] or "default")
+            mine = [status.get((k, (g.key[k] or "default") if k == "tenant" else g.key[k])) for k in keys]
+            mine = [s for s in mine if s is not None]
+            if mine:
+                g.over_budget = any(s.over for s in mine)
+                g.budget_threshold = max((t for s in mine for t in s.thresholds_reached), default=None)
     return statuses
 
 
-def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str]) -> str | None:
+def uncompacted_warning(report: Report, out_dir: str | os.PathLike[str] | Sequence[str]) -> str | None:
     """One line for stderr when some request has several ``request`` cost rows; else None."""
     n = report.requests_counted_more_than_once
     if not n:
         return None
+    folders = " ".join(as_sources(out_dir))
     return (f"warning: {n} request{'s are' if n != 1 else ' is'} counted more than once "
             f"({report.extra_request_rows} extra `request` cost row{'s' if report.extra_request_rows != 1 else ''}): "
-            f"{out_dir} has not been compacted; run `mqinfer compact {out_dir}` first")
+            f"{folders} {'has' if ' ' not in folders else 'have'} not been compacted; "
+            f"run `mqinfer compact {folders}` first")
 
 
-def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table:
-    files = part_files(out / COSTS_DIR)
-    if not files:
-        return COST_SCHEMA.empty_table()
-    dataset = ds.dataset([str(f) for f in files], format="parquet", schema=COST_SCHEMA)
+def _read_costs(sources, since: float | None, until: float | None) -> pa.Table:
+    """Every cost row of ``sources`` (one output folder or several) finished in the window."""
+    sources = as_sources(sources)
     condition = None
     ts_type = COST_SCHEMA.field("finished_at").type
     if since is not None:
@@ -350,7 +358,7 @@ def _read_costs(out: Path, since: float | None, until: float | None) -> pa.Table
     if until is not None:
         upper = ds.field("finished_at") < pa.scalar(round(until * 1_000_000), ts_type)
         condition = upper if condition is None else condition & upper
-    return with_choice_index(with_device_share(dataset.to_table(filter=condition)), COST_SCHEMA)
+    return with_choice_index(with_device_share(read_costs(sources, condition)), COST_SCHEMA)
 
 
 def _with_input_cost(table: pa.Table) -> pa.Table:
@@ -474,35 +482,39 @@ def _hourly(table: pa.Table) -> list[HourCost]:
     return [series[k] for k in sorted(series)]
 
 
-def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str], float]:
+def _spend_by_period(billed: pa.Table, budgets: Budgets) -> dict[tuple[str, str, str], float]:
+    """Spend by (group key, value, period) for every key the budgets name (``billed`` has a
+    column per key: with_group_columns)."""
     if not billed.num_rows:
         return {}
     if budgets.period == "total":
         period = pa.array([""] * billed.num_rows, pa.string())
     else:
         period = pc.strftime(billed["finished_at"], format="%Y-%m" if budgets.period == "month" else "%Y-%m-%d")
-    spend = pa.table({"tenant": pc.fill_null(billed["tenant"], "default"), "period": period,
-                      "cost_usd": billed["cost_usd"]})
-    agg = spend.group_by(["tenant", "period"], use_threads=False).aggregate([("cost_usd", "sum")])
-    return {(r["tenant"], r["period"]): r["cost_usd_sum"] for r in agg.to_pylist()}
+    out: dict[tuple[str, str, str], float] = {}
+    for key in budgets.keys():
+        values = pc.fill_null(billed[key], "default") if key == "tenant" else billed[key]
+        spend = pa.table({"value": values, "period": period, "cost_usd": billed["cost_usd"]})
+        spend = spend.filter(pc.is_valid(spend["value"]))
+        agg = spend.group_by(["value", "period"], use_threads=False).aggregate([("cost_usd", "sum")])
+        out.update({(key, r["value"], r["period"]): r["cost_usd_sum"] for r in agg.to_pylist()})
+    return out
 
 
-def schema_validity(out_dir: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """(rows whose text validated, rows with a ``response_format``) in ``out_dir``'s results, from
-    the ``schema_valid`` column (null for rows without one); None when there are no results or no
-    row had a ``response_format``."""
-    import pyarrow.dataset as ds
-
-    root = Path(out_dir) / "results"
-    if not root.is_dir():
-        return None
-    dataset = ds.dataset(root, format="parquet", partitioning="hive")
-    if not dataset.files or "schema_valid" not in dataset.schema.names:
-        return None
-    column = dataset.to_table(columns=["schema_valid"])["schema_valid"]
-    constrained = len(column) - column.null_count
-    if not constrained:
-        return None
-    valid = sum(1 for v in column.to_pylist() if v)
-    return valid, constrained
+def schema_validity(out_dir: str | os.PathLike[str] | Sequence[str]) -> tuple[int, int] | None:
+    """(rows whose text validated, rows with a ``response_format``) in the results of the local
+    output folders ``out_dir``, from the ``schema_valid`` column (null for rows without one); None
+    when there are no results or no row had a ``response_format``."""
+    valid = constrained = 0
+    for source in as_sources(out_dir):
+        root = Path(source) / "results"
+        if is_uri(source) or not root.is_dir():
+            continue
+        dataset = ds.dataset(root, format="parquet", partitioning="hive")
+        if not dataset.files or "schema_valid" not in dataset.schema.names:
+            continue
+        column = dataset.to_table(columns=["schema_valid"])["schema_valid"]
+        constrained += len(column) - column.null_count
+        valid += sum(1 for v in column.to_pylist() if v)
+    return (valid, constrained) if constrained else None
 

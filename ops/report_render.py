@@ -39,7 +39,8 @@ ALLOCATION_FIELDS = ("allocated_device_s", "allocated_usd", "total_usd")
 _ALLOCATION_TABLE_FIELDS = ("allocated_usd", "total_usd")
 
 
-def _summary_lines(report: Report) -> tuple[tuple[str, str], ...]:
+def summary_lines(report: Report) -> tuple[tuple[str, str], ...]:
+    """The summary lines under the groups, (name, table label) each, in order."""
     if report.basis != "allocation":
         return SUMMARY_LINES
     return SUMMARY_LINES[:2] + ALLOCATION_LINES + SUMMARY_LINES[2:]
@@ -49,7 +50,8 @@ def _group_fields(report: Report) -> tuple[str, ...]:
     return GROUP_FIELDS + (ALLOCATION_FIELDS if report.basis == "allocation" else ())
 
 
-def _table_fields(report: Report) -> tuple[str, ...]:
+def table_fields(report: Report) -> tuple[str, ...]:
+    """The group columns of the text table (and the HTML page) for this report."""
     fields = TABLE_FIELDS
     if report.totals.rejected_tokens:
         # Speculative decoding ran: the proposed tokens it computed and rejected, after the outputs.
@@ -66,10 +68,30 @@ def _table_fields(report: Report) -> tuple[str, ...]:
     return fields
 
 
-def _summary(totals: Totals) -> dict[str, GroupCost | Spend]:
+def summary_by_name(totals: Totals) -> dict[str, GroupCost | Spend]:
+    """Each summary line's sums, by its name."""
     return {"billed": totals.billed, "overhead": totals.overhead, "duplicate": totals.duplicate,
             "allocated": totals.allocated, "unallocated": totals.unallocated,
             "total": Spend(device_s=totals.device_s, cost_usd=totals.cost_usd)}
+
+
+def budget_mark(over: bool | None, threshold: float | None) -> str:
+    """A group's budget mark: OVER, the highest warning threshold it reached (``>=80%``), ok, or
+    empty when none of its groups has a budget."""
+    if over is None:
+        return ""
+    if over:
+        return "OVER"
+    return f">={threshold:g}%" if threshold is not None else "ok"
+
+
+def budget_status(status) -> str:
+    """The status column of the budgets table: OVER BUDGET, a warning, or ok."""
+    if status.over:
+        return "OVER BUDGET"
+    if status.thresholds_reached:
+        return f"warning: >={status.thresholds_reached[-1]:g}%"
+    return "ok"
 
 
 def render(report: Report, fmt: Literal["table", "csv", "json"] = "table") -> str:
@@ -87,19 +109,20 @@ def render(report: Report, fmt: Literal["table", "csv", "json"] = "table") -> st
 def _render_csv(report: Report) -> str:
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    budget_column = ["over_budget"] if report.budgets is not None and "tenant" in report.by else []
+    budget_column = ["over_budget", "budget_threshold"] if report.budget_marks else []
     # ``row`` tells the groups (``group``) from the summary lines (SUMMARY_LINES).
     fields = _group_fields(report)
     w.writerow(["row"] + report.by + list(fields) + budget_column)
     for g in report.groups:
-        extra = ["" if g.over_budget is None else str(g.over_budget).lower()] if budget_column else []
+        extra = (["" if g.over_budget is None else str(g.over_budget).lower(),
+                  "" if g.budget_threshold is None else g.budget_threshold] if budget_column else [])
         w.writerow(
             ["group"] + ["" if g.key[k] is None else g.key[k] for k in report.by]
             + ["" if getattr(g, m, None) is None else getattr(g, m) for m in fields]
             + extra
         )
-    summary = _summary(report.totals)
-    for name, _ in _summary_lines(report):
+    summary = summary_by_name(report.totals)
+    for name, _ in summary_lines(report):
         line = summary[name]
         w.writerow([name] + [""] * len(report.by)
                    + ["" if getattr(line, m, None) is None else getattr(line, m) for m in fields]
@@ -107,7 +130,8 @@ def _render_csv(report: Report) -> str:
     return buf.getvalue()
 
 
-def _fmt_number(name: str, value: Any) -> str:
+def fmt_number(name: str, value: Any) -> str:
+    """A value of the column ``name`` as the tables show it."""
     if value is None:
         return "-"
     if name.startswith("usd_per_1m"):
@@ -135,21 +159,21 @@ def _aligned(headers: list[str], rows: list[list[str]], numeric: list[bool],
 
 
 def _render_table(report: Report) -> str:
-    budget_column = report.budgets is not None and "tenant" in report.by
-    fields = _table_fields(report)
+    budget_column = report.budget_marks
+    fields = table_fields(report)
     headers = report.by + [TABLE_HEADERS.get(m, m) for m in fields] + (["budget"] if budget_column else [])
     numeric = [False] * len(report.by) + [True] * len(fields) + ([False] if budget_column else [])
     rows = []
     for g in report.groups:
-        mark = ["" if g.over_budget is None else "OVER" if g.over_budget else "ok"] if budget_column else []
+        mark = [budget_mark(g.over_budget, g.budget_threshold)] if budget_column else []
         rows.append(["(none)" if g.key[k] is None else str(g.key[k]) for k in report.by]
-                    + [_fmt_number(m, getattr(g, m)) for m in fields] + mark)
+                    + [fmt_number(m, getattr(g, m)) for m in fields] + mark)
     t = report.totals
-    summary = _summary(t)
+    summary = summary_by_name(t)
     footer = [[label] + [""] * (len(report.by) - 1)
-              + [_fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else ""
+              + [fmt_number(m, getattr(summary[name], m)) if hasattr(summary[name], m) else ""
                  for m in fields]
-              + ([""] if budget_column else []) for name, label in _summary_lines(report)]
+              + ([""] if budget_column else []) for name, label in summary_lines(report)]
     out = _aligned(headers, rows, numeric, footer)
 
     out += ["", "device time by kind (share of the TOTAL):"]
@@ -163,7 +187,7 @@ def _render_table(report: Report) -> str:
         out += _aligned(
             ["job_id", "id", "tenant", "worker", "prompt_tokens", "output_tokens", "device_s", "cost_usd"],
             [[r.job_id or "(none)", r.id or "", r.tenant or "", r.worker, str(r.prompt_tokens), str(r.output_tokens),
-              _fmt_number("device_s", r.device_s), _fmt_number("cost_usd", r.cost_usd)] for r in report.top_requests],
+              fmt_number("device_s", r.device_s), fmt_number("cost_usd", r.cost_usd)] for r in report.top_requests],
             [False] * 4 + [True] * 4,
         )
     if report.hourly:
@@ -171,21 +195,21 @@ def _render_table(report: Report) -> str:
         out += _aligned(
             ["hour", "requests", "prompt_tokens", "output_tokens", *(f"{k}_s" for k in COST_KINDS), "cost_usd"],
             [[h.hour, str(h.requests), str(h.prompt_tokens), str(h.output_tokens)]
-             + [_fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS]
-             + [_fmt_number("cost_usd", h.cost_usd)] for h in report.hourly],
+             + [fmt_number("device_s", h.device_s_by_kind[k]) for k in COST_KINDS]
+             + [fmt_number("cost_usd", h.cost_usd)] for h in report.hourly],
             [False] + [True] * (4 + len(COST_KINDS)),
         )
     if report.budgets is not None:
         out += ["", "budgets:"]
         if report.budgets:
             out += _aligned(
-                ["tenant", "period", "budget_usd", "spent_usd", "remaining_usd", "status"],
-                [[s.tenant, s.period or "total", _fmt_number("usd", s.budget_usd), _fmt_number("usd", s.spent_usd),
-                  _fmt_number("usd", s.remaining_usd), "OVER BUDGET" if s.over else "ok"] for s in report.budgets],
+                ["group", "period", "budget_usd", "spent_usd", "remaining_usd", "status"],
+                [[s.group, s.period or "total", fmt_number("usd", s.budget_usd), fmt_number("usd", s.spent_usd),
+                  fmt_number("usd", s.remaining_usd), budget_status(s)] for s in report.budgets],
                 [False, False, True, True, True, False],
             )
         else:
-            out.append("  (no tenant has a budget)")
+            out.append("  (no group has a budget)")
     return "\n".join(out) + "\n"
 
 

@@ -27,6 +27,12 @@ def job_key(job_id: str) -> str:
     return f"mqinfer:job:{{{job_id}}}"
 
 
+def job_cost(job_id: str) -> str:
+    """Hash of a job's cost cap: ``max_cost_usd`` (``--max-cost-usd`` of `mqinfer run` or `mqinfer
+    jobs submit`) and ``spent_usd`` (raised by workers by each request's cost as they ack it)."""
+    return f"mqinfer:job:{{{job_id}}}:cost"
+
+
 def job_results_stream(job_id: str) -> str:
     """Final result rows of a registered bulk job's requests, written by workers as they ack."""
     return f"mqinfer:job:{{{job_id}}}:results"

@@ -63,6 +63,15 @@ SloMs = Annotated[int, msgspec.Meta(ge=1, le=MAX_SLO_MS)]
 # Token id -> bias. JSON object keys are text: "50256" decodes as the token id 50256.
 LogitBias = Annotated[dict[TokenId, Bias], msgspec.Meta(max_length=MAX_LOGIT_BIAS)]
 CacheSalt = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_CACHE_SALT_LENGTH)]
+# A request's labels travel into its result row and every cost row it causes, and reports group
+# by them: OpenAI's limits on such labels (16 pairs, keys of 64 characters, values of 512) keep
+# the rows small and the groups meaningful.
+MAX_METADATA_KEYS = 16
+MAX_METADATA_KEY_LENGTH = 64
+MAX_METADATA_VALUE_LENGTH = 512
+MetadataKey = Annotated[str, msgspec.Meta(max_length=MAX_METADATA_KEY_LENGTH)]
+MetadataValue = Annotated[str, msgspec.Meta(max_length=MAX_METADATA_VALUE_LENGTH)]
+Metadata = Annotated[dict[MetadataKey, MetadataValue], msgspec.Meta(max_length=MAX_METADATA_KEYS)]
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -126,7 +135,7 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
     slo_tpot_ms: SloMs | None = None
     reply_to: ReplyTo | None = None
     job_id: RequestId | None = None
-    metadata: dict[str, str] = {}
+    metadata: Metadata = {}
     api: Literal["completions", "chat"] | None = None
 
     def __post_init__(self) -> None:
@@ -135,6 +144,8 @@ class Request(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
             raise ValueError("id must not contain control characters - at `$.id`")
         if self.job_id is not None and _CONTROL_CHARS.search(self.job_id):
             raise ValueError("job_id must not contain control characters - at `$.job_id`")
+        if any(_CONTROL_CHARS.search(key) for key in self.metadata):
+            raise ValueError("metadata keys must not contain control characters - at `$.metadata`")
         given = [
             name
             for name, value in (

@@ -100,8 +100,7 @@ COST_SCHEMA = pa.schema(
         pa.field("device_share", pa.float64()),
         # Of cached_prompt_tokens, those copied up from each KV tier below the device cache (host
         # memory, the disk directory, the shared directory); the rest were in the device cache. Null
-        # in rows written before the columns existed. (Before index, which readers of old rows
-        # append last.)
+        # in rows written before the columns existed.
         pa.field("host_cached_tokens", pa.int32()),
         pa.field("disk_cached_tokens", pa.int32()),
         pa.field("shared_cached_tokens", pa.int32()),
@@ -109,6 +108,14 @@ COST_SCHEMA = pa.schema(
         # (idle, startup, lost) and for work no result carries; read as 0 where a request row
         # written before the column existed has none (with_choice_index).
         pa.field("index", pa.int32()),
+        # The request's own labels (its ``metadata``, as in the result row), for splitting the bill
+        # by them; empty for rows of no request, null in rows written before the column existed.
+        pa.field("metadata", pa.map_(pa.string(), pa.string())),
+        # What changes the price of the same model on the same device: the weights' dtype, their
+        # quantization, the KV cache dtype and the tensor and pipeline ranks, as
+        # ``dtype=...,quantization=...,kv_cache_dtype=...,tp=T,pp=P`` (model_variant()). Null where
+        # the worker is unknown (a ``lost`` row, rows of ``mqinfer run``'s own, older rows).
+        pa.field("model_variant", pa.string()),
     ]
 )
 
@@ -184,6 +191,30 @@ class CostRow(msgspec.Struct, kw_only=True):
     host_cached_tokens: int = 0
     disk_cached_tokens: int = 0
     shared_cached_tokens: int = 0
+    metadata: dict[str, str] = {}
+    model_variant: str | None = None
+
+
+def model_variant(*, dtype: str, quantization: str, kv_cache_dtype: str, tensor_parallel_size: int = 1,
+                  pipeline_parallel_size: int = 1) -> str:
+    """The ``model_variant`` label of a worker's rows: what it runs the model as."""
+    return (f"dtype={dtype},quantization={quantization},kv_cache_dtype={kv_cache_dtype},"
+            f"tp={tensor_parallel_size},pp={pipeline_parallel_size}")
+
+
+def distinct_rows(table: pa.Table) -> pa.Table:
+    """``table`` with rows that are equal in every column kept once (the first, in order).
+
+    Map columns (``metadata``) cannot be grouping keys in Arrow; two rows that agree everywhere
+    else belong to the same request and carry the same map, so they are compared on the rest.
+    """
+    if not table.num_rows:
+        return table
+    names = [f.name for f in table.schema if not pa.types.is_map(f.type)]
+    positions = pa.array(range(table.num_rows), pa.int64())
+    firsts = table.select(names).append_column("__pos", positions).group_by(names, use_threads=False).aggregate(
+        [("__pos", "min")])["__pos_min"]
+    return table.take(pc.take(firsts, pc.sort_indices(firsts)))
 
 
 def with_device_share(table: pa.Table) -> pa.Table:
@@ -205,7 +236,9 @@ def with_choice_index(table: pa.Table, schema: pa.Schema) -> pa.Table:
     choice 0; a cost row without an id (idle, startup, lost) keeps a null index."""
     field = schema.field("index")
     if "index" not in table.schema.names:
-        table = table.append_column(field, pa.nulls(table.num_rows, pa.int32()))
+        # Where the schema has it (columns added after it follow it).
+        at = min(schema.get_field_index("index"), table.num_columns)
+        table = table.add_column(at, field, pa.nulls(table.num_rows, pa.int32()))
     column = table["index"]
     if not column.null_count:
         return table

@@ -5,7 +5,8 @@ logs their requests (``finished ...``, ``<reason> row ...``: the log never count
 requests than the results dataset holds), and only then does one transaction acknowledge their
 entries with everything that goes with it: the entry leaves the stream (``XDEL``) and the
 in-flight hash, its id joins the job's done set, a registered bulk job gets the row on its result
-stream, the tenant's spend grows by the row's cost (``--enforce-budgets``), the job's count of
+stream, the spend of its tenant and budgeted groups (``--enforce-budgets``) and of its capped job
+(``--max-cost-usd``) grows by the row's cost, the job's count of
 generated tokens is brought up to date, and the request's idempotency record becomes ``done``. Entries that end without a row of their own (a duplicate, a
 dead letter, a lost entry another entry carries) are acked the same way.
 
@@ -62,7 +63,7 @@ class PendingAck:
 class Acks:
     def __init__(self, redis_client, *, stream: str, group: str, sinks: Sinks, billing: Billing,
                  replies: Replies, idempotency: Idempotency, jobs: JobStatuses, metrics, budget_guard=None,
-                 redis_cluster: bool = False, clock: Callable[[], float] = time.time) -> None:
+                 redis_cluster: bool = False, clock: Callable[[], float] = time.time, job_caps=None) -> None:
         self.redis = redis_client
         self.clock = clock
         self.stream = stream
@@ -76,6 +77,8 @@ class Acks:
         self.jobs = jobs
         self.metrics = metrics
         self.budget_guard = budget_guard
+        # Capped jobs' spend (workers/job_caps.py) grows as their rows are acked.
+        self.job_caps = job_caps
         self.redis_cluster = redis_cluster
         self.pending: list[PendingAck] = []
         # Log lines of buffered rows, logged once the rows are durable: (format, args, fields).
@@ -108,12 +111,17 @@ class Acks:
         if reply_to is not None:
             self.replies.final_when_durable(reply_to, first, choices)
         if self.budget_guard is not None and computed:
-            self.budget_guard.note(entry_id, first.tenant, cost_usd, first.finished_at)
+            self.budget_guard.note(entry_id, first.tenant, cost_usd, first.finished_at, job_id=first.job_id,
+                                   metadata=first.metadata)
         for row in rows:
             self.metrics.finish(row.finish_reason or "error")
         self._row_log.extend(log_lines)
         self._rows_buffered += len(rows)
         self._finished_buffered += computed
+
+    def pending_usd(self, job_id: str) -> float:
+        """The cost of this job's rows buffered or written and not acked yet."""
+        return sum(p.cost_usd for p in self.pending if p.row is not None and p.row.job_id == job_id)
 
     def add_error(self, entry_id: str, request_id: str, job_id: str | None, code: str | None,
                   message: str | None, *, attempt: int, enqueued_at: float, request: Request | None = None,
@@ -221,6 +229,8 @@ class Acks:
                 results_pipe.xadd(stream, {"id": row.id, "row": msgspec.json.encode(row), "cost_usd": repr(p.cost_usd)})
                 for choice in (p.choices or ())[1:]:
                     results_pipe.xadd(stream, {"id": choice.id, "row": msgspec.json.encode(choice)})
+        capped = [] if self.job_caps is None else self.job_caps.queue_charges(
+            results_pipe, [(p.row.job_id, p.cost_usd) for p in pending if p.row is not None and p.row.job_id])
         results = {id(pipe): pipe.execute()}
         for lane_pipe in lane_pipes:
             results[id(lane_pipe)] = lane_pipe.execute()
@@ -236,4 +246,6 @@ class Acks:
             results_pipe.execute()
         if charged:
             self.budget_guard.charged(charged)
+        if capped:
+            self.job_caps.charged(capped)
         self.pending = []

@@ -49,6 +49,8 @@ class Billing:
         self.device_share = device_share
         # Each request's latency targets, for its row's slo_met.
         self.targets = targets or LatencyTargets()
+        # How the worker runs the model (schemas/rows.model_variant): every cost row says it.
+        self.model_variant: str | None = None
 
     def _usd(self, device_s: float) -> float:
         return device_s * self.price / 3600.0
@@ -79,7 +81,7 @@ class Billing:
             kv_block_s=meter.kv_block_s, cost_usd=self._usd(meter.device_s),
             price_per_device_hour=self.price, worker=self.worker, finished_at=now,
             rejected_tokens=out.num_rejected_tokens, device_share=self.device_share, index=out.index,
-            **tier_columns(out.tier_cached_tokens),
+            metadata=row.metadata, model_variant=self.model_variant, **tier_columns(out.tier_cached_tokens),
         )
         return row, cost
 
@@ -105,7 +107,7 @@ class Billing:
             request_type=row.request_type, prompt_tokens=0, cached_prompt_tokens=0, output_tokens=0,
             queue_s=max(0.0, now - enqueued_at), prefill_s=0.0, decode_s=0.0, device_s=0.0, recomputed_s=0.0,
             kv_block_s=0.0, cost_usd=0.0, price_per_device_hour=self.price, worker=self.worker, finished_at=now,
-            device_share=self.device_share, index=0,
+            device_share=self.device_share, index=0, metadata=row.metadata, model_variant=self.model_variant,
         )
         return row, cost
 
@@ -115,7 +117,7 @@ class Billing:
             kind=kind, job_id=None, id=None, tenant=None, model=self.model, request_type=None, prompt_tokens=0,
             cached_prompt_tokens=0, output_tokens=0, queue_s=0.0, prefill_s=0.0, decode_s=0.0, device_s=seconds,
             recomputed_s=0.0, kv_block_s=0.0, cost_usd=self._usd(seconds), price_per_device_hour=self.price,
-            worker=self.worker, finished_at=now, device_share=self.device_share,
+            worker=self.worker, finished_at=now, device_share=self.device_share, model_variant=self.model_variant,
         )
 
     def wasted(self, item: InFlight, meter: RequestMeter) -> CostRow | None:
@@ -128,6 +130,7 @@ class Billing:
             meter, job_id=req.job_id, request_id=req.id, tenant=req.tenant, model=self.model,
             request_type=req.request_type, prompt_tokens=len(item.prompt_token_ids), worker=self.worker,
             price_per_device_hour=self.price, finished_at=self.clock(), device_share=self.device_share,
+            metadata=req.metadata, model_variant=self.model_variant,
         )
 
     def duplicate_answer(self, entry_id: str, request: Request, message: str) -> ResultRow:

@@ -364,11 +364,12 @@ class WorkerConfig:
         "--redis is a seed node of a Redis Cluster (keys are hash-tagged per stream; rq bulk jobs need a "
         "plain server)."))
     budgets: Path | None = field(default=None, metadata=flag(
-        "TOML file of per-tenant budgets (period, default_usd, [tenants]); exports budget and spend "
-        "metrics.", metavar="FILE"))
+        "TOML file of budgets (period, default_usd, thresholds, [tenants], [jobs], [metadata.KEY] tables of "
+        "VALUE = USD; docs/costs.md); exports budget, spend and warning-threshold metrics per group.",
+        metavar="FILE"))
     enforce_budgets: bool = field(default=False, metadata=flag(
-        "Refuse new requests of a tenant whose budget is spent: they end with error_code "
-        "budget_exceeded. Needs --budgets."))
+        "Refuse new requests of a tenant, job or metadata group whose budget is spent: they end with "
+        "error_code budget_exceeded. Needs --budgets."))
     idempotency_ttl_s: float = field(default=86_400.0, metadata=flag(
         "Remember each request (job_id, id) this long, so that a producer's second copy is computed once, "
         "or refused if its content differs (0 = off).", metavar="S"))

@@ -282,7 +282,8 @@ def process_start_time() -> float | None:
 
 def wasted_work_row(meter: RequestMeter, *, job_id: str | None, request_id: str, tenant: str, model: str,
                     request_type: str, prompt_tokens: int, worker: str, price_per_device_hour: float,
-                    finished_at: float, device_share: float) -> CostRow:
+                    finished_at: float, device_share: float, metadata: dict[str, str] | None = None,
+                    model_variant: str | None = None) -> CostRow:
     """A ``duplicate`` row for work whose result this worker will not write (handed back, or
     taken over by another worker): it keeps the worker's rows adding up to its uptime and bills
     nobody."""
@@ -292,7 +293,8 @@ def wasted_work_row(meter: RequestMeter, *, job_id: str | None, request_id: str,
         prefill_s=meter.prefill_s, decode_s=meter.decode_s, device_s=meter.device_s,
         recomputed_s=meter.recomputed_s, kv_block_s=meter.kv_block_s,
         cost_usd=meter.device_s * price_per_device_hour / 3600.0, price_per_device_hour=price_per_device_hour,
-        worker=worker, finished_at=finished_at, device_share=device_share,
+        worker=worker, finished_at=finished_at, device_share=device_share, metadata=dict(metadata or {}),
+        model_variant=model_variant,
     )
 
 

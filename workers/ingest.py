@@ -631,7 +631,7 @@ class Ingest:
         if self.jobs.cancelled(request.job_id):
             return None, None, "cancelled"
         if self.config.enforce_budgets:
-            refused = self.budget_guard.exceeded(request.tenant)
+            refused = self.budget_guard.exceeded(request.tenant, job_id=request.job_id, metadata=request.metadata)
             if refused is not None:
                 return errors.BUDGET_EXCEEDED, refused, "error"
         info = self.engine.info

@@ -42,6 +42,7 @@ from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT
 from mqinfer.schemas import errors, faults, keys
 from mqinfer.schemas.connection import connect_redis, redact
 from mqinfer.schemas.dataset import remove_temp_files
+from mqinfer.schemas.rows import model_variant
 from mqinfer.workers.acks import Acks, SinkError
 from mqinfer.workers.billing import Billing, finished_fields
 from mqinfer.workers.buckets import TokenBuckets, server_clock_unless
@@ -53,6 +54,7 @@ from mqinfer.workers.heap import CollectorPauses, freeze_startup_heap
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
 from mqinfer.workers.jobs import JobStatuses
+from mqinfer.workers.job_caps import JobCaps
 from mqinfer.workers.kv_prefixes import TierPrefixes
 from mqinfer.workers.lanes import lane_of, share_group
 from mqinfer.workers.ownership import Ownership
@@ -94,6 +96,7 @@ class Worker:
         self.budget_guard = budget_guard
         self.batcher = DynamicBatcher(max_batch=config.max_batch, max_wait_ms=config.max_wait_ms)
         self.jobs = JobStatuses(self.redis, clock=clock)
+        self.job_caps = JobCaps(self.redis, clock=clock)
         self.billing = Billing(self.consumer, config.price_per_device_hour, clock=clock,
                                targets=LatencyTargets(config.tenant_slo_map))
         self.replies = Replies(self.consumer, config.stream, maxlen=config.reply_maxlen, ttl_s=config.reply_ttl_s)
@@ -188,6 +191,11 @@ class Worker:
             self.tier_prefixes = TierPrefixes(self.redis, cfg.stream,
                                               prefix_cache_scope=cfg.engine.prefix_cache_scope)
         self.billing.model = info.model_id
+        ecfg = cfg.engine
+        self.billing.model_variant = model_variant(
+            dtype=info.dtype, quantization=ecfg.quantization,
+            kv_cache_dtype=info.dtype if ecfg.kv_cache_dtype == "auto" else ecfg.kv_cache_dtype,
+            tensor_parallel_size=ecfg.tensor_parallel_size, pipeline_parallel_size=ecfg.pipeline_parallel_size)
         share = cfg.device_share if cfg.device_share is not None else engine.device_share
         self.billing.device_share = share
         self.meter = Meter(
@@ -204,7 +212,8 @@ class Worker:
                       before_rename=(lambda _p: faults.hit("sink.before_rename")) if faults.enabled() else None)
         self.acks = Acks(self.redis, stream=cfg.stream, group=cfg.group, sinks=sinks, billing=self.billing,
                          replies=self.replies, idempotency=self.idempotency, jobs=self.jobs, metrics=self.metrics,
-                         budget_guard=self.budget_guard, redis_cluster=cfg.redis_cluster, clock=self.clock)
+                         budget_guard=self.budget_guard, redis_cluster=cfg.redis_cluster, clock=self.clock,
+                         job_caps=self.job_caps)
         dead_letters = DeadLetters(self.redis, cfg.stream, self.consumer, acks=self.acks, metrics=self.metrics)
         self.ownership = Ownership(self.redis, cfg, self.consumer, engine=engine, batcher=self.batcher,
                                    idempotency=self.idempotency, acks=self.acks, dead_letters=dead_letters,
@@ -375,6 +384,14 @@ class Worker:
                 later.append(entry_id)
                 continue
             req = item.request
+            refused = self.job_caps.exceeded(req.job_id, self._unacked_usd) if req.job_id is not None else None
+            if refused is not None:
+                self.ownership.release(entry_id)
+                self.acks.add_error(entry_id, req.id, req.job_id, errors.BUDGET_EXCEEDED, refused,
+                                    attempt=item.attempt, enqueued_at=item.enqueued_at, request=req)
+                if self._alone == entry_id:
+                    self._alone = None
+                continue
             faults.hit(f"worker.admit.{req.id}")
             ttft_ms, tpot_ms = self.billing.targets.of(req)
             try:
@@ -391,6 +408,16 @@ class Worker:
                 continue
         if later:
             self.batcher.requeue(later)
+
+    def _unacked_usd(self, job_id: str) -> float:
+        """This worker's spend on ``job_id`` not acked yet: its rows written and its requests in
+        the engine (the device time they used so far), for the job's cost cap."""
+        usd = self.acks.pending_usd(job_id)
+        for request_id, meter in self.meter.requests.items():
+            item = self.ownership.get(request_id)
+            if item is not None and item.request.job_id == job_id:
+                usd += meter.device_s * self.billing.price / 3600.0
+        return usd
 
     def _step(self) -> None:
         result = self.engine.step()

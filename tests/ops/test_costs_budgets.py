@@ -55,8 +55,9 @@ def test_check_budgets_reports_the_worst_period():
     spend = {("acme", "2023-11-14"): 4.0, ("acme", "2023-11-15"): 12.0, ("beta", "2023-11-14"): 0.5,
              ("gamma", "2023-11-14"): 1.0}
     got = {s.tenant: s for s in check_budgets(b, spend)}
-    assert got["acme"] == BudgetStatus("acme", "2023-11-15", 10.0, 12.0, True, 0.0)
-    assert got["beta"] == BudgetStatus("beta", "2023-11-14", 1.0, 0.5, False, 0.5)
+    assert got["acme"] == BudgetStatus("acme", "2023-11-15", 10.0, 12.0, True, 0.0,
+                                       thresholds_reached=[50.0, 80.0, 100.0])
+    assert got["beta"] == BudgetStatus("beta", "2023-11-14", 1.0, 0.5, False, 0.5, thresholds_reached=[50.0])
     assert got["gamma"].over  # spending exactly the budget reaches it
     assert got["idle-co"] == BudgetStatus("idle-co", "", 3.0, 0.0, False, 3.0)
     assert check_budgets(Budgets(tenants={"acme": 1.0}), {("nobody", ""): 9.0})[0].tenant == "acme"

@@ -120,3 +120,19 @@ def test_a_folder_without_cost_rows_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     got = job_cost([tmp_path / "empty"], "j")
     assert (got.cost_usd, got.rows, got.missing) == (0.0, 0, (str(tmp_path / "empty"),))
+
+
+def test_a_cost_cap_is_on_the_streams_server_before_the_first_request_is_fed(redis_client, tmp_path):
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "r0", "prompt": "p"}])
+    job_id = submit_job(redis_client, src, tmp_path / "job", max_cost_usd=0.5).job_id
+    assert float(redis_client.hget(keys.job_cost(job_id), "max_cost_usd")) == 0.5
+    assert redis_client.hget(keys.job_key(job_id), "max_cost_usd") == b"0.5"
+    assert not fed(redis_client)
+    info = job_info(redis_client, job_id)
+    assert info["max_cost_usd"] == 0.5 and "cost cap   $0.5 (--max-cost-usd)" in render_status(info)
+    other = submit_job(redis_client, src, tmp_path / "free").job_id
+    assert job_info(redis_client, other)["max_cost_usd"] is None
+    assert "cost cap" not in render_status(job_info(redis_client, other))
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--max-cost-usd"):
+            submit_job(redis_client, src, tmp_path / f"bad{bad}", max_cost_usd=bad)

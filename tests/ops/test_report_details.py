@@ -137,7 +137,8 @@ def test_time_window_applies_to_everything(out):
 def test_json_has_every_section(out):
     doc = json.loads(render(cost_report(out, budgets=Budgets(tenants={"acme": 1.0})), "json"))
     assert set(doc) == {"by", "since", "until", "groups", "totals", "top_requests", "hourly", "budgets",
-                        "requests_counted_more_than_once", "extra_request_rows", "basis"}
+                        "requests_counted_more_than_once", "extra_request_rows", "basis", "budget_marks",
+                        "hourly_by_group", "cost_distribution"}
     assert doc["budgets"][0]["tenant"] == "acme" and doc["hourly"][0]["requests"] == 2
     assert "usd_per_1m_input_tokens" in doc["groups"][0] and doc["totals"]["requests"] == 4
 

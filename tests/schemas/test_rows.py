@@ -54,9 +54,12 @@ def test_cost_schema_is_the_contract():
         "kind", "job_id", "id", "tenant", "model", "request_type", "prompt_tokens", "cached_prompt_tokens",
         "output_tokens", "queue_s", "prefill_s", "decode_s", "device_s", "recomputed_s", "kv_block_s", "cost_usd",
         "price_per_device_hour", "worker", "finished_at", "rejected_tokens", "device_share",
-        "host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens", "index",
+        "host_cached_tokens", "disk_cached_tokens", "shared_cached_tokens", "index", "metadata", "model_variant",
     ]
     types = {f.name: f.type for f in COST_SCHEMA}
+    # The request's labels, as in the result rows, and how the worker ran the model.
+    assert types["metadata"] == RESULT_SCHEMA.field("metadata").type and types["model_variant"] == pa.string()
+    assert COST_SCHEMA.field("metadata").nullable and COST_SCHEMA.field("model_variant").nullable
     assert all(types[n] == pa.int32() for n in ("prompt_tokens", "cached_prompt_tokens", "output_tokens",
                                                 "rejected_tokens"))
     assert all(types[n] == pa.float64() for n in ("queue_s", "device_s", "cost_usd", "price_per_device_hour",
