@@ -114,3 +114,23 @@ def test_bad_arguments_are_refused(argv, capsys):
         gpu_bench.main(["--device", "cpu", *argv])
     assert exit_info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_the_gpu_session_script_runs_gpu_bench_and_prints_its_summary(tmp_path):
+    """The script a GPU session runs, here on the CPU with a budget that is spent at once: the
+    machine report, gpu_bench's exit status, and the summary read back from its JSON."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "DEVICE": "cpu", "MODELS": "tiny", "BUDGET_S": "1", "PYTHON": sys.executable,
+           "EXTRA": "--skip-gpu-check --num-requests 2"}
+    out = subprocess.run(["bash", str(root / "loadgen" / "gpu_session.sh"), str(tmp_path / "out")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "== machine" in out.stdout and "torch " in out.stdout
+    assert "== gpu_bench exit status 0" in out.stdout and '"summary"' in out.stdout
+    body = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
+    assert body["finished"] is True and body["environment"]["device"] == "cpu"
