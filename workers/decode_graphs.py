@@ -190,9 +190,7 @@ class DecodeGraphs:
         metadata = self.metadata[size]
         # Eager (the CPU stand-in): the kernels check this step's indices again, and the
         # PyTorch attention path plans its groups from the padded host lists.
-        metadata.max_seq_len = host.max_seq_len
-        metadata.native_checked_blocks = metadata.triton_checked_blocks = None
-        metadata._groups, metadata._plan = None, host._plan
+        metadata.new_step(host.max_seq_len, host.planner())
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches, metadata)[:batch]
 
 

@@ -57,6 +57,16 @@ def test_padded_decode_steps_give_the_eager_tokens(batch):
     assert graphs.replays >= GREEDY.max_tokens - 1
 
 
+def test_the_pytorch_attention_path_plans_each_padded_step(monkeypatch):
+    """Without the native kernel, attention plans its groups per step; the padded step's plan
+    must be the padded step's own, not the first one's."""
+    monkeypatch.setenv("MQINFER_CPU_ATTENTION", "torch")
+    eager = _run(_engine(max_num_seqs=8), _prompts(5), GREEDY)
+    engine = _engine(max_num_seqs=8)
+    graphs = enable_decode_graphs(engine)
+    assert _run(engine, _prompts(5), GREEDY) == eager and graphs.replays > 0
+
+
 def test_seeded_sampling_and_n_choices_give_the_eager_tokens():
     for sampling in (SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, n=3),
                      SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=11, ignore_eos=True, n=3)):
