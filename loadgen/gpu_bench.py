@@ -186,7 +186,8 @@ def header(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
 
     from mqinfer.loadgen.gpu_check import environment
 
-    return {"date_utc": environment(args.device)["date_utc"], "environment": environment(args.device),
+    env = environment(args.device)
+    return {"date_utc": env["date_utc"], "environment": env,
             "python": platform.python_version(), "dtype": dtype,
             "settings": dict(vars(args))}
 
