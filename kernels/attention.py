@@ -173,6 +173,17 @@ class AttentionMetadata:
         # The same for the Triton kernels (kernels/triton_attention.py).
         self.triton_checked_blocks: int | None = None
 
+    def new_step(self, max_seq_len: int, plan: Callable[[], list[AttentionGroup]] | None) -> None:
+        """Describe another step with the same tensors, whose contents the caller has rewritten
+        (static buffers): the index checks run again and the groups are planned anew by ``plan``."""
+        self.max_seq_len = max_seq_len
+        self.native_checked_blocks = self.triton_checked_blocks = None
+        self._groups, self._plan = None, plan
+
+    def planner(self) -> Callable[[], list[AttentionGroup]] | None:
+        """What plans this metadata's groups (for another metadata of the same step)."""
+        return self._plan
+
     @property
     def groups(self) -> list[AttentionGroup]:
         if self._groups is None:

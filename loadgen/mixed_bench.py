@@ -16,7 +16,7 @@ tokens) at p50 / p99, alone and mixed, with the mixed over alone ratios; and the
 mixed run, with their ratio. ``--no-targets`` sends the interactive requests without targets, so
 that they are scheduled as bulk: the comparison without step plans.
 
-The issue's scenario is ``--interactive-requests 30 --interactive-rate 3 --interactive-prompt-len 64
+A chat-like tenant beside a 600-request backlog is ``--interactive-requests 30 --interactive-rate 3 --interactive-prompt-len 64
 --interactive-output-len 32 --bulk-requests 600 --bulk-prompt-len 128 --bulk-output-len 64``; the
 defaults are a smaller one for a quick check. Take figures on a quiet machine.
 

@@ -159,6 +159,11 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = field(default=None, metadata=flag(
         "CPU threads for the model (default: OMP_NUM_THREADS, else every core).", metavar="N"))
+    enforce_eager: bool = field(default=False, metadata=flag(
+        "Run every engine step eagerly. Without it, on a single CUDA device without speculative decoding, "
+        "decode-only steps replay CUDA graphs captured at start-up, one per padded batch size (1, 2, 4, 8, "
+        "then steps of 8 and 16 up to --max-num-seqs; the start-up log gives the capture time), and steps "
+        "with prompt tokens run eagerly; on CPU every step is eager anyway."))
     preemption_mode: str = field(default=_SCHEDULER.preemption_mode, metadata=flag(
         "When KV blocks run out: recompute the preempted request later, or swap its KV to host memory "
         "and back.", name="preemption", choices=PREEMPTION_MODES))

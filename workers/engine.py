@@ -47,6 +47,7 @@ from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.schemas import errors
 from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
+from mqinfer.workers.decode_graphs import decode_graphs_wanted, enable_decode_graphs
 from mqinfer.workers.draft_proposer import DraftProposer, check_draft_model
 from mqinfer.workers.kv_tiers import attach_engine_tiers
 from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
@@ -358,6 +359,9 @@ class LLMEngine:
                 timer.lap("keep prepared model")
         if self.device.type == "cpu" and hasattr(self.model, "pack_weights") and self.model.pack_weights():
             timer.lap("pack weights")
+        if decode_graphs_wanted(config, self.device) is None:
+            enable_decode_graphs(self)
+            timer.lap("decode graphs")
         self._init_requests(config)
         self._log_ready(config, num_blocks, max_len, stage)
         timer.lap("other")

@@ -39,6 +39,7 @@ from mqinfer.kernels.sampling import SamplingTensors, accept_proposals, compute_
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
 from mqinfer.scheduler.request import EngineRequest
+from mqinfer.workers.decode_graphs import DecodeGraphs
 from mqinfer.workers.draft_proposer import ModelDraft
 from mqinfer.workers.loader import ModelInfo, resolve_dtype
 from mqinfer.workers.logits_processors import LogitsProcessors
@@ -138,6 +139,9 @@ class ModelRunner:
             )
         self.workspace = AttentionWorkspace()
         self.num_queries_per_kv = num_heads // num_kv_heads
+        # Decode-only steps over static buffers (CUDA graphs), when the engine sets them up
+        # (workers/decode_graphs.py); None: every step eager.
+        self.decode_graphs: DecodeGraphs | None = None
         model.rotary.extend(scheduler_config.max_model_len)
         # The self proposer's draft: the model's first draft_layers layers over this KV cache.
         # The draft proposer's: a second model over a KV cache of its own, with the same blocks.
@@ -360,6 +364,9 @@ class ModelRunner:
         """The block copies, then the model over the plan's packed tokens: (hidden states, the
         time the inputs were ready)."""
         self._copy_blocks(plan)
+        graphs = self.decode_graphs
+        if graphs is not None and graphs.accepts(plan.query_lens, plan.block_tables):
+            return graphs.run(plan.input_ids, plan.seq_lens, plan.block_tables), time.perf_counter()
         metadata = build_attention_metadata(
             plan.query_lens, plan.seq_lens, plan.block_tables, self.block_size, self.num_queries_per_kv,
             device=self.device, workspace=self.workspace,

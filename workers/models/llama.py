@@ -156,6 +156,10 @@ class Activations:
             buffer = self._buffers[kind] = torch.empty(numel, dtype=like.dtype, device=like.device)
         return buffer[:numel].view(rows, cols)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The buffers as they are now (a captured CUDA graph keeps those it writes alive)."""
+        return list(self._buffers.values())
+
 
 class Embedding(nn.Module):
     """Token embedding; with tied weights the LM head shares ``weight``."""
