@@ -354,8 +354,13 @@ class SloScheduling:
                 prompt_left += num_new
                 prompt_need += self._ttft_share(request, num_new, budget, now)
         if prompt_left:
-            fit = self._prompt_fit(shape, budget)
-            plan.interactive_prompt_tokens = min(prompt_left, max(prompt_need, fit))
+            if model.predict(shape) > budget:
+                # The interactive decodes alone already miss the target: holding prompts back
+                # cannot keep it, and would only add to their time to first token.
+                plan.interactive_prompt_tokens = prompt_left
+            else:
+                fit = self._prompt_fit(shape, budget)
+                plan.interactive_prompt_tokens = min(prompt_left, max(prompt_need, fit))
             shape = shape.with_prompt(plan.interactive_prompt_tokens)
         # Bulk decodes, those that have sat out longest first: a share of them whatever the time
         # (so that the minimum rate is spread over the steps rather than met all at once by the

@@ -198,6 +198,20 @@ def test_an_interactive_prompt_is_admitted_first_and_chunked_to_its_ttft():
     assert len(d.steps) - steps_before > 1  # chunked, not run in one long step
 
 
+def test_a_prompt_is_not_held_back_for_a_target_the_machine_cannot_meet():
+    # The fake machine's step takes at least 2 ms: a 1 ms TPOT target cannot be held even by the
+    # interactive decodes alone, so chunking a new prompt would only delay its first token.
+    d = Driver(config(max_num_batched_tokens=1024))
+    warm(d, n_bulk=4)
+    talking = [d.add(16, 400, slo_ttft_ms=1000, slo_tpot_ms=1) for _ in range(3)]
+    while any(r.num_output_tokens == 0 for r in talking):
+        d.step()
+    chat = d.add(600, 4, slo_ttft_ms=1000, slo_tpot_ms=1)
+    d.step()
+    assert d.steps[-1][chat.request_id] == 600  # its whole prompt in one step, not spread to 1 s
+    assert chat.num_output_tokens == 1
+
+
 def test_an_interactive_request_is_never_preempted_for_a_bulk_one():
     # 40 blocks of 16 tokens: the bulk requests outgrow the cache and preempt one another.
     d = Driver(config(num_kv_blocks=40, max_num_batched_tokens=256))
