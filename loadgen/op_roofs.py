@@ -4,7 +4,7 @@
 - **Dense layers** (FLOP-bound): the multiply-add rate PyTorch's matmul (oneDNN: AMX tiles where
   the CPU has them, else AVX-512 / VNNI) reaches on this machine at the engine's own shapes: for each
   dense op, a ``[rows, K] @ [K, N]`` matmul in the engine's dtype with the op's weight shape and its
-  mean rows per call, best of a few. An op's share is its achieved rate over that roof, both over
+  rows per call averaged by each call's work, best of a few. An op's share is its achieved rate over that roof, both over
   CPU time of the same threads, so the share says how well the kernel uses the cores it has.
 - **Attention, rotary + KV store, residual + RMSNorm, SwiGLU's elementwise part** (bandwidth-bound):
   the bytes each call must move (attention: every key and value of every sequence's context, plus
@@ -63,8 +63,9 @@ def measure_roofs(times, dtype: str) -> Roofs:
     bandwidth = measure_copy_bandwidth()
     roofs = Roofs(copy_bytes_per_s=bandwidth.bytes_per_s)
     for name, shape in times.shapes.items():
-        calls = times.calls[name]
-        rows = max(1, round(times.rows[name] / calls)) if calls else 1
+        # Rows weighted by the work of each call (a call's FLOPs grow with its rows): a few long
+        # prefill chunks among many short decodes set the rate the op's time is mostly spent at.
+        rows = max(1, round(times.rows_squared[name] / times.rows[name])) if times.rows[name] else 1
         k, n = shape
         roofs.dense_shapes[name] = (rows, k, n)
         roofs.dense_flops_per_s[name] = matmul_rate(rows, k, n, dtype)
@@ -95,8 +96,8 @@ def roof_table(times, roofs: Roofs, forward_s: float, phases: dict[str, float]) 
     for phase in ("schedule", "prepare", "sample", "postprocess"):
         if phase in phases:
             lines.append(f"{'step: ' + phase:<30} {'':>7} {phases[phase]:>9.3f}")
-    lines.append("dense roofs: PyTorch's matmul at each op's mean rows and weight shape, CPU time of the same "
-                 "threads; bandwidth roofs: a copy of arrays larger than the last-level cache, wall time.")
+    lines.append("dense roofs: PyTorch's matmul at each op's work-weighted mean rows and weight shape, CPU time "
+                 "of the same threads; bandwidth roofs: a copy of arrays larger than the last-level cache, wall time.")
     for name, (rows, k, n) in sorted(roofs.dense_shapes.items()):
         lines.append(f"  {name}: [{rows} x {k}] @ [{k} x {n}]")
     return "\n".join(lines)

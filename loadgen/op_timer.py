@@ -31,6 +31,7 @@ class OpTimes:
         # their roofs: loadgen/op_roofs.py).
         self.bytes: dict[str, float] = defaultdict(float)
         self.rows: dict[str, int] = defaultdict(int)
+        self.rows_squared: dict[str, int] = defaultdict(int)  # for the FLOP-weighted mean of rows
         self.shapes: dict[str, tuple[int, int]] = {}
 
     def add(self, name: str, seconds: float, flops: float = 0.0, cpu_seconds: float = 0.0, nbytes: float = 0.0,
@@ -43,6 +44,7 @@ class OpTimes:
         self.bytes[name] += nbytes
         if shape is not None:
             self.rows[name] += shape[0]
+            self.rows_squared[name] += shape[0] * shape[0]
             self.shapes[name] = shape[1:]
 
     def table(self, forward_s: float) -> str:
