@@ -286,3 +286,34 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     argparse defaults: the benchmark reads the parsed namespace directly."""
     for title, options in BENCH_GROUPS:
         add_options(parser, options, group=parser.add_argument_group(title), argparse_defaults=True)
+
+
+def add_worker_engine_options(parser: argparse.ArgumentParser) -> None:
+    """The engine flags a scenario benchmark passes to its workers (``--dtype`` ... ``--max-wait-ms``),
+    as one argument group; unset ones leave the worker's own defaults."""
+    g = parser.add_argument_group("engine flags passed to the workers")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--quantization", default="none", choices=("none", "w8a8", "w8a16"))
+    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
+    for flag, meta in (("--max-num-seqs", "S"), ("--max-num-batched-tokens", "T"), ("--num-kv-blocks", "K"),
+                       ("--block-size", "B"), ("--max-batch", "N"), ("--num-threads", "N")):
+        g.add_argument(flag, type=positive_int, default=None, metavar=meta, help="(default: the worker's)")
+    g.add_argument("--max-wait-ms", type=parse_wait_ms, default=None, metavar="T", help="(default: the worker's)")
+
+
+def run_scenario(parser: argparse.ArgumentParser, run, format_report, argv: list[str] | None) -> int:
+    """A scenario benchmark's ``main``: parse, ``run``, print ``format_report`` of the result, and
+    write it to ``--json`` when asked."""
+    import json
+    from pathlib import Path
+
+    from mqinfer.loadgen.bench_pool import log
+
+    args = parser.parse_args(argv)
+    result = run(args)
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        log(f"figures written to {args.json}")
+    return 0

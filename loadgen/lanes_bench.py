@@ -49,7 +49,6 @@ every figure to ``--json FILE``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -63,7 +62,9 @@ from typing import Any
 
 from mqinfer.loadgen.bench_model import ModelSpec, resolve_model
 from mqinfer.loadgen.bench_online import unshared_prompts
-from mqinfer.loadgen.bench_options import parse_length_range, parse_wait_ms, parse_worker_count, positive_int
+from mqinfer.loadgen.bench_options import (
+    add_worker_engine_options, parse_length_range, parse_worker_count, positive_int, run_scenario,
+)
 from mqinfer.loadgen.bench_pool import WorkerPool, log, read_results, wait_done, worker_argv
 from mqinfer.loadgen.metrics import RequestTiming, summarize
 from mqinfer.loadgen.tenants_bench import tenant_weights, queue_delays
@@ -158,15 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Workers exit after this long with nothing to do (default: 600).")
     g.add_argument("--json", default=None, metavar="FILE", help="Write every figure as JSON.")
 
-    g = p.add_argument_group("engine flags passed to the workers")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    g.add_argument("--quantization", default="none", choices=("none", "w8a8", "w8a16"))
-    g.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    g.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"))
-    for flag, meta in (("--max-num-seqs", "S"), ("--max-num-batched-tokens", "T"), ("--num-kv-blocks", "K"),
-                       ("--block-size", "B"), ("--max-batch", "N"), ("--num-threads", "N")):
-        g.add_argument(flag, type=positive_int, default=None, metavar=meta, help="(default: the worker's)")
-    g.add_argument("--max-wait-ms", type=parse_wait_ms, default=None, metavar="T", help="(default: the worker's)")
+    add_worker_engine_options(p)
     return p
 
 
@@ -663,13 +656,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result = run(args)
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        log(f"figures written to {args.json}")
-    return 0
+    return run_scenario(build_parser(), run, format_report, argv)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ started, and how many ended ``rate_limited``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
@@ -30,7 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from mqinfer.loadgen.bench_options import positive_int
+from mqinfer.loadgen.bench_options import positive_int, run_scenario
 from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, wait_done, worker_argv
 from mqinfer.workers.tenant_limits import TenantLimit, format_tenant_limits, parse_tenant_limits
 
@@ -239,13 +238,7 @@ def format_report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    result = run(args)
-    print(format_report(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-        log(f"figures written to {args.json}")
-    return 0
+    return run_scenario(build_parser(), run, format_report, argv)
 
 
 if __name__ == "__main__":
