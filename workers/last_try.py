@@ -50,6 +50,28 @@ class LastTries:
                     "died: this request crashes the workers that run it")
         return None
 
+    def split(self, items: list, engine_busy: bool, alone: str | None) -> tuple[list, list[str], str | None]:
+        """A batch released to the engine, ``items`` as (entry id, in-flight entry), split by the
+        rule above: (the items to start now, the entry ids to put back, the entry that runs alone
+        after this batch or None). ``alone``: the entry running alone now; ``engine_busy``: the
+        engine holds unfinished requests."""
+        waits_alone = any(self.runs_alone(item.attempt) for _, item in items)
+        start, later = [], []
+        for entry_id, item in items:
+            if alone is not None:
+                later.append(entry_id)  # one runs alone: nothing joins it
+            elif self.runs_alone(item.attempt):
+                if engine_busy:
+                    later.append(entry_id)  # it waits for the engine to empty
+                else:
+                    start.append((entry_id, item))
+                    alone = entry_id
+            elif waits_alone:
+                later.append(entry_id)  # nothing new starts while a last try waits
+            else:
+                start.append((entry_id, item))
+        return start, later, alone
+
     def mark(self, qid: str) -> None:
         """Say that ``qid`` starts running alone here (before it starts)."""
         self.redis.set(self._key(qid), self.consumer, ex=MARK_TTL_S)

@@ -362,27 +362,11 @@ class Worker:
         now = self.clock()
         if idle:
             self.meter.idle_until(now)
-        last_tries = self.ingest.last_tries
         # A last try runs alone (workers/last_try.py): while one runs, or one waits for the engine
         # to empty, nothing else starts; the rest go back to the batcher's front.
-        items = [(entry_id, self.ownership.get(entry_id)) for entry_id in batch]
-        waits_alone = any(item is not None and last_tries.runs_alone(item.attempt) for _, item in items)
-        later: list[str] = []
-        for entry_id, item in items:
-            if item is None:
-                continue
-            if self._alone is not None:
-                later.append(entry_id)
-                continue
-            if last_tries.runs_alone(item.attempt):
-                if self.engine.has_unfinished():
-                    later.append(entry_id)
-                    continue
-                self._with_backoff(last_tries.mark, entry_id)
-                self._alone = entry_id
-            elif waits_alone:
-                later.append(entry_id)
-                continue
+        items = [(e, item) for e in batch if (item := self.ownership.get(e)) is not None]
+        start, later, self._alone = self.ingest.last_tries.split(items, not idle, self._alone)
+        for entry_id, item in start:
             req = item.request
             refused = self.job_caps.exceeded(req.job_id, self._unacked_usd) if req.job_id is not None else None
             if refused is not None:
@@ -392,6 +376,8 @@ class Worker:
                 if self._alone == entry_id:
                     self._alone = None
                 continue
+            if self._alone == entry_id:
+                self._with_backoff(self.ingest.last_tries.mark, entry_id)
             faults.hit(f"worker.admit.{req.id}")
             ttft_ms, tpot_ms = self.billing.targets.of(req)
             try:
