@@ -126,6 +126,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     from mqinfer.kernels import cpu_ops
     from mqinfer.kernels import linear as dense
     from mqinfer.kernels import linear_amx as amx
+    from mqinfer.kernels import linear_onednn as onednn
     from mqinfer.kernels import linear_int8 as q8
     from mqinfer.kernels import linear_w8a16 as w16
     from mqinfer.workers.models.llama import Attention, Linear, LMHead
@@ -144,6 +145,9 @@ def timing_ops(model) -> Iterator[OpTimes]:
     def amx_name(x, packed, *_):
         return f"dense {roles.get(id(packed.source), '?')} (AMX)"
 
+    def onednn_name(x, packed, *_):
+        return f"dense {roles.get(id(packed.source), '?')} (oneDNN)"
+
     def linear_flops(x, packed, *_):
         return 2.0 * x.shape[0] * packed.in_features * packed.out_features
 
@@ -155,7 +159,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     saved = [(dense, "linear", dense.linear), (dense, "swiglu", dense.swiglu),
              (q8, "linear", q8.linear), (q8, "swiglu", q8.swiglu),
              (w16, "linear", w16.linear), (w16, "swiglu", w16.swiglu), (amx, "linear", amx.linear),
-             (amx, "swiglu", amx.swiglu),
+             (amx, "swiglu", amx.swiglu), (onednn, "linear", onednn.linear),
              (cpu_ops, "rotary_store_kv", cpu_ops.rotary_store_kv), (cpu_ops, "add_rms_norm", cpu_ops.add_rms_norm),
              (cpu_ops, "silu_mul", cpu_ops.silu_mul), (Linear, "forward", Linear.forward),
              (LMHead, "forward", LMHead.forward)]
@@ -169,6 +173,7 @@ def timing_ops(model) -> Iterator[OpTimes]:
     amx.linear = _timed(times, amx_name, amx.linear, linear_flops, native, shape=_linear_shape)
     # The AMX kernel's SwiGLU weight is the whole [2 * I, K] gate/up projection.
     amx.swiglu = _timed(times, "dense gate_up + SwiGLU (AMX)", amx.swiglu, linear_flops, native, shape=_linear_shape)
+    onednn.linear = _timed(times, onednn_name, onednn.linear, linear_flops, native, shape=_linear_shape)
     cpu_ops.rotary_store_kv = _timed(times, "rotary + KV store", cpu_ops.rotary_store_kv, nbytes=_rotary_bytes)
     cpu_ops.add_rms_norm = _timed(times, "residual + RMSNorm", cpu_ops.add_rms_norm, nbytes=_norm_bytes)
     cpu_ops.silu_mul = _timed(times, "SwiGLU (silu * up)", cpu_ops.silu_mul, nbytes=_silu_bytes)

@@ -31,7 +31,7 @@ from torch import nn
 
 from mqinfer.kernels import cpu_ops
 from mqinfer.kernels import linear as dense
-from mqinfer.kernels import linear_amx
+from mqinfer.kernels import linear_amx, linear_onednn
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from mqinfer.kernels.kv_quant import LayerKVCache
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
@@ -78,6 +78,18 @@ def _amx_weight(module: nn.Module, x: torch.Tensor) -> linear_amx.AmxWeight | No
     return packed
 
 
+def _onednn_weight(module: nn.Module, x: torch.Tensor) -> linear_onednn.OneDnnWeight | None:
+    """``module.weight`` laid out for oneDNN when rows ``x`` go there (``linear_onednn.takes``:
+    bfloat16, at most its row limit, a CPU without AMX whose oneDNN runs bfloat16), kept in
+    ``module.packed`` as ``_amx_weight`` keeps its own; None otherwise."""
+    if linear_amx.available() or not linear_onednn.takes(x):
+        return None
+    packed = module.packed
+    if not isinstance(packed, linear_onednn.OneDnnWeight) or not packed.packed_from(module.weight):
+        packed = module.packed = linear_onednn.pack(module.weight)
+    return packed
+
+
 def _amx_swiglu_weight(module: nn.Module, x: torch.Tensor, vector_chunk: int) -> linear_amx.AmxWeight | None:
     """SwiGLU's gate/up weight packed for the AMX kernel's fused SwiGLU when rows ``x`` go to the
     kernel and the layer has no bias: kept in ``module.packed_swiglu``, made again when the weight
@@ -105,14 +117,19 @@ class Linear(nn.Module):
         """``x [T, in] -> [T, out]``, into ``out`` when given. On an AVX2 CPU in float32 the
         native kernel with the packed weight (``kernels/linear.py``); on a CPU with AMX in
         bfloat16, up to ``linear_amx.MAX_ROWS`` rows, the AMX kernel with its packed weight
-        (``kernels/linear_amx.py``); elsewhere the very calls ``F.linear`` makes for 2-D input
-        (``mm``, or ``addmm`` with a bias), the same bits."""
+        (``kernels/linear_amx.py``); on another CPU in bfloat16, up to ``linear_onednn.MAX_ROWS``
+        rows, oneDNN with the weight laid out once (``kernels/linear_onednn.py``; the bits of
+        ``F.linear``, in a new tensor rather than ``out``); elsewhere the very calls ``F.linear``
+        makes for 2-D input (``mm``, or ``addmm`` with a bias), the same bits."""
         packed = _packed_weight(self, x)
         if packed is not None:
             return dense.linear(x, packed, self.bias, out)
         amx = _amx_weight(self, x)
         if amx is not None:
             return linear_amx.linear(x, amx, self.bias, out)
+        laid_out = _onednn_weight(self, x)
+        if laid_out is not None:
+            return linear_onednn.linear(x, laid_out, self.bias)
         if out is None:
             return F.linear(x, self.weight, self.bias)
         if self.bias is None:
@@ -187,15 +204,19 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, hidden] -> [B, vocab]``, into ``out`` when given. On an AVX2 CPU in float32 the
-        native dense kernel, on a CPU with AMX in bfloat16 the AMX kernel (both as ``Linear``);
-        elsewhere on CPU in slices of the vocabulary, each logit the same dot product as in one
-        matmul (the same bits)."""
+        native dense kernel, on a CPU with AMX in bfloat16 the AMX kernel, on another in bfloat16
+        oneDNN with the weight laid out (all as ``Linear``); elsewhere on CPU in slices of the
+        vocabulary, each logit the same dot product as in one matmul (the same bits)."""
         packed = _packed_weight(self, hidden)
         if packed is not None:
             return dense.linear(hidden, packed, None, out)
         amx = _amx_weight(self, hidden)
         if amx is not None:
             return linear_amx.linear(hidden, amx, None, out)
+        laid_out = _onednn_weight(self, hidden)
+        if laid_out is not None:
+            logits = linear_onednn.linear(hidden, laid_out)
+            return logits if out is None else out.copy_(logits)
         weight = self.weight
         vocab, dim = weight.shape
         if hidden.device.type != "cpu" or hidden.dim() != 2:
@@ -579,8 +600,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self) -> int:
         """Pack every dense layer's weight for its native kernel now, as its first call would:
         start-up pays it rather than the first step. bfloat16 layers (and the LM head) for the AMX
-        kernel, int8 layers (``--quantization``) for theirs: the MLP's gate/up projection for the
-        fused SwiGLU the MLP calls first where the fused CPU ops run. Returns how many were packed
+        kernel (or, without AMX, laid out for oneDNN), int8 layers (``--quantization``) for
+        theirs: the MLP's gate/up projection for the fused SwiGLU the MLP calls first where the
+        fused CPU ops run. Returns how many were packed
         (none on other devices, or without a native kernel for the layer)."""
         packed = 0
         dtype = self.dtype  # the rows' dtype: the model's
@@ -594,7 +616,7 @@ class LlamaForCausalLM(nn.Module):
                         and _amx_swiglu_weight(module, rows, cpu_ops.silu_vector_chunk(rows.dtype)) is not None):
                     packed += 1
                 else:
-                    packed += _amx_weight(module, rows) is not None
+                    packed += (_amx_weight(module, rows) or _onednn_weight(module, rows)) is not None
             elif hasattr(module, "pack_now") and module.qweight.device.type == "cpu":
                 packed += module.pack_now(dtype, fused=fused_mlp and id(module) in gate_ups)
         return packed
