@@ -31,6 +31,7 @@ from mqinfer.machine import Window, bill_remainder, settle_lost, worker_shares
 from mqinfer.procs import die_with_parent, mqinfer_command
 from mqinfer.run_caps import cap_summary, check_cap, set_cost_cap, stopped_by_cap
 from mqinfer.schemas import lanes as lane_scheme
+from mqinfer.schemas.dataset_uri import is_remote, local_path
 from mqinfer.schemas.errors import BUDGET_EXCEEDED
 from mqinfer.supervise import Supervisor
 from mqinfer.schemas.prefix_order import prefix_order
@@ -59,6 +60,9 @@ def check_run_flags(opts: dict) -> None:
         raise ConfigError(f"--workers ({opts['workers']}) must be at least --shards ({opts['shards']}): "
                           "each shard's stream is read by its own workers")
     check_cap(opts.get("max_cost_usd"))
+    if is_remote(opts["out"]):
+        raise ConfigError(f"--out {opts['out']}: `mqinfer run` needs a local folder (it keeps its lock, server and "
+                          "manifest beside the rows); workers write to object storage with `mqinfer worker --out URI`")
     if opts["redis_cluster"] and not opts["redis"]:
         raise ConfigError("--redis-cluster needs --redis URL of a cluster node (the embedded server is not a cluster)")
     from mqinfer.commands import worker_config
@@ -140,7 +144,7 @@ def cmd_run(args, opts: dict) -> int:
     input_path = Path(args.input)
     if not input_path.is_file():
         raise FileNotFoundError(f"no such input file: {input_path}")
-    out = Path(opts["out"]).resolve()
+    out = local_path(opts["out"]).resolve()
     job_id = opts["job_id"] or input_job_id(input_path)
     out.mkdir(parents=True, exist_ok=True)
     lock = RunLock(out)
