@@ -43,7 +43,8 @@ WATCH = Option("watch", bool, False, "Refresh until the job ends (a progress bar
                "completed, 1 otherwise.")
 INTERVAL = Option("interval", float, 1.0, "Seconds between refreshes.", metavar="S")
 LIMIT = Option("limit", int, 50, "At most this many.", metavar="N")
-WORKER_OUT = Option("worker_out", str, None, "The inference workers' --out folders (comma-separated), whose costs/ "
+WORKER_OUT = Option("worker_out", str, None, "The inference workers' --out folders or object storage URIs "
+                    "(comma-separated), whose costs/ "
                     "datasets hold the job's cost rows. Given at submit, the job's last task reads them when it ends "
                     "(they must be readable where `mqinfer jobs worker` runs) and its cost becomes the sum of every "
                     "cost row of the job: each attempt of a retried request and work done twice included. Without "

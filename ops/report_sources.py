@@ -36,7 +36,7 @@ def as_sources(out_dirs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     return sources
 
 
-def _remote_parts(uri: str):
+def remote_parts(uri: str):
     """(filesystem, part file paths) of the ``costs/`` dataset under ``uri``."""
     from pyarrow import fs
 
@@ -66,7 +66,7 @@ def cost_datasets(sources: Sequence[str]) -> list[ds.Dataset]:
     datasets = []
     for source in sources:
         if is_uri(source):
-            filesystem, parts = _remote_parts(source)
+            filesystem, parts = remote_parts(source)
             if parts:
                 datasets.append(ds.dataset(parts, format="parquet", schema=COST_SCHEMA, filesystem=filesystem))
             continue
@@ -89,4 +89,4 @@ def read_costs(sources: Sequence[str], condition=None) -> pa.Table:
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-__all__ = ["as_sources", "cost_datasets", "is_uri", "read_costs"]
+__all__ = ["as_sources", "cost_datasets", "is_uri", "read_costs", "remote_parts"]
