@@ -12,6 +12,12 @@ shows an object only once its upload completed, so a reader sees a part whole or
 crash before the upload leaves nothing behind, and there are no temp objects to clean up. Readers
 list ``date=*/part-*.parquet`` as for a folder (and skip ``.tmp-*`` names, which these writes never
 make).
+
+A part is replaced (rows removed from it: ``mqinfer run --fresh``, or the rows of requests a cost
+cap stopped) without a rename too: the new part is uploaded as ``<old name>~<unique>.parquet``,
+then the old one is deleted. A part whose name (less ``.parquet``) is the part before a ``~`` of
+another part's name is superseded, and readers skip it (:func:`visible_parts`), so a crash between
+the two steps shows the new part alone; the next replacement deletes what was left.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from mqinfer.schemas import faults
-from mqinfer.schemas.dataset import PARQUET_COMPRESSION, PART_PREFIX, safe_name
+from mqinfer.schemas.dataset import PARQUET_COMPRESSION, PART_PREFIX, DatasetWriter, partition_for, safe_name
+from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, rows_to_table
 
 
 def is_remote(out: str | os.PathLike[str]) -> bool:
@@ -87,6 +95,103 @@ def put_object(uri: str, data: bytes) -> None:
         stream.write(data)
 
 
+SUPERSEDES = "~"  # never in a worker's part name (safe_name keeps letters, digits, '.', '_', '-')
+
+
+def visible_parts(paths: list[str]) -> list[str]:
+    """The part paths a reader takes: every one not superseded by a replacement (sorted)."""
+    superseded = set()
+    for path in paths:
+        stem = path[:-len(".parquet")]
+        head, sep, _ = stem.rpartition(SUPERSEDES)
+        while sep:
+            superseded.add(head)
+            head, sep, _ = head.rpartition(SUPERSEDES)
+    return sorted(p for p in paths if p[:-len(".parquet")] not in superseded)
+
+
+def _all_parts(filesystem, root: str) -> list[str]:
+    from pyarrow import fs
+
+    try:
+        found = filesystem.get_file_info(fs.FileSelector(root, recursive=True, allow_not_found=True))
+    except (pa.ArrowException, OSError) as exc:
+        raise OSError(f"cannot list {root}: {exc}") from None
+    return [f.path for f in found if f.type == fs.FileType.File and f.base_name.startswith(PART_PREFIX)
+            and f.base_name.endswith(".parquet") and f.path.rsplit("/", 2)[-2].startswith("date=")]
+
+
+def dataset_parts(uri: str, name: str):
+    """(filesystem, visible part paths) of the dataset ``name`` (``results``, ``costs``) of the
+    output ``uri`` in object storage."""
+    filesystem, base = open_uri(uri)
+    return filesystem, visible_parts(_all_parts(filesystem, f"{base.rstrip('/')}/{name}"))
+
+
+def read_remote(uri: str, name: str, schema: pa.Schema, *, filter=None, columns=None) -> pa.Table:
+    """The rows of the dataset ``name`` of the output ``uri`` in object storage (``schema``)."""
+    import pyarrow.dataset as ds
+
+    filesystem, parts = dataset_parts(uri, name)
+    if not parts:
+        table = schema.empty_table()
+        return table.select(columns) if columns else table
+    return ds.dataset(parts, format="parquet", schema=schema, filesystem=filesystem).to_table(
+        filter=filter, columns=columns)
+
+
+def job_table(out: str | Path, name: str, job_id: str, columns: list[str], kind: str | None = None):
+    """The ``columns`` of the rows of ``job_id`` (of cost ``kind``) in the dataset ``name`` of the
+    output ``out`` (a folder, or a URI from :func:`out_location`); None when the dataset has no part."""
+    import pyarrow.dataset as ds
+
+    where = ds.field("job_id") == job_id
+    if kind is not None:
+        where = where & (ds.field("kind") == kind)
+    if not isinstance(out, Path):
+        filesystem, parts = dataset_parts(out, name)
+        if not parts:
+            return None
+        schema = COST_SCHEMA if name == "costs" else RESULT_SCHEMA
+        return ds.dataset(parts, format="parquet", schema=schema, filesystem=filesystem).to_table(
+            filter=where, columns=columns)
+    root = out / name
+    if not root.is_dir():
+        return None
+    dataset = ds.dataset(root, format="parquet", partitioning="hive")
+    if not dataset.files:
+        return None
+    return dataset.to_table(filter=where, columns=columns)
+
+
+def rewrite_remote(uri: str, name: str, schema: pa.Schema, drop) -> int:
+    """Remove from the dataset ``name`` of the output ``uri`` the rows ``drop(table)`` (a boolean
+    mask) marks, replacing each part that has some; returns how many rows were removed."""
+    filesystem, base = open_uri(uri)
+    everything = _all_parts(filesystem, f"{base.rstrip('/')}/{name}")
+    shown = visible_parts(everything)
+    for leftover in sorted(set(everything) - set(shown)):  # a replacement cut short: finish it
+        filesystem.delete_file(leftover)
+    removed = 0
+    for path in shown:
+        table = pq.read_table(path, filesystem=filesystem, schema=schema)
+        mask = drop(table)
+        count = int(pc.sum(mask).as_py() or 0)
+        if not count:
+            continue
+        rest = table.filter(pc.invert(mask))
+        buffer = pa.BufferOutputStream()
+        pq.write_table(rest, buffer, compression=PARQUET_COMPRESSION)
+        replacement = f"{path[:-len('.parquet')]}{SUPERSEDES}{time.time_ns() // 1_000_000:013d}{uuid.uuid4().hex[:6]}.parquet"
+        with filesystem.open_output_stream(replacement) as stream:
+            stream.write(buffer.getvalue())
+        filesystem.delete_file(path)
+        if not rest.num_rows:
+            filesystem.delete_file(replacement)
+        removed += count
+    return removed
+
+
 class ObjectDatasetWriter:
     """Writes rows of one dataset (``schema``) under the URI ``root`` as part objects, each made
     visible by one upload under a unique final name. The interface of
@@ -103,6 +208,13 @@ class ObjectDatasetWriter:
         self._fault_point = f"sink.{self._base.rsplit('/', 1)[-1]}.before_rename"
         self._last_ms = 0
         self._seq = 0
+
+    def write(self, rows) -> list[str]:
+        """Write ``rows`` (of this dataset), one part object per partition; returns their paths."""
+        groups: dict[str, list] = {}
+        for row in rows:
+            groups.setdefault(partition_for(row.finished_at), []).append(row)
+        return [self.write_table(partition, rows_to_table(group, self.schema)) for partition, group in groups.items()]
 
     def write_table(self, partition: str, table: pa.Table) -> str:
         """Publish ``table`` (in this dataset's schema) as one part object of ``partition``;
@@ -129,5 +241,12 @@ class ObjectDatasetWriter:
         return f"{PART_PREFIX}{self._name}-{self._last_ms:013d}-{self._seq:06d}-{uuid.uuid4().hex[:8]}.parquet"
 
 
-__all__ = ["ObjectDatasetWriter", "check_writable", "is_remote", "join", "local_path", "open_uri", "out_location",
-           "put_object"]
+def dataset_writer(out: str | Path, name: str, schema: pa.Schema, worker: str):
+    """A writer of the dataset ``name`` under ``out``: a local folder's or object storage's."""
+    if isinstance(out, Path):
+        return DatasetWriter(out / name, schema, worker)
+    return ObjectDatasetWriter(str(join(out, name)), schema, worker)
+
+
+__all__ = ["ObjectDatasetWriter", "check_writable", "dataset_parts", "dataset_writer", "is_remote", "job_table", "join",
+           "local_path", "open_uri", "out_location", "put_object", "read_remote", "rewrite_remote", "visible_parts"]

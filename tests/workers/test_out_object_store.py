@@ -120,3 +120,33 @@ def test_rows_a_failed_upload_kept_are_published_once_by_the_next_flush(s3):
     other.flush(), sinks.flush()
     assert sorted(_read(filesystem, "later/out/results", RESULT_SCHEMA)["id"].to_pylist()) == [
         f"q{i}" for i in range(5)]
+
+
+def test_a_replacement_cut_short_shows_the_new_part_alone_and_the_next_one_finishes_it(s3):
+    from mqinfer.ops.compact import drop_job
+    from mqinfer.ops.report import cost_report
+    from mqinfer.schemas.dataset_uri import job_table
+
+    endpoint, filesystem = s3
+    out = _uri(endpoint, "fleet/cut")
+    sinks = Sinks(out, "w")
+    for i in range(4):
+        sinks.add(*_rows(i))
+    sinks.flush()
+    [old] = [f.path for f in _objects(filesystem, "fleet/cut/costs")]
+    # A replacement whose old part was not deleted yet (the process died in between): readers take
+    # the replacement alone.
+    with filesystem.open_input_file(old) as f:
+        data = f.read()
+    filesystem.create_dir(old.rsplit("/", 1)[0])
+    with filesystem.open_output_stream(old[:-len(".parquet")] + "~0000000000001abc.parquet") as f:
+        f.write(data)
+    assert cost_report(out).totals.cost_usd == pytest.approx(1.0)  # 4 x 0.25, not twice that
+    # Dropping rows replaces each part that holds some, and deletes what a cut replacement left.
+    assert drop_job(out, "j", {"q1", "q2"}) == (2, 2)
+    assert [f.path for f in _objects(filesystem, "fleet/cut/costs")] != [old]
+    assert len(_objects(filesystem, "fleet/cut/costs")) == 1
+    assert sorted(job_table(out, "results", "j", ["id"])["id"].to_pylist()) == ["q0", "q3"]
+    assert cost_report(out).totals.cost_usd == pytest.approx(0.5)
+    assert drop_job(out, "j") == (2, 2)  # every row of the job: the parts go
+    assert _objects(filesystem, "fleet/cut/costs") == [] and job_table(out, "costs", "j", ["id"]) is None
