@@ -33,7 +33,7 @@ from mqinfer.procs import die_with_parent, mqinfer_command
 from mqinfer.run_caps import cap_summary, check_cap, set_cost_cap, stopped_by_cap
 from mqinfer.run_state import STATE_DIR, check_manifest, ids_with_rows, job_rows, state_home, write_manifest
 from mqinfer.schemas import lanes as lane_scheme
-from mqinfer.schemas.dataset_uri import check_writable, join, out_location
+from mqinfer.schemas.dataset_uri import check_writable, join, out_location, shown
 from mqinfer.schemas.errors import BUDGET_EXCEEDED
 from mqinfer.supervise import Supervisor
 from mqinfer.schemas.prefix_order import prefix_order
@@ -145,7 +145,7 @@ def _run_locked(input_path: Path, out: Path | str, home: Path, job_id: str, opts
     todo = [r for r in requests if r.id not in done_before]
     if done_before and todo:
         print(f"job {job_id}: resuming: {len(requests) - len(todo)} of {len(requests)} requests already have "
-              f"rows in {join(out, 'results')}", file=sys.stderr, flush=True)
+              f"rows in {shown(join(out, 'results'))}", file=sys.stderr, flush=True)
     machine = None
     if todo:
         if opts["order"] == "prefix":
@@ -268,6 +268,8 @@ def _compute(todo, requests, done_before: set[str], out: Path | str, home: Path,
             done_keys = [keys.job_done_set(s, job_id) for s in streams]
             _mark_done(client, done_keys, [r for r in requests if r.id in done_before], len(streams), shard_index)
             env = dict(os.environ, MQINFER_REDIS=redis_url)
+            if not isinstance(out, Path):
+                env["MQINFER_OUT"] = out  # object storage: credentials it may carry stay out of argv
             env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
             # Worker i reads shard i mod N. They join their consumer groups before anything is
             # submitted, so that the first one ready leaves the others their share.
@@ -356,8 +358,9 @@ def worker_argv(opts: dict, out: Path | str, index: int, stream: str,
     """A worker's command line; ``device``: its (--device, --devices) from :func:`placement`;
     ``device_share``: its share of the machine (``mqinfer.machine.worker_shares``), unless the
     user's --device-share. The Redis URL, which may hold a password, goes through the environment
-    (MQINFER_REDIS), not argv, where `ps` would show it."""
-    argv = [*mqinfer_command("worker"), "--out", str(out), "--stream", stream]
+    (MQINFER_REDIS), not argv, where `ps` would show it; so does an object-storage ``out``
+    (MQINFER_OUT, set by the run), which may hold credentials."""
+    argv = [*mqinfer_command("worker"), *(["--out", str(out)] if isinstance(out, Path) else []), "--stream", stream]
     placed = {} if device is None else {"device": device[0], "devices": device[1]}
     if device_share is not None:
         placed["device_share"] = repr(device_share)
@@ -571,7 +574,7 @@ def _summary(out: Path | str, job_id: str, expected: int, started: float, opts: 
         print(f"machine: {machine['wall_s']:.1f}s x {devices:g} device{'s' if devices != 1 else ''} = "
               f"{machine['billed_device_s']:.1f} device-seconds billed, ${machine['billed_usd']:.6f} in all "
               f"({machine['remainder_device_s']:.1f}s no worker covered, billed as idle to `run`)")
-    print(f"results: {join(out, 'results')}  costs: {join(out, 'costs')}")
+    print(f"results: {shown(join(out, 'results'))}  costs: {shown(join(out, 'costs'))}")
     if complete and n != expected:
         print(f"mqinfer run: error: expected {expected} result rows, found {n}", file=sys.stderr)
         return 1

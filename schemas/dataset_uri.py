@@ -23,10 +23,11 @@ the two steps shows the new part alone; the next replacement deletes what was le
 from __future__ import annotations
 
 import os
+import re
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -54,6 +55,22 @@ def out_location(out: str | os.PathLike[str]) -> str | Path:
     return str(out) if is_remote(out) else local_path(out)
 
 
+_SECRET_PARAM = re.compile(r"(key|secret|token|password|credential)", re.IGNORECASE)
+
+
+def shown(out: str | Path) -> str:
+    """``out`` as it may be printed or logged: a URI without the credentials it may carry (a
+    ``user:password@`` part, query options that name a key, secret, token or password)."""
+    text = str(out)
+    if "://" not in text:
+        return text
+    parts = urlsplit(text)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "&".join(item if not _SECRET_PARAM.search(item.partition("=")[0]) else f"{item.partition('=')[0]}=***"
+                     for item in parts.query.split("&")) if parts.query else ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
 def join(base: str | Path, *names: str) -> str | Path:
     """``base`` / ``names``: a path under a folder, or a key under a URI (its query kept at the end)."""
     if isinstance(base, Path):
@@ -70,7 +87,7 @@ def open_uri(uri: str):
     try:
         return fs.FileSystem.from_uri(uri)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as exc:
-        raise ValueError(f"cannot open {uri}: {exc}") from None
+        raise ValueError(f"cannot open {shown(uri)}: {exc}") from None
 
 
 def check_writable(uri: str) -> None:
@@ -83,9 +100,9 @@ def check_writable(uri: str) -> None:
     try:
         info = filesystem.get_file_info(top)
     except (pa.ArrowException, OSError) as exc:
-        raise OSError(f"cannot reach {uri}: {exc}") from None
+        raise OSError(f"cannot reach {shown(uri)}: {exc}") from None
     if info.type == fs.FileType.NotFound:
-        raise FileNotFoundError(f"--out {uri}: no bucket or folder {top!r}")
+        raise FileNotFoundError(f"--out {shown(uri)}: no bucket or folder {top!r}")
 
 
 def put_object(uri: str, data: bytes) -> None:
@@ -249,4 +266,4 @@ def dataset_writer(out: str | Path, name: str, schema: pa.Schema, worker: str):
 
 
 __all__ = ["ObjectDatasetWriter", "check_writable", "dataset_parts", "dataset_writer", "is_remote", "job_table", "join",
-           "local_path", "open_uri", "out_location", "put_object", "read_remote", "rewrite_remote", "visible_parts"]
+           "local_path", "open_uri", "out_location", "put_object", "read_remote", "rewrite_remote", "shown", "visible_parts"]

@@ -64,9 +64,11 @@ def test_a_run_writes_into_an_object_store_and_resumes_from_it(s3, tmp_path):
               "temperature": 0, "ignore_eos": True} for i in range(N)]
     src = write_jsonl(tmp_path / "in.jsonl", items)
 
-    first = _run(tmp_path, src, f"s3://fleet/free{query}")
+    # Credentials in the URI (any are good for this server) are never printed.
+    first = _run(tmp_path, src, f"s3://AKIDMQ:SHHH-SECRET@fleet/free{query}")
     assert f"{N} of {N} requests have rows: {N} length" in first.stdout
     assert "results: s3://fleet/free/results" in first.stdout
+    assert "SHHH-SECRET" not in first.stdout + first.stderr
     results = _results(filesystem, "fleet/free")
     assert sorted(results) == sorted(f"r{i}" for i in range(N))
     costs = _request_costs(filesystem, "fleet/free")
