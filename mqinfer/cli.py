@@ -45,7 +45,10 @@ from mqinfer.commands import read_input, submit_sharded, worker_config
 from mqinfer.layout import parse_workers
 from mqinfer.procs import short_openmp_spin
 
-OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datasets go here.", metavar="DIR")
+OUT = Option("out", str, None, "Output folder: results/ and costs/ Parquet datasets go here. Object storage works "
+             "too, any pyarrow filesystem URI (s3://bucket/prefix, gs://...; an S3-compatible server with "
+             "?endpoint_override=HOST:PORT&scheme=http): each part file becomes visible by one upload under its "
+             "final name; `mqinfer run` then keeps its state in the user's cache folder.", metavar="DIR")
 WORKERS = Option("workers", parse_workers, "auto", "Worker processes to run, or auto: on a CPU one per core with one "
                  "thread each (fewer when the model would not fit in memory that many times; --num-threads N "
                  "gives cores / N workers); on CUDA one per visible GPU (or per group of tensor x pipeline "
@@ -267,7 +270,9 @@ def cmd_worker(args, opts: dict) -> int:
 
     from mqinfer.workers import devices
 
-    config = worker_config(opts, redis_url=opts["redis"], out=Path(opts["out"]))
+    from mqinfer.schemas.dataset_uri import out_location
+
+    config = worker_config(opts, redis_url=opts["redis"], out=out_location(opts["out"]))
     try:  # a device that does not exist is refused before anything waits for Redis
         devices.engine_rank_devices(config.engine)
     except ValueError as exc:

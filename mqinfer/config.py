@@ -155,8 +155,10 @@ REDIS = Option("redis", str, None, "Redis URL: redis://[user:pass@]host:port/db,
                "unix://[:pass@]/path.sock.", metavar="URL")
 MAX_COST_USD = Option("max_cost_usd", float, None, "Cost cap of the job in USD: once its spend plus the cost of "
                       "its requests in flight reaches it, no new request of the job starts and the rest end with "
-                      "error rows budget_exceeded (requests already running finish). `mqinfer run` run again (with a "
-                      "higher cap, or none) computes the requests a cap stopped.", metavar="USD")
+                      "error rows budget_exceeded (requests already running finish). Running the job again (`mqinfer run` "
+                      "with the same --out and --job-id, `mqinfer jobs submit` with the same INPUT and --out) with a "
+                      "higher cap, or none, computes the requests a cap stopped and keeps the others' rows.",
+                      metavar="USD")
 LOG_LEVEL = Option("log_level", str, "info", "Log level.", choices=("debug", "info", "warning", "error"))
 LOG_FORMAT = Option("log_format", str, "text", "Log line format.", choices=("text", "json"))
 SHARDS = Option("shards", int, 1, "Spread requests over N streams S-0..S-{N-1} (see --route), each read by its "

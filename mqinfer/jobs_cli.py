@@ -43,7 +43,8 @@ WATCH = Option("watch", bool, False, "Refresh until the job ends (a progress bar
                "completed, 1 otherwise.")
 INTERVAL = Option("interval", float, 1.0, "Seconds between refreshes.", metavar="S")
 LIMIT = Option("limit", int, 50, "At most this many.", metavar="N")
-WORKER_OUT = Option("worker_out", str, None, "The inference workers' --out folders (comma-separated), whose costs/ "
+WORKER_OUT = Option("worker_out", str, None, "The inference workers' --out folders or object storage URIs "
+                    "(comma-separated), whose costs/ "
                     "datasets hold the job's cost rows. Given at submit, the job's last task reads them when it ends "
                     "(they must be readable where `mqinfer jobs worker` runs) and its cost becomes the sum of every "
                     "cost row of the job: each attempt of a retried request and work done twice included. Without "
@@ -116,7 +117,9 @@ def _add_subcommands(parser: argparse.ArgumentParser) -> None:
 
     p = command("submit", "Register a bulk job for INPUT (JSONL or Parquet; native requests or OpenAI Batch "
                 "lines) and print its id. `mqinfer jobs worker` runs it; inference workers compute it. "
-                "Submitting the same INPUT into the same --out again resumes a job the server forgot.",
+                "Submitting the same INPUT into the same --out again resumes a job the server forgot, or "
+                "carries on a job its cost cap stopped (--max-cost-usd): the requests the cap stopped run, the "
+                "others keep their rows.",
                 SUBMIT_OPTIONS, cmd_submit, required=("redis", "out"))
     p.add_argument("input", metavar="INPUT", help="Input file.")
     command("worker", "Run an rq worker for bulk-job tasks (they import no torch).", WORKER_OPTIONS,
@@ -197,10 +200,14 @@ def cmd_submit(args, opts: dict) -> int:
         max_cost_usd=opts["max_cost_usd"],
     )
     if opts["json"]:
-        print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows}))
+        print(json.dumps({"job_id": result.job_id, "resumed": result.resumed, "adopted_rows": result.adopted_rows,
+                          "rerun": result.rerun}))
     else:
         print(result.job_id)
-        if result.resumed:
+        if result.rerun:
+            print(f"job {result.job_id} carries on: {result.rerun} requests a cost cap stopped run now; "
+                  f"{result.adopted_rows} rows already in {opts['out']} are kept", file=sys.stderr)
+        elif result.resumed:
             print(f"resumed job {result.job_id}: {result.adopted_rows} rows already in {opts['out']} are kept",
                   file=sys.stderr)
     return 0
@@ -336,6 +343,11 @@ def render_status(info: dict) -> str:
     if info.get("max_cost_usd") is not None:
         lines.append(f"  cost cap   ${info['max_cost_usd']:g} (--max-cost-usd): requests the cap stopped are "
                      "failed, with error rows budget_exceeded")
+    stopped = c.get("budget_exceeded") or 0
+    if stopped:
+        lines.append(f"  stopped    {stopped} request{'s' if stopped != 1 else ''} did not run (budget_exceeded): "
+                     "the job reached its cost cap; submit the same INPUT into the same --out again with a higher "
+                     "--max-cost-usd to carry on (the other requests keep their rows)")
     rate, trate = info["throughput"]["requests_per_s"], info["throughput"]["output_tokens_per_s"]
     if rate is not None:
         lines.append(f"  throughput {rate:.2f} req/s, {trate or 0:.1f} output tokens/s; eta {_duration(info['eta_s'])}")

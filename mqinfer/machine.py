@@ -91,13 +91,14 @@ def worker_shares(opts: dict, places: list[tuple[str, str | None]], *, cores: in
     return shares, capacity
 
 
-def settle_lost(client, streams: list[str], group: str, window: Window, out: Path) -> int:
+def settle_lost(client, streams: list[str], group: str, window: Window, out: Path | str) -> int:
     """Once every worker of the run exited: bill the ``lost`` time of those that were killed and
     that no surviving worker billed yet. Returns how many rows were written."""
     import redis
 
     from mqinfer.schemas import keys
-    from mqinfer.schemas.dataset import COSTS_DIR, DatasetWriter
+    from mqinfer.schemas.dataset import COSTS_DIR
+    from mqinfer.schemas.dataset_uri import dataset_writer
     from mqinfer.schemas.rows import COST_SCHEMA
     from mqinfer.workers.uptime import LostTime
 
@@ -112,27 +113,31 @@ def settle_lost(client, streams: list[str], group: str, window: Window, out: Pat
         lost = LostTime(client, stream, group, RUN_WORKER, claim_idle_ms=100)
         rows = lost.claim(names, time.time(), dead_after_s=0.0)
         if rows:
-            DatasetWriter(out / COSTS_DIR, COST_SCHEMA, RUN_WORKER).write(rows)
+            dataset_writer(out, COSTS_DIR, COST_SCHEMA, RUN_WORKER).write(rows)
             written += len(rows)
         lost.confirm()
     return written
 
 
-def _covered(out: Path, window: Window) -> tuple[float, float, str | None]:
+def _covered(out: Path | str, window: Window) -> tuple[float, float, str | None]:
     """(device seconds, cost) of the rows of the run's workers, and their model."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
     from mqinfer.schemas.dataset import COSTS_DIR, part_files
+    from mqinfer.schemas.dataset_uri import dataset_parts
     from mqinfer.schemas.rows import COST_SCHEMA, distinct_rows
 
-    files = part_files(out / COSTS_DIR)
+    if isinstance(out, Path):
+        filesystem, files = None, [str(f) for f in part_files(out / COSTS_DIR)]
+    else:
+        filesystem, files = dataset_parts(out, COSTS_DIR)
     if not files:
         return 0.0, 0.0, None
     # Every row of the run's workers finished inside the window (rows of earlier runs before it).
     since = pa.scalar(round(window.started_at * 1_000_000), COST_SCHEMA.field("finished_at").type)
-    table = ds.dataset([str(f) for f in files], format="parquet", schema=COST_SCHEMA).to_table(
+    table = ds.dataset(files, format="parquet", schema=COST_SCHEMA, filesystem=filesystem).to_table(
         filter=ds.field("finished_at") >= since)
     names = window.worker_names(sorted(set(table["worker"].to_pylist())))
     table = table.filter(pc.is_in(table["worker"], value_set=pa.array(names, pa.string())))
@@ -144,10 +149,11 @@ def _covered(out: Path, window: Window) -> tuple[float, float, str | None]:
             models[0] if models else None)
 
 
-def bill_remainder(out: Path, state_dir: Path, job_id: str, window: Window) -> dict | None:
+def bill_remainder(out: Path | str, state_dir: Path, job_id: str, window: Window) -> dict | None:
     """Write the ``idle`` row of what the run's workers did not cover, and record the window in
     ``state_dir``. Returns the record (None when no worker was started)."""
-    from mqinfer.schemas.dataset import COSTS_DIR, DatasetWriter
+    from mqinfer.schemas.dataset import COSTS_DIR
+    from mqinfer.schemas.dataset_uri import dataset_writer
     from mqinfer.schemas.rows import COST_SCHEMA, CostRow
 
     if window.started_at is None or window.ended_at is None:
@@ -158,7 +164,7 @@ def bill_remainder(out: Path, state_dir: Path, job_id: str, window: Window) -> d
     remainder_s = max(machine_s - covered_s, 0.0)
     price = window.price_per_device_hour
     if remainder_s > 0 and wall > 0:
-        DatasetWriter(out / COSTS_DIR, COST_SCHEMA, RUN_WORKER).write([CostRow(
+        dataset_writer(out, COSTS_DIR, COST_SCHEMA, RUN_WORKER).write([CostRow(
             kind="idle", model=model, device_s=remainder_s, cost_usd=remainder_s * price / 3600.0,
             price_per_device_hour=price, worker=RUN_WORKER, finished_at=window.ended_at,
             device_share=remainder_s / wall)])

@@ -4,7 +4,9 @@ The job id derives from the input file's bytes, so running the same command agai
 same job: requests that already have a result row in ``OUT/results`` are not sent again, and a
 finished job computes nothing. ``--fresh`` removes the job's rows and starts over; ``--job-id``
 names the job explicitly. One run holds an output folder at a time (``mqinfer.runlock``), and
-its embedded server and workers die with it (``mqinfer.procs``).
+its embedded server and workers die with it (``mqinfer.procs``). ``--out`` may be object storage
+(``s3://bucket/prefix``): the rows go there, the run's state stays on this machine
+(``mqinfer.run_state``), and the rows are not compacted.
 
 The results dataset is the record of what is done: a row is durable before its stream entry is
 acked, so a run cut anywhere (Ctrl-C, kill -9, a crash) leaves rows for exactly the requests
@@ -16,7 +18,6 @@ which the next run removes and computes again (under its own cap, if any).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -30,13 +31,12 @@ from mqinfer.layout import choose_layout
 from mqinfer.machine import Window, bill_remainder, settle_lost, worker_shares
 from mqinfer.procs import die_with_parent, mqinfer_command
 from mqinfer.run_caps import cap_summary, check_cap, set_cost_cap, stopped_by_cap
+from mqinfer.run_state import STATE_DIR, check_manifest, ids_with_rows, job_rows, state_home, write_manifest
 from mqinfer.schemas import lanes as lane_scheme
+from mqinfer.schemas.dataset_uri import check_writable, join, out_location, shown
 from mqinfer.schemas.errors import BUDGET_EXCEEDED
 from mqinfer.supervise import Supervisor
 from mqinfer.schemas.prefix_order import prefix_order
-
-STATE_DIR = ".mqinfer"
-
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C or SIGTERM while the job ran."""
@@ -63,7 +63,7 @@ def check_run_flags(opts: dict) -> None:
         raise ConfigError("--redis-cluster needs --redis URL of a cluster node (the embedded server is not a cluster)")
     from mqinfer.commands import worker_config
 
-    worker_config(opts, redis_url=opts["redis"] or "unix:///unused", out=Path(opts["out"]))
+    worker_config(opts, redis_url=opts["redis"] or "unix:///unused", out=out_location(opts["out"]))
     placement(opts)  # refuses devices that do not exist
     model = Path(opts["model"])
     is_gguf = model.suffix.lower() == ".gguf" and model.is_file()
@@ -76,55 +76,6 @@ def check_run_flags(opts: dict) -> None:
 
 def model_label(model: str) -> str:
     return "tiny" if model == "tiny" else Path(model).name
-
-
-# -- state kept beside the results ------------------------------------------------------------
-def _manifest_path(out: Path, job_id: str) -> Path:
-    return out / STATE_DIR / "jobs" / f"{job_id}.json"
-
-
-def check_manifest(out: Path, job_id: str, model: str, fresh: bool) -> None:
-    """Refuse to resume a job with another model: its finished rows would be mixed with new ones.
-    (A job with no rows yet may change its model freely.)"""
-    path = _manifest_path(out, job_id)
-    if fresh or not path.is_file() or not ids_with_rows(out, job_id):
-        return
-    try:
-        before = json.loads(path.read_text()).get("model")
-    except (OSError, ValueError):
-        return
-    if before and before != model:
-        raise ConfigError(f"{out} already holds job {job_id} computed with --model {before}; pass --fresh to "
-                          f"compute it again with {model}, or use another --out")
-
-
-def write_manifest(out: Path, job_id: str, input_path: Path, model: str, total: int) -> None:
-    path = _manifest_path(out, job_id)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"job_id": job_id, "input": str(input_path.resolve()), "model": model, "requests": total}
-    temp = path.with_suffix(".tmp")
-    temp.write_text(json.dumps(doc))
-    os.replace(temp, path)
-
-
-def _job_rows(root: Path, job_id: str, columns: list[str], kind: str | None = None) -> list[dict]:
-    """The rows of ``job_id`` (of cost ``kind``) in a results or costs dataset; none if it is empty."""
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
-
-    if not root.is_dir():
-        return []
-    dataset = ds.dataset(root, format="parquet", partitioning="hive")
-    if not dataset.files:
-        return []
-    where = pc.field("job_id") == job_id
-    if kind is not None:
-        where = where & (pc.field("kind") == kind)
-    return dataset.to_table(filter=where, columns=columns).to_pylist()
-
-
-def ids_with_rows(out: Path, job_id: str) -> set[str]:
-    return {r["id"] for r in _job_rows(out / "results", job_id, ["id"])}
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -140,10 +91,18 @@ def cmd_run(args, opts: dict) -> int:
     input_path = Path(args.input)
     if not input_path.is_file():
         raise FileNotFoundError(f"no such input file: {input_path}")
-    out = Path(opts["out"]).resolve()
+    out = out_location(opts["out"])
+    if isinstance(out, Path):
+        out = out.resolve()
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        try:
+            check_writable(out)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(str(exc)) from None
+    home = state_home(out)
     job_id = opts["job_id"] or input_job_id(input_path)
-    out.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(out)
+    lock = RunLock(home)
     try:
         stopped = lock.acquire()
     except RunLockError as exc:
@@ -152,17 +111,18 @@ def cmd_run(args, opts: dict) -> int:
         if stopped:
             print(f"stopped {len(stopped)} leftover processes of an earlier run on {out} "
                   f"(pids {', '.join(map(str, stopped))})", file=sys.stderr)
-        return _run_locked(input_path, out, job_id, opts, lock)
+        return _run_locked(input_path, out, home, job_id, opts, lock)
     finally:
         lock.release()
 
 
-def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> int:
+def _run_locked(input_path: Path, out: Path | str, home: Path, job_id: str, opts: dict, lock) -> int:
+    """The run, its folder locked: ``out`` holds the rows (a folder, or a URI), ``home`` the state."""
     from mqinfer.commands import read_input
     from mqinfer.ops.compact import compact, drop_job
 
     model = model_label(opts["model"])
-    check_manifest(out, job_id, model, opts["fresh"])
+    check_manifest(home, out, job_id, model, opts["fresh"])
     if opts["fresh"]:
         results, costs = drop_job(out, job_id)
         if results or costs:
@@ -177,7 +137,7 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
         print(message, file=sys.stderr)
     invalid_ids = {item.error.request_id or f"line:{item.line}" for item in invalid}
     total = len({r.id for r in requests} | invalid_ids)
-    write_manifest(out, job_id, input_path, model, total)
+    write_manifest(home, job_id, input_path, model, total)
     done_before = ids_with_rows(out, job_id)
     started = time.time()
     _write_invalid_rows(out, job_id, [i for i in invalid
@@ -185,22 +145,23 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
     todo = [r for r in requests if r.id not in done_before]
     if done_before and todo:
         print(f"job {job_id}: resuming: {len(requests) - len(todo)} of {len(requests)} requests already have "
-              f"rows in {out / 'results'}", file=sys.stderr, flush=True)
+              f"rows in {shown(join(out, 'results'))}", file=sys.stderr, flush=True)
     machine = None
     if todo:
         if opts["order"] == "prefix":
             todo = prefix_order(todo, opts["prefix_cache_scope"])
         window = Window(devices=1.0, price_per_device_hour=opts["price_per_device_hour"])
         try:
-            status = _compute(todo, requests, done_before, out, job_id, opts, lock, window)
+            status = _compute(todo, requests, done_before, out, home, job_id, opts, lock, window)
         finally:
-            machine = _bill_machine(out, job_id, window)
+            machine = _bill_machine(out, home, job_id, window)
     else:
         status = 0
         if requests and done_before:
             print(f"job {job_id}: every request already has a row: nothing to compute "
                   "(--fresh starts over)", file=sys.stderr)
-    compact(out)
+    if isinstance(out, Path):  # compaction needs a folder; object storage keeps the parts as written
+        compact(out)
     if status == 130:
         print(f"mqinfer run: interrupted; run the same command again to resume job {job_id}", file=sys.stderr)
         _summary(out, job_id, total, started, opts, machine, complete=False)
@@ -210,16 +171,16 @@ def _run_locked(input_path: Path, out: Path, job_id: str, opts: dict, lock) -> i
     return _summary(out, job_id, total, started, opts, machine)
 
 
-def _bill_machine(out: Path, job_id: str, window: Window) -> dict | None:
+def _bill_machine(out: Path | str, home: Path, job_id: str, window: Window) -> dict | None:
     """The run's own ``idle`` row for what its workers did not cover (``mqinfer.machine``)."""
     try:
-        return bill_remainder(out, out / STATE_DIR, job_id, window)
+        return bill_remainder(out, home / STATE_DIR, job_id, window)
     except (OSError, ValueError) as exc:
         print(f"mqinfer run: warning: could not bill the machine time no worker covered: {exc}", file=sys.stderr)
         return None
 
 
-def _write_invalid_rows(out: Path, job_id: str, invalid: list, opts: dict) -> None:
+def _write_invalid_rows(out: Path | str, job_id: str, invalid: list, opts: dict) -> None:
     """Lines that failed validation get their error row here, once per job."""
     if not invalid:
         return
@@ -270,17 +231,17 @@ class _Signals:
               file=sys.stderr, flush=True)
 
 
-def _embedded_server(out: Path):
-    """The run's own Redis-compatible server, in the output folder's state."""
+def _embedded_server(home: Path):
+    """The run's own Redis-compatible server, in the run's state."""
     from mqinfer.server import EmbeddedServer, ServerError
 
     try:
-        return EmbeddedServer(out / STATE_DIR / "redis", unix_socket=True).start()
+        return EmbeddedServer(home / STATE_DIR / "redis", unix_socket=True).start()
     except ServerError as exc:
         raise ConfigError(f"cannot start the embedded server: {exc}") from None
 
 
-def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts: dict, lock,
+def _compute(todo, requests, done_before: set[str], out: Path | str, home: Path, job_id: str, opts: dict, lock,
              window: Window) -> int:
     """Serve ``todo`` with the run's workers; ``window`` gets the devices the run holds and when
     its first worker started and its last one exited."""
@@ -296,7 +257,7 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
         try:
             redis_url = opts["redis"]
             if not redis_url:
-                server = _embedded_server(out)
+                server = _embedded_server(home)
                 redis_url = server.url
             client = connect_redis(redis_url, cluster=opts["redis_cluster"])
             if server is not None:
@@ -307,6 +268,8 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
             done_keys = [keys.job_done_set(s, job_id) for s in streams]
             _mark_done(client, done_keys, [r for r in requests if r.id in done_before], len(streams), shard_index)
             env = dict(os.environ, MQINFER_REDIS=redis_url)
+            if not isinstance(out, Path):
+                env["MQINFER_OUT"] = out  # object storage: credentials it may carry stay out of argv
             env.setdefault("MQINFER_LOG_LEVEL", "warning" if opts["log_level"] == "info" else opts["log_level"])
             # Worker i reads shard i mod N. They join their consumer groups before anything is
             # submitted, so that the first one ready leaves the others their share.
@@ -360,7 +323,7 @@ def _compute(todo, requests, done_before: set[str], out: Path, job_id: str, opts
                 server.stop()
 
 
-def _settle_lost(client, streams: list[str], group: str, window: Window, out: Path) -> None:
+def _settle_lost(client, streams: list[str], group: str, window: Window, out: Path | str) -> None:
     """The ``lost`` rows of workers killed during the run that no surviving worker billed."""
     import redis
 
@@ -390,13 +353,14 @@ def placement(opts: dict) -> list[tuple[str, str | None]]:
         raise ConfigError(str(exc)) from None
 
 
-def worker_argv(opts: dict, out: Path, index: int, stream: str,
+def worker_argv(opts: dict, out: Path | str, index: int, stream: str,
                 device: tuple[str, str | None] | None = None, device_share: float | None = None) -> list[str]:
     """A worker's command line; ``device``: its (--device, --devices) from :func:`placement`;
     ``device_share``: its share of the machine (``mqinfer.machine.worker_shares``), unless the
     user's --device-share. The Redis URL, which may hold a password, goes through the environment
-    (MQINFER_REDIS), not argv, where `ps` would show it."""
-    argv = [*mqinfer_command("worker"), "--out", str(out), "--stream", stream]
+    (MQINFER_REDIS), not argv, where `ps` would show it; so does an object-storage ``out``
+    (MQINFER_OUT, set by the run), which may hold credentials."""
+    argv = [*mqinfer_command("worker"), *(["--out", str(out)] if isinstance(out, Path) else []), "--stream", stream]
     placed = {} if device is None else {"device": device[0], "devices": device[1]}
     if device_share is not None:
         placed["device_share"] = repr(device_share)
@@ -566,17 +530,17 @@ def _stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
 
 
 # -- the summary --------------------------------------------------------------------------------
-def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, machine: dict | None = None,
+def _summary(out: Path | str, job_id: str, expected: int, started: float, opts: dict, machine: dict | None = None,
              complete: bool = True) -> int:
     columns = ["id", "finish_reason", "error_code", "prompt_tokens", "output_tokens", "finished_at"]
     try:
-        choices = _job_rows(out / "results", job_id, columns + ["index"])
+        choices = job_rows(out, "results", job_id, columns + ["index"])
     except Exception:  # a dataset written before results had an `index` column: one choice each
-        choices = _job_rows(out / "results", job_id, columns)
+        choices = job_rows(out, "results", job_id, columns)
     # A request with n choices has a row per choice: the requests are their first choices' rows;
     # the tokens of every choice count.
     rows = [r for r in choices if not r.get("index")]
-    cost = sum(r["cost_usd"] for r in _job_rows(out / "costs", job_id, ["cost_usd"], kind="request"))
+    cost = sum(r["cost_usd"] for r in job_rows(out, "costs", job_id, ["cost_usd"], kind="request"))
     n = len(rows)
     reasons = Counter(r["finish_reason"] for r in rows)
     codes = Counter(r["error_code"] for r in rows if r["finish_reason"] == "error")
@@ -610,7 +574,7 @@ def _summary(out: Path, job_id: str, expected: int, started: float, opts: dict, 
         print(f"machine: {machine['wall_s']:.1f}s x {devices:g} device{'s' if devices != 1 else ''} = "
               f"{machine['billed_device_s']:.1f} device-seconds billed, ${machine['billed_usd']:.6f} in all "
               f"({machine['remainder_device_s']:.1f}s no worker covered, billed as idle to `run`)")
-    print(f"results: {out / 'results'}  costs: {out / 'costs'}")
+    print(f"results: {shown(join(out, 'results'))}  costs: {shown(join(out, 'costs'))}")
     if complete and n != expected:
         print(f"mqinfer run: error: expected {expected} result rows, found {n}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ from pathlib import Path
 from mqinfer.config import ConfigError
 from mqinfer.schemas import keys
 from mqinfer.schemas.dataset import COSTS_DIR, RESULTS_DIR
+from mqinfer.schemas.dataset_uri import job_table
 from mqinfer.schemas.errors import BUDGET_EXCEEDED
 
 
@@ -24,40 +25,26 @@ def check_cap(cap: float | None) -> None:
         raise ConfigError(f"--max-cost-usd must be a number of USD > 0, got {cap}")
 
 
-def _job_table(root: Path, job_id: str, columns: list[str], kind: str | None = None):
-    import pyarrow.dataset as ds
-
-    if not root.is_dir():
-        return None
-    dataset = ds.dataset(root, format="parquet", partitioning="hive")
-    if not dataset.files:
-        return None
-    where = ds.field("job_id") == job_id
-    if kind is not None:
-        where = where & (ds.field("kind") == kind)
-    return dataset.to_table(filter=where, columns=columns)
-
-
-def stopped_by_cap(out: Path, job_id: str) -> set[str]:
+def stopped_by_cap(out: Path | str, job_id: str) -> set[str]:
     """Requests of the job whose rows say ``budget_exceeded``: a cost cap (or budget) stopped them
     before they ran."""
-    table = _job_table(out / RESULTS_DIR, job_id, ["id", "error_code"])
+    table = job_table(out, RESULTS_DIR, job_id, ["id", "error_code"])
     if table is None:
         return set()
     return {r["id"] for r in table.to_pylist() if r["error_code"] == BUDGET_EXCEEDED}
 
 
-def job_spend(out: Path, job_id: str) -> float:
+def job_spend(out: Path | str, job_id: str) -> float:
     """What the job's requests cost so far: the sum of its ``request`` cost rows."""
     import pyarrow.compute as pc
 
-    table = _job_table(out / COSTS_DIR, job_id, ["cost_usd"], kind="request")
+    table = job_table(out, COSTS_DIR, job_id, ["cost_usd"], kind="request")
     if table is None:
         return 0.0
     return float(pc.sum(table["cost_usd"], min_count=0).as_py() or 0.0)
 
 
-def set_cost_cap(client, out: Path, job_id: str, cap: float | None) -> None:
+def set_cost_cap(client, out: Path | str, job_id: str, cap: float | None) -> None:
     """The job's cost cap for its workers, with its spend so far; without a cap, none (not even
     one an earlier run left on a server given with --redis)."""
     from mqinfer.workers.job_caps import set_cap

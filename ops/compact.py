@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from mqinfer.schemas import faults
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, with_choice_index, with_device_share
 from mqinfer.schemas.dataset import COSTS_DIR, PARQUET_COMPRESSION, RESULTS_DIR, fsync_dir, part_files
+from mqinfer.schemas.dataset_uri import is_remote, rewrite_remote
 
 JOURNAL_NAME = ".compact-journal.json"
 LOCK_NAME = ".compact.lock"
@@ -115,7 +116,12 @@ def drop_job(out_dir: str | os.PathLike[str], job_id: str, ids: Collection[str] 
     stopped).
 
     Uses the same crash-safe journal as :func:`compact`; returns (result rows, cost rows) removed.
+    In object storage (a URI) each part with such rows is replaced by one without them
+    (:func:`mqinfer.schemas.dataset_uri.rewrite_remote`).
     """
+    if is_remote(out_dir):
+        return tuple(rewrite_remote(str(out_dir), dataset, schema, _job_mask(job_id, ids))
+                     for dataset, schema in ((RESULTS_DIR, RESULT_SCHEMA), (COSTS_DIR, COST_SCHEMA)))
     out = Path(out_dir)
     if not out.is_dir():
         return 0, 0
@@ -129,10 +135,7 @@ def drop_job(out_dir: str | os.PathLike[str], job_id: str, ids: Collection[str] 
                 table = _read(path, schema)
                 if schema is COST_SCHEMA:
                     table = with_device_share(table)
-                mine = pc.fill_null(pc.equal(table["job_id"], job_id), False)
-                if ids is not None:
-                    mine = pc.and_(mine, pc.fill_null(pc.is_in(table["id"], value_set=pa.array(sorted(ids),
-                                                                                          pa.string())), False))
+                mine = _job_mask(job_id, ids)(table)
                 count = pc.sum(mine).as_py() or 0
                 if not count:
                     continue
@@ -150,6 +153,17 @@ def drop_job(out_dir: str | os.PathLike[str], job_id: str, ids: Collection[str] 
             _write_journal(out, plan)
             _apply(out, plan, step, prefix="")
     return removed[RESULTS_DIR], removed[COSTS_DIR]
+
+
+def _job_mask(job_id: str, ids: Collection[str] | None):
+    """The rows of ``job_id`` (of the requests ``ids`` only, when given) of a table, as a mask."""
+    def mask(table: pa.Table):
+        mine = pc.fill_null(pc.equal(table["job_id"], job_id), False)
+        if ids is not None:
+            mine = pc.and_(mine, pc.fill_null(pc.is_in(table["id"], value_set=pa.array(sorted(ids), pa.string())),
+                                              False))
+        return mine
+    return mask
 
 
 def _fault_points() -> FaultHook:

@@ -24,9 +24,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
+from mqinfer.ops.report_sources import is_uri, remote_parts
 from mqinfer.schemas.dataset import COSTS_DIR, part_files, partition_for
 from mqinfer.schemas.rows import COST_SCHEMA, distinct_rows
 
@@ -52,15 +54,16 @@ class JobCost:
 
 
 def parse_folders(value: str | Iterable[str] | None) -> list[str]:
-    """``DIR,DIR,...`` (or a list) as absolute folder paths, in order, without repeats."""
+    """``DIR,DIR,...`` (or a list) as absolute folder paths, in order, without repeats; object
+    storage URIs (``s3://...``, as workers' ``--out`` takes them) stay as given."""
     if value is None:
         return []
     items = value.split(",") if isinstance(value, str) else list(value)
     out: list[str] = []
     for item in items:
-        item = item.strip()
+        item = str(item).strip()
         if item:
-            path = str(Path(item).expanduser().resolve())
+            path = item if is_uri(item) else str(Path(item).expanduser().resolve())
             if path not in out:
                 out.append(path)
     return out
@@ -78,22 +81,33 @@ def rows_since(job: dict) -> float | None:
 
 
 def job_cost(folders: Iterable[str | os.PathLike[str]], job_id: str, *, since: float | None = None) -> JobCost:
-    """Every cost row of ``job_id`` in the ``costs/`` datasets of ``folders`` (workers' ``--out``).
+    """Every cost row of ``job_id`` in the ``costs/`` datasets of ``folders`` (workers' ``--out``:
+    local folders or object storage URIs).
 
     ``since`` (unix seconds; the job's creation): date partitions before its day are not read,
     since no row of the job can have finished before the job existed."""
-    files, missing = [], []
+    files, missing, datasets = [], [], []
     first_day = partition_for(since) if since is not None else None
     for folder in folders:
+        if is_uri(folder):
+            try:
+                filesystem, parts = remote_parts(str(folder))
+            except FileNotFoundError:
+                missing.append(str(folder))
+                continue
+            parts = [p for p in parts if first_day is None or p.rsplit("/", 2)[-2] >= first_day]
+            if parts:
+                datasets.append(ds.dataset(parts, format="parquet", schema=COST_SCHEMA, filesystem=filesystem))
+            continue
         root = Path(folder) / COSTS_DIR
         if not root.is_dir():
             missing.append(str(folder))
             continue
         files += [f for f in part_files(root) if first_day is None or f.parent.name >= first_day]
-    table = COST_SCHEMA.empty_table()
     if files:
-        dataset = ds.dataset([str(f) for f in files], format="parquet", schema=COST_SCHEMA)
-        table = dataset.to_table(filter=ds.field("job_id") == job_id)
+        datasets.append(ds.dataset([str(f) for f in files], format="parquet", schema=COST_SCHEMA))
+    tables = [d.to_table(filter=ds.field("job_id") == job_id) for d in datasets]
+    table = pa.concat_tables(tables) if tables else COST_SCHEMA.empty_table()
     if table.num_rows:
         # A row written twice alike (a part published again) counts once, as compaction keeps it.
         table = distinct_rows(table)

@@ -56,6 +56,8 @@ class OutputSummary:
     prompt_tokens: int
     output_tokens: int
     openai: bool
+    # Failed rows (in ``failed``) of requests a cost cap or budget stopped before they ran.
+    budget_exceeded: int = 0
 
 
 def compose_output(spool: Spool, *, job_id: str, index_parts: int, row_parts: list[str], ending: str,
@@ -119,6 +121,8 @@ def compose_output(spool: Spool, *, job_id: str, index_parts: int, row_parts: li
         cancelled=count("cancelled"), expired=count("expired"),
         prompt_tokens=int(pc.sum(output["prompt_tokens"]).as_py() or 0),
         output_tokens=int(pc.sum(output["output_tokens"]).as_py() or 0), openai=openai,
+        budget_exceeded=int(pc.sum(pc.equal(pc.fill_null(output["error_code"], ""), errors.BUDGET_EXCEEDED))
+                            .as_py() or 0),
     )
 
 

@@ -79,7 +79,8 @@ INT_FIELDS = frozenset({
     "max_in_flight", "chunk_size", "val_parts", "total", "invalid", "duplicates", "validated",
     "feed_part", "feed_offset", "fed", "refed", "skipped", "collected", "completed", "failed",
     "cancelled", "expired", "prompt_tokens", "output_tokens", "cost_rows", "dup_rows", "task_errors",
-    "row_parts", "resumed_rows", "output_rows", "shards", "rows_cost_count", "max_lanes",
+    "row_parts", "resumed_rows", "output_rows", "shards", "rows_cost_count", "max_lanes", "rerun",
+    "budget_exceeded",
 })
 
 

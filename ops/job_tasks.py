@@ -719,6 +719,7 @@ class JobRun:
             "status": ending, f"{ending}_at": now, "output_rows": summary.rows, "completed": summary.completed,
             "failed": summary.failed, "cancelled": summary.cancelled, "expired": summary.expired,
             "prompt_tokens": summary.prompt_tokens, "output_tokens": summary.output_tokens,
+            "budget_exceeded": summary.budget_exceeded,
         }
         cost = self._final_cost()
         if cost is not None:

@@ -36,6 +36,7 @@ from rq.serializers import JSONSerializer
 
 from mqinfer.schemas import keys
 from mqinfer.schemas.keys import shard_index, shard_streams
+from mqinfer.ops.job_carry_on import carry_on_rows, set_job_cap
 from mqinfer.ops.job_cost import JobCost, job_cost, parse_folders, rows_since
 from mqinfer.ops.job_output import ERRORS_JSONL, OUTPUT_JSONL, OUTPUT_PARQUET
 from mqinfer.ops.job_spool import Spool
@@ -67,6 +68,7 @@ class SubmitResult:
     job_id: str
     resumed: bool  # an earlier job of this folder was registered again
     adopted_rows: int  # rows already in the spool whose requests will be skipped
+    rerun: int = 0  # requests a cost cap stopped in an earlier run of the job, which run now
 
 
 def parse_deadline(text: str | float | None, *, now: float | None = None) -> float | None:
@@ -147,17 +149,17 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     out.mkdir(parents=True, exist_ok=True)
     spool = Spool(out)
 
-    resumed, adopted, parts = False, 0, []
+    resumed, adopted, parts, rerun = False, 0, [], 0
+    worker_out = parse_folders(worker_out)
     manifest = spool.read_manifest()
     if manifest is not None:
         resumed = True
-        job_id, parts, adopted = _resume(client, data, spool, manifest, source, streams)
+        job_id, parts, adopted, rerun = _resume(client, data, spool, manifest, source, streams)
     else:
         job_id = new_job_id()
         spool.write_manifest({"job_id": job_id, "input": str(source), "out": str(out), "created_at": now})
 
-    if max_cost_usd is not None:
-        (client if data is None else data).hset(keys.job_cost(job_id), "max_cost_usd", repr(float(max_cost_usd)))
+    set_job_cap(client if data is None else data, job_id, max_cost_usd, worker_out)
     chain = uuid.uuid4().hex
     task_id = new_task_id(job_id)
     store = JobStore(client, job_id, data=data)
@@ -170,11 +172,11 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
         "max_in_flight": max_in_flight, "chunk_size": chunk_size, "lease_s": repr(float(lease_s)),
         "created_at": repr(now), "chain": chain, "task": task_id, "beat": repr(now), "total": 0, "invalid": 0,
         "val_parts": 0, "fed": 0, "skipped": 0, "collected": 0, "row_parts": len(parts),
-        "resumed_rows": adopted, "worker_out": json.dumps(parse_folders(worker_out)),
+        "resumed_rows": adopted, "worker_out": json.dumps(worker_out), "rerun": rerun,
         "max_cost_usd": "" if max_cost_usd is None else repr(float(max_cost_usd)),
     }, parts=parts)
     enqueue_task(client, queue_name, job_id, chain, task_id)
-    return SubmitResult(job_id, resumed, adopted)
+    return SubmitResult(job_id, resumed, adopted, rerun)
 
 
 def _check_options(*, max_in_flight: int, chunk_size: int, lease_s: float, stream: str, order: str,
@@ -196,28 +198,36 @@ def _check_options(*, max_in_flight: int, chunk_size: int, lease_s: float, strea
 
 
 def _resume(client: redis.Redis, data, spool: Spool, manifest: dict, source: Path,
-            streams: list[str]) -> tuple[str, list[str], int]:
-    """Take up again the job of ``spool``'s manifest, which Redis no longer knows: (its id, the
-    parts of rows already in its spool, how many requests they hold, to be skipped).
+            streams: list[str]) -> tuple[str, list[str], int, int]:
+    """Take up again the job of ``spool``'s manifest: (its id, the parts of rows already in its
+    spool, how many requests they hold, to be skipped, how many requests a cost cap stopped run
+    again). Either Redis no longer knows the job, or it ended with requests its cost cap stopped
+    (:mod:`mqinfer.ops.job_carry_on`): those run now, the others keep their rows.
 
-    JobConflict when the manifest names no job, a job Redis still knows, or another input."""
+    JobConflict when the manifest names no job, another input, or a job Redis still knows that is
+    running, or that ended with nothing left to run."""
     out = spool.out
     job_id = str(manifest.get("job_id") or "")
     store = JobStore(client, job_id, data=data)
     if not job_id:
         raise JobConflict(f"{spool.manifest_path} names no job; remove it or choose another --out")
-    if store.exists():
-        raise JobConflict(f"{out} already holds job {job_id} ({store.status()}); watch it with "
-                          f"`mqinfer jobs status {job_id}`, or choose another --out")
     if manifest.get("input") != str(source):
         raise JobConflict(f"{out} holds job {job_id} of another input ({manifest.get('input')}); "
                           "choose another --out")
+    known = store.exists()
+    if known and store.status() not in (COMPLETED, CANCELLED, EXPIRED):
+        raise JobConflict(f"{out} already holds job {job_id} ({store.status()}); watch it with "
+                          f"`mqinfer jobs status {job_id}`, or choose another --out")
     spool.clean()
+    parts, rerun = carry_on_rows(spool, client if data is None else data, streams, job_id)
+    if known and not rerun:
+        raise JobConflict(f"{out} already holds job {job_id} ({store.status()}) and no request of it was "
+                          f"stopped by a cost cap; see `mqinfer jobs status {job_id}`, or choose another --out")
     spool.reset_index()
-    parts = spool.existing_rows_parts()
     adopted = _adopt_rows(client if data is None else data, spool, parts, job_id, streams)
-    log.info("job %s resumes in %s: %d rows already collected", job_id, out, adopted)
-    return job_id, parts, adopted
+    log.info("job %s resumes in %s: %d rows already collected, %d requests a cost cap stopped run again",
+             job_id, out, adopted, rerun)
+    return job_id, parts, adopted, rerun
 
 
 def _adopt_rows(client, spool: Spool, parts: list[str], job_id: str, streams: list[str]) -> int:
@@ -330,7 +340,8 @@ def describe(job: dict, *, in_flight: int = 0, now: float | None = None, rows: J
         "created_at": _f(job, "created_at"), "in_progress_at": started,
         "finalizing_at": _f(job, "finalizing_at"), "ended_at": ended, "deadline": deadline,
         "counts": {"total": total, **counts, "invalid": invalid, "skipped": _i(job, "skipped"),
-                   "in_flight": in_flight, "fed": _i(job, "fed"), "done": done},
+                   "in_flight": in_flight, "fed": _i(job, "fed"), "done": done,
+                   "budget_exceeded": _i(job, "budget_exceeded"), "rerun": _i(job, "rerun")},
         "tokens": {"prompt": _i(job, "prompt_tokens"), "output": _i(job, "output_tokens")},
         "cost_usd": cost_usd, "cost": cost, "max_cost_usd": _f(job, "max_cost_usd"),
         "throughput": {"requests_per_s": rate, "output_tokens_per_s": token_rate},

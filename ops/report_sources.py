@@ -17,7 +17,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from mqinfer.schemas.dataset import COSTS_DIR, PART_PREFIX, part_files
+from mqinfer.schemas.dataset import COSTS_DIR, part_files
+from mqinfer.schemas.dataset_uri import dataset_parts, open_uri
 from mqinfer.schemas.rows import COST_SCHEMA
 
 
@@ -36,28 +37,20 @@ def as_sources(out_dirs: str | os.PathLike[str] | Sequence[str | os.PathLike[str
     return sources
 
 
-def _remote_parts(uri: str):
-    """(filesystem, part file paths) of the ``costs/`` dataset under ``uri``."""
+def remote_parts(uri: str):
+    """(filesystem, part file paths) of the ``costs/`` dataset under ``uri`` (parts a replacement
+    superseded left out, :func:`mqinfer.schemas.dataset_uri.visible_parts`)."""
     from pyarrow import fs
 
-    try:
-        filesystem, base = fs.FileSystem.from_uri(uri)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError, OSError) as exc:
-        raise ValueError(f"cannot open {uri}: {exc}") from None
+    filesystem, base = open_uri(uri)
     root = f"{base.rstrip('/')}/{COSTS_DIR}"
     try:
         info = filesystem.get_file_info(root)
-        if info.type == fs.FileType.NotFound:
-            raise FileNotFoundError(f"no {COSTS_DIR}/ dataset in {uri}")
-        found = filesystem.get_file_info(fs.FileSelector(root, recursive=True))
     except (pa.ArrowException, OSError) as exc:
-        if isinstance(exc, FileNotFoundError):
-            raise
         raise OSError(f"cannot list {uri}: {exc}") from None
-    parts = sorted(f.path for f in found if f.type == fs.FileType.File
-                   and f.base_name.startswith(PART_PREFIX) and f.base_name.endswith(".parquet")
-                   and f.path.rsplit("/", 2)[-2].startswith("date="))
-    return filesystem, parts
+    if info.type == fs.FileType.NotFound:
+        raise FileNotFoundError(f"no {COSTS_DIR}/ dataset in {uri}")
+    return dataset_parts(uri, COSTS_DIR)
 
 
 def cost_datasets(sources: Sequence[str]) -> list[ds.Dataset]:
@@ -66,7 +59,7 @@ def cost_datasets(sources: Sequence[str]) -> list[ds.Dataset]:
     datasets = []
     for source in sources:
         if is_uri(source):
-            filesystem, parts = _remote_parts(source)
+            filesystem, parts = remote_parts(source)
             if parts:
                 datasets.append(ds.dataset(parts, format="parquet", schema=COST_SCHEMA, filesystem=filesystem))
             continue
@@ -89,4 +82,4 @@ def read_costs(sources: Sequence[str], condition=None) -> pa.Table:
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
 
 
-__all__ = ["as_sources", "cost_datasets", "is_uri", "read_costs"]
+__all__ = ["as_sources", "cost_datasets", "is_uri", "read_costs", "remote_parts"]

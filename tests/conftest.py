@@ -98,3 +98,28 @@ def redis_client(redis_url, redis_server):
     client = redis_server.client()
     yield client
     client.close()
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """An S3-compatible server (moto's) on a free port, with a bucket ``fleet`` and the AWS
+    variables set for it in this process (and the processes it starts): (its endpoint, a pyarrow
+    filesystem on it)."""
+    pytest.importorskip("moto", reason="moto is not installed (pip install 'moto[server]')")
+    from moto.server import ThreadedMotoServer
+    from pyarrow import fs
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
+                            ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
+            monkeypatch.setenv(name, value)
+        endpoint = f"{host}:{port}"
+        filesystem = fs.S3FileSystem(access_key="test", secret_key="test", region="us-east-1", scheme="http",
+                                     endpoint_override=endpoint, allow_bucket_creation=True)
+        filesystem.create_dir("fleet")
+        yield endpoint, filesystem
+    finally:
+        server.stop()

@@ -9,14 +9,15 @@ import os
 from pathlib import Path
 
 from mqinfer.schemas.dataset import fsync_dir, make_dirs, safe_name
+from mqinfer.schemas.dataset_uri import join, out_location, put_object
 
 # Beside the datasets, the folder of run state (`mqinfer run` keeps its manifests there too).
 STATE_DIR = ".mqinfer"
 
 
-def summary_path(out_dir: str | os.PathLike[str], consumer: str) -> Path:
-    """Where a worker's exit summary goes."""
-    return Path(out_dir) / STATE_DIR / "workers" / f"{safe_name(consumer)}.json"
+def summary_path(out_dir: str | os.PathLike[str], consumer: str) -> Path | str:
+    """Where a worker's exit summary goes: a path, or a URI when ``out_dir`` is object storage."""
+    return join(out_location(out_dir), STATE_DIR, "workers", f"{safe_name(consumer)}.json")
 
 
 class BusyTime:
@@ -53,8 +54,12 @@ class BusyTime:
                 "outside_forward_share": round(1.0 - forward / busy, 4) if busy > 0 else None}
 
 
-def write_exit_summary(path: Path, summary: dict) -> None:
-    """Write ``summary`` as JSON at ``path`` atomically (temp file, fsync, rename)."""
+def write_exit_summary(path: Path | str, summary: dict) -> None:
+    """Write ``summary`` as JSON at ``path`` atomically (temp file, fsync, rename; in object
+    storage, one upload)."""
+    if not isinstance(path, Path):
+        put_object(path, (json.dumps(summary, indent=1, sort_keys=True) + "\n").encode())
+        return
     make_dirs(path.parent)
     # Not named like a dataset's temp file: a starting worker removes those under the whole folder.
     temp = path.with_name(f".{path.name}.{os.getpid()}.writing")

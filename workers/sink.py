@@ -2,7 +2,9 @@
 
 :class:`Sinks` buffers rows and writes costs before results, so a crash in between leaves an
 orphan cost row (compaction marks it ``duplicate``) rather than a result nobody paid for. The
-files' layout and the atomic write are in :mod:`mqinfer.schemas.dataset`.
+files' layout and the atomic write are in :mod:`mqinfer.schemas.dataset`; ``out_dir`` may also be
+object storage (a pyarrow filesystem URI, :mod:`mqinfer.schemas.dataset_uri`), where each part is
+made visible by a single upload.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mqinfer.schemas.dataset import COSTS_DIR, RESULTS_DIR, DatasetWriter, partition_for
+from mqinfer.schemas.dataset_uri import ObjectDatasetWriter, join, out_location
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow, check_row, rows_to_table
 
 class Sinks:
@@ -40,13 +43,13 @@ class Sinks:
             raise ValueError(f"flush_rows must be at least 1, got {flush_rows}")
         if not flush_interval_s >= 0:
             raise ValueError(f"flush_interval_s must be >= 0, got {flush_interval_s}")
-        self.out_dir = Path(out_dir)
+        self.out_dir = out_location(out_dir)
         self.worker = worker
         self.flush_rows = flush_rows
         self.flush_interval_s = flush_interval_s
         self.clock = clock
-        self.results = DatasetWriter(self.out_dir / RESULTS_DIR, RESULT_SCHEMA, worker, before_rename=before_rename)
-        self.costs = DatasetWriter(self.out_dir / COSTS_DIR, COST_SCHEMA, worker, before_rename=before_rename)
+        self.results = _writer(self.out_dir, RESULTS_DIR, RESULT_SCHEMA, worker, before_rename)
+        self.costs = _writer(self.out_dir, COSTS_DIR, COST_SCHEMA, worker, before_rename)
         # (partition, row) in arrival order.
         self._results: list[tuple[str, ResultRow]] = []
         self._costs: list[tuple[str, CostRow]] = []
@@ -123,7 +126,14 @@ class Sinks:
             return written
 
 
-def _write_items(writer: DatasetWriter, items: list[tuple[str, Any]]) -> int:
+def _writer(out: str | Path, name: str, schema, worker: str, before_rename) -> DatasetWriter | ObjectDatasetWriter:
+    """The writer of dataset ``name`` under ``out``: a local folder, or object storage (a URI)."""
+    if isinstance(out, Path):
+        return DatasetWriter(out / name, schema, worker, before_rename=before_rename)
+    return ObjectDatasetWriter(str(join(out, name)), schema, worker)
+
+
+def _write_items(writer: DatasetWriter | ObjectDatasetWriter, items: list[tuple[str, Any]]) -> int:
     """Publish ``items`` one partition at a time, removing each published group from ``items``."""
     written = 0
     while items:

@@ -42,6 +42,7 @@ from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT
 from mqinfer.schemas import errors, faults, keys
 from mqinfer.schemas.connection import connect_redis, redact
 from mqinfer.schemas.dataset import remove_temp_files
+from mqinfer.schemas.dataset_uri import check_writable, out_location
 from mqinfer.schemas.rows import model_variant
 from mqinfer.workers.acks import Acks, SinkError
 from mqinfer.workers.billing import Billing, finished_fields
@@ -172,11 +173,14 @@ class Worker:
         """Wait for Redis, load the engine, wire the parts, write the startup row, and take back
         what is pending under this consumer's name."""
         cfg = self.config
-        out = Path(cfg.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        removed = remove_temp_files(out)
-        if removed:
-            log.info("removed %d leftover temporary part files", removed)
+        out = out_location(cfg.out_dir)
+        if isinstance(out, Path):
+            out.mkdir(parents=True, exist_ok=True)
+            removed = remove_temp_files(out)
+            if removed:
+                log.info("removed %d leftover temporary part files", removed)
+        else:
+            check_writable(out)  # object storage: no temp objects to clean, parts appear whole
         self._wait_for_redis()
         limits = cfg.tenant_limit_map
         if limits:
@@ -608,7 +612,7 @@ class Worker:
         path = summary_path(self.config.out_dir, self.consumer)
         try:
             write_exit_summary(path, self.exit_summary(code))
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.warning("could not write the exit summary %s: %s", path, exc)
 
 

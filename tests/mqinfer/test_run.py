@@ -321,3 +321,11 @@ def test_a_run_with_choices_counts_requests_and_keeps_every_choice(tmp_path):
     results = rows(out / "results")
     assert sorted((r["id"], r["index"] or 0) for r in results) == [
         ("r0", 0), ("r1", 0), ("r1", 1), ("r1", 2), ("r2", 0)]
+
+
+def test_run_takes_a_file_uri_as_its_folder(tmp_path):
+    src = write_jsonl(tmp_path / "job.jsonl", requests(2, 2))
+    done = subprocess.run(run_cmd(str(src), "--out", (tmp_path / "o").as_uri()), env=env(), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    check_once(tmp_path / "o", ["r0", "r1"])

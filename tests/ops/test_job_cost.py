@@ -19,7 +19,7 @@ from mqinfer.ops.jobs import job_info, submit_job
 from mqinfer.schemas import keys
 from mqinfer.schemas.dataset import DatasetWriter
 from mqinfer.schemas.request import Request
-from mqinfer.schemas.rows import COST_SCHEMA, CostRow, ResultRow
+from mqinfer.schemas.rows import COST_SCHEMA, CostRow, ResultRow, rows_to_table
 from tests.helpers import write_jsonl
 
 STREAM = keys.request_stream("requests")
@@ -114,6 +114,28 @@ def test_days_before_the_job_existed_are_not_read(tmp_path):
         [cost("request", "j", "r0", 1.0, "w1", t - 2 * day), cost("request", "j", "r1", 0.5, "w1", t + 60)])
     assert job_cost([tmp_path], "j").cost_usd == pytest.approx(1.5)
     assert job_cost([tmp_path], "j", since=t).cost_usd == pytest.approx(0.5)
+
+
+def test_worker_folders_in_object_storage_count_with_local_ones(s3, tmp_path):
+    from mqinfer.ops.job_cost import parse_folders
+    from mqinfer.schemas.dataset_uri import ObjectDatasetWriter
+
+    endpoint, _ = s3
+    uri = f"s3://fleet/w2?endpoint_override={endpoint}&scheme=http&region=us-east-1"
+    t = 1_700_000_000.0
+    DatasetWriter(tmp_path / "w1" / "costs", COST_SCHEMA, "w1").write([cost("request", "j", "r0", 1.0, "w1", t)])
+    remote = ObjectDatasetWriter(f"s3://fleet/w2/costs?endpoint_override={endpoint}&scheme=http&region=us-east-1",
+                                 COST_SCHEMA, "w2")
+    remote.write_table("date=2023-11-14", rows_to_table([cost("request", "j", "r1", 0.25, "w2", t),
+                                                         cost("duplicate", "j", "r0", 0.5, "w2", t),
+                                                         cost("request", "k", "r9", 7.0, "w2", t)], COST_SCHEMA))
+    folders = parse_folders(f"{tmp_path / 'w1'},{uri}")
+    assert folders == [str(tmp_path / "w1"), uri]
+    got = job_cost(folders, "j", since=t - 60)
+    assert (got.cost_usd, got.request_usd, got.duplicate_usd, got.rows) == (1.75, 1.25, 0.5, 3)
+    assert job_cost(folders, "j", since=t + 2 * 86_400).cost_usd == 0.0  # the days before are not read
+    nothing = f"s3://fleet/none?endpoint_override={endpoint}&scheme=http&region=us-east-1"
+    assert job_cost([nothing], "j").missing == (nothing,)
 
 
 def test_a_folder_without_cost_rows_is_named(tmp_path):

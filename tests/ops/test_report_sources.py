@@ -97,29 +97,6 @@ def test_compact_takes_several_folders_and_refuses_object_stores(fleet, tmp_path
     assert remote.returncode != 0 and "needs a local folder" in remote.stderr
 
 
-@pytest.fixture
-def s3(monkeypatch):
-    """An S3-compatible server on a free port: (its endpoint, a pyarrow filesystem on it)."""
-    pytest.importorskip("moto", reason="moto is not installed (pip install 'moto[server]')")
-    from moto.server import ThreadedMotoServer
-    from pyarrow import fs
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    try:
-        host, port = server.get_host_and_port()
-        for name, value in (("AWS_ACCESS_KEY_ID", "test"), ("AWS_SECRET_ACCESS_KEY", "test"),
-                            ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_EC2_METADATA_DISABLED", "true")):
-            monkeypatch.setenv(name, value)
-        endpoint = f"{host}:{port}"
-        filesystem = fs.S3FileSystem(access_key="test", secret_key="test", region="us-east-1", scheme="http",
-                                     endpoint_override=endpoint, allow_bucket_creation=True)
-        filesystem.create_dir("fleet")
-        yield endpoint, filesystem
-    finally:
-        server.stop()
-
-
 def test_an_s3_store_reports_as_the_folder(fleet, s3):
     from pyarrow import fs
 
