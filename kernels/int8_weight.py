@@ -18,13 +18,14 @@ from mqinfer.kernels.linear import dense_library
 PANEL = 16
 
 
-def _library() -> ctypes.CDLL | None:
+def int8_library() -> ctypes.CDLL | None:
+    """The native library where it has the w8a8 kernel (the dense layers' switch allowing)."""
     return dense_library("mqinfer_qlinear_available")
 
 
 def native_available() -> bool:
     """Whether w8a8 layers use the native kernel here (switch, compiler and CPU allowing)."""
-    return _library() is not None
+    return int8_library() is not None
 
 
 def native_takes_bf16() -> bool:
@@ -93,4 +94,4 @@ def pack_for(kind: type[Int8Weight], lib: ctypes.CDLL | None, qweight: torch.Ten
     return kind(qweight, scale, bias, lib, swiglu)
 
 
-__all__ = ["Int8Weight", "PANEL", "native_available", "native_takes_bf16", "pack_for"]
+__all__ = ["Int8Weight", "PANEL", "int8_library", "native_available", "native_takes_bf16", "pack_for"]

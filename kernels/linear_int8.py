@@ -33,7 +33,7 @@ import torch
 
 from mqinfer.kernels import linear_amx_int8, native
 from mqinfer.kernels.int8_weight import (  # noqa: F401  (re-exported: the packed weight's names)
-    PANEL, Int8Weight, _library, native_available, native_takes_bf16, pack_for,
+    PANEL, Int8Weight, int8_library, native_available, native_takes_bf16, pack_for,
 )
 from mqinfer.kernels.linear import checked_io
 QMAX = 127
@@ -105,7 +105,7 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None =
     the native kernel, or None where it does not apply (then use ``reference_linear``): for the
     AMX int8 kernel where that applies (``linear_amx_int8.pack``), else for the VNNI or AVX2 one."""
     packed = linear_amx_int8.pack(qweight, scale, bias, swiglu)
-    return packed if packed is not None else pack_for(Int8Weight, _library(), qweight, scale, bias, swiglu)
+    return packed if packed is not None else pack_for(Int8Weight, int8_library(), qweight, scale, bias, swiglu)
 
 
 _local = threading.local()

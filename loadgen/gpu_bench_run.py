@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mqinfer.loadgen.gpu_bench import (
+from mqinfer.loadgen.gpu_bench_phases import (
     GOAL_DECODE_B1_SHARE,
     GOAL_OVER_ROOF,
     GOAL_VS_STATIC,

@@ -47,11 +47,13 @@ from mqinfer.loadgen.plan_model import (
     Calibration,
     StepSample,
     StepShape,
+    contention_probes,
     fit_step_costs,
     now_text,
     processor_name,
     quantile_samples,
 )
+from mqinfer.loadgen.plan_pipeline import measure_pipeline
 
 log = logging.getLogger("mqinfer.plan")
 
@@ -183,21 +185,6 @@ def measure_startup(config, timeout_s: float = 300.0) -> float:
 _BUSY = Scenario("busy", ((16, 64, 16),))
 # The shapes timed again beside busy engines (those of them that fit the engine's limits).
 _CONTENTION_SHAPES = ("prefill 256", "prefill 4x64", "decode 8 at 32", "decode 32 at 32")
-# At most this many busy engines beside the timed one; the factors in between are interpolated.
-_MAX_CONTENTION_PROBES = 7
-
-
-def contention_probes(config) -> int:
-    """How many other engines to run beside the timed one: the other workers of this layout that
-    one machine holds (CPU only; on a GPU each worker has a device of its own)."""
-    from mqinfer.workers.devices import usable_cores
-
-    if not str(config.device or "cpu").startswith("cpu"):
-        return 0
-    per_worker = (config.num_threads or 1) * (config.tensor_parallel_size or 1) * (config.pipeline_parallel_size or 1)
-    return min(usable_cores() // per_worker - 1, _MAX_CONTENTION_PROBES)
-
-
 def _start_probes(config, count: int, timeout_s: float = 300.0) -> list[subprocess.Popen]:
     """``count`` fresh processes, each running an engine busily until its stdin closes."""
     settings = {name: getattr(config, name) for name in _PROBE_FIELDS}
@@ -322,8 +309,6 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
         measured_at=now_text(), step_noise=quantile_samples(step_noise(samples)), contention=contention,
     )
     if pipeline:
-        from mqinfer.loadgen.plan_pipeline import measure_pipeline
-
         calibration = measure_pipeline(config, calibration, progress=progress)
         if calibration.startup_source != "worker":
             calibration = dataclasses.replace(calibration, startup_s=measure_startup(config))

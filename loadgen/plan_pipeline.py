@@ -68,7 +68,9 @@ from typing import Any
 
 import numpy as np
 
-from mqinfer.loadgen.plan_model import MAX_SAMPLES, Calibration, StepCostModel, StepShape, WorkerLoop, quantile_samples
+from mqinfer.loadgen.plan_model import (
+    MAX_SAMPLES, Calibration, StepCostModel, StepShape, WorkerLoop, contention_probes, quantile_samples,
+)
 
 # The pipeline runs' own small workload (not the bench's, which plan_check measures against).
 PIPELINE_PROMPT_LEN = (16, 160)
@@ -429,8 +431,6 @@ def pipeline_contention(config, calibration: Calibration, run: Callable[[int, Pa
     not show): for each k seen in at least MIN_CONTENTION_STEPS steps, the median of those steps
     over a lone worker's; for another k, the engines-alone factor (``calibration.contention``). At
     least 1 each. Empty where one worker has the machine."""
-    from mqinfer.loadgen.plan_calibrate import contention_probes
-
     most = contention_probes(config)
     if most < 1 or not by_size:
         return list(calibration.contention)

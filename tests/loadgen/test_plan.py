@@ -816,6 +816,7 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
     # test's (their processes cost seconds of both cores).
     monkeypatch.setattr(plan_pipeline, "PIPELINE_REQUESTS", 12)
     monkeypatch.setattr(plan_calibrate, "contention_probes", lambda config: 0)
+    monkeypatch.setattr(plan_pipeline, "contention_probes", lambda config: 0)
     # A target any machine meets, however busy while it calibrates: the plan exits 1 when its
     # target is not met, and this test is about the calibration, not this machine's speed.
     argv = ["--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu", "--format", "json",
