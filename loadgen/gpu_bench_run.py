@@ -2,7 +2,7 @@
 
 Each phase is one function of (the arguments, a model's ``ModelSpec``, its requests) returning
 a dict of figures; ``run_all`` runs them in order within the budget, model by model, and prints
-the summary at the end, however far it got. The pipeline runs go through ``bench.run_engine``
+the summary at the end, however far it got. The pipeline runs go through ``bench_engine.run_engine``
 (what ``mqinfer bench`` runs: an embedded server, the client, ``mqinfer worker`` processes, the
 results Parquet), transformers through ``hf_baseline``, the decode steps through
 ``gpu_bench_roofs``.
@@ -64,7 +64,7 @@ def bench_args(args: argparse.Namespace, spec, dtype: str, timeout_s: float, ext
 def phase_pipeline(args: argparse.Namespace, spec, requests: list[dict[str, Any]], dtype: str, budget: Budget,
                    scratch: Path) -> dict[str, Any]:
     """The standard workload offline through the whole pipeline."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
 
     run = run_engine(bench_args(args, spec, dtype, budget.left()), spec, requests, scratch / "offline")
     s = run.offline
@@ -142,7 +142,7 @@ def phase_roofs(args: argparse.Namespace, spec, dtype: str, bandwidth) -> dict[s
 def phase_online(args: argparse.Namespace, spec, requests: list[dict[str, Any]], dtype: str, budget: Budget,
                  scratch: Path, offline: dict[str, Any]) -> dict[str, Any]:
     """TTFT and TPOT through the pipeline at ``--online-rates`` of the offline run's request rate."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
 
     summary = offline["summary"]
     # Requests finished without error per second of the offline run (bench_online.request_rate).

@@ -300,7 +300,7 @@ def _workload(ns: argparse.Namespace, s: Setup, n: int) -> list[dict[str, Any]]:
 
 def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
     """The offline run and the online runs at three rates, measured and predicted."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
     from mqinfer.loadgen.bench_online import request_rate, unshared_prompts
     from mqinfer.loadgen.plan_pipeline import bench_args, machine_speed, read_timelines, step_logs
 
@@ -395,7 +395,7 @@ def rate_row(runs: list[CheckRow]) -> CheckRow:
 
 def workers_check(ns: argparse.Namespace, s: Setup, scratch: Path) -> dict[str, Any]:
     """`mqinfer plan`'s worker count for an SLO, and the real pipeline at one fewer and at that count."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
     from mqinfer.loadgen.plan import make_plan, summarize
     from mqinfer.loadgen.plan_pipeline import bench_args
     from mqinfer.loadgen.plan_sim import SimRequest, simulate

@@ -466,7 +466,7 @@ def warm_loop(gaps: list[float], flushes: list[float], ratios: list[tuple[float,
 def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None]) -> Calibration:
     """``calibration`` with the worker's start-up and loop (see the module's description) measured
     on short runs of the real pipeline with one worker."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
     from mqinfer.loadgen.bench_model import resolve_model
     from mqinfer.loadgen.bench_online import poisson_arrivals
     from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
