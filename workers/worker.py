@@ -52,7 +52,8 @@ from mqinfer.workers.costs import Meter, RequestMeter, WorkModel, kv_block_share
 from mqinfer.workers.engine import EngineInputError, LLMEngine, choice_id
 from mqinfer.workers.heap import CollectorPauses, freeze_startup_heap
 from mqinfer.workers.idempotency import Idempotency
-from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
+from mqinfer.workers.consumer_group import HANDBACK_CONSUMER, DeadLetters, announced, ensure_group
+from mqinfer.workers.ingest import Ingest
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.job_caps import JobCaps
 from mqinfer.workers.kv_prefixes import TierPrefixes
