@@ -2,7 +2,7 @@
 of the same requests, side by side, and whether the worker count it picks for an SLO is the one the
 pipeline needs.
 
-    python -m mqinfer.loadgen.plan_check [--model tiny] [--workload standard] [--num-requests 128]
+    python -m mqinfer.loadgen.plan.check [--model tiny] [--workload standard] [--num-requests 128]
                                          [--online-requests 300] [--workers 1] [--num-threads 1]
                                          [--device cpu|cuda] [--rates auto|R,R,R] [--repeats R] [--calibrate]
                                          [--workers-check] [--check-rate QPS] [--check-slo-ms MS]
@@ -61,7 +61,7 @@ from typing import Any
 
 from mqinfer.loadgen.bench_pool import log
 from mqinfer.loadgen.metrics import RequestTiming, percentile
-from mqinfer.loadgen.plan import SPEED_DRIFT
+from mqinfer.loadgen.plan.command import SPEED_DRIFT
 
 AUTO_RATE_SHARES = (0.2, 0.5, 0.8)
 # Simulations (different draws of the loop's delays and the steps' slowness) averaged into one
@@ -187,8 +187,8 @@ def predicted(requests: list[dict[str, Any]], arrivals: list[float], workers: in
               seeds: int = PREDICTION_SEEDS) -> Prediction:
     """The plan's ``seeds`` simulations of ``requests`` arriving at ``arrivals``; ``speed``: every
     step that many times as long."""
-    from mqinfer.loadgen.plan import summarize
-    from mqinfer.loadgen.plan_sim import SimRequest, simulate
+    from mqinfer.loadgen.plan.command import summarize
+    from mqinfer.loadgen.plan.sim import SimRequest, simulate
 
     sim_requests = [SimRequest(r["id"], tuple(r["prompt_token_ids"]), int(r["max_tokens"]), arrival_s=float(a))
                     for r, a in zip(requests, arrivals)]
@@ -276,10 +276,10 @@ class Setup:
 
 def setup(ns: argparse.Namespace) -> Setup:
     from mqinfer.loadgen.bench_model import resolve_model
-    from mqinfer.loadgen.plan import calibration_path, engine_config, get_calibration, worker_layout, worker_settings
-    from mqinfer.loadgen.plan_model import load_calibration
-    from mqinfer.loadgen.plan_options import PLAN_CMD
-    from mqinfer.loadgen.plan_pipeline import worker_flags
+    from mqinfer.loadgen.plan.command import calibration_path, engine_config, get_calibration, worker_layout, worker_settings
+    from mqinfer.loadgen.plan.model import load_calibration
+    from mqinfer.loadgen.plan.options import PLAN_CMD
+    from mqinfer.loadgen.plan.pipeline import worker_flags
 
     opts = {o.name: o.default for o in PLAN_CMD}
     opts.update(model=ns.model, num_threads=ns.num_threads if ns.device == "cpu" else None, device=ns.device,
@@ -302,7 +302,7 @@ def accuracy(ns: argparse.Namespace, s: Setup, scratch: Path) -> list[CheckRow]:
     """The offline run and the online runs at three rates, measured and predicted."""
     from mqinfer.loadgen.bench_engine import run_engine
     from mqinfer.loadgen.bench_online import request_rate, unshared_prompts
-    from mqinfer.loadgen.plan_pipeline import bench_args, machine_speed, read_timelines, step_logs
+    from mqinfer.loadgen.plan.pipeline import bench_args, machine_speed, read_timelines, step_logs
 
     common = dict(model=ns.model, workload=ns.workload, seed=ns.seed, workers=ns.workers, engine=s.flags)
     requests = _workload(ns, s, ns.num_requests)
@@ -396,9 +396,9 @@ def rate_row(runs: list[CheckRow]) -> CheckRow:
 def workers_check(ns: argparse.Namespace, s: Setup, scratch: Path) -> dict[str, Any]:
     """`mqinfer plan`'s worker count for an SLO, and the real pipeline at one fewer and at that count."""
     from mqinfer.loadgen.bench_engine import run_engine
-    from mqinfer.loadgen.plan import make_plan, summarize
-    from mqinfer.loadgen.plan_pipeline import bench_args
-    from mqinfer.loadgen.plan_sim import SimRequest, simulate
+    from mqinfer.loadgen.plan.command import make_plan, summarize
+    from mqinfer.loadgen.plan.pipeline import bench_args
+    from mqinfer.loadgen.plan.sim import SimRequest, simulate
 
     requests = _workload(ns, s, ns.online_requests)
     rate = ns.check_rate
@@ -496,7 +496,7 @@ def run_check(ns: argparse.Namespace) -> dict[str, Any]:
     c, loop = s.calibration.model, s.calibration.loop
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "command": "python -m mqinfer.loadgen.plan_check " + " ".join(sys.argv[1:]),
+        "command": "python -m mqinfer.loadgen.plan.check " + " ".join(sys.argv[1:]),
         "model": ns.model, "workload": ns.workload, "num_requests": ns.num_requests,
         "online_requests": ns.online_requests, "workers": ns.workers, "num_threads": s.opts["num_threads"],
         "device": ns.device, "load_average": load.summary(),
@@ -530,7 +530,7 @@ def _positive(text: str) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.plan_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.plan.check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny", help="Model (default: tiny).")
     parser.add_argument("--workload", default="standard", help="A bench workload (default: standard).")
     parser.add_argument("--num-requests", type=int, default=128, help="Requests of the offline run (default: 128).")

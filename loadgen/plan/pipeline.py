@@ -1,7 +1,7 @@
 """The worker loop around the engine, measured on short runs of the real pipeline (`mqinfer plan
 --calibrate`'s second part).
 
-The engine's steps alone (plan_calibrate) miss what a `mqinfer worker` does between them. Two
+The engine's steps alone (calibrate) miss what a `mqinfer worker` does between them. Two
 bench runs of a small workload of its own (``PIPELINE_REQUESTS`` requests, one worker with the
 planned engine flags) measure it:
 
@@ -68,11 +68,11 @@ from typing import Any
 
 import numpy as np
 
-from mqinfer.loadgen.plan_model import (
+from mqinfer.loadgen.plan.model import (
     MAX_SAMPLES, Calibration, StepCostModel, StepShape, WorkerLoop, contention_probes, quantile_samples,
 )
 
-# The pipeline runs' own small workload (not the bench's, which plan_check measures against).
+# The pipeline runs' own small workload (not the bench's, which check measures against).
 PIPELINE_PROMPT_LEN = (16, 160)
 PIPELINE_OUTPUT_LEN = (8, 48)
 PIPELINE_REQUESTS = 32
@@ -308,7 +308,7 @@ def gap_costs(gaps: list[float], counts: list[tuple[int, int]]) -> tuple[list[fl
     request): a non-negative least-squares fit of each gap as a constant plus a cost for each
     request the step before it finished and each the step after it started. Without enough gaps
     next to requests (MIN_GAP_REQUESTS of each), no cost of that kind: the gaps as they are."""
-    from mqinfer.loadgen.plan_model import nnls
+    from mqinfer.loadgen.plan.model import nnls
 
     if len(gaps) < 2 * MIN_GAP_REQUESTS:
         return list(gaps), 0.0, 0.0
@@ -326,7 +326,7 @@ def gap_costs(gaps: list[float], counts: list[tuple[int, int]]) -> tuple[list[fl
 # -- the calibration's pipeline runs ----------------------------------------------------------------
 def mean_sim(requests, settings, model, loop: WorkerLoop, seeds: int = SIM_SEEDS, fresh: bool = False):
     """``seeds`` simulations of one worker (seeds 0..seeds-1)."""
-    from mqinfer.loadgen.plan_sim import simulate
+    from mqinfer.loadgen.plan.sim import simulate
 
     return [simulate(requests, 1, settings, model, loop=loop, seed=seed, fresh=fresh) for seed in range(seeds)]
 
@@ -469,7 +469,7 @@ def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[st
     from mqinfer.loadgen.bench_engine import run_engine
     from mqinfer.loadgen.bench_model import resolve_model
     from mqinfer.loadgen.bench_online import poisson_arrivals
-    from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
+    from mqinfer.loadgen.plan.sim import SimRequest, WorkerSettings, simulate
     from mqinfer.loadgen.workload import make_workload
     from mqinfer.scheduler.config import SchedulerConfig
 
