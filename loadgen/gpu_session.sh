@@ -54,16 +54,8 @@ except Exception:
     pass
 EOF
 
-if ! "$PYTHON" -c "import mqinfer.loadgen.gpu_bench" 2>/dev/null; then
-    # The repository's folders are subpackages of one namespace (workers/ is mqinfer.workers):
-    # lay them out as the installed package is, as .ci/lint-imports does.
-    tree=$(mktemp -d)
-    trap 'rm -rf "$tree"' EXIT
-    cp -r mqinfer "$tree/mqinfer"
-    for sub in schemas scheduler kernels workers ops loadgen; do cp -r "$sub" "$tree/mqinfer/$sub"; done
-    export PYTHONPATH="$tree${PYTHONPATH:+:$PYTHONPATH}"
-    echo "mqinfer run from this tree (PYTHONPATH=$tree)"
-fi
+# Run from the repository's root, `python -m mqinfer...` is this tree's code, installed or not
+# (README.md, "Where the code lives").
 
 echo
 echo "== gpu_bench (budget ${BUDGET_S}s; gpu_check first, at most ${GPU_CHECK_S}s)"
