@@ -1,6 +1,6 @@
 """One GPU benchmark: mqinfer against transformers and against the memory roof, in one command.
 
-``python -m mqinfer.loadgen.gpu_bench [--models 0.5b,1.5b] [--budget-s 360] [--json FILE]``
+``python -m mqinfer.loadgen.gpu.bench [--models 0.5b,1.5b] [--budget-s 360] [--json FILE]``
 downloads nothing. In order, within a time budget:
 
 1. ``gpu_check`` (every CUDA path against its reference), as a subprocess with its own timeout;
@@ -36,8 +36,8 @@ import sys
 from pathlib import Path
 
 from mqinfer.loadgen.bench_options import positive_int, positive_int_list
-from mqinfer.loadgen.gpu_bench_phases import SKIPPED, Budget  # noqa: F401  (SKIPPED: the report's word)
-from mqinfer.loadgen.gpu_bench_run import run_all
+from mqinfer.loadgen.gpu.bench_phases import SKIPPED, Budget  # noqa: F401  (SKIPPED: the report's word)
+from mqinfer.loadgen.gpu.bench_run import run_all
 
 DEFAULT_MODELS = ["0.5b", "1.5b"]
 DEFAULT_BUDGET_S = 360.0
@@ -71,7 +71,7 @@ def parse_fractions(text: str) -> list[float]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mqinfer.loadgen.gpu_bench", description=__doc__.split("\n\n")[0],
+        prog="python -m mqinfer.loadgen.gpu.bench", description=__doc__.split("\n\n")[0],
         epilog="Exit status: 0 when every phase that ran succeeded (a phase skipped for the budget is no "
                "failure), 1 when gpu_check failed or a phase raised, 2 on bad arguments or no CUDA device.")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",

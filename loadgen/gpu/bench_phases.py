@@ -1,4 +1,4 @@
-"""The phases' shared parts of ``gpu_bench`` (``python -m mqinfer.loadgen.gpu_bench``, whose
+"""The phases' shared parts of ``gpu_bench`` (``python -m mqinfer.loadgen.gpu.bench``, whose
 docstring says what it measures): the time budget, the JSON report written after each phase, the
 goals checked in the summary, the run's header, gpu_check as a subprocess, and a phase run under the
 budget. ``gpu_bench`` (the command) and ``gpu_bench_run`` (the phases) both import them from here.
@@ -64,7 +64,7 @@ def header(args: argparse.Namespace, dtype: str) -> dict[str, Any]:
     """The report's fixed part: when, on what, with which settings."""
     import platform
 
-    from mqinfer.loadgen.gpu_check import environment
+    from mqinfer.loadgen.gpu.check import environment
 
     env = environment(args.device)
     return {"date_utc": env["date_utc"], "environment": env,
@@ -77,7 +77,7 @@ def run_gpu_check(args: argparse.Namespace, budget: Budget, workdir: Path) -> di
     ``--gpu-check-timeout-s`` or what is left of the budget: its exit code and rows."""
     timeout = max(1.0, min(args.gpu_check_timeout_s, budget.left()))
     out = workdir / "gpu_check.json"
-    argv = [sys.executable, "-m", "mqinfer.loadgen.gpu_check", "--json", str(out), "--workdir",
+    argv = [sys.executable, "-m", "mqinfer.loadgen.gpu.check", "--json", str(out), "--workdir",
             str(workdir / "gpu-check")]
     log(f"gpu_check (at most {timeout:.0f}s): {' '.join(argv[1:])}")
     began = time.monotonic()

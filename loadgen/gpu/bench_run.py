@@ -1,4 +1,4 @@
-"""The phases of ``gpu_bench`` (see ``loadgen/gpu_bench.py``) and its summary.
+"""The phases of ``gpu_bench`` (see ``loadgen/gpu/bench.py``) and its summary.
 
 Each phase is one function of (the arguments, a model's ``ModelSpec``, its requests) returning
 a dict of figures; ``run_all`` runs them in order within the budget, model by model, and prints
@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mqinfer.loadgen.gpu_bench_phases import (
+from mqinfer.loadgen.gpu.bench_phases import (
     GOAL_DECODE_B1_SHARE,
     GOAL_OVER_ROOF,
     GOAL_VS_STATIC,
@@ -118,7 +118,7 @@ def phase_transformers(args: argparse.Namespace, spec, requests: list[dict[str, 
 
 def phase_roofs(args: argparse.Namespace, spec, dtype: str, bandwidth) -> dict[str, Any]:
     """A decode step at batch 1 and at ``--roof-batch``, each against its memory roof."""
-    from mqinfer.loadgen.gpu_bench_roofs import build_engine, decode_roof, decode_step_seconds
+    from mqinfer.loadgen.gpu.bench_roofs import build_engine, decode_roof, decode_step_seconds
 
     steps, context = args.roof_steps, args.roof_context
     # The timed steps read the prompt and the tokens generated so far: counted at the middle step.
@@ -172,7 +172,7 @@ def _ms(seconds: float | None) -> str:
 
 def run_all(args: argparse.Namespace, dtype: str, budget: Budget) -> int:
     """Every phase, model by model, within ``budget``; the summary; the exit status."""
-    from mqinfer.loadgen.gpu_bench_roofs import device_bandwidth
+    from mqinfer.loadgen.gpu.bench_roofs import device_bandwidth
     from mqinfer.loadgen.workload import make_workload
 
     workdir = Path(args.workdir) if args.workdir else default_workdir()

@@ -1,6 +1,6 @@
 """One GPU check: everything of mqinfer that needs CUDA, against its reference, in one command.
 
-``python -m mqinfer.loadgen.gpu_check [--json FILE] [--model CHECKPOINT] [--only NAME,...]``
+``python -m mqinfer.loadgen.gpu.check [--json FILE] [--model CHECKPOINT] [--only NAME,...]``
 runs, on CUDA device 0 (the parallel rows on devices 0 and 1), in a few minutes:
 
 - the Triton KV store and paged attention against the PyTorch path, float32 and bfloat16
@@ -53,7 +53,7 @@ def case_list() -> list[tuple[str, Callable[[Any], Any]]]:
     """(name, function of a ``Setup``) for every case, in the order they run."""
     import torch
 
-    from mqinfer.loadgen import gpu_check_cases as c
+    from mqinfer.loadgen.gpu import check_cases as c
 
     return [
         ("triton kernels float32", lambda s: c.triton_kernels(s, torch.float32)),
@@ -75,7 +75,7 @@ def case_list() -> list[tuple[str, Callable[[Any], Any]]]:
 
 def run_case(name: str, fn: Callable[[Any], Any], setup: Any) -> Row:
     """One case, timed: its outcome, its skip, or the exception it raised (an ERROR row)."""
-    from mqinfer.loadgen.gpu_check_cases import Skip
+    from mqinfer.loadgen.gpu.check_cases import Skip
 
     began = time.perf_counter()
     try:
@@ -174,7 +174,7 @@ def run_all(setup: Any, only: list[str] | None, json_path: str | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.gpu_check",
+    parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.gpu.check",
                                      description=__doc__.split("\n\n")[0],
                                      epilog="Exit status: 0 when every case passed (or had nothing to run), "
                                             "1 on any mismatch or error.")
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"gpu_check: {why}: nothing run (it checks what needs an NVIDIA GPU)")
             write_json(args.json, {"device": None, "reason": why}, [], done=True)
             return 0
-    from mqinfer.loadgen.gpu_check_cases import Setup
+    from mqinfer.loadgen.gpu.check_cases import Setup
 
     with tempfile.TemporaryDirectory(prefix="mqinfer-gpu-check-") as tmp:
         workdir = Path(args.workdir or tmp)

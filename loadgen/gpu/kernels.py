@@ -1,6 +1,6 @@
 """GPU check of the Triton attention kernels: correctness against the PyTorch path, and timings.
 
-``python -m mqinfer.loadgen.gpu_kernels`` (one command, under two minutes on one GPU):
+``python -m mqinfer.loadgen.gpu.kernels`` (one command, under two minutes on one GPU):
 
 - *check*: on every case below, in float32 and bfloat16, the Triton KV store must write exactly
   what the PyTorch store writes, and Triton paged attention must agree with the PyTorch path
@@ -397,7 +397,7 @@ def run_compile_only(arch: int, quick: bool, json_path: str | None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mqinfer.loadgen.gpu_kernels", description=__doc__.split("\n")[0]
+        prog="python -m mqinfer.loadgen.gpu.kernels", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--compile-only", action="store_true", help="compile for --arch without a GPU and report resources"

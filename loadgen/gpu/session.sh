@@ -3,7 +3,7 @@
 # `gpu_check` first, then the throughput, roof and latency figures), everything printed and the
 # JSON files left in OUT. Run from the repository root:
 #
-#   loadgen/gpu_session.sh [OUT]        (default OUT: gpu-session-out)
+#   loadgen/gpu/session.sh [OUT]        (default OUT: gpu-session-out)
 #
 # Settings (environment):
 #   BUDGET_S=360       gpu_bench's time budget, gpu_check and writing the checkpoints included;
@@ -31,7 +31,7 @@ MODELS=${MODELS:-0.5b,1.5b}
 EXTRA=${EXTRA:-}
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
@@ -60,7 +60,7 @@ EOF
 echo
 echo "== gpu_bench (budget ${BUDGET_S}s; gpu_check first, at most ${GPU_CHECK_S}s)"
 # shellcheck disable=SC2086  # EXTRA is a list of flags
-timeout -s INT -k 30 $((BUDGET_S + 60)) "$PYTHON" -m mqinfer.loadgen.gpu_bench --device "$DEVICE" --models "$MODELS" \
+timeout -s INT -k 30 $((BUDGET_S + 60)) "$PYTHON" -m mqinfer.loadgen.gpu.bench --device "$DEVICE" --models "$MODELS" \
     --budget-s "$BUDGET_S" --gpu-check-timeout-s "$GPU_CHECK_S" --workdir "$OUT/checkpoints" \
     --json "$OUT/gpu_bench.json" $EXTRA
 code=$?

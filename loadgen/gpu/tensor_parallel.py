@@ -1,6 +1,6 @@
 """Tensor parallelism measured: step times of T=2 against T=1, and the check that they agree.
 
-``python -m mqinfer.loadgen.gpu_tensor_parallel`` (GPU, the default): on two CUDA devices, runs the
+``python -m mqinfer.loadgen.gpu.tensor_parallel`` (GPU, the default): on two CUDA devices, runs the
 same batch through one worker engine with ``--tensor-parallel-size 1`` on ``cuda:0`` and with
 ``2`` on ``cuda:0,1``, and prints prefill and decode step times, decode tokens per second, each
 rank's KV cache bytes, and how many requests' greedy tokens agree. Without two CUDA devices it
@@ -100,7 +100,7 @@ def run_layout(model: str, *, device: str, devices: str | None, tp: int, threads
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.gpu_tensor_parallel", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mqinfer.loadgen.gpu.tensor_parallel", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--model", help="checkpoint folder (default: the benchmark checkpoint)")
