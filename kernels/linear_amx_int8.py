@@ -37,7 +37,7 @@ import torch
 
 from mqinfer.kernels import native
 from mqinfer.kernels.linear import dense_library
-from mqinfer.kernels.linear_int8 import Int8Weight, native_takes_bf16, pack_for
+from mqinfer.kernels.int8_weight import Int8Weight, native_takes_bf16, pack_for
 
 SWITCH = "MQINFER_W8A8_AMX"
 

@@ -28,7 +28,7 @@ import torch
 
 from mqinfer.kernels import native
 from mqinfer.kernels.linear import checked_io, dense_library
-from mqinfer.kernels.linear_int8 import Int8Weight, pack_for
+from mqinfer.kernels.int8_weight import Int8Weight, pack_for
 
 
 def _library() -> ctypes.CDLL | None:

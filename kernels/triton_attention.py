@@ -69,7 +69,7 @@ class TileConfig:
 
 
 # Chosen from ptxas's resource report for sm_90 at head_dim 128 (no register spills; see
-# ``python -m mqinfer.loadgen.gpu_kernels --compile-only``), not from timings: no GPU was at
+# ``python -m mqinfer.loadgen.gpu.kernels --compile-only``), not from timings: no GPU was at
 # hand when they were set. Float32 runs its dots on FMA units (IEEE), which needs smaller tiles.
 DECODE_TILES = {
     "half": TileConfig(block_m=MIN_BLOCK_M, block_n=64, num_warps=4, num_stages=3),

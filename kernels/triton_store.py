@@ -33,7 +33,7 @@ from mqinfer.kernels.kv_quant import as_raw, check_scales, is_quantized_dtype, k
 class KernelLaunch:
     """One planned kernel launch: what ``run()`` passes to the kernel, kept as data so that the
     same plan can also be compiled ahead of time for a GPU this machine does not have
-    (``python -m mqinfer.loadgen.gpu_kernels --compile-only``)."""
+    (``python -m mqinfer.loadgen.gpu.kernels --compile-only``)."""
 
     kernel: Any
     grid: tuple[int, ...]

@@ -225,7 +225,7 @@ def checkpoint_from_gguf(gguf: str | os.PathLike, folder: str | os.PathLike) -> 
 
     from mqinfer.loadgen.gguf_checkpoint import write_gguf
     from mqinfer.workers.gguf import GGUFCheckpoint
-    from mqinfer.workers.gguf_tokenizer import tokenizer_from_gguf
+    from mqinfer.workers.tokenizer import tokenizer_from_gguf
 
     source, folder = Path(gguf).resolve(), Path(folder)
     stamp = {"format": 1, "source": str(source), "size": source.stat().st_size,

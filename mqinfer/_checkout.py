@@ -4,9 +4,10 @@ A checkout keeps the subpackages in top-level folders (``kernels/``, ``ops/``, .
 the checkout's root is on ``sys.path`` (pytest's ``pythonpath``, ``python -m`` run from the root)
 those folders are also importable under their bare names. Some of those names belong to other
 distributions: transformers, for one, imports the ``kernels`` package from PyPI. Each folder's
-``__init__`` calls :func:`defer_to_installed` when it finds itself imported under its bare name,
-so the import gives the installed package of that name instead, or fails as it would without the
-checkout. Under ``mqinfer.*`` (the only names this project uses) nothing changes.
+``__init__`` calls :func:`defer_if_bare`, which, when the folder is imported under its bare name,
+gives the import the installed package of that name instead, or fails as it would without the
+checkout. Under ``mqinfer.*`` (the only names this project uses) nothing changes. README.md ("Where
+the code lives") describes the whole mapping.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ import sys
 
 def _checkout_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def defer_if_bare(name: str) -> None:
+    """What each folder's ``__init__`` calls with its ``__name__``: nothing under ``mqinfer.*``;
+    under a bare name, :func:`defer_to_installed`."""
+    if "." not in name:
+        defer_to_installed(name)
 
 
 def defer_to_installed(name: str) -> None:

@@ -177,7 +177,7 @@ def build_parser() -> CommandParser:
     rc.add_argument("dir", metavar="DIR", nargs="+", help="Output folder (with costs/), or a filesystem URI of one.")
     from mqinfer import jobs_cli
     from mqinfer.loadgen.bench_options import add_bench_arguments
-    from mqinfer.loadgen.plan_options import PLAN_CMD, PLAN_DESCRIPTION, PLAN_HELP
+    from mqinfer.loadgen.plan.options import PLAN_CMD, PLAN_DESCRIPTION, PLAN_HELP
 
     p = command("plan", PLAN_HELP, PLAN_CMD, description=PLAN_DESCRIPTION)
     p.add_argument("input", metavar="INPUT", nargs="?", help="JSONL or Parquet file of requests (or give --workload).")
@@ -445,6 +445,6 @@ def cmd_run(args, opts: dict) -> int:
 
 # -- plan ------------------------------------------------------------------------------------
 def cmd_plan(args, opts: dict) -> int:
-    from mqinfer.loadgen.plan import cmd_plan as plan
+    from mqinfer.loadgen.plan.command import cmd_plan as plan
 
     return plan(args, opts)

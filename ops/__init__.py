@@ -1,6 +1,5 @@
 """Operating mqinfer: metrics, cost reports, compaction, bulk-job orchestration."""
 
-if __name__ == "ops":  # imported under its bare name from a checkout: see mqinfer._checkout
-    from mqinfer._checkout import defer_to_installed
+from mqinfer._checkout import defer_if_bare  # README.md, "Where the code lives"
 
-    defer_to_installed(__name__)
+defer_if_bare(__name__)

@@ -8,7 +8,7 @@ planned here (:meth:`SloScheduling.plan`):
 
 * The step's time is predicted by :class:`StepTimeModel`, a linear model of the step's shape
   (tokens, sequences, causal attention pairs of prompt chunks, context of decode tokens: the
-  features of `mqinfer plan`'s model, loadgen/plan_model.py), fitted by exponentially weighted
+  features of `mqinfer plan`'s model, loadgen/plan/model.py), fitted by exponentially weighted
   least squares on relative errors to the engine's own measured steps, so it follows the machine
   and the model as they are now. Until it has seen ``MIN_STEPS`` steps no step is planned.
 * The target step time is the tightest TPOT target among the running interactive requests (else
@@ -109,7 +109,7 @@ def format_tenant_slos(slos: Mapping[str, tuple[int, int]]) -> str:
 
 @dataclass(slots=True)
 class StepShape:
-    """What a step's time depends on (loadgen/plan_model.py): its tokens, its sequences, the causal
+    """What a step's time depends on (loadgen/plan/model.py): its tokens, its sequences, the causal
     (query, key) pairs of its prompt chunks and the summed context of its decode tokens."""
 
     tokens: int = 0

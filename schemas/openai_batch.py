@@ -29,7 +29,7 @@ import msgspec
 
 from mqinfer.schemas import errors
 from mqinfer.schemas.errors import RequestError
-from mqinfer.schemas.request import Request, usable_id
+from mqinfer.schemas.request_struct import Request, usable_id
 from mqinfer.schemas.response_format import OPENAI_TYPES
 
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}

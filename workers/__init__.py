@@ -1,6 +1,5 @@
 """The inference worker: stream ingest, model families and loading, model runner, result and cost sinks."""
 
-if __name__ == "workers":  # imported under its bare name from a checkout: see mqinfer._checkout
-    from mqinfer._checkout import defer_to_installed
+from mqinfer._checkout import defer_if_bare  # README.md, "Where the code lives"
 
-    defer_to_installed(__name__)
+defer_if_bare(__name__)

@@ -30,6 +30,9 @@ QUANTIZATIONS = ("none", "w8a8", "w8a16")
 # How the KV cache stores K and V (kernels/kv_quant.py, which holds the same tuple, owns what
 # each means; this module stays free of torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+# How KV tiers store the blocks of a cache in the model's dtype (workers/kv_tiers.py): its own
+# bytes, compressed, or quantized to int8.
+KV_TIER_STORAGES = ("lossless", "int8")
 # Speculative decoding's proposers.
 SPECULATIVE = ("none", "ngram", "draft", "self")
 SPECULATIVE_POLICIES = ("adaptive", "fixed")
@@ -170,9 +173,10 @@ class EngineConfig:
     swap_space_gib: float = field(default=4.0, metadata=flag(
         "Host memory for swapped-out KV blocks (with --preemption swap).", metavar="G"))
     kv_host_cache_gib: float = field(default=0.0, metadata=flag(
-        "KV tier in host memory: prompt KV blocks are copied here (8-bit) as they are computed, and copied "
-        "back into the KV cache, instead of being computed again, when a later prompt starts with them after "
-        "the cache has evicted them; least recently used out first (0 = off).", metavar="G"))
+        "KV tier in host memory: prompt KV blocks are copied here (stored as --kv-tier-storage says) as they "
+        "are computed, and copied back into the KV cache, instead of being computed again, when a later prompt "
+        "starts with them after the cache has evicted them; least recently used out first (0 = off).",
+        metavar="G"))
     kv_disk_cache: str | None = field(default=None, metadata=flag(
         "KV tier on disk: a directory where prompt KV blocks are kept compressed, looked up after the host "
         "tier, shared by the workers given the same directory and kept across restarts. Created 0700 if "
@@ -185,6 +189,13 @@ class EngineConfig:
         "(off by default).", metavar="DIR"))
     kv_shared_cache_gib: float = field(default=50.0, metadata=flag(
         "Size of --kv-shared-cache.", metavar="G"))
+    kv_tier_storage: str = field(default=KV_TIER_STORAGES[0], metadata=flag(
+        "How the KV tiers store the blocks of a cache in the model's dtype (--kv-cache-dtype auto): lossless = "
+        "the cache's own values, compressed in the disk and shared tiers, so a prefix copied back is bit for bit "
+        "what was computed and outputs are those of a run without tiers; int8 = quantized to int8 with a "
+        "bfloat16 scale per token and KV head, about a quarter of float32's bytes (half of bfloat16's), and a "
+        "prefix copied back carries int8 rounding, so outputs may differ slightly. An int8 or fp8 cache is "
+        "kept as its own bytes either way.", choices=KV_TIER_STORAGES))
     # None: strict priority (the flag also takes 0 for it).
     priority_aging_s: float | None = field(default=_SCHEDULER.priority_aging_s, metadata=flag(
         "Waiting this long is worth one priority level, so nothing starves (0 = strict priority).",
@@ -290,6 +301,9 @@ class EngineConfig:
         self._check_kv_tiers()
 
     def _check_kv_tiers(self) -> None:
+        if self.kv_tier_storage not in KV_TIER_STORAGES:
+            raise ValueError(f"kv_tier_storage must be one of {', '.join(KV_TIER_STORAGES)}, "
+                             f"got {self.kv_tier_storage!r}")
         for name in ("kv_host_cache_gib", "kv_disk_cache_gib", "kv_shared_cache_gib"):
             value = getattr(self, name)
             if not (value >= 0 and math.isfinite(value)):

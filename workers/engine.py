@@ -54,7 +54,8 @@ from mqinfer.workers.loader import TINY, ModelInfo, load_model, resolve_dtype
 from mqinfer.workers.logits_processors import LogitsProcessors
 from mqinfer.workers.model_runner import ModelRunner, ModelRunnerOutput
 from mqinfer.workers.ngram_proposer import NgramProposer
-from mqinfer.workers.parallel import Leader, RankSettings, rank_parts
+from mqinfer.workers.parallel import RankSettings, rank_parts
+from mqinfer.workers.ranks import Leader
 from mqinfer.workers.prepared import cache_dir as prepared_cache_dir
 from mqinfer.workers.prepared import load_prepared, save_prepared
 from mqinfer.workers.pipeline import StageRunner

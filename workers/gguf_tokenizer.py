@@ -2,8 +2,9 @@
 
 A GGUF has no tokenizer.json: it stores the vocabulary (``tokenizer.ggml.tokens``), its kind
 (``tokenizer.ggml.model``), merges or scores, token types, the special ids and flags, and the
-chat template. Two kinds are built here, both as a BPE model wrapped in ``HFTokenizer`` (so BOS,
-EOS and the chat template behave as for a checkpoint folder):
+chat template. Two kinds are built here, both as a BPE model and the settings that
+``workers/tokenizer.py`` wraps in an ``HFTokenizer`` (``tokenizer_from_gguf``), so BOS, EOS and the
+chat template behave as for a checkpoint folder:
 
 - ``gpt2``: byte-level BPE. Tokens are already spelled in the byte-to-unicode alphabet and the
   merges are given. Text is split by the pre-tokenizer regex that ``tokenizer.ggml.pre`` names
@@ -26,7 +27,6 @@ from typing import Any
 
 from mqinfer.workers.gguf import GGUFFile
 from mqinfer.workers.models.config import ModelLoadError
-from mqinfer.workers.tokenizer import HFTokenizer
 
 log = logging.getLogger("mqinfer.gguf")
 
@@ -120,8 +120,9 @@ def _sentencepiece(meta: dict[str, Any]):
     return tok
 
 
-def tokenizer_from_metadata(meta: dict[str, Any], source: str = "GGUF") -> HFTokenizer | None:
-    """The tokenizer of GGUF metadata (``GGUFFile.metadata``), or None when it has no vocabulary."""
+def tokenizer_parts(meta: dict[str, Any], source: str = "GGUF") -> tuple[Any, dict[str, Any]] | None:
+    """The tokenizer of GGUF metadata (``GGUFFile.metadata``) as a ``tokenizers.Tokenizer`` and the
+    settings of a tokenizer_config.json (BOS, EOS, chat template), or None when it has no vocabulary."""
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or not meta.get("tokenizer.ggml.tokens"):
         return None
@@ -148,12 +149,12 @@ def tokenizer_from_metadata(meta: dict[str, Any], source: str = "GGUF") -> HFTok
         "add_eos_token": meta.get("tokenizer.ggml.add_eos_token", False),
         "chat_template": meta.get("tokenizer.chat_template"),
     }
-    return HFTokenizer(tok, config)
+    return tok, config
 
 
-def tokenizer_from_gguf(path: str | os.PathLike) -> HFTokenizer | None:
-    """The tokenizer stored in a .gguf file, or None when the file has no vocabulary."""
-    return tokenizer_from_metadata(GGUFFile(path).metadata, str(path))
+def tokenizer_parts_from_gguf(path: str | os.PathLike) -> tuple[Any, dict[str, Any]] | None:
+    """``tokenizer_parts`` of a .gguf file's metadata."""
+    return tokenizer_parts(GGUFFile(path).metadata, str(path))
 
 
-__all__ = ["SUPPORTED_TOKENIZERS", "tokenizer_from_gguf", "tokenizer_from_metadata"]
+__all__ = ["SUPPORTED_TOKENIZERS", "tokenizer_parts", "tokenizer_parts_from_gguf"]

@@ -5,9 +5,11 @@ Owns ``KVTiers``, the workers-side ``LowerTiers`` of the KV cache manager
 this class moves them and keeps them:
 
 * ``store``: prompt blocks whose KV is computed are copied out of the device cache (through a few
-  host blocks, the swap machinery of workers/swap.py), put in 8-bit form (kernels/kv_quant.py: as
-  they are for an int8 / fp8 cache, quantized for one in the model's dtype) into the host tier at
-  once, uncompressed, and handed to a background thread that compresses them
+  host blocks, the swap machinery of workers/swap.py) and kept in the device cache's own format, bit
+  for bit: an int8 / fp8 cache's values and scales, a cache in the model's dtype as its float bytes
+  (``storage="lossless"``, the default), or that cache quantized to int8 (``storage="int8"``, an
+  explicit choice: a quarter of float32's bytes, and a restored prefix carries int8 rounding). They
+  go into the host tier at once, uncompressed, and to a background thread that compresses them
   (workers/kv_codec.py) and writes them to the directory tiers. The thread's queue is bounded:
   when the disk cannot keep up, writes are dropped and counted, and the step never waits.
 * ``contains`` / ``load``: a lookup walks the tiers in order (host, disk, shared); a block is used
@@ -19,7 +21,8 @@ this class moves them and keeps them:
 A block's key is the model identity and its chained hash, so workers of the same model and
 settings share blocks through a directory, across restarts, and those of another never do. The
 identity covers what changes the KV of the same tokens: the weights (the model id's hash), dtype,
-the device cache's KV format, quantization, block size and the rotary frequencies; and the prefix
+the device cache's KV format and how the tiers store it, quantization, block size and the rotary
+frequencies; and the prefix
 cache scope, so that a tier written under one scope is never read under another. Within a scope,
 the chained hash starts from the request's cache partition (its tenant under ``tenant``, its cache
 salt), so partitions never share a block here either.
@@ -42,6 +45,7 @@ import torch
 from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, as_raw, dequantize_kv, quantize_kv
 from mqinfer.schemas.cache_scope import DEFAULT_PREFIX_CACHE_SCOPE, check_scope
 from mqinfer.workers import kv_codec
+from mqinfer.workers.config import KV_TIER_STORAGES as TIER_STORAGES
 from mqinfer.workers.kv_codec import BlockGeometry, BlockRejected
 from mqinfer.workers.kv_store import DirectoryStore, HostStore
 from mqinfer.workers.swap import HostKVCache
@@ -56,32 +60,45 @@ STAGING_BLOCKS = 32
 WRITER_NICE = 10
 # Bytes of blocks waiting for the background writer, at most (and never fewer than 16 blocks).
 WRITE_QUEUE_BYTES = 256 << 20
+DEFAULT_TIER_STORAGE = "lossless"
+_FLOAT_FORMATS = {torch.float32: kv_codec.FLOAT32, torch.bfloat16: kv_codec.BFLOAT16, torch.float16: kv_codec.FLOAT16}
 
 
 def model_identity(model_id: str, dtype: str, kv_cache_dtype: str, block_size: int, quantization: str,
                    smoothquant_alpha: float, rotary_inv_freq: torch.Tensor | None,
-                   prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE) -> bytes:
+                   prefix_cache_scope: str = DEFAULT_PREFIX_CACHE_SCOPE, storage: str = "int8") -> bytes:
     """16 bytes naming everything that makes two workers' KV for the same tokens interchangeable,
     and the prefix cache scope that wrote it: a block written under one scope is never read under
-    another (the block hash already separates the partitions within a scope)."""
+    another (the block hash already separates the partitions within a scope). ``storage`` matters
+    only for a cache in the model's dtype (``auto``): lossless blocks are named apart from int8 ones,
+    whose identity is the one tiers had before lossless storage existed."""
     fields = {
         "format": kv_codec.VERSION, "model": model_id, "dtype": dtype, "kv_cache_dtype": kv_cache_dtype,
         "block_size": block_size, "quantization": quantization,
         "smoothquant_alpha": smoothquant_alpha if quantization == "w8a8" else None,
         "prefix_cache_scope": check_scope(prefix_cache_scope),
     }
+    if kv_cache_dtype == "auto" and check_storage(storage) == "lossless":
+        fields["tier_storage"] = "lossless"
     digest = hashlib.blake2b(json.dumps(fields, sort_keys=True).encode(), digest_size=16)
     if rotary_inv_freq is not None:
         digest.update(rotary_inv_freq.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.digest()
 
 
+def check_storage(storage: str) -> str:
+    if storage not in TIER_STORAGES:
+        raise ValueError(f"kv_tier_storage must be one of {', '.join(TIER_STORAGES)}, got {storage!r}")
+    return storage
+
+
 class KVTiers:
     """The tiers of one engine (see the module docstring). ``stores``: host first if any, then the
-    directory tiers in lookup order."""
+    directory tiers in lookup order; ``storage``: how a cache in the model's dtype is stored."""
 
     def __init__(self, stores: Sequence[HostStore | DirectoryStore], identity: bytes,
-                 device_caches: Sequence[LayerKVCache], write_queue_bytes: int = WRITE_QUEUE_BYTES) -> None:
+                 device_caches: Sequence[LayerKVCache], write_queue_bytes: int = WRITE_QUEUE_BYTES,
+                 storage: str = DEFAULT_TIER_STORAGE) -> None:
         if not stores:
             raise ValueError("KV tiers need at least one store")
         self.stores = list(stores)
@@ -95,11 +112,19 @@ class KVTiers:
         self.cache_dtype = first.k.dtype
         block_size, kv_heads, head_dim = first.k.shape[1:]
         self.geometry = BlockGeometry(len(self.device_caches), block_size, kv_heads, head_dim)
-        self.fmt = kv_codec.FP8 if self.cache_dtype == torch.float8_e4m3fn else kv_codec.INT8
+        # Lossless: the cache's float bytes; otherwise 8-bit (as they are, or quantized here).
+        self.lossless = not self.quantized and check_storage(storage) == "lossless"
+        if self.lossless:
+            if self.cache_dtype not in _FLOAT_FORMATS:
+                raise ValueError(f"KV tiers cannot store a {self.cache_dtype} cache losslessly")
+            self.fmt = _FLOAT_FORMATS[self.cache_dtype]
+        else:
+            self.fmt = kv_codec.FP8 if self.cache_dtype == torch.float8_e4m3fn else kv_codec.INT8
         self.staging = HostKVCache(STAGING_BLOCKS, len(self.device_caches), (block_size, kv_heads, head_dim),
                                    self.cache_dtype, pin_memory=self.device.type == "cuda", quantized=self.quantized)
         self.dropped_writes = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=max(16, write_queue_bytes // self.geometry.raw_bytes))
+        block_bytes = self.geometry.block_bytes(self.fmt)
+        self._queue: queue.Queue = queue.Queue(maxsize=max(16, write_queue_bytes // block_bytes))
         self._writer: threading.Thread | None = None
         if self.lower:
             self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
@@ -147,13 +172,13 @@ class KVTiers:
                 key = self.key(block_hash)
                 if self.host is not None:
                     t0 = time.perf_counter()
-                    blob = kv_codec.encode(self.identity, block_hash, token_ids, values[row], scales[row], self.fmt,
-                                           self.geometry, compress=False)
+                    blob = kv_codec.encode(self.identity, block_hash, token_ids, values[row], _row(scales, row),
+                                           self.fmt, self.geometry, compress=False)
                     self.host.put(key, blob)
                     self.host.stats.write_seconds += time.perf_counter() - t0
                 if self._writer is not None:
                     try:
-                        self._queue.put_nowait((key, block_hash, token_ids, values[row], scales[row]))
+                        self._queue.put_nowait((key, block_hash, token_ids, values[row], _row(scales, row)))
                     except queue.Full:
                         self.dropped_writes += 1
 
@@ -172,7 +197,7 @@ class KVTiers:
             if blob is None:  # gone since the lookup (another worker evicted it)
                 continue
             try:
-                decoded = kv_codec.decode(blob, self.identity, block_hash, token_ids, self.geometry)
+                decoded = kv_codec.decode(blob, self.identity, block_hash, token_ids, self.geometry, fmt=self.fmt)
             except BlockRejected as exc:
                 store.stats.reject(exc.reason)
                 store.discard(key)
@@ -194,6 +219,11 @@ class KVTiers:
         """Write decoded blocks into the first staging blocks, in the device cache's format."""
         n = len(decoded)
         values = torch.from_numpy(np.stack([d.values for d in decoded]))  # [n, 2 * layers, ...] uint8
+        if self.lossless:
+            for layer, cache in enumerate(self.staging.caches):
+                for j, dst in enumerate((cache.k, cache.v)):
+                    dst[:n].view(torch.uint8).copy_(values[:, 2 * layer + j])
+            return
         scales = torch.from_numpy(np.stack([d.scales for d in decoded])).view(SCALE_DTYPE)
         for layer, cache in enumerate(self.staging.caches):
             for j, (dst, dst_scale) in enumerate(((cache.k, cache.k_scale), (cache.v, cache.v_scale))):
@@ -204,9 +234,13 @@ class KVTiers:
                 else:
                     dst[:n].copy_(dequantize_kv(v.view(torch.int8), s, dst.dtype))
 
-    def _unstage(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The first ``n`` staging blocks as 8-bit values ``[n, 2 * layers, ...]`` and bfloat16 scale
-        bits (quantized here for a cache in the model's dtype)."""
+    def _unstage(self, n: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The first ``n`` staging blocks in the stored form: the float bytes ``[n, 2 * layers, ...]``
+        (lossless, scales None), or 8-bit values and bfloat16 scale bits (quantized here for a cache in
+        the model's dtype)."""
+        if self.lossless:
+            raw = [t[:n].contiguous().view(torch.uint8) for cache in self.staging.caches for t in (cache.k, cache.v)]
+            return torch.stack(raw, dim=1).numpy(), None
         values, scales = [], []
         for cache in self.staging.caches:
             for t, s in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
@@ -287,6 +321,10 @@ class KVTiers:
         return out
 
 
+def _row(scales: np.ndarray | None, row: int) -> np.ndarray | None:
+    return None if scales is None else scales[row]
+
+
 def attach_engine_tiers(config, info, model, runner, scheduler) -> KVTiers | None:
     """The tiers an ``EngineConfig`` asks for, attached to the engine's KV cache manager (None when
     it asks for none). ``info``: the ``ModelInfo``; ``model`` its module (for the rotary frequencies)."""
@@ -297,20 +335,22 @@ def attach_engine_tiers(config, info, model, runner, scheduler) -> KVTiers | Non
     rotary = getattr(model, "rotary", None)
     identity = model_identity(info.model_id, info.dtype, config.kv_cache_dtype, config.block_size,
                               config.quantization, config.smoothquant_alpha, getattr(rotary, "inv_freq", None),
-                              config.prefix_cache_scope)
+                              config.prefix_cache_scope, config.kv_tier_storage)
     tiers = build_tiers(host_bytes=int(config.kv_host_cache_gib * 2**30), disk_dir=config.kv_disk_cache,
                         disk_bytes=int(config.kv_disk_cache_gib * 2**30), shared_dir=config.kv_shared_cache,
                         shared_bytes=int(config.kv_shared_cache_gib * 2**30), identity=identity,
-                        device_caches=runner.kv_caches)
+                        device_caches=runner.kv_caches, storage=config.kv_tier_storage)
     scheduler.kv_cache_manager.attach_tiers(tiers)
-    log.info("KV tiers: %s (8-bit, %s)", ", ".join(
+    form = "lossless" if tiers.lossless else "8-bit"
+    log.info("KV tiers: %s (%s, %s)", ", ".join(
         f"{s.kind} {s.max_bytes / 2**30:g} GiB" + (f" at {s.path}" if hasattr(s, "path") else "")
-        for s in tiers.stores), "zstd" if kv_codec.zstd_available() else "zlib: install zstandard for speed")
+        for s in tiers.stores), form, "zstd" if kv_codec.zstd_available() else "zlib: install zstandard for speed")
     return tiers
 
 
 def build_tiers(*, host_bytes: int, disk_dir: str | None, disk_bytes: int, shared_dir: str | None,
-                shared_bytes: int, identity: bytes, device_caches: Sequence[LayerKVCache]) -> KVTiers | None:
+                shared_bytes: int, identity: bytes, device_caches: Sequence[LayerKVCache],
+                storage: str = DEFAULT_TIER_STORAGE) -> KVTiers | None:
     """The tiers a configuration asks for, or None when it asks for none."""
     stores: list[HostStore | DirectoryStore] = []
     if host_bytes > 0:
@@ -321,7 +361,8 @@ def build_tiers(*, host_bytes: int, disk_dir: str | None, disk_bytes: int, share
         stores.append(DirectoryStore(shared_dir, shared_bytes, kind="shared"))
     if not stores:
         return None
-    return KVTiers(stores, identity, device_caches)
+    return KVTiers(stores, identity, device_caches, storage=storage)
 
 
-__all__ = ["KVTiers", "attach_engine_tiers", "build_tiers", "model_identity"]
+__all__ = ["DEFAULT_TIER_STORAGE", "KVTiers", "TIER_STORAGES", "attach_engine_tiers", "build_tiers", "check_storage",
+           "model_identity"]

@@ -28,7 +28,7 @@ from mqinfer.workers.acks import Acks
 from mqinfer.workers.config import WorkerConfig
 from mqinfer.workers.entries import InFlight, entry_order, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
-from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters
+from mqinfer.workers.consumer_group import HANDBACK_CONSUMER, DeadLetters
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.lanes import by_lane, key_of, qualify, split, stream_of
 from mqinfer.workers.throttle import Throttle

@@ -18,7 +18,8 @@ The split (Megatron style, one all-reduce per attention block and one per MLP bl
 * Embedding and norms are replicated (every rank reads them in full).
 
 Rank 0 is the worker process: it owns Redis, the batcher, the scheduler, the sinks and the acks.
-It starts ranks ``1..T-1`` as child processes (``python -m mqinfer.workers.tp_rank``) that die
+It starts ranks ``1..T-1`` as child processes (``python -m mqinfer.workers.tp_rank``; the processes'
+side is ``workers/ranks.py``) that die
 with it, meets them in a process group (NCCL on CUDA, gloo on CPU) through a file store in a
 temporary folder, and sends them its engine settings; each loads only its slices of the weights
 (``safe_open`` + ``get_slice``). Every step rank 0 sends the step's plan (block copies, token ids,
@@ -37,26 +38,20 @@ run within each stage's group, and every rank gets every step's plan.
 from __future__ import annotations
 
 import logging
-import os
-import select
-import shutil
-import signal
 import struct
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import msgspec
 import torch
 
-from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.heap import freeze_startup_heap
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    from mqinfer.workers.ranks import Leader
 
 log = logging.getLogger("mqinfer.parallel")
 
@@ -215,18 +210,18 @@ class RankSettings(msgspec.Struct):
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_PLAN_DECODER = msgspec.msgpack.Decoder(StepPlan)
+PLAN_DECODER = msgspec.msgpack.Decoder(StepPlan)
 _FRAME = struct.Struct("<I")
 
 
-def _write_frame(stream, message: msgspec.Struct | None) -> None:
+def write_frame(stream, message: msgspec.Struct | None) -> None:
     """One message on a pipe: its length, then its msgpack bytes (length 0: stop)."""
     data = b"" if message is None else _ENCODER.encode(message)
     stream.write(_FRAME.pack(len(data)) + data)
     stream.flush()
 
 
-def _read_frame(stream) -> bytes | None:
+def read_frame(stream) -> bytes | None:
     """The next message's bytes; None for a stop or the end of the pipe (rank 0 is gone)."""
     head = stream.read(_FRAME.size)
     if len(head) < _FRAME.size:
@@ -311,7 +306,7 @@ class Group:
         return RankFailure(f"{self.failure}: {text}")
 
 
-def _init(init_method: str, rank: int, size: int, device: str, leader: "Leader | None" = None) -> Group:
+def init_group(init_method: str, rank: int, size: int, device: str, leader: "Leader | None" = None) -> Group:
     """Join the group: returns once every rank has joined."""
     import torch.distributed as dist
 
@@ -320,17 +315,7 @@ def _init(init_method: str, rank: int, size: int, device: str, leader: "Leader |
     return Group(rank, size, device, leader)
 
 
-def _join(init_method: str, rank: int, size: int, pipeline: int, device: str,
-          leader: "Leader | None" = None) -> Group:
-    """Join the group of ``size`` ranks: one tensor-parallel group, or ``pipeline`` stages of them."""
-    if pipeline == 1:
-        return _init(init_method, rank, size, device, leader)
-    from mqinfer.workers.pipeline import join_pipeline
-
-    return join_pipeline(init_method, rank, size // pipeline, pipeline, device, leader)
-
-
-def _use_device(device: str) -> None:
+def use_device(device: str) -> None:
     """Take ``device`` for this process; ValueError when it cannot run here (checked before the
     rank joins the group, where a failure would keep the others waiting)."""
     import torch.distributed as dist
@@ -344,108 +329,6 @@ def _use_device(device: str) -> None:
         torch.cuda.set_device(index)
 
 
-class Leader:
-    """Rank 0: starts the other ranks, joins the group with them, sends them their messages (over
-    their standard input) and hears from them when they are ready (over their standard output),
-    and watches that they live. A rank that dies closes its pipes, so rank 0 never waits on it."""
-
-    def __init__(self, devices: list[str], pipeline: int = 1) -> None:
-        """``devices``: each rank's, in rank order; ``pipeline``: the pipeline stages they make
-        (``workers/pipeline.py``), each of ``len(devices) / pipeline`` tensor-parallel ranks."""
-        from mqinfer.procs import die_with_parent
-
-        self.size = len(devices)
-        self.pipeline, self.tensor = pipeline, len(devices) // pipeline
-        if pipeline < 1 or self.tensor * pipeline != self.size:
-            raise ValueError(f"{self.size} ranks do not make {pipeline} pipeline stages")
-        self._dir = tempfile.mkdtemp(prefix="mqinfer-tp-")
-        init = "file://" + os.path.join(self._dir, "rendezvous")
-        self.procs: list[subprocess.Popen] = []
-        self.group: Group | None = None
-        try:
-            _use_device(devices[0])
-            for rank in range(1, self.size):
-                argv = [sys.executable, "-P", "-m", "mqinfer.workers.tp_rank", "--init", init, "--rank", str(rank),
-                        "--size", str(self.size), "--device", devices[rank], "--pipeline", str(pipeline)]
-                # SIGKILL: a rank must not outlive its worker, whatever the worker was doing.
-                self.procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   preexec_fn=die_with_parent(9)))
-            self._hear("started")  # every rank has its device and is about to join
-            self.group = _join(init, 0, self.size, pipeline, devices[0], self)
-        except BaseException:
-            self.close()
-            raise
-
-    def _hear(self, word: str) -> None:
-        """Wait for a line ``word`` from every other rank, failing at once if one exits instead."""
-        waiting = {proc.stdout.fileno(): rank for rank, proc in enumerate(self.procs, start=1)}
-        while waiting:
-            ready, _, _ = select.select(list(waiting), [], [], 1.0)
-            for fd in ready:
-                rank = waiting.pop(fd)
-                line = self.procs[rank - 1].stdout.readline().decode(errors="replace").strip()
-                if line != word:
-                    self.procs[rank - 1].wait(timeout=30)
-                    self.check_alive()
-                    raise RankFailure(f"{self.name(rank)} said {line!r} instead of {word!r}")
-            if waiting:
-                self.check_alive()
-
-    def name(self, rank: int) -> str:
-        """How messages name a rank: by its stage too when the worker is a pipeline."""
-        if self.pipeline == 1:
-            return f"tensor-parallel rank {rank}"
-        return f"pipeline rank {rank} (stage {rank // self.tensor} of {self.pipeline})"
-
-    def check_alive(self) -> None:
-        for rank, proc in enumerate(self.procs, start=1):
-            code = proc.poll()
-            if code is not None:
-                raise RankFailure(f"{self.name(rank)} exited with code {code}")
-
-    def send(self, message: msgspec.Struct | None) -> None:
-        """One message to every other rank (None: stop)."""
-        for rank, proc in enumerate(self.procs, start=1):
-            try:
-                _write_frame(proc.stdin, message)
-            except (BrokenPipeError, OSError) as exc:
-                self.check_alive()
-                raise RankFailure(f"{self.name(rank)} is gone ({exc})") from None
-
-    def load(self, settings: RankSettings) -> None:
-        """Send the other ranks the engine settings, so that they load their shards while this
-        rank loads its own."""
-        self.check_alive()
-        self.send(settings)
-
-    def ready(self, scheduler_config: SchedulerConfig) -> None:
-        """Send the KV cache's size (the scheduler's settings) and wait until every rank has built
-        its cache. ``RankFailure`` when one failed on the way (its log is above)."""
-        self.send(scheduler_config)
-        self._hear("ready")
-
-    def close(self) -> None:
-        """Tell the other ranks to stop, wait a little, then end those that remain."""
-        group, self.group = self.group, None
-        for proc in self.procs:
-            try:
-                _write_frame(proc.stdin, None)
-                proc.stdin.close()
-            except OSError:  # a rank is gone: nothing to tell it
-                pass
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
-        if group is not None:
-            group.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
 def rank_parts(rank: int, size: int, pipeline: int = 1) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
     """What rank ``rank`` of ``size`` loads, as ``load_model`` takes it: its (tensor-parallel rank,
     size) shard and its (stage, stages) pipeline stage, None for what the worker does not split.
@@ -454,65 +337,5 @@ def rank_parts(rank: int, size: int, pipeline: int = 1) -> tuple[tuple[int, int]
     return ((rank % tensor, tensor) if tensor > 1 else None), ((rank // tensor, pipeline) if pipeline > 1 else None)
 
 
-def follower_main(argv: list[str] | None = None) -> int:
-    """A rank other than 0: join the group, load this rank's shard, then run every plan rank 0
-    sends on standard input until it sends a stop or goes away."""
-    import argparse
-
-    from mqinfer.schemas import faults
-    from mqinfer.workers.loader import load_model, resolve_dtype
-    from mqinfer.workers.model_runner import ModelRunner
-
-    parser = argparse.ArgumentParser(prog="mqinfer tensor-parallel rank")
-    parser.add_argument("--init", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--size", type=int, required=True)
-    parser.add_argument("--device", required=True)
-    parser.add_argument("--pipeline", type=int, default=1)
-    args = parser.parse_args(argv)
-    # Rank 0 decides when this rank stops (it sends a stop, or goes away and takes this process
-    # with it): a Ctrl-C reaching the whole process group must not end it before rank 0 has drained.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=os.environ.get("MQINFER_LOG_LEVEL", "warning").upper(),
-                        format=f"%(asctime)s rank {args.rank} %(levelname)s %(name)s: %(message)s")
-    # Standard output is this rank's line to rank 0: keep it for that alone, and send whatever else
-    # would print there (Python or native code) to standard error, the worker's log.
-    inbox, outbox = sys.stdin.buffer, os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    _use_device(args.device)
-    outbox.write(b"started\n")
-    outbox.flush()
-    group = _join(args.init, args.rank, args.size, args.pipeline, args.device)
-    data = _read_frame(inbox)
-    if data is None:
-        return 0
-    settings = msgspec.msgpack.decode(data, type=RankSettings)
-    config = settings.engine
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(settings.num_threads)
-    shard, stage = rank_parts(args.rank, args.size, args.pipeline)
-    model, info = load_model(config.model, device, config.dtype, shard=shard, stage=stage)
-    data = _read_frame(inbox)
-    if data is None:  # rank 0 failed while starting
-        return 0
-    scheduler_config = msgspec.msgpack.decode(data, type=SchedulerConfig)
-    runner_class = ModelRunner
-    if stage is not None:
-        from mqinfer.workers.pipeline import StageRunner as runner_class
-    runner = runner_class(model, info, scheduler_config, device, resolve_dtype(info.dtype),
-                          kv_cache_dtype=config.kv_cache_dtype, group=group)
-    freeze_startup_heap()
-    outbox.write(b"ready\n")
-    outbox.flush()
-    with torch.inference_mode():
-        while (data := _read_frame(inbox)) is not None:
-            faults.hit("tp.rank_step")
-            runner.run_plan(_PLAN_DECODER.decode(data))
-    group.close()
-    return 0
-
-
-__all__ = ["Group", "Leader", "RankFailure", "RankSettings", "Shard", "StepPlan", "follower_main", "num_params",
-           "rank_parts", "read_safetensors_shard"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "Group", "PLAN_DECODER", "RankFailure", "RankSettings", "Shard", "StepPlan",
+           "init_group", "num_params", "rank_parts", "read_frame", "read_safetensors_shard", "use_device", "write_frame"]

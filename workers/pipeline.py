@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,7 +49,10 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.workers.loader import ModelInfo
 from mqinfer.workers.model_runner import ModelRunner
 from mqinfer.workers.models.stage import StageModel
-from mqinfer.workers.parallel import COLLECTIVE_TIMEOUT_S, Group, Leader, StepPlan
+from mqinfer.workers.parallel import COLLECTIVE_TIMEOUT_S, Group, StepPlan
+
+if TYPE_CHECKING:
+    from mqinfer.workers.ranks import Leader
 
 # Micro-batches per step, at least (at most one per request): two keep two stages busy at once.
 MIN_MICRO_BATCHES = 2

@@ -27,6 +27,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
+from mqinfer.workers.gguf_tokenizer import tokenizer_parts_from_gguf
+
 if TYPE_CHECKING:
     import tokenizers
 
@@ -195,13 +197,18 @@ class HFTokenizer:
         return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
+def tokenizer_from_gguf(path: str | Path) -> HFTokenizer | None:
+    """The tokenizer stored in a .gguf file (workers/gguf_tokenizer.py rebuilds it), or None when
+    the file has no vocabulary."""
+    parts = tokenizer_parts_from_gguf(path)
+    return None if parts is None else HFTokenizer(*parts)
+
+
 def load_tokenizer(folder: str | Path) -> HFTokenizer | None:
     """The checkpoint's tokenizer, or None when the folder has no tokenizer.json (or the .gguf
     file no vocabulary in its metadata)."""
     folder = Path(folder)
     if folder.suffix.lower() == ".gguf" and folder.is_file():
-        from mqinfer.workers.gguf_tokenizer import tokenizer_from_gguf
-
         return tokenizer_from_gguf(folder)
     if not (folder / "tokenizer.json").exists():
         return None
@@ -292,5 +299,6 @@ __all__ = [
     "IncrementalDetokenizer",
     "Tokenizer",
     "load_tokenizer",
+    "tokenizer_from_gguf",
     "validate_messages",
 ]

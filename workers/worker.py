@@ -38,32 +38,33 @@ import redis
 from prometheus_client import Gauge
 
 from mqinfer.scheduler.batcher import DynamicBatcher
-from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT
 from mqinfer.schemas import errors, faults, keys
 from mqinfer.schemas.connection import connect_redis, redact
 from mqinfer.schemas.dataset import remove_temp_files
 from mqinfer.schemas.dataset_uri import check_writable, out_location
 from mqinfer.schemas.rows import model_variant
 from mqinfer.workers.acks import Acks, SinkError
-from mqinfer.workers.billing import Billing, finished_fields
+from mqinfer.workers.billing import Billing
 from mqinfer.workers.buckets import TokenBuckets, server_clock_unless
 from mqinfer.workers.busy import BusyTime, summary_path, write_exit_summary
 from mqinfer.workers.config import WorkerConfig
-from mqinfer.workers.costs import Meter, RequestMeter, WorkModel, kv_block_shares, process_start_time
-from mqinfer.workers.engine import EngineInputError, LLMEngine, choice_id
+from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time
+from mqinfer.workers.engine import EngineInputError, LLMEngine
+from mqinfer.workers.finishing import Finishing
 from mqinfer.workers.heap import CollectorPauses, freeze_startup_heap
 from mqinfer.workers.idempotency import Idempotency
-from mqinfer.workers.ingest import HANDBACK_CONSUMER, DeadLetters, Ingest, announced, ensure_group
+from mqinfer.workers.consumer_group import HANDBACK_CONSUMER, DeadLetters, announced, ensure_group
+from mqinfer.workers.ingest import Ingest
 from mqinfer.workers.jobs import JobStatuses
 from mqinfer.workers.job_caps import JobCaps
 from mqinfer.workers.kv_prefixes import TierPrefixes
-from mqinfer.workers.lanes import lane_of, share_group
+from mqinfer.workers.lanes import share_group
 from mqinfer.workers.ownership import Ownership
 from mqinfer.workers.parallel import RankFailure
 from mqinfer.workers.reconnect import Backoff, wait_for_redis
 from mqinfer.workers.replies import Replies
 from mqinfer.workers.sink import Sinks
-from mqinfer.workers.slo import LatencyTargets, missed_targets
+from mqinfer.workers.slo import LatencyTargets
 from mqinfer.workers.throttle import Throttle
 from mqinfer.workers.uptime import LostTime, UptimeRecord
 
@@ -112,6 +113,7 @@ class Worker:
         self.acks: Acks | None = None
         self.ownership: Ownership | None = None
         self.ingest: Ingest | None = None
+        self.finishing: Finishing | None = None
         # With --tenant-limits: requests of limited tenants waiting on their buckets.
         self.throttle: Throttle | None = None
         self.uptime: UptimeRecord | None = None
@@ -226,6 +228,9 @@ class Worker:
                              ownership=self.ownership, idempotency=self.idempotency, acks=self.acks,
                              replies=self.replies, dead_letters=dead_letters, jobs=self.jobs, metrics=self.metrics,
                              budget_guard=self.budget_guard, throttle=self.throttle, clock=self.clock)
+        self.finishing = Finishing(ownership=self.ownership, meter=self.meter, billing=self.billing, acks=self.acks,
+                                   metrics=self.metrics, lanes=self.ingest.lanes, clock=self.clock,
+                                   tier_prefixes=self.tier_prefixes)
         if cfg.metrics_port is not None:
             port = self.metrics.serve(cfg.metrics_port, cfg.metrics_host)
             log.info("metrics on http://%s:%d/metrics", cfg.metrics_host, port)
@@ -448,64 +453,13 @@ class Worker:
             if self.ownership.owns(item.entry_id):
                 self.replies.step_output(item, out)
             if out.finished:
-                self._finish(out)
+                self.finishing.finish(out)
         if self._wait_gauges is not None:
             stats = self.batcher.stats()
             self._wait_gauges[0].set(stats.wait_s)
             self._wait_gauges[1].set(stats.arrival_rate)
             self._wait_gauges[2].set(stats.step_time_s or 0.0)
         self._last_activity = result.end
-
-    def _finish(self, out) -> None:
-        item = self.ownership.get(out.request_id)
-        n = item.num_choices
-        if n > 1:
-            # Each choice's meter is complete once it finished; the rows wait for the last choice.
-            item.choices[out.index] = (out, self.meter.pop(choice_id(item.entry_id, out.index)))
-            if len(item.choices) < n:
-                return
-            finished = [item.choices[i] for i in range(n)]
-        else:
-            finished = [(out, self.meter.pop(item.entry_id))]
-        item, ours = self.ownership.release(out.request_id)
-        if not ours:  # another worker owns the entry now: its row wins
-            self._bill_wasted(item, _merged(meter for _, meter in finished))
-            return
-        now = self.clock()
-        rows, costs, log_lines = [], [], []
-        for choice, meter in finished:
-            row, cost = self.billing.request(item, choice, meter, now)
-            fields = finished_fields(item, choice, row, cost, meter)
-            rows.append(row)
-            costs.append(cost)
-            if row.slo_met is not None:
-                self.metrics.slo_outcome(row.tenant, missed_targets(self.billing.targets.of(item.request), row))
-            log_lines.append(("finished %s", (json.dumps(fields),), fields))
-        self.acks.add_choices(item.entry_id, rows, costs, reply_to=item.request.reply_to, computed=True,
-                              log_lines=log_lines)
-        if self.tier_prefixes is not None:
-            self.tier_prefixes.add(item.request)
-        # The lane was charged the request's max_tokens when it was read: correct it.
-        output_tokens = sum(len(choice.output_token_ids) for choice, _ in finished)
-        self.ingest.lanes.settle(lane_of(item.entry_id),
-                                 OUTPUT_TOKEN_WEIGHT * (output_tokens - item.request.max_tokens))
-        self.metrics.prompt_tokens.inc(out.num_prompt_tokens)
-        self.metrics.e2e.observe(max(0.0, now - item.enqueued_at))
-        self.metrics.charge(item.request.tenant, sum(cost.cost_usd for cost in costs))
-
-    def _pop_meter(self, item) -> RequestMeter:
-        """The device time of every choice of an entry's request, finished or not (for a row this
-        worker will not write)."""
-        meters = []
-        for i in range(item.num_choices):
-            done = item.choices.get(i)
-            meters.append(done[1] if done is not None else self.meter.pop(choice_id(item.entry_id, i)))
-        return _merged(meters)
-
-    def _bill_wasted(self, item, meter) -> None:
-        cost = self.billing.wasted(item, meter)
-        if cost is not None:
-            self.acks.add_cost(cost)
 
     def _flush(self) -> None:
         """Write the buffered rows (and the idle time since the last flush) durably, then ack."""
@@ -545,7 +499,7 @@ class Worker:
         ownership = self.ownership
         unfinished = ownership.unfinished()
         for item in ownership.inflight.values():  # work that no row of ours will carry
-            self._bill_wasted(item, self._pop_meter(item))
+            self.finishing.bill_wasted(item, self.finishing.pop_meter(item))
         if unfinished:
             for entry_id in unfinished:
                 ownership.stop(entry_id)
@@ -614,17 +568,3 @@ class Worker:
             write_exit_summary(path, self.exit_summary(code))
         except (OSError, ValueError) as exc:
             log.warning("could not write the exit summary %s: %s", path, exc)
-
-
-def _merged(meters) -> RequestMeter:
-    """One meter holding the device time of several (a request's choices)."""
-    meters = list(meters)
-    if len(meters) == 1:
-        return meters[0]
-    total = RequestMeter()
-    for m in meters:
-        total.prefill_s += m.prefill_s
-        total.decode_s += m.decode_s
-        total.recomputed_s += m.recomputed_s
-        total.kv_block_s += m.kv_block_s
-    return total

@@ -24,7 +24,7 @@ COMPILE = """
 import json, re, torch
 from mqinfer.kernels import triton_store
 from mqinfer.kernels.kv_quant import quantize_kv
-from mqinfer.loadgen import gpu_kernels
+from mqinfer.loadgen.gpu import kernels as gpu_kernels
 
 case = gpu_kernels.Case("decode", (1, 1), (40, 70), 32, 8, 128, 16)
 counts = {}

@@ -1,4 +1,4 @@
-"""`python -m mqinfer.loadgen.gpu_kernels`: its checks run (interpreted) on the CPU, it bows out
+"""`python -m mqinfer.loadgen.gpu.kernels`: its checks run (interpreted) on the CPU, it bows out
 without a GPU, and its ahead-of-time mode compiles every kernel for Hopper without spills."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from mqinfer.kernels import triton_attention, triton_store  # noqa: E402
-from mqinfer.loadgen import gpu_kernels  # noqa: E402
+from mqinfer.loadgen.gpu import kernels as gpu_kernels  # noqa: E402
 
 if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
     # Decorated before TRITON_INTERPRET was set: decorate again under the interpreter (the
@@ -62,7 +62,7 @@ def test_compile_only_builds_every_variant_for_hopper_without_spills():
     pytest.importorskip("triton.backends.nvidia", reason="triton has no NVIDIA backend here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "mqinfer.loadgen.gpu_kernels", "--compile-only", "--quick"],
+        [sys.executable, "-m", "mqinfer.loadgen.gpu.kernels", "--compile-only", "--quick"],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,4 +1,4 @@
-"""`python -m mqinfer.loadgen.gpu_bench`: the CPU dry run of every phase (gpu_check, bandwidth,
+"""`python -m mqinfer.loadgen.gpu.bench`: the CPU dry run of every phase (gpu_check, bandwidth,
 the pipeline, transformers, the decode roofs, the online rates) on the tiny model, so the
 command cannot rot; the time budget skips what it has no time for and still prints a summary;
 the roof arithmetic and the goals against hand-computed figures; bad arguments are refused."""
@@ -10,9 +10,9 @@ import json
 import pytest
 import torch
 
-from mqinfer.loadgen import gpu_bench
-from mqinfer.loadgen.gpu_bench_roofs import DeviceBandwidth, decode_roof, step_bytes
-from mqinfer.loadgen.gpu_bench_run import summary_rows
+from mqinfer.loadgen.gpu import bench as gpu_bench
+from mqinfer.loadgen.gpu.bench_roofs import DeviceBandwidth, decode_roof, step_bytes
+from mqinfer.loadgen.gpu.bench_run import summary_rows
 
 DRY = ["--device", "cpu", "--models", "tiny", "--num-requests", "2", "--hf-batch-sizes", "2", "--roof-batch", "2",
        "--roof-context", "16", "--roof-steps", "3", "--online-requests", "2"]

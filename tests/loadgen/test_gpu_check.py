@@ -1,4 +1,4 @@
-"""`python -m mqinfer.loadgen.gpu_check`: without a GPU it says so and exits 0; every case runs on
+"""`python -m mqinfer.loadgen.gpu.check`: without a GPU it says so and exits 0; every case runs on
 the CPU at small sizes (the Triton kernels interpreted) and passes; a wrong kernel makes its row
 FAIL and the exit status 1; the table and exit-status rules; rows that need two GPUs."""
 
@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
 from mqinfer.kernels import linear_int8, triton_attention, triton_store  # noqa: E402
-from mqinfer.loadgen import gpu_check  # noqa: E402
-from mqinfer.loadgen import gpu_check_cases as cases  # noqa: E402
+from mqinfer.loadgen.gpu import check as gpu_check  # noqa: E402
+from mqinfer.loadgen.gpu import check_cases as cases  # noqa: E402
 
 if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
     # Decorated before TRITON_INTERPRET was set: decorate again under the interpreter (the

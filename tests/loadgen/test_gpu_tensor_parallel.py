@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from mqinfer.loadgen import gpu_tensor_parallel
+from mqinfer.loadgen.gpu import tensor_parallel as gpu_tensor_parallel
 
 
 def test_without_two_gpus_it_says_so(capsys, monkeypatch):

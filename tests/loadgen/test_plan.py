@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from mqinfer import cli
-from mqinfer.loadgen import plan as planner
-from mqinfer.loadgen.plan_model import (
+from mqinfer.loadgen.plan import command as planner
+from mqinfer.loadgen.plan.model import (
     Calibration,
     FitQuality,
     StepCostModel,
@@ -25,8 +25,8 @@ from mqinfer.loadgen.plan_model import (
     quantile_samples,
     save_calibration,
 )
-from mqinfer.loadgen.plan_options import PLAN_CMD
-from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
+from mqinfer.loadgen.plan.options import PLAN_CMD
+from mqinfer.loadgen.plan.sim import SimRequest, WorkerSettings, simulate
 from mqinfer.scheduler.config import SchedulerConfig
 
 CONTRACT_KEYS = {"output_tokens_per_s", "workers", "ttft_p99_s", "cost_per_request_usd", "cost_per_million_tokens_usd"}
@@ -91,7 +91,7 @@ def test_the_fit_drops_steps_another_process_slowed_down():
 
 
 def test_repeated_shapes_count_once_at_their_median():
-    from mqinfer.loadgen.plan_calibrate import median_by_shape
+    from mqinfer.loadgen.plan.calibrate import median_by_shape
 
     a, b = StepShape.of([(64, 64)]), StepShape.of([(1, 40)] * 8)
     merged = median_by_shape([StepSample(a, 0.010), StepSample(a, 0.090), StepSample(a, 0.012),
@@ -169,7 +169,7 @@ def test_throughput_saturates_at_the_batch_limit():
     # Every step costs 1 ms whatever it holds: output tokens per second = requests per step.
     flat = StepCostModel(0.001, 0.0, 0.0, 0.0)
     reqs = [SimRequest(f"r{i}", _prompt(16, i), output_tokens=50) for i in range(40)]
-    from mqinfer.loadgen.plan import summarize
+    from mqinfer.loadgen.plan.command import summarize
 
     for seqs in (4, 8):
         ev = summarize(simulate(reqs, 1, _settings(max_num_seqs=seqs), flat))
@@ -180,7 +180,7 @@ def test_throughput_saturates_at_the_batch_limit():
 
 
 def test_pooled_simulations_take_percentiles_over_every_request_and_average_the_rest():
-    from mqinfer.loadgen.plan_target import summarize, summarize_pooled
+    from mqinfer.loadgen.plan.target import summarize, summarize_pooled
 
     reqs = [SimRequest(f"r{i}", _prompt(16, i), output_tokens=20, arrival_s=0.01 * i) for i in range(30)]
     loop = WorkerLoop(step_noise=[0.5, 1.0, 3.0])  # each draw's steps differ
@@ -292,7 +292,7 @@ def test_workers_sharing_a_machine_slow_each_others_steps_down():
 
 
 def test_the_contention_factor_is_the_median_slowdown_over_shapes():
-    from mqinfer.loadgen.plan_calibrate import slowdown
+    from mqinfer.loadgen.plan.calibrate import slowdown
 
     a, b, c = StepShape.of([(64, 64)]), StepShape.of([(1, 40)] * 8), StepShape.of([(1, 40)])
     alone = [StepSample(a, 0.010), StepSample(a, 0.012), StepSample(b, 0.004), StepSample(c, 0.002)]
@@ -327,7 +327,7 @@ def test_the_loop_is_read_from_a_workers_json_step_log(tmp_path):
     import logging
 
     from mqinfer.cli import JsonFormatter
-    from mqinfer.loadgen.plan_pipeline import loop_samples, read_timeline
+    from mqinfer.loadgen.plan.pipeline import loop_samples, read_timeline
 
     lines = []
 
@@ -360,7 +360,7 @@ def test_the_loop_is_read_from_a_workers_json_step_log(tmp_path):
 
 
 def test_the_gaps_between_steps_are_fitted_with_a_cost_per_request_finished_and_started():
-    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, gap_costs, gap_records
+    from mqinfer.loadgen.plan.pipeline import LoggedStep, WorkerTimeline, gap_costs, gap_records
 
     steps = [LoggedStep(0.0, 0.010, True, finished=1), LoggedStep(0.0125, 0.020, True, prefills=2),
              LoggedStep(0.021, 0.030, False)]
@@ -393,7 +393,7 @@ def test_the_simulated_loop_spends_the_per_request_gap_costs():
 def test_a_logged_steps_shape_and_its_ratio_to_the_model_by_size(tmp_path):
     """The worker's step log names each prompt chunk and the decode context: the shape the model
     prices, and a worker's steps over it, binned by modelled size."""
-    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, logged_shape, noise_by_size, step_ratios
+    from mqinfer.loadgen.plan.pipeline import LoggedStep, WorkerTimeline, logged_shape, noise_by_size, step_ratios
 
     logged = {"requests": 5, "tokens": 67, "prompt_chunks": [[32, 32], [32, 96]], "decode_context": 300,
               "step_s": 0.01}
@@ -440,7 +440,7 @@ def test_a_step_larger_than_the_largest_bins_takes_that_bins_extra_seconds_not_i
 
 
 def test_the_series_of_slow_steps_ranks_each_step_in_its_bin_and_measures_how_long_slowness_lasts():
-    from mqinfer.loadgen.plan_pipeline import MIN_STEP_RATIOS, rank_series, slow_period_steps
+    from mqinfer.loadgen.plan.pipeline import MIN_STEP_RATIOS, rank_series, slow_period_steps
 
     # Two size bins; each step's rank is where its ratio lies among its own bin's samples.
     bounds, by_size = [0.01], [[1.0, 1.1, 1.2, 1.3], [2.0, 3.0]]
@@ -457,7 +457,7 @@ def test_the_series_of_slow_steps_ranks_each_step_in_its_bin_and_measures_how_lo
 
 
 def test_the_simulation_walks_the_measured_series_of_slow_steps():
-    from mqinfer.loadgen.plan_sim import _Draws, _SlowPeriods
+    from mqinfer.loadgen.plan.sim import _Draws, _SlowPeriods
 
     # A stretch of the series is walked in order, step by step, then the walk jumps.
     ranks = [i / 100 for i in range(100)]
@@ -482,7 +482,7 @@ def test_the_simulation_walks_the_measured_series_of_slow_steps():
 
 
 def test_contention_in_the_pipeline_is_a_step_over_a_lone_workers_by_how_many_others_were_in_a_step():
-    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, contention_ratios
+    from mqinfer.loadgen.plan.pipeline import LoggedStep, WorkerTimeline, contention_ratios
 
     shape = StepShape(10, 1, 0.0)
     m = MODEL.step_seconds(shape)
@@ -496,7 +496,7 @@ def test_contention_in_the_pipeline_is_a_step_over_a_lone_workers_by_how_many_ot
 
 
 def test_step_noise_is_each_repeated_step_over_its_shapes_median():
-    from mqinfer.loadgen.plan_calibrate import step_noise
+    from mqinfer.loadgen.plan.calibrate import step_noise
 
     a, b = StepShape(10, 1, 0.0), StepShape(20, 2, 0.0)
     samples = [StepSample(a, 1.0), StepSample(a, 1.0), StepSample(a, 2.0), StepSample(b, 3.0)]
@@ -568,7 +568,7 @@ def test_the_bill_online_is_workers_times_their_share_over_the_rate():
 
 
 def test_the_machines_speed_in_a_run_is_its_steps_over_what_the_calibration_expects_of_them():
-    from mqinfer.loadgen.plan_pipeline import LoggedStep, WorkerTimeline, machine_speed
+    from mqinfer.loadgen.plan.pipeline import LoggedStep, WorkerTimeline, machine_speed
 
     # The calibration saw a worker's small steps 1.2x the model and its large ones 1.0x; in the run
     # both ran 10% slower than that, and a step after the run's window ran far slower still.
@@ -585,7 +585,7 @@ def test_the_machines_speed_in_a_run_is_its_steps_over_what_the_calibration_expe
 
 
 def test_plan_check_prints_the_runs_speed_and_the_p99_predicted_at_it():
-    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row
+    from mqinfer.loadgen.plan.check import CheckRow, format_table, rate_row
 
     runs = [CheckRow("online 30 req/s", 1, 2000.0, 2000.0, 0.050, 0.040, run_speeds=[speed],
                      predicted_ttft_p99_at_speed_s=at) for speed, at in ((1.02, 0.045), (1.08, 0.052))]
@@ -607,7 +607,7 @@ def _calibration(**changes) -> Calibration:
 def plan_cache(tmp_path, monkeypatch):
     """A cache folder of the test's own for plan fits, sharing the built native kernels (building
     them again would take most of a test's time)."""
-    from mqinfer.loadgen.plan_model import cache_dir
+    from mqinfer.loadgen.plan.model import cache_dir
 
     kernels = cache_dir() / "kernels"
     folder = tmp_path / "cache"
@@ -779,7 +779,7 @@ def test_an_out_of_reach_slo_is_reported_unmet(cache, capsys):
 
 def test_calibrating_the_tiny_model_then_planning(plan_cache, capsys):
     """A real calibration of the engine's steps (no pipeline run: that is the slow test's), then a plan."""
-    from mqinfer.loadgen.plan_calibrate import calibrate, contention_probes
+    from mqinfer.loadgen.plan.calibrate import calibrate, contention_probes
     from mqinfer.workers.config import EngineConfig
 
     calibration = calibrate(EngineConfig(model="tiny", device="cpu", num_threads=1, max_num_seqs=32,
@@ -809,13 +809,15 @@ def test_calibrating_the_tiny_model_then_planning(plan_cache, capsys):
 def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatch):
     """`mqinfer plan --calibrate` on the tiny model: engine steps, a real worker's start-up and loop
     overheads, the fit stored and reused by the next plan."""
-    from mqinfer.loadgen import plan_calibrate, plan_pipeline
+    from mqinfer.loadgen.plan import calibrate as plan_calibrate
+    from mqinfer.loadgen.plan import pipeline as plan_pipeline
 
     # Fewer and smaller decode batches to calibrate, and a smaller workload for the pipeline runs:
     # the same path, quicker. The busy engines beside the timed one are the other calibration
     # test's (their processes cost seconds of both cores).
     monkeypatch.setattr(plan_pipeline, "PIPELINE_REQUESTS", 12)
     monkeypatch.setattr(plan_calibrate, "contention_probes", lambda config: 0)
+    monkeypatch.setattr(plan_pipeline, "contention_probes", lambda config: 0)
     # A target any machine meets, however busy while it calibrates: the plan exits 1 when its
     # target is not met, and this test is about the calibration, not this machine's speed.
     argv = ["--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu", "--format", "json",
@@ -840,7 +842,7 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
 
 
 def test_plan_check_takes_the_median_over_repeated_runs_and_prints_each_runs_p99():
-    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row
+    from mqinfer.loadgen.plan.check import CheckRow, format_table, rate_row
 
     runs = [CheckRow("online 30 req/s", 1, 2000.0, 2100.0, 0.070, 0.080, predicted_ttft_p99_band_s=[0.06, 0.11]),
             CheckRow("online 30 req/s", 1, 2200.0, 2000.0, 0.140, 0.090, predicted_ttft_p99_band_s=[0.07, 0.13]),
@@ -860,7 +862,7 @@ def test_plan_check_takes_the_median_over_repeated_runs_and_prints_each_runs_p99
 
 
 def test_plan_check_pools_a_rates_runs_before_taking_the_p99():
-    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row
+    from mqinfer.loadgen.plan.check import CheckRow, format_table, rate_row
 
     # Three runs of 100 requests: two calm ones and one with a slow spell; simulated likewise.
     calm = [0.010 + 0.0001 * i for i in range(100)]
@@ -883,7 +885,7 @@ def test_plan_check_pools_a_rates_runs_before_taking_the_p99():
 
 
 def test_plan_check_says_whether_each_measured_p99_lies_in_the_simulated_runs_spread():
-    from mqinfer.loadgen.plan_check import CheckRow, format_table, rate_row, spread_of
+    from mqinfer.loadgen.plan.check import CheckRow, format_table, rate_row, spread_of
 
     assert spread_of([0.01 * i for i in range(1, 12)]) == pytest.approx([0.02, 0.10])
     assert spread_of([0.05]) is None

@@ -92,3 +92,21 @@ def test_a_block_of_the_wrong_shape_is_an_error():
     values, scales = block(5)
     with pytest.raises(ValueError, match="does not match"):
         encode(IDENTITY, BLOCK_HASH, TOKENS, values[:2], scales, kv_codec.INT8, GEOMETRY)
+
+
+@pytest.mark.parametrize("fmt, dtype", [(kv_codec.FLOAT32, np.float32), (kv_codec.FLOAT16, np.float16)])
+@pytest.mark.parametrize("compress", [False, True])
+def test_a_float_block_comes_back_bit_for_bit(fmt, dtype, compress):
+    rng = np.random.default_rng(6)
+    floats = rng.normal(0, 2, GEOMETRY.values_shape).astype(dtype)
+    raw = floats.view(np.uint8).reshape(GEOMETRY.float_shape(fmt))
+    blob = encode(IDENTITY, BLOCK_HASH, TOKENS, raw, None, fmt, GEOMETRY, compress=compress)
+    out = decode(blob, IDENTITY, BLOCK_HASH, TOKENS, GEOMETRY, fmt=fmt)
+    assert out.fmt == fmt and out.scales is None
+    assert np.array_equal(out.values.view(dtype).reshape(floats.shape), floats)
+    if compress:  # the byte planes: the sign and exponent bytes compress
+        assert len(blob) < 0.95 * raw.size
+    # A reader expecting 8-bit blocks (another storage setting) refuses it.
+    with pytest.raises(BlockRejected) as info:
+        decode(blob, IDENTITY, BLOCK_HASH, TOKENS, GEOMETRY, fmt=kv_codec.INT8)
+    assert info.value.reason == "foreign"

@@ -18,6 +18,8 @@ from mqinfer.workers.engine import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BLOCK = 16
+# One block of the tiny model's KV in float32: layers, K and V, KV heads, head_dim, 4 bytes, tokens.
+FLOAT32_BLOCK_BYTES = 4 * 2 * 2 * 64 * 4 * BLOCK
 
 
 @pytest.fixture(autouse=True)
@@ -163,10 +165,10 @@ def test_corrupt_and_foreign_blocks_are_misses_and_never_used(reference, tmp_pat
         assert not path.exists() or kv_codec.peek_key(path.read_bytes())[0] == identity
 
 
-def test_a_cache_in_the_model_dtype_is_stored_8_bit(tmp_path):
+def test_int8_storage_of_a_cache_in_the_model_dtype_is_an_explicit_choice(tmp_path):
     batch = prompts(num_prefixes=5, per_prefix=2)
     eng = LLMEngine(EngineConfig(num_kv_blocks=14, max_num_seqs=2, max_model_len=256, num_threads=1,
-                                 kv_host_cache_gib=0.01))
+                                 kv_host_cache_gib=0.01, kv_tier_storage="int8"))
     try:
         done = run(eng, batch)
         stats = tier_stats(eng)
@@ -174,8 +176,41 @@ def test_a_cache_in_the_model_dtype_is_stored_8_bit(tmp_path):
         eng.close()
     assert all(done[f"r{i}"][2] == {"host": 4 * BLOCK} for i in range(5, 10))
     # int8 values and bfloat16 scales: about a quarter of the float32 KV, plus each blob's header.
-    info_kv_bytes = 4 * 2 * 2 * 64 * 4 * BLOCK  # layers, K and V, KV heads, head_dim, float32, tokens
-    assert stats["host"]["stored_bytes"] / stats["host"]["stored_blocks"] < 0.3 * info_kv_bytes
+    assert stats["host"]["stored_bytes"] / stats["host"]["stored_blocks"] < 0.3 * FLOAT32_BLOCK_BYTES
+
+
+def test_a_cache_in_the_model_dtype_is_stored_losslessly_by_default(tmp_path):
+    """Default settings, float32 KV cache: a restart takes every prefix from the disk tier, with the
+    outputs of a run without tiers, and the disk holds the float bytes compressed."""
+    batch = prompts(num_prefixes=5, per_prefix=2, seed=7)
+
+    def auto(**tiers):
+        return LLMEngine(EngineConfig(num_kv_blocks=14, max_num_seqs=2, max_model_len=256, num_threads=1, **tiers))
+
+    plain = auto()
+    try:
+        expected = run(plain, batch)
+    finally:
+        plain.close()
+    first = auto(kv_disk_cache=str(tmp_path / "kv"))
+    try:
+        run(first, batch)
+        assert first.kv_tiers.lossless
+    finally:
+        first.close()
+    again = auto(kv_disk_cache=str(tmp_path / "kv"))
+    try:
+        done = run(again, batch)
+        stats = tier_stats(again)
+    finally:
+        again.close()
+    assert tokens(done) == tokens(expected)
+    assert all(out[2] == {"disk": 4 * BLOCK} for out in done.values())
+    files = list((tmp_path / "kv").iterdir())
+    format_byte = 6  # after the magic, the version and the codec byte
+    assert {f.read_bytes()[format_byte] for f in files} == {kv_codec.FLOAT32}
+    # Compressed below the raw float32 bytes (the tiny model's random KV leaves little to take).
+    assert stats["disk"]["stored_bytes"] / stats["disk"]["stored_blocks"] < FLOAT32_BLOCK_BYTES
 
 
 def test_tier_settings_are_checked(tmp_path):

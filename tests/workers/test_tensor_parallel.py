@@ -125,7 +125,8 @@ def test_each_rank_reads_only_its_slices(llama, monkeypatch):
 def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
     import time
 
-    from mqinfer.workers.parallel import Leader, RankFailure
+    from mqinfer.workers.parallel import RankFailure
+    from mqinfer.workers.ranks import Leader
 
     # Rank 1 is sent to a CUDA device no machine has: it exits before it joins.
     began = time.monotonic()

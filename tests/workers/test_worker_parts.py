@@ -11,7 +11,7 @@ import logging
 import pytest
 
 from mqinfer.ops.budgets import BudgetGuard, Budgets
-from mqinfer.run import _count_done, _count_generated, _Progress
+from mqinfer.run_progress import Progress, count_done, count_generated
 from mqinfer.schemas import faults, keys
 from mqinfer.workers.acks import SinkError
 from mqinfer.workers.devices import usable_cores
@@ -321,8 +321,8 @@ def test_run_progress_shows_tokens_before_the_first_request_finishes(harness, re
     submit(redis_client, request("p1", max_tokens=40, job_id="run-x"))
     submit(redis_client, request("p2", max_tokens=40, job_id="run-x"))
     h.turn(3, advance_s=0.6)
-    done = _count_done(redis_client, [keys.job_done_set("requests", "run-x")], 0)
-    tokens = _count_generated(redis_client, [keys.generated_tokens("requests")], "run-x", 0)
+    done = count_done(redis_client, [keys.job_done_set("requests", "run-x")], 0)
+    tokens = count_generated(redis_client, [keys.generated_tokens("requests")], "run-x", 0)
     assert done == 0 and tokens >= 4
-    assert _Progress(2).line(done, tokens, 3.2) == f"0/2 requests (  0.0%), {tokens} tokens generated, elapsed 3s"
-    assert _Progress(4).line(1, 50, 10.0) == "1/4 requests ( 25.0%), 50 tokens generated, elapsed 10s, eta 30s"
+    assert Progress(2).line(done, tokens, 3.2) == f"0/2 requests (  0.0%), {tokens} tokens generated, elapsed 3s"
+    assert Progress(4).line(1, 50, 10.0) == "1/4 requests ( 25.0%), 50 tokens generated, elapsed 10s, eta 30s"

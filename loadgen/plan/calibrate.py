@@ -12,9 +12,9 @@ tokens, requests, attention pairs):
 - decode batches at a long context (the pairs grow, the tokens do not);
 - a long prompt chunk joining a running decode batch (a mixed step).
 
-The steps are fitted by ``plan_model.fit_step_costs``; how far repeated steps of one shape fall
+The steps are fitted by ``model.fit_step_costs``; how far repeated steps of one shape fall
 from their median is kept as the spread the simulation draws step times from (``step_noise``).
-Then short runs of the real pipeline (plan_pipeline) measure what the engine alone does not
+Then short runs of the real pipeline (pipeline) measure what the engine alone does not
 show: a worker's start-up, the worker loop around the engine (gaps between steps, flushes of
 result rows, the wake-up on an arrival) and a fresh worker's slow first steps.
 
@@ -27,7 +27,7 @@ a fresh process that only builds the engine. The whole calibration stays within 
 minutes on two cores for the tiny model); shapes that would not fit in it are left out and the
 fit says how many steps it had.
 
-``python -m mqinfer.loadgen.plan_calibrate --startup-probe JSON`` is that fresh process.
+``python -m mqinfer.loadgen.plan.calibrate --startup-probe JSON`` is that fresh process.
 """
 
 from __future__ import annotations
@@ -43,15 +43,17 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from mqinfer.loadgen.plan_model import (
+from mqinfer.loadgen.plan.model import (
     Calibration,
     StepSample,
     StepShape,
+    contention_probes,
     fit_step_costs,
     now_text,
     processor_name,
     quantile_samples,
 )
+from mqinfer.loadgen.plan.pipeline import measure_pipeline
 
 log = logging.getLogger("mqinfer.plan")
 
@@ -163,7 +165,7 @@ def measure_startup(config, timeout_s: float = 300.0) -> float:
     """Seconds from starting a fresh Python process to its engine being ready (imports included)."""
     settings = {name: getattr(config, name) for name in _PROBE_FIELDS}
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "mqinfer.loadgen.plan_calibrate", "--startup-probe",
+    proc = subprocess.Popen([sys.executable, "-m", "mqinfer.loadgen.plan.calibrate", "--startup-probe",
                              json.dumps(settings)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             stdin=subprocess.DEVNULL, text=True)
     try:
@@ -183,26 +185,11 @@ def measure_startup(config, timeout_s: float = 300.0) -> float:
 _BUSY = Scenario("busy", ((16, 64, 16),))
 # The shapes timed again beside busy engines (those of them that fit the engine's limits).
 _CONTENTION_SHAPES = ("prefill 256", "prefill 4x64", "decode 8 at 32", "decode 32 at 32")
-# At most this many busy engines beside the timed one; the factors in between are interpolated.
-_MAX_CONTENTION_PROBES = 7
-
-
-def contention_probes(config) -> int:
-    """How many other engines to run beside the timed one: the other workers of this layout that
-    one machine holds (CPU only; on a GPU each worker has a device of its own)."""
-    from mqinfer.workers.devices import usable_cores
-
-    if not str(config.device or "cpu").startswith("cpu"):
-        return 0
-    per_worker = (config.num_threads or 1) * (config.tensor_parallel_size or 1) * (config.pipeline_parallel_size or 1)
-    return min(usable_cores() // per_worker - 1, _MAX_CONTENTION_PROBES)
-
-
 def _start_probes(config, count: int, timeout_s: float = 300.0) -> list[subprocess.Popen]:
     """``count`` fresh processes, each running an engine busily until its stdin closes."""
     settings = {name: getattr(config, name) for name in _PROBE_FIELDS}
     settings["enable_prefix_caching"] = False
-    procs = [subprocess.Popen([sys.executable, "-m", "mqinfer.loadgen.plan_calibrate", "--contention-probe",
+    procs = [subprocess.Popen([sys.executable, "-m", "mqinfer.loadgen.plan.calibrate", "--contention-probe",
                                json.dumps(settings)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(count)]
     deadline = time.monotonic() + timeout_s
@@ -322,8 +309,6 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
         measured_at=now_text(), step_noise=quantile_samples(step_noise(samples)), contention=contention,
     )
     if pipeline:
-        from mqinfer.loadgen.plan_pipeline import measure_pipeline
-
         calibration = measure_pipeline(config, calibration, progress=progress)
         if calibration.startup_source != "worker":
             calibration = dataclasses.replace(calibration, startup_s=measure_startup(config))
@@ -368,6 +353,6 @@ if __name__ == "__main__":
         sys.exit(_startup_probe(sys.argv[2]))
     if len(sys.argv) == 3 and sys.argv[1] == "--contention-probe":
         sys.exit(_contention_probe(sys.argv[2]))
-    print("usage: python -m mqinfer.loadgen.plan_calibrate --startup-probe JSON | --contention-probe JSON",
+    print("usage: python -m mqinfer.loadgen.plan.calibrate --startup-probe JSON | --contention-probe JSON",
           file=sys.stderr)
     sys.exit(2)

@@ -1,8 +1,8 @@
-"""The phases of ``gpu_bench`` (see ``loadgen/gpu_bench.py``) and its summary.
+"""The phases of ``gpu_bench`` (see ``loadgen/gpu/bench.py``) and its summary.
 
 Each phase is one function of (the arguments, a model's ``ModelSpec``, its requests) returning
 a dict of figures; ``run_all`` runs them in order within the budget, model by model, and prints
-the summary at the end, however far it got. The pipeline runs go through ``bench.run_engine``
+the summary at the end, however far it got. The pipeline runs go through ``bench_engine.run_engine``
 (what ``mqinfer bench`` runs: an embedded server, the client, ``mqinfer worker`` processes, the
 results Parquet), transformers through ``hf_baseline``, the decode steps through
 ``gpu_bench_roofs``.
@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mqinfer.loadgen.gpu_bench import (
+from mqinfer.loadgen.gpu.bench_phases import (
     GOAL_DECODE_B1_SHARE,
     GOAL_OVER_ROOF,
     GOAL_VS_STATIC,
@@ -64,7 +64,7 @@ def bench_args(args: argparse.Namespace, spec, dtype: str, timeout_s: float, ext
 def phase_pipeline(args: argparse.Namespace, spec, requests: list[dict[str, Any]], dtype: str, budget: Budget,
                    scratch: Path) -> dict[str, Any]:
     """The standard workload offline through the whole pipeline."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
 
     run = run_engine(bench_args(args, spec, dtype, budget.left()), spec, requests, scratch / "offline")
     s = run.offline
@@ -118,7 +118,7 @@ def phase_transformers(args: argparse.Namespace, spec, requests: list[dict[str, 
 
 def phase_roofs(args: argparse.Namespace, spec, dtype: str, bandwidth) -> dict[str, Any]:
     """A decode step at batch 1 and at ``--roof-batch``, each against its memory roof."""
-    from mqinfer.loadgen.gpu_bench_roofs import build_engine, decode_roof, decode_step_seconds
+    from mqinfer.loadgen.gpu.bench_roofs import build_engine, decode_roof, decode_step_seconds
 
     steps, context = args.roof_steps, args.roof_context
     # The timed steps read the prompt and the tokens generated so far: counted at the middle step.
@@ -142,7 +142,7 @@ def phase_roofs(args: argparse.Namespace, spec, dtype: str, bandwidth) -> dict[s
 def phase_online(args: argparse.Namespace, spec, requests: list[dict[str, Any]], dtype: str, budget: Budget,
                  scratch: Path, offline: dict[str, Any]) -> dict[str, Any]:
     """TTFT and TPOT through the pipeline at ``--online-rates`` of the offline run's request rate."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
 
     summary = offline["summary"]
     # Requests finished without error per second of the offline run (bench_online.request_rate).
@@ -172,7 +172,7 @@ def _ms(seconds: float | None) -> str:
 
 def run_all(args: argparse.Namespace, dtype: str, budget: Budget) -> int:
     """Every phase, model by model, within ``budget``; the summary; the exit status."""
-    from mqinfer.loadgen.gpu_bench_roofs import device_bandwidth
+    from mqinfer.loadgen.gpu.bench_roofs import device_bandwidth
     from mqinfer.loadgen.workload import make_workload
 
     workdir = Path(args.workdir) if args.workdir else default_workdir()

@@ -453,3 +453,18 @@ def load_calibration(path: Path) -> Calibration | None:
 
 def now_text() -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+# At most this many busy engines beside the timed one; the factors in between are interpolated.
+_MAX_CONTENTION_PROBES = 7
+
+
+def contention_probes(config) -> int:
+    """How many other engines to run beside the timed one: the other workers of this layout that
+    one machine holds (CPU only; on a GPU each worker has a device of its own)."""
+    from mqinfer.workers.devices import usable_cores
+
+    if not str(config.device or "cpu").startswith("cpu"):
+        return 0
+    per_worker = (config.num_threads or 1) * (config.tensor_parallel_size or 1) * (config.pipeline_parallel_size or 1)
+    return min(usable_cores() // per_worker - 1, _MAX_CONTENTION_PROBES)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from mqinfer.loadgen.plan_sim import SimRequest
+from mqinfer.loadgen.plan.sim import SimRequest
 
 
 @dataclass

@@ -3,7 +3,7 @@
 Each simulated worker holds a real ``DynamicBatcher`` and a real ``Scheduler`` (scheduler/), both
 reading one simulated clock, and runs the worker's loop: read entries from the stream, admit what
 the batcher releases, schedule a step. Instead of running the model, a step lasts what the fitted
-step-cost model (``plan_model``) says for the step's shape, and every request that needs a token
+step-cost model (``model``) says for the step's shape, and every request that needs a token
 gets a fake one, so each generates exactly its output length (no EOS, no stop rule). Scheduling,
 chunked prefill, the token budget, ``max_num_seqs``, KV blocks, prefix-cache hits and preemption
 are therefore the engine's own; only the model's time is predicted.
@@ -15,7 +15,7 @@ every turn of its loop a worker reads what the worker's ingest would (workers/in
 of the outstanding work between the workers.
 
 The loop around the engine is a :class:`WorkerLoop` measured on the real pipeline
-(plan_calibrate): between two steps the worker spends a drawn loop gap (Redis round trips,
+(calibrate): between two steps the worker spends a drawn loop gap (Redis round trips,
 metering, admitting), more for each request the last step finished and each the step starts
 (``gap_per_finished_s``, ``gap_per_started_s``); every step's engine time is scaled by a noise
 factor (how a worker's own steps of that modelled size ran against the model; the spread of
@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mqinfer.loadgen.plan_model import StepCostModel, StepShape, WorkerLoop
+from mqinfer.loadgen.plan.model import StepCostModel, StepShape, WorkerLoop
 from mqinfer.scheduler.batcher import DynamicBatcher
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.output import SchedulerOutput

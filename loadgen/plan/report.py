@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mqinfer.loadgen.plan_model import Calibration
+from mqinfer.loadgen.plan.model import Calibration
 
 
 def calibration_dict(calibration: Calibration, path: Path) -> dict[str, Any]:

@@ -9,9 +9,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from mqinfer.loadgen.plan_model import Calibration
-from mqinfer.loadgen.plan_report import ms_text
-from mqinfer.loadgen.plan_sim import SimRequest, SimResult, WorkerSettings
+from mqinfer.loadgen.plan.model import Calibration
+from mqinfer.loadgen.plan.report import ms_text
+from mqinfer.loadgen.plan.sim import SimRequest, SimResult, WorkerSettings
 
 # The online goal when --rate comes without an SLO: p99 TTFT at most this many times an idle
 # worker's (the batcher's wait plus the request's own prefill steps), a latency any rate reaches
@@ -164,7 +164,7 @@ def idle_ttft_p99(requests: Sequence[SimRequest], settings: WorkerSettings, cali
     mean wake-up and the batcher's wait, then its prompt's prefill steps (chunks of at most the
     step's token budget), each after the loop's mean gap."""
     from mqinfer.loadgen.metrics import percentile
-    from mqinfer.loadgen.plan_model import StepShape
+    from mqinfer.loadgen.plan.model import StepShape
 
     budget = settings.scheduler.max_num_batched_tokens
     model, loop = calibration.model, calibration.loop

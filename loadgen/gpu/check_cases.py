@@ -1,4 +1,4 @@
-"""The cases of ``python -m mqinfer.loadgen.gpu_check``: each checks one part that needs CUDA
+"""The cases of ``python -m mqinfer.loadgen.gpu.check``: each checks one part that needs CUDA
 against its reference and returns an ``Outcome`` (or raises ``Skip``).
 
 Every case takes a ``Setup``. On ``cuda`` it runs at the sizes a GPU check needs; on ``cpu``
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from mqinfer.loadgen import gpu_kernels
+from mqinfer.loadgen.gpu import kernels as gpu_kernels
 
 
 @dataclass(frozen=True)

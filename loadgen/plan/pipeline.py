@@ -1,7 +1,7 @@
 """The worker loop around the engine, measured on short runs of the real pipeline (`mqinfer plan
 --calibrate`'s second part).
 
-The engine's steps alone (plan_calibrate) miss what a `mqinfer worker` does between them. Two
+The engine's steps alone (calibrate) miss what a `mqinfer worker` does between them. Two
 bench runs of a small workload of its own (``PIPELINE_REQUESTS`` requests, one worker with the
 planned engine flags) measure it:
 
@@ -68,9 +68,11 @@ from typing import Any
 
 import numpy as np
 
-from mqinfer.loadgen.plan_model import MAX_SAMPLES, Calibration, StepCostModel, StepShape, WorkerLoop, quantile_samples
+from mqinfer.loadgen.plan.model import (
+    MAX_SAMPLES, Calibration, StepCostModel, StepShape, WorkerLoop, contention_probes, quantile_samples,
+)
 
-# The pipeline runs' own small workload (not the bench's, which plan_check measures against).
+# The pipeline runs' own small workload (not the bench's, which check measures against).
 PIPELINE_PROMPT_LEN = (16, 160)
 PIPELINE_OUTPUT_LEN = (8, 48)
 PIPELINE_REQUESTS = 32
@@ -306,7 +308,7 @@ def gap_costs(gaps: list[float], counts: list[tuple[int, int]]) -> tuple[list[fl
     request): a non-negative least-squares fit of each gap as a constant plus a cost for each
     request the step before it finished and each the step after it started. Without enough gaps
     next to requests (MIN_GAP_REQUESTS of each), no cost of that kind: the gaps as they are."""
-    from mqinfer.loadgen.plan_model import nnls
+    from mqinfer.loadgen.plan.model import nnls
 
     if len(gaps) < 2 * MIN_GAP_REQUESTS:
         return list(gaps), 0.0, 0.0
@@ -324,7 +326,7 @@ def gap_costs(gaps: list[float], counts: list[tuple[int, int]]) -> tuple[list[fl
 # -- the calibration's pipeline runs ----------------------------------------------------------------
 def mean_sim(requests, settings, model, loop: WorkerLoop, seeds: int = SIM_SEEDS, fresh: bool = False):
     """``seeds`` simulations of one worker (seeds 0..seeds-1)."""
-    from mqinfer.loadgen.plan_sim import simulate
+    from mqinfer.loadgen.plan.sim import simulate
 
     return [simulate(requests, 1, settings, model, loop=loop, seed=seed, fresh=fresh) for seed in range(seeds)]
 
@@ -429,8 +431,6 @@ def pipeline_contention(config, calibration: Calibration, run: Callable[[int, Pa
     not show): for each k seen in at least MIN_CONTENTION_STEPS steps, the median of those steps
     over a lone worker's; for another k, the engines-alone factor (``calibration.contention``). At
     least 1 each. Empty where one worker has the machine."""
-    from mqinfer.loadgen.plan_calibrate import contention_probes
-
     most = contention_probes(config)
     if most < 1 or not by_size:
         return list(calibration.contention)
@@ -466,10 +466,10 @@ def warm_loop(gaps: list[float], flushes: list[float], ratios: list[tuple[float,
 def measure_pipeline(config, calibration: Calibration, *, progress: Callable[[str], None]) -> Calibration:
     """``calibration`` with the worker's start-up and loop (see the module's description) measured
     on short runs of the real pipeline with one worker."""
-    from mqinfer.loadgen.bench import run_engine
+    from mqinfer.loadgen.bench_engine import run_engine
     from mqinfer.loadgen.bench_model import resolve_model
     from mqinfer.loadgen.bench_online import poisson_arrivals
-    from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
+    from mqinfer.loadgen.plan.sim import SimRequest, WorkerSettings, simulate
     from mqinfer.loadgen.workload import make_workload
     from mqinfer.scheduler.config import SchedulerConfig
 

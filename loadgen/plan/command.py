@@ -4,31 +4,31 @@ The concurrency cost boundary: a rate of requests (or a bulk job and its deadlin
 number of workers, and the workers' device-hours to a cost per request and per million tokens.
 The plan has three parts:
 
-1. **A step-cost model of this machine and model** (``plan_model``): one engine step's seconds
+1. **A step-cost model of this machine and model** (``model``): one engine step's seconds
    from its batched tokens, requests and attention pairs, fitted once by ``--calibrate`` on the
-   real engine (``plan_calibrate``) and stored under the cache folder for later plans. The same
+   real engine (``calibrate``) and stored under the cache folder for later plans. The same
    calibration measures a worker's start-up time and the worker loop around the engine
-   (``plan_pipeline``).
-2. **A simulation with the real scheduler and batcher** (``plan_sim``): the requests arrive (a
+   (``pipeline``).
+2. **A simulation with the real scheduler and batcher** (``sim``): the requests arrive (a
    seeded Poisson process at ``--rate``, or all at once for a bulk job), N simulated workers read
    them from a simulated stream and run them through ``DynamicBatcher`` and ``Scheduler``, each step
    lasting what the model predicts. Out come each request's TTFT and TPOT, the throughput and the
    workers' busy share.
 3. **The search and the bill**: the fewest workers whose simulated p99 TTFT and p99 TPOT meet the
-   SLOs at the rate (or whose job, start-up included, ends by the deadline; ``plan_target``); then
+   SLOs at the rate (or whose job, start-up included, ends by the deadline; ``target``); then
    cost = workers x their share of a priced device x the price x time, warm running and start-up
    kept apart, and the KEDA replica bounds that follow.
 
-The requests come from ``plan_workload``; the table, the JSON and the plot from ``plan_report``.
+The requests come from ``workload``; the table, the JSON and the plot from ``report``.
 
 Every request is assumed to generate its full ``max_tokens`` (the simulation has no EOS), which
 is exact for ``ignore_eos`` workloads and an upper bound otherwise. The worker loop around the
 engine is measured, not modelled part by part: the gaps between steps, the flushes of result rows
 (the loop's longest pauses, and most of the TTFT tail), the wake-up on an arrival, the spread of
 step times and a fresh worker's slow first steps are drawn from what the calibration's runs of
-the real pipeline showed (plan_pipeline). A bulk job's workers are fresh; an online target's are
+the real pipeline showed (pipeline). A bulk job's workers are fresh; an online target's are
 warm. Workers that share a CPU machine slow each other's steps down by a factor the calibration
-measures with engines busy beside it. Not modelled: other processes on the machine. ``python -m mqinfer.loadgen.plan_check`` measures how far the predictions are from the
+measures with engines busy beside it. Not modelled: other processes on the machine. ``python -m mqinfer.loadgen.plan.check`` measures how far the predictions are from the
 real pipeline, and whether the worker count it picks for an SLO is the one the pipeline needs.
 """
 
@@ -42,17 +42,17 @@ from pathlib import Path
 from typing import Any
 
 from mqinfer.config import ENGINE_OPTIONS, ConfigError
-from mqinfer.loadgen.plan_model import (
+from mqinfer.loadgen.plan.model import (
     Calibration,
     fit_path,
     load_calibration,
     machine_key,
     save_calibration,
 )
-from mqinfer.loadgen.plan_options import BULK_REQUESTS, ONLINE_REQUESTS
-from mqinfer.loadgen.plan_report import calibration_dict, ms_text, ms_value, plot_sweep, render
-from mqinfer.loadgen.plan_sim import SimRequest, WorkerSettings, simulate
-from mqinfer.loadgen.plan_target import (
+from mqinfer.loadgen.plan.options import BULK_REQUESTS, ONLINE_REQUESTS
+from mqinfer.loadgen.plan.report import calibration_dict, ms_text, ms_value, plot_sweep, render
+from mqinfer.loadgen.plan.sim import SimRequest, WorkerSettings, simulate
+from mqinfer.loadgen.plan.target import (
     MAX_WORKERS,
     Evaluation,
     Target,
@@ -62,7 +62,7 @@ from mqinfer.loadgen.plan_target import (
     summarize,
     summarize_pooled,
 )
-from mqinfer.loadgen.plan_workload import named_workload, read_workload_file, with_arrivals
+from mqinfer.loadgen.plan.workload import named_workload, read_workload_file, with_arrivals
 
 log = logging.getLogger("mqinfer.plan")
 
@@ -155,7 +155,7 @@ def get_calibration(opts: dict[str, Any], layout: Layout, *, calibrate: bool,
     when there is none."""
     path = calibration_path(opts, layout)
     if calibrate:
-        from mqinfer.loadgen.plan_calibrate import calibrate as run_calibration
+        from mqinfer.loadgen.plan.calibrate import calibrate as run_calibration
 
         device = str(opts.get("device") or "")
         config = replace(engine_config(opts), device=device if device.startswith("cuda") else layout.device,
@@ -292,7 +292,7 @@ def _explicit_workers(opts: dict[str, Any], target: Target, layout: Layout) -> i
 
 def make_plan(opts: dict[str, Any], input_path: str | None,
               progress: Callable[[str], None] = log.info) -> dict[str, Any]:
-    """The plan for resolved flags ``opts`` (see plan_options.PLAN_CMD) as a JSON-ready dict."""
+    """The plan for resolved flags ``opts`` (see options.PLAN_CMD) as a JSON-ready dict."""
     if input_path and opts.get("workload"):
         raise ConfigError("give INPUT or --workload, not both")
     if opts.get("speculative", "none") != "none":
