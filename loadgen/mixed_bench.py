@@ -3,9 +3,10 @@
 Runs an embedded server and ``mqinfer worker`` processes (``bench_pool``). Three runs on the same
 workers, each with prompts of its own (nothing is a prefix-cache hit from an earlier run):
 
-1. **interactive alone**: ``--interactive-requests`` requests with latency targets
+1. **bulk alone**: ``--bulk-requests`` requests without targets, all at once (first, so that no
+   interactive request has been seen and its steps are those of a worker without targets);
+2. **interactive alone**: ``--interactive-requests`` requests with latency targets
    (``--slo-ttft-ms``, ``--slo-tpot-ms``) arriving as a Poisson process at ``--interactive-rate``;
-2. **bulk alone**: ``--bulk-requests`` requests without targets, all at once;
 3. **mixed**: the bulk requests again, all at once, and ``--mixed-delay-s`` later the interactive
    requests again at the same rate.
 
@@ -186,8 +187,10 @@ def _measure(args: argparse.Namespace, spec: ModelSpec, work: dict[str, list[dic
             log(f"mixed bench: starting {args.workers} worker(s), waiting for a warm-up request")
             wait_done(producer.redis, f"warmup-{tag}", 1, pool, args.timeout_s, "warm-up")
             n_i, rate = args.interactive_requests, args.interactive_rate
-            phase("interactive alone", [("interactive", poisson_arrivals(n_i, rate, args.seed))])
+            # Bulk alone first: its steps are then composed exactly as without targets (no
+            # interactive request has been seen), the throughput baseline the mixed run is held to.
             phase("bulk alone", [("bulk", [0.0] * args.bulk_requests)])
+            phase("interactive alone", [("interactive", poisson_arrivals(n_i, rate, args.seed))])
             later = [args.mixed_delay_s + t for t in poisson_arrivals(n_i, rate, args.seed + 1)]
             phase("mixed", [("mixed_bulk", [0.0] * args.bulk_requests), ("mixed_interactive", later)])
         finally:
