@@ -3,9 +3,10 @@
 Runs an embedded server and ``mqinfer worker`` processes (``bench_pool``). Three runs on the same
 workers, each with prompts of its own (nothing is a prefix-cache hit from an earlier run):
 
-1. **interactive alone**: ``--interactive-requests`` requests with latency targets
+1. **bulk alone**: ``--bulk-requests`` requests without targets, all at once (first, so that no
+   interactive request has been seen and its steps are those of a worker without targets);
+2. **interactive alone**: ``--interactive-requests`` requests with latency targets
    (``--slo-ttft-ms``, ``--slo-tpot-ms``) arriving as a Poisson process at ``--interactive-rate``;
-2. **bulk alone**: ``--bulk-requests`` requests without targets, all at once;
 3. **mixed**: the bulk requests again, all at once, and ``--mixed-delay-s`` later the interactive
    requests again at the same rate.
 
@@ -14,7 +15,10 @@ TPOT (from their result rows: ``first_token_at - enqueued_at``, and the mean gap
 tokens) at p50 / p99, alone and mixed, with the mixed over alone ratios; and the total throughput
 (output tokens per second from the run's first arrival to its last row) of the bulk run and of the
 mixed run, with their ratio. ``--no-targets`` sends the interactive requests without targets, so
-that they are scheduled as bulk: the comparison without step plans.
+that they are scheduled as bulk: the comparison without step plans. ``--compare vllm --vllm-python
+PATH`` runs the same three runs (the same requests at the same arrival times) through vLLM's CPU
+build in its own environment (loadgen/vllm_mixed.py), with ``scheduling_policy="priority"`` and the
+interactive requests at the higher priority, and reports its figures and ours over its.
 
 A chat-like tenant beside a 600-request backlog is ``--interactive-requests 30 --interactive-rate 3 --interactive-prompt-len 64
 --interactive-output-len 32 --bulk-requests 600 --bulk-prompt-len 128 --bulk-output-len 64``; the
@@ -42,6 +46,7 @@ from mqinfer.loadgen.tenants_bench import positive_float, submit_all
 from mqinfer.loadgen.workload import fit_to_context, uniform_workload
 
 INTERACTIVE, BULK = "interactive", "bulk"
+VLLM = "vllm"  # --compare: vLLM's CPU build with priority scheduling on the same requests
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +91,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--idle-exit-s", type=float, default=600.0, metavar="S",
                    help="Workers exit after this long with nothing to do (default: 600).")
     g.add_argument("--json", default=None, metavar="FILE", help="Write every figure as JSON.")
+    g.add_argument("--compare", default=None, choices=(VLLM,),
+                   help="Also run the same three runs (the same requests and arrival times) through vLLM's CPU "
+                        "build with scheduling_policy=priority, the interactive requests at the higher priority "
+                        "(needs --vllm-python and a checkpoint folder as --model).")
+    g.add_argument("--vllm-python", default=None, metavar="PATH",
+                   help="For --compare vllm: the python of an environment with vLLM's CPU build "
+                        "(docs/benchmarking.md says how to make one).")
 
     add_worker_engine_options(p)
     return p
@@ -133,25 +145,64 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    spec = resolve_model(args.model)
-    work = workloads(spec, args)
-    timings = _measure(args, spec, work)
+def summarize(timings: dict[str, list[RequestTiming]]) -> dict[str, Any]:
+    """The figures of the three runs: interactive latency alone and mixed, and throughput."""
     alone, mixed = latency(timings["interactive"]), latency(timings["mixed_interactive"])
     bulk_tps, mixed_tps = throughput(timings["bulk"]), throughput(timings["mixed_interactive"] + timings["mixed_bulk"])
     ratios = {f"{k}_p99": _ratio((mixed[k] or {}).get("p99"), (alone[k] or {}).get("p99")) for k in ("ttft", "tpot")}
     return {
+        "latency_s": {"alone": alone, "mixed": mixed}, "mixed_over_alone": ratios,
+        "throughput_tokens_per_s": {"bulk_alone": bulk_tps, "mixed": mixed_tps,
+                                    "mixed_over_bulk_alone": _ratio(mixed_tps, bulk_tps)},
+        "bulk_mixed_rows": sum(t.ok for t in timings["mixed_bulk"]),
+    }
+
+
+def phases(args: argparse.Namespace) -> list[tuple[str, list[tuple[str, list[float]]]]]:
+    """The three runs in order, each as (name, [(workload key, arrival seconds of each request)])."""
+    n_i, rate = args.interactive_requests, args.interactive_rate
+    later = [args.mixed_delay_s + t for t in poisson_arrivals(n_i, rate, args.seed + 1)]
+    # Bulk alone first: its steps are then composed exactly as without targets (no interactive
+    # request has been seen), the throughput baseline the mixed run is held to.
+    return [("bulk alone", [("bulk", [0.0] * args.bulk_requests)]),
+            ("interactive alone", [("interactive", poisson_arrivals(n_i, rate, args.seed))]),
+            ("mixed", [("mixed_bulk", [0.0] * args.bulk_requests), ("mixed_interactive", later)])]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.compare == VLLM and not args.vllm_python:
+        raise SystemExit("mixed_bench: --compare vllm needs --vllm-python PATH")
+    if args.vllm_python and args.compare != VLLM:
+        raise SystemExit("mixed_bench: --vllm-python applies to --compare vllm only")
+    spec = resolve_model(args.model)
+    if args.compare == VLLM and not (Path(spec.arg) / "config.json").is_file():
+        raise SystemExit(f"mixed_bench: --compare vllm needs a checkpoint folder as --model, got {spec.arg!r}")
+    work = workloads(spec, args)
+    result = {
         "model": spec.arg, "workers": args.workers, "targets": None if args.no_targets else
         {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
         "interactive": {"requests": args.interactive_requests, "rate": args.interactive_rate,
                         "prompt_len": args.interactive_prompt_len, "output_len": args.interactive_output_len},
         "bulk": {"requests": args.bulk_requests, "prompt_len": args.bulk_prompt_len,
                  "output_len": args.bulk_output_len},
-        "latency_s": {"alone": alone, "mixed": mixed}, "mixed_over_alone": ratios,
-        "throughput_tokens_per_s": {"bulk_alone": bulk_tps, "mixed": mixed_tps,
-                                    "mixed_over_bulk_alone": _ratio(mixed_tps, bulk_tps)},
-        "bulk_mixed_rows": sum(t.ok for t in timings["mixed_bulk"]),
+        **summarize(_measure(args, spec, work)),
     }
+    if args.compare == VLLM:
+        from mqinfer.loadgen.vllm_mixed import compare
+
+        result["vllm"] = compare(args, Path(spec.arg), work, phases(args), summarize)
+        result["against_vllm"] = against(result, result["vllm"])
+    return result
+
+
+def against(ours: dict[str, Any], peer: dict[str, Any]) -> dict[str, float | None]:
+    """Ours over vLLM's: the mixed run's interactive p99 TPOT and TTFT, and its total throughput."""
+    if "error" in peer:
+        return {}
+    mine, theirs = ours["latency_s"]["mixed"], peer["latency_s"]["mixed"]
+    return {f"mixed_interactive_{k}_p99": _ratio((mine[k] or {}).get("p99"), (theirs[k] or {}).get("p99"))
+            for k in ("ttft", "tpot")} | {
+        "mixed_throughput": _ratio(ours["throughput_tokens_per_s"]["mixed"], peer["throughput_tokens_per_s"]["mixed"])}
 
 
 def _measure(args: argparse.Namespace, spec: ModelSpec, work: dict[str, list[dict[str, Any]]]
@@ -185,11 +236,8 @@ def _measure(args: argparse.Namespace, spec: ModelSpec, work: dict[str, list[dic
             producer.submit(warm, job_id=f"warmup-{tag}")
             log(f"mixed bench: starting {args.workers} worker(s), waiting for a warm-up request")
             wait_done(producer.redis, f"warmup-{tag}", 1, pool, args.timeout_s, "warm-up")
-            n_i, rate = args.interactive_requests, args.interactive_rate
-            phase("interactive alone", [("interactive", poisson_arrivals(n_i, rate, args.seed))])
-            phase("bulk alone", [("bulk", [0.0] * args.bulk_requests)])
-            later = [args.mixed_delay_s + t for t in poisson_arrivals(n_i, rate, args.seed + 1)]
-            phase("mixed", [("mixed_bulk", [0.0] * args.bulk_requests), ("mixed_interactive", later)])
+            for name, schedules in phases(args):
+                phase(name, schedules)
         finally:
             pool.stop()
             producer.redis.close()
@@ -221,6 +269,21 @@ def format_report(result: dict[str, Any]) -> str:
     t = result["throughput_tokens_per_s"]
     lines += ["", "total throughput, output tokens/s",
               f"bulk alone {t['bulk_alone']:.1f}, mixed {t['mixed']:.1f} ({x(t['mixed_over_bulk_alone'])})"]
+    peer = result.get("vllm")
+    if peer is not None:
+        lines += ["", f"vLLM {peer.get('vllm_version', '?')} (CPU, scheduling_policy=priority), same requests"]
+        if "error" in peer:
+            lines.append(f"failed: {peer['error'][-300:]}")
+        else:
+            for name in ("alone", "mixed"):
+                s = peer["latency_s"][name]
+                lines.append(f"{name:<8}{ms(s['ttft'], 'p50'):>11}{ms(s['ttft'], 'p99'):>11}"
+                             f"{ms(s['tpot'], 'p50'):>11}{ms(s['tpot'], 'p99'):>11}")
+            pt = peer["throughput_tokens_per_s"]
+            a = result["against_vllm"]
+            lines += [f"throughput: bulk alone {pt['bulk_alone']:.1f}, mixed {pt['mixed']:.1f}",
+                      f"mqinfer over vLLM, mixed: interactive p99 TPOT {x(a['mixed_interactive_tpot_p99'])}, "
+                      f"p99 TTFT {x(a['mixed_interactive_ttft_p99'])}, throughput {x(a['mixed_throughput'])}"]
     return "\n".join(lines)
 
 

@@ -71,7 +71,8 @@ order key), so it is served and admitted first and never the victim of a preempt
 bulk request; when the running slots are full it preempts the last bulk request running. While
 interactive requests are in, ``SloScheduling.plan`` returns a ``StepPlan`` that this loop and
 admission consult: bulk sequences it leaves out are passed over (they keep their KV), and prompt
-chunks run only the tokens it allows. Without one (None) nothing changes.
+chunks run only the tokens it allows (in a light step, for a while after the last interactive
+request left, only bulk prompt chunks are bounded). Without one (None) nothing changes.
 
 The engine calls ``schedule()``, runs the model on the returned ``SchedulerOutput``, then calls
 ``update_from_output()`` with the sampled tokens, strictly in that order.
@@ -273,7 +274,8 @@ class Scheduler:
         finally:
             kv.protect_prefix_hits(None)
         if slo is not None:
-            slo.scheduled(((sr.request, sr.num_new_tokens) for sr in out.scheduled), plan is not None)
+            slo.scheduled(((sr.request, sr.num_new_tokens) for sr in out.scheduled),
+                          plan is not None and not plan.light)
         return out
 
     def record_step(self, seconds: float, gap_s: float | None = None) -> None:

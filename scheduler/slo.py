@@ -17,10 +17,12 @@ planned here (:meth:`SloScheduling.plan`):
   less the worker's measured time between steps (rows, replies, reading the stream), which a
   running request waits for too.
 * Interactive requests come first in the scheduling order (scheduler.py), so they are served and
-  admitted first, and are never the victim of a preemption made for a bulk request. Their prompt
-  tokens run as many as fit the target, and never fewer than their time to first token needs:
-  a prompt with ``R`` tokens left and ``S`` steps of the target before its TTFT runs out gets at
-  least ``ceil(R / S)`` tokens per step.
+  admitted first, and are never the victim of a preemption made for a bulk request. Their prompts
+  are never chunked by the plan (only by ``max_num_batched_tokens``, as without targets): a TPOT
+  target is a mean over the request's output tokens (as ``slo_met`` measures it), and a prompt
+  cut into several steps costs the running interactive decodes the same compute, plus each
+  step's fixed time, as one longer step, while its own first token comes steps later. What a
+  planned step leaves out to keep the target is bulk work.
 * Bulk decodes then ride in the step while the predicted time stays within the target, those
   that have waited longest first; the rest are left out of the step, keep their KV blocks, and
   resume where they were in a later step. Bulk prompt chunks (running ones and admissions) get
@@ -31,9 +33,17 @@ planned here (:meth:`SloScheduling.plan`):
   sequence that has sat out ``BULK_MIN_EVERY - 1`` steps in a row runs in the next one (a prompt
   chunk then gets ``MIN_BULK_PROMPT_TOKENS`` tokens whatever the time left).
 
-With no interactive request in the scheduler and none recent, :meth:`SloScheduling.plan` returns
-None and the scheduler composes the step exactly as without this module; the model still learns
-from every step, so that it is ready when interactive traffic arrives.
+*Light* steps: from ``RECENT_S`` to ``WARM_S`` seconds after the last interactive request left,
+steps are composed as without targets (every sequence runs, no decode is left out) except that
+bulk prompt chunks are bounded, to what keeps the step within the last target or within
+``LIGHT_FACTOR`` times the step of the running decodes alone, whichever is longer (at least
+``MIN_BULK_PROMPT_TOKENS``): the next interactive request of a sporadic producer then arrives
+during a step of about a decode step, not behind a step of thousands of prompt tokens.
+
+With no interactive request in the scheduler and none within ``WARM_S`` seconds,
+:meth:`SloScheduling.plan` returns None and the scheduler composes the step exactly as without this
+module; the model still learns from every step, so that it is ready when interactive traffic
+arrives.
 """
 
 from __future__ import annotations
@@ -60,6 +70,12 @@ TTFT_STEPS = 4
 # Seconds after the last interactive request left during which steps are still planned, so that
 # the next request of a stream does not arrive behind a full bulk step.
 RECENT_S = 2.0
+# Seconds after the last interactive request left during which steps are light (module docstring):
+# bulk prompt chunks bounded, every sequence still running.
+WARM_S = 30.0
+# In a light step, bulk prompt chunks may make the step this many times the step of its decodes
+# alone (when that is longer than the last target).
+LIGHT_FACTOR = 2.0
 # A running bulk sequence runs in at least one of every this many consecutive steps.
 BULK_MIN_EVERY = 8
 # Bulk prompt tokens a planned step runs at least (when any bulk prompt waits for them).
@@ -232,19 +248,21 @@ def _gauss(m: list[list[float]]) -> list[float] | None:
 
 @dataclass(slots=True)
 class StepPlan:
-    """What one planned step may run: the bulk sequences left out, and the prompt tokens that
-    interactive and bulk requests may still take (drawn down as the scheduler places them)."""
+    """What one planned step may run: the bulk sequences left out, and the prompt tokens that bulk
+    requests may still take (drawn down as the scheduler places them; interactive prompts are not
+    limited by the plan)."""
 
     target_s: float
     skip: set[int] = field(default_factory=set)
     # Bulk sequences that have sat out BULK_MIN_EVERY - 1 steps: they run whatever the time left.
     overdue: set[int] = field(default_factory=set)
-    interactive_prompt_tokens: int = 0
     bulk_prompt_tokens: int = 0
+    # A light step (module docstring): only bulk prompt chunks are bounded.
+    light: bool = False
 
     def running_tokens(self, request: EngineRequest, num_new: int) -> int:
         """How many of its ``num_new`` tokens a running request runs this step (0: it sits out,
-        keeping its KV), taken from the allowance of its kind when they are prompt tokens."""
+        keeping its KV), taken from the bulk allowance when they are a bulk request's prompt tokens."""
         if id(request) in self.skip:
             return 0
         if num_new > 1:
@@ -255,17 +273,15 @@ class StepPlan:
     def prompt_limit(self, request: EngineRequest, num_new: int) -> int:
         """How many of ``num_new`` prompt tokens ``request`` may run this step (0: it sits out)."""
         if request.interactive:
-            return max(1, min(num_new, self.interactive_prompt_tokens))  # never left without a token
+            return num_new
         n = min(num_new, self.bulk_prompt_tokens)
         if n <= 0 and id(request) in self.overdue:
             n = min(num_new, MIN_BULK_PROMPT_TOKENS)
         return n
 
     def take(self, request: EngineRequest, num_tokens: int) -> None:
-        """``request`` runs ``num_tokens`` prompt tokens: drawn from its kind's allowance."""
-        if request.interactive:
-            self.interactive_prompt_tokens = max(0, self.interactive_prompt_tokens - num_tokens)
-        else:
+        """``request`` runs ``num_tokens`` prompt tokens: a bulk one's are drawn from the allowance."""
+        if not request.interactive:
             self.bulk_prompt_tokens = max(0, self.bulk_prompt_tokens - num_tokens)
 
 
@@ -292,6 +308,7 @@ class SloScheduling:
         # Running average of the worker's seconds between the end of a step and the next one.
         self.gap_s = 0.0
         self.num_planned_steps = 0
+        self.num_light_steps = 0
 
     # -- requests in and out ------------------------------------------------------------------
     def add(self, request: EngineRequest, now: float) -> None:
@@ -309,12 +326,16 @@ class SloScheduling:
         return bool(self._interactive) or now - self._last_interactive_at < RECENT_S
 
     # -- one step -----------------------------------------------------------------------------
+    def warm(self, now: float) -> bool:
+        """Whether steps are at least light now (module docstring)."""
+        return now - self._last_interactive_at < WARM_S
+
     def plan(self, running: Sequence[EngineRequest], now: float) -> StepPlan | None:
         """The plan of the step about to be scheduled, or None: compose it as without targets."""
         self._step += 1
         if not self.active(now):
             self._last_run.clear()
-            return None
+            return self._light_plan(running) if self.warm(now) else None
         model = self.model
         if not model.ready:
             return None
@@ -326,8 +347,7 @@ class SloScheduling:
         shape = StepShape()
         decodes: list[tuple[int, int, EngineRequest]] = []
         forced = 0  # overdue bulk decodes
-        prompt_left = 0  # interactive prompt tokens still to compute
-        prompt_need = 0  # of those, what this step must run for their TTFT
+        prompt = 0  # interactive prompt tokens this step runs: all of them (module docstring)
         step = self._step
         for position, request in enumerate(running):
             num_new = request.num_tokens - request.num_computed_tokens
@@ -335,8 +355,7 @@ class SloScheduling:
                 if num_new <= 1:
                     shape.add(1, request.num_tokens)
                 else:
-                    prompt_left += num_new
-                    prompt_need += self._ttft_share(request, num_new, budget, now)
+                    prompt += num_new
                 continue
             last = self._last_run.setdefault(request.request_id, step - 1)
             overdue = step - last >= BULK_MIN_EVERY
@@ -350,18 +369,8 @@ class SloScheduling:
                     decodes.append((last, position, request))
         for request in self._interactive.values():
             if request.status is not RequestStatus.RUNNING:
-                num_new = request.num_tokens - request.num_computed_tokens
-                prompt_left += num_new
-                prompt_need += self._ttft_share(request, num_new, budget, now)
-        if prompt_left:
-            if model.predict(shape) > budget:
-                # The interactive decodes alone already miss the target: holding prompts back
-                # cannot keep it, and would only add to their time to first token.
-                plan.interactive_prompt_tokens = prompt_left
-            else:
-                fit = self._prompt_fit(shape, budget)
-                plan.interactive_prompt_tokens = min(prompt_left, max(prompt_need, fit))
-            shape = shape.with_prompt(plan.interactive_prompt_tokens)
+                prompt += request.num_tokens - request.num_computed_tokens
+        shape = shape.with_prompt(min(prompt, self.max_num_batched_tokens))
         # Bulk decodes, those that have sat out longest first: a share of them whatever the time
         # (so that the minimum rate is spread over the steps rather than met all at once by the
         # overdue), then more while the step stays in budget.
@@ -402,6 +411,21 @@ class SloScheduling:
             self.gap_s += GAP_SMOOTHING * (gap_s - self.gap_s)
 
     # -- internals ----------------------------------------------------------------------------
+    def _light_plan(self, running: Sequence[EngineRequest]) -> StepPlan | None:
+        """A light step (module docstring): nothing left out, bulk prompt chunks bounded."""
+        target = self._last_target_s
+        if target is None or not self.model.ready:
+            return None
+        shape = StepShape()
+        for request in running:
+            if request.num_tokens - request.num_computed_tokens <= 1:
+                shape.add(1, request.num_tokens)
+        limit = max(target * SAFETY - self.gap_s, LIGHT_FACTOR * self.model.predict(shape))
+        plan = StepPlan(target_s=target, light=True)
+        plan.bulk_prompt_tokens = max(MIN_BULK_PROMPT_TOKENS, self._prompt_fit(shape, limit))
+        self.num_light_steps += 1
+        return plan
+
     def _target_s(self, running: Sequence[EngineRequest]) -> float | None:
         """The step time to keep to (module docstring)."""
         tpot = [r.slo_tpot_ms for r in running if r.interactive and r.slo_tpot_ms is not None]
@@ -414,16 +438,6 @@ class SloScheduling:
             if ttft:
                 self._last_target_s = min(ttft) / 1000.0 / TTFT_STEPS
         return self._last_target_s
-
-    @staticmethod
-    def _ttft_share(request: EngineRequest, num_new: int, budget: float, now: float) -> int:
-        """Prompt tokens this step must run for the request to reach its first token by its TTFT
-        target, if every later step runs as many: the rest spread over the steps that are left."""
-        if request.slo_ttft_ms is None:
-            return 0
-        left_s = request.arrival_time + request.slo_ttft_ms / 1000.0 - now
-        steps = max(1, int(left_s / budget)) if budget > 0 else 1
-        return -(-num_new // steps)
 
     def _prompt_fit(self, shape: StepShape, budget: float) -> int:
         """The most prompt tokens that a step of ``shape`` can add and stay within ``budget``."""

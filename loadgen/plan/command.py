@@ -62,7 +62,7 @@ from mqinfer.loadgen.plan.target import (
     summarize,
     summarize_pooled,
 )
-from mqinfer.loadgen.plan.workload import named_workload, read_workload_file, with_arrivals
+from mqinfer.loadgen.plan.workload import named_workload, read_workload_file, with_arrivals, with_tenant_slos
 
 log = logging.getLogger("mqinfer.plan")
 
@@ -213,6 +213,12 @@ def workers_per_machine(opts: dict[str, Any], calibration: Calibration) -> int:
     return max(1, usable_cores() // per_worker)
 
 
+def _tenant_slos(text: str | None) -> dict[str, tuple[int, int]]:
+    from mqinfer.scheduler.slo import parse_tenant_slos
+
+    return parse_tenant_slos(text)
+
+
 def _tenant_weights(text: str | None) -> dict[str, float]:
     from mqinfer.scheduler.config import parse_tenant_weights
 
@@ -313,7 +319,8 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     else:
         count = count or (ONLINE_REQUESTS if target.online else BULK_REQUESTS)
         workload = named_workload(opts["workload"], count, opts["seed"], model, settings.scheduler.max_model_len)
-    requests = with_arrivals(workload.requests, target.rate, count, opts["seed"])
+    requests = with_arrivals(with_tenant_slos(workload.requests, _tenant_slos(opts.get("tenant_slos"))),
+                             target.rate, count, opts["seed"])
     target = replace(target, idle_ttft_p99_s=idle_ttft_p99(requests, settings, calibration, target.max_wait_s))
 
     def pooled(reqs: list[SimRequest], n: int, goal: Target, speed: float = 1.0) -> Evaluation:
@@ -396,6 +403,9 @@ def _plan_dict(ctx: PlanContext, chosen: Evaluation, searched: bool, costs: Bill
         "ttft_p99_s": chosen.ttft_p99_s,
         "tpot_p50_s": chosen.tpot_p50_s,
         "tpot_p99_s": chosen.tpot_p99_s,
+        # Over the requests with latency targets alone (null without any).
+        "interactive_ttft_p99_s": chosen.interactive_ttft_p99_s,
+        "interactive_tpot_p99_s": chosen.interactive_tpot_p99_s,
         "output_tokens_per_s": chosen.output_tokens_per_s,
         "window_s": chosen.window_s,
         "job_s": calibration.startup_s + chosen.end_s if not target.online else None,

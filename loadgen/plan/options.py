@@ -75,7 +75,7 @@ PLOT = Option("plot", str, None, "Also draw p99 TTFT against requests per second
 # The worker's own flags that change what a plan predicts or what it costs.
 WORKER_PLAN_OPTIONS = [o for o in WORKER_OPTIONS
                        if o.name in ("max_batch", "max_wait_ms", "flush_rows", "flush_interval_s",
-                                     "price_per_device_hour", "device_share")]
+                                     "price_per_device_hour", "device_share", "tenant_slos")]
 
 PLAN_CMD = [WORKLOAD, NUM_REQUESTS, SEED, RATE, SLO_TTFT, SLO_TPOT, DEADLINE, PLAN_WORKERS, CALIBRATE, PLAN_FORMAT,
             PLOT, *ENGINE_OPTIONS, *WORKER_PLAN_OPTIONS, LOG_LEVEL, LOG_FORMAT]

@@ -85,6 +85,10 @@ def render(plan: dict[str, Any], fmt: str) -> str:
         ("TPOT p50 / p99", f"{ms_text(plan['tpot_p50_s'])} / {ms_text(plan['tpot_p99_s'])}"),
         ("output_tokens_per_s", f"{plan['output_tokens_per_s']:.1f} (while requests run, start-up excluded)"),
     ]
+    if plan.get("interactive_ttft_p99_s") is not None:
+        rows.append(("interactive p99 TTFT / TPOT", f"{ms_text(plan['interactive_ttft_p99_s'])} / "
+                                                   f"{ms_text(plan.get('interactive_tpot_p99_s'))} (the requests "
+                                                   "with latency targets)"))
     if plan["job_s"] is not None:
         rows.append(("job time", f"{plan['job_s']:.1f} s (start-up {plan['startup_s']:.1f} s + "
                                  f"{plan['job_s'] - plan['startup_s']:.1f} s running)"))

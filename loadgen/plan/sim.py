@@ -88,6 +88,8 @@ class RequestOutcome:
     error: str | None = None  # an error code when the scheduler refused the request
     # Whether the worker that read it had nothing else (no request in its engine or batcher).
     to_idle_worker: bool = False
+    # Whether it had a latency target (an interactive request).
+    interactive: bool = False
 
     @property
     def ttft_s(self) -> float | None:
@@ -213,7 +215,8 @@ class Simulation:
                                 DynamicBatcher(max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
                                                clock=self.clock), fresh=fresh)
                         for i in range(num_workers)]
-        self.outcomes = [RequestOutcome(r.id, len(r.prompt_token_ids), r.output_tokens, r.arrival_s)
+        self.outcomes = [RequestOutcome(r.id, len(r.prompt_token_ids), r.output_tokens, r.arrival_s,
+                                        interactive=r.slo_ttft_ms is not None or r.slo_tpot_ms is not None)
                          for r in requests]
         self.events: list[tuple[float, int, int, int, int]] = []  # (time, kind, sequence, index, token)
         self.seq = 0

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from mqinfer.loadgen.plan.model import Calibration
 from mqinfer.loadgen.plan.report import ms_text
-from mqinfer.loadgen.plan.sim import SimRequest, SimResult, WorkerSettings
+from mqinfer.loadgen.plan.sim import RequestOutcome, SimRequest, SimResult, WorkerSettings
 
 # The online goal when --rate comes without an SLO: p99 TTFT at most this many times an idle
 # worker's (the batcher's wait plus the request's own prefill steps), a latency any rate reaches
@@ -86,6 +86,9 @@ class Evaluation:
     why: str = ""
     # The worst achieved / required ratio among the target's checks (<= 1 when met).
     excess: float = 0.0
+    # Over the interactive requests (those with latency targets) alone; None without any.
+    interactive_ttft_p99_s: float | None = None
+    interactive_tpot_p99_s: float | None = None
 
 
 def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
@@ -95,6 +98,14 @@ def _percentiles(values: list[float]) -> tuple[float | None, float | None]:
         return None, None
     values.sort()
     return percentile(values, 50), percentile(values, 99)
+
+
+def _interactive_p99s(done: Sequence[RequestOutcome]) -> tuple[float | None, float | None]:
+    """p99 TTFT and TPOT of the interactive requests among ``done`` (None, None without any)."""
+    mine = [o for o in done if o.interactive]
+    _, ttft99 = _percentiles([o.ttft_s for o in mine if o.ttft_s is not None])
+    _, tpot99 = _percentiles([o.tpot_s for o in mine if o.tpot_s is not None])
+    return ttft99, tpot99
 
 
 def summarize(sim: SimResult) -> Evaluation:
@@ -107,7 +118,9 @@ def summarize(sim: SimResult) -> Evaluation:
     span = sim.end_s - min(starts) if starts else 0.0
     first_arrival = min((o.arrival_s for o in sim.outcomes), default=0.0)
     window = sim.end_s - first_arrival
+    interactive_ttft, interactive_tpot = _interactive_p99s(done)
     return Evaluation(
+        interactive_ttft_p99_s=interactive_ttft, interactive_tpot_p99_s=interactive_tpot,
         workers=sim.num_workers, num_requests=len(sim.outcomes), num_errors=len(sim.outcomes) - len(done),
         prompt_tokens=sum(o.prompt_tokens for o in done), output_tokens=output,
         ttft_p50_s=ttft50, ttft_p99_s=ttft99, tpot_p50_s=tpot50, tpot_p99_s=tpot99,
@@ -130,7 +143,9 @@ def summarize_pooled(sims: Sequence[SimResult]) -> Evaluation:
     def mean(name: str) -> float:
         return sum(getattr(ev, name) for ev in evs) / len(evs)
 
-    return replace(evs[0], ttft_p50_s=ttft50, ttft_p99_s=ttft99, tpot_p50_s=tpot50, tpot_p99_s=tpot99,
+    interactive_ttft, interactive_tpot = _interactive_p99s(done)
+    return replace(evs[0], interactive_ttft_p99_s=interactive_ttft, interactive_tpot_p99_s=interactive_tpot,
+                   ttft_p50_s=ttft50, ttft_p99_s=ttft99, tpot_p50_s=tpot50, tpot_p99_s=tpot99,
                    output_tokens_per_s=mean("output_tokens_per_s"), utilisation=mean("utilisation"),
                    window_s=mean("window_s"), end_s=mean("end_s"), num_steps=round(mean("num_steps")),
                    num_preemptions=round(mean("num_preemptions")))

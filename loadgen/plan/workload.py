@@ -77,6 +77,18 @@ def read_workload_file(path: str, model: str) -> Workload:
     return Workload(Path(path).name, requests, notes)
 
 
+def with_tenant_slos(requests: Sequence[SimRequest], tenant_slos: dict[str, tuple[int, int]]) -> list[SimRequest]:
+    """The requests with their tenant's ``--tenant-slos`` targets where they set none of their own,
+    as a worker gives them (workers/slo.py)."""
+    out = []
+    for r in requests:
+        if r.slo_ttft_ms is None and r.slo_tpot_ms is None and r.tenant in tenant_slos:
+            ttft, tpot = tenant_slos[r.tenant]
+            r = replace(r, slo_ttft_ms=ttft, slo_tpot_ms=tpot)
+        out.append(r)
+    return out
+
+
 def named_workload(name: str, num_requests: int, seed: int, model: str, max_model_len: int) -> Workload:
     from mqinfer.loadgen.bench_model import resolve_model
     from mqinfer.loadgen.workload import make_workload

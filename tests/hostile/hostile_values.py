@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from mqinfer.schemas.errors import ALL_CODES, RequestError
 from mqinfer.schemas.request import (
     INT32_MAX,
+    MAX_SLO_MS,
     REPLY_PREFIX,
     Request,
     decode_request,
@@ -31,7 +32,7 @@ FIELD_NAMES = [
     "id", "prompt", "prompt_token_ids", "messages", "max_tokens", "min_tokens", "temperature", "top_p", "top_k",
     "seed", "stop", "stop_token_ids", "ignore_eos", "logprobs", "tenant", "model", "request_type", "priority",
     "deadline", "reply_to", "job_id", "metadata", "api", "custom_id", "method", "url", "body",
-    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+    "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "slo_ttft_ms", "slo_tpot_ms",
 ]
 
 ids = st.one_of(
@@ -140,6 +141,8 @@ def check_request(req: Request) -> None:
     assert all(math.isfinite(v) and -2 <= v <= 2 for v in (req.presence_penalty, req.frequency_penalty))
     assert math.isfinite(req.repetition_penalty) and req.repetition_penalty > 0
     assert len(req.logit_bias) <= 300
+    for target in (req.slo_ttft_ms, req.slo_tpot_ms):
+        assert target is None or (type(target) is int and 1 <= target <= MAX_SLO_MS)
     assert all(isinstance(t, int) and 0 <= t <= INT32_MAX and -100 <= b <= 100 for t, b in req.logit_bias.items())
     for fmt in ("json", "msgpack"):
         assert decode_request(encode_request(req, fmt), fmt=fmt) == req

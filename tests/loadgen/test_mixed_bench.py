@@ -71,3 +71,54 @@ def test_a_small_run_with_the_tiny_model_through_a_real_worker(tmp_path, capsys)
     assert tps["mixed_over_bulk_alone"] == pytest.approx(tps["mixed"] / tps["bulk_alone"])
     assert result["mixed_over_alone"]["tpot_p99"] == pytest.approx(
         result["latency_s"]["mixed"]["tpot"]["p99"] / result["latency_s"]["alone"]["tpot"]["p99"])
+
+
+def test_the_vllm_peer_gets_the_same_runs_with_interactive_requests_at_the_higher_priority():
+    from mqinfer.loadgen import vllm_mixed
+
+    spec = resolve_model("tiny")
+    args = mixed_bench.build_parser().parse_args(["--interactive-requests", "3", "--bulk-requests", "4"])
+    work = mixed_bench.workloads(spec, args)
+    phases = mixed_bench.phases(args)
+    runner = vllm_mixed.runner_spec(spec.folder or "tiny", "auto", 16, work, phases)
+    assert [p["name"] for p in runner["phases"]] == ["bulk alone", "interactive alone", "mixed"]
+    assert runner["dtype"] == "bfloat16" and runner["max_num_seqs"] == 16
+    mixed = runner["phases"][2]["requests"]
+    assert [r["priority"] for r in mixed] == [1] * 4 + [0] * 3  # vLLM serves the lower value first
+    assert [r["arrival_s"] for r in mixed] == phases[2][1][0][1] + phases[2][1][1][1]
+    assert [r["prompt_token_ids"] for r in mixed[4:]] == [r["prompt_token_ids"] for r in work["mixed_interactive"]]
+    assert runner["max_model_len"] == max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in mixed)
+    # The runner's per-request times become the bench's timings, key by key; one never finished is not ok.
+    result = {"phases": {p["name"]: [{"id": r["id"], "enqueued_at": 100.0 + r["arrival_s"], "prompt_tokens": 1,
+                                      "first_token_at": 101.0 + r["arrival_s"], "output_tokens": r["max_tokens"],
+                                      "finished_at": 103.0 + r["arrival_s"]} for r in p["requests"]]
+                         for p in runner["phases"]}}
+    result["phases"]["mixed"][0]["finished_at"] = None
+    timings = vllm_mixed.timings_of(result, work)
+    assert [t.ok for t in timings["mixed_bulk"]] == [False, True, True, True]
+    chat = timings["mixed_interactive"][0]
+    assert chat.ttft == pytest.approx(1.0) and chat.output_tokens == work["mixed_interactive"][0]["max_tokens"]
+    assert mixed_bench.summarize(timings)["latency_s"]["mixed"]["count"] == 3
+
+
+def test_a_python_without_vllm_is_a_recorded_failure_and_the_flags_are_checked(tmp_path, capsys):
+    import sys
+
+    from mqinfer.loadgen import vllm_mixed
+
+    spec = resolve_model("tiny")
+    args = mixed_bench.build_parser().parse_args(["--interactive-requests", "2", "--bulk-requests", "2",
+                                                  "--compare", "vllm", "--vllm-python", sys.executable,
+                                                  "--out", str(tmp_path)])
+    work = mixed_bench.workloads(spec, args)
+    peer = vllm_mixed.compare(args, tmp_path / "model", work, mixed_bench.phases(args), mixed_bench.summarize)
+    assert "No module named 'vllm'" in peer["error"]
+    assert mixed_bench.against({}, peer) == {}
+    for argv, words in ((["--compare", "vllm"], "needs --vllm-python"),
+                        (["--vllm-python", sys.executable], "--compare vllm only"),
+                        (["--model", "tiny", "--compare", "vllm", "--vllm-python", sys.executable],
+                         "needs a checkpoint folder")):
+        with pytest.raises(SystemExit, match=words):
+            mixed_bench.run(mixed_bench.build_parser().parse_args(argv))
+    with pytest.raises(SystemExit):
+        mixed_bench.build_parser().parse_args(["--compare", "hf"])

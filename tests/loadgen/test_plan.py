@@ -898,3 +898,31 @@ def test_plan_check_says_whether_each_measured_p99_lies_in_the_simulated_runs_sp
     assert row.predicted_ttft_p99_spread_s == [0.06, 0.11] and row.runs_in_spread == 2
     table = format_table([runs[1], row])
     assert "70.0-130.0 out" in table and "60.0-110.0 2/3 in" in table and "pred runs p10-p90" in table
+
+
+def test_plan_gives_a_tenants_requests_its_tenant_slos_and_reports_their_p99s(cache, capsys, tmp_path):
+    """A file of bulk requests and a chat tenant's, none with targets of its own: with --tenant-slos
+    the chat requests are interactive in the simulation, planned as a worker plans them (their p99
+    TPOT beside the bulk ones held to the 5 ms target), and the plan reports their p99s."""
+    lines = [{"id": f"b{i}", "prompt_token_ids": [5 + (i * 7 + j) % 200 for j in range(96)], "max_tokens": 120,
+              "tenant": "batch"} for i in range(60)]
+    lines += [{"id": f"c{i}", "prompt_token_ids": [7 + (i * 11 + j) % 200 for j in range(24)], "max_tokens": 30,
+               "tenant": "chat"} for i in range(12)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plans = {}
+    for name, extra in (("without", ()), ("with", ("--tenant-slos", "chat=2000/5"))):
+        code, out, _ = _run(capsys, str(path), "--rate", "40", "--num-requests", "72", "--workers", "1",
+                            "--device", "cpu", "--format", "json", *extra)
+        assert code in (0, 1), out
+        plans[name] = json.loads(out)
+    assert plans["without"]["interactive_ttft_p99_s"] is None and plans["without"]["interactive_tpot_p99_s"] is None
+    chat = plans["with"]
+    assert chat["interactive_ttft_p99_s"] > 0 and chat["interactive_tpot_p99_s"] > 0
+    assert chat["interactive_tpot_p99_s"] <= 0.005
+    assert chat["interactive_tpot_p99_s"] < plans["without"]["tpot_p99_s"]
+    code, out, _ = _run(capsys, str(path), "--rate", "40", "--num-requests", "72", "--workers", "1",
+                        "--device", "cpu", "--tenant-slos", "chat=2000/5")
+    assert "interactive p99 TTFT / TPOT" in out
+    code, _, err = _run(capsys, str(path), "--rate", "40", "--device", "cpu", "--tenant-slos", "chat=0/5")
+    assert code != 0 and "TTFT target of tenant 'chat'" in err

@@ -10,7 +10,7 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.scheduler.slo import (
-    BULK_MIN_EVERY, MIN_STEPS, RECENT_S, SAFETY, StepShape, StepTimeModel, format_tenant_slos, parse_tenant_slos,
+    BULK_MIN_EVERY, MIN_BULK_PROMPT_TOKENS, MIN_STEPS, RECENT_S, SAFETY, WARM_S, StepShape, StepTimeModel, format_tenant_slos, parse_tenant_slos,
 )
 from tests.helpers import FakeClock
 from tests.scheduler.test_scheduler import FakeModel
@@ -181,21 +181,65 @@ def test_every_bulk_sequence_runs_at_least_once_in_every_bulk_min_every_steps():
     assert all(c.request_id in d.steps[-1] for c in chats)
 
 
-def test_an_interactive_prompt_is_admitted_first_and_chunked_to_its_ttft():
+def test_an_interactive_prompt_beside_bulk_work_alone_runs_whole_and_first():
+    """No interactive decode to protect: the prompt is not spread over its TTFT slack (the bulk
+    work is what waits), and it is admitted ahead of the bulk prompts queued before it."""
     d = Driver(config(max_num_batched_tokens=1024))
     warm(d, n_bulk=30)
-    waiting_bulk = [d.add(300, 10) for _ in range(4)]  # bulk prompts queued before the chat
+    waiting_bulk = [d.add(300, 10) for _ in range(4)]
     chat = d.add(600, 4, slo_ttft_ms=60, slo_tpot_ms=5)
-    steps_before = len(d.steps)
-    while chat.num_output_tokens == 0:
+    d.step()
+    assert d.steps[-1][chat.request_id] == 600 and chat.num_output_tokens == 1
+    # The bulk prompts queued before it get no more than the floor that keeps them moving.
+    assert sum(d.steps[-1].get(r.request_id, 0) for r in waiting_bulk) <= MIN_BULK_PROMPT_TOKENS
+    d.run()
+    assert all(r.num_output_tokens == 10 for r in waiting_bulk)
+
+
+def test_an_interactive_prompt_is_not_chunked_beside_running_interactive_decodes():
+    """Chunking a new prompt would cost the running decodes the same compute (their TPOT is a
+    mean over their tokens) and the new request its first token steps later: it runs whole, and
+    the bulk work is what the step leaves out."""
+    d = Driver(config(max_num_batched_tokens=1024))
+    bulk = warm(d, n_bulk=30)
+    talking = [d.add(16, 400, slo_ttft_ms=1000, slo_tpot_ms=5) for _ in range(2)]
+    while any(r.num_output_tokens < 3 for r in talking):
         d.step()
-        assert d.steps[-1].get(chat.request_id, 0) >= 1
-    elapsed = sum(d.step_s[steps_before:])
-    # Admitted in the first step, ahead of the bulk prompts queued before it, and its 600 tokens
-    # spread over the steps its TTFT allowed rather than the few tokens a 5 ms step fits.
-    assert chat.request_id in d.steps[steps_before]
-    assert elapsed <= 0.060 * 1.5, elapsed
-    assert len(d.steps) - steps_before > 1  # chunked, not run in one long step
+    chat = d.add(600, 4, slo_ttft_ms=60, slo_tpot_ms=5)
+    d.step()
+    step = d.steps[-1]
+    assert step[chat.request_id] == 600 and chat.num_output_tokens == 1
+    assert all(step[r.request_id] == 1 for r in talking)
+    assert sum(r.request_id in step for r in bulk) < len(bulk)
+
+
+def test_light_steps_after_the_last_interactive_request_bound_bulk_prompts_and_run_every_decode():
+    """From RECENT_S to WARM_S after the last interactive request left, every running sequence
+    runs (nothing left out) but a bulk prompt no longer fills the whole step: a sporadic
+    producer's next request arrives during a short step. After WARM_S, steps are unplanned."""
+    d = Driver(config(max_num_batched_tokens=1024))
+    warm(d, n_bulk=20, max_tokens=100_000)
+    chat = d.add(8, 3, slo_tpot_ms=5)
+    while not chat.is_finished:
+        d.step()
+    left_at = d.clock()
+    d.clock.advance(RECENT_S)
+    slo = d.scheduler.slo
+    planned, light = slo.num_planned_steps, slo.num_light_steps
+    running = {r.request_id for r in d.scheduler._running}
+    prompts = [d.add(900, 4) for _ in range(2)]
+    d.step()
+    step = d.steps[-1]
+    assert slo.num_planned_steps == planned and slo.num_light_steps == light + 1
+    assert running <= set(step) and all(step[rid] == 1 for rid in running)
+    bounded = sum(step.get(r.request_id, 0) for r in prompts)
+    assert 0 < bounded < 900, bounded
+    full = step_seconds(StepShape.of([(1, 60)] * len(running)))
+    assert d.step_s[-1] <= max(2 * full, 0.005) * 1.2
+    d.clock.advance(left_at + WARM_S - d.clock())
+    d.step()
+    assert slo.num_light_steps == light + 1  # past WARM_S: composed as without targets
+    assert sum(d.steps[-1].get(r.request_id, 0) for r in prompts) > bounded
 
 
 def test_a_prompt_is_not_held_back_for_a_target_the_machine_cannot_meet():
@@ -257,3 +301,39 @@ def test_an_interactive_request_takes_a_bulk_slot_when_every_slot_is_full():
     assert len(d.preempted) == 1 and d.preempted[0] in {r.request_id for r in bulk}
     d.run()
     assert all(r.num_output_tokens == 60 for r in bulk) and chat.num_output_tokens == 5
+
+
+def interactive_alone(plans: bool, prompt_len: int, tpot_ms: int, n: int = 30, every_s: float = 0.004,
+                      max_tokens: int = 24) -> dict[str, float]:
+    """Interactive requests alone, arriving every ``every_s`` fake seconds: each one's TTFT."""
+    d = Driver(config(slo_step_plans=plans, max_num_batched_tokens=1024))
+    warm(d, n_bulk=8, max_tokens=4)  # the step-time model learns, then the bulk requests leave
+    d.run()
+    start = d.clock()
+    arrivals = [start + i * every_s for i in range(n)]
+    requests: list[EngineRequest] = []
+    ttft: dict[str, float] = {}
+    while arrivals or d.scheduler.has_unfinished_requests():
+        while arrivals and arrivals[0] <= d.clock():
+            arrivals.pop(0)
+            requests.append(d.add(prompt_len, max_tokens, slo_ttft_ms=500, slo_tpot_ms=tpot_ms))
+        if not d.scheduler.has_unfinished_requests():
+            d.clock.advance(arrivals[0] - d.clock())
+            continue
+        d.step()
+        for r in requests:
+            if r.num_output_tokens and r.request_id not in ttft:
+                ttft[r.request_id] = d.clock() - r.arrival_time
+    assert len(ttft) == n
+    return ttft
+
+
+def test_interactive_requests_alone_get_their_first_token_no_later_with_plans_than_without():
+    """Alone, with nothing bulk to leave out, a planned step is the step without plans: an
+    interactive prompt is never spread over its TTFT slack, so every request's first token comes
+    exactly when it would without targets."""
+    for tpot_ms in (5, 8, 12):
+        for every_s in (0.004, 0.008):
+            planned = interactive_alone(True, 200, tpot_ms, every_s=every_s)
+            unplanned = interactive_alone(False, 200, tpot_ms, every_s=every_s)
+            assert planned == pytest.approx(unplanned), (tpot_ms, every_s)
