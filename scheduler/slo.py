@@ -27,11 +27,15 @@ planned here (:meth:`SloScheduling.plan`):
   that have waited longest first; the rest are left out of the step, keep their KV blocks, and
   resume where they were in a later step. Bulk prompt chunks (running ones and admissions) get
   the time that is left, and at least ``MIN_BULK_PROMPT_TOKENS`` tokens per step.
-* No starvation: a running bulk sequence runs in at least one of every ``BULK_MIN_EVERY``
-  consecutive steps. Each step runs at least a ``BULK_MIN_EVERY``-th of the bulk decodes (those
-  that have sat out longest), whatever the time, so that the rate is spread over the steps; and a
-  sequence that has sat out ``BULK_MIN_EVERY - 1`` steps in a row runs in the next one (a prompt
-  chunk then gets ``MIN_BULK_PROMPT_TOKENS`` tokens whatever the time left).
+* No starvation: a running bulk sequence sits out at most about ``BULK_MAX_WAIT_S`` seconds of
+  planned steps in a row. In steps, that is ``bulk_min_every(target)``: the wait over the target
+  step time, between ``BULK_MIN_EVERY`` and ``BULK_MAX_EVERY`` steps, so that a bulk sequence's
+  minimum rate does not grow the steps with the backlog (256 bulk decodes at one in 8 steps would
+  put 32 in every step, twice a small step's time on two cores). Each step runs at least that
+  share of the bulk decodes (those that have sat out longest), whatever the time, so that the
+  rate is spread over the steps; and a sequence that has sat out one step fewer than the bound
+  runs in the next one (a prompt chunk then gets ``MIN_BULK_PROMPT_TOKENS`` tokens whatever the
+  time left).
 
 *Light* steps: from ``RECENT_S`` to ``WARM_S`` seconds after the last interactive request left,
 steps are composed as without targets (every sequence runs, no decode is left out) except that
@@ -76,8 +80,20 @@ WARM_S = 30.0
 # In a light step, bulk prompt chunks may make the step this many times the step of its decodes
 # alone (when that is longer than the last target).
 LIGHT_FACTOR = 2.0
-# A running bulk sequence runs in at least one of every this many consecutive steps.
+# While steps are planned, a running bulk sequence sits out about this many seconds at most.
+BULK_MAX_WAIT_S = 2.0
+# ... which in steps of the target time is kept between these two: a running bulk sequence runs
+# in at least one of every bulk_min_every(target) consecutive planned steps.
 BULK_MIN_EVERY = 8
+BULK_MAX_EVERY = 64
+
+
+def bulk_min_every(target_s: float) -> int:
+    """In how many consecutive planned steps of ``target_s`` seconds each running bulk sequence
+    runs at least once: ``BULK_MAX_WAIT_S`` over the target, within [BULK_MIN_EVERY, BULK_MAX_EVERY]."""
+    if not target_s > 0:
+        return BULK_MAX_EVERY
+    return max(BULK_MIN_EVERY, min(BULK_MAX_EVERY, math.ceil(BULK_MAX_WAIT_S / target_s)))
 # Bulk prompt tokens a planned step runs at least (when any bulk prompt waits for them).
 MIN_BULK_PROMPT_TOKENS = 16
 
@@ -254,7 +270,8 @@ class StepPlan:
 
     target_s: float
     skip: set[int] = field(default_factory=set)
-    # Bulk sequences that have sat out BULK_MIN_EVERY - 1 steps: they run whatever the time left.
+    # Bulk sequences that have sat out bulk_min_every(target_s) - 1 steps: they run whatever the
+    # time left.
     overdue: set[int] = field(default_factory=set)
     bulk_prompt_tokens: int = 0
     # A light step (module docstring): only bulk prompt chunks are bounded.
@@ -344,6 +361,7 @@ class SloScheduling:
             return None
         budget = target * SAFETY - self.gap_s
         plan = StepPlan(target_s=target)
+        every = bulk_min_every(target)
         shape = StepShape()
         decodes: list[tuple[int, int, EngineRequest]] = []
         forced = 0  # overdue bulk decodes
@@ -358,7 +376,7 @@ class SloScheduling:
                     prompt += num_new
                 continue
             last = self._last_run.setdefault(request.request_id, step - 1)
-            overdue = step - last >= BULK_MIN_EVERY
+            overdue = step - last >= every
             if overdue:
                 plan.overdue.add(id(request))
             if num_new <= 1:
@@ -375,7 +393,7 @@ class SloScheduling:
         # (so that the minimum rate is spread over the steps rather than met all at once by the
         # overdue), then more while the step stays in budget.
         decodes.sort(key=lambda d: (d[0], d[1]))
-        quota = -(-(len(decodes) + forced) // BULK_MIN_EVERY) - forced
+        quota = -(-(len(decodes) + forced) // every) - forced
         n = 0
         for _, _, request in decodes:
             trial = StepShape(shape.tokens, shape.seqs, shape.pairs, shape.decode_context)

@@ -17,7 +17,7 @@ from typing import Any, Callable
 from mqinfer.scheduler.config import (
     PREEMPTION_MODES, SchedulerConfig, format_tenant_weights, parse_tenant_weights,
 )
-from mqinfer.scheduler.slo import BULK_MIN_EVERY, format_tenant_slos, parse_tenant_slos
+from mqinfer.scheduler.slo import BULK_MAX_WAIT_S, format_tenant_slos, parse_tenant_slos
 from mqinfer.schemas import keys
 from mqinfer.schemas.cache_scope import PREFIX_CACHE_SCOPES, check_scope
 from mqinfer.schemas.lanes import DEFAULT_LANES, DEFAULT_MAX_LANES, check_max_lanes, parse_lanes
@@ -411,7 +411,8 @@ class WorkerConfig:
         "tenant=TTFT_MS/TPOT_MS,... (time to first token from enqueue, and time per output token after it, "
         "in milliseconds; a tenant not named has none). A request with targets is interactive: while one "
         "runs, each step holds only the bulk decodes and prompt tokens that the worker's measured step times "
-        f"say fit within the tightest target (a bulk sequence still runs at least one step in {BULK_MIN_EVERY}), "
+        "say fit within the tightest target (a bulk sequence still gets a token at least about every "
+        f"{BULK_MAX_WAIT_S:g} s), "
         "and its result row's slo_met says whether the targets were met.", metavar="T=TTFT/TPOT,...",
         parse=tenant_slos_flag))
 

@@ -10,7 +10,8 @@ from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
 from mqinfer.scheduler.slo import (
-    BULK_MIN_EVERY, MIN_BULK_PROMPT_TOKENS, MIN_STEPS, RECENT_S, SAFETY, WARM_S, StepShape, StepTimeModel, format_tenant_slos, parse_tenant_slos,
+    BULK_MAX_EVERY, BULK_MAX_WAIT_S, BULK_MIN_EVERY, MIN_BULK_PROMPT_TOKENS, MIN_STEPS, RECENT_S, SAFETY, WARM_S, StepShape, StepTimeModel, bulk_min_every,
+    format_tenant_slos, parse_tenant_slos,
 )
 from tests.helpers import FakeClock
 from tests.scheduler.test_scheduler import FakeModel
@@ -172,13 +173,40 @@ def test_every_bulk_sequence_runs_at_least_once_in_every_bulk_min_every_steps():
     bulk = warm(d, n_bulk=80, max_tokens=300)
     start = len(d.steps)
     chats = [d.add(16, 200, slo_tpot_ms=1)]  # a target no step can meet: the least bulk possible
-    for _ in range(60):
+    every = bulk_min_every(0.001)
+    for _ in range(2 * every + 10):
         d.step()
     for r in bulk:
         ran = [i for i in range(start, len(d.steps)) if r.request_id in d.steps[i]]
         gaps = [b - a for a, b in zip([start - 1] + ran, ran + [len(d.steps)])]
-        assert max(gaps) <= BULK_MIN_EVERY, (r.request_id, gaps)
+        assert max(gaps) <= every, (r.request_id, gaps)
     assert all(c.request_id in d.steps[-1] for c in chats)
+
+
+def test_the_starvation_bound_is_a_wait_in_seconds_within_a_step_range():
+    assert bulk_min_every(BULK_MAX_WAIT_S / 20) == 20
+    assert bulk_min_every(BULK_MAX_WAIT_S / 20 * 1.01) == 20  # rounded up: at most the wait
+    assert bulk_min_every(10.0) == BULK_MIN_EVERY
+    assert bulk_min_every(1e-6) == bulk_min_every(0.0) == BULK_MAX_EVERY
+
+
+def test_a_large_backlog_does_not_push_its_minimum_rate_into_every_step_past_the_target():
+    """128 bulk decodes beside a 6 ms target on the fake machine (2 ms + 0.3 ms a sequence): the
+    target holds about a dozen sequences. The starvation bound must not force more than that in:
+    one in BULK_MIN_EVERY of the backlog (16 a step) would make every step miss the target."""
+    d = Driver(config(max_num_seqs=160, num_kv_blocks=4096))
+    bulk = warm(d, n_bulk=128, prompt=16, max_tokens=400)
+    target_ms = 6
+    assert d.step_s[-1] > 3 * target_ms / 1000
+    chat = d.add(16, 60, slo_tpot_ms=target_ms)
+    first = len(d.steps)
+    while not chat.is_finished:
+        d.step()
+    steps = d.step_s[first:]
+    assert max(steps) <= target_ms / 1000 * (SAFETY + 0.1), max(steps)
+    # ... while the backlog still moves: its minimum share ran beside the chat.
+    ran = {rid for step in d.steps[first:] for rid in step}
+    assert sum(r.request_id in ran for r in bulk) >= len(bulk) // 2
 
 
 def test_an_interactive_prompt_beside_bulk_work_alone_runs_whole_and_first():
