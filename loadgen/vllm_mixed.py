@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -69,10 +70,19 @@ def timings_of(result: dict[str, Any], work: dict[str, list[dict[str, Any]]]) ->
 def compare(args: argparse.Namespace, folder: Path, work: dict[str, list[dict[str, Any]]],
             phases: list[tuple[str, list[tuple[str, list[float]]]]],
             summarize: Callable[[dict[str, list[RequestTiming]]], dict[str, Any]]) -> dict[str, Any]:
-    """Run vLLM on the bench's runs; its figures (``summarize``'s), or ``error`` when it failed."""
-    scratch = Path(args.out).resolve() if args.out else Path.cwd()
-    scratch = scratch / "vllm-mixed"
-    scratch.mkdir(parents=True, exist_ok=True)
+    """Run vLLM on the bench's runs; its figures (``summarize``'s), or ``error`` when it failed.
+    Its input and output files go under ``--out`` when given (kept), else in a temp dir."""
+    if args.out:
+        scratch = Path(args.out).resolve() / "vllm-mixed"
+        scratch.mkdir(parents=True, exist_ok=True)
+        return _compare(args, folder, work, phases, summarize, scratch)
+    with tempfile.TemporaryDirectory(prefix="mqinfer-vllm-mixed-") as tmp:
+        return _compare(args, folder, work, phases, summarize, Path(tmp))
+
+
+def _compare(args: argparse.Namespace, folder: Path, work: dict[str, list[dict[str, Any]]],
+             phases: list[tuple[str, list[tuple[str, list[float]]]]],
+             summarize: Callable[[dict[str, list[RequestTiming]]], dict[str, Any]], scratch: Path) -> dict[str, Any]:
     spec_path, out_path = scratch / "in.json", scratch / "out.json"
     max_num_seqs = args.max_num_seqs or 256
     spec_path.write_text(json.dumps(runner_spec(folder, args.dtype, max_num_seqs, work, phases)))
