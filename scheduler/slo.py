@@ -39,10 +39,15 @@ planned here (:meth:`SloScheduling.plan`):
 
 *Light* steps: from ``RECENT_S`` to ``WARM_S`` seconds after the last interactive request left,
 steps are composed as without targets (every sequence runs, no decode is left out) except that
-bulk prompt chunks are bounded, to what keeps the step within the last target or within
-``LIGHT_FACTOR`` times the step of the running decodes alone, whichever is longer (at least
-``MIN_BULK_PROMPT_TOKENS``): the next interactive request of a sporadic producer then arrives
-during a step of about a decode step, not behind a step of thousands of prompt tokens.
+bulk prompt chunks are bounded, to what keeps the step within the longest of: the last target
+step time; ``LIGHT_FACTOR`` times the step of the running decodes alone; and ``LIGHT_TTFT_SHARE``
+of the last tightest TTFT target (at least ``MIN_BULK_PROMPT_TOKENS`` tokens). The next interactive
+request of a sporadic producer then arrives during a step that leaves it the rest of its TTFT
+target, not behind a step of thousands of prompt tokens. The TTFT bound matters when few bulk
+sequences run (after a planned stretch has let the backlog's running set drain, or when a backlog
+arrives soon after interactive traffic): bounding the chunks to a decode step's time there would
+admit about one bulk prompt a step and keep the running set, and the throughput, small for the
+whole warm period.
 
 With no interactive request in the scheduler and none within ``WARM_S`` seconds,
 :meth:`SloScheduling.plan` returns None and the scheduler composes the step exactly as without this
@@ -80,6 +85,9 @@ WARM_S = 30.0
 # In a light step, bulk prompt chunks may make the step this many times the step of its decodes
 # alone (when that is longer than the last target).
 LIGHT_FACTOR = 2.0
+# ... or this share of the last tightest TTFT target, when longer: an interactive request that
+# arrives during the step keeps the rest for its own prompt.
+LIGHT_TTFT_SHARE = 0.5
 # While steps are planned, a running bulk sequence sits out about this many seconds at most.
 BULK_MAX_WAIT_S = 2.0
 # ... which in steps of the target time is kept between these two: a running bulk sequence runs
@@ -317,6 +325,7 @@ class SloScheduling:
         self._interactive: dict[str, EngineRequest] = {}
         self._last_interactive_at = -math.inf
         self._last_target_s: float | None = None
+        self._last_ttft_s: float | None = None
         # Steps planned or not, counted; and the step each running bulk sequence last ran in
         # (kept only while steps are planned).
         self._step = 0
@@ -439,6 +448,8 @@ class SloScheduling:
             if request.num_tokens - request.num_computed_tokens <= 1:
                 shape.add(1, request.num_tokens)
         limit = max(target * SAFETY - self.gap_s, LIGHT_FACTOR * self.model.predict(shape))
+        if self._last_ttft_s is not None:
+            limit = max(limit, self._last_ttft_s * LIGHT_TTFT_SHARE - self.gap_s)
         plan = StepPlan(target_s=target, light=True)
         plan.bulk_prompt_tokens = max(MIN_BULK_PROMPT_TOKENS, self._prompt_fit(shape, limit))
         self.num_light_steps += 1
@@ -449,12 +460,15 @@ class SloScheduling:
         tpot = [r.slo_tpot_ms for r in running if r.interactive and r.slo_tpot_ms is not None]
         if not tpot:
             tpot = [r.slo_tpot_ms for r in self._interactive.values() if r.slo_tpot_ms is not None]
+        ttft = [r.slo_ttft_ms for r in self._interactive.values() if r.slo_ttft_ms is not None]
+        if ttft:
+            self._last_ttft_s = min(ttft) / 1000.0
+        elif self._interactive:
+            self._last_ttft_s = None
         if tpot:
             self._last_target_s = min(tpot) / 1000.0
-        else:
-            ttft = [r.slo_ttft_ms for r in self._interactive.values() if r.slo_ttft_ms is not None]
-            if ttft:
-                self._last_target_s = min(ttft) / 1000.0 / TTFT_STEPS
+        elif ttft:
+            self._last_target_s = min(ttft) / 1000.0 / TTFT_STEPS
         return self._last_target_s
 
     def _prompt_fit(self, shape: StepShape, budget: float) -> int:

@@ -270,6 +270,28 @@ def test_light_steps_after_the_last_interactive_request_bound_bulk_prompts_and_r
     assert sum(d.steps[-1].get(r.request_id, 0) for r in prompts) > bounded
 
 
+def test_light_steps_with_few_decodes_admit_bulk_prompts_up_to_half_the_ttft_target():
+    """When few bulk sequences run, a light step bounded to a decode step's time would admit about
+    one bulk prompt a step for the whole warm period; bounded to half the last TTFT target it
+    refills the running set while a new interactive request still meets its TTFT."""
+    d = Driver(config(max_num_batched_tokens=2048))
+    warm(d, n_bulk=2, max_tokens=100_000)
+    ttft_ms = 40
+    chat = d.add(8, 3, slo_ttft_ms=ttft_ms, slo_tpot_ms=5)
+    while not chat.is_finished:
+        d.step()
+    d.clock.advance(RECENT_S)
+    slo = d.scheduler.slo
+    light = slo.num_light_steps
+    prompts = [d.add(900, 4) for _ in range(2)]
+    d.step()
+    assert slo.num_light_steps == light + 1
+    decodes_alone = step_seconds(StepShape.of([(1, 60)] * 2))
+    assert 2 * decodes_alone < ttft_ms / 1000 / 4  # so the TTFT share is what bounds this step
+    assert ttft_ms / 1000 * 0.3 <= d.step_s[-1] <= ttft_ms / 1000 * 0.5 * 1.2, d.step_s[-1]
+    assert 0 < sum(d.steps[-1].get(r.request_id, 0) for r in prompts) < 1800
+
+
 def test_a_prompt_is_not_held_back_for_a_target_the_machine_cannot_meet():
     # The fake machine's step takes at least 2 ms: a 1 ms TPOT target cannot be held even by the
     # interactive decodes alone, so chunking a new prompt would only delay its first token.
