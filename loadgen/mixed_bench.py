@@ -5,10 +5,12 @@ workers, each with prompts of its own (nothing is a prefix-cache hit from an ear
 
 1. **bulk alone**: ``--bulk-requests`` requests without targets, all at once (first, so that no
    interactive request has been seen and its steps are those of a worker without targets);
-2. **interactive alone**: ``--interactive-requests`` requests with latency targets
-   (``--slo-ttft-ms``, ``--slo-tpot-ms``) arriving as a Poisson process at ``--interactive-rate``;
-3. **mixed**: the bulk requests again, all at once, and ``--mixed-delay-s`` later the interactive
-   requests again at the same rate.
+2. **mixed**: the bulk requests again, all at once, and ``--mixed-delay-s`` later interactive
+   requests with latency targets (``--slo-ttft-ms``, ``--slo-tpot-ms``) arriving as a Poisson
+   process at ``--interactive-rate`` (second, so that, as after the first run, the backlog starts
+   on a worker that has seen no interactive request lately and runs as without targets until the
+   first one arrives);
+3. **interactive alone**: interactive requests again, at the same rate.
 
 Reported, as a table on stdout and with ``--json FILE`` as JSON: the interactive requests' TTFT and
 TPOT (from their result rows: ``first_token_at - enqueued_at``, and the mean gap between their
@@ -163,10 +165,12 @@ def phases(args: argparse.Namespace) -> list[tuple[str, list[tuple[str, list[flo
     n_i, rate = args.interactive_requests, args.interactive_rate
     later = [args.mixed_delay_s + t for t in poisson_arrivals(n_i, rate, args.seed + 1)]
     # Bulk alone first: its steps are then composed exactly as without targets (no interactive
-    # request has been seen), the throughput baseline the mixed run is held to.
+    # request has been seen), the throughput baseline the mixed run is held to. The mixed run
+    # next, for the same reason: its backlog starts as the first one did. Interactive alone last:
+    # its requests, with no bulk work beside them, meet steps of their own whatever came before.
     return [("bulk alone", [("bulk", [0.0] * args.bulk_requests)]),
-            ("interactive alone", [("interactive", poisson_arrivals(n_i, rate, args.seed))]),
-            ("mixed", [("mixed_bulk", [0.0] * args.bulk_requests), ("mixed_interactive", later)])]
+            ("mixed", [("mixed_bulk", [0.0] * args.bulk_requests), ("mixed_interactive", later)]),
+            ("interactive alone", [("interactive", poisson_arrivals(n_i, rate, args.seed))])]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

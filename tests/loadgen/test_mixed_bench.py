@@ -81,11 +81,11 @@ def test_the_vllm_peer_gets_the_same_runs_with_interactive_requests_at_the_highe
     work = mixed_bench.workloads(spec, args)
     phases = mixed_bench.phases(args)
     runner = vllm_mixed.runner_spec(spec.folder or "tiny", "auto", 16, work, phases)
-    assert [p["name"] for p in runner["phases"]] == ["bulk alone", "interactive alone", "mixed"]
+    assert [p["name"] for p in runner["phases"]] == ["bulk alone", "mixed", "interactive alone"]
     assert runner["dtype"] == "bfloat16" and runner["max_num_seqs"] == 16
-    mixed = runner["phases"][2]["requests"]
+    mixed = runner["phases"][1]["requests"]
     assert [r["priority"] for r in mixed] == [1] * 4 + [0] * 3  # vLLM serves the lower value first
-    assert [r["arrival_s"] for r in mixed] == phases[2][1][0][1] + phases[2][1][1][1]
+    assert [r["arrival_s"] for r in mixed] == phases[1][1][0][1] + phases[1][1][1][1]
     assert [r["prompt_token_ids"] for r in mixed[4:]] == [r["prompt_token_ids"] for r in work["mixed_interactive"]]
     assert runner["max_model_len"] == max(len(r["prompt_token_ids"]) + r["max_tokens"] for r in mixed)
     # The runner's per-request times become the bench's timings, key by key; one never finished is not ok.
