@@ -91,7 +91,7 @@ def _compare(args: argparse.Namespace, folder: Path, work: dict[str, list[dict[s
     t0 = time.time()
     try:
         done = subprocess.run([args.vllm_python, str(RUNNER), str(spec_path), str(out_path)],
-                              env=environment(SETTING), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                              env=environment(SETTING, args.vllm_python), stdin=subprocess.DEVNULL, capture_output=True, text=True,
                               timeout=args.timeout_s)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout_s:g} s", "wall_s": time.time() - t0}

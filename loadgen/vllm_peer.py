@@ -65,8 +65,18 @@ def cpu_list(ids: list[int]) -> str:
     return ",".join(parts)
 
 
-def environment(setting: dict[str, str]) -> dict[str, str]:
+def environment(setting: dict[str, str], python: str | None = None) -> dict[str, str]:
+    """vLLM's environment: this one with the cores bound, and, given vLLM's ``python``, that
+    interpreter's environment first on PATH in place of an activated one (vLLM starts helper
+    processes by name: under mqinfer's activated venv they would get an interpreter without vLLM)."""
     env = dict(os.environ)
+    if python:
+        bin_dir = str(Path(python).absolute().parent)
+        active = env.pop("VIRTUAL_ENV", None)
+        skip = {str(Path(active) / "bin")} if active else set()
+        env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p not in skip])
+        if (Path(bin_dir).parent / "pyvenv.cfg").is_file():
+            env["VIRTUAL_ENV"] = str(Path(bin_dir).parent)
     env.update({"VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores()), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                 "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_TARGET_DEVICE": "cpu", **setting})
     for name in ("OMP_NUM_THREADS", "MQINFER_NUM_THREADS"):  # vLLM sets its own threads from the binding
@@ -88,7 +98,7 @@ def run_once(python: str, folder: Path, requests: list[dict], dtype: str, max_nu
     spec_path.write_text(json.dumps(spec))
     out_path.unlink(missing_ok=True)
     t0 = time.time()
-    done = subprocess.run([python, str(RUNNER), str(spec_path), str(out_path)], env=environment(setting),
+    done = subprocess.run([python, str(RUNNER), str(spec_path), str(out_path)], env=environment(setting, python),
                           stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout_s)
     wall_s = time.time() - t0
     if done.returncode != 0 or not out_path.is_file():

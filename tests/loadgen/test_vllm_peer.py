@@ -40,3 +40,20 @@ def test_a_python_without_vllm_is_a_recorded_failure(tmp_path):
     assert all("No module named 'vllm'" in run["error"] for run in report["runs"])
     spec = (tmp_path / "vllm" / "vllm-vllm_cpu_sgl_kernel=0-in.json").read_text()
     assert '"max_model_len": 7' in spec and '"max_num_seqs": 8' in spec
+
+
+def test_vllm_runs_with_its_own_environment_first_on_path_not_an_activated_one(monkeypatch, tmp_path):
+    """vLLM starts helper processes by interpreter name: under mqinfer's activated venv they must
+    still find vLLM's interpreter first."""
+    from mqinfer.loadgen.vllm_peer import environment
+
+    ours, theirs = tmp_path / "ours", tmp_path / "vllm"
+    for venv in (ours, theirs):
+        (venv / "bin").mkdir(parents=True)
+        (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    monkeypatch.setenv("VIRTUAL_ENV", str(ours))
+    monkeypatch.setenv("PATH", f"{ours / 'bin'}:/usr/bin")
+    env = environment({"VLLM_CPU_SGL_KERNEL": "1"}, str(theirs / "bin" / "python"))
+    assert env["PATH"].split(":") == [str(theirs / "bin"), "/usr/bin"]
+    assert env["VIRTUAL_ENV"] == str(theirs) and env["VLLM_CPU_SGL_KERNEL"] == "1"
+    assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
