@@ -94,6 +94,8 @@ BULK_MAX_WAIT_S = 2.0
 # in at least one of every bulk_min_every(target) consecutive planned steps.
 BULK_MIN_EVERY = 8
 BULK_MAX_EVERY = 64
+# Bulk prompt tokens a planned step runs at least (when any bulk prompt waits for them).
+MIN_BULK_PROMPT_TOKENS = 16
 
 
 def bulk_min_every(target_s: float) -> int:
@@ -102,8 +104,6 @@ def bulk_min_every(target_s: float) -> int:
     if not target_s > 0:
         return BULK_MAX_EVERY
     return max(BULK_MIN_EVERY, min(BULK_MAX_EVERY, math.ceil(BULK_MAX_WAIT_S / target_s)))
-# Bulk prompt tokens a planned step runs at least (when any bulk prompt waits for them).
-MIN_BULK_PROMPT_TOKENS = 16
 
 # Feature scales, so that the least-squares system is well conditioned.
 _SCALES = (1.0, 1.0 / 128, 1.0 / 64, 1.0 / 65536, 1.0 / 8192)
