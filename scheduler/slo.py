@@ -105,6 +105,7 @@ def bulk_min_every(target_s: float) -> int:
         return BULK_MAX_EVERY
     return max(BULK_MIN_EVERY, min(BULK_MAX_EVERY, math.ceil(BULK_MAX_WAIT_S / target_s)))
 
+
 # Feature scales, so that the least-squares system is well conditioned.
 _SCALES = (1.0, 1.0 / 128, 1.0 / 64, 1.0 / 65536, 1.0 / 8192)
 
