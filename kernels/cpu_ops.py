@@ -5,8 +5,9 @@ Owns ``add_rms_norm`` (residual add + RMSNorm in one pass), ``silu_mul`` (SwiGLU
 ``silu(gate) * up`` from the fused gate/up projection), ``rotary_store_kv`` (rotary embedding
 of q and k, written in place for q and straight into the paged cache for k, with v copied to
 its cache slot; into an int8 / float8 cache both are quantized on the way, scales beside them)
-``greedy_argmax`` (first index of each row's maximum) and ``apply_token_bitmask`` (structured
-output: -inf on the logits a grammar forbids, from llguidance's packed masks).
+``greedy_argmax`` (first index of each row's maximum), ``gumbel_argmax`` (the seeded
+Gumbel-max draw of temperature sampling) and ``apply_token_bitmask`` (structured output: -inf
+on the logits a grammar forbids, from llguidance's packed masks).
 
 Why. On one CPU thread the PyTorch versions of these ops run as 4-8 separate passes over the
 activations each (upcast, square, mean, rsqrt, multiply, downcast, weight; neg, cat, two

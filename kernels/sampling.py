@@ -5,9 +5,13 @@ reported back to users (``compute_logprobs``).
 
 Seeded sampling is batch-independent: the randomness of row ``b`` is a pure function of that
 request's seed, the position of the token being sampled and the vocabulary index, computed
-with a counter-based hash (splitmix64 on int64 tensors). Gumbel-max over those uniforms picks
-the token, so the same seed gives the same tokens whether the request runs alone, in any
-batch, at any batch index, or after a preemption that recomputes it.
+with a counter-based hash (splitmix64 on int64 tensors, ``kernels/draws.py``). Gumbel-max over
+those uniforms picks the token, so the same seed gives the same tokens whether the request runs
+alone, in any batch, at any batch index, or after a preemption that recomputes it.
+
+On CPU the Gumbel-max draw is a native kernel (``cpu_ops.gumbel_argmax``) that picks the same
+tokens as the PyTorch expression without building the ``[B, V]`` uniforms and noise: on
+``[192, 49152]`` logits it takes a few milliseconds where PyTorch takes ~400.
 """
 
 from __future__ import annotations
