@@ -5,8 +5,9 @@ Owns ``add_rms_norm`` (residual add + RMSNorm in one pass), ``silu_mul`` (SwiGLU
 ``silu(gate) * up`` from the fused gate/up projection), ``rotary_store_kv`` (rotary embedding
 of q and k, written in place for q and straight into the paged cache for k, with v copied to
 its cache slot; into an int8 / float8 cache both are quantized on the way, scales beside them)
-``greedy_argmax`` (first index of each row's maximum) and ``apply_token_bitmask`` (structured
-output: -inf on the logits a grammar forbids, from llguidance's packed masks).
+``greedy_argmax`` (first index of each row's maximum), ``gumbel_argmax`` (the seeded
+Gumbel-max draw of temperature sampling) and ``apply_token_bitmask`` (structured output: -inf
+on the logits a grammar forbids, from llguidance's packed masks).
 
 Why. On one CPU thread the PyTorch versions of these ops run as 4-8 separate passes over the
 activations each (upcast, square, mean, rsqrt, multiply, downcast, weight; neg, cat, two
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from mqinfer.kernels import native
+from mqinfer.kernels.draws import DRAW_BITS, draw_bits, gumbel_noise, uniforms_of_draws
 from mqinfer.kernels.kv_quant import check_scales, kernel_quant_code
 
 # Below this many elements a call stays on one thread: waking the pool's threads costs more.
@@ -122,6 +124,50 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
             row_stride=logits.stride(0), is_bf16=int(logits.dtype == torch.bfloat16),
         )
         _library().mqinfer_argmax(ctypes.byref(args), _threads(logits.numel()))
+    return out
+
+
+# ------------------------------------------------------------------ Gumbel-max draw
+# The kernel bounds a draw's noise by its bucket's largest: buckets of the top _BUCKET_BITS bits.
+_BUCKET_BITS = 11
+
+
+@functools.cache
+def gumbel_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """The Gumbel noise of every draw, ``[2**DRAW_BITS]`` float32 (32 MiB, made once per process
+    by ``gumbel_noise`` itself, so the kernel's noise is PyTorch's bit for bit whatever ``log``
+    this PyTorch has), and each bucket's largest, ``[2**_BUCKET_BITS]``."""
+    noise = gumbel_noise(uniforms_of_draws(torch.arange(1 << DRAW_BITS, dtype=torch.int64)))
+    return noise, noise.view(1 << _BUCKET_BITS, -1).amax(dim=1)
+
+
+def reference_gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    noise = gumbel_noise(uniforms_of_draws(draw_bits(keys, x.shape[-1])))
+    return torch.argmax(x + noise, dim=-1)
+
+
+def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max over float32 rows ``x`` ``[B, V]`` with each row's draws keyed by ``keys`` ``[B]``
+    (``draws.row_keys``): ``argmax(x + gumbel_noise(uniforms_of_draws(draw_bits(keys, V))))``,
+    ``[B]`` int64.
+
+    The native kernel gives the same index (the first maximum; the first NaN of a row with one)
+    without the ``[B, V]`` temporaries: it hashes a column only when its logit could still win
+    and reads its noise from ``gumbel_tables`` only when the draw's bucket could (on ``[192,
+    49152]`` model logits well under 1 ms where PyTorch takes hundreds)."""
+    if not (x.dim() == 2 and x.shape[1] > 0 and x.dtype == torch.float32 and _rows_ok(x) and native_for(x)
+            and keys.shape == (x.shape[0],) and keys.dtype == torch.int64 and keys.device.type == "cpu"):
+        return reference_gumbel_argmax(x, keys)
+    rows, cols = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    if rows:
+        noise, bucket_max = gumbel_tables()
+        keys = keys.contiguous()
+        args = native.GumbelArgs(
+            x=x.data_ptr(), keys=keys.data_ptr(), gumbel=noise.data_ptr(), bucket_max=bucket_max.data_ptr(),
+            out=out.data_ptr(), rows=rows, cols=cols, row_stride=x.stride(0),
+        )
+        _library().mqinfer_gumbel_argmax(ctypes.byref(args), _threads(x.numel()))
     return out
 
 
@@ -337,10 +383,13 @@ __all__ = [
     "apply_token_bitmask",
     "cpu_ops_available",
     "greedy_argmax",
+    "gumbel_argmax",
+    "gumbel_tables",
     "native_for",
     "reference_add_rms_norm",
     "reference_apply_token_bitmask",
     "reference_greedy_argmax",
+    "reference_gumbel_argmax",
     "reference_rotary_store_kv",
     "reference_silu_mul",
     "rotary_store_kv",

@@ -93,6 +93,13 @@ class ArgmaxArgs(ctypes.Structure):
     ]
 
 
+class GumbelArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("keys", _ptr), ("gumbel", _ptr), ("bucket_max", _ptr), ("out", _ptr),
+        ("rows", _i64), ("cols", _i64), ("row_stride", _i64),
+    ]
+
+
 class BitmaskArgs(ctypes.Structure):
     _fields_ = [
         ("x", _ptr), ("bitmask", _ptr), ("rows", _ptr), ("n", _i64), ("cols", _i64), ("row_stride", _i64),
@@ -153,6 +160,7 @@ class W8A16Args(ctypes.Structure):
 _RECORDS = {
     AttentionArgs: "mqinfer_layout_attention_args",
     ArgmaxArgs: "mqinfer_layout_argmax_args",
+    GumbelArgs: "mqinfer_layout_gumbel_args",
     BitmaskArgs: "mqinfer_layout_bitmask_args",
     RmsNormArgs: "mqinfer_layout_rms_norm_args",
     SiluMulArgs: "mqinfer_layout_silu_mul_args",
@@ -167,6 +175,7 @@ _SIGNATURES = {
     "mqinfer_paged_attention": (ctypes.c_int, [ctypes.POINTER(AttentionArgs), ctypes.c_int]),
     "mqinfer_attention_selftest": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
     "mqinfer_argmax": (None, [ctypes.POINTER(ArgmaxArgs), ctypes.c_int]),
+    "mqinfer_gumbel_argmax": (None, [ctypes.POINTER(GumbelArgs), ctypes.c_int]),
     "mqinfer_apply_bitmask": (None, [ctypes.POINTER(BitmaskArgs), ctypes.c_int]),
     "mqinfer_add_rms_norm": (ctypes.c_int, [ctypes.POINTER(RmsNormArgs), ctypes.c_int]),
     "mqinfer_silu_mul": (None, [ctypes.POINTER(SiluMulArgs), ctypes.c_int]),

@@ -28,6 +28,13 @@ const int64_t mqinfer_layout_argmax_args[] = {
     AT(mqinfer_argmax_args, is_bf16),
 };
 
+const int64_t mqinfer_layout_gumbel_args[] = {
+    sizeof(mqinfer_gumbel_args), 8,
+    AT(mqinfer_gumbel_args, x), AT(mqinfer_gumbel_args, keys), AT(mqinfer_gumbel_args, gumbel),
+    AT(mqinfer_gumbel_args, bucket_max), AT(mqinfer_gumbel_args, out), AT(mqinfer_gumbel_args, rows),
+    AT(mqinfer_gumbel_args, cols), AT(mqinfer_gumbel_args, row_stride),
+};
+
 const int64_t mqinfer_layout_bitmask_args[] = {
     sizeof(mqinfer_bitmask_args), 8,
     AT(mqinfer_bitmask_args, x), AT(mqinfer_bitmask_args, bitmask), AT(mqinfer_bitmask_args, rows),

@@ -33,25 +33,6 @@ static inline float round_bf16(float f) { return bf16_to_float(float_to_bf16(f))
 #define ST_BF16(p, i, v) (((uint16_t *)(p))[i] = float_to_bf16(v))
 #define RD_BF16(v) round_bf16(v)
 
-/* ------------------------------------------------------------------ row-parallel calls */
-/* A kernel's work on rows begin..end-1; returns 0, or -1 when it ran out of memory. */
-typedef int (*range_fn)(const void *args, int64_t begin, int64_t end);
-typedef struct { range_fn fn; const void *args; int64_t rows; } rows_call;
-
-static int rows_part(const void *ctx, int part, int num_parts) {
-    const rows_call *call = (const rows_call *)ctx;
-    return call->fn(call->args, call->rows * part / num_parts, call->rows * (part + 1) / num_parts);
-}
-
-/* fn over rows 0..rows-1, cut into up to num_threads runs of equal length. */
-static int parallel_rows(range_fn fn, const void *args, int64_t rows, int num_threads) {
-    if (rows <= 0) return 0;
-    int64_t parts = num_threads < 1 ? 1 : num_threads;
-    if (parts > rows) parts = rows;
-    const rows_call call = {fn, args, rows};
-    return mq_parallel(rows_part, &call, (int)parts, num_threads);
-}
-
 /* ------------------------------------------------------------------ greedy argmax */
 static int64_t argmax_row_scalar(const void *x, int64_t cols, int is_bf16) {
     int64_t best_i = 0;

@@ -87,6 +87,26 @@ typedef struct {
 
 void mqinfer_argmax(const mqinfer_argmax_args *args, int num_threads);
 
+/* ------------------------------------------------------------------ Gumbel-max draw */
+/* out[r] = argmax over i of x[r, i] + gumbel[bits(r, i)] (float32 sum; the first index of the
+   maximum; the first NaN of a row that has one), where bits(r, i) = mix64(keys[r] + (i + 1) *
+   0x9E3779B97F4A7C15) >> 41 with splitmix64's finaliser mix64 (uint64 arithmetic).
+   x [rows, cols] float32, row stride row_stride elements, unit column stride; keys [rows];
+   gumbel [2^23], the noise of every draw; bucket_max [2^11], bucket_max[j] >= gumbel[b] for
+   every b with b >> 12 == j (the kernel skips the columns these bounds rule out). */
+typedef struct {
+    const float *x;
+    const uint64_t *keys;
+    const float *gumbel;
+    const float *bucket_max;
+    int64_t *out;
+    int64_t rows;
+    int64_t cols;
+    int64_t row_stride;
+} mqinfer_gumbel_args;
+
+void mqinfer_gumbel_argmax(const mqinfer_gumbel_args *args, int num_threads);
+
 /* ------------------------------------------------------------------ token bitmask */
 /* Structured output's token masks, in place: for each i < n, row rows[i] of x becomes -inf at
    every column j whose bit is 0 in row i of bitmask (word j / 32, bit j % 32, least significant
@@ -289,6 +309,7 @@ int mqinfer_pool_workers(void);
    its ctypes mirrors when it loads the library. */
 extern const int64_t mqinfer_layout_attention_args[];
 extern const int64_t mqinfer_layout_argmax_args[];
+extern const int64_t mqinfer_layout_gumbel_args[];
 extern const int64_t mqinfer_layout_bitmask_args[];
 extern const int64_t mqinfer_layout_rms_norm_args[];
 extern const int64_t mqinfer_layout_silu_mul_args[];

@@ -1,5 +1,5 @@
 /* Helpers shared by the kernels' sources, not exported: the persistent thread pool's entry
-   point and the one explicit multiply-add macro. */
+   point, row-parallel calls on it and the one explicit multiply-add macro. */
 #ifndef MQINFER_NATIVE_COMMON_H
 #define MQINFER_NATIVE_COMMON_H
 
@@ -26,5 +26,23 @@ typedef int (*mq_part_fn)(const void *ctx, int part, int num_parts);
    when that number changes. One part, one thread, or a pool busy with another caller's work:
    the parts run on the calling thread, one after another. */
 int mq_parallel(mq_part_fn fn, const void *ctx, int num_parts, int num_threads);
+
+/* A kernel's work on rows begin..end-1; returns 0, or -1 when it ran out of memory. */
+typedef int (*range_fn)(const void *args, int64_t begin, int64_t end);
+typedef struct { range_fn fn; const void *args; int64_t rows; } rows_call;
+
+static inline int rows_part(const void *ctx, int part, int num_parts) {
+    const rows_call *call = (const rows_call *)ctx;
+    return call->fn(call->args, call->rows * part / num_parts, call->rows * (part + 1) / num_parts);
+}
+
+/* fn over rows 0..rows-1, cut into up to num_threads runs of equal length. */
+static inline int parallel_rows(range_fn fn, const void *args, int64_t rows, int num_threads) {
+    if (rows <= 0) return 0;
+    int64_t parts = num_threads < 1 ? 1 : num_threads;
+    if (parts > rows) parts = rows;
+    const rows_call call = {fn, args, rows};
+    return mq_parallel(rows_part, &call, (int)parts, num_threads);
+}
 
 #endif

@@ -12,15 +12,19 @@ from mqinfer.kernels.cpu_ops import (
     apply_token_bitmask,
     cpu_ops_available,
     greedy_argmax,
+    gumbel_argmax,
+    gumbel_tables,
     reference_add_rms_norm,
     reference_apply_token_bitmask,
     reference_greedy_argmax,
+    reference_gumbel_argmax,
     reference_rotary_store_kv,
     reference_silu_mul,
     rotary_store_kv,
     silu_mul,
     unpack_bitmask,
 )
+from mqinfer.kernels.draws import gumbel_noise, row_keys, uniforms_of_draws
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason="no C compiler for the native CPU ops")
 
@@ -148,6 +152,69 @@ def test_argmax_falls_back_for_other_dtypes_and_empty():
     x = torch.randn(4, 9).half()
     assert torch.equal(greedy_argmax(x), reference_greedy_argmax(x))
     assert greedy_argmax(torch.empty(0, 9)).shape == (0,)
+
+
+# ------------------------------------------------------------------ Gumbel-max draw
+def _keys(rows: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return row_keys(torch.randint(0, 1 << 62, (rows,), generator=g), torch.randint(0, 9000, (rows,), generator=g))
+
+
+@pytest.mark.parametrize("cols", [1, 7, 15, 16, 17, 100, 4097, 49152])
+@pytest.mark.parametrize("scale", [0.0, 0.05, 1.0, 8.0, 40.0])
+def test_gumbel_argmax_matches_reference(cols, scale):
+    # scale 0: flat rows, every column passes the first bound; 40: peaked rows, few do.
+    torch.manual_seed(cols)
+    x = torch.randn(33, cols) * scale
+    keys = _keys(33, cols)
+    assert torch.equal(gumbel_argmax(x, keys), reference_gumbel_argmax(x, keys))
+
+
+def test_gumbel_argmax_masked_rows_ties_and_non_finite_values():
+    cols = 300
+    x = torch.randn(9, cols)
+    x[0, torch.randperm(cols)[:250]] = float("-inf")  # top-k / top-p masks
+    x[1] = float("-inf")
+    x[1, 123] = 2.0  # one token left: it
+    x[2] = float("-inf")  # nothing left: index 0, as torch's argmax
+    x[3, [10, 299]] = float("inf")  # the first +inf
+    x[4, [50, 7]] = float("nan")  # the first NaN
+    x[5, 296] = float("nan")  # NaN in the scalar tail
+    x[6] = 0.5  # flat
+    x[7, :] = float("-inf")
+    x[7, 290:] = 1.0  # survivors in the tail only
+    x[8] = 1e30  # huge logits: the noise rounds away, ties everywhere
+    keys = _keys(9, 1)
+    got = gumbel_argmax(x, keys)
+    assert torch.equal(got, reference_gumbel_argmax(x, keys))
+    assert got[1] == 123 and got[2] == 0 and got[3] == 10 and got[4] == 7 and got[5] == 296 and got[8] == 0
+
+
+def test_gumbel_argmax_model_like_rows_strided_and_threads(threads):
+    torch.manual_seed(2)
+    wide = torch.randn(64, 5000) * 3 + torch.randn(64, 1)
+    view = wide[:, 11:4111]  # row stride 5000
+    keys = _keys(64, 2)
+    threads(1)
+    one = gumbel_argmax(view, keys)
+    threads(3)
+    three = gumbel_argmax(view, keys)
+    assert torch.equal(one, reference_gumbel_argmax(view, keys)) and torch.equal(one, three)
+
+
+def test_gumbel_tables_hold_every_draws_noise_and_bucket_bounds():
+    noise, bucket_max = gumbel_tables()
+    assert noise.shape == (1 << 23,) and bucket_max.shape == (1 << 11,)
+    draws = torch.tensor([0, 1, 4095, 4096, 123456, (1 << 23) - 1])
+    assert _same_bits(noise[draws], gumbel_noise(uniforms_of_draws(draws)))
+    assert bool((noise.view(1 << 11, -1) <= bucket_max[:, None]).all())
+
+
+def test_gumbel_argmax_falls_back_for_other_dtypes_and_empty():
+    x = torch.randn(4, 9).to(torch.bfloat16)
+    keys = _keys(4, 3)
+    assert torch.equal(gumbel_argmax(x, keys), reference_gumbel_argmax(x, keys))
+    assert gumbel_argmax(torch.empty(0, 9), keys[:0]).shape == (0,)
 
 
 # ------------------------------------------------------------------ residual add + RMSNorm

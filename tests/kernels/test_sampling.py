@@ -204,3 +204,61 @@ def test_compute_logprobs_uses_raw_distribution():
     assert math.isclose(float(torch.logsumexp(ref[0], 0)), 0.0, abs_tol=1e-5)
     with pytest.raises(ValueError):
         compute_logprobs(logits, sampled, -1)
+
+
+def _torch_draw(logits, params):
+    """The PyTorch draw as sample() made it before its native kernel: Gumbel-max over the
+    scaled, masked float32 logits with -log(-log(random_uniforms))."""
+    scaled = logits.float() / params.temperature[:, None]
+    scaled = apply_top_k_top_p(scaled, params.top_k if params.any_top_k else None,
+                               params.top_p if params.any_top_p else None)
+    uniforms = random_uniforms(params.seeds, params.positions, logits.shape[-1])
+    return torch.argmax(scaled + -torch.log(-torch.log(uniforms)), dim=-1)
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 4097, 32003])
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 2.0])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (40, 1.0), (0, 0.9), (50, 0.8)])
+def test_sample_native_and_torch_paths_give_the_torch_draw(monkeypatch, vocab, temperature, top_k, top_p):
+    torch.manual_seed(vocab)
+    rows = 24
+    logits = torch.randn(rows, vocab) * torch.tensor([0.0, 0.1, 1.0, 4.0, 20.0, 60.0]).repeat(4)[:, None]
+    params = _params(rows, temperature=temperature, top_k=top_k, top_p=top_p,
+                     seeds=[s * 7919 + vocab for s in range(rows)], positions=list(range(100, 100 + rows)))
+    expected = _torch_draw(logits, params)
+    assert torch.equal(sample(logits, params), expected)
+    assert torch.equal(sample(logits.to(torch.bfloat16), params), _torch_draw(logits.to(torch.bfloat16), params))
+    monkeypatch.setenv("MQINFER_CPU_OPS", "torch")
+    assert torch.equal(sample(logits, params), expected)
+
+
+def test_sample_takes_the_native_draw_unless_switched_to_torch(monkeypatch):
+    from mqinfer.kernels import cpu_ops
+
+    if not cpu_ops.cpu_ops_available():
+        pytest.skip("no C compiler for the native CPU ops")
+    calls = []
+    real = cpu_ops.reference_gumbel_argmax
+    monkeypatch.setattr(cpu_ops, "reference_gumbel_argmax", lambda *a: calls.append(1) or real(*a))
+    logits, params = torch.randn(4, 100), _params(4)
+    native = sample(logits, params)
+    assert calls == []
+    monkeypatch.setenv("MQINFER_CPU_OPS", "torch")
+    assert torch.equal(sample(logits, params), native) and calls == [1]
+
+
+def test_sample_native_draw_on_one_large_batch_and_single_token_rows():
+    torch.manual_seed(5)
+    rows, vocab = 256, 49152
+    logits = torch.randn(rows, vocab) * 3
+    logits[::16] = float("-inf")
+    logits[::16, 777] = 0.0  # every token masked but one: that one
+    temps = [0.0 if i % 5 == 4 else (0.3, 1.0, 2.0)[i % 3] for i in range(rows)]
+    params = _params(rows, temperature=temps, seeds=list(range(1000, 1000 + rows)), positions=list(range(rows)))
+    got = sample(logits, params)
+    sampled = params.temperature > 0
+    assert torch.equal(got[sampled], _torch_draw(logits[sampled], _params(
+        int(sampled.sum()), temperature=[t for t in temps if t > 0],
+        seeds=[s for s, t in zip(range(1000, 1000 + rows), temps) if t > 0],
+        positions=[p for p, t in zip(range(rows), temps) if t > 0])))
+    assert bool((got[::16] == 777).all())
