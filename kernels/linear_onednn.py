@@ -34,18 +34,24 @@ ROWS_HINT = 64
 @functools.cache
 def _supported() -> bool:
     """Whether this PyTorch has oneDNN's CPU linear with a laid-out weight and the CPU runs
-    bfloat16 matmuls in oneDNN natively (AVX-512 with bf16, or AMX)."""
+    bfloat16 matmuls in oneDNN natively without AMX tiles (AVX-512 with bf16)."""
     ops = getattr(torch.ops, "mkldnn", None)
     if not torch.backends.mkldnn.is_available() or ops is None:
         return False
     if not (hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
         return False
-    return bool(getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)())
+    if not getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)():
+        return False
+    # With AMX tiles, F.linear's oneDNN chooses its AMX kernels by the call's shape, and from some
+    # row counts on they sum in another order than the laid-out weight's kernel: the bits would
+    # differ (and the model's layers take the AMX kernel there anyway, kernels/linear_amx.py).
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return not (amx is not None and amx())
 
 
 def available() -> bool:
     """Whether bfloat16 dense layers can take this path here (oneDNN, a CPU with native bfloat16
-    matmuls, the ``MQINFER_CPU_LINEAR`` switch not ``torch``)."""
+    matmuls and no AMX, the ``MQINFER_CPU_LINEAR`` switch not ``torch``)."""
     return os.environ.get("MQINFER_CPU_LINEAR", "auto") != "torch" and _supported()
 
 

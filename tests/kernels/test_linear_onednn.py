@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from mqinfer.kernels import linear_amx, linear_onednn
 
 pytestmark = pytest.mark.skipif(not linear_onednn.available(),
-                                reason="this CPU's oneDNN has no native bfloat16 matmul")
+                                reason="this CPU's oneDNN has no native bfloat16 matmul, or the CPU has AMX")
 
 
 @pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 1536), (100, 64), (17, 40)])
