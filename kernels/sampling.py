@@ -154,7 +154,7 @@ def apply_top_k_top_p(
         whole = (t > values[:, -1]) | (width == vocab)
         counts.index_copy_(0, group, n)
         thresholds.index_copy_(0, group, t)
-        complete.index_copy_(0, group, whole & ((values >= t[:, None]).sum(-1) == n))
+        complete.index_copy_(0, group, whole & (_count(values >= t[:, None]) == n))
         settled.index_copy_(0, group, ok)
     out = logits.masked_fill(logits < thresholds[:, None], float("-inf"))
     # Rows where more logits equal t than the count leaves room for: the lowest indices win.
@@ -184,10 +184,16 @@ def _kept_counts(
         probs = torch.softmax(values.masked_fill(remove, float("-inf")), dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         remove = remove | (mass_before >= top_p[:, None])
-    n = (~remove).sum(-1)
-    first_removed = torch.where(remove.any(-1), remove.to(torch.uint8).argmax(-1), values.shape[-1])
+    n = values.shape[-1] - _count(remove)
+    first_removed = torch.where(remove.any(-1), remove.view(torch.uint8).argmax(-1), values.shape[-1])
     ok = (n == first_removed) & (n > 0) & ~torch.isnan(values[:, 0])
     return n, ok
+
+
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    """The True entries of each row of a bool ``[R, W]`` mask, int64 (summed as bytes into int32,
+    which skips ``sum``'s int64 copy of the mask)."""
+    return mask.view(torch.uint8).sum(-1, dtype=torch.int32).long()
 
 
 def reference_apply_top_k_top_p(
