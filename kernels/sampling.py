@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from mqinfer.kernels.cpu_ops import gumbel_argmax, greedy_argmax
@@ -87,6 +88,12 @@ class SamplingTensors:
         )
 
 
+# Rows whose k is at most this take their candidates with ``torch.topk``; the others sort their
+# values in full. A multiple of 64, so that a softmax over a candidate prefix padded with -inf sums
+# in the same vector lanes as one over the whole sorted row (see ``apply_top_k_top_p``).
+TOPK_CANDIDATES = 1024
+
+
 def apply_top_k_top_p(
     logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
 ) -> torch.Tensor:
@@ -94,7 +101,111 @@ def apply_top_k_top_p(
 
     Top-k keeps exactly k tokens (ties broken by index order). Top-p keeps the smallest
     prefix of the sorted distribution whose mass reaches p (always at least one token), on
-    the distribution left after top-k. Rows with k = 0 and p = 1 are unchanged.
+    the distribution left after top-k. Rows with k = 0 and p = 1 are unchanged, except that
+    with ``top_p`` given a p = 1 row drops the tail tokens whose preceding mass rounds to 1.0,
+    as ``reference_apply_top_k_top_p`` (the definition) does.
+
+    The result equals the reference's bit for bit without its stable sort of every row with
+    indices. Both steps keep the first n tokens of the stable descending order, for a count n per
+    row; that set is every logit above the n-th largest value t plus the lowest-index logits equal
+    to t, so it needs only sorted *values*, and equal values are interchangeable there. Rows with
+    k <= ``TOPK_CANDIDATES`` take their k largest values with ``torch.topk`` (padded to a multiple
+    of 64 with -inf); the others sort their values with NumPy (no indices, far faster than
+    ``torch.sort``). Top-p runs the reference's own softmax and cumsum on those values: on the
+    full sorted row they are the reference's values; on a top-k prefix, whose row in the reference
+    is -inf past k, the softmax sums the same lanes (the padding adds exact zeros) and the cumsum
+    is a sequential prefix scan, so they are too (the tests check both). Rows the count does not
+    settle (NaN logits, a kept set that is not a prefix, none kept) and inputs other than CPU
+    float32 ``[B, V]`` go to the reference.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    if logits.dim() != 2 or logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return reference_apply_top_k_top_p(logits, top_k, top_p)
+    rows, vocab = logits.shape
+    if top_k is None:
+        k = torch.full((rows,), vocab, dtype=torch.int64)
+    else:
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, vocab)).clamp(max=vocab)
+    # Rows left as they are (top-k alone with k = V) keep the threshold -inf.
+    counts = torch.full((rows,), vocab, dtype=torch.int64)
+    thresholds = torch.full((rows,), float("-inf"))
+    complete = torch.ones(rows, dtype=torch.bool)  # every logit equal to the threshold is known
+    settled = torch.ones(rows, dtype=torch.bool)
+    active = torch.ones(rows, dtype=torch.bool) if top_p is not None else k < vocab
+    short = k <= TOPK_CANDIDATES
+    for group in (torch.nonzero(active & short).squeeze(1), torch.nonzero(active & ~short).squeeze(1)):
+        if group.numel() == 0:
+            continue
+        every = group.numel() == rows
+        sub = logits if every else logits.index_select(0, group)
+        group_k = k if every else k.index_select(0, group)
+        group_p = None if top_p is None else (top_p if every else top_p.index_select(0, group))
+        width = int(group_k.max())
+        if width < vocab and width <= TOPK_CANDIDATES:
+            width = min(vocab, -(-width // 64) * 64)
+            values = torch.topk(sub, width, dim=-1, sorted=True).values
+        else:
+            width = vocab
+            values = torch.from_numpy(np.sort(sub.numpy(), axis=-1)).flip(-1)
+        n, ok = _kept_counts(values, group_k, group_p)
+        t = values.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1)
+        # Outside the values every logit is <= the smallest one: only then can one equal t.
+        whole = (t > values[:, -1]) | (width == vocab)
+        counts.index_copy_(0, group, n)
+        thresholds.index_copy_(0, group, t)
+        complete.index_copy_(0, group, whole & (_count(values >= t[:, None]) == n))
+        settled.index_copy_(0, group, ok)
+    out = logits.masked_fill(logits < thresholds[:, None], float("-inf"))
+    # Rows where more logits equal t than the count leaves room for: the lowest indices win.
+    ties = torch.nonzero(settled & ~complete).squeeze(1)
+    if ties.numel():
+        sub, t, n = logits.index_select(0, ties), thresholds[ties, None], counts[ties, None]
+        equal = sub == t
+        room = n - (sub > t).sum(-1, keepdim=True)
+        drop = equal & (torch.cumsum(equal, dim=-1) > room)
+        out.index_copy_(0, ties, out.index_select(0, ties).masked_fill(drop, float("-inf")))
+    rest = torch.nonzero(~settled).squeeze(1)
+    if rest.numel():
+        pick = lambda v: None if v is None else v.index_select(0, rest)  # noqa: E731
+        out.index_copy_(0, rest, reference_apply_top_k_top_p(logits.index_select(0, rest), pick(top_k), pick(top_p)))
+    return out
+
+
+def _kept_counts(
+    values: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """How many leading tokens of each row's stable sorted order stay, from the row's largest
+    values sorted descending (``[R, W]``: all of them, or at least its k), and whether that count
+    is the reference's answer: the row has no NaN and its kept positions are a non-empty prefix."""
+    ranks = torch.arange(values.shape[-1])[None, :]
+    remove = ranks >= k[:, None]
+    if top_p is not None:
+        probs = torch.softmax(values.masked_fill(remove, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        remove = remove | (mass_before >= top_p[:, None])
+    n = values.shape[-1] - _count(remove)
+    first_removed = torch.where(remove.any(-1), remove.view(torch.uint8).argmax(-1), values.shape[-1])
+    ok = (n == first_removed) & (n > 0) & ~torch.isnan(values[:, 0])
+    return n, ok
+
+
+def _count(mask: torch.Tensor) -> torch.Tensor:
+    """The True entries of each row of a bool ``[R, W]`` mask, int64 (summed as bytes into int32,
+    which skips ``sum``'s int64 copy of the mask)."""
+    return mask.view(torch.uint8).sum(-1, dtype=torch.int32).long()
+
+
+def reference_apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """``apply_top_k_top_p`` by a full stable sort of every row: the definition the fast path
+    reproduces bit for bit, and its fallback for the rows and inputs it does not take.
+
+    Top-k keeps exactly k tokens (ties broken by index order). Top-p keeps the tokens of the
+    sorted distribution (after top-k) whose preceding mass, ``cumsum(probs) - probs`` in float32,
+    is below p: the smallest prefix whose mass reaches p, always at least one token. With p = 1
+    this can still drop the tail tokens whose preceding mass rounds to 1.0.
     """
     if top_k is None and top_p is None:
         return logits
@@ -208,5 +319,6 @@ __all__ = [
     "greedy",
     "mix64",
     "random_uniforms",
+    "reference_apply_top_k_top_p",
     "sample",
 ]

@@ -15,7 +15,9 @@ from mqinfer.kernels.sampling import (
     compute_logprobs,
     greedy,
     mix64,
+    TOPK_CANDIDATES,
     random_uniforms,
+    reference_apply_top_k_top_p,
     sample,
 )
 
@@ -262,3 +264,107 @@ def test_sample_native_draw_on_one_large_batch_and_single_token_rows():
         seeds=[s for s, t in zip(range(1000, 1000 + rows), temps) if t > 0],
         positions=[p for p, t in zip(range(rows), temps) if t > 0])))
     assert bool((got[::16] == 777).all())
+
+
+def _logits_of_kind(kind: str, rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, vocab, generator=gen)
+    if kind == "peaked":
+        x = x * 10
+    elif kind == "equal":
+        x = torch.full((rows, vocab), 0.25)
+    elif kind == "bf16":  # few distinct values: many ties, at every rank
+        x = (x * 3).to(torch.bfloat16).float()
+    elif kind == "neg_inf":
+        x = x.masked_fill(torch.rand(rows, vocab, generator=gen) < 0.5, float("-inf"))
+    elif kind == "one_finite":
+        x = torch.full((rows, vocab), float("-inf"))
+        x[torch.arange(rows), torch.randint(0, vocab, (rows,), generator=gen)] = 1.5
+    return x
+
+
+def _row_params(rows: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    ks = torch.tensor([0, 1, 5, 50, vocab, vocab + 3])
+    ps = torch.tensor([1.0, 0.95, 0.5, 1e-6])
+    return (ks[torch.randint(0, len(ks), (rows,), generator=gen)],
+            ps[torch.randint(0, len(ps), (rows,), generator=gen)])
+
+
+def _assert_same_as_reference(logits, top_k, top_p):
+    fast = apply_top_k_top_p(logits, top_k, top_p)
+    expected = reference_apply_top_k_top_p(logits, top_k, top_p)
+    nan = torch.isnan(expected)  # NaN logits stay NaN, and NaN equals nothing
+    assert torch.equal(torch.isnan(fast), nan)
+    assert torch.equal(fast.masked_fill(nan, 0.0), expected.masked_fill(nan, 0.0))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 100, 4097, 49152])
+@pytest.mark.parametrize("kind", ["randn", "peaked", "equal", "bf16", "neg_inf", "one_finite"])
+def test_top_k_top_p_equals_the_full_sort_reference(vocab, kind):
+    gen = torch.Generator().manual_seed(vocab * 7 + len(kind))
+    for rows in (1, 6 if vocab == 49152 else 24):
+        logits = _logits_of_kind(kind, rows, vocab, gen)
+        ks, ps = _row_params(rows, vocab, gen)
+        _assert_same_as_reference(logits, ks, ps)
+        _assert_same_as_reference(logits, ks, None)
+        _assert_same_as_reference(logits, None, ps)
+
+
+@pytest.mark.parametrize("kind", ["peaked", "bf16"])
+def test_top_k_top_p_equals_the_reference_on_a_full_step(kind):
+    gen = torch.Generator().manual_seed(5)
+    logits = _logits_of_kind(kind, 192, 49152, gen)
+    ks, ps = _row_params(192, 49152, gen)
+    _assert_same_as_reference(logits, ks, ps)
+    for k, p in ((50, 1.0), (40, 0.9), (0, 0.95)):
+        _assert_same_as_reference(logits, torch.full((192,), k), torch.full((192,), p))
+
+
+def test_top_k_top_p_on_flat_rows_and_large_k():
+    # Nearly flat rows: the nucleus holds thousands of tokens, beyond the top-k candidates.
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(4, 49152, generator=gen) * 0.01
+    ps = torch.tensor([0.95, 0.5, 0.9, 1.0])
+    masked = apply_top_k_top_p(logits, None, ps)
+    assert int(torch.isfinite(masked[0]).sum()) > TOPK_CANDIDATES
+    assert torch.equal(masked, reference_apply_top_k_top_p(logits, None, ps))
+    ks = torch.tensor([TOPK_CANDIDATES + 1, 2000, 1, 0])
+    _assert_same_as_reference(logits, ks, ps)
+    _assert_same_as_reference(logits, ks, None)
+
+
+def test_top_k_top_p_rows_the_count_cannot_settle_take_the_reference():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 300, generator=gen)
+    logits[1, 17] = float("nan")
+    logits[2, 5] = float("inf")
+    ks, ps = torch.tensor([0, 50, 0, 10]), torch.tensor([0.9, 0.9, 0.5, 0.0])
+    _assert_same_as_reference(logits, ks, ps)
+    _assert_same_as_reference(logits, ks, None)
+    # Not CPU float32 [B, V]: the reference itself.
+    _assert_same_as_reference(logits.double(), ks, ps)
+
+
+def test_top_p_of_one_drops_what_the_reference_drops():
+    # With top_p given, a p = 1 row loses the tail tokens whose preceding mass rounds to 1.0.
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 4097, generator=gen) * 10
+    ones = torch.ones(8)
+    assert bool(torch.isinf(reference_apply_top_k_top_p(logits, None, ones)).any())
+    _assert_same_as_reference(logits, None, ones)
+    _assert_same_as_reference(logits, torch.full((8,), 50), ones)
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 4097, 49152])
+def test_softmax_and_cumsum_of_a_padded_prefix_match_the_whole_sorted_row(vocab):
+    # What the top-k path rests on: after top-k the reference's sorted row is -inf past k; the
+    # same values cut to a multiple of 64 give the same probabilities and running sums.
+    gen = torch.Generator().manual_seed(vocab)
+    values = torch.sort(torch.randn(16, vocab, generator=gen) * 4, dim=-1, descending=True).values
+    for k in (1, 5, 50, 64, 1000):
+        if k > vocab:
+            continue
+        width = min(vocab, -(-k // 64) * 64)
+        whole = torch.softmax(values.masked_fill(torch.arange(vocab) >= k, float("-inf")), dim=-1)
+        prefix = torch.softmax(values[:, :width].masked_fill(torch.arange(width) >= k, float("-inf")), dim=-1)
+        assert torch.equal(whole[:, :width], prefix)
+        assert torch.equal(torch.cumsum(whole, dim=-1)[:, :width], torch.cumsum(prefix, dim=-1))
