@@ -101,9 +101,9 @@ def apply_top_k_top_p(
 
     Top-k keeps exactly k tokens (ties broken by index order). Top-p keeps the smallest
     prefix of the sorted distribution whose mass reaches p (always at least one token), on
-    the distribution left after top-k. Rows with k = 0 and p = 1 are unchanged, except that
-    with ``top_p`` given a p = 1 row drops the tail tokens whose preceding mass rounds to 1.0,
-    as ``reference_apply_top_k_top_p`` (the definition) does.
+    the distribution left after top-k. Rows with k = 0 and p = 1 are unchanged (p = 1 is off: the
+    tail tokens whose preceding mass rounds to 1.0 in float32 stay), as in
+    ``reference_apply_top_k_top_p`` (the definition).
 
     The result equals the reference's bit for bit without its stable sort of every row with
     indices. Both steps keep the first n tokens of the stable descending order, for a count n per
@@ -132,7 +132,7 @@ def apply_top_k_top_p(
     thresholds = torch.full((rows,), float("-inf"))
     complete = torch.ones(rows, dtype=torch.bool)  # every logit equal to the threshold is known
     settled = torch.ones(rows, dtype=torch.bool)
-    active = torch.ones(rows, dtype=torch.bool) if top_p is not None else k < vocab
+    active = k < vocab if top_p is None else (k < vocab) | (top_p < 1.0)
     short = k <= TOPK_CANDIDATES
     for group in (torch.nonzero(active & short).squeeze(1), torch.nonzero(active & ~short).squeeze(1)):
         if group.numel() == 0:
@@ -183,7 +183,7 @@ def _kept_counts(
     if top_p is not None:
         probs = torch.softmax(values.masked_fill(remove, float("-inf")), dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove = remove | (mass_before >= top_p[:, None])
+        remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0))
     n = values.shape[-1] - _count(remove)
     first_removed = torch.where(remove.any(-1), remove.view(torch.uint8).argmax(-1), values.shape[-1])
     ok = (n == first_removed) & (n > 0) & ~torch.isnan(values[:, 0])
@@ -204,8 +204,8 @@ def reference_apply_top_k_top_p(
 
     Top-k keeps exactly k tokens (ties broken by index order). Top-p keeps the tokens of the
     sorted distribution (after top-k) whose preceding mass, ``cumsum(probs) - probs`` in float32,
-    is below p: the smallest prefix whose mass reaches p, always at least one token. With p = 1
-    this can still drop the tail tokens whose preceding mass rounds to 1.0.
+    is below p: the smallest prefix whose mass reaches p, always at least one token. p = 1 is off
+    (the tail tokens whose preceding mass rounds to 1.0 stay).
     """
     if top_k is None and top_p is None:
         return logits
@@ -220,8 +220,8 @@ def reference_apply_top_k_top_p(
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
-        # The first token has mass_before 0 < p, so every row keeps at least one token.
-        remove = remove | (mass_before >= top_p[:, None])
+        # The first token has mass_before 0 < p, so every row keeps at least one token; p = 1 is off.
+        remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0))
     masked = sorted_logits.masked_fill(remove, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, sorted_idx, masked)
 

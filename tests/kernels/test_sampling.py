@@ -344,14 +344,21 @@ def test_top_k_top_p_rows_the_count_cannot_settle_take_the_reference():
     _assert_same_as_reference(logits.double(), ks, ps)
 
 
-def test_top_p_of_one_drops_what_the_reference_drops():
-    # With top_p given, a p = 1 row loses the tail tokens whose preceding mass rounds to 1.0.
+def test_top_p_of_one_is_off_even_where_the_tail_mass_rounds_to_one():
+    # Peaked rows: past the first few tokens the running mass is 1.0 in float32, yet p = 1 keeps
+    # every token, beside a row with p < 1 in the same batch.
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(8, 4097, generator=gen) * 10
-    ones = torch.ones(8)
-    assert bool(torch.isinf(reference_apply_top_k_top_p(logits, None, ones)).any())
-    _assert_same_as_reference(logits, None, ones)
-    _assert_same_as_reference(logits, torch.full((8,), 50), ones)
+    ps = torch.ones(8)
+    ps[3] = 0.9
+    for fn in (apply_top_k_top_p, reference_apply_top_k_top_p):
+        out = fn(logits, None, ps)
+        keep = torch.ones(8, dtype=torch.bool)
+        keep[3] = False
+        assert torch.equal(out[keep], logits[keep])
+        assert bool(torch.isinf(out[3]).any()) and bool(torch.isfinite(out[3]).any())
+    _assert_same_as_reference(logits, None, ps)
+    _assert_same_as_reference(logits, torch.full((8,), 50), ps)
 
 
 @pytest.mark.parametrize("vocab", [64, 100, 4097, 49152])
