@@ -178,14 +178,18 @@ def _kept_counts(
     """How many leading tokens of each row's stable sorted order stay, from the row's largest
     values sorted descending (``[R, W]``: all of them, or at least its k), and whether that count
     is the reference's answer: the row has no NaN and its kept positions are a non-empty prefix."""
-    ranks = torch.arange(values.shape[-1])[None, :]
-    remove = ranks >= k[:, None]
+    width = values.shape[-1]
+    # Rows with k >= the width lose nothing to top-k: then no rank mask is built (the same values).
+    remove = torch.arange(width)[None, :] >= k[:, None] if bool((k < width).any()) else None
     if top_p is not None:
-        probs = torch.softmax(values.masked_fill(remove, float("-inf")), dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        remove = remove | ((mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0))
-    n = values.shape[-1] - _count(remove)
-    first_removed = torch.where(remove.any(-1), remove.view(torch.uint8).argmax(-1), values.shape[-1])
+        probs = torch.softmax(values if remove is None else values.masked_fill(remove, float("-inf")), dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1).sub_(probs)
+        by_p = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+        remove = by_p if remove is None else remove | by_p
+    elif remove is None:
+        remove = torch.zeros_like(values, dtype=torch.bool)
+    n = width - _count(remove)
+    first_removed = torch.where(remove.any(-1), remove.view(torch.uint8).argmax(-1), width)
     ok = (n == first_removed) & (n > 0) & ~torch.isnan(values[:, 0])
     return n, ok
 
