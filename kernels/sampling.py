@@ -244,9 +244,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
 def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     """One token id per row of ``logits`` (``[B, V]``, float32 or the model's dtype; the
     sampling arithmetic runs in float32): ``[B]`` int64."""
-    greedy_ids = greedy(logits)
     if params.all_greedy:
-        return greedy_ids
+        return greedy(logits)
     is_greedy = params.temperature == 0.0
     rows = torch.nonzero(~is_greedy).squeeze(1)
     if rows.numel() == logits.shape[0]:
@@ -266,7 +265,7 @@ def sample(logits: torch.Tensor, params: SamplingTensors) -> torch.Tensor:
     sampled = gumbel_argmax(scaled, row_keys(pick(params.seeds), pick(params.positions)))
     if rows is None:
         return sampled
-    return greedy_ids.index_copy(0, rows, sampled)
+    return greedy(logits).index_copy(0, rows, sampled)
 
 
 def accept_proposals(proposed: Sequence[int], sampled: Sequence[int]) -> int:
