@@ -65,18 +65,17 @@ def cpu_list(ids: list[int]) -> str:
     return ",".join(parts)
 
 
-def environment(setting: dict[str, str], python: str | None = None) -> dict[str, str]:
-    """vLLM's environment: this one with the cores bound, and, given vLLM's ``python``, that
-    interpreter's environment first on PATH in place of an activated one (vLLM starts helper
-    processes by name: under mqinfer's activated venv they would get an interpreter without vLLM)."""
+def environment(setting: dict[str, str], python: str) -> dict[str, str]:
+    """vLLM's environment: this one with the cores bound, and vLLM's ``python``'s environment
+    first on PATH in place of an activated one (vLLM starts helper processes by name: under
+    mqinfer's activated venv they would get an interpreter without vLLM)."""
     env = dict(os.environ)
-    if python:
-        bin_dir = str(Path(python).absolute().parent)
-        active = env.pop("VIRTUAL_ENV", None)
-        skip = {str(Path(active) / "bin")} if active else set()
-        env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p not in skip])
-        if (Path(bin_dir).parent / "pyvenv.cfg").is_file():
-            env["VIRTUAL_ENV"] = str(Path(bin_dir).parent)
+    bin_dir = str(Path(python).absolute().parent)
+    active = env.pop("VIRTUAL_ENV", None)
+    skip = {str(Path(active) / "bin")} if active else set()
+    env["PATH"] = os.pathsep.join([bin_dir] + [p for p in env.get("PATH", "").split(os.pathsep) if p and p not in skip])
+    if (Path(bin_dir).parent / "pyvenv.cfg").is_file():
+        env["VIRTUAL_ENV"] = str(Path(bin_dir).parent)
     env.update({"VLLM_CPU_OMP_THREADS_BIND": cpu_list(cores()), "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
                 "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB), "VLLM_TARGET_DEVICE": "cpu", **setting})
     for name in ("OMP_NUM_THREADS", "MQINFER_NUM_THREADS"):  # vLLM sets its own threads from the binding
