@@ -28,7 +28,7 @@ def test_core_lists_in_vllms_form():
     assert vllm_peer.cpu_list([0, 1]) == "0-1"
     assert vllm_peer.cpu_list([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert vllm_peer.cpu_list([3]) == "3"
-    env = vllm_peer.environment({"VLLM_CPU_SGL_KERNEL": "1"})
+    env = vllm_peer.environment({"VLLM_CPU_SGL_KERNEL": "1"}, sys.executable)
     assert env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0" and env["VLLM_CPU_SGL_KERNEL"] == "1"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == vllm_peer.cpu_list(vllm_peer.cores())
 
