@@ -147,6 +147,9 @@ int mq_attend_avx2(const mqinfer_attention_args *j, int64_t token_begin, int64_t
 int mq_amx_attention_usable(const mqinfer_attention_args *j);
 int mq_attend_with_amx(const mqinfer_attention_args *j, int64_t token_begin, int64_t token_end, attend_fn per_token,
                        float *buf);
+/* Each token's share of a call's work, for splitting the call between threads: its context plus
+   a fixed cost, a quarter of that for a token the AMX path takes (usable: mq_amx_attention_usable). */
+void mq_attention_token_weights(const mqinfer_attention_args *j, int usable, int64_t *weights);
 
 /* Tests only (mqinfer_attention_selftest): the AVX2 versions' exponential 8 at a time and
    lane sums 8 vectors at a time beside their one-at-a-time forms; returns 8, or 0 without AVX2. */

@@ -165,23 +165,26 @@ static int attention_part(const void *ctx, int part, int num_parts) {
 }
 
 int mqinfer_paged_attention(const mqinfer_attention_args *args, int num_threads) {
-    const int64_t num_tokens = args->num_tokens, *positions = args->positions;
+    const int64_t num_tokens = args->num_tokens;
     if (num_tokens <= 0) return 0;
     int64_t parts = num_threads < 1 ? 1 : num_threads;
     if (parts > MAX_PARTS) parts = MAX_PARTS;
     if (parts > num_tokens) parts = num_tokens;
     attention_call call;
     call.args = args;
-    /* Runs of consecutive tokens of about equal work, a token weighing its context plus a
-       fixed cost. */
+    /* Runs of consecutive tokens of about equal work (mq_attention_token_weights). */
+    int64_t *weights = (int64_t *)malloc(sizeof(int64_t) * num_tokens);
+    if (!weights) return -1;
+    mq_attention_token_weights(args, mq_amx_attention_usable(args), weights);
     int64_t total = 0;
-    for (int64_t t = 0; t < num_tokens; t++) total += positions[t] + 8;
+    for (int64_t t = 0; t < num_tokens; t++) total += weights[t];
     int64_t t = 0, done = 0;
     call.bounds[0] = 0;
     for (int64_t n = 0; n < parts; n++) {
         const int64_t target = total * (n + 1) / parts;
-        while (t < num_tokens && (done < target || n == parts - 1)) { done += positions[t] + 8; t++; }
+        while (t < num_tokens && (done < target || n == parts - 1)) { done += weights[t]; t++; }
         call.bounds[n + 1] = t;
     }
+    free(weights);
     return mq_parallel(attention_part, &call, (int)parts, num_threads) ? -1 : 0;
 }
