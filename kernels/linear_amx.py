@@ -9,9 +9,12 @@ tiles: the bits of ``linear`` followed by ``cpu_ops.silu_mul``, without the inte
 wide).
 
 Why. PyTorch's bfloat16 matmul (oneDNN) lays the weight out for the tile unit again on every
-call. On one core of this session's Xeon, against ``F.linear`` on the same operands (CPU time):
+call. On one core of a Xeon with AMX, against ``F.linear`` on the same operands (CPU time):
 1.35-2.4x from 1 to 64 rows (SmolLM2's and the 0.5B shape's layers and LM heads, weights read at
-10-26 GB/s instead of 8-10), 1.0-1.3x at 512 rows, 0.8-1.0x at 2048, where oneDNN's blocking for
+10-26 GB/s instead of 8-10). From 512 rows on, oneDNN's rate depends on the row count: on both
+cores, SmolLM2's qkv, o and down projections together (wall time, 2026-12-06) take 1.6x the
+kernel's time at 576 rows, 1.5-1.6x from 640 to 1280 (the rows of a step that mixes decoding
+sequences with a few prompt chunks), and 0.85-0.9x at 1536 to 4096, where oneDNN's blocking for
 long prompts is better: calls of more than ``MAX_ROWS`` rows stay with PyTorch. The fused SwiGLU
 is the exception (``takes(x, None)``): PyTorch would need the SwiGLU kernel's pass over the
 intermediate too, which the tiles' epilogue does while the tile unit sums the next block.
@@ -33,7 +36,7 @@ import torch
 from mqinfer.kernels.linear import dense_library
 
 # Calls with more rows go to PyTorch (see above).
-MAX_ROWS = 512
+MAX_ROWS = 1280
 # The kernel's K blocks: in_features must be a multiple of this.
 K_BLOCK = 32
 
