@@ -69,8 +69,8 @@ def test_one_default_per_setting_in_help_resolve_and_every_config():
             shown = f"(default: {default}; env {opt.env})"
         assert shown in help_text, (opt.name, shown)
     # The measured defaults (BENCHMARKS.md), for the command line and the Python API alike.
-    assert (engine.max_num_batched_tokens, engine.max_num_seqs) == (4096, 256)
-    assert "--max-num-batched-tokens T Token budget" in help_text and "(default: 4096;" in help_text
+    assert (engine.max_num_batched_tokens, engine.max_num_seqs) == (2048, 256)
+    assert "--max-num-batched-tokens T Token budget" in help_text and "(default: 2048;" in help_text
     scheduler = SchedulerConfig()
     for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching",
                  "preemption_mode", "priority_aging_s"):

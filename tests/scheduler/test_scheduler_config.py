@@ -13,7 +13,7 @@ def test_defaults_are_valid():
     assert config.num_cache_tokens == 16 * 4096
     assert config.enable_prefix_caching is True
     # The measured step limits (BENCHMARKS.md); the engine's and the CLI's defaults are these.
-    assert (config.max_num_batched_tokens, config.max_num_seqs) == (4096, 256)
+    assert (config.max_num_batched_tokens, config.max_num_seqs) == (2048, 256)
 
 
 @pytest.mark.parametrize(
