@@ -13,7 +13,7 @@ from mqinfer.scheduler.fair import OUTPUT_TOKEN_WEIGHT
 from mqinfer.workers.acks import Acks
 from mqinfer.workers.billing import Billing, finished_fields
 from mqinfer.workers.costs import Meter, RequestMeter
-from mqinfer.workers.engine import choice_id
+from mqinfer.workers.engine_outputs import choice_id
 from mqinfer.workers.kv_prefixes import TierPrefixes
 from mqinfer.workers.lanes import LaneSet, lane_of
 from mqinfer.workers.ownership import Ownership

@@ -29,7 +29,7 @@ from mqinfer.workers.config import WorkerConfig
 from mqinfer.workers.consumer_group import (  # noqa: F401  (the group's names, as before)
     HANDBACK_CONSUMER, LIVE_CONSUMER_MS, DeadLetters, announced, ensure_group, is_notice, recover_job_id,
 )
-from mqinfer.workers.engine import EngineInputError
+from mqinfer.workers.engine_inputs import EngineInputError
 from mqinfer.workers.entries import InFlight, entry_time, text
 from mqinfer.workers.idempotency import Idempotency
 from mqinfer.workers.jobs import JobStatuses

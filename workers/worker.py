@@ -49,7 +49,8 @@ from mqinfer.workers.buckets import TokenBuckets, server_clock_unless
 from mqinfer.workers.busy import BusyTime, summary_path, write_exit_summary
 from mqinfer.workers.config import WorkerConfig
 from mqinfer.workers.costs import Meter, WorkModel, kv_block_shares, process_start_time
-from mqinfer.workers.engine import EngineInputError, LLMEngine
+from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine_inputs import EngineInputError
 from mqinfer.workers.finishing import Finishing
 from mqinfer.workers.heap import CollectorPauses, freeze_startup_heap
 from mqinfer.workers.idempotency import Idempotency

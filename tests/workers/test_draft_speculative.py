@@ -24,7 +24,7 @@ import torch
 from prometheus_client import generate_latest
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import engine as engine_module
+from mqinfer.workers import engine_startup
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
@@ -276,12 +276,12 @@ def test_the_automatic_kv_size_holds_the_draft_cache_too(target, small, monkeypa
     draft_per_block = small_info.kv_bytes_per_token * 16
     assert draft_per_block == per_block * 2 // 3
     config = EngineConfig(model=target, max_num_seqs=256, max_model_len=512)
-    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 64 << 20)
-    alone, _ = engine_module._default_num_kv_blocks(info, torch.device("cpu"), config, 512)
-    both, why = engine_module._default_num_kv_blocks(info, torch.device("cpu"), config, 512, draft_per_block)
+    monkeypatch.setattr(engine_startup, "physical_memory", lambda: 64 << 20)
+    alone, _ = engine_startup.default_num_kv_blocks(info, torch.device("cpu"), config, 512)
+    both, why = engine_startup.default_num_kv_blocks(info, torch.device("cpu"), config, 512, draft_per_block)
     assert alone == (16 << 20) // per_block and both == (16 << 20) // (per_block + draft_per_block)
     assert "the draft's KV caches together" in why
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
         engine = LLMEngine(EngineConfig(model=target, num_threads=1, dtype="float32", max_num_seqs=256,
                                         max_model_len=512, speculative="draft", draft_model=small))
     assert engine.scheduler_config.num_kv_blocks == both

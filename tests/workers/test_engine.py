@@ -12,7 +12,8 @@ import transformers
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import EngineInputError, LLMEngine
+from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine_inputs import EngineInputError
 from mqinfer.workers.loader import save_tiny_checkpoint
 from tests.helpers import FakeClock
 

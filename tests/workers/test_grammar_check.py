@@ -9,7 +9,8 @@ import pytest
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.schemas.response_format import GrammarSpec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import EngineInputError, LLMEngine
+from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine_inputs import EngineInputError
 from mqinfer.workers.grammar_check import (
     MAX_ALTERNATIVES,
     MAX_NESTING,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import engine as engine_module
+from mqinfer.workers import engine_startup
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
@@ -45,8 +45,8 @@ def test_automatic_size_counts_real_bytes_per_block(monkeypatch):
     _, info = load_model("tiny", "cpu")
     assert info.kv_bytes_per_token_as("auto") == TINY_F32_BYTES
     assert info.kv_bytes_per_token_as("int8") == info.kv_bytes_per_token_as("fp8") == TINY_8BIT_BYTES
-    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 64 << 20)  # a 16 MiB KV budget
-    blocks = {d: engine_module._default_num_kv_blocks(info, torch.device("cpu"), EngineConfig(kv_cache_dtype=d), 2048)[0]
+    monkeypatch.setattr(engine_startup, "physical_memory", lambda: 64 << 20)  # a 16 MiB KV budget
+    blocks = {d: engine_startup.default_num_kv_blocks(info, torch.device("cpu"), EngineConfig(kv_cache_dtype=d), 2048)[0]
               for d in ("auto", "int8")}
     assert blocks == {"auto": (16 << 20) // (TINY_F32_BYTES * 16), "int8": (16 << 20) // (TINY_8BIT_BYTES * 16)}
     assert blocks["int8"] / blocks["auto"] > 3.8  # 4096 / 1056 = 3.88 against float32 KV, 1.94 against bfloat16

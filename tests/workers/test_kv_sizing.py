@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import engine as engine_module
+from mqinfer.workers import engine_startup
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
@@ -34,8 +34,8 @@ def _bound(max_model_len: int, block_size: int, max_num_seqs: int) -> int:
 
 
 def _auto(info, config: EngineConfig, physical: int, monkeypatch) -> tuple[int, str]:
-    monkeypatch.setattr(engine_module, "_physical_memory", lambda: physical)
-    return engine_module._default_num_kv_blocks(info, torch.device("cpu"), config,
+    monkeypatch.setattr(engine_startup, "physical_memory", lambda: physical)
+    return engine_startup.default_num_kv_blocks(info, torch.device("cpu"), config,
                                                 config.max_model_len or info.max_model_len)
 
 
@@ -70,8 +70,8 @@ def test_memory_share_caps_the_size(tiny_info, monkeypatch):
 
 
 def test_engine_uses_and_logs_the_automatic_size(monkeypatch, caplog):
-    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 64 << 30)
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine"):
+    monkeypatch.setattr(engine_startup, "physical_memory", lambda: 64 << 30)
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
         engine = LLMEngine(EngineConfig(num_threads=1, max_num_seqs=3, max_model_len=100))
     assert engine.scheduler_config.num_kv_blocks == 21
     assert engine.runner.kv_cache_bytes == 21 * 16 * TINY_KV_BYTES_PER_TOKEN
@@ -81,7 +81,7 @@ def test_engine_uses_and_logs_the_automatic_size(monkeypatch, caplog):
                      "at most 4 GiB)"]
     # A size given explicitly is used as it is, and no automatic sizing is logged.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
         explicit = LLMEngine(EngineConfig(num_threads=1, max_num_seqs=3, max_model_len=100, num_kv_blocks=50))
     assert explicit.scheduler_config.num_kv_blocks == 50
     assert not [r for r in caplog.records if "sized automatically" in r.getMessage()]
@@ -103,7 +103,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def test_prefix_cache_hits_on_an_automatically_sized_cache(monkeypatch):
-    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 64 << 30)
+    monkeypatch.setattr(engine_startup, "physical_memory", lambda: 64 << 30)
     engine = LLMEngine(EngineConfig(num_threads=1, max_num_seqs=2, max_model_len=128))
     assert engine.scheduler_config.num_kv_blocks == 16
     shared = list(range(3, 3 + 48))
@@ -115,7 +115,7 @@ def test_prefix_cache_hits_on_an_automatically_sized_cache(monkeypatch):
 
 
 def test_swap_pool_is_bounded_by_what_the_requests_can_hold(monkeypatch):
-    monkeypatch.setattr(engine_module, "_physical_memory", lambda: 64 << 30)
+    monkeypatch.setattr(engine_startup, "physical_memory", lambda: 64 << 30)
     # 4 GiB of swap space would be 65,536 tiny blocks; 4 requests of 64 tokens hold at most 16.
     engine = LLMEngine(EngineConfig(num_threads=1, max_num_seqs=4, max_model_len=64, num_kv_blocks=6,
                                     preemption_mode="swap", swap_space_gib=4.0))
@@ -141,11 +141,11 @@ def test_on_cuda_the_size_follows_free_device_memory(tiny_info, monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 140 << 30))
     config = EngineConfig(max_num_seqs=256)
     # Plenty free: what 256 full contexts use (2 GiB), not 90% of 100 GiB.
-    blocks, why = engine_module._default_num_kv_blocks(tiny_info, cuda, config, 2048)
+    blocks, why = engine_startup.default_num_kv_blocks(tiny_info, cuda, config, 2048)
     assert blocks == 256 * 128
     assert "90% of the 100.0 GiB free on cuda:0 less 2 GiB for activations" in why
     # 3 GiB free: 90% of it less the 2 GiB reserve.
     free["bytes"] = 3 << 30
-    blocks, why = engine_module._default_num_kv_blocks(tiny_info, cuda, config, 2048)
+    blocks, why = engine_startup.default_num_kv_blocks(tiny_info, cuda, config, 2048)
     assert blocks == (int((3 << 30) * 0.9) - (2 << 30)) // block_bytes
     assert "would need 32768" in why

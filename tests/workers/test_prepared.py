@@ -60,7 +60,7 @@ def _entries() -> list:
 def test_a_second_start_reads_the_prepared_w8a8_model_and_runs_the_same(gguf_path, caplog):
     first = _engine(gguf_path, quantization="w8a8", kv_cache_dtype="int8")
     assert len(_entries()) == 1
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
         second = _engine(gguf_path, quantization="w8a8", kv_cache_dtype="int8")
     assert "read as prepared by an earlier start" in caplog.text
     assert second.info == first.info

@@ -17,7 +17,9 @@ from mqinfer.scheduler.request import SamplingParams
 from mqinfer.schemas.request import decode_request, to_sampling_kwargs
 from mqinfer.schemas.response_format import GrammarSpec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import EngineInputError, LLMEngine, choice_id
+from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine_inputs import EngineInputError
+from mqinfer.workers.engine_outputs import choice_id
 
 HF_EOS = 2
 
@@ -61,7 +63,7 @@ def _run(engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]
                 key = (out.request_id, out.index)
                 assert key not in finished
                 finished[key] = out
-    assert not engine.has_unfinished() and not engine.processors._states and not engine._choices
+    assert not engine.has_unfinished() and not engine.processors._states and not engine.outputs.choices
     return finished, work
 
 
@@ -354,7 +356,7 @@ def test_cancel_and_withdraw_end_every_choice(tiny):
     for _ in range(3):
         tiny.step()
     tiny.withdraw(["gone"])
-    assert not tiny.has_unfinished() and not tiny.holds("gone") and not tiny._tracked
+    assert not tiny.has_unfinished() and not tiny.holds("gone") and not tiny.outputs.tracked
     tiny.add_request("gone", prompt, sampling)  # the id is free again
     tiny.withdraw(["gone"])
     assert not tiny.has_unfinished()

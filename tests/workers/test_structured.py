@@ -19,7 +19,8 @@ from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.schemas.request import request_from_obj, to_sampling_kwargs
 from mqinfer.schemas.response_format import GrammarSpec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import EngineInputError, LLMEngine
+from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine_inputs import EngineInputError
 from mqinfer.workers.structured import MAX_GRAMMAR_BYTES, GrammarCompiler, StructuredOutputs, build_tokenizer
 from mqinfer.workers.tokenizer import ByteTokenizer
 
