@@ -260,7 +260,7 @@ def _llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int,
 
 def _check_rope(config: ModelConfig, factors: np.ndarray, source: str) -> None:
     """The recovered scaling must give the file's frequencies: base / divisor."""
-    from mqinfer.workers.models.llama import rope_inv_freq
+    from mqinfer.workers.models.rotary import rope_inv_freq
 
     base = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.int64).float()
                                        / config.head_dim)

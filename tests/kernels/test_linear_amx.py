@@ -70,7 +70,7 @@ def test_what_the_kernel_takes_and_clear_errors():
 
 
 def test_the_models_layers_use_it_and_the_switch_turns_it_off(monkeypatch):
-    from mqinfer.workers.models.llama import Linear, LMHead
+    from mqinfer.workers.models.layers import Linear, LMHead
 
     torch.manual_seed(1)
     layer = Linear(256, 384, bias=True, dtype=torch.bfloat16, device="cpu")
@@ -96,7 +96,8 @@ def test_a_bfloat16_model_packs_every_layer_at_start(tmp_path):
     from mqinfer.loadgen.checkpoint import make_llama_checkpoint
     from mqinfer.workers.config import EngineConfig
     from mqinfer.workers.engine import LLMEngine
-    from mqinfer.workers.models.llama import MLP, Linear, LMHead
+    from mqinfer.workers.models.layers import Linear, LMHead
+    from mqinfer.workers.models.llama import MLP
 
     folder = make_llama_checkpoint(tmp_path / "ck", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=300,

@@ -22,7 +22,7 @@ from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.gguf import GGUFCheckpoint, GGUFFile
 from mqinfer.workers.loader import ModelLoadError, load_model
 from mqinfer.workers.models.config import ModelConfig
-from mqinfer.workers.models.llama import rope_inv_freq
+from mqinfer.workers.models.rotary import rope_inv_freq
 from mqinfer.workers.tokenizer import load_tokenizer
 from tests.helpers import rows, write_jsonl
 from tests.workers.gguf_files import CHAT_TEMPLATE, byte_level_vocab, sentencepiece_vocab, write_gguf

@@ -273,7 +273,7 @@ def test_lm_head_in_vocabulary_slices_gives_the_same_bits(dtype, monkeypatch):
     # Without the native dense kernel the LM head on CPU runs as one matmul per slice of the
     # vocabulary, written into that slice's columns: each logit must be exactly what one
     # matmul over the whole head gives.
-    from mqinfer.workers.models.llama import LMHead
+    from mqinfer.workers.models.layers import LMHead
 
     monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
 

@@ -20,7 +20,7 @@ from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine import LLMEngine
 from mqinfer.workers.loader import load_model
-from mqinfer.workers.models.llama import Linear, LMHead
+from mqinfer.workers.models.layers import Linear, LMHead
 from mqinfer.workers.models.quant import Int8Linear, quantize_model
 
 

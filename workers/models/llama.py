@@ -1,9 +1,10 @@
 """The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the packed flat batch.
 
-Owns the network: RMSNorm, rotary embeddings (default, linear and Llama-3 frequency scaling),
-grouped-query attention over the paged KV cache, SwiGLU MLP, and the mapping from Hugging
-Face checkpoint tensor names onto our fused layout (q/k/v in one projection, gate/up in one),
-which halves the number of matmuls per layer.
+Owns the network: grouped-query attention over the paged KV cache, the SwiGLU MLP, the decoder
+layer and the model, and the mapping from Hugging Face checkpoint tensor names onto our fused
+layout (q/k/v in one projection, gate/up in one), which halves the number of matmuls per layer.
+Its building blocks (projections, LM head, embedding, RMSNorm, activation buffers) are in
+``layers.py``; rotary embeddings (default, linear and Llama-3 frequency scaling) in ``rotary.py``.
 
 ``forward(input_ids [T], positions [T], kv_caches, attn_metadata) -> hidden [T, H]`` runs
 every scheduled token of every sequence at once (no padding); ``compute_logits`` then runs
@@ -22,293 +23,22 @@ the same bit for bit (``MQINFER_CPU_OPS=torch`` runs the PyTorch ops instead).
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mqinfer.kernels import cpu_ops
-from mqinfer.kernels import linear as dense
-from mqinfer.kernels import linear_amx, linear_onednn
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from mqinfer.kernels.kv_quant import LayerKVCache
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
+from mqinfer.workers.models.layers import (Activations, Embedding, KVCaches, Linear, LMHead, RMSNorm,
+                                           activation_buffer, amx_swiglu_weight, amx_weight, empty_param,
+                                           onednn_weight)
+from mqinfer.workers.models.rotary import RotaryEmbedding, RotaryInputs, rotate_half
 
 if TYPE_CHECKING:
     from mqinfer.workers.parallel import Shard
-
-# One cache per layer: a LayerKVCache, or a plain (k_cache, v_cache) pair.
-KVCaches = Sequence[LayerKVCache | tuple[torch.Tensor, torch.Tensor]]
-
-
-def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    # Uninitialised on purpose: every value is overwritten by the checkpoint, and random
-    # init of a billion parameters would cost seconds.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-def _packed_weight(module: nn.Module, x: torch.Tensor, *, attr: str = "packed", weight: torch.Tensor | None = None,
-                   pack=dense.pack) -> dense.PackedWeight | None:
-    """``weight`` (default ``module.weight``) in the native dense kernel's layout when ``x`` and
-    the weight suit it (2-D float32 on CPU, a CPU the kernel serves, the switch allowing): made
-    by ``pack`` on first use and kept in ``module.<attr>``, made again when the weight was
-    replaced; None otherwise. ``load_weights`` drops the packed copies."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not dense.native_linear_available():
-        return None
-    weight = module.weight if weight is None else weight
-    packed = getattr(module, attr)
-    if packed is None or not packed.packed_from(weight):
-        packed = pack(weight)
-        setattr(module, attr, packed)
-    return packed
-
-
-def _amx_weight(module: nn.Module, x: torch.Tensor) -> linear_amx.AmxWeight | None:
-    """``module.weight`` packed for the AMX kernel when rows ``x`` go there (``linear_amx.takes``:
-    bfloat16, at most its row limit, a CPU with AMX): made on first use and kept in
-    ``module.packed`` (a bfloat16 model never holds the float32 kernel's packing there), made
-    again when the weight was replaced; None otherwise."""
-    if not linear_amx.takes(x):
-        return None
-    packed = module.packed
-    if not isinstance(packed, linear_amx.AmxWeight) or not packed.packed_from(module.weight):
-        packed = module.packed = linear_amx.pack(module.weight)
-    return packed
-
-
-def _onednn_weight(module: nn.Module, x: torch.Tensor) -> linear_onednn.OneDnnWeight | None:
-    """``module.weight`` laid out for oneDNN when rows ``x`` go there (``linear_onednn.takes``:
-    bfloat16, at most its row limit, a CPU without AMX whose oneDNN runs bfloat16), kept in
-    ``module.packed`` as ``_amx_weight`` keeps its own; None otherwise."""
-    if linear_amx.available() or not linear_onednn.takes(x):
-        return None
-    packed = module.packed
-    if not isinstance(packed, linear_onednn.OneDnnWeight) or not packed.packed_from(module.weight):
-        packed = module.packed = linear_onednn.pack(module.weight)
-    return packed
-
-
-def _amx_swiglu_weight(module: nn.Module, x: torch.Tensor, vector_chunk: int) -> linear_amx.AmxWeight | None:
-    """SwiGLU's gate/up weight packed for the AMX kernel's fused SwiGLU when rows ``x`` go to the
-    kernel and the layer has no bias: kept in ``module.packed_swiglu``, made again when the weight
-    was replaced; None otherwise. Any number of rows: unlike the plain layers, which leave long
-    prompts to PyTorch's matmul (``linear_amx.MAX_ROWS``), the fused form beats PyTorch's matmul
-    followed by the SwiGLU kernel there too (BENCHMARKS.md)."""
-    if module.bias is not None or vector_chunk % linear_amx.PANEL or not linear_amx.takes(x, None):
-        return None
-    packed = module.packed_swiglu
-    if not isinstance(packed, linear_amx.AmxWeight) or not packed.packed_from(module.weight):
-        packed = module.packed_swiglu = linear_amx.pack_swiglu(module.weight)
-    return packed
-
-
-class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype, device) -> None:
-        super().__init__()
-        self.out_features = out_features
-        self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
-        self.packed: dense.PackedWeight | None = None
-        self.packed_swiglu: dense.PackedWeight | None = None
-
-    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [T, in] -> [T, out]``, into ``out`` when given. On an AVX2 CPU in float32 the
-        native kernel with the packed weight (``kernels/linear.py``); on a CPU with AMX in
-        bfloat16, up to ``linear_amx.MAX_ROWS`` rows, the AMX kernel with its packed weight
-        (``kernels/linear_amx.py``); on another CPU in bfloat16, up to ``linear_onednn.MAX_ROWS``
-        rows, oneDNN with the weight laid out once (``kernels/linear_onednn.py``; the bits of
-        ``F.linear``, in a new tensor rather than ``out``); elsewhere the very calls ``F.linear``
-        makes for 2-D input (``mm``, or ``addmm`` with a bias), the same bits."""
-        packed = _packed_weight(self, x)
-        if packed is not None:
-            return dense.linear(x, packed, self.bias, out)
-        amx = _amx_weight(self, x)
-        if amx is not None:
-            return linear_amx.linear(x, amx, self.bias, out)
-        laid_out = _onednn_weight(self, x)
-        if laid_out is not None:
-            return linear_onednn.linear(x, laid_out, self.bias)
-        if out is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is None:
-            return torch.mm(x, self.weight.t(), out=out)
-        return torch.addmm(self.bias, x, self.weight.t(), out=out)
-
-    def swiglu(self, x: torch.Tensor, vector_chunk: int, out: torch.Tensor | None = None) -> torch.Tensor | None:
-        """For SwiGLU's fused gate/up projection (gate rows first): ``silu(gate) * up`` straight
-        from the native dense kernel's registers (float32) or the AMX kernel's tiles (bfloat16,
-        no bias), the same bits as the projection followed by ``cpu_ops.silu_mul``
-        (``vector_chunk`` as there), without the 2 x wide intermediate; None where neither
-        applies (the caller runs those two steps)."""
-        packed = _packed_weight(self, x, attr="packed_swiglu", pack=lambda w: dense.pack_swiglu(w, self.bias))
-        if packed is not None:
-            return dense.swiglu(x, packed, vector_chunk, out)
-        amx = _amx_swiglu_weight(self, x, vector_chunk)
-        return None if amx is None else linear_amx.swiglu(x, amx, vector_chunk, out)
-
-
-class Activations:
-    """Buffers for the intermediate activations of the model's forward pass, one per kind (the
-    q/k/v projection, the attention output projection, gate/up, SwiGLU, down, the normalised
-    rows, the residual stream), reused by every layer and every step.
-
-    Why. On CPU a fresh tensor of a few MiB comes from a new memory mapping that the kernel
-    faults in page by page (and MKL zeroes before it writes): at a 4096-token prefill the
-    gate/up projection's 48 MiB output cost about a tenth of the matmul itself. Each layer's
-    outputs are consumed before the next layer writes the same kind, so one buffer per kind
-    serves all layers. Only the model's forward writes them, and what it returns is never one
-    of them. A buffer grows to the largest step seen and stays.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, kind: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor:
-        """A contiguous ``[rows, cols]`` tensor of ``like``'s dtype and device, contents undefined."""
-        numel = rows * cols
-        buffer = self._buffers.get(kind)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
-            buffer = self._buffers[kind] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buffer[:numel].view(rows, cols)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The buffers as they are now (a captured CUDA graph keeps those it writes alive)."""
-        return list(self._buffers.values())
-
-
-class Embedding(nn.Module):
-    """Token embedding; with tied weights the LM head shares ``weight``."""
-
-    def __init__(self, num_embeddings: int, dim: int, dtype, device) -> None:
-        super().__init__()
-        self.weight = _empty_param(num_embeddings, dim, dtype=dtype, device=device)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
-# Vocabulary rows of the LM head per matmul on CPU: about 1 MiB of weights (at least 256
-# rows). One matmul over a whole large vocabulary ran at 46 GFLOP/s on 64 rows where slices of
-# 512 rows written into their columns of the same output ran at 60 (float32, one AVX2 core):
-# MKL packs the weight operand block by block, and a slice's blocks stay in cache.
-_LM_HEAD_SLICE_BYTES = 1 << 20
-
-
-class LMHead(nn.Module):
-    def __init__(self, weight: nn.Parameter) -> None:
-        super().__init__()
-        self.weight = weight
-        self.packed: dense.PackedWeight | None = None
-
-    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``[B, hidden] -> [B, vocab]``, into ``out`` when given. On an AVX2 CPU in float32 the
-        native dense kernel, on a CPU with AMX in bfloat16 the AMX kernel, on another in bfloat16
-        oneDNN with the weight laid out (all as ``Linear``); elsewhere on CPU in slices of the
-        vocabulary, each logit the same dot product as in one matmul (the same bits)."""
-        packed = _packed_weight(self, hidden)
-        if packed is not None:
-            return dense.linear(hidden, packed, None, out)
-        amx = _amx_weight(self, hidden)
-        if amx is not None:
-            return linear_amx.linear(hidden, amx, None, out)
-        laid_out = _onednn_weight(self, hidden)
-        if laid_out is not None:
-            logits = linear_onednn.linear(hidden, laid_out)
-            return logits if out is None else out.copy_(logits)
-        weight = self.weight
-        vocab, dim = weight.shape
-        if hidden.device.type != "cpu" or hidden.dim() != 2:
-            return F.linear(hidden, weight) if out is None else torch.mm(hidden, weight.t(), out=out)
-        if out is None:
-            out = torch.empty(hidden.shape[0], vocab, dtype=hidden.dtype)
-        rows = max(256, _LM_HEAD_SLICE_BYTES // (dim * weight.element_size()) // 64 * 64)
-        for start in range(0, vocab, rows):
-            stop = min(start + rows, vocab)
-            torch.mm(hidden, weight[start:stop].t(), out=out[:, start:stop])
-        return out
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype, device) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = _empty_param(dim, dtype=dtype, device=device)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Rotary inverse frequencies ``[head_dim / 2]`` (float32) with the configured scaling."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
-    )
-    params = config.rope_scaling
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "linear":
-        inv_freq = inv_freq / float(params["factor"])
-    elif rope_type == "llama3":
-        try:
-            factor = float(params["factor"])
-            low = float(params["low_freq_factor"])
-            high = float(params["high_freq_factor"])
-            old_len = float(params["original_max_position_embeddings"])
-        except KeyError as exc:
-            raise ModelLoadError(f"llama3 rope scaling is missing {exc.args[0]!r}") from None
-        # Long wavelengths (beyond the original context / low) are slowed by `factor`, short
-        # ones (below original context / high) are kept, and the band between is blended.
-        wavelen = 2 * math.pi / inv_freq
-        slowed = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        blend = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - blend) * slowed / factor + blend * slowed
-        in_band = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
-        inv_freq = torch.where(in_band, smoothed, slowed)
-    return inv_freq
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for positions ``0..max_len-1`` (float32), looked up per packed token."""
-
-    def __init__(self, config: ModelConfig, max_len: int, device) -> None:
-        super().__init__()
-        self.inv_freq = rope_inv_freq(config).to(device)
-        self.max_len = 0
-        self.cos = self.sin = torch.empty(0)
-        self.extend(max_len)
-
-    def extend(self, max_len: int) -> None:
-        if max_len <= self.max_len:
-            return
-        positions = torch.arange(max_len, dtype=torch.float32, device=self.inv_freq.device)
-        freqs = positions[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin, self.max_len = emb.cos(), emb.sin(), max_len
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos.index_select(0, positions).to(dtype)
-        sin = self.sin.index_select(0, positions).to(dtype)
-        return cos[:, None, :], sin[:, None, :]
-
-
-class RotaryInputs:
-    """One step's rotary inputs, shared by every layer: the float32 tables and the positions
-    for the native kernel, and the per-token cos/sin (``[T, 1, D]`` in the activation dtype)
-    that the PyTorch path needs, built on first use only."""
-
-    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype) -> None:
-        self.rotary, self.positions, self.dtype = rotary, positions, dtype
-        self._per_token: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    @property
-    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._per_token is None:
-            self._per_token = self.rotary(self.positions, self.dtype)
-        return self._per_token
 
 
 def _attention_kernels(device) -> tuple:
@@ -322,11 +52,6 @@ def _attention_kernels(device) -> tuple:
         else:
             return triton_attention.store_kv, triton_attention.paged_attention
     return store_kv, paged_attention
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -356,7 +81,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x, _buffer(buffers, "qkv", num_tokens, self.qkv_proj.out_features, x))
+        qkv = self.qkv_proj(x, activation_buffer(buffers, "qkv", num_tokens, self.qkv_proj.out_features, x))
         qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
         qk = qk.view(num_tokens, hq + hkv, d)
         v = v.view(num_tokens, hkv, d)
@@ -376,7 +101,7 @@ class Attention(nn.Module):
         else:
             cos, sin = rope.cos_sin
             # q and k rotate together: one elementwise pass instead of two.
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + rotate_half(qk) * sin
             q, k = qk[:, :hq], qk[:, hq:]
             if kv.quantized:
                 self.store_kv(k, v, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
@@ -387,7 +112,7 @@ class Attention(nn.Module):
         else:
             out = self.paged_attention(q, k_cache, v_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, hq * d),
-                           _buffer(buffers, "o_proj", num_tokens, self.o_proj.out_features, x))
+                           activation_buffer(buffers, "o_proj", num_tokens, self.o_proj.out_features, x))
 
 
 class MLP(nn.Module):
@@ -401,18 +126,15 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor, buffers: Activations | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        act_buffer = _buffer(buffers, "silu_mul", rows, self.intermediate_size, x) if x.device.type == "cpu" else None
+        act_buffer = activation_buffer(buffers, "silu_mul", rows, self.intermediate_size, x) if x.device.type == "cpu" else None
         act = None
         if cpu_ops.cpu_ops_available():
             act = self.gate_up_proj.swiglu(x, cpu_ops.silu_vector_chunk(x.dtype), act_buffer)
         if act is None:
-            gate_up = self.gate_up_proj(x, _buffer(buffers, "gate_up", rows, 2 * self.intermediate_size, x))
+            gate_up = self.gate_up_proj(x, activation_buffer(buffers, "gate_up", rows, 2 * self.intermediate_size, x))
             act = cpu_ops.silu_mul(gate_up, act_buffer)
-        return self.down_proj(act, _buffer(buffers, "down_proj", rows, self.down_proj.out_features, x))
+        return self.down_proj(act, activation_buffer(buffers, "down_proj", rows, self.down_proj.out_features, x))
 
-
-def _buffer(buffers: Activations | None, kind: str, rows: int, cols: int, like: torch.Tensor) -> torch.Tensor | None:
-    return None if buffers is None else buffers.get(kind, rows, cols, like)
 
 
 class DecoderLayer(nn.Module):
@@ -472,12 +194,12 @@ class LlamaForCausalLM(nn.Module):
         self.model = _Backbone(local, dtype, device)
         if shard is None:
             head = (self.model.embed_tokens.weight if config.tie_word_embeddings
-                    else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
+                    else empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device))
         elif config.tie_word_embeddings:  # this rank's rows of the (replicated) embedding
             head = nn.Parameter(self.model.embed_tokens.weight.data[shard.vocab[0]:shard.vocab[1]],
                                 requires_grad=False)
         else:
-            head = _empty_param(shard.vocab[1] - shard.vocab[0], config.hidden_size, dtype=dtype, device=device)
+            head = empty_param(shard.vocab[1] - shard.vocab[0], config.hidden_size, dtype=dtype, device=device)
         self.lm_head = LMHead(head)
         self._init_running(config, local, device, max_len)
 
@@ -613,10 +335,10 @@ class LlamaForCausalLM(nn.Module):
                 rows = torch.empty(1, module.weight.shape[1], dtype=module.weight.dtype)
                 # The MLP's gate/up goes to the fused SwiGLU where it runs, and only there.
                 if (fused_mlp and id(module) in gate_ups
-                        and _amx_swiglu_weight(module, rows, cpu_ops.silu_vector_chunk(rows.dtype)) is not None):
+                        and amx_swiglu_weight(module, rows, cpu_ops.silu_vector_chunk(rows.dtype)) is not None):
                     packed += 1
                 else:
-                    packed += (_amx_weight(module, rows) or _onednn_weight(module, rows)) is not None
+                    packed += (amx_weight(module, rows) or onednn_weight(module, rows)) is not None
             elif hasattr(module, "pack_now") and module.qweight.device.type == "cpu":
                 packed += module.pack_now(dtype, fused=fused_mlp and id(module) in gate_ups)
         return packed

@@ -53,7 +53,8 @@ from torch import nn
 
 from mqinfer.kernels import linear_int8 as q8
 from mqinfer.kernels import linear_w8a16 as w16
-from mqinfer.workers.models.llama import MLP, Attention, DecoderLayer, Linear, LMHead
+from mqinfer.workers.models.layers import Linear, LMHead
+from mqinfer.workers.models.llama import MLP, Attention, DecoderLayer
 
 MODES = ("none", "w8a8", "w8a16")
 HALF_DTYPES = (torch.bfloat16, torch.float16)

@@ -27,7 +27,8 @@ from torch import nn
 
 from mqinfer.kernels.attention import AttentionMetadata
 from mqinfer.workers.models.config import ModelConfig, ModelLoadError
-from mqinfer.workers.models.llama import DecoderLayer, Embedding, KVCaches, LlamaForCausalLM, LMHead, RMSNorm
+from mqinfer.workers.models.layers import Embedding, KVCaches, LMHead, RMSNorm
+from mqinfer.workers.models.llama import DecoderLayer, LlamaForCausalLM
 
 if TYPE_CHECKING:
     from mqinfer.workers.parallel import Shard
