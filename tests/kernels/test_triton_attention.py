@@ -19,15 +19,16 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
-from mqinfer.kernels import attention, triton_attention, triton_store  # noqa: E402
+from mqinfer.kernels import attention, triton_attention, triton_attention_kernels, triton_store  # noqa: E402
 
 
 def _ensure_interpreted():
     """Kernels decorated before TRITON_INTERPRET was set (another module imported them first)
     are compiled-GPU kernels; with no GPU here, decorate them again under the interpreter."""
-    global triton_attention, triton_store
-    if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
+    global triton_attention, triton_attention_kernels, triton_store
+    if type(triton_attention_kernels.paged_attention_kernel).__name__ != "InterpretedFunction":
         triton_store = importlib.reload(triton_store)
+        triton_attention_kernels = importlib.reload(triton_attention_kernels)
         triton_attention = importlib.reload(triton_attention)
 
 

@@ -18,14 +18,15 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed: the Triton kernels cannot run")
 
-from mqinfer.kernels import linear_int8, triton_attention, triton_store  # noqa: E402
+from mqinfer.kernels import linear_int8, triton_attention, triton_attention_kernels, triton_store  # noqa: E402
 from mqinfer.loadgen.gpu import check as gpu_check  # noqa: E402
 from mqinfer.loadgen.gpu import check_cases as cases  # noqa: E402
 
-if type(triton_attention._paged_attention_kernel).__name__ != "InterpretedFunction":
+if type(triton_attention_kernels.paged_attention_kernel).__name__ != "InterpretedFunction":
     # Decorated before TRITON_INTERPRET was set: decorate again under the interpreter (the
     # cases look the module up at call time, so they get these).
     importlib.reload(triton_store)
+    importlib.reload(triton_attention_kernels)
     importlib.reload(triton_attention)
 
 SMALL = ["--device", "cpu", "--small"]
