@@ -118,7 +118,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     the streams ``S-0 .. S-{N-1}`` as ``mqinfer worker --shards`` reads them, by their leading
     prompt (``route="prefix"``) or by a hash of their id (``"id"``). ``order="prefix"`` feeds the
     requests of each part of INDEX_PART_LINES input lines in prefix-tree order, ``"input"`` in the
-    file's order; the output is in input order either way (see :mod:`mqinfer.ops.job_tasks`).
+    file's order; the output is in input order either way (see :mod:`mqinfer.ops.job_run`).
     ``worker_out``: the inference workers' ``--out`` folders, whose cost rows give the job's final
     cost (:mod:`mqinfer.ops.job_cost`) when it ends. ``lanes`` (:mod:`mqinfer.schemas.lanes`): the
     lane of its shard's stream each request goes to, by its tenant and this job (``tenant,job``, the

@@ -10,7 +10,6 @@ FOLDERS = ("mqinfer", "workers", "scheduler", "kernels", "schemas", "ops", "load
 MAX_LINES = 600
 # Still to split (each in another change's hands when this list was written).
 OVER: dict[str, int] = {
-    "ops/job_tasks.py": 745,
     "scheduler/scheduler.py": 695,
 }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from mqinfer import jobs_cli as cli
-from mqinfer.ops import job_tasks
+from mqinfer.ops import job_run
 from mqinfer.ops.job_lanes import DEFAULT_JOB_LANES
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.jobs import cancel_job, job_info, submit_job
@@ -145,7 +145,7 @@ def test_a_job_registered_without_lanes_fields_feeds_the_plain_stream(redis_clie
 
 
 def test_a_cancelled_jobs_lane_that_still_holds_requests_stays(redis_client, tmp_path, monkeypatch):
-    monkeypatch.setattr(job_tasks, "END_GRACE_S", 0.0)  # no worker will end its requests
+    monkeypatch.setattr(job_run, "END_GRACE_S", 0.0)  # no worker will end its requests
     src = write_jsonl(tmp_path / "in.jsonl", native(4, "c"))
     job_id = submit_job(redis_client, src, tmp_path / "out", stream="cstay", lanes="job").job_id
     _run(redis_client, job_id, "cstay", until=("in_progress",), answer=False)

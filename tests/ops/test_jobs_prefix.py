@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from mqinfer.ops import job_tasks
+from mqinfer.ops import job_run
 from mqinfer.ops.job_store import JobStore
 from mqinfer.ops.jobs import job_info, submit_job
 from mqinfer.schemas import keys
@@ -108,7 +108,7 @@ def test_requests_enter_the_stream_in_prefix_order_and_the_output_stays_in_input
 def test_prefix_order_is_kept_per_part_across_tasks_that_each_feed_a_little(redis_client, tmp_path, monkeypatch):
     """Parts of five lines, two requests out at a time: every task is a new one that resumes from
     the feed cursor; the requests enter the stream in each part's prefix order, each once."""
-    monkeypatch.setattr(job_tasks, "INDEX_PART_LINES", 5)
+    monkeypatch.setattr(job_run, "INDEX_PART_LINES", 5)
     items = _interleaved(14, "p")
     src = write_jsonl(tmp_path / "in.jsonl", items)
     res = submit_job(redis_client, src, tmp_path / "out", stream="parts", max_in_flight=2, chunk_size=2)
@@ -252,7 +252,7 @@ def test_cli_submit_takes_order_and_route(redis_url, redis_client, tmp_path):
     shown = subprocess.run(mqinfer_cmd("jobs", "submit", "--help"), **common)
     assert shown.returncode == 0, shown.stderr
     assert "--order {prefix,input}" in shown.stdout and "--route {prefix,id}" in shown.stdout
-    assert f"part of {job_tasks.INDEX_PART_LINES} input lines" in " ".join(shown.stdout.split())
+    assert f"part of {job_run.INDEX_PART_LINES} input lines" in " ".join(shown.stdout.split())
     src = write_jsonl(tmp_path / "in.jsonl", _interleaved(3))
     done = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"), "--redis", redis_url,
                                       "--shards", "2", "--order", "input", "--route", "id", "--json"), **common)

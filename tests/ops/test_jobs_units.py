@@ -392,13 +392,13 @@ def test_failing_tasks_back_off_are_restarted_by_the_sweeper_and_finally_fail_th
 
 
 def test_a_bulk_job_refuses_several_choices_with_an_error_row_naming_n():
-    from mqinfer.ops.job_tasks import _refuse_choices
+    from mqinfer.ops.job_validation import refuse_choices
     from mqinfer.schemas.files import InputItem
     from mqinfer.schemas.request import request_from_obj
 
     one = InputItem(1, request_from_obj({"id": "a", "prompt": "x"}), None)
-    assert _refuse_choices(one) is one
-    many = _refuse_choices(InputItem(2, request_from_obj({"id": "b", "prompt": "x", "n": 3}), None))
+    assert refuse_choices(one) is one
+    many = refuse_choices(InputItem(2, request_from_obj({"id": "b", "prompt": "x", "n": 3}), None))
     assert many.request is None and many.error.code == "unsupported_parameter"
     assert many.error.request_id == "b" and "$.n" in many.error.message and many.line == 2
 

@@ -18,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mqinfer.kernels import cpu_ops
 from mqinfer.kernels import linear as dense
 from mqinfer.kernels import linear_amx, linear_onednn
 from mqinfer.kernels.kv_quant import LayerKVCache
