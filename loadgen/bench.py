@@ -253,7 +253,7 @@ def _prepare(args: argparse.Namespace) -> _Setup:
         log(f"--workers auto: {workers} worker(s) x {threads or 'default'} thread(s) ({why})")
     # One concrete dtype for every side (workers, transformers, the matrix rate): `auto` is the
     # checkpoint's own, or float32 on a CPU without native half-precision matmul (as the workers do).
-    from mqinfer.workers.loader import resolve_dtype
+    from mqinfer.workers.engine.loader import resolve_dtype
 
     mm_dtype = str(resolve_dtype(args.dtype, spec.config, device)).removeprefix("torch.")
     args = argparse.Namespace(**{**vars(args), "dtype": mm_dtype, "workers": workers, "num_threads": threads})

@@ -70,7 +70,7 @@ def _shape(text: str) -> tuple[int, int]:
 
 def _bf16_main(args: argparse.Namespace) -> int:
     """bfloat16 ``torch.mm`` against the w8a8 kernel on bfloat16 rows."""
-    from mqinfer.workers.models.layers import LMHead
+    from mqinfer.workers.engine.models.layers import LMHead
 
     if not q8.native_takes_bf16():
         print("the w8a8 kernel does not take bfloat16 rows here (it needs AVX-512 VNNI)")

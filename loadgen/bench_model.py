@@ -50,7 +50,7 @@ def resolve_model(model: str | None) -> ModelSpec:
         log(f"the {model} checkpoint (random weights): {folder}; written once, with its GGUF")
         model = str(make_shape_checkpoint(model, folder))
     if model == "tiny":
-        from mqinfer.workers.loader import TINY_BOS, TINY_HF_CONFIG
+        from mqinfer.workers.engine.loader import TINY_BOS, TINY_HF_CONFIG
 
         # Byte ids only: the ids from TINY_BOS up are special tokens.
         return ModelSpec("tiny", None, dict(TINY_HF_CONFIG), int(TINY_BOS),
@@ -110,7 +110,7 @@ def hf_folder(spec: ModelSpec, scratch: Path) -> Path:
     """A folder transformers can load: the checkpoint's own, or the tiny model saved once to ``scratch``."""
     if spec.folder is not None:
         return spec.folder
-    from mqinfer.workers.loader import save_tiny_checkpoint
+    from mqinfer.workers.engine.loader import save_tiny_checkpoint
 
     spec.folder = save_tiny_checkpoint(scratch / "tiny-checkpoint")
     return spec.folder

@@ -37,8 +37,8 @@ def run_layout(model: str, *, pp: int, micro_batches: str | None, batch: int, pr
     request's greedy tokens."""
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
-    from mqinfer.workers.pipeline import MICRO_BATCHES_ENV
+    from mqinfer.workers.engine.core import LLMEngine
+    from mqinfer.workers.engine.pipeline import MICRO_BATCHES_ENV
 
     if micro_batches is None:
         os.environ.pop(MICRO_BATCHES_ENV, None)

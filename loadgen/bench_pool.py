@@ -108,7 +108,7 @@ class WorkerPool:
     def busy_summaries(self) -> list[dict[str, Any]]:
         """The exit summaries (busy time by phase, requests finished, uptime) of this pool's stopped
         workers, from ``OUT/.mqinfer/workers/<consumer>.json``."""
-        from mqinfer.workers.busy import summary_path
+        from mqinfer.workers.queue.busy import summary_path
 
         found = []
         for consumer in self.consumers:

@@ -40,7 +40,7 @@ def _log(message: str) -> None:
 
 def _engine(model: str, dtype: str, num_threads: int | None):
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     return LLMEngine(EngineConfig(model=model, device="cpu", dtype=dtype, num_threads=num_threads,
                                   max_num_seqs=len(PROMPTS), enable_prefix_caching=False))

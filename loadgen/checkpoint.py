@@ -224,8 +224,8 @@ def checkpoint_from_gguf(gguf: str | os.PathLike, folder: str | os.PathLike) -> 
     from safetensors.torch import save_file
 
     from mqinfer.loadgen.gguf_checkpoint import write_gguf
-    from mqinfer.workers.gguf import GGUFCheckpoint
-    from mqinfer.workers.tokenizer import tokenizer_from_gguf
+    from mqinfer.workers.engine.gguf import GGUFCheckpoint
+    from mqinfer.workers.engine.tokenizer import tokenizer_from_gguf
 
     source, folder = Path(gguf).resolve(), Path(folder)
     stamp = {"format": 1, "source": str(source), "size": source.stat().st_size,

@@ -22,10 +22,10 @@ from typing import Iterator
 
 def _source(model: str) -> tuple[dict, Iterator]:
     """The model's HF config and its (HF name, tensor) pairs."""
-    from mqinfer.workers import loader
+    from mqinfer.workers.engine import loader
 
     if model.lower().endswith(".gguf"):
-        from mqinfer.workers.gguf import GGUFCheckpoint
+        from mqinfer.workers.engine.gguf import GGUFCheckpoint
 
         checkpoint = GGUFCheckpoint(model)
         return dict(checkpoint.hf_config), checkpoint.weights()
@@ -41,7 +41,7 @@ def cut_checkpoint(model: str, layers: int, out: str | Path, dtype: str = "float
     file), with its embeddings, final norm and LM head, to the folder ``out``."""
     from safetensors.torch import save_file
 
-    from mqinfer.workers.loader import resolve_dtype
+    from mqinfer.workers.engine.loader import resolve_dtype
 
     hf, weights = _source(model)
     total = int(hf["num_hidden_layers"])

@@ -182,7 +182,7 @@ def engine_outputs(folder: Path, dtype: str, prompts: Sequence[Sequence[int]], m
     """The engine's greedy outputs, every prompt in one continuous batch."""
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     longest = max(len(p) for p in prompts) + max_tokens
     engine = LLMEngine(EngineConfig(

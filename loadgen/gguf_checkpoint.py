@@ -8,7 +8,7 @@ llamacpp`` runs both engines on exactly the same numbers:
 - matrices stay bfloat16, byte for byte; 1-D tensors (the RMSNorm weights) are float32, as the
   converter stores them (every bfloat16 value is exactly a float32 value);
 - q/k projection rows are reordered within each head from HF's rotate-half pairing to llama.cpp's
-  interleaved pairs (the converter's ``permute``; ``workers/gguf.py`` undoes it when mqinfer reads
+  interleaved pairs (the converter's ``permute``; ``workers/engine/gguf.py`` undoes it when mqinfer reads
   such a file);
 - a tied LM head is left out (llama.cpp then uses the embedding, as HF does);
 - the vocabulary is llama.cpp's ``none`` kind with ``llama.vocab_size`` tokens: benchmark prompts

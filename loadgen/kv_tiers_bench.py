@@ -105,7 +105,7 @@ def storage_on_model(model: str, folder: Path, tokens: int = 1024) -> dict:
 
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     eng = LLMEngine(EngineConfig(model=model, kv_cache_dtype="int8", num_kv_blocks=tokens // BLOCK + 8,
                                  max_model_len=tokens + 64, kv_disk_cache=str(folder)))

@@ -153,7 +153,7 @@ def run_engine_paged(requests: Sequence[dict[str, Any]], block_size: int, kv_bud
                      kv_cache_dtype: str = "auto") -> PagedRun:
     """The same figures from the real engine (model forward passes, real sampling) on ``requests``."""
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", block_size=block_size, num_kv_blocks=kv_budget // block_size,
@@ -371,7 +371,7 @@ def memory_report(requests: Sequence[dict[str, Any]], *, kv_budget: int = DEFAUL
 def model_kv_bytes_per_token(model: str, kv_cache_dtypes: Sequence[str]) -> dict[str, int]:
     """Bytes of one token's KV (all layers, scales included) for each KV cache dtype, for
     ``model`` loaded as the engine loads it on this machine's CPU."""
-    from mqinfer.workers.loader import load_model
+    from mqinfer.workers.engine.loader import load_model
 
     _, info = load_model(model, "cpu")
     return {d: info.kv_bytes_per_token_as(d) for d in kv_cache_dtypes}
@@ -532,7 +532,7 @@ def _prepare(args: argparse.Namespace, max_model_len: int) -> _Setup:
     if args.engine:
         engine_model = _model_path(args.model)
         if engine_model == "tiny":
-            from mqinfer.workers.loader import TINY_BOS
+            from mqinfer.workers.engine.loader import TINY_BOS
 
             vocab_size = TINY_BOS  # the tiny model's byte ids, below its special tokens
         else:

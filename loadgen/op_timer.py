@@ -129,9 +129,9 @@ def timing_ops(model) -> Iterator[OpTimes]:
     from mqinfer.kernels import linear_onednn as onednn
     from mqinfer.kernels import linear_int8 as q8
     from mqinfer.kernels import linear_w8a16 as w16
-    from mqinfer.workers.models.layers import Linear, LMHead
-    from mqinfer.workers.models.llama import Attention
-    from mqinfer.workers.models.quant import Int8Linear
+    from mqinfer.workers.engine.models.layers import Linear, LMHead
+    from mqinfer.workers.engine.models.llama import Attention
+    from mqinfer.workers.engine.models.quant import Int8Linear
 
     roles: dict[int, str] = {}
     for module_name, module in model.named_modules():

@@ -49,7 +49,7 @@ def _log(message: str) -> None:
 
 def build_engine(model: str, args: argparse.Namespace):
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     config = EngineConfig(
         model=model, device="cpu", dtype=args.dtype, max_num_seqs=args.max_num_seqs,

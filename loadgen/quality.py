@@ -58,7 +58,7 @@ PROMPTS = (
 
 def reference_text(modules: tuple[str, ...] = TEXT_MODULES) -> str:
     """The scored text: the docstrings of ``modules`` and of their public classes and functions."""
-    from mqinfer.workers.models.quant import docstring_text
+    from mqinfer.workers.engine.models.quant import docstring_text
 
     return docstring_text(modules)
 
@@ -78,7 +78,7 @@ class Result:
 
 def _engine(args: argparse.Namespace, quantization: str, kv_cache_dtype: str, lm_head: str):
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     options: dict[str, Any] = dict(model=args.model, device="cpu", dtype=args.dtype, quantization=quantization,
                                    quantize_lm_head=lm_head == "int8",

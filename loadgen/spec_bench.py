@@ -72,7 +72,7 @@ def copy_tasks(n: int) -> list[list[dict[str, str]]]:
 
 def _engine(args: argparse.Namespace, speculative: str, **overrides: Any):
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     return LLMEngine(EngineConfig(**{
         "model": args.model, "dtype": args.dtype, "num_threads": args.num_threads,

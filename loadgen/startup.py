@@ -10,7 +10,7 @@ builds the engine from the worker's engine settings, and reports, from the proce
 worker's imports, and the engine's own parts (``LLMEngine.startup_seconds``: the model read or
 prepared, the runner and its KV cache, quantizing, keeping the prepared model). The first run uses
 an empty folder for prepared models, so it pays what the first start on a machine pays; the
-later runs find what it kept (workers/prepared.py), as every later worker on the machine does.
+later runs find what it kept (workers/engine/prepared.py), as every later worker on the machine does.
 Worker-side Redis and Parquet set-up are not included (milliseconds on a local server).
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 
 def _child(args: argparse.Namespace) -> int:
-    from mqinfer.workers.costs import process_start_time
+    from mqinfer.workers.queue.costs import process_start_time
 
     began = process_start_time() or time.time()
     from mqinfer.procs import short_openmp_spin
@@ -37,9 +37,9 @@ def _child(args: argparse.Namespace) -> int:
     import torch  # noqa: F401
 
     t1 = time.time()
-    import mqinfer.workers.worker  # noqa: F401  (what a worker imports)
+    import mqinfer.workers.queue.worker  # noqa: F401  (what a worker imports)
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     t2 = time.time()
     engine = LLMEngine(EngineConfig(model=args.model, device="cpu", dtype=args.dtype, quantization=args.quantization,

@@ -41,7 +41,7 @@ def _log(message: str) -> None:
 
 def build_engine(args: argparse.Namespace):
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     return LLMEngine(EngineConfig(
         model=args.model, device="cpu", dtype=args.dtype, num_threads=args.num_threads,
@@ -78,7 +78,7 @@ def run_round(engine, requests: list[dict[str, Any]], grammars: list | None,
 
 def compile_times(engine, schemas: list[tuple[str, dict]]) -> list[float]:
     """Seconds to compile each schema on a fresh compiler over the engine's tokenizer."""
-    from mqinfer.workers.structured import GrammarCompiler
+    from mqinfer.workers.engine.structured import GrammarCompiler
 
     compiler = GrammarCompiler(engine.structured.compiler.tokenizer)
     times = []

@@ -266,7 +266,7 @@ def cmd_worker(args, opts: dict) -> int:
     from mqinfer.ops.budgets import BudgetGuard, load_budgets
     from mqinfer.ops.metrics import WorkerMetrics
     from mqinfer.schemas.connection import connect_redis
-    from mqinfer.workers.worker import Worker
+    from mqinfer.workers.queue.worker import Worker
 
     from mqinfer.workers import devices
 

@@ -3,7 +3,7 @@
 The price is per device-hour, and a run holds its devices from its first worker's start to its
 last worker's exit (the *window*). On a CPU the machine is one device; on CUDA the run holds
 every device one of its workers runs on. Each worker bills its share of them
-(``workers/costs.py``): the run tells every worker its share of the layout
+(``workers/queue/costs.py``): the run tells every worker its share of the layout
 (:func:`worker_shares`), so that its workers together hold at most the whole machine.
 
 What no worker covers is the run's to bill: a core before its worker started (interpreter and
@@ -13,7 +13,7 @@ killed worker after its last beat. The run writes that remainder as one ``idle``
 the worker name ``run``, its ``device_share`` the uncovered share averaged over the window, so
 that the cost rows of every kind add up to the window times the devices, and ``cost_usd`` to
 that times the price. A killed worker's own time up to its last beat is its ``lost`` row
-(``workers/uptime.py``): a surviving worker writes it, or the run does once every worker exited
+(``workers/queue/uptime.py``): a surviving worker writes it, or the run does once every worker exited
 (:func:`settle_lost`).
 
 The window and its sums are kept in ``OUT/.mqinfer/machine/<job_id>.json`` (``OUT/.mqinfer`` is
@@ -100,7 +100,7 @@ def settle_lost(client, streams: list[str], group: str, window: Window, out: Pat
     from mqinfer.schemas.dataset import COSTS_DIR
     from mqinfer.schemas.dataset_uri import dataset_writer
     from mqinfer.schemas.rows import COST_SCHEMA
-    from mqinfer.workers.uptime import LostTime
+    from mqinfer.workers.queue.uptime import LostTime
 
     written = 0
     for stream in streams:

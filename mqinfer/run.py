@@ -11,7 +11,7 @@ its embedded server and workers die with it (``mqinfer.procs``). ``--out`` may b
 The results dataset is the record of what is done: a row is durable before its stream entry is
 acked, so a run cut anywhere (Ctrl-C, kill -9, a crash) leaves rows for exactly the requests
 whose work is kept, and the next run sends only the rest. ``--max-cost-usd`` caps what the job
-spends (``mqinfer.workers.job_caps``); the requests the cap stopped have ``budget_exceeded`` rows,
+spends (``mqinfer.workers.queue.job_caps``); the requests the cap stopped have ``budget_exceeded`` rows,
 which the next run removes and computes again (under its own cap, if any).
 """
 
@@ -186,7 +186,7 @@ def _write_invalid_rows(out: Path | str, job_id: str, invalid: list, opts: dict)
     if not invalid:
         return
     from mqinfer.schemas.rows import CostRow, error_result_row
-    from mqinfer.workers.sink import Sinks
+    from mqinfer.workers.queue.sink import Sinks
 
     now = time.time()
     model = model_label(opts["model"])

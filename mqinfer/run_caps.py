@@ -1,6 +1,6 @@
 """The cost cap of `mqinfer run` (``--max-cost-usd``): set for its workers, reported, and carried on.
 
-The workers enforce the cap (``mqinfer.workers.job_caps``) from the job's cost hash, which the run
+The workers enforce the cap (``mqinfer.workers.queue.job_caps``) from the job's cost hash, which the run
 fills before it submits: the cap, and the job's spend so far from its ``request`` cost rows on disk
 (the run's embedded server starts empty each time). The requests the cap stopped end with
 ``budget_exceeded`` rows; the next run of the job removes those rows and computes the requests again,
@@ -47,7 +47,7 @@ def job_spend(out: Path | str, job_id: str) -> float:
 def set_cost_cap(client, out: Path | str, job_id: str, cap: float | None) -> None:
     """The job's cost cap for its workers, with its spend so far; without a cap, none (not even
     one an earlier run left on a server given with --redis)."""
-    from mqinfer.workers.job_caps import set_cap
+    from mqinfer.workers.queue.job_caps import set_cap
 
     if cap is None:
         client.delete(keys.job_cost(job_id))

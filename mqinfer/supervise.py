@@ -8,7 +8,7 @@ does better: it knows its workers' processes, so when one dies holding entries i
 1. makes those entries claimable at once (their idle time set past ``--claim-idle-ms``, their
    delivery count untouched): the next worker to take them over counts the delivery, so a
    request that kills every worker that runs it reaches ``--max-deliveries`` and ends with an
-   error row (see workers/last_try.py for how that request is told apart from its neighbours);
+   error row (see workers/queue/last_try.py for how that request is told apart from its neighbours);
 2. starts a new worker in its place, so that a run of one worker, or of workers that all died,
    goes on to finish the job.
 

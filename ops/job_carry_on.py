@@ -1,7 +1,7 @@
 """A bulk job's cost cap at submit time, and carrying on a job that its cap stopped.
 
 ``mqinfer jobs submit --max-cost-usd`` gives the job a cap in its cost hash (``keys.job_cost``, on
-the request streams' server), which the inference workers enforce (``mqinfer.workers.job_caps``):
+the request streams' server), which the inference workers enforce (``mqinfer.workers.queue.job_caps``):
 once the job's spend plus the estimate of its requests in flight reaches the cap, no request of
 the job starts; the rest end with ``budget_exceeded`` error rows, which the job collects like any
 other row, so that it still completes, with those requests failed.

@@ -126,7 +126,7 @@ def submit_job(client: redis.Redis, input_path: str | os.PathLike[str], out_dir:
     lanes, at most ``max_lanes`` in the registry; the job's own lanes are removed when it ends.
     ``none`` (this function's default, as before lanes): the plain streams. ``max_cost_usd``: the
     job's cost cap, which the inference workers enforce (``keys.job_cost``: set on the streams'
-    server before the first request is fed; workers/job_caps.py).
+    server before the first request is fed; workers/queue/job_caps.py).
     """
     _check_options(max_in_flight=max_in_flight, chunk_size=chunk_size, lease_s=lease_s, stream=stream,
                    order=order, route=route)

@@ -1,7 +1,7 @@
 """Prometheus metrics of the KV tiers below the device cache, read when Prometheus scrapes.
 
 The worker hands in a function returning each tier's counters as plain dicts (``KVTiers.snapshot``
-in workers/kv_tiers.py: ``tier`` host, disk or shared, and its numbers); this module renders them.
+in workers/engine/kv_tiers.py: ``tier`` host, disk or shared, and its numbers); this module renders them.
 Every series has the label ``tier``:
 
 ``mqinfer_kv_tier_hits_total``               counter  blocks served (copied up into the KV cache)

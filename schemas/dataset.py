@@ -8,7 +8,7 @@ file behind, which :func:`remove_temp_files` deletes. While a temp file is being
 writer holds an exclusive ``flock`` on it, so that cleaning up at one worker's start never
 deletes a file another live worker is still writing.
 
-Workers write these files (``workers/sink.py`` buffers rows for them); compaction and reports
+Workers write these files (``workers/queue/sink.py`` buffers rows for them); compaction and reports
 read and rewrite them.
 """
 

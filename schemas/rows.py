@@ -63,7 +63,7 @@ RESULT_SCHEMA = pa.schema(
         # (with_choice_index; compaction writes the 0).
         pa.field("index", pa.int32()),
         # Whether the request met every latency target it had (slo_ttft_ms, slo_tpot_ms, or its
-        # tenant's --tenant-slos; see workers/slo.py); null without targets, for a request that
+        # tenant's --tenant-slos; see workers/queue/slo.py); null without targets, for a request that
         # never ran, and in rows written before the column existed.
         pa.field("slo_met", pa.bool_()),
     ]

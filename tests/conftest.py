@@ -71,7 +71,7 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture(scope="session", autouse=True)
 def prepared_models_in_a_session_folder(tmp_path_factory):
-    """Models that engines prepare and keep for their next start (workers/prepared.py) go to this
+    """Models that engines prepare and keep for their next start (workers/engine/prepared.py) go to this
     test session's own folder, not the user's cache (worker subprocesses inherit the setting)."""
     os.environ.setdefault("MQINFER_PREPARED_CACHE_DIR", str(tmp_path_factory.mktemp("prepared")))
     yield

@@ -123,10 +123,10 @@ def test_the_finder_sees_a_cycle_through_a_function_level_import():
     graph = {"mqinfer.a": {"mqinfer.b"}, "mqinfer.b": {"mqinfer.c"}, "mqinfer.c": {"mqinfer.a"}, "mqinfer.d": set()}
     assert cycles(graph) == [["mqinfer.a", "mqinfer.b", "mqinfer.c"]]
     source = ("def f():\n    from . import loader\n    from mqinfer.kernels.linear import x\n"
-              "if TYPE_CHECKING:\n    from mqinfer.workers.engine import LLMEngine\n")
-    names = imported_names("mqinfer.workers.parallel", _write(source), is_package=False)
-    assert names >= {"mqinfer.workers.loader", "mqinfer.kernels.linear.x"}
-    assert "mqinfer.workers.engine" not in names
+              "if TYPE_CHECKING:\n    from mqinfer.workers.engine.core import LLMEngine\n")
+    names = imported_names("mqinfer.workers.engine.parallel", _write(source), is_package=False)
+    assert names >= {"mqinfer.workers.engine.loader", "mqinfer.kernels.linear.x"}
+    assert "mqinfer.workers.engine.core" not in names
 
 
 def _write(source: str) -> Path:
@@ -139,9 +139,9 @@ def _write(source: str) -> Path:
 
 def test_the_graph_covers_the_package():
     graph = import_graph()
-    assert {"mqinfer.cli", "mqinfer.workers.engine", "mqinfer.scheduler.scheduler", "mqinfer.kernels.attention",
+    assert {"mqinfer.cli", "mqinfer.workers.engine.core", "mqinfer.scheduler.scheduler", "mqinfer.kernels.attention",
             "mqinfer.ops.report", "mqinfer.loadgen.bench"} <= set(graph)
-    assert "mqinfer.scheduler.scheduler" in graph["mqinfer.workers.engine"]
+    assert "mqinfer.scheduler.scheduler" in graph["mqinfer.workers.engine.core"]
 
 
 def test_no_import_cycles():

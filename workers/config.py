@@ -30,7 +30,7 @@ QUANTIZATIONS = ("none", "w8a8", "w8a16")
 # How the KV cache stores K and V (kernels/kv_quant.py, which holds the same tuple, owns what
 # each means; this module stays free of torch).
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-# How KV tiers store the blocks of a cache in the model's dtype (workers/kv_tiers.py): its own
+# How KV tiers store the blocks of a cache in the model's dtype (workers/engine/kv_tiers.py): its own
 # bytes, compressed, or quantized to int8.
 KV_TIER_STORAGES = ("lossless", "int8")
 # Speculative decoding's proposers.

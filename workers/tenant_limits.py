@@ -5,7 +5,7 @@ generate (``max_tokens``, fewer when the context length leaves less room). The w
 taken from the tenant's bucket when the request is admitted, before it runs: a reservation made
 up front holds the limit across workers without correcting anything afterwards, and a request
 that stops early is still charged its reservation (ask for the ``max_tokens`` you need).
-:mod:`.buckets` keeps the buckets in Redis; :mod:`.throttle` holds the requests that wait on them.
+:mod:`.queue.buckets` keeps the buckets in Redis; :mod:`.queue.throttle` holds the requests that wait on them.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def build_engine(model: str, device: str, dtype: str, max_num_seqs: int, max_mod
     """An ``LLMEngine`` for timing steps directly: no prefix caching (every sequence reads its own
     KV), room for ``max_num_seqs`` sequences at once."""
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     defaults = EngineConfig()
     config = EngineConfig(model=model, device=device, dtype=dtype, max_num_seqs=max_num_seqs,

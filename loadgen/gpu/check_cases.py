@@ -89,7 +89,7 @@ def generate(model: str, prompts: list[list[int]], max_tokens: int, **config: An
     continuous batch, and the engine's counters (preemptions, swaps, prefix-cache hits)."""
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     longest = max(len(p) for p in prompts) + max_tokens
     settings = {"dtype": "float32", "max_num_seqs": len(prompts), "max_num_batched_tokens": 2048,
@@ -296,7 +296,7 @@ def swap_host_cache(setup: Setup) -> Outcome:
     """KV blocks (bf16, int8 and fp8 with their scales) out to pinned host memory and back into
     other device blocks: every byte as it was."""
     from mqinfer.kernels.kv_quant import quantize_kv
-    from mqinfer.workers.swap import HostKVCache
+    from mqinfer.workers.engine.swap import HostKVCache
 
     pinned = setup.device == "cuda"
     gen = torch.Generator(setup.device).manual_seed(0)
@@ -362,7 +362,7 @@ def kv_tiers_engine(setup: Setup) -> Outcome:
 
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     model, vocab = check_model(setup)
     rng = random.Random(3)

@@ -52,7 +52,7 @@ def run_layout(model: str, *, device: str, devices: str | None, tp: int, threads
 
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     config = EngineConfig(model=model, device=device, devices=devices, tensor_parallel_size=tp, num_threads=threads,
                           dtype=dtype, max_model_len=prompt_len + new_tokens + 16,

@@ -264,7 +264,7 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
     """Fit the step-cost model of ``config`` (an ``EngineConfig``) on this machine, timing batch
     shapes for at most ``budget_s`` seconds; with ``pipeline``, also measure the worker loop's
     overheads and start-up on the real pipeline."""
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     started = time.perf_counter()
     startup_s = None
@@ -318,7 +318,7 @@ def calibrate(config, *, budget_s: float = 60.0, model_id: str = "", pipeline: b
 
 def _startup_probe(settings_json: str) -> int:
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     logging.disable(logging.INFO)
     engine = LLMEngine(EngineConfig(**json.loads(settings_json)))
@@ -332,7 +332,7 @@ def _contention_probe(settings_json: str) -> int:
     import threading
 
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     logging.disable(logging.INFO)
     engine = LLMEngine(EngineConfig(**json.loads(settings_json)))

@@ -10,7 +10,7 @@ One step's seconds are a linear function of five features::
 
 ``pairs`` sums, over the prompt chunks of the step (more than one token), the pairs of a chunk of
 ``n`` tokens ending at context length ``ctx``: ``n * ctx - n * (n - 1) / 2``, the same count the
-cost meter splits a step by (workers/costs.py); a prompt of ``L`` tokens has about ``L * L / 2``.
+cost meter splits a step by (workers/queue/costs.py); a prompt of ``L`` tokens has about ``L * L / 2``.
 ``decode_context`` sums the context lengths of the decode tokens (one-token chunks). The two are
 apart because they cost differently per pair: a prompt's attention is a dense matrix product, a
 decode token's reads its whole context from paged KV blocks for one query.

@@ -98,7 +98,7 @@ SLOW_PERIOD_BLOCKS = 4
 # A fresh worker's span over the warm one's within this share of the warm span is noise (two runs of
 # a second each on a shared machine), not slow first steps; a GPU's kernel compiles are far above it.
 FIRST_STEP_NOISE_SHARE = 0.1
-# A worker's row lines start with this (workers/billing.py's finished-request log line).
+# A worker's row lines start with this (workers/queue/billing.py's finished-request log line).
 ROW_LINE = "finished"
 
 

@@ -10,7 +10,7 @@ are therefore the engine's own; only the model's time is predicted.
 
 The stream (Redis) is a FIFO of arrived entries. A worker whose engine is idle blocks on it, and
 an arriving entry wakes the worker that has blocked longest, as Redis serves blocked readers. At
-every turn of its loop a worker reads what the worker's ingest would (workers/ingest.py):
+every turn of its loop a worker reads what the worker's ingest would (workers/queue/ingest.py):
 ``room`` from its free sequences and waiting bound, at most ``max_batch``, within an even share
 of the outstanding work between the workers.
 

@@ -23,7 +23,7 @@ class Workload:
 
 
 def _tokenizer(model: str):
-    from mqinfer.workers.tokenizer import ByteTokenizer, load_tokenizer
+    from mqinfer.workers.engine.tokenizer import ByteTokenizer, load_tokenizer
 
     if model == "tiny":
         return ByteTokenizer()
@@ -79,7 +79,7 @@ def read_workload_file(path: str, model: str) -> Workload:
 
 def with_tenant_slos(requests: Sequence[SimRequest], tenant_slos: dict[str, tuple[int, int]]) -> list[SimRequest]:
     """The requests with their tenant's ``--tenant-slos`` targets where they set none of their own,
-    as a worker gives them (workers/slo.py)."""
+    as a worker gives them (workers/queue/slo.py)."""
     out = []
     for r in requests:
         if r.slo_ttft_ms is None and r.slo_tpot_ms is None and r.tenant in tenant_slos:

@@ -170,7 +170,7 @@ def test_rate_limits_run_under_the_worker_user_and_a_user_without_them_refuses_t
     """The worker user may run the bucket script (every command in it is checked against the
     user); a worker whose user may not (an ACL file written without the script's commands) does not
     serve unlimited: it exits 2 with a message before it loads its model."""
-    from mqinfer.workers.buckets import TokenBuckets
+    from mqinfer.workers.queue.buckets import TokenBuckets
     from mqinfer.workers.tenant_limits import TenantLimit
 
     buckets = TokenBuckets(acl_server.client("worker"), {"gold": TenantLimit(100, 1)})

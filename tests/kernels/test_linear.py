@@ -98,8 +98,8 @@ def test_pack_declines_what_the_kernel_does_not_take(monkeypatch):
 
 @needs_kernel
 def test_model_layers_use_the_kernel_and_repack_after_loading(tmp_path, monkeypatch):
-    from mqinfer.workers.loader import load_model, make_random_checkpoint
-    from mqinfer.workers.models.layers import Linear
+    from mqinfer.workers.engine.loader import load_model, make_random_checkpoint
+    from mqinfer.workers.engine.models.layers import Linear
 
     make_random_checkpoint(tmp_path, dtype="float32", hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                            num_attention_heads=4, num_key_value_heads=2, vocab_size=300)

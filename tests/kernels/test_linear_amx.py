@@ -70,7 +70,7 @@ def test_what_the_kernel_takes_and_clear_errors():
 
 
 def test_the_models_layers_use_it_and_the_switch_turns_it_off(monkeypatch):
-    from mqinfer.workers.models.layers import Linear, LMHead
+    from mqinfer.workers.engine.models.layers import Linear, LMHead
 
     torch.manual_seed(1)
     layer = Linear(256, 384, bias=True, dtype=torch.bfloat16, device="cpu")
@@ -95,9 +95,9 @@ def test_the_models_layers_use_it_and_the_switch_turns_it_off(monkeypatch):
 def test_a_bfloat16_model_packs_every_layer_at_start(tmp_path):
     from mqinfer.loadgen.checkpoint import make_llama_checkpoint
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
-    from mqinfer.workers.models.layers import Linear, LMHead
-    from mqinfer.workers.models.llama import MLP
+    from mqinfer.workers.engine.core import LLMEngine
+    from mqinfer.workers.engine.models.layers import Linear, LMHead
+    from mqinfer.workers.engine.models.llama import MLP
 
     folder = make_llama_checkpoint(tmp_path / "ck", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
@@ -161,7 +161,7 @@ def test_fused_swiglu_refuses_what_it_cannot_take():
 
 
 def test_the_models_mlp_takes_the_fused_swiglu_with_the_same_bits():
-    from mqinfer.workers.models.llama import MLP, ModelConfig
+    from mqinfer.workers.engine.models.llama import MLP, ModelConfig
 
     if not cpu_ops.cpu_ops_available():
         pytest.skip("the native CPU ops are not built here")

@@ -205,8 +205,8 @@ def _greedy(model: str, dtype: str) -> tuple[dict, set[type]]:
     with their logprobs, and the kinds of packed weight the layers used."""
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
-    from mqinfer.workers.models.quant import Int8Linear
+    from mqinfer.workers.engine.core import LLMEngine
+    from mqinfer.workers.engine.models.quant import Int8Linear
 
     engine = LLMEngine(EngineConfig(model=model, num_threads=1, num_kv_blocks=128, dtype=dtype,
                                     quantization="w8a8"))

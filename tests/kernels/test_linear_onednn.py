@@ -50,8 +50,8 @@ def test_what_it_takes_and_clear_errors(monkeypatch):
 def test_the_models_layers_take_it_up_to_the_row_limit_with_the_same_outputs(tmp_path, monkeypatch):
     from mqinfer.loadgen.checkpoint import make_llama_checkpoint
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
-    from mqinfer.workers.models.layers import LMHead, Linear
+    from mqinfer.workers.engine.core import LLMEngine
+    from mqinfer.workers.engine.models.layers import LMHead, Linear
 
     folder = make_llama_checkpoint(tmp_path / "ck", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, vocab_size=300,

@@ -1,4 +1,4 @@
-"""Logits processing (kernels/penalties.py through workers/logits_processors.py): presence,
+"""Logits processing (kernels/penalties.py through workers/engine/logits_processors.py): presence,
 frequency and repetition penalties, logit bias and min_tokens, held to a plain per-token PyTorch
 reference and to transformers' logits processors, for rows alone and mixed in a batch."""
 
@@ -17,7 +17,7 @@ from transformers import (
 
 from mqinfer.kernels.sampling import choice_seed
 from mqinfer.scheduler.request import EngineRequest, SamplingParams
-from mqinfer.workers.logits_processors import LogitsProcessors
+from mqinfer.workers.engine.logits_processors import LogitsProcessors
 
 VOCAB = 97
 EOS = 2

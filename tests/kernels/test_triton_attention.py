@@ -308,8 +308,8 @@ def test_engine_with_the_triton_kernels_generates_what_the_pytorch_path_does(mon
     # several prompts beside running decodes, greedy tokens compared one for one.
     from mqinfer.scheduler.request import SamplingParams
     from mqinfer.workers.config import EngineConfig
-    from mqinfer.workers.engine import LLMEngine
-    from mqinfer.workers.models import llama
+    from mqinfer.workers.engine.core import LLMEngine
+    from mqinfer.workers.engine.models import llama
 
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 256) for _ in range(rng.randint(2, 50))] for _ in range(3)]

@@ -345,7 +345,7 @@ def test_online_bench_compares_wait_settings_at_one_rate(tmp_path, capsys):
 
 
 def test_fixed_workload_beside_a_stand_in_llamacpp(tmp_path, capsys):
-    from mqinfer.workers.loader import TINY_HF_CONFIG
+    from mqinfer.workers.engine.loader import TINY_HF_CONFIG
     from tests.loadgen.llamacpp_fakes import make_stand_in, tiny_llama_gguf
 
     folder = make_stand_in(tmp_path / "llama.cpp-bin")

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from mqinfer.loadgen.checkpoint import STANDARD_CONFIG, is_checkpoint, make_llama_checkpoint
-from mqinfer.workers.loader import cpu_computes_natively, load_model
+from mqinfer.workers.engine.loader import cpu_computes_natively, load_model
 
 SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=300, max_position_embeddings=128)
@@ -102,7 +102,7 @@ def test_the_gguf_beside_a_tied_checkpoint_holds_the_same_weights(tmp_path):
 
     from mqinfer.loadgen import llamacpp
     from mqinfer.loadgen.checkpoint import GGUF_NAME
-    from mqinfer.workers.gguf import GGUFFile
+    from mqinfer.workers.engine.gguf import GGUFFile
 
     config = {**SMALL, "tie_word_embeddings": True}
     folder = make_llama_checkpoint(tmp_path / "ck", gguf=True, **config)
@@ -132,7 +132,7 @@ def test_the_gguf_beside_a_tied_checkpoint_holds_the_same_weights(tmp_path):
 
 def test_a_gguf_model_as_a_bf16_folder_and_gguf_of_the_same_bytes(tmp_path):
     from mqinfer.loadgen.checkpoint import GGUF_NAME, checkpoint_from_gguf, main
-    from mqinfer.workers.tokenizer import load_tokenizer
+    from mqinfer.workers.engine.tokenizer import load_tokenizer
     from tests.workers.gguf_files import byte_level_vocab, write_gguf
 
     # A Q8_0 source (the kind of file people download), made from a random checkpoint.

@@ -49,7 +49,7 @@ def test_copy_run_with_a_draft_model_cut_from_the_model(tmp_path):
     """The draft checkpoint helper cuts the model's first layers into a folder; with all but one of
     the tiny model's 4 layers the draft is often right, and the outputs stay the model's."""
     from mqinfer.loadgen import draft_checkpoint
-    from mqinfer.workers.loader import load_model, save_tiny_checkpoint
+    from mqinfer.workers.engine.loader import load_model, save_tiny_checkpoint
 
     folder = save_tiny_checkpoint(tmp_path / "tiny")
     assert draft_checkpoint.main(["--model", str(folder), "--layers", "3", "--out", str(tmp_path / "d")]) == 0

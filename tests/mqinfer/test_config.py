@@ -321,7 +321,7 @@ def test_device_share_from_every_source_reaches_the_worker_and_run(monkeypatch, 
     assert _resolve([])["device_share"] == 0.5
     monkeypatch.delenv("MQINFER_DEVICE_SHARE")
     assert _resolve([], _config(tmp_path, "device-share = 0.75\n"))["device_share"] == 0.75
-    assert _resolve([])["device_share"] is None  # the worker works its share out (workers/costs.py)
+    assert _resolve([])["device_share"] is None  # the worker works its share out (workers/queue/costs.py)
 
 
 @pytest.mark.parametrize("value", [0.0, -0.5, float("nan"), float("inf")])

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from mqinfer.schemas import keys
-from mqinfer.workers.job_caps import JobCaps, set_cap
+from mqinfer.workers.queue.job_caps import JobCaps, set_cap
 from tests.helpers import FakeClock, rows, write_jsonl
 
 PRICE = 3600.0  # one USD per device-second

@@ -17,7 +17,7 @@ from mqinfer.ops.metrics import OTHER_TENANT, WorkerMetrics, memory_utilization
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.scheduler.scheduler import Scheduler
-from mqinfer.workers.costs import Meter, WorkModel
+from mqinfer.workers.queue.costs import Meter, WorkModel
 
 
 def samples(metrics: WorkerMetrics) -> dict[str, float]:

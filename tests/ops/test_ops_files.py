@@ -23,7 +23,7 @@ from mqinfer.ops.budgets import Budgets, BudgetGuard, load_budgets
 from mqinfer.ops.metrics import WorkerMetrics
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.scheduler import Scheduler
-from mqinfer.workers.costs import Meter, WorkModel
+from mqinfer.workers.queue.costs import Meter, WorkModel
 from mqinfer.workers.tenant_limits import TenantLimit
 
 OPS = Path(__file__).resolve().parents[2] / "ops"

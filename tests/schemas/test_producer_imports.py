@@ -11,7 +11,7 @@ def test_storage_and_schema_modules_do_not_import_torch():
         "import sys\n"
         "import mqinfer.schemas.errors, mqinfer.schemas.request, mqinfer.schemas.openai_batch\n"
         "import mqinfer.schemas.stream, mqinfer.schemas.files, mqinfer.schemas.rows\n"
-        "import mqinfer.workers.sink, mqinfer.ops.compact, mqinfer.ops.report\n"
+        "import mqinfer.workers.queue.sink, mqinfer.ops.compact, mqinfer.ops.report\n"
         "heavy = sorted(m for m in ('torch', 'triton', 'transformers', 'tokenizers') if m in sys.modules)\n"
         "print(','.join(heavy))\n"
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from mqinfer.ops.metrics import WorkerMetrics
 from mqinfer.schemas import keys
 from mqinfer.workers.config import EngineConfig, WorkerConfig
-from mqinfer.workers.worker import Worker
+from mqinfer.workers.queue.worker import Worker
 from tests.helpers import FakeClock, rows
 
 STREAM = keys.request_stream("requests")

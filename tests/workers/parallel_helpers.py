@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 
 CASES = {
     # chunked prefill (a 24-token budget), prefix hits, and preemption by recompute in a small cache

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from mqinfer.workers.loader import make_random_checkpoint
+from mqinfer.workers.engine.loader import make_random_checkpoint
 
 LAYERS = 3
 VOCAB = 300

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mqinfer.workers.ingest import SERVER_TICK_S
+from mqinfer.workers.queue.ingest import SERVER_TICK_S
 from tests.workers.harness import WorkerHarness, request, submit
 
 MAX_WAIT_S = 0.15

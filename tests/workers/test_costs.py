@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
 from mqinfer.scheduler.request import EngineRequest, RequestStatus, SamplingParams
-from mqinfer.workers.costs import (
+from mqinfer.workers.queue.costs import (
     IDLE_RATIO_TAU_S,
     Meter,
     RequestMeter,

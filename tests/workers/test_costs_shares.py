@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqinfer.workers.costs import Meter, WorkModel
+from mqinfer.workers.queue.costs import Meter, WorkModel
 from tests.workers.test_costs import MODEL, Work
 
 

@@ -10,7 +10,7 @@ import torch
 from mqinfer.kernels import cpu_ops
 from mqinfer.kernels.attention import build_attention_metadata
 from mqinfer.kernels.sampling import greedy
-from mqinfer.workers.loader import load_model, make_random_checkpoint
+from mqinfer.workers.engine.loader import load_model, make_random_checkpoint
 
 pytestmark = pytest.mark.skipif(not cpu_ops.cpu_ops_available(), reason="no C compiler for the native CPU ops")
 

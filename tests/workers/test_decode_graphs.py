@@ -1,4 +1,4 @@
-"""Decode-only steps over static padded buffers (workers/decode_graphs.py), through its CPU stand-in:
+"""Decode-only steps over static padded buffers (workers/engine/decode_graphs.py), through its CPU stand-in:
 the engine with them gives exactly the eager engine's float32 tokens, greedy and seeded, at batch
 sizes that need padding, under recompute and swap preemption and with n > 1; prompt steps stay
 eager; the padded sizes; the scratch block is held for good; the set-up is timed and logged;
@@ -13,13 +13,13 @@ import torch
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.decode_graphs import (
+from mqinfer.workers.engine.decode_graphs import (
     decode_graphs_wanted,
     enable_decode_graphs,
     padded_size,
     padded_sizes,
 )
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 
 
 def _engine(**kw) -> LLMEngine:
@@ -121,7 +121,7 @@ def test_padded_sizes():
 
 def test_set_up_time_is_logged(caplog):
     engine = _engine(max_num_seqs=8)
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.decode_graphs"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine.decode_graphs"):
         graphs = enable_decode_graphs(engine)
     assert graphs.setup_seconds >= 0 and not graphs.captured  # nothing is captured on CPU
     assert any("decode graphs: 4 batch sizes (1,2,4,8)" in r.getMessage() for r in caplog.records)

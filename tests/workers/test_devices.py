@@ -72,7 +72,7 @@ def test_the_engine_and_run_read_the_device_count_through_the_seam(monkeypatch, 
     from mqinfer.cli import build_parser
     from mqinfer.config import resolve
     from mqinfer.run import placement, worker_argv
-    from mqinfer.workers.engine import LLMEngine
+    from mqinfer.workers.engine.core import LLMEngine
 
     monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"cuda:2 does not exist: this machine has 2 CUDA devices"):

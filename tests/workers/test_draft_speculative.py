@@ -24,10 +24,10 @@ import torch
 from prometheus_client import generate_latest
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import engine_startup
+from mqinfer.workers.engine import startup as engine_startup
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.loader import load_model
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.loader import load_model
 from tests.workers.harness import WorkerHarness, request, submit
 from tests.workers.spec_helpers import LAYERS, VOCAB
 from tests.workers.spec_helpers import prompts as _prompts
@@ -281,7 +281,7 @@ def test_the_automatic_kv_size_holds_the_draft_cache_too(target, small, monkeypa
     both, why = engine_startup.default_num_kv_blocks(info, torch.device("cpu"), config, 512, draft_per_block)
     assert alone == (16 << 20) // per_block and both == (16 << 20) // (per_block + draft_per_block)
     assert "the draft's KV caches together" in why
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine.startup"):
         engine = LLMEngine(EngineConfig(model=target, num_threads=1, dtype="float32", max_num_seqs=256,
                                         max_model_len=512, speculative="draft", draft_model=small))
     assert engine.scheduler_config.num_kv_blocks == both

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mqinfer.workers.loader import cpu_computes_natively, resolve_dtype
+from mqinfer.workers.engine.loader import cpu_computes_natively, resolve_dtype
 
 BF16 = {"torch_dtype": "bfloat16"}
 AVX2 = frozenset({"avx", "avx2", "fma"})

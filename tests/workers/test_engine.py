@@ -12,9 +12,9 @@ import transformers
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.engine_inputs import EngineInputError
-from mqinfer.workers.loader import save_tiny_checkpoint
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.inputs import EngineInputError
+from mqinfer.workers.engine.loader import save_tiny_checkpoint
 from tests.helpers import FakeClock
 
 NUM_NEW = 10

@@ -18,7 +18,7 @@ from safetensors import safe_open
 
 from mqinfer.scheduler.request import RequestStatus, SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 
 transformers = pytest.importorskip("transformers")
 

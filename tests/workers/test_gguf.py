@@ -18,12 +18,12 @@ import transformers
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.gguf import GGUFCheckpoint, GGUFFile
-from mqinfer.workers.loader import ModelLoadError, load_model
-from mqinfer.workers.models.config import ModelConfig
-from mqinfer.workers.models.rotary import rope_inv_freq
-from mqinfer.workers.tokenizer import load_tokenizer
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.gguf import GGUFCheckpoint, GGUFFile
+from mqinfer.workers.engine.loader import ModelLoadError, load_model
+from mqinfer.workers.engine.models.config import ModelConfig
+from mqinfer.workers.engine.models.rotary import rope_inv_freq
+from mqinfer.workers.engine.tokenizer import load_tokenizer
 from tests.helpers import rows, write_jsonl
 from tests.workers.gguf_files import CHAT_TEMPLATE, byte_level_vocab, sentencepiece_vocab, write_gguf
 

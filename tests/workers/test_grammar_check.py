@@ -9,9 +9,9 @@ import pytest
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.schemas.response_format import GrammarSpec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.engine_inputs import EngineInputError
-from mqinfer.workers.grammar_check import (
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.inputs import EngineInputError
+from mqinfer.workers.engine.grammar_check import (
     MAX_ALTERNATIVES,
     MAX_NESTING,
     MAX_REGEX_GROUPS,
@@ -19,8 +19,8 @@ from mqinfer.workers.grammar_check import (
     GrammarChecker,
     check_bounds,
 )
-from mqinfer.workers.structured import JSON_OPTIONS, tokenizer_spec
-from mqinfer.workers.tokenizer import ByteTokenizer
+from mqinfer.workers.engine.structured import JSON_OPTIONS, tokenizer_spec
+from mqinfer.workers.engine.tokenizer import ByteTokenizer
 
 BYTES = tokenizer_spec(ByteTokenizer(), 264, [ByteTokenizer.eos_token_id])
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import engine_startup
+from mqinfer.workers.engine import startup as engine_startup
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.loader import load_model
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.loader import load_model
 from tests.helpers import rows, write_jsonl
 
 # The tiny model: 4 layers, 2 KV heads of 64, float32. Per token: float32 K and V 4096 bytes;

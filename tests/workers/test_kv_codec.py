@@ -8,8 +8,8 @@ import hashlib
 import numpy as np
 import pytest
 
-from mqinfer.workers import kv_codec
-from mqinfer.workers.kv_codec import BlockGeometry, BlockRejected, decode, encode
+from mqinfer.workers.engine import kv_codec
+from mqinfer.workers.engine.kv_codec import BlockGeometry, BlockRejected, decode, encode
 
 GEOMETRY = BlockGeometry(layers=3, block_size=16, kv_heads=2, head_dim=64)
 IDENTITY = hashlib.blake2b(b"model-a", digest_size=16).digest()

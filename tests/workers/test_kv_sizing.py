@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import engine_startup
+from mqinfer.workers.engine import startup as engine_startup
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.loader import load_model
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.loader import load_model
 
 TINY_KV_BYTES_PER_TOKEN = 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 KV heads, head dim 64, float32
 
@@ -71,7 +71,7 @@ def test_memory_share_caps_the_size(tiny_info, monkeypatch):
 
 def test_engine_uses_and_logs_the_automatic_size(monkeypatch, caplog):
     monkeypatch.setattr(engine_startup, "physical_memory", lambda: 64 << 30)
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine.startup"):
         engine = LLMEngine(EngineConfig(num_threads=1, max_num_seqs=3, max_model_len=100))
     assert engine.scheduler_config.num_kv_blocks == 21
     assert engine.runner.kv_cache_bytes == 21 * 16 * TINY_KV_BYTES_PER_TOKEN
@@ -81,7 +81,7 @@ def test_engine_uses_and_logs_the_automatic_size(monkeypatch, caplog):
                      "at most 4 GiB)"]
     # A size given explicitly is used as it is, and no automatic sizing is logged.
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine.startup"):
         explicit = LLMEngine(EngineConfig(num_threads=1, max_num_seqs=3, max_model_len=100, num_kv_blocks=50))
     assert explicit.scheduler_config.num_kv_blocks == 50
     assert not [r for r in caplog.records if "sized automatically" in r.getMessage()]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from mqinfer.workers.kv_store import DirectoryStore, HostStore, UnsafeDirectory, check_directory
+from mqinfer.workers.engine.kv_store import DirectoryStore, HostStore, UnsafeDirectory, check_directory
 
 
 def key(i: int) -> bytes:
@@ -55,7 +55,7 @@ def test_two_processes_writing_the_same_blocks_never_leave_a_torn_file(tmp_path)
     folder = tmp_path / "kv"
     DirectoryStore(folder, max_bytes=1 << 30)
     script = (
-        "import sys; from mqinfer.workers.kv_store import DirectoryStore\n"
+        "import sys; from mqinfer.workers.engine.kv_store import DirectoryStore\n"
         "s = DirectoryStore(sys.argv[1], 1 << 30)\n"
         "for round in range(20):\n"
         "    for i in range(30):\n"
@@ -73,7 +73,7 @@ def test_two_processes_writing_the_same_blocks_never_leave_a_torn_file(tmp_path)
 
 def test_a_full_disk_costs_the_write_only(tmp_path, monkeypatch):
     script = (
-        "import sys; from mqinfer.workers.kv_store import DirectoryStore\n"
+        "import sys; from mqinfer.workers.engine.kv_store import DirectoryStore\n"
         "s = DirectoryStore(sys.argv[1], 1 << 20)\n"
         "ok = [s.put(i.to_bytes(32, 'big'), b'x' * 1000) for i in range(5)]\n"
         "print(ok, s.stats.write_errors, len(list(__import__('os').scandir(sys.argv[1]))))\n"

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import kv_codec
+from mqinfer.workers.engine import kv_codec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 BLOCK = 16
@@ -226,8 +226,8 @@ def test_tier_settings_are_checked(tmp_path):
 
 
 def test_the_time_copying_a_prefix_up_is_billed_to_its_request():
-    from mqinfer.workers.costs import Meter, WorkModel
-    from mqinfer.workers.engine import StepWork
+    from mqinfer.workers.queue.costs import Meter, WorkModel
+    from mqinfer.workers.engine.core import StepWork
 
     meter = Meter(WorkModel(1.0, 0.0, 0.0), start=0.0, device_share=0.5)
     work = [StepWork("loaded", 10, 100, True, 0, sampled=True, tier_load_s=0.3),

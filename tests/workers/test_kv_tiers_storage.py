@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mqinfer.kernels.kv_quant import LayerKVCache
-from mqinfer.workers.kv_tiers import build_tiers, model_identity
+from mqinfer.workers.engine.kv_tiers import build_tiers, model_identity
 
 LAYERS, BLOCKS, BLOCK, HEADS, HEAD_DIM = 2, 8, 16, 2, 32
 

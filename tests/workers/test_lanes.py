@@ -18,7 +18,7 @@ from mqinfer.ops.compact import compact
 from mqinfer.schemas import keys
 from mqinfer.schemas import lanes as scheme
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.lanes import lane_of
+from mqinfer.workers.queue.lanes import lane_of
 from tests.helpers import rows, start_worker, wait_exit, wait_until
 from tests.workers.harness import WorkerHarness, request
 

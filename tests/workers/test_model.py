@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from mqinfer.kernels.attention import build_attention_metadata
-from mqinfer.workers.loader import (
+from mqinfer.workers.engine.loader import (
     ModelLoadError,
     cpu_computes_natively,
     load_model,
@@ -273,7 +273,7 @@ def test_lm_head_in_vocabulary_slices_gives_the_same_bits(dtype, monkeypatch):
     # Without the native dense kernel the LM head on CPU runs as one matmul per slice of the
     # vocabulary, written into that slice's columns: each logit must be exactly what one
     # matmul over the whole head gives.
-    from mqinfer.workers.models.layers import LMHead
+    from mqinfer.workers.engine.models.layers import LMHead
 
     monkeypatch.setenv("MQINFER_CPU_LINEAR", "torch")
 

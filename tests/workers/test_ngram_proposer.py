@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mqinfer.scheduler.request import EngineRequest, SamplingParams
-from mqinfer.workers.ngram_proposer import NgramProposer, propose_ngram
+from mqinfer.workers.engine.ngram_proposer import NgramProposer, propose_ngram
 
 
 def reference(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:

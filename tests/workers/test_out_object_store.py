@@ -16,7 +16,7 @@ from mqinfer.client import Producer
 from mqinfer.ops.report import cost_report
 from mqinfer.schemas import keys
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow
-from mqinfer.workers.sink import Sinks
+from mqinfer.workers.queue.sink import Sinks
 from tests.helpers import start_worker, wait_exit, wait_until
 
 STREAM = keys.request_stream("requests")

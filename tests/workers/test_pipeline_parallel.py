@@ -23,11 +23,11 @@ from mqinfer.config import load_config_file, resolve
 from mqinfer.kernels.attention import build_attention_metadata
 from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.loader import load_model
-from mqinfer.workers.models.config import ModelLoadError
-from mqinfer.workers.models.stage import Stage
-from mqinfer.workers.parallel import StepPlan
-from mqinfer.workers.pipeline import MICRO_BATCHES_ENV, micro_batches, split_micro_batches
+from mqinfer.workers.engine.loader import load_model
+from mqinfer.workers.engine.models.config import ModelLoadError
+from mqinfer.workers.engine.models.stage import Stage
+from mqinfer.workers.engine.parallel import StepPlan
+from mqinfer.workers.engine.pipeline import MICRO_BATCHES_ENV, micro_batches, split_micro_batches
 from tests.workers.parallel_helpers import (
     CASES, Outcome, assert_generates_what_one_rank_does, llama_checkpoint, prompts, qwen2_checkpoint,
     record_safetensors_reads, run_engine,

@@ -11,9 +11,9 @@ import random
 import pytest
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import kv_codec
+from mqinfer.workers.engine import kv_codec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 from tests.workers.harness import WorkerHarness, submit
 
 BLOCK = 16

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from mqinfer.scheduler.request import SamplingParams
-from mqinfer.workers import prepared
+from mqinfer.workers.engine import prepared
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.models.quant import Int8Linear
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.models.quant import Int8Linear
 from tests.workers.gguf_files import byte_level_vocab, write_gguf
 
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
@@ -60,7 +60,7 @@ def _entries() -> list:
 def test_a_second_start_reads_the_prepared_w8a8_model_and_runs_the_same(gguf_path, caplog):
     first = _engine(gguf_path, quantization="w8a8", kv_cache_dtype="int8")
     assert len(_entries()) == 1
-    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine_startup"):
+    with caplog.at_level(logging.INFO, logger="mqinfer.workers.engine.startup"):
         second = _engine(gguf_path, quantization="w8a8", kv_cache_dtype="int8")
     assert "read as prepared by an earlier start" in caplog.text
     assert second.info == first.info
@@ -88,7 +88,7 @@ def test_a_corrupt_entry_is_removed_and_the_model_prepared_again(gguf_path, capl
     [entry] = _entries()
     weights = entry / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
-    with caplog.at_level(logging.WARNING, logger="mqinfer.workers.prepared"):
+    with caplog.at_level(logging.WARNING, logger="mqinfer.workers.engine.prepared"):
         again = _engine(gguf_path, quantization="w8a8")
     assert "unreadable" in caplog.text
     assert _greedy(again) == first and len(_entries()) == 1  # written anew

@@ -18,10 +18,10 @@ from mqinfer.kernels import linear_int8 as q8
 from mqinfer.kernels import linear_w8a16 as w16
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.loader import load_model
-from mqinfer.workers.models.layers import Linear, LMHead
-from mqinfer.workers.models.quant import Int8Linear, quantize_model
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.loader import load_model
+from mqinfer.workers.engine.models.layers import Linear, LMHead
+from mqinfer.workers.engine.models.quant import Int8Linear, quantize_model
 
 
 @pytest.fixture(autouse=True)
@@ -209,7 +209,7 @@ def test_a_bad_quantization_is_refused():
 
 
 def test_smoothing_keeps_the_float_model_and_flattens_the_activations(qwen2):
-    from mqinfer.workers.models.quant import activation_ranges, smooth
+    from mqinfer.workers.engine.models.quant import activation_ranges, smooth
 
     engine = LLMEngine(EngineConfig(model=qwen2, num_threads=1, num_kv_blocks=64))
     runner, model = engine.runner, engine.model
@@ -229,7 +229,7 @@ def test_smoothing_keeps_the_float_model_and_flattens_the_activations(qwen2):
 
 
 def test_smoothing_the_lm_head_keeps_the_function_and_the_tied_embedding(qwen2_tied):
-    from mqinfer.workers.models.quant import activation_ranges, smooth
+    from mqinfer.workers.engine.models.quant import activation_ranges, smooth
 
     engine = LLMEngine(EngineConfig(model=qwen2_tied, num_threads=1, num_kv_blocks=64))
     runner, model = engine.runner, engine.model

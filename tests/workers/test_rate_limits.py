@@ -11,7 +11,7 @@ import pytest
 
 from mqinfer.schemas import keys
 from mqinfer.schemas.replies import cancel_key, cancel_member
-from mqinfer.workers.buckets import TokenBuckets
+from mqinfer.workers.queue.buckets import TokenBuckets
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.tenant_limits import TenantLimit, format_tenant_limits, parse_tenant_limits, request_tokens
 from tests.helpers import FakeClock, blocked_in, rows, start_worker, stop_processes, wait_until

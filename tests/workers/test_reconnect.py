@@ -7,7 +7,7 @@ import logging
 
 import redis
 
-from mqinfer.workers.reconnect import MAX_BACKOFF_S, Backoff
+from mqinfer.workers.queue.reconnect import MAX_BACKOFF_S, Backoff
 
 
 class Clock:

@@ -17,9 +17,9 @@ from mqinfer.scheduler.request import SamplingParams
 from mqinfer.schemas.request import decode_request, to_sampling_kwargs
 from mqinfer.schemas.response_format import GrammarSpec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.engine_inputs import EngineInputError
-from mqinfer.workers.engine_outputs import choice_id
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.inputs import EngineInputError
+from mqinfer.workers.engine.outputs import choice_id
 
 HF_EOS = 2
 

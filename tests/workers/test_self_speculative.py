@@ -12,7 +12,7 @@ import pytest
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 from tests.workers.spec_helpers import LAYERS, VOCAB
 from tests.workers.spec_helpers import prompts as _prompts
 from tests.workers.spec_helpers import random_checkpoint as _checkpoint

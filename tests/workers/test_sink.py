@@ -12,7 +12,7 @@ import pytest
 
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow
 from mqinfer.schemas.dataset import DatasetWriter, part_files, partition_for, remove_temp_files
-from mqinfer.workers.sink import Sinks
+from mqinfer.workers.queue.sink import Sinks
 from tests.helpers import FakeClock
 
 DAY1 = 1_700_000_000.0  # 2023-11-14 UTC

@@ -187,7 +187,7 @@ def test_targets_combine_with_speculation_choices_and_structured_output(redis_ur
 
 def test_missed_targets_reads_ttft_and_tpot_from_the_row():
     from mqinfer.schemas.rows import ResultRow
-    from mqinfer.workers.slo import missed_targets
+    from mqinfer.workers.queue.slo import missed_targets
 
     def row(first: float | None, finished: float, tokens: int, reason: str = "length", started=1.0) -> ResultRow:
         return ResultRow(id="r", model="m", finish_reason=reason, output_tokens=tokens, enqueued_at=1.0,

@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 from tests.workers.harness import WorkerHarness, request, submit
 
 

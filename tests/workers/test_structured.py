@@ -19,10 +19,10 @@ from mqinfer.scheduler.request import EngineRequest, SamplingParams
 from mqinfer.schemas.request import request_from_obj, to_sampling_kwargs
 from mqinfer.schemas.response_format import GrammarSpec
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
-from mqinfer.workers.engine_inputs import EngineInputError
-from mqinfer.workers.structured import MAX_GRAMMAR_BYTES, GrammarCompiler, StructuredOutputs, build_tokenizer
-from mqinfer.workers.tokenizer import ByteTokenizer
+from mqinfer.workers.engine.core import LLMEngine
+from mqinfer.workers.engine.inputs import EngineInputError
+from mqinfer.workers.engine.structured import MAX_GRAMMAR_BYTES, GrammarCompiler, StructuredOutputs, build_tokenizer
+from mqinfer.workers.engine.tokenizer import ByteTokenizer
 
 EOS = ByteTokenizer.eos_token_id
 SCHEMAS = json_schemas(60)
@@ -143,7 +143,7 @@ def test_masks_filled_in_the_background_equal_masks_filled_inline():
 def test_the_mask_kernel_and_its_pytorch_reference_sample_the_same(monkeypatch):
     """The PyTorch path is the one other devices take; on this CPU it must pick the same tokens."""
     from mqinfer.kernels.cpu_ops import reference_apply_token_bitmask
-    from mqinfer.workers import structured
+    from mqinfer.workers.engine import structured
 
     def run() -> dict:
         engine = _engine()
@@ -381,7 +381,7 @@ def test_compiled_grammars_are_kept_least_recently_used_first_out():
 
 
 def test_a_model_without_a_tokenizer_refuses_grammars(tmp_path):
-    from mqinfer.workers.loader import save_tiny_checkpoint
+    from mqinfer.workers.engine.loader import save_tiny_checkpoint
 
     folder = save_tiny_checkpoint(tmp_path / "tiny")  # a checkpoint folder without tokenizer.json
     engine = LLMEngine(EngineConfig(model=str(folder), num_threads=1, num_kv_blocks=64))
@@ -394,7 +394,7 @@ def test_a_model_without_a_tokenizer_refuses_grammars(tmp_path):
 def test_a_gguf_models_tokenizer_drives_the_masks(tmp_path, make_hf_checkpoint):
     """A byte-level BPE vocabulary rebuilt from a GGUF file's metadata: JSON text it tokenizes is
     accepted token by token, and generation with it validates."""
-    from mqinfer.workers.tokenizer import load_tokenizer
+    from mqinfer.workers.engine.tokenizer import load_tokenizer
     from tests.workers.gguf_files import byte_level_vocab, write_gguf
 
     vocab = byte_level_vocab(300)

@@ -9,7 +9,7 @@ import pytest
 
 from mqinfer.scheduler.request import SamplingParams
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.engine import LLMEngine
+from mqinfer.workers.engine.core import LLMEngine
 
 NUM_NEW = 20
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, float32, 4 tokens

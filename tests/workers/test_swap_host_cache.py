@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqinfer.workers.swap import HostKVCache, _gather_to_host, _runs, _scatter_from_host, num_swap_blocks_for
+from mqinfer.workers.engine.swap import HostKVCache, _gather_to_host, _runs, _scatter_from_host, num_swap_blocks_for
 
 BLOCK = (4, 2, 8)  # block_size, num_kv_heads, head_dim
 

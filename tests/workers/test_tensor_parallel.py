@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from mqinfer.workers.config import EngineConfig
-from mqinfer.workers.loader import load_model
-from mqinfer.workers.models.config import ModelConfig, ModelLoadError
-from mqinfer.workers.parallel import Shard, read_safetensors_shard
+from mqinfer.workers.engine.loader import load_model
+from mqinfer.workers.engine.models.config import ModelConfig, ModelLoadError
+from mqinfer.workers.engine.parallel import Shard, read_safetensors_shard
 from tests.workers.parallel_helpers import (
     CASES, Outcome, assert_generates_what_one_rank_does, llama_checkpoint, qwen2_checkpoint, record_safetensors_reads,
     run_engine,
@@ -125,8 +125,8 @@ def test_each_rank_reads_only_its_slices(llama, monkeypatch):
 def test_a_rank_that_dies_while_starting_fails_the_start_at_once():
     import time
 
-    from mqinfer.workers.parallel import RankFailure
-    from mqinfer.workers.ranks import Leader
+    from mqinfer.workers.engine.parallel import RankFailure
+    from mqinfer.workers.engine.ranks import Leader
 
     # Rank 1 is sent to a CUDA device no machine has: it exits before it joins.
     began = time.monotonic()

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mqinfer.workers.tokenizer import (
+from mqinfer.workers.engine.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
     IncrementalDetokenizer,

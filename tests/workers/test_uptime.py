@@ -9,7 +9,7 @@ from mqinfer.ops.compact import compact
 from mqinfer.schemas import keys
 from mqinfer.schemas.dataset import DatasetWriter
 from mqinfer.schemas.rows import COST_SCHEMA
-from mqinfer.workers.uptime import LostTime, UptimeRecord
+from mqinfer.workers.queue.uptime import LostTime, UptimeRecord
 from tests.helpers import rows
 
 T = 1_700_000_000.0

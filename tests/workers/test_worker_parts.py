@@ -13,7 +13,7 @@ import pytest
 from mqinfer.ops.budgets import BudgetGuard, Budgets
 from mqinfer.run_progress import Progress, count_done, count_generated
 from mqinfer.schemas import faults, keys
-from mqinfer.workers.acks import SinkError
+from mqinfer.workers.queue.acks import SinkError
 from mqinfer.workers.devices import usable_cores
 from tests.helpers import wait_until
 from tests.workers.harness import GROUP, STREAM, WorkerHarness, pending, read_as, request, set_idle, submit
@@ -62,7 +62,7 @@ def test_a_dead_workers_entry_is_claimed_only_once_idle_past_the_claim_time(harn
 def test_a_backlog_is_shared_with_a_worker_still_starting(harness, redis_client):
     # "peer" has joined the group and is loading its model: the harness worker, ready first,
     # takes its half of the backlog and leaves the rest, instead of taking one more every turn.
-    from mqinfer.workers.ingest import ensure_group
+    from mqinfer.workers.queue.ingest import ensure_group
 
     ensure_group(redis_client, STREAM, GROUP)
     redis_client.xgroup_createconsumer(STREAM, GROUP, "peer")
@@ -82,7 +82,7 @@ def test_a_backlog_is_shared_with_a_worker_still_starting(harness, redis_client)
 def test_a_starting_worker_is_announced_and_kept_live_while_it_loads(redis_client):
     import time
 
-    from mqinfer.workers.ingest import LIVE_CONSUMER_MS, announced, ensure_group
+    from mqinfer.workers.queue.ingest import LIVE_CONSUMER_MS, announced, ensure_group
 
     ensure_group(redis_client, STREAM, GROUP)
 

@@ -54,7 +54,7 @@ def test_a_server_that_never_answers_ends_the_wait_with_one_line(tmp_path):
         port = s.getsockname()[1]  # closed again: nothing listens there
     url = f"redis://:{PASSWORD_IN_TEST}@127.0.0.1:{port}/0"
     # The real command line, with the startup wait shortened from a minute to a second.
-    script = ("import sys; import mqinfer.workers.worker as w; w.REDIS_STARTUP_WAIT_S = 1.0; "
+    script = ("import sys; import mqinfer.workers.queue.worker as w; w.REDIS_STARTUP_WAIT_S = 1.0; "
               "from mqinfer.cli import main; sys.exit(main(sys.argv[1:]))")
     code, err, elapsed = _run([sys.executable, "-c", script, "worker", "--redis", url, "--out",
                                str(tmp_path / "out")], tmp_path)
