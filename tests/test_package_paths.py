@@ -41,3 +41,17 @@ def test_every_module_file_is_its_dotted_name():
         relative = Path(path).relative_to(ROOT)
         expected = Path(*name.split("."))
         assert relative in (expected.with_suffix(".py"), expected / "__init__.py"), (name, path)
+
+
+def test_pyproject_lists_every_package():
+    """A wheel holds only the packages pyproject.toml lists: each folder with an ``__init__.py``
+    must be there (a new subpackage left out installs without its modules)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"mqinfer"}
+    for folder in FOLDERS:
+        for init in (ROOT / folder).rglob("__init__.py"):
+            parts = init.parent.relative_to(ROOT).parts
+            found.add(".".join(("mqinfer", *parts)))
+    assert found == listed, f"not listed: {sorted(found - listed)}; listed but not a package: {sorted(listed - found)}"
