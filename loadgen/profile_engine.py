@@ -131,10 +131,11 @@ def prefill_latency(engine, prompt_len: int, repeats: int = 5) -> float:
 
 
 def step_medians(engine, batch: int = 64, context: int = 200, prefill: int = 512,
-                 steps: int = 150, prefills: int = 40) -> tuple[float, float]:
+                 steps: int = 150, prefills: int = 40, joins: int = 1) -> tuple[float, float]:
     """Median seconds of a decoding step (``batch`` sequences with ``context``-token prompts) and
-    of a step where one ``prefill``-token prompt joins them: medians over many steps hold still
-    on a noisy machine where a whole run's throughput moves by 10%."""
+    of a step where ``joins`` new ``prefill``-token prompts join them (a step of continuous
+    batching: decodes and prompt chunks together): medians over many steps hold still on a noisy
+    machine where a whole run's throughput moves by 10%."""
     import statistics
 
     from mqinfer.scheduler.request import SamplingParams
@@ -155,8 +156,9 @@ def step_medians(engine, batch: int = 64, context: int = 200, prefill: int = 512
     decode = [timed_step() for _ in range(steps)]
     joined = []
     for k in range(prefills):
-        ids = [3 + (k * 131 + i * 17) % (vocab - 3) for i in range(prefill)]
-        engine.add_request(f"join-{k}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        for j in range(joins):
+            ids = [3 + ((k * joins + j) * 131 + i * 17) % (vocab - 3) for i in range(prefill)]
+            engine.add_request(f"join-{k}-{j}", ids, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
         joined.append(timed_step())
     while engine.has_unfinished():
         engine.step()
@@ -228,9 +230,15 @@ def main(argv: list[str] | None = None) -> int:
                   f"(median of 5, {torch.get_num_threads()} threads)")
         return 0
     if args.step_medians:
-        decode, joined = step_medians(engine)
-        print(f"decoding step (64 sequences) median {decode * 1e3:.2f} ms; step where a 512-token prompt "
-              f"joins them median {joined * 1e3:.2f} ms ({torch.get_num_threads()} threads)")
+        if min(args.step_batch, args.step_prefill, args.step_joins) < 1:
+            parser.error("--step-batch, --step-prefill and --step-joins must be at least 1")
+        if args.step_prefill * args.step_joins + args.step_batch > args.max_num_batched_tokens:
+            parser.error("the joining prompts and the decodes must fit one step: --step-prefill x --step-joins + "
+                         "--step-batch at most --max-num-batched-tokens")
+        decode, joined = step_medians(engine, batch=args.step_batch, prefill=args.step_prefill, joins=args.step_joins)
+        print(f"decoding step ({args.step_batch} sequences) median {decode * 1e3:.2f} ms; step where "
+              f"{args.step_joins} prompt(s) of {args.step_prefill} tokens join them median {joined * 1e3:.2f} ms "
+              f"({torch.get_num_threads()} threads)")
         return 0
     warm = [dict(r, id=f"warm-{r['id']}", max_tokens=4) for r in requests[:8]]
     run_engine(engine, warm)
@@ -279,8 +287,14 @@ def _parser() -> argparse.ArgumentParser:
                              "switch such as MQINFER_CPU_LINEAR=torch or MQINFER_ATTENTION_AMX=off), --repeat rounds, "
                              "and print the ratios by wall and by CPU time; then exit.")
     parser.add_argument("--step-medians", action="store_true",
-                        help="Only time steps: the median decoding step of 64 sequences, and the median step "
-                             "where a 512-token prompt joins them; then exit.")
+                        help="Only time steps: the median decoding step of --step-batch sequences, and the median "
+                             "step where --step-joins prompts of --step-prefill tokens join them; then exit.")
+    parser.add_argument("--step-batch", type=int, default=64, metavar="B",
+                        help="For --step-medians: sequences decoding (default: 64).")
+    parser.add_argument("--step-prefill", type=int, default=512, metavar="T",
+                        help="For --step-medians: tokens of each joining prompt (default: 512).")
+    parser.add_argument("--step-joins", type=int, default=1, metavar="N",
+                        help="For --step-medians: prompts joining each timed step (default: 1).")
     parser.add_argument("--prefill-latency", default=None, metavar="L[,L...]",
                         help="Only time one request alone per prompt length (its prefill step: the least time to "
                              "first token such a prompt can have), e.g. 16,136,256; then exit.")

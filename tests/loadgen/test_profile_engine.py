@@ -88,6 +88,26 @@ def test_step_medians_time_decoding_and_joining_steps(small_checkpoint):
     assert not engine.has_unfinished()
 
 
+def test_step_medians_joins_several_prompts_in_one_step(small_checkpoint, capsys):
+    engine = build_engine(small_checkpoint, _args())
+    finished = []
+    step = engine.step
+
+    def counting_step():
+        result = step()
+        finished.extend(o.request_id for o in result.outputs if o.finished and o.request_id.startswith("join-"))
+        return result
+
+    engine.step = counting_step
+    step_medians(engine, batch=2, context=10, prefill=8, steps=2, prefills=3, joins=2)
+    assert sorted(finished) == sorted(f"join-{k}-{j}" for k in range(3) for j in range(2))
+    assert main(["--model", small_checkpoint, "--step-medians", "--step-batch", "2", "--step-prefill", "8",
+                 "--step-joins", "3"]) == 0
+    assert "3 prompt(s) of 8 tokens join them" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--model", small_checkpoint, "--step-medians", "--step-joins", "0"])
+
+
 @pytest.fixture(scope="module")
 def timed_run(small_checkpoint):
     """One engine run with its ops clocked: (the clocks, the run's figures, whether every op was
