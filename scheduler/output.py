@@ -1,10 +1,12 @@
-"""What the scheduler decided for one step: plain data handed to the model runner."""
+"""What the scheduler decided for one step: plain data handed to the model runner; and the checks
+and stop rules that apply the step's sampled tokens to it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from mqinfer.scheduler.request import EngineRequest
+from mqinfer.scheduler.request import EngineRequest, RequestStatus
 
 
 @dataclass(slots=True)
@@ -63,3 +65,39 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         """Nothing for the runner to do: no tokens to run and no blocks to copy."""
         return not self.scheduled and not self.swap_out and not self.swap_in
+
+
+def check_step_output(scheduled: list[ScheduledRequest], sampled_token_ids: list[int | None],
+                      num_accepted: Sequence[int] | None) -> None:
+    """Refuse a step's output that does not fit its schedule (``Scheduler.update_from_output``'s
+    arguments), before anything is changed."""
+    if len(sampled_token_ids) != len(scheduled):
+        raise ValueError(f"got {len(sampled_token_ids)} sampled tokens for {len(scheduled)} scheduled requests")
+    if num_accepted is not None:
+        if len(num_accepted) != len(scheduled):
+            raise ValueError(f"got {len(num_accepted)} accepted counts for {len(scheduled)} scheduled requests")
+        for sr, a in zip(scheduled, num_accepted):
+            if not 0 <= a <= len(sr.spec_token_ids):
+                raise ValueError(f"request {sr.request.request_id!r}: {a} accepted of "
+                                 f"{len(sr.spec_token_ids)} proposed tokens")
+    # Check everything before changing anything, so a bad call leaves the state as it was.
+    for sr, token in zip(scheduled, sampled_token_ids):
+        request = sr.request
+        needs_sample = sr.needs_sample
+        if (token is None) == needs_sample and request.status is RequestStatus.RUNNING:
+            need = "a sampled token" if needs_sample else "None (a prompt chunk samples nothing)"
+            raise ValueError(f"request {request.request_id!r} needs {need}, got {token!r}")
+
+
+def stop_status(request: EngineRequest, token: int) -> RequestStatus | None:
+    """The token-level stop rules for ``token``, just appended to ``request``'s output: its
+    finished status, or None; a stop token wins over a length limit reached with it."""
+    sampling = request.sampling
+    num_output = len(request.output_token_ids)
+    if num_output >= sampling.min_tokens and (
+        (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids
+    ):
+        return RequestStatus.FINISHED_STOPPED
+    if num_output >= sampling.max_tokens or len(request.all_token_ids) >= request.max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

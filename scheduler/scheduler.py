@@ -53,7 +53,8 @@ take as a prefix-cache hit, and evicts such protected blocks only when nothing e
 Without this, the running requests' growth could evict a prefix that a queue of waiting
 requests shares just before they are admitted, and each of them would compute it again.
 
-Speculative decoding (``SchedulerConfig.num_speculative_tokens`` K > 0 and a proposer): after
+Speculative decoding (``SchedulerConfig.num_speculative_tokens`` K > 0 and a proposer;
+scheduler/speculative_steps.py): after
 the running requests and the admissions, while the step's scheduled tokens stay at or below
 ``speculative_max_batched_tokens``, each scheduled request about to sample (and not opted out)
 asks the proposer for up to K tokens and, when it proposes some and free blocks hold their
@@ -84,16 +85,16 @@ import heapq
 import time
 from bisect import insort
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
 
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.scheduler.fair import PROMPT_TOKEN_WEIGHT, OrderKey, WaitingQueue
 from mqinfer.scheduler.kv_cache_manager import KVCacheManager
-from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput
+from mqinfer.scheduler.output import ScheduledRequest, SchedulerOutput, check_step_output, stop_status
 from mqinfer.scheduler.request import EngineRequest, RequestStatus
 from mqinfer.scheduler.slo import SloScheduling, StepPlan
 from mqinfer.scheduler.slot_share import SlotShares
 from mqinfer.scheduler.speculation import SpeculationPolicy
+from mqinfer.scheduler.speculative_steps import Proposer, add_proposals, apply_proposals
 
 # (latency class, arrival_time + priority * aging, priority, arrival_time, sequence number of
 # add_request): the scheduling order, smallest first. The latency class is 0 for a request with a
@@ -104,14 +105,6 @@ _OrderKey = OrderKey
 # eviction: enough to cover the requests admitted in the next few steps, few enough that the
 # protected set stays cheap to build (it is built only in steps that evict a cached block).
 PROTECTED_WAITING_REQUESTS = 64
-
-
-class Proposer(Protocol):
-    """Proposes how a request continues (speculative decoding)."""
-
-    def propose(self, request: EngineRequest, max_tokens: int) -> list[int]:
-        """At most ``max_tokens`` (>= 1) tokens that may follow ``request.all_token_ids``; [] for none."""
-        ...
 
 
 class Scheduler:
@@ -334,7 +327,8 @@ class Scheduler:
         # (for swap, the runner's out-before-in copy order keeps that correct).
         self._admit(out, budget, plan)
         if self.proposer is not None:
-            self._add_proposals(out)
+            add_proposals(out, self.config, self.kv_cache_manager, self.proposer,
+                          self.speculation if self.config.speculative_adaptive else None)
 
     def record_step_time(self, num_tokens: int, seconds: float, draft_seconds: float = 0.0,
                          draft_depth: int = 0) -> None:
@@ -342,50 +336,6 @@ class Scheduler:
         ``draft_depth`` draft forwards, for the speculation policy's cost model
         (scheduler/speculation.py)."""
         self.speculation.record_step(num_tokens, seconds, draft_seconds, draft_depth)
-
-    def _add_proposals(self, out: SchedulerOutput) -> None:
-        """Give the scheduled requests about to sample their proposed tokens, while the step stays
-        within ``speculative_max_batched_tokens``, as many as the speculation policy finds worth
-        their cost; a request whose extra slots do not fit in the free blocks runs without."""
-        config = self.config
-        limit = min(config.speculative_max_batched_tokens, config.max_num_batched_tokens)
-        total = out.num_batched_tokens
-        kv = self.kv_cache_manager
-        propose = self.proposer.propose
-        policy = self.speculation if config.speculative_adaptive else None
-        # For the policy: the step's expected useful tokens (known ones, and proposals weighted by
-        # their chance of acceptance) and the deepest run of proposals so far (draft forwards).
-        useful = float(total)
-        depth = 0
-        for sr in out.scheduled:
-            spare = limit - total
-            if spare <= 0:
-                break
-            request = sr.request
-            if not request.speculative or not sr.needs_sample:
-                continue
-            # Each accepted proposal is emitted along with one more sampled token: propose no more
-            # than the request can still emit, minus that one.
-            room = min(request.sampling.max_tokens - request.num_output_tokens,
-                       request.max_model_len - request.num_tokens) - 1
-            k = min(config.num_speculative_tokens, spare, room)
-            if k <= 0:
-                continue
-            if policy is not None:
-                rate = policy.request_rate(request.num_accepted_tokens + request.num_rejected_tokens,
-                                           request.num_accepted_tokens)
-                k = policy.depth(rate, k, num_tokens=total, useful_tokens=useful, draft_depth=depth)
-                if k <= 0:
-                    continue
-            proposal = propose(request, k)[:k]
-            if not proposal or not kv.allocate_slots(request, sr.num_new_tokens + len(proposal)):
-                continue
-            sr.spec_token_ids = list(proposal)
-            sr.num_new_tokens += len(proposal)
-            total += len(proposal)
-            if policy is not None:
-                useful += sum(rate ** j for j in range(1, len(proposal) + 1))
-                depth = max(depth, len(proposal))
 
     def _waiting_head(self) -> list[EngineRequest]:
         """The first ``PROTECTED_WAITING_REQUESTS`` waiting requests, in the order they would be
@@ -527,7 +477,7 @@ class Scheduler:
         the requests that finished in this update, their blocks freed.
         """
         scheduled = output.scheduled
-        self._check_output(scheduled, sampled_token_ids, num_accepted)
+        check_step_output(scheduled, sampled_token_ids, num_accepted)
         finished: list[EngineRequest] = []
         # Output tokens per fair-share group, for its counter.
         generated: dict[str, int] = {}
@@ -543,14 +493,14 @@ class Scheduler:
                 request.append_output_token(token)
                 tenant = request.fair_key
                 generated[tenant] = generated.get(tenant, 0) + 1
-                status = self._stop_status(request, token)
+                status = stop_status(request, token)
                 if status is not None:
                     request.status = status
                     finished.append(request)
                 continue
             accepted = num_accepted[i] if num_accepted is not None else 0
             num_before = request.num_tokens
-            status = self._apply_proposals(sr, token, accepted)
+            status = apply_proposals(sr, token, accepted, self.speculation, self.kv_cache_manager)
             tenant = request.fair_key
             generated[tenant] = generated.get(tenant, 0) + request.num_tokens - num_before
             if status is not None:
@@ -565,67 +515,6 @@ class Scheduler:
         return finished
 
     # -- internals ----------------------------------------------------------------------------
-    @staticmethod
-    def _check_output(scheduled: list[ScheduledRequest], sampled_token_ids: list[int | None],
-                      num_accepted: Sequence[int] | None) -> None:
-        """Refuse a step's output that does not fit its schedule, before anything is changed."""
-        if len(sampled_token_ids) != len(scheduled):
-            raise ValueError(
-                f"got {len(sampled_token_ids)} sampled tokens for {len(scheduled)} scheduled requests"
-            )
-        if num_accepted is not None:
-            if len(num_accepted) != len(scheduled):
-                raise ValueError(f"got {len(num_accepted)} accepted counts for {len(scheduled)} scheduled requests")
-            for sr, a in zip(scheduled, num_accepted):
-                if not 0 <= a <= len(sr.spec_token_ids):
-                    raise ValueError(f"request {sr.request.request_id!r}: {a} accepted of "
-                                     f"{len(sr.spec_token_ids)} proposed tokens")
-        # Check everything before changing anything, so a bad call leaves the state as it was.
-        for sr, token in zip(scheduled, sampled_token_ids):
-            request = sr.request
-            needs_sample = sr.needs_sample
-            if (token is None) == needs_sample and request.status is RequestStatus.RUNNING:
-                need = "a sampled token" if needs_sample else "None (a prompt chunk samples nothing)"
-                raise ValueError(f"request {request.request_id!r} needs {need}, got {token!r}")
-
-    def _apply_proposals(self, sr: ScheduledRequest, token: int | None, accepted: int) -> RequestStatus | None:
-        """A request that ran proposals: its output grows by the ``accepted`` leading ones and then
-        the sampled ``token``, up to the first that meets a stop rule (its status, else None);
-        the rejected proposals' computed tokens are rolled back and their blocks given back."""
-        request, spec = sr.request, sr.spec_token_ids
-        rejected = len(spec) - accepted
-        request.num_rejected_tokens += rejected
-        request.num_accepted_tokens += accepted
-        self.speculation.record_check(len(spec), accepted)
-        # The KV of the known tokens and of the accepted proposals is written; the rejected
-        # proposals' slots hold garbage that the next step overwrites.
-        computed = request.num_computed_tokens + sr.num_new_tokens - rejected
-        status = None
-        for t in (*spec[:accepted], token):
-            request.append_output_token(t)
-            status = self._stop_status(request, t)
-            if status is not None:
-                break
-        # A stop rule met before the end of the run leaves accepted tokens out: never count
-        # more computed tokens than the request has.
-        request.num_computed_tokens = min(computed, request.num_tokens)
-        if status is None and rejected:
-            self.kv_cache_manager.trim(request, request.num_tokens)
-        return status
-
-    @staticmethod
-    def _stop_status(request: EngineRequest, token: int) -> RequestStatus | None:
-        """The token-level stop rules; a stop token wins over a length limit reached with it."""
-        sampling = request.sampling
-        num_output = len(request.output_token_ids)
-        if num_output >= sampling.min_tokens and (
-            (token in request.eos_token_ids and not sampling.ignore_eos) or token in sampling.stop_token_ids
-        ):
-            return RequestStatus.FINISHED_STOPPED
-        if num_output >= sampling.max_tokens or len(request.all_token_ids) >= request.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
-
     def _admission_error(self, request: EngineRequest) -> tuple[str, str] | None:
         num_prompt = request.num_prompt_tokens
         if num_prompt > request.max_model_len:

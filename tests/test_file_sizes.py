@@ -9,9 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = ("mqinfer", "workers", "scheduler", "kernels", "schemas", "ops", "loadgen")
 MAX_LINES = 600
 # Still to split (each in another change's hands when this list was written).
-OVER: dict[str, int] = {
-    "scheduler/scheduler.py": 695,
-}
+OVER: dict[str, int] = {}
 
 
 def _lengths() -> dict[str, int]:
