@@ -18,8 +18,6 @@ with the cost of all of them (a bulk job counts a request once, by its first row
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -28,10 +26,9 @@ from mqinfer.schemas import faults, keys
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.rows import CostRow, ResultRow
 from mqinfer.workers.queue.billing import Billing
-from mqinfer.workers.queue.idempotency import Idempotency, waiting_reply_streams
-from mqinfer.workers.queue.jobs import JobStatuses
+from mqinfer.workers.queue.context import QueueContext
+from mqinfer.workers.queue.idempotency import waiting_reply_streams
 from mqinfer.workers.queue.lanes import by_lane, split, stream_of
-from mqinfer.workers.queue.replies import Replies
 from mqinfer.workers.queue.sink import Sinks
 
 log = logging.getLogger("mqinfer.worker")
@@ -61,25 +58,24 @@ class PendingAck:
 
 
 class Acks:
-    def __init__(self, redis_client, *, stream: str, group: str, sinks: Sinks, billing: Billing,
-                 replies: Replies, idempotency: Idempotency, jobs: JobStatuses, metrics, budget_guard=None,
-                 redis_cluster: bool = False, clock: Callable[[], float] = time.time, job_caps=None) -> None:
-        self.redis = redis_client
-        self.clock = clock
-        self.stream = stream
-        self.stream_key = keys.request_stream(stream)
-        self.inflight_key = keys.inflight_hash(stream)
-        self.group = group
+    def __init__(self, context: QueueContext, *, sinks: Sinks, billing: Billing, job_caps=None) -> None:
+        config = context.config
+        self.redis = context.redis
+        self.clock = context.clock
+        self.stream = config.stream
+        self.stream_key = keys.request_stream(config.stream)
+        self.inflight_key = keys.inflight_hash(config.stream)
+        self.group = config.group
         self.sinks = sinks
         self.billing = billing
-        self.replies = replies
-        self.idempotency = idempotency
-        self.jobs = jobs
-        self.metrics = metrics
-        self.budget_guard = budget_guard
+        self.replies = context.replies
+        self.idempotency = context.idempotency
+        self.jobs = context.jobs
+        self.metrics = context.metrics
+        self.budget_guard = context.budget_guard
         # Capped jobs' spend (workers/queue/job_caps.py) grows as their rows are acked.
         self.job_caps = job_caps
-        self.redis_cluster = redis_cluster
+        self.redis_cluster = config.redis_cluster
         self.pending: list[PendingAck] = []
         # Log lines of buffered rows, logged once the rows are durable: (format, args, fields).
         self._row_log: list[tuple[str, tuple, dict | None]] = []

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import redis
 
@@ -25,19 +24,15 @@ from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request, to_sampling_kwargs
 from mqinfer.schemas.stream import decode_entry
 from mqinfer.workers.queue.acks import Acks
-from mqinfer.workers.config import WorkerConfig
+from mqinfer.workers.queue.context import QueueContext
 from mqinfer.workers.queue.consumer_group import (  # noqa: F401  (the group's names, as before)
     HANDBACK_CONSUMER, LIVE_CONSUMER_MS, DeadLetters, announced, ensure_group, is_notice, recover_job_id,
 )
 from mqinfer.workers.engine.inputs import EngineInputError
 from mqinfer.workers.queue.entries import InFlight, entry_time, text
-from mqinfer.workers.queue.idempotency import Idempotency
-from mqinfer.workers.queue.jobs import JobStatuses
 from mqinfer.workers.queue.last_try import LastTries
 from mqinfer.workers.queue.lanes import Lane, LaneSet, expected_service, lane_of, qualify, split
-from mqinfer.workers.queue.replies import Replies
 from mqinfer.workers.tenant_limits import request_tokens
-from mqinfer.workers.queue.throttle import Throttle
 
 log = logging.getLogger("mqinfer.worker")
 
@@ -54,27 +49,26 @@ NAP_S = 0.002
 
 
 class Ingest:
-    def __init__(self, redis_client, config: WorkerConfig, consumer: str, *, engine, batcher, ownership,
-                 idempotency: Idempotency, acks: Acks, replies: Replies, dead_letters: DeadLetters,
-                 jobs: JobStatuses, metrics, budget_guard=None, throttle: Throttle | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.redis = redis_client
+    def __init__(self, context: QueueContext, *, engine, batcher, ownership, acks: Acks,
+                 dead_letters: DeadLetters) -> None:
+        config = context.config
+        self.redis = context.redis
         self.config = config
-        self.consumer = consumer
+        self.consumer = context.consumer
         self.stream_key = keys.request_stream(config.stream)
         self.engine = engine
         self.batcher = batcher
         self.ownership = ownership
-        self.idempotency = idempotency
+        self.idempotency = context.idempotency
         self.acks = acks
-        self.replies = replies
+        self.replies = context.replies
         self.dead_letters = dead_letters
-        self.jobs = jobs
-        self.metrics = metrics
-        self.budget_guard = budget_guard
-        self.throttle = throttle
-        self.clock = clock
-        self.last_tries = LastTries(redis_client, config.stream, consumer, config.max_deliveries)
+        self.jobs = context.jobs
+        self.metrics = context.metrics
+        self.budget_guard = context.budget_guard
+        self.throttle = context.throttle
+        self.clock = context.clock
+        self.last_tries = LastTries(context.redis, config.stream, context.consumer, config.max_deliveries)
         # Reads may block while the worker has nothing to do; a test that drives the loop by hand
         # turns this off.
         self.block_reads = True
@@ -84,8 +78,8 @@ class Ingest:
         self._last_autoclaim = 0.0
         self._last_newcomer_check = float("-inf")
         weights = engine.scheduler_config
-        self.lanes = LaneSet(redis_client, config.stream, config.group, enabled=config.lanes != "none",
-                             max_lanes=config.max_lanes, weight_of=weights.weight_of, clock=clock)
+        self.lanes = LaneSet(context.redis, config.stream, config.group, enabled=config.lanes != "none",
+                             max_lanes=config.max_lanes, weight_of=weights.weight_of, clock=context.clock)
         # Reads that block span the lanes in one command, except in a Redis Cluster (one command
         # cannot span slots): there they block on the plain stream for a short while at most.
         self.cluster = config.redis_cluster

@@ -25,13 +25,10 @@ from mqinfer.schemas.replies import cancel_key, cancel_member
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.stream import encode_entry
 from mqinfer.workers.queue.acks import Acks
-from mqinfer.workers.config import WorkerConfig
+from mqinfer.workers.queue.context import QueueContext
 from mqinfer.workers.queue.entries import InFlight, entry_order, entry_time, text
-from mqinfer.workers.queue.idempotency import Idempotency
 from mqinfer.workers.queue.consumer_group import HANDBACK_CONSUMER, DeadLetters
-from mqinfer.workers.queue.jobs import JobStatuses
 from mqinfer.workers.queue.lanes import by_lane, key_of, qualify, split, stream_of
-from mqinfer.workers.queue.throttle import Throttle
 
 log = logging.getLogger("mqinfer.worker")
 
@@ -42,24 +39,23 @@ GAP_MARKER_TTL_S = 7 * 24 * 3600
 
 
 class Ownership:
-    def __init__(self, redis_client, config: WorkerConfig, consumer: str, *, engine, batcher,
-                 idempotency: Idempotency, acks: Acks, dead_letters: DeadLetters, jobs: JobStatuses,
-                 metrics, throttle: Throttle | None = None) -> None:
-        self.redis = redis_client
+    def __init__(self, context: QueueContext, *, engine, batcher, acks: Acks, dead_letters: DeadLetters) -> None:
+        config = context.config
+        self.redis = context.redis
         self.config = config
-        self.consumer = consumer
+        self.consumer = context.consumer
         self.stream_key = keys.request_stream(config.stream)
         self.inflight_key = keys.inflight_hash(config.stream)
         self.cancel_key = cancel_key(config.stream)
         self.engine = engine
         self.batcher = batcher
         # Requests of rate-limited tenants waiting on their limits (None without --tenant-limits).
-        self.throttle = throttle
-        self.idempotency = idempotency
+        self.throttle = context.throttle
+        self.idempotency = context.idempotency
         self.acks = acks
         self.dead_letters = dead_letters
-        self.jobs = jobs
-        self.metrics = metrics
+        self.jobs = context.jobs
+        self.metrics = context.metrics
         self.inflight: dict[str, InFlight] = {}
         # Taken over (or finished) by another worker while running here: its row is not ours.
         self.disowned: set[str] = set()

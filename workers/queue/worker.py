@@ -55,6 +55,7 @@ from mqinfer.workers.queue.finishing import Finishing
 from mqinfer.workers.heap import CollectorPauses, freeze_startup_heap
 from mqinfer.workers.queue.idempotency import Idempotency
 from mqinfer.workers.queue.consumer_group import HANDBACK_CONSUMER, DeadLetters, announced, ensure_group
+from mqinfer.workers.queue.context import QueueContext
 from mqinfer.workers.queue.ingest import Ingest
 from mqinfer.workers.queue.jobs import JobStatuses
 from mqinfer.workers.queue.job_caps import JobCaps
@@ -217,18 +218,15 @@ class Worker:
         sinks = Sinks(out, self.consumer, flush_rows=cfg.flush_rows, flush_interval_s=cfg.flush_interval_s,
                       clock=self.clock,
                       before_rename=(lambda _p: faults.hit("sink.before_rename")) if faults.enabled() else None)
-        self.acks = Acks(self.redis, stream=cfg.stream, group=cfg.group, sinks=sinks, billing=self.billing,
-                         replies=self.replies, idempotency=self.idempotency, jobs=self.jobs, metrics=self.metrics,
-                         budget_guard=self.budget_guard, redis_cluster=cfg.redis_cluster, clock=self.clock,
-                         job_caps=self.job_caps)
+        context = QueueContext(self.redis, cfg, self.consumer, idempotency=self.idempotency, jobs=self.jobs,
+                               replies=self.replies, metrics=self.metrics, throttle=self.throttle,
+                               budget_guard=self.budget_guard, clock=self.clock)
+        self.acks = Acks(context, sinks=sinks, billing=self.billing, job_caps=self.job_caps)
         dead_letters = DeadLetters(self.redis, cfg.stream, self.consumer, acks=self.acks, metrics=self.metrics)
-        self.ownership = Ownership(self.redis, cfg, self.consumer, engine=engine, batcher=self.batcher,
-                                   idempotency=self.idempotency, acks=self.acks, dead_letters=dead_letters,
-                                   jobs=self.jobs, metrics=self.metrics, throttle=self.throttle)
-        self.ingest = Ingest(self.redis, cfg, self.consumer, engine=engine, batcher=self.batcher,
-                             ownership=self.ownership, idempotency=self.idempotency, acks=self.acks,
-                             replies=self.replies, dead_letters=dead_letters, jobs=self.jobs, metrics=self.metrics,
-                             budget_guard=self.budget_guard, throttle=self.throttle, clock=self.clock)
+        self.ownership = Ownership(context, engine=engine, batcher=self.batcher, acks=self.acks,
+                                   dead_letters=dead_letters)
+        self.ingest = Ingest(context, engine=engine, batcher=self.batcher, ownership=self.ownership, acks=self.acks,
+                             dead_letters=dead_letters)
         self.finishing = Finishing(ownership=self.ownership, meter=self.meter, billing=self.billing, acks=self.acks,
                                    metrics=self.metrics, lanes=self.ingest.lanes, clock=self.clock,
                                    tier_prefixes=self.tier_prefixes)
