@@ -279,7 +279,8 @@ class WorkerMetrics:
     def record_step(self, result, scheduler, spec_stats=None) -> None:
         """One engine step: generated tokens, inter-token latency, prefix-cache and preemption counts.
 
-        ``result`` is the engine's ``StepResult``; ``scheduler`` its ``Scheduler`` (read only);
+        ``result`` is the engine's ``StepResult``; ``scheduler`` the engine or its ``Scheduler``
+        (read only: ``prefix_cache_queries``, ``prefix_cache_hits``, ``num_preemptions_total``);
         ``spec_stats`` the engine's ``SpecStats`` (speculative decoding's totals), if any.
         """
         now = result.end
@@ -349,7 +350,8 @@ class WorkerMetrics:
         self.registry.register(RateLimitCollector(dict(limits), waiting_by_tenant, self._limited_tenants))
 
     def track_engine(self, scheduler, num_waiting_outside: Callable[[], int] = lambda: 0) -> None:
-        """Read the running / waiting counts and KV usage from ``scheduler`` at each scrape.
+        """Read the running / waiting counts and KV usage from ``scheduler`` (the engine or its
+        ``Scheduler``: ``num_running``, ``num_waiting``, ``kv_usage``) at each scrape.
 
         ``num_waiting_outside`` counts requests the worker holds that the engine has not seen
         yet (its batcher). These are plain integer reads, safe from the HTTP thread, and current
@@ -357,7 +359,7 @@ class WorkerMetrics:
         """
         self.requests_running.set_function(lambda: scheduler.num_running)
         self.requests_waiting.set_function(lambda: scheduler.num_waiting + num_waiting_outside())
-        self.kv_cache_usage.set_function(lambda: scheduler.kv_cache_manager.usage)
+        self.kv_cache_usage.set_function(lambda: scheduler.kv_usage)
 
     def track_meter(self, meter) -> None:
         """Export a ``workers.costs.Meter``'s time totals and batch idle ratio."""

@@ -163,6 +163,15 @@ class Scheduler:
         """Prompt tokens found in the prefix cache (once per request)."""
         return self.kv_cache_manager.prefix_cache_hits
 
+    @property
+    def kv_usage(self) -> float:
+        """The share of the KV cache's blocks in use (0 to 1)."""
+        return self.kv_cache_manager.usage
+
+    def owned_blocks(self, request_id: str) -> list:
+        """The KV blocks a request holds, in position order (a copy, for billing and inspection)."""
+        return self.kv_cache_manager.owned_blocks(request_id)
+
     def has_unfinished_requests(self) -> bool:
         # Rejected requests still count: the next schedule() has to report them.
         return bool(self._running or self._num_waiting or self._rejected)

@@ -298,6 +298,36 @@ class LLMEngine:
         s = self.scheduler
         return max(0, self.scheduler_config.max_num_seqs - s.num_running - s.num_waiting - self.outputs.num_held())
 
+    # -- what the queue side reads (the scheduler's figures, without reaching into it) ----------
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting in the scheduler (none while it has room for them)."""
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.kv_usage
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.scheduler.prefix_cache_hits
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.scheduler.num_preemptions_total
+
+    def owned_blocks(self, request_id: str) -> list:
+        """The KV blocks a running request holds (its share of the cache, for billing)."""
+        return self.scheduler.owned_blocks(request_id)
+
     # -- one step -----------------------------------------------------------------------------
     def step(self) -> StepResult:
         """Schedule, run the model, postprocess; each part's time is added to ``phase_seconds``."""

@@ -133,15 +133,16 @@ class WorkModel:
         )
 
 
-def kv_block_shares(kv_cache_manager, request_ids: Iterable[str]) -> dict[str, float]:
+def kv_block_shares(holder, request_ids: Iterable[str]) -> dict[str, float]:
     """KV blocks each request holds now, a block held by ``k`` requests counting ``1/k``.
 
-    Reads ``KVCacheManager.owned_blocks`` and each block's reference count; changes nothing.
-    A request that holds no blocks (finished and freed) maps to 0.
+    Reads ``holder.owned_blocks`` (the engine's, the scheduler's or the KV cache manager's) and
+    each block's reference count; changes nothing. A request that holds no blocks (finished and
+    freed) maps to 0.
     """
     shares: dict[str, float] = {}
     for rid in request_ids:
-        blocks = kv_cache_manager.owned_blocks(rid)
+        blocks = holder.owned_blocks(rid)
         total = float(len(blocks))
         for block in blocks:
             if block.ref_cnt > 1:  # shared prefix blocks are few; the rest count 1 each

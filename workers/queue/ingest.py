@@ -114,10 +114,10 @@ class Ingest:
         """
         if self.throttle is not None and len(self.throttle) >= self.throttled_bound:
             return 0, 0
-        scheduler = self.engine.scheduler
+        engine = self.engine
         queued = len(self.batcher)
-        startable = 0 if scheduler.num_waiting else max(0, self.engine.free_capacity() - queued)
-        buffered = max(0, self.waiting_bound - scheduler.num_waiting - queued)
+        startable = 0 if engine.num_waiting else max(0, engine.free_capacity() - queued)
+        buffered = max(0, self.waiting_bound - engine.num_waiting - queued)
         return min(max(startable, buffered), self.config.max_batch), startable
 
     def _fair_share(self, room: int, startable: int) -> int:

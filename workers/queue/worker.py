@@ -256,9 +256,9 @@ class Worker:
         self.metrics.track_meter(self.meter)
         throttle = self.throttle
         if throttle is None:
-            self.metrics.track_engine(engine.scheduler, self.batcher.__len__)
+            self.metrics.track_engine(engine, self.batcher.__len__)
         else:
-            self.metrics.track_engine(engine.scheduler, lambda: len(self.batcher) + len(throttle))
+            self.metrics.track_engine(engine, lambda: len(self.batcher) + len(throttle))
             self.metrics.track_rate_limits(throttle.limits, throttle.waiting_by_tenant)
         self.metrics.watch_memory(str(engine.device), *engine.rank_devices[1:])
         if getattr(engine, "kv_tiers", None) is not None:
@@ -417,10 +417,9 @@ class Worker:
         result = self.engine.step()
         if result.work:  # a step that only reported cancellations ran no model
             self.batcher.observe_step(result.end - result.start)
-        scheduler = self.engine.scheduler
-        self.meter.step(result.end, result.work, kv_block_shares(scheduler.kv_cache_manager,
-                                                                 (w.request_id for w in result.work)))
-        self.metrics.record_step(result, scheduler, getattr(self.engine, "spec_stats", None))
+        engine = self.engine
+        self.meter.step(result.end, result.work, kv_block_shares(engine, (w.request_id for w in result.work)))
+        self.metrics.record_step(result, engine, getattr(engine, "spec_stats", None))
         self.busy.phases(self.engine.phase_seconds)
         # A request starts when the scheduler first gives it tokens (a prompt chunk), not when it
         # joins the engine's waiting queue: its queueing delay includes the wait there.
@@ -434,8 +433,8 @@ class Worker:
             log.debug("step %s", json.dumps({
                 "requests": len(result.work), "tokens": sum(w.num_tokens for w in result.work),
                 "prefill_requests": sum(1 for w in result.work if w.is_prefill),
-                "finished": sum(1 for o in result.outputs if o.finished), "running": scheduler.num_running,
-                "waiting": scheduler.num_waiting, "kv_usage": round(scheduler.kv_cache_manager.usage, 4),
+                "finished": sum(1 for o in result.outputs if o.finished), "running": engine.num_running,
+                "waiting": engine.num_waiting, "kv_usage": round(engine.kv_usage, 4),
                 "step_s": round(result.end - result.start, 6),
                 # What the step's time depends on beyond its token count (mqinfer plan's step shape):
                 # each prompt chunk's tokens and context, and the decode tokens' summed context.
