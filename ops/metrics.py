@@ -276,10 +276,10 @@ class WorkerMetrics:
         for kind in missed:
             self._slo_misses.labels(label, kind).inc()
 
-    def record_step(self, result, scheduler, spec_stats=None) -> None:
+    def record_step(self, result, engine, spec_stats=None) -> None:
         """One engine step: generated tokens, inter-token latency, prefix-cache and preemption counts.
 
-        ``result`` is the engine's ``StepResult``; ``scheduler`` the engine or its ``Scheduler``
+        ``result`` is the engine's ``StepResult``; ``engine`` the engine or its ``Scheduler``
         (read only: ``prefix_cache_queries``, ``prefix_cache_hits``, ``num_preemptions_total``);
         ``spec_stats`` the engine's ``SpecStats`` (speculative decoding's totals), if any.
         """
@@ -301,9 +301,9 @@ class WorkerMetrics:
                 last_token_at.pop(out.request_id, None)
         if generated:
             self.generation_tokens.inc(generated)
-        self._seen_queries = _advance(self.prefix_cache_queries, self._seen_queries, scheduler.prefix_cache_queries)
-        self._seen_hits = _advance(self.prefix_cache_hits, self._seen_hits, scheduler.prefix_cache_hits)
-        self._seen_preemptions = _advance(self.preemptions, self._seen_preemptions, scheduler.num_preemptions_total)
+        self._seen_queries = _advance(self.prefix_cache_queries, self._seen_queries, engine.prefix_cache_queries)
+        self._seen_hits = _advance(self.prefix_cache_hits, self._seen_hits, engine.prefix_cache_hits)
+        self._seen_preemptions = _advance(self.preemptions, self._seen_preemptions, engine.num_preemptions_total)
         if spec_stats is not None and spec_stats.proposed_tokens:
             seen = self._seen_spec
             for name, total in (("proposed", spec_stats.proposed_tokens), ("accepted", spec_stats.accepted_tokens),
@@ -349,17 +349,17 @@ class WorkerMetrics:
         self._limited_tenants = set(sorted(limits)[: self.max_tenant_labels])
         self.registry.register(RateLimitCollector(dict(limits), waiting_by_tenant, self._limited_tenants))
 
-    def track_engine(self, scheduler, num_waiting_outside: Callable[[], int] = lambda: 0) -> None:
-        """Read the running / waiting counts and KV usage from ``scheduler`` (the engine or its
+    def track_engine(self, engine, num_waiting_outside: Callable[[], int] = lambda: 0) -> None:
+        """Read the running / waiting counts and KV usage from ``engine`` (the engine or its
         ``Scheduler``: ``num_running``, ``num_waiting``, ``kv_usage``) at each scrape.
 
         ``num_waiting_outside`` counts requests the worker holds that the engine has not seen
         yet (its batcher). These are plain integer reads, safe from the HTTP thread, and current
         even while the engine is idle between steps.
         """
-        self.requests_running.set_function(lambda: scheduler.num_running)
-        self.requests_waiting.set_function(lambda: scheduler.num_waiting + num_waiting_outside())
-        self.kv_cache_usage.set_function(lambda: scheduler.kv_usage)
+        self.requests_running.set_function(lambda: engine.num_running)
+        self.requests_waiting.set_function(lambda: engine.num_waiting + num_waiting_outside())
+        self.kv_cache_usage.set_function(lambda: engine.kv_usage)
 
     def track_meter(self, meter) -> None:
         """Export a ``workers.costs.Meter``'s time totals and batch idle ratio."""

@@ -82,7 +82,8 @@ class SchedulerConfig:
     num_kv_blocks: int = 4096
     # Token budget per step: prompt chunks and decode tokens of all scheduled requests together.
     # 2048: a bulk backlog's throughput is the same as with 4096 (SmolLM2, 600 x (128 + 64), a
-    # 2-vCPU Xeon, 2026-12-06: 1075-1091 output tokens/s against 1076-1087; 512 lost 11%), and a
+    # 2-vCPU Xeon, 2026-12-06: 1075-1091 output tokens/s against 1076-1087; 512 lost 11%; a
+    # prefill-heavy 96 x (160 + 48) run may lose 2-4%, within that machine's noise), and a
     # request that arrives during a full prompt step waits half as long for it (about 0.37 s
     # there instead of 0.75).
     max_num_batched_tokens: int = 2048

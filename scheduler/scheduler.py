@@ -53,10 +53,10 @@ take as a prefix-cache hit, and evicts such protected blocks only when nothing e
 Without this, the running requests' growth could evict a prefix that a queue of waiting
 requests shares just before they are admitted, and each of them would compute it again.
 
-Speculative decoding (``SchedulerConfig.num_speculative_tokens`` K > 0 and a proposer;
-scheduler/speculative_steps.py): after
-the running requests and the admissions, while the step's scheduled tokens stay at or below
-``speculative_max_batched_tokens``, each scheduled request about to sample (and not opted out)
+Speculative decoding (``SchedulerConfig.num_speculative_tokens`` K > 0 and a proposer; the step's
+part in scheduler/speculative_steps.py): after the running requests and the admissions, while the
+step's scheduled tokens stay at or below ``speculative_max_batched_tokens``, each scheduled
+request about to sample (and not opted out)
 asks the proposer for up to K tokens and, when it proposes some and free blocks hold their
 slots, runs them in the same chunk (``ScheduledRequest.spec_token_ids``). Fewer than K, or none,
 when the speculation policy (scheduler/speculation.py) finds them not worth their cost: from the
