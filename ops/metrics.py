@@ -125,6 +125,7 @@ class WorkerMetrics:
         self._seen_queries = 0
         self._seen_hits = 0
         self._seen_preemptions = 0
+        self._seen_interrupted = 0
         self._last_token_at: dict[str, float] = {}
         self.ready = False
         self.healthy = True
@@ -151,6 +152,9 @@ class WorkerMetrics:
         self.prompt_tokens = Counter("mqinfer_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter("mqinfer_generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("mqinfer_num_preemptions", "Requests preempted by the scheduler.", registry=r)
+        self.steps_interrupted = Counter(
+            "mqinfer_steps_interrupted", "Bulk steps given up between two layers for an arriving request with "
+            "latency targets (--interrupt-steps).", registry=r)
 
     def _add_request_metrics(self) -> None:
         """Finished requests by reason, and their latencies."""
@@ -280,7 +284,8 @@ class WorkerMetrics:
         """One engine step: generated tokens, inter-token latency, prefix-cache and preemption counts.
 
         ``result`` is the engine's ``StepResult``; ``engine`` the engine or its ``Scheduler``
-        (read only: ``prefix_cache_queries``, ``prefix_cache_hits``, ``num_preemptions_total``);
+        (read only: ``prefix_cache_queries``, ``prefix_cache_hits``, ``num_preemptions_total``, an
+        engine's ``num_interrupted``);
         ``spec_stats`` the engine's ``SpecStats`` (speculative decoding's totals), if any.
         """
         now = result.end
@@ -304,6 +309,8 @@ class WorkerMetrics:
         self._seen_queries = _advance(self.prefix_cache_queries, self._seen_queries, engine.prefix_cache_queries)
         self._seen_hits = _advance(self.prefix_cache_hits, self._seen_hits, engine.prefix_cache_hits)
         self._seen_preemptions = _advance(self.preemptions, self._seen_preemptions, engine.num_preemptions_total)
+        self._seen_interrupted = _advance(self.steps_interrupted, self._seen_interrupted,
+                                          getattr(engine, "num_interrupted", 0))
         if spec_stats is not None and spec_stats.proposed_tokens:
             seen = self._seen_spec
             for name, total in (("proposed", spec_stats.proposed_tokens), ("accepted", spec_stats.accepted_tokens),

@@ -287,6 +287,11 @@ class Scheduler:
         if self.slo is not None:
             self.slo.record(seconds, gap_s)
 
+    def step_interrupted(self) -> None:
+        """The step last scheduled was given up (nothing advances): its time is not a step's."""
+        if self.slo is not None:
+            self.slo.discard_step()
+
     def _schedule_step(self, out: SchedulerOutput, plan: StepPlan | None = None) -> None:
         """Serve the running requests (preempting when the cache is full), then admit waiting ones."""
         kv = self.kv_cache_manager

@@ -429,6 +429,10 @@ class SloScheduling:
                 last_run[request.request_id] = step
         self._shape = shape
 
+    def discard_step(self) -> None:
+        """The step last scheduled did not run to its end: its time teaches the model nothing."""
+        self._shape = None
+
     def record(self, seconds: float, gap_s: float | None = None) -> None:
         """The measured time of the step last scheduled, and the worker's time between the step
         before it and this one (None when the worker was idle in between)."""

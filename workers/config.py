@@ -415,6 +415,11 @@ class WorkerConfig:
         f"{BULK_MAX_WAIT_S:g} s), "
         "and its result row's slo_met says whether the targets were met.", metavar="T=TTFT/TPOT,...",
         parse=tenant_slos_flag))
+    interrupt_steps: bool = field(default=True, metadata=flag(
+        "While a step with no interactive request runs, watch the streams (a blocking read on a second "
+        "connection) and give the step up between two layers when a request with latency targets arrives, so "
+        "that it does not wait for the rest of a long bulk step; the step's requests compute it again next. "
+        "Costs at most one partial step per such arrival. Off with --redis-cluster."))
 
     def __post_init__(self) -> None:
         auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"

@@ -6,6 +6,16 @@ touched request and a ``StepWork`` per scheduled sequence, for cost attribution)
     scheduler.schedule() -> runner.execute() -> postprocess (outputs.py):
     scheduler.update_from_output(), detokenize, match stop strings, one output per touched request
 
+A step may be *interrupted*: ``step(interrupt=...)`` passes a callable that the model asks before
+each decoder layer, and when it answers true the step is given up and reported with
+``StepResult.interrupted``. The worker does this when a request with latency targets arrives while
+a long bulk step runs (workers/queue/arrivals.py), so that the request does not wait for the whole
+step. Giving up is cheap to make correct: the scheduler advances a request only when a step's
+tokens come back (``update_from_output``) and puts a block into the prefix cache only once the
+tokens that fill it were computed by an earlier step, so an interrupted step leaves each request
+where it was, its new blocks held for the next step, which computes the same tokens again. Only
+steps with no interactive request, no speculative proposals and no grammar masks are interruptible.
+
 Its parts live beside it in ``workers/engine/``: building it (model, KV cache size, runner,
 proposer, 8-bit weights) in ``startup.py``; the checks a request passes before it is queued
 (``EngineInputError``) in ``inputs.py``; output processing, stop strings and the ``n`` choices of
@@ -44,6 +54,7 @@ from mqinfer.workers.engine.kv_tiers import attach_engine_tiers
 from mqinfer.workers.engine.loader import ModelInfo, load_model
 from mqinfer.workers.engine.logits_processors import LogitsProcessors
 from mqinfer.workers.engine.model_runner import ModelRunnerOutput
+from mqinfer.workers.engine.models.llama import StepInterrupted
 from mqinfer.workers.engine.parallel import RankSettings, rank_parts
 from mqinfer.workers.engine.prepared import save_prepared
 from mqinfer.workers.engine.ranks import Leader
@@ -81,7 +92,9 @@ class StepResult:
     work: list[StepWork]
     start: float
     end: float
-
+    # Given up before its end (``LLMEngine.step``'s ``interrupt``): no token was computed; ``work``
+    # says whose step it was, and they compute the same tokens again in a later step.
+    interrupted: bool = False
 
 
 class LLMEngine:
@@ -189,6 +202,8 @@ class LLMEngine:
             ("schedule", "prepare", "forward", "sample", "postprocess"), 0.0
         )
         self.num_steps = 0
+        # Steps given up for an arriving interactive request (``step``'s ``interrupt``).
+        self.num_interrupted = 0
 
     @property
     def device_share(self) -> float:
@@ -329,8 +344,11 @@ class LLMEngine:
         return self.scheduler.owned_blocks(request_id)
 
     # -- one step -----------------------------------------------------------------------------
-    def step(self) -> StepResult:
-        """Schedule, run the model, postprocess; each part's time is added to ``phase_seconds``."""
+    def step(self, interrupt: Callable[[], bool] | None = None) -> StepResult:
+        """Schedule, run the model, postprocess; each part's time is added to ``phase_seconds``.
+
+        ``interrupt``: asked before each decoder layer when the step is interruptible (module
+        docstring); when it answers true the step is given up and its result says so."""
         start = self.clock()
         t0 = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
@@ -339,14 +357,20 @@ class LLMEngine:
         # Constrained requests' token masks, filled in the background while the model runs.
         masks = self.structured.begin_step(scheduler_output.scheduled) if self.structured is not None else None
         processors = self.processors if len(self.processors) else None
+        if interrupt is not None and not self._interruptible(scheduler_output, masks):
+            interrupt = None
         try:
             # A step may hold only block copies (swap preemption); they must still happen now.
             if scheduler_output.is_empty:
                 ran = None
+            elif interrupt is not None:
+                ran = self.runner.execute(scheduler_output, processors=processors, interrupt=interrupt)
             elif masks is None and processors is None:
                 ran = self.runner.execute(scheduler_output)
             else:
                 ran = self.runner.execute(scheduler_output, masks, processors=processors)
+        except StepInterrupted:
+            return self._interrupted(scheduler_output, work, start, t0, t1)
         finally:
             if masks is not None:
                 masks.wait()  # the matchers must not move while a mask is being filled
@@ -368,6 +392,31 @@ class LLMEngine:
         self._account(t0, t1, t2, ran)
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
 
+    @staticmethod
+    def _interruptible(scheduler_output: SchedulerOutput, masks) -> bool:
+        """Whether a step may be given up: one that moves no interactive request along (giving it
+        up would cost the very requests it exists for), holds no speculative proposals (their
+        drafts already advanced) and no grammar masks (filled in the background)."""
+        if masks is not None:
+            return False
+        for sr in scheduler_output.scheduled:
+            if sr.spec_token_ids or sr.request.interactive:
+                return False
+        return True
+
+    def _interrupted(self, scheduler_output: SchedulerOutput, work: list[StepWork], start: float,
+                     t0: float, t1: float) -> StepResult:
+        """Report a step given up in its forward pass: the requests it ended before running (an
+        expired deadline, a rejection) still get their outputs; the scheduled ones stay as they
+        were, and the step's time does not teach the step-time model."""
+        self.scheduler.step_interrupted()
+        t2 = time.perf_counter()
+        outputs = self.outputs.postprocess(scheduler_output, None)
+        self._last_step_end = time.perf_counter() if self.scheduler.has_unfinished_requests() else None
+        self._account(t0, t1, t2, None, forward_s=t2 - t1)
+        self.num_interrupted += 1
+        return StepResult(outputs=outputs, work=work, start=start, end=self.clock(), interrupted=True)
+
     def _work(self, scheduler_output: SchedulerOutput) -> list[StepWork]:
         """Each scheduled request's share of the step, read before the model advances it."""
         work = []
@@ -388,11 +437,13 @@ class LLMEngine:
         return work
 
 
-    def _account(self, t0: float, t1: float, t2: float, ran: ModelRunnerOutput | None) -> None:
+    def _account(self, t0: float, t1: float, t2: float, ran: ModelRunnerOutput | None,
+                 forward_s: float = 0.0) -> None:
         """Add this step's phase times: schedule [t0, t1], runner [t1, t2] (split by the runner's
-        own marks), postprocess [t2, now]; the bookkeeping between them counts as schedule."""
+        own marks; ``forward_s`` when the runner gave none, an interrupted step's), postprocess
+        [t2, now]; the bookkeeping between them counts as schedule."""
         phases = self.phase_seconds
-        runner = ran.phase_seconds if ran is not None else (0.0, 0.0, 0.0)
+        runner = ran.phase_seconds if ran is not None else (0.0, forward_s, 0.0)
         phases["schedule"] += t1 - t0
         phases["prepare"] += runner[0]
         phases["forward"] += runner[1]

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import mmap
 import time
-from collections.abc import Container
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 import torch
@@ -209,13 +209,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput, grammar_masks: StepMasks | None = None, *,
-                processors: LogitsProcessors | None = None) -> ModelRunnerOutput:
+                processors: LogitsProcessors | None = None,
+                interrupt: Callable[[], bool] | None = None) -> ModelRunnerOutput:
         """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``.
 
         ``processors``: the penalties, logit biases and ``min_tokens`` of the requests that ask for
         them, applied to their rows first; ``grammar_masks`` (structured output): the token masks of
         the constrained requests, applied to their rows after that. Logprobs stay those of the raw
-        distribution."""
+        distribution.
+
+        ``interrupt``: asked before each decoder layer of an eager forward pass on one rank;
+        when it answers true the pass stops and :class:`StepInterrupted` propagates (the block
+        copies are done; no token is sampled). Ignored with tensor-parallel ranks, a draft, or a
+        step that runs through decode graphs."""
         t0 = time.perf_counter()
         scheduled = output.scheduled
         plan = StepPlan(swap_out=output.swap_out, swap_in=output.swap_in)
@@ -228,7 +234,9 @@ class ModelRunner:
         if not scheduled:
             self._copy_blocks(plan)
             return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
-        hidden, t1 = self._forward(plan)
+        if interrupt is not None and (self.group is not None or self.draft is not None):
+            interrupt = None
+        hidden, t1 = self._forward(plan, interrupt)
         result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled), draft_seconds=draft_s)
         if not plan.sample_rows:
             result.phase_seconds = (t1 - t0 - draft_s, time.perf_counter() - t1 + draft_s, 0.0)
@@ -360,9 +368,9 @@ class ModelRunner:
             self.host_cache.swap_out(self.kv_caches, plan.swap_out)
             self.host_cache.swap_in(self.kv_caches, plan.swap_in)
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, float]:
+    def _forward(self, plan: StepPlan, interrupt: Callable[[], bool] | None = None) -> tuple[torch.Tensor, float]:
         """The block copies, then the model over the plan's packed tokens: (hidden states, the
-        time the inputs were ready)."""
+        time the inputs were ready); ``interrupt`` as in ``execute`` (eager passes only)."""
         self._copy_blocks(plan)
         graphs = self.decode_graphs
         if graphs is not None and graphs.accepts(plan.query_lens, plan.block_tables):
@@ -373,7 +381,13 @@ class ModelRunner:
         )
         ids = torch.tensor(plan.input_ids, dtype=torch.int64).to(self.device)
         t1 = time.perf_counter()
-        return self.model(ids, metadata.positions, self.kv_caches, metadata), t1
+        if interrupt is None:
+            return self.model(ids, metadata.positions, self.kv_caches, metadata), t1
+        self.model.interrupt = interrupt
+        try:
+            return self.model(ids, metadata.positions, self.kv_caches, metadata), t1
+        finally:
+            self.model.interrupt = None
 
     def _logits(self, hidden: torch.Tensor, sample_rows: list[int]) -> torch.Tensor | None:
         """The LM head on the sampling rows: ``[B, vocab]``; tensor parallel, each rank's vocabulary

@@ -44,6 +44,7 @@ from mqinfer.schemas.dataset import remove_temp_files
 from mqinfer.schemas.dataset_uri import check_writable, out_location
 from mqinfer.schemas.rows import model_variant
 from mqinfer.workers.queue.acks import Acks, SinkError
+from mqinfer.workers.queue.arrivals import ArrivalWatch, interactive_entry
 from mqinfer.workers.queue.billing import Billing
 from mqinfer.workers.queue.buckets import TokenBuckets, server_clock_unless
 from mqinfer.workers.queue.busy import BusyTime, summary_path, write_exit_summary
@@ -115,6 +116,8 @@ class Worker:
         self.acks: Acks | None = None
         self.ownership: Ownership | None = None
         self.ingest: Ingest | None = None
+        # Watches the streams during a step for a request with latency targets (arrivals.py).
+        self.arrivals: ArrivalWatch | None = None
         self.finishing: Finishing | None = None
         # With --tenant-limits: requests of limited tenants waiting on their buckets.
         self.throttle: Throttle | None = None
@@ -227,6 +230,9 @@ class Worker:
                                    dead_letters=dead_letters)
         self.ingest = Ingest(context, engine=engine, batcher=self.batcher, ownership=self.ownership, acks=self.acks,
                              dead_letters=dead_letters)
+        if cfg.interrupt_steps and not cfg.redis_cluster:
+            self.arrivals = ArrivalWatch(self.redis, lambda: [lane.key for lane in self.ingest.lanes],
+                                         interactive_entry(self.billing.targets, cfg.max_entry_bytes))
         self.finishing = Finishing(ownership=self.ownership, meter=self.meter, billing=self.billing, acks=self.acks,
                                    metrics=self.metrics, lanes=self.ingest.lanes, clock=self.clock,
                                    tier_prefixes=self.tier_prefixes)
@@ -414,8 +420,17 @@ class Worker:
         return usd
 
     def _step(self) -> None:
-        result = self.engine.step()
-        if result.work:  # a step that only reported cancellations ran no model
+        watch = self.arrivals
+        if watch is None:
+            result = self.engine.step()
+        else:
+            watch.arm()
+            try:
+                result = self.engine.step(interrupt=watch.arrived.is_set)
+            finally:
+                watch.disarm()
+        # A step that only reported cancellations ran no model; a given-up one is not a step's time.
+        if result.work and not result.interrupted:
             self.batcher.observe_step(result.end - result.start)
         engine = self.engine
         self.meter.step(result.end, result.work, kv_block_shares(engine, (w.request_id for w in result.work)))
@@ -555,6 +570,8 @@ class Worker:
         """The worker stopped (drained, or unable to write): metrics off, its busy time logged and
         its exit summary written."""
         self.metrics.close()
+        if self.arrivals is not None:
+            self.arrivals.close()
         if self.engine is not None:
             self.engine.close()
         log.info("worker %s stopped; busy time %s", self.consumer, json.dumps(self.busy_summary()))

@@ -10,6 +10,9 @@ Its building blocks (projections, LM head, embedding, RMSNorm, activation buffer
 every scheduled token of every sequence at once (no padding); ``compute_logits`` then runs
 the LM head on only the rows that sample. Its decoder layers run in ``run_layers``, which runs
 any range of them over a residual stream: a pipeline stage (``stage.py``) runs its own range there.
+With ``interrupt`` set (a callable), ``run_layers`` asks it before each layer and raises
+:class:`StepInterrupted` when it answers true: the engine's way to give up a long bulk step when an
+interactive request arrives (workers/engine/core.py).
 
 Numerics follow the reference implementation where it matters for exact agreement: RMSNorm
 in float32 then cast back before the weight, rotary tables in float32 cast to the activation
@@ -39,6 +42,16 @@ from mqinfer.workers.engine.models.rotary import RotaryEmbedding, RotaryInputs, 
 
 if TYPE_CHECKING:
     from mqinfer.workers.engine.parallel import Shard
+
+
+class StepInterrupted(Exception):
+    """The forward pass stopped before a layer because its ``interrupt`` asked it to. The layers
+    before it wrote this step's tokens' KV into their blocks; nothing reads those slots until a
+    later step has computed the same tokens again, which writes the same values."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(f"step interrupted before layer {layer}")
+        self.layer = layer
 
 
 def _attention_kernels(device) -> tuple:
@@ -209,6 +222,9 @@ class LlamaForCausalLM(nn.Module):
         pipeline stage alike); ``local``: this rank's shard of ``config``."""
         # Tensor parallel: sums each attention and MLP block's partial output over the ranks, in place.
         self.reduce: Callable[[torch.Tensor], None] | None = None
+        # Asked before each decoder layer; true stops the pass with StepInterrupted (set by the
+        # model runner for one interruptible step at a time).
+        self.interrupt: Callable[[], bool] | None = None
         self.activations = Activations()
         # Tables for long-context models are large; start small, the runner extends them to
         # its max_model_len.
@@ -283,8 +299,11 @@ class LlamaForCausalLM(nn.Module):
         normed = buffers.get("normed", num_tokens, hidden, h) if h.device.type == "cpu" else None
         h, x = self._add_norm(h, None, layers[0].input_layernorm, normed)
         reduce = self.reduce
+        interrupt = self.interrupt
         last = len(layers) - 1
         for i, (layer, kv) in enumerate(zip(layers, kv_caches)):
+            if interrupt is not None and interrupt():
+                raise StepInterrupted(start + i)
             a = layer.self_attn(x, rope, LayerKVCache(*kv), attn_metadata, buffers)
             if reduce is not None:
                 reduce(a)

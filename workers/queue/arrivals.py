@@ -1,0 +1,153 @@
+"""Watching the streams while a step runs, for a request with latency targets.
+
+The worker reads its streams between engine steps. A bulk step can take half a second or more (a
+full prompt step of a large backlog), and a request with latency targets that arrives during it
+would wait for all of it before it is even read: its time to first token alone, some tens of
+milliseconds, becomes the rest of that step plus its own. While a step runs, :class:`ArrivalWatch`
+waits on the same streams on a thread of its own (``XREAD BLOCK`` from the entry ids of the moment
+the step began, on the server's clock: it only looks, the consumer group does not move) and sets :attr:`ArrivalWatch.arrived` when an entry with
+latency targets arrives (its own ``slo_ttft_ms`` / ``slo_tpot_ms``, or its tenant's
+``--tenant-slos``), or a producer's notice of a new lane (which the worker must read to find the
+request). The engine asks that flag before each decoder layer of a step that moves no interactive
+request along and gives the step up when it is set (workers/engine/core.py); the worker then reads
+the request and schedules it at once, in a step planned for its targets (scheduler/slo.py).
+
+What it costs: one blocking read on another connection per step, and about one given-up step per
+arrival, as each step's watch starts at the moment the step began (less ``MARGIN_MS`` for the
+error of the clocks' offset, which the watch measures with ``TIME``): an entry is seen during the
+step it arrived in, or by the worker's own read after it.
+
+Not used with a Redis cluster (one XREAD cannot span the lanes' hash slots).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+import redis
+
+from mqinfer.schemas.stream import decode_entry
+from mqinfer.workers.queue.consumer_group import is_notice
+from mqinfer.workers.queue.entries import text
+from mqinfer.workers.queue.slo import LatencyTargets
+
+log = logging.getLogger("mqinfer.worker")
+
+# How long one blocking read waits: a watch that is disarmed (its step ended) is noticed by then.
+BLOCK_MS = 50
+# Entries one read returns at most (the first interactive one is enough).
+COUNT = 64
+# After a failed read (the server is away), the watch waits this long before the next.
+RETRY_S = 0.5
+# A watch starts at entries this much older than its step's start on the server's clock.
+MARGIN_MS = 50
+# How often the offset between this host's clock and the server's is measured again.
+CLOCK_CHECK_S = 60.0
+
+
+class ArrivalWatch:
+    """A thread that watches streams for interactive arrivals while it is armed.
+
+    ``keys``: the stream keys to watch (read at each ``arm``, on the caller's thread);
+    ``interactive``: whether an entry's fields call for giving a bulk step up.
+    """
+
+    def __init__(self, redis_client, keys: Callable[[], list[str]], interactive: Callable[[Mapping], bool],
+                 block_ms: int = BLOCK_MS) -> None:
+        self._redis = redis_client
+        self._keys = keys
+        self._interactive = interactive
+        self._block_ms = block_ms
+        # Set when an interactive entry arrived during the current watch; the engine reads it.
+        self.arrived = threading.Event()
+        self._armed = threading.Event()
+        self._watched: list[str] = []
+        self._since = "0-0"
+        # The server's clock less this host's (seconds), and when it was measured (never: -inf).
+        self._offset_s = 0.0
+        self._offset_at = float("-inf")
+        self._generation = 0
+        self._closed = False
+        # Entries looked at, and interactive arrivals seen among them (a watch counts at most one).
+        self.num_entries = 0
+        self.num_seen = 0
+        self._thread = threading.Thread(target=self._watch, name="mqinfer-arrivals", daemon=True)
+        self._thread.start()
+
+    def arm(self) -> None:
+        """Start a watch from this moment (before a step)."""
+        self._watched = list(self._keys())
+        since_ms = int((time.time() + self._offset_s) * 1000) - MARGIN_MS
+        self._since = f"{max(since_ms, 0)}-0"
+        self.arrived.clear()
+        self._generation += 1
+        self._armed.set()
+
+    def disarm(self) -> None:
+        """End the watch (after the step); what arrives now is the worker's own read's."""
+        self._armed.clear()
+
+    def close(self) -> None:
+        self._closed = True
+        self._armed.set()
+        self._thread.join(timeout=2 * self._block_ms / 1000.0 + 1.0)
+
+    def _watch(self) -> None:
+        generation, ids = -1, {}
+        while True:
+            self._armed.wait()
+            if self._closed:
+                return
+            if generation != self._generation:
+                generation = self._generation
+                ids = dict.fromkeys(self._watched, self._since)
+            if not ids:
+                self._armed.clear()
+                continue
+            try:
+                if time.monotonic() - self._offset_at >= CLOCK_CHECK_S:
+                    self._measure_offset()
+                response = self._redis.xread(ids, count=COUNT, block=self._block_ms)
+            except (redis.exceptions.RedisError, OSError) as exc:
+                log.debug("arrival watch: %s", exc)
+                self._armed.clear()
+                threading.Event().wait(RETRY_S)
+                continue
+            if generation != self._generation or not self._armed.is_set():
+                continue  # an older watch's read: the next one starts from its own moment
+            for key, entries in response or []:
+                for entry_id, fields in entries:
+                    ids[text(key)] = text(entry_id)
+                    self.num_entries += 1
+                    if not self.arrived.is_set() and self._interactive(fields):
+                        self.num_seen += 1
+                        self.arrived.set()
+
+
+    def _measure_offset(self) -> None:
+        t0 = time.time()
+        seconds, micros = self._redis.time()
+        t1 = time.time()
+        self._offset_s = seconds + micros / 1e6 - (t0 + t1) / 2
+        self._offset_at = time.monotonic()
+
+
+def interactive_entry(targets: LatencyTargets, max_entry_bytes: int) -> Callable[[Mapping], bool]:
+    """Whether a stream entry calls for giving a bulk step up: a request with latency targets of
+    its own or its tenant's, or a new lane's notice. An entry that does not decode is the worker's
+    read's to refuse, not a reason to stop a step."""
+
+    def interactive(fields: Mapping) -> bool:
+        if is_notice(fields):
+            return True
+        try:
+            request = decode_entry(fields, max_entry_bytes=max_entry_bytes)
+        except Exception:  # noqa: BLE001 - any bad entry: the worker's read reports it
+            return False
+        ttft_ms, tpot_ms = targets.of(request)
+        return ttft_ms is not None or tpot_ms is not None
+
+    return interactive
