@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
+from mqinfer.client import Producer
 from mqinfer.schemas import keys
 from mqinfer.schemas.lanes import NOTICE_FIELD
 from mqinfer.workers.config import EngineConfig
@@ -57,19 +58,28 @@ class MidStep:
 
 
 def run(redis_url, redis_client, out, *, interrupt: bool, targets: bool) -> tuple[dict, float]:
+    """The backlog and three chats through tenant lanes (the chats' lane announced while a bulk
+    prompt step runs, when ``interrupt``); the rows' outputs, and the steps given up."""
     redis_client.flushall()
     w = WorkerHarness(redis_url, out, max_batch=64, interrupt_steps=interrupt,
                       engine=EngineConfig(num_threads=1, dtype="float32")).start()
+    producer = Producer(client=redis_client, lanes="tenant")
     mid = MidStep(w) if interrupt else None
     for obj in backlog():
-        submit(redis_client, obj)
+        producer.submit(obj)
+    chats = [chat(i, **({"slo_ttft_ms": 2000, "slo_tpot_ms": 500} if targets else {})) for i in range(3)]
     if mid is not None:
-        # The chats arrive during the backlog's first prompt step, once the watch is on.
-        mid.action = lambda: sum(1 for i in range(3) if submit(redis_client, chat(i, **(
-            {"slo_ttft_ms": 2000, "slo_tpot_ms": 500} if targets else {}))))
+        mid.action = lambda: sum(1 for obj in chats if producer.submit(obj)) + 1  # and the lane's notice
+        w.until(lambda: mid.action is None, what="a bulk prompt step")
+        if targets:
+            # The step the chats arrived in was given up; the next turn reads them and starts them.
+            assert w.worker.engine.num_interrupted == 1
+            w.turn()
+            started = {item.request.id for item in w.worker.ownership.inflight.values() if item.started_at is not None}
+            assert {c["id"] for c in chats} <= started
     else:
-        for i in range(3):
-            submit(redis_client, chat(i))
+        for obj in chats:
+            producer.submit(obj)
     w.until(lambda: len(w.results()) == 15, max_turns=3000, what="every row")
     rows = w.results()
     interrupted = w.metrics.registry.get_sample_value("mqinfer_steps_interrupted_total") or 0.0
@@ -105,7 +115,8 @@ def test_the_watch_flags_targets_tenant_defaults_and_new_lanes_only_while_armed(
     redis_client.flushall()
     watched = [STREAM]
     watch = ArrivalWatch(redis_client, lambda: list(watched),
-                         interactive_entry(LatencyTargets({"chat": (500, 50)}), max_entry_bytes=1 << 20))
+                         interactive_entry(LatencyTargets({"chat": (500, 50)}), max_entry_bytes=1 << 20,
+                                           lane_key=lambda lane: keys.request_stream(f"requests:{lane}")))
     try:
         # Disarmed: nothing is looked at; armed later, a watch starts from its own moment.
         submit(redis_client, chat(0, slo_tpot_ms=50))
@@ -116,7 +127,6 @@ def test_the_watch_flags_targets_tenant_defaults_and_new_lanes_only_while_armed(
             ({"json": '{"id": "c", "prompt": "x", "slo_ttft_ms": 300}', "v": "1"}, True),
             ({"json": "not json", "v": "1"}, False),
             ({"json": '{"id": "d", "prompt": "x", "tenant": "chat"}', "v": "1"}, True),
-            ({NOTICE_FIELD: "chat"}, True),
         ]
         for n, (fields, interactive) in enumerate(cases):
             # Each case on a stream of its own (a lane's), so that no case sees another's entry.
@@ -127,7 +137,17 @@ def test_the_watch_flags_targets_tenant_defaults_and_new_lanes_only_while_armed(
             wait_for(lambda: watch.num_entries > seen, f"the watch looking at {fields}")
             assert watch.arrived.is_set() is interactive, fields
             assert watch.num_entries == seen + 1
+            assert watch.flagged == ({watched[1]} if interactive else set())
             watch.disarm()
+        # A notice of a new lane adds the lane to the watch: the request that follows it there is seen.
+        watch.arm()
+        seen = watch.num_entries
+        redis_client.xadd(STREAM, {NOTICE_FIELD: "fresh"})
+        new_lane = keys.request_stream("requests:fresh")
+        redis_client.xadd(new_lane, {"json": '{"id": "e", "prompt": "x", "slo_tpot_ms": 40}', "v": "1"})
+        wait_for(lambda: watch.num_entries >= seen + 2, "the watch following the notice")
+        assert watch.arrived.is_set() and watch.flagged == {new_lane}
+        watch.disarm()
     finally:
         watch.close()
     assert not any(t.name == "mqinfer-arrivals" and t.is_alive() for t in threading.enumerate())

@@ -7,10 +7,12 @@ milliseconds, becomes the rest of that step plus its own. While a step runs, :cl
 waits on the same streams on a thread of its own (``XREAD BLOCK`` from the entry ids of the moment
 the step began, on the server's clock: it only looks, the consumer group does not move) and sets :attr:`ArrivalWatch.arrived` when an entry with
 latency targets arrives (its own ``slo_ttft_ms`` / ``slo_tpot_ms``, or its tenant's
-``--tenant-slos``), or a producer's notice of a new lane (which the worker must read to find the
-request). The engine asks that flag before each decoder layer of a step that moves no interactive
-request along and gives the step up when it is set (workers/engine/core.py); the worker then reads
-the request and schedules it at once, in a step planned for its targets (scheduler/slo.py).
+``--tenant-slos``); a producer's notice of a new lane adds that lane to the watch, whose first
+request comes right after it. The engine asks that flag before each decoder layer of a step that
+moves no interactive request along and gives the step up when it is set (workers/engine/core.py);
+the worker then reads the streams the watch named in :attr:`ArrivalWatch.flagged` first, whatever
+its fair share of the backlog (workers/queue/ingest.py), and schedules the request at once, in a
+step planned for its targets (scheduler/slo.py).
 
 What it costs: one blocking read on another connection per step, and about one given-up step per
 arrival, as each step's watch starts at the moment the step began (less ``MARGIN_MS`` for the
@@ -29,6 +31,7 @@ from collections.abc import Callable, Mapping
 
 import redis
 
+from mqinfer.schemas.lanes import NOTICE_FIELD, valid_lane
 from mqinfer.schemas.stream import decode_entry
 from mqinfer.workers.queue.consumer_group import is_notice
 from mqinfer.workers.queue.entries import text
@@ -52,17 +55,20 @@ class ArrivalWatch:
     """A thread that watches streams for interactive arrivals while it is armed.
 
     ``keys``: the stream keys to watch (read at each ``arm``, on the caller's thread);
-    ``interactive``: whether an entry's fields call for giving a bulk step up.
+    ``interactive``: what an entry's fields call for: True to give a bulk step up, False for
+    nothing, or the stream key of a new lane (a notice) to watch as well.
     """
 
-    def __init__(self, redis_client, keys: Callable[[], list[str]], interactive: Callable[[Mapping], bool],
+    def __init__(self, redis_client, keys: Callable[[], list[str]], interactive: Callable[[Mapping], bool | str],
                  block_ms: int = BLOCK_MS) -> None:
         self._redis = redis_client
         self._keys = keys
         self._interactive = interactive
         self._block_ms = block_ms
-        # Set when an interactive entry arrived during the current watch; the engine reads it.
+        # Set when an interactive entry arrived during the current watch; the engine reads it. The
+        # stream keys it arrived on, for the worker's read after the step.
         self.arrived = threading.Event()
+        self.flagged: set[str] = set()
         self._armed = threading.Event()
         self._watched: list[str] = []
         self._since = "0-0"
@@ -83,6 +89,7 @@ class ArrivalWatch:
         since_ms = int((time.time() + self._offset_s) * 1000) - MARGIN_MS
         self._since = f"{max(since_ms, 0)}-0"
         self.arrived.clear()
+        self.flagged = set()
         self._generation += 1
         self._armed.set()
 
@@ -118,13 +125,20 @@ class ArrivalWatch:
                 continue
             if generation != self._generation or not self._armed.is_set():
                 continue  # an older watch's read: the next one starts from its own moment
+            flagged = self.flagged
             for key, entries in response or []:
+                key = text(key)
                 for entry_id, fields in entries:
-                    ids[text(key)] = text(entry_id)
+                    ids[key] = text(entry_id)
                     self.num_entries += 1
-                    if not self.arrived.is_set() and self._interactive(fields):
-                        self.num_seen += 1
-                        self.arrived.set()
+                    verdict = self._interactive(fields)
+                    if isinstance(verdict, str):
+                        ids.setdefault(verdict, self._since)
+                    elif verdict:
+                        flagged.add(key)
+                        if not self.arrived.is_set():
+                            self.num_seen += 1
+                            self.arrived.set()
 
 
     def _measure_offset(self) -> None:
@@ -135,14 +149,17 @@ class ArrivalWatch:
         self._offset_at = time.monotonic()
 
 
-def interactive_entry(targets: LatencyTargets, max_entry_bytes: int) -> Callable[[Mapping], bool]:
-    """Whether a stream entry calls for giving a bulk step up: a request with latency targets of
-    its own or its tenant's, or a new lane's notice. An entry that does not decode is the worker's
+def interactive_entry(targets: LatencyTargets, max_entry_bytes: int,
+                      lane_key: Callable[[str], str]) -> Callable[[Mapping], bool | str]:
+    """What a stream entry calls for (``ArrivalWatch``'s ``interactive``): True for a request with
+    latency targets of its own or its tenant's; the stream key of the lane a notice announces
+    (``lane_key`` of its name); False for the rest. An entry that does not decode is the worker's
     read's to refuse, not a reason to stop a step."""
 
-    def interactive(fields: Mapping) -> bool:
+    def interactive(fields: Mapping) -> bool | str:
         if is_notice(fields):
-            return True
+            name = next((text(v) for k, v in fields.items() if text(k) == NOTICE_FIELD), "")
+            return lane_key(name) if valid_lane(name) else False
         try:
             request = decode_entry(fields, max_entry_bytes=max_entry_bytes)
         except Exception:  # noqa: BLE001 - any bad entry: the worker's read reports it

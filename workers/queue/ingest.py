@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import redis
 
@@ -77,6 +78,8 @@ class Ingest:
         self.last_accept = float("-inf")
         self._last_autoclaim = 0.0
         self._last_newcomer_check = float("-inf")
+        # Streams on which the arrival watch saw requests with latency targets (expect_arrival).
+        self._arrivals: set[str] = set()
         weights = engine.scheduler_config
         self.lanes = LaneSet(context.redis, config.stream, config.group, enabled=config.lanes != "none",
                              max_lanes=config.max_lanes, weight_of=weights.weight_of, clock=context.clock)
@@ -206,7 +209,9 @@ class Ingest:
     # -- reading ---------------------------------------------------------------------------------
     def read(self, now: float) -> None:
         """Take what the engine can start soon: dead workers' entries first (every claim tick),
-        then new ones."""
+        then new ones. Streams where requests with latency targets arrived come first."""
+        if self._arrivals:
+            self._read_arrivals(now)
         room, startable = self._room()
         if room <= 0:
             if not (self.lanes.multi and self._read_newcomers(now)):
@@ -278,6 +283,23 @@ class Ingest:
         if share > 0:
             self._read_plan(self.lanes.share_out(share))
 
+    def expect_arrival(self, stream_keys: Iterable[str]) -> None:
+        """Requests with latency targets arrived on these streams (the arrival watch saw them,
+        workers/queue/arrivals.py): the next read takes from them first, up to ``--max-batch``
+        entries each, whatever this worker's share of the backlog, and looks at the lanes with
+        nothing waiting here at once rather than ``NEWCOMER_CHECK_S`` after its last look."""
+        self._arrivals.update(stream_keys)
+        self._last_newcomer_check = float("-inf")
+
+    def _read_arrivals(self, now: float) -> None:
+        wanted, self._arrivals = self._arrivals, set()
+        if not wanted <= {lane.key for lane in self.lanes}:
+            self.lanes.refresh(now, force=True)  # a lane announced during the step
+        plan = [(lane, self.config.max_batch) for lane in self.lanes if lane.key in wanted]
+        missing = self._read_plan(plan)
+        if missing:  # a new lane's group was just made: read it now rather than after the next step
+            self._read_plan(missing)
+
     def _read_newcomers(self, now: float) -> bool:
         """The engine is full and its waiting queue at its bound, yet a lane with nothing waiting
         here may still be read: up to an even part of the bound per lane (at most ``--max-batch``),
@@ -334,19 +356,25 @@ class Ingest:
         self.lanes.observe(unread)
         return consumers, total_unread, total_pending
 
-    def _read_plan(self, plan: list[tuple[Lane, int]]) -> None:
-        """One pipelined read of so many entries from each lane."""
+    def _read_plan(self, plan: list[tuple[Lane, int]]) -> list[tuple[Lane, int]]:
+        """One pipelined read of so many entries from each lane; returns the part of the plan whose
+        lanes had no group (made now, at the stream's start)."""
+        if not plan:
+            return []
         pipe = self.redis.pipeline(transaction=False)
         for lane, count in plan:
             pipe.xreadgroup(self.config.group, self.consumer, {lane.key: ">"}, count=count)
         replies = pipe.execute(raise_on_error=False)
-        for (lane, _count), reply in zip(plan, replies):
+        missing = []
+        for (lane, count), reply in zip(plan, replies):
             if isinstance(reply, redis.exceptions.ResponseError) and "NOGROUP" in str(reply):
                 self.lanes.ensure_group(lane)
+                missing.append((lane, count))
             elif isinstance(reply, Exception):
                 raise reply
             else:
                 self._take(reply)
+        return missing
 
     def _block_on_lanes(self, room: int, lanes: list[Lane]) -> None:
         """Nothing unread: wait for the first arrival on any lane (a new lane's notice arrives on

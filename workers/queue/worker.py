@@ -61,7 +61,7 @@ from mqinfer.workers.queue.ingest import Ingest
 from mqinfer.workers.queue.jobs import JobStatuses
 from mqinfer.workers.queue.job_caps import JobCaps
 from mqinfer.workers.queue.kv_prefixes import TierPrefixes
-from mqinfer.workers.queue.lanes import share_group
+from mqinfer.workers.queue.lanes import key_of, share_group
 from mqinfer.workers.queue.ownership import Ownership
 from mqinfer.workers.engine.parallel import RankFailure
 from mqinfer.workers.queue.reconnect import Backoff, wait_for_redis
@@ -232,7 +232,8 @@ class Worker:
                              dead_letters=dead_letters)
         if cfg.interrupt_steps and not cfg.redis_cluster:
             self.arrivals = ArrivalWatch(self.redis, lambda: [lane.key for lane in self.ingest.lanes],
-                                         interactive_entry(self.billing.targets, cfg.max_entry_bytes))
+                                         interactive_entry(self.billing.targets, cfg.max_entry_bytes,
+                                                           lambda lane: key_of(cfg.stream, lane)))
         self.finishing = Finishing(ownership=self.ownership, meter=self.meter, billing=self.billing, acks=self.acks,
                                    metrics=self.metrics, lanes=self.ingest.lanes, clock=self.clock,
                                    tier_prefixes=self.tier_prefixes)
@@ -429,6 +430,8 @@ class Worker:
                 result = self.engine.step(interrupt=watch.arrived.is_set)
             finally:
                 watch.disarm()
+            if watch.arrived.is_set():
+                self.ingest.expect_arrival(list(watch.flagged))
         # A step that only reported cancellations ran no model; a given-up one is not a step's time.
         if result.work and not result.interrupted:
             self.batcher.observe_step(result.end - result.start)
@@ -561,6 +564,8 @@ class Worker:
         if self.gc_pauses is not None:
             summary["gc"] = self.gc_pauses.summary()
         engine = self.engine
+        if engine is not None:
+            summary["steps"], summary["steps_interrupted"] = engine.num_steps, engine.num_interrupted
         if engine is not None and engine.spec_stats.proposer != "none":
             # Speculative decoding's totals, and the engine's steps to put them against.
             summary["speculation"] = {**dataclasses.asdict(engine.spec_stats), "steps": engine.num_steps}
