@@ -102,7 +102,7 @@ def native_paged_attention(
     tables = metadata.block_tables.contiguous()
     seq_of_token = metadata.seq_of_token.contiguous()
     positions = metadata.positions.contiguous()
-    _check_index_tensors(tables, seq_of_token, positions, num_tokens)
+    check_index_tensors(tables, seq_of_token, positions, num_tokens)
     # The values are checked once per step (per metadata and cache), not per layer.
     if num_tokens and metadata.native_checked_blocks != num_blocks:
         check_attention_indices(metadata, tables, seq_of_token, positions, num_blocks, block_size)
@@ -124,7 +124,7 @@ def native_paged_attention(
     return out
 
 
-def _check_index_tensors(
+def check_index_tensors(
     tables: torch.Tensor, seq_of_token: torch.Tensor, positions: torch.Tensor, num_tokens: int
 ) -> None:
     """The kernel reads the tables, sequence ids and positions as int64 arrays of these shapes."""

@@ -87,7 +87,8 @@ def native_for(*tensors: torch.Tensor) -> bool:
     return _library() is not None
 
 
-def _threads(numel: int) -> int:
+def elementwise_threads(numel: int) -> int:
+    """Threads for an elementwise kernel over `numel` values: all of torch's, or one for small work."""
     return torch.get_num_threads() if numel >= _PARALLEL_MIN_ELEMENTS else 1
 
 
@@ -123,7 +124,7 @@ def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
             x=logits.data_ptr(), out=out.data_ptr(), rows=rows, cols=cols,
             row_stride=logits.stride(0), is_bf16=int(logits.dtype == torch.bfloat16),
         )
-        _library().mqinfer_argmax(ctypes.byref(args), _threads(logits.numel()))
+        _library().mqinfer_argmax(ctypes.byref(args), elementwise_threads(logits.numel()))
     return out
 
 
@@ -167,7 +168,7 @@ def gumbel_argmax(x: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
             x=x.data_ptr(), keys=keys.data_ptr(), gumbel=noise.data_ptr(), bucket_max=bucket_max.data_ptr(),
             out=out.data_ptr(), rows=rows, cols=cols, row_stride=x.stride(0),
         )
-        _library().mqinfer_gumbel_argmax(ctypes.byref(args), _threads(x.numel()))
+        _library().mqinfer_gumbel_argmax(ctypes.byref(args), elementwise_threads(x.numel()))
     return out
 
 
@@ -211,7 +212,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         x=logits.data_ptr(), bitmask=bitmask.data_ptr(), rows=rows.data_ptr(), n=n, cols=logits.shape[1],
         row_stride=logits.stride(0), words=bitmask.shape[1], is_bf16=int(logits.dtype == torch.bfloat16),
     )
-    _library().mqinfer_apply_bitmask(ctypes.byref(args), _threads(n * logits.shape[1]))
+    _library().mqinfer_apply_bitmask(ctypes.byref(args), elementwise_threads(n * logits.shape[1]))
     return None
 
 
@@ -252,7 +253,7 @@ def add_rms_norm(
         residual_stride=residual.stride(0), delta_stride=0 if delta is None else delta.stride(0),
         eps=eps, is_bf16=int(residual.dtype == torch.bfloat16),
     )
-    status = _library().mqinfer_add_rms_norm(ctypes.byref(args), _threads(residual.numel()))
+    status = _library().mqinfer_add_rms_norm(ctypes.byref(args), elementwise_threads(residual.numel()))
     if status != 0:
         raise MemoryError("the native RMSNorm kernel could not allocate its buffer")
     return residual, out
@@ -278,7 +279,7 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         gate_up=gate_up.data_ptr(), out=out.data_ptr(), rows=rows, inter=inter,
         stride=gate_up.stride(0), vector_chunk=_silu_vector_chunk(is_bf16), is_bf16=int(is_bf16),
     )
-    _library().mqinfer_silu_mul(ctypes.byref(args), _threads(gate_up.numel()))
+    _library().mqinfer_silu_mul(ctypes.byref(args), elementwise_threads(gate_up.numel()))
     return out
 
 
@@ -372,7 +373,7 @@ def rotary_store_kv(
             v_scale=v_scale.data_ptr() if quantized else None,
             kv_quant=kernel_quant_code(k_cache.dtype),
         )
-        status = _library().mqinfer_rotary_store_kv(ctypes.byref(args), _threads(qk.numel()))
+        status = _library().mqinfer_rotary_store_kv(ctypes.byref(args), elementwise_threads(qk.numel()))
         if status != 0:
             raise MemoryError("the native rotary kernel could not allocate its buffer")
     return qk[:, :num_q_heads]

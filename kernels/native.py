@@ -27,8 +27,9 @@ Environment:
     -fno-omit-frame-pointer``); a library built with AddressSanitizer only loads into a
     process that has the sanitizer runtime preloaded (``LD_PRELOAD=$(cc
     -print-file-name=libasan.so)``).
-``MQINFER_CPU_ATTENTION``, ``MQINFER_CPU_OPS``, ``MQINFER_CPU_LINEAR``
-    The switches of the attention kernel, of the fused ops and of the dense layers
+``MQINFER_CPU_ATTENTION``, ``MQINFER_CPU_OPS``, ``MQINFER_CPU_LINEAR``, ``MQINFER_CPU_LAYERS``
+    The switches of the attention kernel, of the fused ops, of the dense layers and of the
+    decoder layers' native loop (workers/engine/models/decoder_chain.py)
     (``switched_library``):
     ``auto`` (default) uses the library when it builds, ``torch`` never uses it, ``native``
     makes a library that cannot be built an error.
@@ -156,6 +157,18 @@ class W8A16Args(ctypes.Structure):
     ]
 
 
+class DecoderArgs(ctypes.Structure):
+    _fields_ = [
+        ("h", _ptr), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("o", _ptr), ("act", _ptr), ("down", _ptr),
+        ("final_out", _ptr), ("input_norm", _ptr), ("post_norm", _ptr), ("final_norm", _ptr),
+        ("qkv_packed", _ptr), ("o_packed", _ptr), ("gate_up_packed", _ptr), ("down_packed", _ptr),
+        ("k_cache", _ptr), ("v_cache", _ptr), ("rotary", RotaryArgs), ("attention", AttentionArgs),
+        ("num_layers", _i64), ("rows", _i64), ("hidden", _i64), ("q_size", _i64), ("kv_size", _i64),
+        ("inter", _i64), ("vector_chunk", _i64), ("norm_threads", _i64), ("rotary_threads", _i64),
+        ("eps", _f32),
+    ]
+
+
 # Record -> the name of its layout table in the library (abi.c).
 _RECORDS = {
     AttentionArgs: "mqinfer_layout_attention_args",
@@ -168,6 +181,7 @@ _RECORDS = {
     LinearArgs: "mqinfer_layout_linear_args",
     QLinearArgs: "mqinfer_layout_qlinear_args",
     W8A16Args: "mqinfer_layout_w8a16_args",
+    DecoderArgs: "mqinfer_layout_decoder_args",
 }
 
 # Exported function -> (result type, argument types).
@@ -196,6 +210,7 @@ _SIGNATURES = {
     "mqinfer_w8a16_packed_size": (_i64, [_i64, _i64, ctypes.c_int]),
     "mqinfer_w8a16_pack": (None, [_ptr, _i64, _i64, ctypes.c_int, _ptr]),
     "mqinfer_w8a16": (ctypes.c_int, [ctypes.POINTER(W8A16Args), ctypes.c_int]),
+    "mqinfer_decoder_layers": (ctypes.c_int, [ctypes.POINTER(DecoderArgs), _i64, _i64, ctypes.c_int]),
     "mqinfer_pool_starts": (_i64, []),
     "mqinfer_pool_workers": (ctypes.c_int, []),
 }
@@ -378,11 +393,38 @@ def build_error() -> str | None:
     return _state.get("error")  # type: ignore[return-value]
 
 
+# While a forward pass runs (``switches_held``): each switch's value as first read in it.
+_held: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def switches_held() -> Iterator[None]:
+    """Within, each kernel switch is read from the environment once, at its first use: a forward
+    pass asks the switches a few hundred times per step, and each read of ``os.environ`` costs
+    about a microsecond. Nested uses share the outer one's values."""
+    global _held
+    if _held is not None:
+        yield
+        return
+    _held = {}
+    try:
+        yield
+    finally:
+        _held = None
+
+
 def switch_mode(variable: str) -> str:
     """The value of a kernel switch (``auto`` when unset); a bad value is a ValueError."""
+    held = _held
+    if held is not None:
+        mode = held.get(variable)
+        if mode is not None:
+            return mode
     mode = os.environ.get(variable, "auto")
     if mode not in _MODES:
         raise ValueError(f"{variable} must be auto, native or torch, got {mode!r}")
+    if held is not None:
+        held[variable] = mode
     return mode
 
 

@@ -98,3 +98,20 @@ const int64_t mqinfer_layout_w8a16_args[] = {
     AT(mqinfer_w8a16_args, x_stride), AT(mqinfer_w8a16_args, out_stride),
     AT(mqinfer_w8a16_args, swiglu), AT(mqinfer_w8a16_args, vector_chunk),
 };
+
+const int64_t mqinfer_layout_decoder_args[] = {
+    sizeof(mqinfer_decoder_args), 29,
+    AT(mqinfer_decoder_args, h), AT(mqinfer_decoder_args, x), AT(mqinfer_decoder_args, qkv),
+    AT(mqinfer_decoder_args, attn), AT(mqinfer_decoder_args, o), AT(mqinfer_decoder_args, act),
+    AT(mqinfer_decoder_args, down), AT(mqinfer_decoder_args, final_out),
+    AT(mqinfer_decoder_args, input_norm), AT(mqinfer_decoder_args, post_norm),
+    AT(mqinfer_decoder_args, final_norm), AT(mqinfer_decoder_args, qkv_packed),
+    AT(mqinfer_decoder_args, o_packed), AT(mqinfer_decoder_args, gate_up_packed),
+    AT(mqinfer_decoder_args, down_packed), AT(mqinfer_decoder_args, k_cache),
+    AT(mqinfer_decoder_args, v_cache), AT(mqinfer_decoder_args, rotary),
+    AT(mqinfer_decoder_args, attention), AT(mqinfer_decoder_args, num_layers),
+    AT(mqinfer_decoder_args, rows), AT(mqinfer_decoder_args, hidden), AT(mqinfer_decoder_args, q_size),
+    AT(mqinfer_decoder_args, kv_size), AT(mqinfer_decoder_args, inter),
+    AT(mqinfer_decoder_args, vector_chunk), AT(mqinfer_decoder_args, norm_threads),
+    AT(mqinfer_decoder_args, rotary_threads), AT(mqinfer_decoder_args, eps),
+};

@@ -303,6 +303,52 @@ int mqinfer_w8a16(const mqinfer_w8a16_args *args, int num_threads);
 int64_t mqinfer_pool_starts(void);
 int mqinfer_pool_workers(void);
 
+/* ------------------------------------------------------------------ decoder layers */
+/* A run of a Llama decoder's layers over one step's rows in bfloat16 on AMX tiles, each op the
+   library's own kernel called as the model's Python forward calls it (decoder_layers.c): the
+   same bits, one call instead of eight per layer. h [rows, hidden] is the residual stream (updated
+   in place); x [rows, hidden] holds the normalised input of layer `first` on entry (or is made
+   from h when first == 0) and of layer `last` on return, except that after the model's last
+   layer the final norm's output goes to final_out. qkv, attn, o, act and down are the
+   intermediates' buffers ([rows, q + 2 kv], [rows, q], [rows, hidden], [rows, inter],
+   [rows, hidden]). The per-layer arrays hold num_layers pointers each: RMSNorm weights, packed
+   AMX weights (gate_up packed for SwiGLU), and the bfloat16 K and V caches. rotary and attention
+   are the step's records with the per-layer fields (qk, v, caches; q, caches, out) left to fill. */
+typedef struct {
+    void *h;
+    void *x;
+    void *qkv;
+    void *attn;
+    void *o;
+    void *act;
+    void *down;
+    void *final_out;
+    const void *const *input_norm;
+    const void *const *post_norm;
+    const void *final_norm;
+    const void *const *qkv_packed;
+    const void *const *o_packed;
+    const void *const *gate_up_packed;
+    const void *const *down_packed;
+    void *const *k_cache;
+    void *const *v_cache;
+    mqinfer_rotary_args rotary;
+    mqinfer_attention_args attention;
+    int64_t num_layers;
+    int64_t rows;
+    int64_t hidden;
+    int64_t q_size;
+    int64_t kv_size;
+    int64_t inter;
+    int64_t vector_chunk;
+    int64_t norm_threads;
+    int64_t rotary_threads;
+    float eps;
+} mqinfer_decoder_args;
+
+/* Layers [first, last). Returns 0; the first failing kernel's status otherwise. */
+int mqinfer_decoder_layers(const mqinfer_decoder_args *args, int64_t first, int64_t last, int num_threads);
+
 /* ------------------------------------------------------------------ record layouts */
 /* For each argument record mqinfer_X: mqinfer_layout_X holds its size, its number of fields,
    then the offset and size of every field in declaration order (abi.c). The loader compares them with
@@ -317,5 +363,6 @@ extern const int64_t mqinfer_layout_rotary_args[];
 extern const int64_t mqinfer_layout_linear_args[];
 extern const int64_t mqinfer_layout_qlinear_args[];
 extern const int64_t mqinfer_layout_w8a16_args[];
+extern const int64_t mqinfer_layout_decoder_args[];
 
 #endif

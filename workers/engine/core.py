@@ -54,7 +54,7 @@ from mqinfer.workers.engine.kv_tiers import attach_engine_tiers
 from mqinfer.workers.engine.loader import ModelInfo, load_model
 from mqinfer.workers.engine.logits_processors import LogitsProcessors
 from mqinfer.workers.engine.model_runner import ModelRunnerOutput
-from mqinfer.workers.engine.models.llama import StepInterrupted
+from mqinfer.workers.engine.models.layers import StepInterrupted
 from mqinfer.workers.engine.parallel import RankSettings, rank_parts
 from mqinfer.workers.engine.prepared import save_prepared
 from mqinfer.workers.engine.ranks import Leader

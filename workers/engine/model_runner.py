@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mqinfer.kernels import native
 from mqinfer.kernels.attention import AttentionWorkspace, build_attention_metadata
 from mqinfer.kernels.kv_quant import SCALE_DTYPE, LayerKVCache, kv_storage_dtype
 from mqinfer.kernels.sampling import SamplingTensors, accept_proposals, compute_logprobs, sample
@@ -211,6 +212,13 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, grammar_masks: StepMasks | None = None, *,
                 processors: LogitsProcessors | None = None,
                 interrupt: Callable[[], bool] | None = None) -> ModelRunnerOutput:
+        """Run one step (``_execute``), the kernel switches read once for all of it."""
+        with native.switches_held():
+            return self._execute(output, grammar_masks, processors=processors, interrupt=interrupt)
+
+    def _execute(self, output: SchedulerOutput, grammar_masks: StepMasks | None = None, *,
+                 processors: LogitsProcessors | None = None,
+                 interrupt: Callable[[], bool] | None = None) -> ModelRunnerOutput:
         """Run one step: the block copies, then the forward pass and sampling for ``output.scheduled``.
 
         ``processors``: the penalties, logit biases and ``min_tokens`` of the requests that ask for

@@ -26,6 +26,17 @@ from mqinfer.kernels.kv_quant import LayerKVCache
 KVCaches = Sequence[LayerKVCache | tuple[torch.Tensor, torch.Tensor]]
 
 
+class StepInterrupted(Exception):
+    """The forward pass stopped before a layer because its ``interrupt`` asked it to. The layers
+    before it wrote this step's tokens' KV into their blocks; nothing reads those slots until a
+    later step has computed the same tokens again, which writes the same values."""
+
+    def __init__(self, layer: int) -> None:
+        super().__init__(f"step interrupted before layer {layer}")
+        self.layer = layer
+
+
+
 def empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
     # Uninitialised on purpose: every value is overwritten by the checkpoint, and random
     # init of a billion parameters would cost seconds.

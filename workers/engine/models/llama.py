@@ -35,23 +35,14 @@ from mqinfer.kernels import cpu_ops
 from mqinfer.kernels.attention import AttentionMetadata, paged_attention, store_kv
 from mqinfer.kernels.kv_quant import LayerKVCache
 from mqinfer.workers.engine.models.config import ModelConfig, ModelLoadError
+from mqinfer.workers.engine.models.decoder_chain import DecoderChain
 from mqinfer.workers.engine.models.layers import (Activations, Embedding, KVCaches, Linear, LMHead, RMSNorm,
-                                           activation_buffer, amx_swiglu_weight, amx_weight, empty_param,
-                                           onednn_weight)
+                                           StepInterrupted, activation_buffer, amx_swiglu_weight, amx_weight,
+                                           empty_param, onednn_weight)
 from mqinfer.workers.engine.models.rotary import RotaryEmbedding, RotaryInputs, rotate_half
 
 if TYPE_CHECKING:
     from mqinfer.workers.engine.parallel import Shard
-
-
-class StepInterrupted(Exception):
-    """The forward pass stopped before a layer because its ``interrupt`` asked it to. The layers
-    before it wrote this step's tokens' KV into their blocks; nothing reads those slots until a
-    later step has computed the same tokens again, which writes the same values."""
-
-    def __init__(self, layer: int) -> None:
-        super().__init__(f"step interrupted before layer {layer}")
-        self.layer = layer
 
 
 def _attention_kernels(device) -> tuple:
@@ -226,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
         # model runner for one interruptible step at a time).
         self.interrupt: Callable[[], bool] | None = None
         self.activations = Activations()
+        # The whole layer loop in one native call where the step allows it (decoder_chain.py).
+        self.chain = DecoderChain(self)
         # Tables for long-context models are large; start small, the runner extends them to
         # its max_model_len.
         self.rotary = RotaryEmbedding(config, max_len or min(config.max_position_embeddings, 4096), device)
@@ -293,6 +286,10 @@ class LlamaForCausalLM(nn.Module):
             self._check_step_indices(positions, attn_metadata.slot_mapping, kv_caches[0][0] if kv_caches else None)
         if not len(layers):
             return self._add_norm(h, None, self.model.norm)[1] if final_norm else h.clone()
+        if final_norm and len(layers) == len(self.model.layers) and self.chain.takes(h, kv_caches):
+            out = self.chain.run(h, positions, kv_caches, attn_metadata, self.interrupt)
+            if out is not None:
+                return out
         # Each residual add runs inside the RMSNorm that follows it (one pass over the rows
         # instead of two): h is the residual stream, x the normalised input of the next block
         # (in one buffer: each x is consumed before the next is written).
