@@ -29,10 +29,10 @@ off with the other dense kernels.
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
+from mqinfer.kernels import native
 from mqinfer.kernels.linear import dense_library
 
 # Calls with more rows go to PyTorch (see above).
@@ -40,23 +40,8 @@ MAX_ROWS = 1280
 # The kernel's K blocks: in_features must be a multiple of this.
 K_BLOCK = 32
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
-@functools.cache
-def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.mqinfer_amx_linear_packed_size.argtypes, lib.mqinfer_amx_linear_packed_size.restype = [_I64, _I64], _I64
-    lib.mqinfer_amx_linear_pack.argtypes, lib.mqinfer_amx_linear_pack.restype = [_PTR, _I64, _I64, _PTR], None
-    lib.mqinfer_amx_linear.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]
-    lib.mqinfer_amx_linear.restype = ctypes.c_int
-    lib.mqinfer_amx_swiglu.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, ctypes.c_int]
-    lib.mqinfer_amx_swiglu.restype = ctypes.c_int
-    return lib
-
-
 def _library() -> ctypes.CDLL | None:
-    lib = dense_library("mqinfer_amx_linear_available")
-    return None if lib is None else _declared(lib)
+    return dense_library("mqinfer_amx_linear_available")
 
 
 def available() -> bool:
@@ -157,9 +142,11 @@ def linear(x: torch.Tensor, weight: AmxWeight, bias: torch.Tensor | None = None,
     if bias is not None and (bias.shape != (weight.out_features,) or bias.dtype != torch.bfloat16
                              or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous bfloat16 tensor [{weight.out_features}]")
-    _check(_library().mqinfer_amx_linear(
-        x.data_ptr(), weight.data.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
-        weight.in_features, weight.out_features, x_stride, weight.out_features, torch.get_num_threads()))
+    args = native.AmxLinearArgs(
+        x=x.data_ptr(), packed=weight.data.data_ptr(), bias=None if bias is None else bias.data_ptr(),
+        out=out.data_ptr(), rows=x.shape[0], in_features=weight.in_features, out_features=weight.out_features,
+        x_stride=x_stride, out_stride=weight.out_features)
+    _check(_library().mqinfer_amx_linear(ctypes.byref(args), torch.get_num_threads()))
     return out
 
 
@@ -173,9 +160,11 @@ def swiglu(x: torch.Tensor, weight: AmxWeight, vector_chunk: int, out: torch.Ten
     if vector_chunk < 0 or vector_chunk % PANEL:
         raise ValueError(f"vector_chunk must be a non-negative multiple of {PANEL}, got {vector_chunk}")
     x, out, x_stride = _operands(x, weight, out, weight.inter)
-    _check(_library().mqinfer_amx_swiglu(
-        x.data_ptr(), weight.data.data_ptr(), out.data_ptr(), x.shape[0], weight.in_features, weight.inter,
-        x_stride, weight.inter, vector_chunk, torch.get_num_threads()))
+    args = native.AmxSwigluArgs(
+        x=x.data_ptr(), packed=weight.data.data_ptr(), out=out.data_ptr(), rows=x.shape[0],
+        in_features=weight.in_features, inter=weight.inter, x_stride=x_stride, out_stride=weight.inter,
+        vector_chunk=vector_chunk)
+    _check(_library().mqinfer_amx_swiglu(ctypes.byref(args), torch.get_num_threads()))
     return out
 
 

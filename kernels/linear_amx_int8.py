@@ -30,36 +30,19 @@ packed while the switch is off is the VNNI kernel's for good.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 
 import torch
 
-from mqinfer.kernels import native
 from mqinfer.kernels.linear import dense_library
 from mqinfer.kernels.int8_weight import Int8Weight, native_takes_bf16, pack_for
 
 SWITCH = "MQINFER_W8A8_AMX"
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-
-
-@functools.cache
-def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.mqinfer_amx_qlinear_packed_size.argtypes = [_I64, _I64, ctypes.c_int]
-    lib.mqinfer_amx_qlinear_packed_size.restype = _I64
-    lib.mqinfer_amx_qlinear_pack.argtypes, lib.mqinfer_amx_qlinear_pack.restype = [_PTR, _I64, _I64, ctypes.c_int, _PTR], None
-    lib.mqinfer_amx_qlinear_scratch_size.argtypes, lib.mqinfer_amx_qlinear_scratch_size.restype = [_I64, _I64], _I64
-    lib.mqinfer_amx_qlinear.argtypes = [ctypes.POINTER(native.QLinearArgs), ctypes.c_int]
-    lib.mqinfer_amx_qlinear.restype = ctypes.c_int
-    return lib
-
-
 def library() -> ctypes.CDLL | None:
     """The native library where it has this kernel and the OS grants the tiles (the dense
-    layers' switch allowing), with the kernel's calls typed; None otherwise."""
-    lib = dense_library("mqinfer_amx_qlinear_available")
-    return None if lib is None else _declared(lib)
+    layers' switch allowing); None otherwise."""
+    return dense_library("mqinfer_amx_qlinear_available")
 
 
 def switched_on() -> bool:

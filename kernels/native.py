@@ -169,6 +169,20 @@ class DecoderArgs(ctypes.Structure):
     ]
 
 
+class AmxLinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("packed", _ptr), ("bias", _ptr), ("out", _ptr), ("rows", _i64),
+        ("in_features", _i64), ("out_features", _i64), ("x_stride", _i64), ("out_stride", _i64),
+    ]
+
+
+class AmxSwigluArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _ptr), ("packed", _ptr), ("out", _ptr), ("rows", _i64), ("in_features", _i64),
+        ("inter", _i64), ("x_stride", _i64), ("out_stride", _i64), ("vector_chunk", _i64),
+    ]
+
+
 # Record -> the name of its layout table in the library (abi.c).
 _RECORDS = {
     AttentionArgs: "mqinfer_layout_attention_args",
@@ -182,12 +196,15 @@ _RECORDS = {
     QLinearArgs: "mqinfer_layout_qlinear_args",
     W8A16Args: "mqinfer_layout_w8a16_args",
     DecoderArgs: "mqinfer_layout_decoder_args",
+    AmxLinearArgs: "mqinfer_layout_amx_linear_args",
+    AmxSwigluArgs: "mqinfer_layout_amx_swiglu_args",
 }
 
 # Exported function -> (result type, argument types).
 _SIGNATURES = {
     "mqinfer_paged_attention": (ctypes.c_int, [ctypes.POINTER(AttentionArgs), ctypes.c_int]),
     "mqinfer_attention_selftest": (ctypes.c_int, [_ptr, _i64, _ptr, _ptr, _ptr, _ptr]),
+    "mqinfer_attention_use_amx": (ctypes.c_int, [ctypes.c_int]),
     "mqinfer_argmax": (None, [ctypes.POINTER(ArgmaxArgs), ctypes.c_int]),
     "mqinfer_gumbel_argmax": (None, [ctypes.POINTER(GumbelArgs), ctypes.c_int]),
     "mqinfer_apply_bitmask": (None, [ctypes.POINTER(BitmaskArgs), ctypes.c_int]),
@@ -211,6 +228,16 @@ _SIGNATURES = {
     "mqinfer_w8a16_pack": (None, [_ptr, _i64, _i64, ctypes.c_int, _ptr]),
     "mqinfer_w8a16": (ctypes.c_int, [ctypes.POINTER(W8A16Args), ctypes.c_int]),
     "mqinfer_decoder_layers": (ctypes.c_int, [ctypes.POINTER(DecoderArgs), _i64, _i64, ctypes.c_int]),
+    "mqinfer_amx_linear_available": (ctypes.c_int, []),
+    "mqinfer_amx_linear_packed_size": (_i64, [_i64, _i64]),
+    "mqinfer_amx_linear_pack": (None, [_ptr, _i64, _i64, _ptr]),
+    "mqinfer_amx_linear": (ctypes.c_int, [ctypes.POINTER(AmxLinearArgs), ctypes.c_int]),
+    "mqinfer_amx_swiglu": (ctypes.c_int, [ctypes.POINTER(AmxSwigluArgs), ctypes.c_int]),
+    "mqinfer_amx_qlinear_available": (ctypes.c_int, []),
+    "mqinfer_amx_qlinear_packed_size": (_i64, [_i64, _i64, ctypes.c_int]),
+    "mqinfer_amx_qlinear_pack": (None, [_ptr, _i64, _i64, ctypes.c_int, _ptr]),
+    "mqinfer_amx_qlinear_scratch_size": (_i64, [_i64, _i64]),
+    "mqinfer_amx_qlinear": (ctypes.c_int, [ctypes.POINTER(QLinearArgs), ctypes.c_int]),
     "mqinfer_pool_starts": (_i64, []),
     "mqinfer_pool_workers": (ctypes.c_int, []),
 }

@@ -115,3 +115,19 @@ const int64_t mqinfer_layout_decoder_args[] = {
     AT(mqinfer_decoder_args, vector_chunk), AT(mqinfer_decoder_args, norm_threads),
     AT(mqinfer_decoder_args, rotary_threads), AT(mqinfer_decoder_args, eps),
 };
+
+const int64_t mqinfer_layout_amx_linear_args[] = {
+    sizeof(mqinfer_amx_linear_args), 9,
+    AT(mqinfer_amx_linear_args, x), AT(mqinfer_amx_linear_args, packed), AT(mqinfer_amx_linear_args, bias),
+    AT(mqinfer_amx_linear_args, out), AT(mqinfer_amx_linear_args, rows),
+    AT(mqinfer_amx_linear_args, in_features), AT(mqinfer_amx_linear_args, out_features),
+    AT(mqinfer_amx_linear_args, x_stride), AT(mqinfer_amx_linear_args, out_stride),
+};
+
+const int64_t mqinfer_layout_amx_swiglu_args[] = {
+    sizeof(mqinfer_amx_swiglu_args), 9,
+    AT(mqinfer_amx_swiglu_args, x), AT(mqinfer_amx_swiglu_args, packed), AT(mqinfer_amx_swiglu_args, out),
+    AT(mqinfer_amx_swiglu_args, rows), AT(mqinfer_amx_swiglu_args, in_features),
+    AT(mqinfer_amx_swiglu_args, inter), AT(mqinfer_amx_swiglu_args, x_stride),
+    AT(mqinfer_amx_swiglu_args, out_stride), AT(mqinfer_amx_swiglu_args, vector_chunk),
+};

@@ -12,11 +12,15 @@
 
 #include "mqinfer_native.h"
 
-int mqinfer_amx_linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows,
-                       int64_t in_features, int64_t out_features, int64_t x_stride, int64_t out_stride,
-                       int num_threads);
-int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t rows, int64_t in_features,
-                       int64_t inter, int64_t x_stride, int64_t out_stride, int64_t vector_chunk, int num_threads);
+/* out [rows, n] = x [rows, k] W^T by the AMX kernel, x and out with unit-stride rows of k and n. */
+static int linear(const void *x, const void *packed, void *out, int64_t rows, int64_t k, int64_t n,
+                  int num_threads) {
+    const mqinfer_amx_linear_args l = {
+        .x = x, .packed = packed, .bias = NULL, .out = out, .rows = rows, .in_features = k, .out_features = n,
+        .x_stride = k, .out_stride = n,
+    };
+    return mqinfer_amx_linear(&l, num_threads);
+}
 
 /* h += delta (delta NULL: no add), out = rms_norm(h) * weight, as cpu_ops.add_rms_norm calls it. */
 static int add_norm(const mqinfer_decoder_args *a, const void *delta, const void *weight, void *out) {
@@ -38,8 +42,7 @@ int mqinfer_decoder_layers(const mqinfer_decoder_args *a, int64_t first, int64_t
     for (int64_t i = first; i < last; i++) {
         /* Attention: the fused q/k/v projection, rotary (q in place, k and v into the cache),
            attention over the cache, the output projection. */
-        if ((status = mqinfer_amx_linear(a->x, a->qkv_packed[i], NULL, a->qkv, rows, hidden, qkv_cols, hidden,
-                                         qkv_cols, num_threads)) != 0)
+        if ((status = linear(a->x, a->qkv_packed[i], a->qkv, rows, hidden, qkv_cols, num_threads)) != 0)
             return status;
         mqinfer_rotary_args r = a->rotary;
         r.qk = a->qkv;
@@ -53,16 +56,15 @@ int mqinfer_decoder_layers(const mqinfer_decoder_args *a, int64_t first, int64_t
         t.v_cache = a->v_cache[i];
         t.out = a->attn;
         if ((status = mqinfer_paged_attention(&t, num_threads)) != 0) return status;
-        if ((status = mqinfer_amx_linear(a->attn, a->o_packed[i], NULL, a->o, rows, q, hidden, q, hidden,
-                                         num_threads)) != 0)
-            return status;
+        if ((status = linear(a->attn, a->o_packed[i], a->o, rows, q, hidden, num_threads)) != 0) return status;
         if ((status = add_norm(a, a->o, a->post_norm[i], a->x)) != 0) return status;
         /* MLP: silu(gate) * up straight from the tiles, then the down projection. */
-        if ((status = mqinfer_amx_swiglu(a->x, a->gate_up_packed[i], a->act, rows, hidden, a->inter, hidden,
-                                         a->inter, a->vector_chunk, num_threads)) != 0)
-            return status;
-        if ((status = mqinfer_amx_linear(a->act, a->down_packed[i], NULL, a->down, rows, a->inter, hidden,
-                                         a->inter, hidden, num_threads)) != 0)
+        const mqinfer_amx_swiglu_args g = {
+            .x = a->x, .packed = a->gate_up_packed[i], .out = a->act, .rows = rows, .in_features = hidden,
+            .inter = a->inter, .x_stride = hidden, .out_stride = a->inter, .vector_chunk = a->vector_chunk,
+        };
+        if ((status = mqinfer_amx_swiglu(&g, num_threads)) != 0) return status;
+        if ((status = linear(a->act, a->down_packed[i], a->down, rows, a->inter, hidden, num_threads)) != 0)
             return status;
         /* The residual add, fused into the next layer's input norm, or after the last layer the
            final norm (into its own tensor). */

@@ -29,35 +29,12 @@
 #include <string.h>
 
 #include "amx_tiles.h"
+#include "mqinfer_native.h"
 #include "native_common.h"
 
 #define PANEL 16
 #define KBLOCK 32
 #define ROW_CHUNK 512
-
-/* One call: x [rows, in_features] bfloat16 (row stride x_stride elements, unit column stride),
-   the packed weight, bias [out_features] bfloat16 or NULL, out [rows, out_features] bfloat16 (row
-   stride out_stride). */
-typedef struct {
-    const void *x;
-    const void *packed;
-    const void *bias;
-    void *out;
-    int64_t rows;
-    int64_t in_features;
-    int64_t out_features;
-    int64_t x_stride;
-    int64_t out_stride;
-} mqinfer_amx_linear_args;
-
-int64_t mqinfer_amx_linear_packed_size(int64_t out_features, int64_t in_features);
-void mqinfer_amx_linear_pack(const uint16_t *weight, int64_t out_features, int64_t in_features, uint16_t *packed);
-int mqinfer_amx_linear_available(void);
-int mqinfer_amx_linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows,
-                       int64_t in_features, int64_t out_features, int64_t x_stride, int64_t out_stride,
-                       int num_threads);
-int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t rows, int64_t in_features,
-                       int64_t inter, int64_t x_stride, int64_t out_stride, int64_t vector_chunk, int num_threads);
 
 int64_t mqinfer_amx_linear_packed_size(int64_t out_features, int64_t in_features) {
     return (out_features + PANEL - 1) / PANEL * PANEL * ((in_features + KBLOCK - 1) / KBLOCK * KBLOCK);
@@ -279,50 +256,43 @@ static int run_call(linear_call *call, int num_threads) {
     return mq_parallel(linear_part, call, (int)parts, num_threads) ? -1 : 0;
 }
 
-/* Returns 0; -1 out of memory; -2 no AMX here, or in_features not a multiple of 32. */
-int mqinfer_amx_linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows,
-                       int64_t in_features, int64_t out_features, int64_t x_stride, int64_t out_stride,
-                       int num_threads) {
-    const mqinfer_amx_linear_args args = {x, packed, bias, out, rows, in_features, out_features, x_stride,
-                                          out_stride};
-    if (rows <= 0 || out_features <= 0) return 0;
-    if (in_features % KBLOCK || !mqinfer_amx_linear_available()) return -2;
-    linear_call call = {&args, ((out_features + PANEL - 1) / PANEL + 1) / 2, 0, 0};
+/* The plain projection: every pair of panels, no epilogue but the bias. */
+int mqinfer_amx_linear(const mqinfer_amx_linear_args *args, int num_threads) {
+    if (args->rows <= 0 || args->out_features <= 0) return 0;
+    if (args->in_features % KBLOCK || !mqinfer_amx_linear_available()) return -2;
+    linear_call call = {args, ((args->out_features + PANEL - 1) / PANEL + 1) / 2, 0, 0};
     return run_call(&call, num_threads);
 }
 
-/* silu(gate) * up [rows, inter] of x's gate/up projection, its weight packed as the header says
-   (2 * ceil(inter / 16) panels). vector_chunk: PyTorch's SiLU takes its vectorised exponential on
-   the whole chunks of this many values of a row (cpu_ops.silu_vector_chunk; a multiple of 16),
-   std::exp past them. Returns as mqinfer_amx_linear. */
-int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t rows, int64_t in_features,
-                       int64_t inter, int64_t x_stride, int64_t out_stride, int64_t vector_chunk, int num_threads) {
+/* SwiGLU: the projection onto the alternating gate and up panels (2 * ceil(inter / 16) of them,
+   no bias), each pair written by the SwiGLU epilogue. vector_chunk: PyTorch's SiLU takes its
+   vectorised exponential on the whole chunks of this many values of a row
+   (cpu_ops.silu_vector_chunk), std::exp past them. */
+int mqinfer_amx_swiglu(const mqinfer_amx_swiglu_args *args, int num_threads) {
+    const int64_t inter = args->inter, vector_chunk = args->vector_chunk;
     const int64_t pairs = (inter + PANEL - 1) / PANEL;
-    const mqinfer_amx_linear_args args = {x, packed, NULL, out, rows, in_features, 2 * pairs * PANEL, x_stride,
-                                          out_stride};
-    if (rows <= 0 || inter <= 0) return 0;
-    if (in_features % KBLOCK || vector_chunk % PANEL || !mqinfer_amx_linear_available()) return -2;
+    const mqinfer_amx_linear_args projection = {args->x, args->packed, NULL, args->out, args->rows,
+                                                args->in_features, 2 * pairs * PANEL, args->x_stride,
+                                                args->out_stride};
+    if (args->rows <= 0 || inter <= 0) return 0;
+    if (args->in_features % KBLOCK || vector_chunk % PANEL || !mqinfer_amx_linear_available()) return -2;
     if (vector_chunk > 0) mq_silu_bf16_ready();
-    linear_call call = {&args, pairs, inter, vector_chunk > 0 ? inter / vector_chunk * vector_chunk : 0};
+    linear_call call = {&projection, pairs, inter, vector_chunk > 0 ? inter / vector_chunk * vector_chunk : 0};
     return run_call(&call, num_threads);
 }
 
 #else
 
+/* Without AMX bfloat16 tiles the callers use PyTorch. */
 int mqinfer_amx_linear_available(void) { return 0; }
 
-int mqinfer_amx_swiglu(const void *x, const void *packed, void *out, int64_t rows, int64_t in_features,
-                       int64_t inter, int64_t x_stride, int64_t out_stride, int64_t vector_chunk, int num_threads) {
-    (void)x; (void)packed; (void)out; (void)rows; (void)in_features; (void)inter; (void)x_stride;
-    (void)out_stride; (void)vector_chunk; (void)num_threads;
+int mqinfer_amx_swiglu(const mqinfer_amx_swiglu_args *args, int num_threads) {
+    (void)args; (void)num_threads;
     return -2;
 }
 
-int mqinfer_amx_linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows,
-                       int64_t in_features, int64_t out_features, int64_t x_stride, int64_t out_stride,
-                       int num_threads) {
-    (void)x; (void)packed; (void)bias; (void)out; (void)rows; (void)in_features; (void)out_features;
-    (void)x_stride; (void)out_stride; (void)num_threads;
+int mqinfer_amx_linear(const mqinfer_amx_linear_args *args, int num_threads) {
+    (void)args; (void)num_threads;
     return -2;
 }
 

@@ -35,13 +35,6 @@
 #define KBLOCK 64
 #define ROW_CHUNK 512
 
-int64_t mqinfer_amx_qlinear_packed_size(int64_t out_features, int64_t in_features, int swiglu);
-void mqinfer_amx_qlinear_pack(const int8_t *weight, int64_t out_features, int64_t in_features, int swiglu,
-                              int8_t *packed);
-int64_t mqinfer_amx_qlinear_scratch_size(int64_t rows, int64_t in_features);
-int mqinfer_amx_qlinear_available(void);
-int mqinfer_amx_qlinear(const mqinfer_qlinear_args *args, int num_threads);
-
 static int64_t padded_k(int64_t in_features) { return (in_features + KBLOCK - 1) / KBLOCK * KBLOCK; }
 static int64_t padded_rows(int64_t rows) { return (rows + 15) / 16 * 16; }
 static int64_t panel_width(int swiglu) { return swiglu ? PANEL / 2 : PANEL; }

@@ -296,6 +296,64 @@ void mqinfer_w8a16_pack(const int8_t *weight, int64_t out_features, int64_t in_f
                         int8_t *packed);
 int mqinfer_w8a16(const mqinfer_w8a16_args *args, int num_threads);
 
+/* ------------------------------------------------------------------ AMX dense layers */
+/* bfloat16: out = x W^T (+ bias) by AMX tiles (linear_amx.c), W packed once by
+   mqinfer_amx_linear_pack: the tile unit's float32 sums of exact bfloat16 products, the bias
+   added in float32, one rounding to bfloat16. x [rows, in_features] bfloat16 (row stride
+   x_stride elements, unit column stride), out [rows, out_features] bfloat16 (row stride
+   out_stride), bias [out_features] bfloat16 or NULL. in_features is a multiple of 32.
+   mqinfer_amx_linear returns 0, -1 when out of memory, or -2 when the library has no AMX
+   kernel here (mqinfer_amx_linear_available() == 0) or in_features is not a multiple of 32. */
+typedef struct {
+    const void *x;
+    const void *packed;
+    const void *bias;
+    void *out;
+    int64_t rows;
+    int64_t in_features;
+    int64_t out_features;
+    int64_t x_stride;
+    int64_t out_stride;
+} mqinfer_amx_linear_args;
+
+/* silu(gate) * up [rows, inter] bfloat16 of x's gate/up projection, its weight [2 * inter,
+   in_features] (gate rows first) packed by mqinfer_amx_linear_pack with the gate's and the up
+   projection's panels of 16 features alternating, each half zero-padded to a whole panel
+   (2 * ceil(inter / 16) panels): the bits of mqinfer_amx_linear on that weight followed by
+   mqinfer_silu_mul. x and x_stride as in mqinfer_amx_linear_args; out [rows, inter] (row stride
+   out_stride); vector_chunk as in mqinfer_silu_mul_args, a multiple of 16. Returns as
+   mqinfer_amx_linear (-2 also for a vector_chunk that is not a multiple of 16). */
+typedef struct {
+    const void *x;
+    const void *packed;
+    void *out;
+    int64_t rows;
+    int64_t in_features;
+    int64_t inter;
+    int64_t x_stride;
+    int64_t out_stride;
+    int64_t vector_chunk;
+} mqinfer_amx_swiglu_args;
+
+int mqinfer_amx_linear_available(void);
+/* bfloat16 elements of the packed form of an [out_features, in_features] weight. */
+int64_t mqinfer_amx_linear_packed_size(int64_t out_features, int64_t in_features);
+void mqinfer_amx_linear_pack(const uint16_t *weight, int64_t out_features, int64_t in_features, uint16_t *packed);
+int mqinfer_amx_linear(const mqinfer_amx_linear_args *args, int num_threads);
+int mqinfer_amx_swiglu(const mqinfer_amx_swiglu_args *args, int num_threads);
+
+/* w8a8 by AMX int8 tiles (linear_amx_int8.c): mqinfer_qlinear's result bit for bit, on the
+   same record, with the weight packed by mqinfer_amx_qlinear_pack (the same panels of features,
+   so the same scales and bias; K zero-padded to a multiple of 64) and a scratch of
+   mqinfer_amx_qlinear_scratch_size(rows, in_features) bytes. Returns 0, -1 when a part failed,
+   or -2 when the library has no AMX int8 kernel here (mqinfer_amx_qlinear_available() == 0). */
+int mqinfer_amx_qlinear_available(void);
+int64_t mqinfer_amx_qlinear_packed_size(int64_t out_features, int64_t in_features, int swiglu);
+void mqinfer_amx_qlinear_pack(const int8_t *weight, int64_t out_features, int64_t in_features, int swiglu,
+                              int8_t *packed);
+int64_t mqinfer_amx_qlinear_scratch_size(int64_t rows, int64_t in_features);
+int mqinfer_amx_qlinear(const mqinfer_qlinear_args *args, int num_threads);
+
 /* ------------------------------------------------------------------ thread pool */
 /* How many times the pool has (re)started its worker threads in this process, and how many
    workers it holds now (tests and diagnostics: the pool is started once per thread count,
@@ -364,5 +422,7 @@ extern const int64_t mqinfer_layout_linear_args[];
 extern const int64_t mqinfer_layout_qlinear_args[];
 extern const int64_t mqinfer_layout_w8a16_args[];
 extern const int64_t mqinfer_layout_decoder_args[];
+extern const int64_t mqinfer_layout_amx_linear_args[];
+extern const int64_t mqinfer_layout_amx_swiglu_args[];
 
 #endif

@@ -3,7 +3,6 @@ per-token kernel, and a token's result independent of its batch, its packing and
 
 from __future__ import annotations
 
-import ctypes
 import random
 
 import pytest
@@ -23,8 +22,7 @@ def _amx_switch():
     if not native_attention_available():
         return None
     lib = native.load()
-    fn = lib.mqinfer_attention_use_amx
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    fn = lib.mqinfer_attention_use_amx  # typed by the loader
     return fn if fn(-1) >= 0 else None
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -73,6 +74,25 @@ def test_a_record_that_differs_from_its_c_layout_is_refused(monkeypatch):
         with pytest.raises(RuntimeError, match=bad.__name__):
             native._check_layouts(lib)
 
+
+
+def test_every_function_and_record_of_the_header_is_typed_and_checked():
+    # A function the header declares is called through its ctypes signature, and a record it
+    # declares has a mirror whose layout the loader checks: none is declared by a caller alone.
+    header = (native.CSRC / "mqinfer_native.h").read_text()
+    functions = set(re.findall(r"^(?:int|int64_t|void) (mqinfer_\w+)\(", header, re.MULTILINE))
+    records = set(re.findall(r"^\} (mqinfer_\w+_args);", header, re.MULTILINE))
+    assert {"mqinfer_amx_linear", "mqinfer_amx_swiglu", "mqinfer_amx_qlinear"} <= functions
+    assert {"mqinfer_amx_linear_args", "mqinfer_amx_swiglu_args"} <= records
+    assert functions == set(native._SIGNATURES)
+    assert {f"mqinfer_layout_{name.removeprefix('mqinfer_')}" for name in records} == set(native._RECORDS.values())
+    abi = (native.CSRC / "abi.c").read_text()
+    for record, table in native._RECORDS.items():
+        # The table lists every field of its record, in the mirror's order.
+        body = abi[abi.index(f"{table}[] = {{"):]
+        body = body[:body.index("};")]
+        c_name = table.replace("mqinfer_layout_", "mqinfer_")
+        assert re.findall(rf"AT\({c_name}, (\w+)\)", body) == [name for name, _ in record._fields_], table
 
 @needs_library
 def test_extra_flags_get_their_own_cache_entry(monkeypatch, tmp_path):
