@@ -49,6 +49,12 @@ arrives soon after interactive traffic): bounding the chunks to a decode step's 
 admit about one bulk prompt a step and keep the running set, and the throughput, small for the
 whole warm period.
 
+A request that arrives while a step without interactive requests runs (a full bulk step of a worker
+that has seen none lately, or a light one) need not wait for its end: the worker watches its streams
+during each step and the engine gives such a step up between two layers when one arrives
+(workers/queue/arrivals.py, workers/engine/core.py); its requests compute the same tokens again in a
+later step. The first request of a stream then waits for about one layer of the bulk step, not all of it.
+
 With no interactive request in the scheduler and none within ``WARM_S`` seconds,
 :meth:`SloScheduling.plan` returns None and the scheduler composes the step exactly as without this
 module; the model still learns from every step, so that it is ready when interactive traffic
