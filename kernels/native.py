@@ -161,7 +161,7 @@ class DecoderArgs(ctypes.Structure):
     _fields_ = [
         ("h", _ptr), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("o", _ptr), ("act", _ptr), ("down", _ptr),
         ("final_out", _ptr), ("input_norm", _ptr), ("post_norm", _ptr), ("final_norm", _ptr),
-        ("qkv_packed", _ptr), ("o_packed", _ptr), ("gate_up_packed", _ptr), ("down_packed", _ptr),
+        ("qkv_packed", _ptr), ("qkv_bias", _ptr), ("o_packed", _ptr), ("gate_up_packed", _ptr), ("down_packed", _ptr),
         ("k_cache", _ptr), ("v_cache", _ptr), ("rotary", RotaryArgs), ("attention", AttentionArgs),
         ("num_layers", _i64), ("rows", _i64), ("hidden", _i64), ("q_size", _i64), ("kv_size", _i64),
         ("inter", _i64), ("vector_chunk", _i64), ("norm_threads", _i64), ("rotary_threads", _i64),

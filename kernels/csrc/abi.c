@@ -100,12 +100,12 @@ const int64_t mqinfer_layout_w8a16_args[] = {
 };
 
 const int64_t mqinfer_layout_decoder_args[] = {
-    sizeof(mqinfer_decoder_args), 29,
+    sizeof(mqinfer_decoder_args), 30,
     AT(mqinfer_decoder_args, h), AT(mqinfer_decoder_args, x), AT(mqinfer_decoder_args, qkv),
     AT(mqinfer_decoder_args, attn), AT(mqinfer_decoder_args, o), AT(mqinfer_decoder_args, act),
     AT(mqinfer_decoder_args, down), AT(mqinfer_decoder_args, final_out),
     AT(mqinfer_decoder_args, input_norm), AT(mqinfer_decoder_args, post_norm),
-    AT(mqinfer_decoder_args, final_norm), AT(mqinfer_decoder_args, qkv_packed),
+    AT(mqinfer_decoder_args, final_norm), AT(mqinfer_decoder_args, qkv_packed), AT(mqinfer_decoder_args, qkv_bias),
     AT(mqinfer_decoder_args, o_packed), AT(mqinfer_decoder_args, gate_up_packed),
     AT(mqinfer_decoder_args, down_packed), AT(mqinfer_decoder_args, k_cache),
     AT(mqinfer_decoder_args, v_cache), AT(mqinfer_decoder_args, rotary),

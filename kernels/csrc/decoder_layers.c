@@ -12,11 +12,11 @@
 
 #include "mqinfer_native.h"
 
-/* out [rows, n] = x [rows, k] W^T by the AMX kernel, x and out with unit-stride rows of k and n. */
-static int linear(const void *x, const void *packed, void *out, int64_t rows, int64_t k, int64_t n,
-                  int num_threads) {
+/* out [rows, n] = x [rows, k] W^T (+ bias, or NULL) by the AMX kernel, x and out with unit-stride rows of k and n. */
+static int linear(const void *x, const void *packed, const void *bias, void *out, int64_t rows, int64_t k,
+                  int64_t n, int num_threads) {
     const mqinfer_amx_linear_args l = {
-        .x = x, .packed = packed, .bias = NULL, .out = out, .rows = rows, .in_features = k, .out_features = n,
+        .x = x, .packed = packed, .bias = bias, .out = out, .rows = rows, .in_features = k, .out_features = n,
         .x_stride = k, .out_stride = n,
     };
     return mqinfer_amx_linear(&l, num_threads);
@@ -42,7 +42,7 @@ int mqinfer_decoder_layers(const mqinfer_decoder_args *a, int64_t first, int64_t
     for (int64_t i = first; i < last; i++) {
         /* Attention: the fused q/k/v projection, rotary (q in place, k and v into the cache),
            attention over the cache, the output projection. */
-        if ((status = linear(a->x, a->qkv_packed[i], a->qkv, rows, hidden, qkv_cols, num_threads)) != 0)
+        if ((status = linear(a->x, a->qkv_packed[i], a->qkv_bias ? a->qkv_bias[i] : NULL, a->qkv, rows, hidden, qkv_cols, num_threads)) != 0)
             return status;
         mqinfer_rotary_args r = a->rotary;
         r.qk = a->qkv;
@@ -56,7 +56,7 @@ int mqinfer_decoder_layers(const mqinfer_decoder_args *a, int64_t first, int64_t
         t.v_cache = a->v_cache[i];
         t.out = a->attn;
         if ((status = mqinfer_paged_attention(&t, num_threads)) != 0) return status;
-        if ((status = linear(a->attn, a->o_packed[i], a->o, rows, q, hidden, num_threads)) != 0) return status;
+        if ((status = linear(a->attn, a->o_packed[i], NULL, a->o, rows, q, hidden, num_threads)) != 0) return status;
         if ((status = add_norm(a, a->o, a->post_norm[i], a->x)) != 0) return status;
         /* MLP: silu(gate) * up straight from the tiles, then the down projection. */
         const mqinfer_amx_swiglu_args g = {
@@ -64,7 +64,7 @@ int mqinfer_decoder_layers(const mqinfer_decoder_args *a, int64_t first, int64_t
             .inter = a->inter, .x_stride = hidden, .out_stride = a->inter, .vector_chunk = a->vector_chunk,
         };
         if ((status = mqinfer_amx_swiglu(&g, num_threads)) != 0) return status;
-        if ((status = linear(a->act, a->down_packed[i], a->down, rows, a->inter, hidden, num_threads)) != 0)
+        if ((status = linear(a->act, a->down_packed[i], NULL, a->down, rows, a->inter, hidden, num_threads)) != 0)
             return status;
         /* The residual add, fused into the next layer's input norm, or after the last layer the
            final norm (into its own tensor). */

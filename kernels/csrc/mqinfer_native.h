@@ -371,7 +371,8 @@ int mqinfer_pool_workers(void);
    intermediates' buffers ([rows, q + 2 kv], [rows, q], [rows, hidden], [rows, inter],
    [rows, hidden]). The per-layer arrays hold num_layers pointers each: RMSNorm weights, packed
    AMX weights (gate_up packed for SwiGLU), and the bfloat16 K and V caches. rotary and attention
-   are the step's records with the per-layer fields (qk, v, caches; q, caches, out) left to fill. */
+   are the step's records with the per-layer fields (qk, v, caches; q, caches, out) left to fill.
+   qkv_bias: NULL, or num_layers pointers to the q/k/v projections' bfloat16 biases (Qwen2). */
 typedef struct {
     void *h;
     void *x;
@@ -385,6 +386,7 @@ typedef struct {
     const void *const *post_norm;
     const void *final_norm;
     const void *const *qkv_packed;
+    const void *const *qkv_bias;
     const void *const *o_packed;
     const void *const *gate_up_packed;
     const void *const *down_packed;

@@ -2,7 +2,8 @@
 layer loop it replaces: a bfloat16 engine gives the same greedy tokens and the same logprobs, bit for
 bit, with the chain and with ``MQINFER_CPU_LAYERS=torch``, over prompt chunks, decodes and steps that
 mix them, with prefix sharing, with steps given up between layers; and the model's output and KV
-cache of one mixed step are the same bits. Needs a CPU with AMX (the chain's only kernels)."""
+cache of one mixed step are the same bits. Llama and Qwen2 (biases on q/k/v). Needs a CPU with AMX
+(the chain's only kernels)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def _one_thread(one_torch_thread):
     pass
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory, make_hf_checkpoint):
-    folder = tmp_path_factory.mktemp("llama-chain")
-    make_hf_checkpoint("llama", folder, seed=21, num_hidden_layers=3)
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def llama(request, tmp_path_factory, make_hf_checkpoint):
+    """A tiny random checkpoint of a family the chain takes (Qwen2: biases on q/k/v), and prompts."""
+    folder = tmp_path_factory.mktemp(f"{request.param}-chain")
+    make_hf_checkpoint(request.param, folder, seed=21, num_hidden_layers=3)
     rng = random.Random(3)
     shared = [rng.randrange(3, 300) for _ in range(40)]
     prompts = [(shared if i % 4 == 0 else []) + [rng.randrange(3, 300) for _ in range(rng.randint(1, 60))]

@@ -12,7 +12,7 @@ are the same bits as the Python loop's (tests/workers/test_decoder_chain.py hold
 
 It takes a step when all of these hold, else the Python loop runs: bfloat16 on a CPU whose AMX
 kernel is in use (``MQINFER_CPU_LINEAR``, ``MQINFER_CPU_OPS`` and ``MQINFER_CPU_ATTENTION`` not
-``torch``), a plain Llama layer (no projection biases, no q/k norms), the KV cache in the model's
+``torch``), a Llama or Qwen2 layer (biases on the q/k/v projection only, no q/k norms), the KV cache in the model's
 dtype, the whole model on one rank (no tensor-parallel reduce, not a pipeline stage's range), at
 most ``linear_amx.MAX_ROWS`` rows (above, the plain projections go to PyTorch's matmul). With an
 ``interrupt`` (workers/engine/core.py) it runs one layer per call and asks before each.
@@ -44,8 +44,7 @@ class DecoderChain:
     def __init__(self, model: "LlamaForCausalLM") -> None:
         self.model = model
         config = model.config
-        self.plain = (model.shard is None and not config.qkv_bias and not config.o_bias and not config.mlp_bias
-                      and not config.qk_norm)
+        self.plain = model.shard is None and not config.o_bias and not config.mlp_bias and not config.qk_norm
         self._weights: list | None = None  # (module, its packed weight) of every projection
         self._arrays: tuple | None = None
         self._caches: tuple | None = None
@@ -118,12 +117,16 @@ class DecoderChain:
         def array(ptrs: list[int]):
             return (ctypes.c_void_p * len(ptrs))(*ptrs)
 
+        biases = [layer.self_attn.qkv_proj.bias for layer in layers]
+        if any(b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous()) for b in biases):
+            return None
+        qkv_bias = None if biases[0] is None else array([b.data_ptr() for b in biases])
         norms_in = [layer.input_layernorm.weight for layer in layers]
         norms_post = [layer.post_attention_layernorm.weight for layer in layers]
         if not all(w.is_contiguous() and w.dtype == torch.bfloat16 for w in norms_in + norms_post):
             return None
         self._arrays = (array([w.data_ptr() for w in norms_in]), array([w.data_ptr() for w in norms_post]),
-                        array(qkv), array(o), array(gate_up), array(down))
+                        array(qkv), qkv_bias, array(o), array(gate_up), array(down))
         self._weights = (plain, fused)
         return self._arrays
 
@@ -180,13 +183,14 @@ class DecoderChain:
         down = buffers.get("down_proj", rows, hidden, h)
         final = torch.empty(rows, hidden, dtype=h.dtype)
         _, k_ptrs, v_ptrs, _ = self._caches
-        norm_in, norm_post, qkv_w, o_w, gate_up_w, down_w = (ctypes.cast(a, ctypes.c_void_p) for a in arrays)
+        norm_in, norm_post, qkv_w, qkv_b, o_w, gate_up_w, down_w = (
+            None if a is None else ctypes.cast(a, ctypes.c_void_p) for a in arrays)
         k_cache = kv_caches[0][0]
         args = native.DecoderArgs(
             h=h.data_ptr(), x=x.data_ptr(), qkv=qkv.data_ptr(), attn=att.data_ptr(), o=o.data_ptr(),
             act=act.data_ptr(), down=down.data_ptr(), final_out=final.data_ptr(),
             input_norm=norm_in, post_norm=norm_post, final_norm=model.model.norm.weight.data_ptr(),
-            qkv_packed=qkv_w, o_packed=o_w, gate_up_packed=gate_up_w, down_packed=down_w,
+            qkv_packed=qkv_w, qkv_bias=qkv_b, o_packed=o_w, gate_up_packed=gate_up_w, down_packed=down_w,
             k_cache=ctypes.cast(k_ptrs, ctypes.c_void_p), v_cache=ctypes.cast(v_ptrs, ctypes.c_void_p),
             rotary=native.RotaryArgs(
                 cos=cos.data_ptr(), sin=sin.data_ptr(), positions=positions.data_ptr(),
