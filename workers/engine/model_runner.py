@@ -94,6 +94,10 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
+    # Whether a step's forward pass can stop between layers (a pipeline's stages cannot: the
+    # other stages' processes run their layers of the step on their own).
+    takes_interrupts = True
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -242,9 +246,9 @@ class ModelRunner:
         if not scheduled:
             self._copy_blocks(plan)
             return ModelRunnerOutput(phase_seconds=(time.perf_counter() - t0, 0.0, 0.0))
-        if interrupt is not None and (self.group is not None or self.draft is not None):
+        if interrupt is not None and (self.group is not None or self.draft is not None or not self.takes_interrupts):
             interrupt = None
-        hidden, t1 = self._forward(plan, interrupt)
+        hidden, t1 = self._forward(plan) if interrupt is None else self._forward(plan, interrupt)
         result = ModelRunnerOutput(sampled_token_ids=[None] * len(scheduled), draft_seconds=draft_s)
         if not plan.sample_rows:
             result.phase_seconds = (t1 - t0 - draft_s, time.perf_counter() - t1 + draft_s, 0.0)

@@ -209,6 +209,8 @@ class StageRunner(ModelRunner):
     sends back, in the order of the sampling rows. The other ranks run each plan with
     ``run_plan``."""
 
+    takes_interrupts = False
+
     def __init__(self, model: StageModel, info: ModelInfo, scheduler_config: SchedulerConfig,
                  device: torch.device | str, dtype: torch.dtype, kv_cache_dtype: str = "auto",
                  group: PipelineGroup | None = None) -> None:

@@ -12,7 +12,8 @@ are the same bits as the Python loop's (tests/workers/test_decoder_chain.py hold
 
 It takes a step when all of these hold, else the Python loop runs: bfloat16 on a CPU whose AMX
 kernel is in use (``MQINFER_CPU_LINEAR``, ``MQINFER_CPU_OPS`` and ``MQINFER_CPU_ATTENTION`` not
-``torch``), a Llama or Qwen2 layer (biases on the q/k/v projection only, no q/k norms), the KV cache in the model's
+``torch``), a Llama or Qwen2 layer (biases on the q/k/v projection only, no q/k norms, bfloat16
+projections: not w8a8 or w8a16), the KV cache in the model's
 dtype, the whole model on one rank (no tensor-parallel reduce, not a pipeline stage's range), at
 most ``linear_amx.MAX_ROWS`` rows (above, the plain projections go to PyTorch's matmul). With an
 ``interrupt`` (workers/engine/core.py) it runs one layer per call and asks before each.
@@ -28,7 +29,7 @@ import torch
 
 from mqinfer.kernels import attention_native, cpu_ops, linear_amx, native
 from mqinfer.kernels.attention import AttentionMetadata
-from mqinfer.workers.engine.models.layers import KVCaches, StepInterrupted, amx_swiglu_weight, amx_weight
+from mqinfer.workers.engine.models.layers import KVCaches, Linear, StepInterrupted, amx_swiglu_weight, amx_weight
 
 if TYPE_CHECKING:
     from mqinfer.workers.engine.models.llama import LlamaForCausalLM
@@ -48,6 +49,8 @@ class DecoderChain:
         self._weights: list | None = None  # (module, its packed weight) of every projection
         self._arrays: tuple | None = None
         self._caches: tuple | None = None
+        # The q/k/v projection of the first layer when its projections were found not to be Linear.
+        self._refused = None
 
     # -- when it applies ------------------------------------------------------------------------
     def takes(self, h: torch.Tensor, kv_caches: KVCaches) -> bool:
@@ -97,6 +100,14 @@ class DecoderChain:
                 all(m.packed_swiglu is p for m, p in weights[1]):
             return self._arrays
         layers = self.model.model.layers
+        # 8-bit projections (w8a8, w8a16) replace the Linear modules: those steps stay in Python.
+        first = layers[0].self_attn.qkv_proj
+        if self._refused is first:
+            return None
+        if not all(type(m) is Linear for layer in layers for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                    layer.mlp.gate_up_proj, layer.mlp.down_proj)):
+            self._refused = first
+            return None
         plain, fused = [], []
         qkv, o, gate_up, down = [], [], [], []
         for layer in layers:
