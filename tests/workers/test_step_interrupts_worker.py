@@ -113,13 +113,14 @@ def wait_for(predicate, what: str) -> None:
 
 def test_the_watch_flags_targets_tenant_defaults_and_new_lanes_only_while_armed(redis_client):
     redis_client.flushall()
-    watched = [STREAM]
+    watched: list[str] = []
     watch = ArrivalWatch(redis_client, lambda: list(watched),
                          interactive_entry(LatencyTargets({"chat": (500, 50)}), max_entry_bytes=1 << 20,
                                            lane_key=lambda lane: keys.request_stream(f"requests:{lane}")))
     try:
-        # Disarmed: nothing is looked at; armed later, a watch starts from its own moment.
-        submit(redis_client, chat(0, slo_tpot_ms=50))
+        # Disarmed: nothing is looked at.
+        watched[:] = [keys.request_stream("requests:lane-idle")]
+        redis_client.xadd(watched[0], {"json": '{"id": "a", "prompt": "x", "slo_tpot_ms": 50}', "v": "1"})
         time.sleep(0.2)
         assert watch.num_entries == 0 and not watch.arrived.is_set()
         cases = [
@@ -130,16 +131,17 @@ def test_the_watch_flags_targets_tenant_defaults_and_new_lanes_only_while_armed(
         ]
         for n, (fields, interactive) in enumerate(cases):
             # Each case on a stream of its own (a lane's), so that no case sees another's entry.
-            watched[:] = [STREAM, keys.request_stream(f"requests:lane{n}")]
+            watched[:] = [keys.request_stream(f"requests:lane{n}")]
             watch.arm()
             seen = watch.num_entries
-            redis_client.xadd(watched[1], fields)
+            redis_client.xadd(watched[0], fields)
             wait_for(lambda: watch.num_entries > seen, f"the watch looking at {fields}")
             assert watch.arrived.is_set() is interactive, fields
             assert watch.num_entries == seen + 1
-            assert watch.flagged == ({watched[1]} if interactive else set())
+            assert watch.flagged == ({watched[0]} if interactive else set())
             watch.disarm()
         # A notice of a new lane adds the lane to the watch: the request that follows it there is seen.
+        watched[:] = [STREAM]
         watch.arm()
         seen = watch.num_entries
         redis_client.xadd(STREAM, {NOTICE_FIELD: "fresh"})

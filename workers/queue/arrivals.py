@@ -76,6 +76,7 @@ class ArrivalWatch:
         self._offset_s = 0.0
         self._offset_at = float("-inf")
         self._generation = 0
+        self._lock = threading.Lock()
         self._closed = False
         # Entries looked at, and interactive arrivals seen among them (a watch counts at most one).
         self.num_entries = 0
@@ -85,12 +86,14 @@ class ArrivalWatch:
 
     def arm(self) -> None:
         """Start a watch from this moment (before a step)."""
-        self._watched = list(self._keys())
+        watched = list(self._keys())
         since_ms = int((time.time() + self._offset_s) * 1000) - MARGIN_MS
-        self._since = f"{max(since_ms, 0)}-0"
-        self.arrived.clear()
-        self.flagged = set()
-        self._generation += 1
+        with self._lock:  # a read of the watch before this one adds nothing to this one's results
+            self._watched = watched
+            self._since = f"{max(since_ms, 0)}-0"
+            self.arrived.clear()
+            self.flagged = set()
+            self._generation += 1
         self._armed.set()
 
     def disarm(self) -> None:
@@ -104,13 +107,18 @@ class ArrivalWatch:
 
     def _watch(self) -> None:
         generation, ids = -1, {}
+        try:
+            self._measure_offset()
+        except (redis.exceptions.RedisError, OSError) as exc:  # measured again at the first watch
+            log.debug("arrival watch: %s", exc)
         while True:
             self._armed.wait()
             if self._closed:
                 return
-            if generation != self._generation:
-                generation = self._generation
-                ids = dict.fromkeys(self._watched, self._since)
+            with self._lock:
+                if generation != self._generation:
+                    generation = self._generation
+                    ids = dict.fromkeys(self._watched, self._since)
             if not ids:
                 self._armed.clear()
                 continue
@@ -123,29 +131,40 @@ class ArrivalWatch:
                 self._armed.clear()
                 threading.Event().wait(RETRY_S)
                 continue
-            if generation != self._generation or not self._armed.is_set():
-                continue  # an older watch's read: the next one starts from its own moment
-            flagged = self.flagged
-            for key, entries in response or []:
-                key = text(key)
-                for entry_id, fields in entries:
-                    ids[key] = text(entry_id)
-                    self.num_entries += 1
-                    verdict = self._interactive(fields)
-                    if isinstance(verdict, str):
-                        ids.setdefault(verdict, self._since)
-                    elif verdict:
-                        flagged.add(key)
-                        if not self.arrived.is_set():
-                            self.num_seen += 1
-                            self.arrived.set()
+            with self._lock:
+                if generation == self._generation and self._armed.is_set():
+                    self._take(response or [], ids)
+                # else an older watch's read: the next one starts from its own moment
+
+    def _take(self, response: list, ids: dict[str, str]) -> None:
+        """Look at what one read returned (under the lock, for the current watch)."""
+        flagged = self.flagged
+        for key, entries in response:
+            key = text(key)
+            for entry_id, fields in entries:
+                ids[key] = text(entry_id)
+                self.num_entries += 1
+                verdict = self._interactive(fields)
+                if isinstance(verdict, str):
+                    ids.setdefault(verdict, self._since)
+                elif verdict:
+                    flagged.add(key)
+                    if not self.arrived.is_set():
+                        self.num_seen += 1
+                        self.arrived.set()
 
 
     def _measure_offset(self) -> None:
-        t0 = time.time()
-        seconds, micros = self._redis.time()
-        t1 = time.time()
-        self._offset_s = seconds + micros / 1e6 - (t0 + t1) / 2
+        """The server's clock less this host's, from the quickest of three ``TIME`` round trips
+        (its error is at most half that round trip)."""
+        best = None
+        for _ in range(3):
+            t0 = time.time()
+            seconds, micros = self._redis.time()
+            t1 = time.time()
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, seconds + micros / 1e6 - (t0 + t1) / 2)
+        self._offset_s = best[1]
         self._offset_at = time.monotonic()
 
 
