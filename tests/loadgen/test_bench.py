@@ -10,20 +10,9 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from mqinfer.loadgen import bench, bench_online, bench_pool, bench_report, bench_roofs
+from mqinfer.loadgen import bench, bench_online, bench_pool, bench_report
 from mqinfer.loadgen.metrics import summarize, timings_from_rows
 from mqinfer.loadgen.workload import uniform_workload
-
-
-@pytest.fixture(autouse=True)
-def small_copy_arrays(monkeypatch):
-    """The runs below copy 16 MiB arrays to measure the memory roof's bandwidth. A real bench copies
-    arrays four times the last-level cache (up to 1 GiB each, before and after the run): tens of
-    seconds of memory traffic per run on a VM that reports a large shared cache. What these tests
-    check (the roofs computed from the two measurements and each system's share of them, in the
-    report and the printout) is the same for any array size; the size rule and the measurement
-    themselves are checked in test_bench_roofs.py."""
-    monkeypatch.setattr(bench_roofs, "copy_array_bytes", lambda cache_bytes: 16 << 20)
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -729,7 +729,8 @@ def test_plan_table_names_the_workers_and_the_costs(cache, capsys):
 def test_plot_draws_p99_against_the_rate_for_the_planned_count_and_its_neighbours(cache, capsys, tmp_path):
     pytest.importorskip("matplotlib")
     path = tmp_path / "plots" / "p99.png"
-    code, out, err = _run(capsys, "--workload", "standard", "--num-requests", "200", "--rate", "20",
+    # The sweep simulates every point with the workload's requests: a few dozen draw the same curves.
+    code, out, err = _run(capsys, "--workload", "standard", "--num-requests", "60", "--rate", "20",
                           "--slo-ttft-p99-ms", "200", "--device", "cpu", "--format", "json", "--plot", str(path))
     assert code == 0 and str(path) in err
     plan = json.loads(out)
@@ -745,7 +746,7 @@ def test_without_matplotlib_the_plot_is_a_note_and_the_plan_stands(cache, capsys
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     path = tmp_path / "p99.svg"
-    code, out, err = _run(capsys, "--workload", "standard", "--num-requests", "100", "--rate", "5",
+    code, out, err = _run(capsys, "--workload", "standard", "--num-requests", "40", "--rate", "5",
                           "--device", "cpu", "--plot", str(path))
     assert code == 0 and "cost per request" in out
     assert "matplotlib is not installed" in err and not path.exists()

@@ -19,7 +19,7 @@ PRICE = 3600.0  # one USD per device-second
 # One worker, at most 2 requests running and 2 waiting in its engine: what can be in flight.
 LAYOUT = ("--workers", "1", "--max-num-seqs", "2", "--max-batch", "1")
 IN_FLIGHT = 2 + 2
-N = 24
+N = 16
 
 
 def _env() -> dict:
@@ -39,7 +39,7 @@ def _request_costs(out) -> dict[str, float]:
 
 
 def test_a_capped_run_stops_at_its_cap_and_a_second_run_carries_on(tmp_path):
-    items = [{"id": f"r{i}", "prompt_token_ids": [5 + (i + k) % 200 for k in range(48)], "max_tokens": 48,
+    items = [{"id": f"r{i}", "prompt_token_ids": [5 + (i + k) % 200 for k in range(48)], "max_tokens": 24,
               "temperature": 0, "ignore_eos": True} for i in range(N)]
     src = write_jsonl(tmp_path / "in.jsonl", items)
     _run(src, tmp_path / "free", "--job-id", "capped")

@@ -13,6 +13,7 @@ import pyarrow.dataset as ds
 import pytest
 from pyarrow import fs
 
+from mqinfer.kernels import native
 from mqinfer.schemas.dataset_uri import visible_parts
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA
 from tests.helpers import write_jsonl
@@ -25,7 +26,14 @@ LAYOUT = ("--workers", "1", "--max-num-seqs", "2", "--max-batch", "1")
 
 def _env(tmp_path) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
-    return dict(env, XDG_CACHE_HOME=str(tmp_path / "cache"))
+    # The test's own cache folder, with the native kernels the session built linked into it: its
+    # workers would otherwise compile them again (a minute of both cores).
+    cache = tmp_path / "cache"
+    kernels = cache / "mqinfer" / "kernels"
+    if native.cache_dir().is_dir() and not kernels.exists():
+        kernels.parent.mkdir(parents=True, exist_ok=True)
+        kernels.symlink_to(native.cache_dir())
+    return dict(env, XDG_CACHE_HOME=str(cache))
 
 
 def _run(tmp_path, src, out, *flags, code: int = 0) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ PRICE = 3600.0  # one USD per device-second
 # At most 2 requests running and 2 waiting in the worker's engine: what can be in flight.
 ENGINE = ("--price-per-device-hour", str(PRICE), "--max-num-seqs", "2", "--max-batch", "1")
 IN_FLIGHT = 2 + 2
-N = 20
+N = 16
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def _request_costs(env: Env, job_id: str) -> list[dict]:
 
 
 def test_a_capped_job_stops_at_its_cap_and_carries_on_when_submitted_again(env):
-    items = [{"id": f"r{i}", "prompt_token_ids": [5 + (i + k) % 200 for k in range(48)], "max_tokens": 48,
+    items = [{"id": f"r{i}", "prompt_token_ids": [5 + (i + k) % 200 for k in range(48)], "max_tokens": 24,
               "temperature": 0, "ignore_eos": True} for i in range(N)]
     src = write_jsonl(env.base / "in.jsonl", items)
     free = _submit(env, src, env.base / "free")

@@ -17,12 +17,13 @@ from mqinfer import jobs_cli as cli
 from mqinfer.ops import job_run
 from mqinfer.ops.job_lanes import DEFAULT_JOB_LANES
 from mqinfer.ops.job_store import JobStore
+from mqinfer.ops.job_tasks import run_task
 from mqinfer.ops.jobs import cancel_job, job_info, submit_job
 from mqinfer.schemas import keys
 from mqinfer.schemas import lanes as lane_scheme
 from tests.helpers import mqinfer_cmd, stop_processes, wait_until, write_jsonl
 from tests.ops.test_jobs_pipeline import jobs_cli, native, output, start, start_inference, start_rq, wait_final
-from tests.ops.test_jobs_two_servers import _answer, _entries, _requests_in, _step
+from tests.ops.test_jobs_two_servers import _answer, _chain, _entries, _requests_in
 
 
 def _lane_key(stream: str, lane: str) -> str:
@@ -118,12 +119,28 @@ def test_an_8_line_job_submitted_behind_a_150_line_job_finishes_first(env):
 
 
 # -- the rq task in this process -------------------------------------------------------------
+# The jobs below are submitted to a queue of their own: the module's `mqinfer jobs worker` (the
+# `env` fixture's, running until the module ends) serves the default queue, and would take their
+# next tasks and advance them beside this process, holding a job's lock while it waits for rows.
+QUEUE = "lanes-in-process"
+
+
+def _submit(client, src, out, stream: str, lanes: str, **kw) -> str:
+    return submit_job(client, src, out, stream=stream, lanes=lanes, queue_name=QUEUE, **kw).job_id
+
+
+def _step(client, job_id: str) -> None:
+    """One task of the job, run here; no one else advances it."""
+    done = run_task(client, job_id, _chain(client, job_id), queue_name=QUEUE, budget_s=0.2)
+    assert "another task is advancing it" not in done, done
+
+
 def _run(client, job_id: str, stream: str, until: tuple[str, ...] = ("completed",), answer: bool = True,
          steps: int = 200) -> dict:
     for _ in range(steps):
         if JobStore(client, job_id).status() in until:
             return job_info(client, job_id)
-        _step(client, client, job_id)
+        _step(client, job_id)
         if answer:
             _answer(client, stream, 1, job_id, _entries(client, stream, 1))
     raise AssertionError(f"job {job_id} stuck in {JobStore(client, job_id).status()}")
@@ -131,10 +148,10 @@ def _run(client, job_id: str, stream: str, until: tuple[str, ...] = ("completed"
 
 def test_a_job_registered_without_lanes_fields_feeds_the_plain_stream(redis_client, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", native(5, "o"))
-    job_id = submit_job(redis_client, src, tmp_path / "out", stream="old", lanes="tenant,job").job_id
+    job_id = _submit(redis_client, src, tmp_path / "out", "old", "tenant,job")
     redis_client.hdel(keys.job_key(job_id), "lanes", "max_lanes")  # as registered before lanes
     _run(redis_client, job_id, "old", until=("in_progress",), answer=False)
-    _step(redis_client, redis_client, job_id)
+    _step(redis_client, job_id)
     assert sorted(req.id for _, req in _requests_in(redis_client, keys.request_stream("old"))) == [
         f"o{i}" for i in range(5)]
     assert lane_scheme.registered(redis_client, "old") == []
@@ -147,9 +164,9 @@ def test_a_job_registered_without_lanes_fields_feeds_the_plain_stream(redis_clie
 def test_a_cancelled_jobs_lane_that_still_holds_requests_stays(redis_client, tmp_path, monkeypatch):
     monkeypatch.setattr(job_run, "END_GRACE_S", 0.0)  # no worker will end its requests
     src = write_jsonl(tmp_path / "in.jsonl", native(4, "c"))
-    job_id = submit_job(redis_client, src, tmp_path / "out", stream="cstay", lanes="job").job_id
+    job_id = _submit(redis_client, src, tmp_path / "out", "cstay", "job")
     _run(redis_client, job_id, "cstay", until=("in_progress",), answer=False)
-    _step(redis_client, redis_client, job_id)
+    _step(redis_client, job_id)
     lane = lane_scheme.lane_name("job", "default", job_id)
     assert redis_client.xlen(_lane_key("cstay", lane)) == 4
     assert cancel_job(redis_client, job_id) == "cancelling"
@@ -162,9 +179,9 @@ def test_a_cancelled_jobs_lane_that_still_holds_requests_stays(redis_client, tmp
 
 def test_past_max_lanes_a_job_uses_a_shared_lane_which_stays_when_it_ends(redis_client, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", native(3, "s"))
-    job_id = submit_job(redis_client, src, tmp_path / "out", stream="full", lanes="job", max_lanes=1).job_id
+    job_id = _submit(redis_client, src, tmp_path / "out", "full", "job", max_lanes=1)
     _run(redis_client, job_id, "full", until=("in_progress",), answer=False)
-    _step(redis_client, redis_client, job_id)
+    _step(redis_client, job_id)
     shared = lane_scheme.shared_lane(lane_scheme.lane_name("job", "default", job_id), 1)
     assert {record.lane for record in JobStore(redis_client, job_id).inflight().values()} == {shared}
     assert redis_client.xlen(_lane_key("full", shared)) == 3

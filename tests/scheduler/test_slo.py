@@ -140,7 +140,9 @@ def warm(d: Driver, n_bulk: int = 60, prompt: int = 48, max_tokens: int = 400) -
 
 def test_steps_beside_a_backlog_hold_the_tightest_tpot_target_and_bulk_keeps_its_kv():
     d = Driver(config())
-    bulk = warm(d)
+    # Long enough to outlast both interactive requests (a left-out sequence decodes at most once a
+    # step), short enough that running them to the end stays cheap.
+    bulk = warm(d, max_tokens=120)
     full_step = d.step_s[-1]
     target_ms = 12
     assert full_step > target_ms / 1000  # without plans every step would miss the target
@@ -162,6 +164,7 @@ def test_steps_beside_a_backlog_hold_the_tightest_tpot_target_and_bulk_keeps_its
     assert max(steps) <= target_ms / 1000 * (SAFETY + 0.1), max(steps)
     # TTFT: the prompt ran at once (it arrived with the first planned step's clock).
     assert chat.num_output_tokens == 40 and not d.preempted
+    assert not any(r.is_finished for r in bulk)  # the backlog was there all along
     # The looser target did not widen the steps while the tighter one ran; after both leave, steps
     # are planned for RECENT_S more seconds, then composed as without targets.
     d.run()
@@ -213,11 +216,12 @@ def test_an_interactive_prompt_beside_bulk_work_alone_runs_whole_and_first():
     """No interactive decode to protect: the prompt is not spread over its TTFT slack (the bulk
     work is what waits), and it is admitted ahead of the bulk prompts queued before it."""
     d = Driver(config(max_num_batched_tokens=1024))
-    warm(d, n_bulk=30)
+    bulk = warm(d, n_bulk=30, max_tokens=40)  # still decoding when the prompt arrives
     waiting_bulk = [d.add(300, 10) for _ in range(4)]
     chat = d.add(600, 4, slo_ttft_ms=60, slo_tpot_ms=5)
     d.step()
     assert d.steps[-1][chat.request_id] == 600 and chat.num_output_tokens == 1
+    assert not any(r.is_finished for r in bulk)
     # The bulk prompts queued before it get no more than the floor that keeps them moving.
     assert sum(d.steps[-1].get(r.request_id, 0) for r in waiting_bulk) <= MIN_BULK_PROMPT_TOKENS
     d.run()
