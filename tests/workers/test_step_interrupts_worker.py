@@ -6,7 +6,6 @@ arrival does not; every row comes once and the float32 greedy outputs are those 
 
 from __future__ import annotations
 
-import threading
 import time
 
 from mqinfer.client import Producer
@@ -152,4 +151,4 @@ def test_the_watch_flags_targets_tenant_defaults_and_new_lanes_only_while_armed(
         watch.disarm()
     finally:
         watch.close()
-    assert not any(t.name == "mqinfer-arrivals" and t.is_alive() for t in threading.enumerate())
+    assert not watch._thread.is_alive()  # closed: its thread ended
