@@ -96,9 +96,12 @@ class ArrivalWatch:
             self._generation += 1
         self._armed.set()
 
-    def disarm(self) -> None:
-        """End the watch (after the step); what arrives now is the worker's own read's."""
+    def disarm(self) -> list[str]:
+        """End the watch (after the step); what arrives now is the worker's own read's. Returns
+        the streams on which interactive requests arrived during it."""
         self._armed.clear()
+        with self._lock:
+            return list(self.flagged)
 
     def close(self) -> None:
         self._closed = True
@@ -168,6 +171,14 @@ class ArrivalWatch:
         self._offset_at = time.monotonic()
 
 
+# What the names of both target fields begin with.
+_TARGET_NAME = b"slo_t"
+
+
+def _raw(value) -> bytes:
+    return value.encode("utf-8", "surrogatepass") if isinstance(value, str) else bytes(value)
+
+
 def interactive_entry(targets: LatencyTargets, max_entry_bytes: int,
                       lane_key: Callable[[str], str]) -> Callable[[Mapping], bool | str]:
     """What a stream entry calls for (``ArrivalWatch``'s ``interactive``): True for a request with
@@ -175,10 +186,16 @@ def interactive_entry(targets: LatencyTargets, max_entry_bytes: int,
     (``lane_key`` of its name); False for the rest. An entry that does not decode is the worker's
     read's to refuse, not a reason to stop a step."""
 
+    by_tenant = bool(targets.tenant_slos)
+
     def interactive(fields: Mapping) -> bool | str:
         if is_notice(fields):
             name = next((text(v) for k, v in fields.items() if text(k) == NOTICE_FIELD), "")
             return lane_key(name) if valid_lane(name) else False
+        # Without tenant defaults only a request's own target fields make it interactive, and their
+        # names stand verbatim in a JSON or msgpack payload: most bulk entries need no decoding.
+        if not by_tenant and not any(_TARGET_NAME in _raw(v) for v in fields.values()):
+            return False
         try:
             request = decode_entry(fields, max_entry_bytes=max_entry_bytes)
         except Exception:  # noqa: BLE001 - any bad entry: the worker's read reports it

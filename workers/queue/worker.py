@@ -429,9 +429,9 @@ class Worker:
             try:
                 result = self.engine.step(interrupt=watch.arrived.is_set)
             finally:
-                watch.disarm()
-            if watch.arrived.is_set():
-                self.ingest.expect_arrival(list(watch.flagged))
+                arrived_on = watch.disarm()
+            if arrived_on:
+                self.ingest.expect_arrival(arrived_on)
         # A step that only reported cancellations ran no model; a given-up one is not a step's time.
         if result.work and not result.interrupted:
             self.batcher.observe_step(result.end - result.start)

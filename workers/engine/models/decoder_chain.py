@@ -49,7 +49,8 @@ class DecoderChain:
         self._weights: list | None = None  # (module, its packed weight) of every projection
         self._arrays: tuple | None = None
         self._caches: tuple | None = None
-        # The q/k/v projection of the first layer when its projections were found not to be Linear.
+        # The first layer's q/k/v projection when the projections were found not to suit the
+        # kernels (8-bit modules, or a weight the AMX kernel does not pack): not tried again.
         self._refused = None
 
     # -- when it applies ------------------------------------------------------------------------
@@ -116,11 +117,13 @@ class DecoderChain:
                 probe = x if module.weight.shape[1] == x.shape[1] else x.new_empty(1, module.weight.shape[1])
                 packed = amx_weight(module, probe)
                 if packed is None:
+                    self._refused = first
                     return None
                 plain.append((module, packed))
                 out.append(packed.data.data_ptr())
             packed = amx_swiglu_weight(mlp.gate_up_proj, x, vector_chunk)
             if packed is None:
+                self._refused = first
                 return None
             fused.append((mlp.gate_up_proj, packed))
             gate_up.append(packed.data.data_ptr())
