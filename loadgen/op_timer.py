@@ -12,9 +12,13 @@ sizes.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
+
+# The switch of the one-call native layer loop (workers/engine/models/decoder_chain.py).
+LAYERS_SWITCH = "MQINFER_CPU_LAYERS"
 
 
 class OpTimes:
@@ -122,7 +126,12 @@ def _silu_bytes(gate_up, *_):  # [T, 2I] read, [T, I] written
 
 @contextlib.contextmanager
 def timing_ops(model) -> Iterator[OpTimes]:
-    """Clock the model's kernels until the block ends (then the originals are restored)."""
+    """Clock the model's kernels until the block ends (then the originals are restored).
+
+    While the block runs, the decoder layers run one kernel call at a time from Python
+    (``MQINFER_CPU_LAYERS=torch``): the one-call native layer loop that a bfloat16 step takes on
+    an AMX CPU (workers/engine/models/decoder_chain.py) calls the same kernels from C, where no
+    clock here can see them, and its time would all count as outside the ops."""
     from mqinfer.kernels import cpu_ops
     from mqinfer.kernels import linear as dense
     from mqinfer.kernels import linear_amx as amx
@@ -182,9 +191,15 @@ def timing_ops(model) -> Iterator[OpTimes]:
     LMHead.forward = _timed_module(times, roles, LMHead.forward, native)
     for m, fn in attentions:
         m.paged_attention = _timed(times, "attention", fn, nbytes=_attention_bytes)
+    layers_switch = os.environ.get(LAYERS_SWITCH)
+    os.environ[LAYERS_SWITCH] = "torch"
     try:
         yield times
     finally:
+        if layers_switch is None:
+            os.environ.pop(LAYERS_SWITCH, None)
+        else:
+            os.environ[LAYERS_SWITCH] = layers_switch
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
         for m, fn in attentions:

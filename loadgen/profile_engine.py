@@ -280,7 +280,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="Also time the model's kernels op by op over one more run (CPU: the native kernels "
                              "torch.profiler cannot see into), each against its roof measured on this machine: "
                              "dense layers against PyTorch's matmul at the same shapes, attention and the "
-                             "elementwise ops against copy bandwidth; and the time outside the ops.")
+                             "elementwise ops against copy bandwidth; and the time outside the ops. In that run the "
+                             "decoder layers make one kernel call at a time, so that each is clocked (a bfloat16 "
+                             "step on an AMX CPU otherwise runs them all in one native call).")
     parser.add_argument("--top", type=int, default=20, help="Rows of the torch.profiler table (default: 20).")
     parser.add_argument("--ab", default=None, metavar="VAR=VALUE",
                         help="Run the requests alternately as they are and with this environment setting (a kernel "

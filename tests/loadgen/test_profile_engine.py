@@ -185,3 +185,24 @@ def test_op_timing_names_the_int8_layers(small_checkpoint):
     # w8a8 quantizes the LM head too (--quantize-lm-head): once per step, on the sampled rows.
     assert times.calls["dense lm_head (int8)"] == fig.steps and "dense lm_head" not in times.calls
     assert (q8.linear, q8.swiglu) == originals
+
+
+def test_op_timing_clocks_each_layer_of_a_bfloat16_step(small_checkpoint, monkeypatch):
+    """On an AMX CPU a bfloat16 step's decoder layers run in one native call, whose kernels no
+    clock can see: while the ops are timed the layers run one call at a time, so every layer's
+    attention is clocked, and the switch is as it was afterwards."""
+    import os
+
+    from mqinfer.kernels import linear_amx
+    from mqinfer.loadgen.op_timer import timing_ops
+
+    LAYERS_SWITCH = "MQINFER_CPU_LAYERS"
+    if not linear_amx.available():
+        pytest.skip("needs a CPU with AMX tiles (the only one where the layers run in one call)")
+    monkeypatch.delenv(LAYERS_SWITCH, raising=False)
+    engine = build_engine(small_checkpoint, _args(dtype="bfloat16"))
+    requests = standard_workload(vocab_size=300, n=4, seed=5)
+    with timing_ops(engine.model) as times:
+        fig = run_engine(engine, requests)
+    assert times.calls["attention"] == 2 * fig.steps
+    assert LAYERS_SWITCH not in os.environ
