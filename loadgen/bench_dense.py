@@ -94,9 +94,15 @@ def _bf16_main(args: argparse.Namespace) -> int:
             flops = 2.0 * rows * k * n
             rb, r8 = _rates([(lambda x, w: w(x, out), b16), (lambda x, w: q8.linear(x, w, out), a8)],
                             x, flops, args.repeats)
-            print(f"{k:>5} x {n:<5}{rows:>5} | {rb:8.1f} {r8:8.1f} | {r8 / rb:8.2f}x", flush=True)
+            print(f"{k:>5} x {n:<5}{rows:>5} | {_gflops(rb)} {_gflops(r8)} | {r8 / rb:8.2f}x", flush=True)
         del b16, a8
     return 0
+
+
+def _gflops(rate: float) -> str:
+    """A rate in 8 characters: one decimal from 100 up, three significant digits below (a small
+    shape on a busy machine runs at a fraction of a GFLOP/s, which one decimal would print as 0)."""
+    return f"{rate:8.1f}" if rate >= 100 else f"{rate:8.3g}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             r32, r16, r8 = _rates([(lambda x, w: dense.linear(x, w, None, out), f32),
                                    (lambda x, w: w16.linear(x, w, out), a16),
                                    (lambda x, w: q8.linear(x, w, out), a8)], x, flops, args.repeats)
-            print(f"{k:>5} x {n:<5}{rows:>5} | {r32:8.1f} {r16:8.1f} {r8:8.1f} | {r16 / r32:8.2f}x {r8 / r32:8.2f}x",
+            print(f"{k:>5} x {n:<5}{rows:>5} | {_gflops(r32)} {_gflops(r16)} {_gflops(r8)} | {r16 / r32:8.2f}x {r8 / r32:8.2f}x",
                   flush=True)
         del f32, a16, a8
     return 0
