@@ -153,7 +153,7 @@ class WorkerMetrics:
         self.generation_tokens = Counter("mqinfer_generation_tokens", "Generated tokens.", registry=r)
         self.preemptions = Counter("mqinfer_num_preemptions", "Requests preempted by the scheduler.", registry=r)
         self.steps_interrupted = Counter(
-            "mqinfer_steps_interrupted", "Bulk steps given up between two layers for an arriving request with "
+            "mqinfer_steps_interrupted", "Steps given up between two layers for an arriving request with "
             "latency targets (--interrupt-steps).", registry=r)
 
     def _add_request_metrics(self) -> None:

@@ -49,11 +49,14 @@ arrives soon after interactive traffic): bounding the chunks to a decode step's 
 admit about one bulk prompt a step and keep the running set, and the throughput, small for the
 whole warm period.
 
-A request that arrives while a step without interactive requests runs (a full bulk step of a worker
-that has seen none lately, or a light one) need not wait for its end: the worker watches its streams
-during each step and the engine gives such a step up between two layers when one arrives
+A request that arrives while a step runs need not wait for its end: the worker watches its streams
+during each step and the engine gives the step up between two layers when one arrives
 (workers/queue/arrivals.py, workers/engine/core.py); its requests compute the same tokens again in a
-later step. The first request of a stream then waits for about one layer of the bulk step, not all of it.
+later step. The first request of a stream then waits for about one layer of the bulk step in progress,
+not all of it, and a request arriving beside running interactive ones about one layer of the planned
+step. A step that moves interactive requests along is not given up twice in a row, so that they get a
+token at least every other step; a given-up step costs each of them at most part of one step, a small
+share of a TPOT target that is a mean over their tokens.
 
 With no interactive request in the scheduler and none within ``WARM_S`` seconds,
 :meth:`SloScheduling.plan` returns None and the scheduler composes the step exactly as without this
@@ -338,6 +341,8 @@ class SloScheduling:
         self._step = 0
         self._last_run: dict[str, int] = {}
         self._shape: StepShape | None = None
+        # The bulk sequences of the step last scheduled and when each had run before it.
+        self._last_run_before: list[tuple[str, int | None]] = []
         # Running average of the worker's seconds between the end of a step and the next one.
         self.gap_s = 0.0
         self.num_planned_steps = 0
@@ -429,15 +434,25 @@ class SloScheduling:
         shape = StepShape()
         step = self._step
         last_run = self._last_run
+        before: list[tuple[str, int | None]] = []
         for request, n in scheduled:
             shape.add(n, request.num_computed_tokens + n)
             if planned and not request.interactive:
+                before.append((request.request_id, last_run.get(request.request_id)))
                 last_run[request.request_id] = step
         self._shape = shape
+        self._last_run_before = before
 
     def discard_step(self) -> None:
-        """The step last scheduled did not run to its end: its time teaches the model nothing."""
+        """The step last scheduled did not run to its end: its time teaches the model nothing, and
+        the bulk sequences in it did not run (they count as waiting since they last did)."""
         self._shape = None
+        for request_id, last in self._last_run_before:
+            if last is None:
+                self._last_run.pop(request_id, None)
+            else:
+                self._last_run[request_id] = last
+        self._last_run_before = []
 
     def record(self, seconds: float, gap_s: float | None = None) -> None:
         """The measured time of the step last scheduled, and the worker's time between the step

@@ -416,10 +416,11 @@ class WorkerConfig:
         "and its result row's slo_met says whether the targets were met.", metavar="T=TTFT/TPOT,...",
         parse=tenant_slos_flag))
     interrupt_steps: bool = field(default=True, metadata=flag(
-        "While a step with no interactive request runs, watch the streams (a blocking read on a second "
-        "connection) and give the step up between two layers when a request with latency targets arrives, so "
-        "that it does not wait for the rest of a long bulk step; the step's requests compute it again next. "
-        "Costs at most one partial step per such arrival. Off with --redis-cluster."))
+        "While a step runs, watch the streams (a blocking read on a second connection) and give the step up "
+        "between two layers when a request with latency targets arrives, so that it does not wait for the rest "
+        "of a long bulk step or of a planned one; the step's requests compute it again next. A step that moves "
+        "interactive requests along is not given up twice in a row. Costs at most one partial step per such "
+        "arrival. Off with --redis-cluster."))
 
     def __post_init__(self) -> None:
         auto_wait = isinstance(self.max_wait_ms, str) and self.max_wait_ms.strip().lower() == "auto"

@@ -61,6 +61,15 @@ class Driver:
         scheduler.record_step(seconds)
         return out
 
+    def give_up(self):
+        """A step scheduled and then given up in its forward pass, as the engine reports one:
+        nothing ran, nothing advances."""
+        out = self.scheduler.schedule()
+        self.scheduler.step_interrupted()
+        self.steps.append({})
+        self.step_s.append(0.0)
+        return out
+
     def run(self, max_steps: int = 5000) -> None:
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
@@ -184,6 +193,24 @@ def test_every_bulk_sequence_runs_at_least_once_in_every_bulk_min_every_steps():
         gaps = [b - a for a, b in zip([start - 1] + ran, ran + [len(d.steps)])]
         assert max(gaps) <= every, (r.request_id, gaps)
     assert all(c.request_id in d.steps[-1] for c in chats)
+
+
+def test_a_bulk_sequence_in_a_given_up_step_has_not_had_its_turn():
+    """Every other planned step given up (an interactive request arriving at each): every bulk
+    sequence still runs at least once in every bulk_min_every(target) steps that ran."""
+    d = Driver(config())
+    bulk = warm(d, n_bulk=80, max_tokens=300)
+    d.add(16, 400, slo_tpot_ms=1)  # a target no step can meet: the least bulk possible
+    every = bulk_min_every(0.001)
+    start = len(d.steps)
+    for _ in range(2 * every + 10):
+        d.give_up()
+        d.step()
+    ran_steps = [i for i in range(start, len(d.steps)) if d.steps[i]]
+    for r in bulk:
+        ran = [n for n, i in enumerate(ran_steps) if r.request_id in d.steps[i]]
+        gaps = [b - a for a, b in zip([-1] + ran, ran + [len(ran_steps)])]
+        assert max(gaps) <= every, (r.request_id, gaps)
 
 
 def test_the_starvation_bound_is_a_wait_in_seconds_within_a_step_range():
