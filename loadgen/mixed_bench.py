@@ -14,7 +14,8 @@ workers, each with prompts of its own (nothing is a prefix-cache hit from an ear
 
 Reported, as a table on stdout and with ``--json FILE`` as JSON: the interactive requests' TTFT and
 TPOT (from their result rows: ``first_token_at - enqueued_at``, and the mean gap between their
-tokens) at p50 / p99, alone and mixed, with the mixed over alone ratios; and the total throughput
+tokens) at p50 / p99, alone and mixed, with the mixed over alone ratios, and how many met both
+targets; and the total throughput
 (output tokens per second from the run's first arrival to its last row) of the bulk run and of the
 mixed run, with their ratio. ``--no-targets`` sends the interactive requests without targets, so
 that they are scheduled as bulk: the comparison without step plans. ``--compare vllm --vllm-python
@@ -125,12 +126,19 @@ def workloads(spec: ModelSpec, args: argparse.Namespace) -> dict[str, list[dict[
             "mixed_bulk": unshared_prompts(bulk, 3, spec.vocab_size, spec.min_token_id)}
 
 
-def latency(timings: list[RequestTiming]) -> dict[str, Any]:
-    """p50 / p99 of TTFT and TPOT (seconds) over the requests that ran, and how many met their targets."""
-    out: dict[str, Any] = {"count": sum(t.ok for t in timings)}
-    for name, values in (("ttft", [t.ttft for t in timings if t.ok]), ("tpot", [t.tpot for t in timings if t.ok])):
+def latency(timings: list[RequestTiming], targets: dict[str, int] | None = None) -> dict[str, Any]:
+    """p50 / p99 of TTFT and TPOT (seconds) over the requests that ran; with ``targets``
+    (``slo_ttft_ms``, ``slo_tpot_ms``), also how many of them met both (``met_targets``: TTFT and
+    mean time per output token after the first, as a result row's ``slo_met`` counts them)."""
+    ok = [t for t in timings if t.ok]
+    out: dict[str, Any] = {"count": len(ok)}
+    for name, values in (("ttft", [t.ttft for t in ok]), ("tpot", [t.tpot for t in ok])):
         stats = percentiles(values)
         out[name] = None if stats is None else {"p50": stats.p50, "p99": stats.p99, "max": stats.max}
+    if targets is not None:
+        ttft_s, tpot_s = targets["slo_ttft_ms"] / 1000.0, targets["slo_tpot_ms"] / 1000.0
+        out["met_targets"] = sum(1 for t in ok if t.ttft is not None and t.ttft <= ttft_s
+                                 and (t.tpot is None or t.tpot <= tpot_s))
     return out
 
 
@@ -147,9 +155,10 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summarize(timings: dict[str, list[RequestTiming]]) -> dict[str, Any]:
-    """The figures of the three runs: interactive latency alone and mixed, and throughput."""
-    alone, mixed = latency(timings["interactive"]), latency(timings["mixed_interactive"])
+def summarize(timings: dict[str, list[RequestTiming]], targets: dict[str, int] | None = None) -> dict[str, Any]:
+    """The figures of the three runs: interactive latency alone and mixed (and how many met
+    ``targets``), and throughput."""
+    alone, mixed = latency(timings["interactive"], targets), latency(timings["mixed_interactive"], targets)
     bulk_tps, mixed_tps = throughput(timings["bulk"]), throughput(timings["mixed_interactive"] + timings["mixed_bulk"])
     ratios = {f"{k}_p99": _ratio((mixed[k] or {}).get("p99"), (alone[k] or {}).get("p99")) for k in ("ttft", "tpot")}
     return {
@@ -182,19 +191,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.compare == VLLM and not (Path(spec.arg) / "config.json").is_file():
         raise SystemExit(f"mixed_bench: --compare vllm needs a checkpoint folder as --model, got {spec.arg!r}")
     work = workloads(spec, args)
+    targets = None if args.no_targets else {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms}
     result = {
-        "model": spec.arg, "workers": args.workers, "targets": None if args.no_targets else
-        {"slo_ttft_ms": args.slo_ttft_ms, "slo_tpot_ms": args.slo_tpot_ms},
+        "model": spec.arg, "workers": args.workers, "targets": targets,
         "interactive": {"requests": args.interactive_requests, "rate": args.interactive_rate,
                         "prompt_len": args.interactive_prompt_len, "output_len": args.interactive_output_len},
         "bulk": {"requests": args.bulk_requests, "prompt_len": args.bulk_prompt_len,
                  "output_len": args.bulk_output_len},
-        **summarize(_measure(args, spec, work)),
+        **summarize(_measure(args, spec, work), targets),
     }
     if args.compare == VLLM:
         from mqinfer.loadgen.vllm_mixed import compare
 
-        result["vllm"] = compare(args, Path(spec.arg), work, phases(args), summarize)
+        result["vllm"] = compare(args, Path(spec.arg), work, phases(args), lambda t: summarize(t, targets))
         result["against_vllm"] = against(result, result["vllm"])
     return result
 
@@ -270,6 +279,9 @@ def format_report(result: dict[str, Any]) -> str:
                      f"{ms(s['tpot'], 'p50'):>11}{ms(s['tpot'], 'p99'):>11}")
     r = result["mixed_over_alone"]
     lines.append(f"{'ratio':<8}{'':>11}{x(r['ttft_p99']):>11}{'':>11}{x(r['tpot_p99']):>11}")
+    met = _met(result["latency_s"])
+    if met:
+        lines.append(met)
     t = result["throughput_tokens_per_s"]
     lines += ["", "total throughput, output tokens/s",
               f"bulk alone {t['bulk_alone']:.1f}, mixed {t['mixed']:.1f} ({x(t['mixed_over_bulk_alone'])})"]
@@ -283,12 +295,23 @@ def format_report(result: dict[str, Any]) -> str:
                 s = peer["latency_s"][name]
                 lines.append(f"{name:<8}{ms(s['ttft'], 'p50'):>11}{ms(s['ttft'], 'p99'):>11}"
                              f"{ms(s['tpot'], 'p50'):>11}{ms(s['tpot'], 'p99'):>11}")
+            met = _met(peer["latency_s"])
+            if met:
+                lines.append(met)
             pt = peer["throughput_tokens_per_s"]
             a = result["against_vllm"]
             lines += [f"throughput: bulk alone {pt['bulk_alone']:.1f}, mixed {pt['mixed']:.1f}",
                       f"mqinfer over vLLM, mixed: interactive p99 TPOT {x(a['mixed_interactive_tpot_p99'])}, "
                       f"p99 TTFT {x(a['mixed_interactive_ttft_p99'])}, throughput {x(a['mixed_throughput'])}"]
     return "\n".join(lines)
+
+
+def _met(latency_s: dict[str, Any]) -> str | None:
+    """``met both targets: alone 30/30, mixed 29/30``, or None when the runs had no targets."""
+    runs = [(name, latency_s[name]) for name in ("alone", "mixed")]
+    if any("met_targets" not in stats for _, stats in runs):
+        return None
+    return "met both targets: " + ", ".join(f"{name} {stats['met_targets']}/{stats['count']}" for name, stats in runs)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,11 @@ def test_throughput_and_latency_come_from_the_rows():
     assert stats["count"] == 2
     assert stats["ttft"]["max"] == pytest.approx(0.3) and stats["tpot"]["max"] == pytest.approx(0.3)
     assert mixed_bench.throughput([]) == 0.0
+    # Targets: TTFTs of 0.1 s and 0.3 s, TPOTs of 0.1 s and 0.3 s, against targets between.
+    assert "met_targets" not in stats
+    assert mixed_bench.latency(rows, {"slo_ttft_ms": 250, "slo_tpot_ms": 200})["met_targets"] == 1
+    assert mixed_bench.latency(rows, {"slo_ttft_ms": 301, "slo_tpot_ms": 301})["met_targets"] == 2
+    assert mixed_bench.latency(rows, {"slo_ttft_ms": 50, "slo_tpot_ms": 300})["met_targets"] == 0
 
 
 def test_interactive_requests_carry_the_targets_unless_told_not_to():
@@ -59,12 +64,14 @@ def test_a_small_run_with_the_tiny_model_through_a_real_worker(tmp_path, capsys)
     assert code == 0
     printed = capsys.readouterr().out
     assert "interactive latency, ms" in printed and "total throughput" in printed
+    assert "met both targets: alone " in printed
     result = json.loads(out.read_text())
     assert result["targets"] == {"slo_ttft_ms": 500, "slo_tpot_ms": 50}
     for run in ("alone", "mixed"):
         stats = result["latency_s"][run]
         assert stats["count"] == 3
         assert 0 < stats["ttft"]["p50"] <= stats["ttft"]["p99"] and 0 < stats["tpot"]["p99"]
+        assert 0 <= stats["met_targets"] <= 3
     assert result["bulk_mixed_rows"] == 8
     tps = result["throughput_tokens_per_s"]
     assert tps["bulk_alone"] > 0 and tps["mixed"] > 0
