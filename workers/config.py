@@ -419,7 +419,7 @@ class WorkerConfig:
         "While a step runs, watch the streams (a blocking read on a second connection) and give the step up "
         "between two layers when a request with latency targets arrives, so that it does not wait for the rest "
         "of a long bulk step or of a planned one; the step's requests compute it again next. A step that moves "
-        "interactive requests along is not given up twice in a row. Costs at most one partial step per such "
+        "interactive requests along is given up only before its middle layer, and at most twice in a row. Costs at most one partial step per such "
         "arrival. Off with --redis-cluster."))
 
     def __post_init__(self) -> None:

@@ -1,7 +1,7 @@
 """Steps given up in their forward pass (``LLMEngine.step(interrupt=...)``): whatever layer a step
 stops before, and however often, every request's greedy output stays token for token that of
 transformers, with prefix sharing, chunked prefill and swap preemption; a step that moves an
-interactive request along is not given up twice in a row."""
+interactive request along is given up at most twice in a row."""
 
 from __future__ import annotations
 
@@ -92,7 +92,41 @@ def test_interrupted_steps_change_no_output(llama, settings):
     assert kv.num_free_blocks == kv.num_blocks
 
 
-def test_a_step_that_moves_an_interactive_request_is_not_given_up_twice_in_a_row(llama):
+
+def before_layer(k: int):
+    """An interrupt that answers true when asked before layer ``k`` (it is asked before each)."""
+    calls = itertools.count()
+    return lambda: next(calls) == k
+
+
+def test_a_step_that_moves_an_interactive_request_is_given_up_only_before_its_middle_layer(llama):
+    folder, prompts, reference = llama
+    middle = NUM_LAYERS // 2
+    # Bulk requests only: given up before any layer, the middle one and the last one included.
+    bulk = LLMEngine(EngineConfig(model=folder, num_threads=1, num_kv_blocks=512))
+    for i, p in enumerate(prompts[1:], start=1):
+        bulk.add_request(f"r{i}", p, GREEDY)
+    for k in range(NUM_LAYERS):
+        assert bulk.step(interrupt=before_layer(k)).interrupted
+    # With an interactive request in the step: before the middle layer yes; from it on, no (the step
+    # runs to its end).
+    engine = LLMEngine(EngineConfig(model=folder, num_threads=1, num_kv_blocks=512))
+    engine.add_request("r0", prompts[0], GREEDY, slo_tpot_ms=60_000)
+    for i, p in enumerate(prompts[1:], start=1):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for k in range(middle):
+        result = engine.step(interrupt=before_layer(k))
+        assert result.interrupted and "r0" in {w.request_id for w in result.work}
+    for k in range(middle, NUM_LAYERS):
+        result = engine.step(interrupt=before_layer(k))
+        assert not result.interrupted and "r0" in {o.request_id for o in result.outputs}
+    assert engine.num_interrupted == middle
+    finished, _ = run(engine, [], interrupt_of=lambda step: None)
+    for i, tokens in enumerate(reference):
+        assert finished[f"r{i}"].output_token_ids == tokens, f"prompt {i}"
+
+
+def test_a_step_that_moves_an_interactive_request_is_given_up_at_most_twice_in_a_row(llama):
     folder, prompts, reference = llama
     engine = LLMEngine(EngineConfig(model=folder, num_threads=1, num_kv_blocks=512))
     for i, p in enumerate(prompts[1:], start=1):
@@ -109,17 +143,17 @@ def test_a_step_that_moves_an_interactive_request_is_not_given_up_twice_in_a_row
         result = engine.step(interrupt=always)
         given_up.append(result.interrupted)
         done.update({o.request_id: o for o in result.outputs if o.finished})
-    # Asked before every step, every other step is given up: the interactive request still gets
-    # a token at least every other step, and its output is transformers'.
-    assert given_up[: 2 * NUM_NEW] == [True, False] * NUM_NEW
+    # Asked before every step, two steps in three are given up: the interactive request still gets
+    # a token at least every third step, and its output is transformers'.
+    assert given_up[: 3 * NUM_NEW] == [True, True, False] * NUM_NEW
     assert done["r0"].output_token_ids == reference[0]
-    assert engine.num_interrupted == NUM_NEW
+    assert engine.num_interrupted == 2 * NUM_NEW
     # With only bulk requests left, the same interrupt gives every step up, and they keep where they were.
     before = {r: engine.scheduler.get_request(r).num_computed_tokens for r in (f"r{i}" for i in range(1, len(prompts)))
               if engine.scheduler.get_request(r) is not None}
     for _ in range(3):
         assert engine.step(interrupt=always).interrupted
-    assert engine.num_interrupted == NUM_NEW + 3
+    assert engine.num_interrupted == 2 * NUM_NEW + 3
     for rid, n in before.items():
         assert engine.scheduler.get_request(rid).num_computed_tokens == n
     finished, _ = run(engine, [], interrupt_of=lambda step: None)

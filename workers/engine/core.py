@@ -15,7 +15,8 @@ tokens come back (``update_from_output``) and puts a block into the prefix cache
 tokens that fill it were computed by an earlier step, so an interrupted step leaves each request
 where it was, its new blocks held for the next step, which computes the same tokens again. Steps
 with speculative proposals or grammar masks are not interruptible, and one that moves an
-interactive request along is not given up right after another was (``_interruptible``).
+interactive request along is given up only in the first half of its layers and not after two in a
+row were (``_interruptible``).
 
 Its parts live beside it in ``workers/engine/``: building it (model, KV cache size, runner,
 proposer, 8-bit weights) in ``startup.py``; the checks a request passes before it is queued
@@ -62,6 +63,9 @@ from mqinfer.workers.engine.ranks import Leader
 from mqinfer.workers.engine.structured import GrammarError, StructuredOutputs, default_mask_threads
 
 log = logging.getLogger(__name__)
+
+# How many steps that move interactive requests along may be given up in a row (``_interruptible``).
+MAX_GIVE_UPS_IN_A_ROW = 2
 
 
 @dataclass
@@ -205,9 +209,9 @@ class LLMEngine:
         self.num_steps = 0
         # Steps given up for an arriving interactive request (``step``'s ``interrupt``).
         self.num_interrupted = 0
-        # Whether the last step was given up: a step that moves an interactive request along is
-        # not given up twice in a row.
-        self._gave_up_last = False
+        # Steps given up since the last one that ran: a step that moves an interactive request
+        # along is given up at most MAX_GIVE_UPS_IN_A_ROW times in a row.
+        self._given_up_in_a_row = 0
 
     @property
     def device_share(self) -> float:
@@ -361,9 +365,9 @@ class LLMEngine:
         # Constrained requests' token masks, filled in the background while the model runs.
         masks = self.structured.begin_step(scheduler_output.scheduled) if self.structured is not None else None
         processors = self.processors if len(self.processors) else None
-        if interrupt is not None and not self._interruptible(scheduler_output, masks, self._gave_up_last):
-            interrupt = None
-        self._gave_up_last = False
+        if interrupt is not None:
+            interrupt = self._interruptible(scheduler_output, masks, self._given_up_in_a_row, interrupt,
+                                            self.info.num_layers)
         try:
             # A step may hold only block copies (swap preemption); they must still happen now.
             if scheduler_output.is_empty:
@@ -379,6 +383,7 @@ class LLMEngine:
         finally:
             if masks is not None:
                 masks.wait()  # the matchers must not move while a mask is being filled
+        self._given_up_in_a_row = 0
         t2 = time.perf_counter()
         if ran is not None and self.proposer is not None and scheduler_output.num_batched_tokens:
             # The speculation policy's measurements (only a speculating engine has a policy to feed).
@@ -398,24 +403,42 @@ class LLMEngine:
         return StepResult(outputs=outputs, work=work, start=start, end=self.clock())
 
     @staticmethod
-    def _interruptible(scheduler_output: SchedulerOutput, masks, gave_up_last: bool) -> bool:
-        """Whether a step may be given up: one with no speculative proposals (their drafts already
-        advanced) and no grammar masks (filled in the background); and when it moves an
-        interactive request along, not right after a step given up.
+    def _interruptible(scheduler_output: SchedulerOutput, masks, given_up_in_a_row: int,
+                       interrupt: Callable[[], bool], num_layers: int) -> Callable[[], bool] | None:
+        """The interrupt to ask during a step, or None when the step may not be given up: one with
+        speculative proposals (their drafts already advanced) or grammar masks (filled in the
+        background) runs to its end. A step that moves no interactive request along may be given
+        up before any layer. One that does may be given up only before the second half of its
+        layers, and not after MAX_GIVE_UPS_IN_A_ROW steps given up in a row.
 
-        Giving up a step that holds interactive requests costs each of them at most the part of one
-        step that ran; their TPOT target is a mean over their tokens (32 tokens: a 40 ms step adds at
-        most about 1.3 ms to it), while the arriving request's first token comes a planned step
-        sooner. Never twice in a row: requests already running get a token at least every other
-        step however fast interactive requests arrive."""
+        Giving up a step that holds interactive requests costs each of them the part of the step
+        that ran, and saves the arriving request the rest of it: it waits for the next step either
+        way, and both ride in it together. In the first half the arrival gains more than the
+        running requests lose; later, waiting for the rest costs everyone less. Their TPOT target
+        is a mean over their tokens (32 tokens: 20 ms of a step adds about 0.6 ms to it). Two in a
+        row serve two requests that arrive close together (the second one's arrival gives up the
+        step that carries the first one's prompt); no more, so that requests already running get
+        a token at least every third step however fast interactive requests arrive."""
         if masks is not None:
-            return False
+            return None
         interactive = False
         for sr in scheduler_output.scheduled:
             if sr.spec_token_ids:
-                return False
+                return None
             interactive = interactive or sr.request.interactive
-        return not (interactive and gave_up_last)
+        if not interactive:
+            return interrupt
+        if given_up_in_a_row >= MAX_GIVE_UPS_IN_A_ROW:
+            return None
+        # Asked before each layer: the first answer is before layer 0.
+        last_asked = max(num_layers // 2, 1)
+        asked = 0
+
+        def in_first_half() -> bool:
+            nonlocal asked
+            asked += 1
+            return asked <= last_asked and interrupt()
+        return in_first_half
 
     def _interrupted(self, scheduler_output: SchedulerOutput, work: list[StepWork], start: float,
                      t0: float, t1: float) -> StepResult:
@@ -423,7 +446,7 @@ class LLMEngine:
         expired deadline, a rejection) still get their outputs; the scheduled ones stay as they
         were, and the step's time does not teach the step-time model."""
         self.scheduler.step_interrupted()
-        self._gave_up_last = True
+        self._given_up_in_a_row += 1
         t2 = time.perf_counter()
         outputs = self.outputs.postprocess(scheduler_output, None)
         self._last_step_end = time.perf_counter() if self.scheduler.has_unfinished_requests() else None
