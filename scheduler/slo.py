@@ -27,6 +27,10 @@ planned here (:meth:`SloScheduling.plan`):
   that have waited longest first; the rest are left out of the step, keep their KV blocks, and
   resume where they were in a later step. Bulk prompt chunks (running ones and admissions) get
   the time that is left, and at least ``MIN_BULK_PROMPT_TOKENS`` tokens per step.
+* A step that runs an interactive request's prompt takes no bulk work beyond what the starvation
+  bound below requires (and those ``MIN_BULK_PROMPT_TOKENS``), so that its first token comes about
+  as soon as it would without the backlog: bulk time within the target would add to every
+  first token, while it costs the backlog one lean step per interactive request.
 * No starvation: a running bulk sequence sits out at most about ``BULK_MAX_WAIT_S`` seconds of
   planned steps in a row. In steps, that is ``bulk_min_every(target)``: the wait over the target
   step time, between ``BULK_MIN_EVERY`` and ``BULK_MAX_EVERY`` steps, so that a bulk sequence's
@@ -54,9 +58,11 @@ during each step and the engine gives the step up between two layers when one ar
 (workers/queue/arrivals.py, workers/engine/core.py); its requests compute the same tokens again in a
 later step. The first request of a stream then waits for about one layer of the bulk step in progress,
 not all of it, and a request arriving beside running interactive ones about one layer of the planned
-step. A step that moves interactive requests along is not given up twice in a row, so that they get a
-token at least every other step; a given-up step costs each of them at most part of one step, a small
-share of a TPOT target that is a mean over their tokens.
+step. A step that moves interactive requests along is given up only before its middle layer (later,
+waiting for the rest costs everyone less than starting again) and at most twice in a row (two
+requests arriving close together share the next step), so that they get a token at least every
+third step; a given-up step costs each of them at most half of one step, a small share of a TPOT
+target that is a mean over their tokens.
 
 With no interactive request in the scheduler and none within ``WARM_S`` seconds,
 :meth:`SloScheduling.plan` returns None and the scheduler composes the step exactly as without this
@@ -410,6 +416,10 @@ class SloScheduling:
             if request.status is not RequestStatus.RUNNING:
                 prompt += request.num_tokens - request.num_computed_tokens
         shape = shape.with_prompt(min(prompt, self.max_num_batched_tokens))
+        if prompt:
+            # A step with interactive prompt tokens: bulk work only as the starvation bound needs,
+            # so that the first token comes about as soon as without the backlog.
+            budget = min(budget, model.predict(shape))
         # Bulk decodes, those that have sat out longest first: a share of them whatever the time
         # (so that the minimum rate is spread over the steps rather than met all at once by the
         # overdue), then more while the step stays in budget.

@@ -255,6 +255,26 @@ def test_an_interactive_prompt_beside_bulk_work_alone_runs_whole_and_first():
     assert all(r.num_output_tokens == 10 for r in waiting_bulk)
 
 
+
+def test_a_step_with_an_interactive_prompt_takes_only_the_bulk_work_the_starvation_bound_needs():
+    """The target would hold the whole backlog's decodes (17 ms of a 50 ms target on the fake
+    machine), but each bulk decode in the step with the prompt would delay the first token: that
+    step runs the minimum share of bulk decodes, and the next one, decoding, takes them all."""
+    d = Driver(config())
+    bulk = warm(d, n_bulk=50, max_tokens=200)
+    target_ms = 50
+    assert d.step_s[-1] < target_ms / 1000 * SAFETY / 2
+    chat = d.add(32, 8, slo_ttft_ms=500, slo_tpot_ms=target_ms)
+    d.step()
+    assert chat.request_id in d.steps[-1] and chat.num_output_tokens == 1
+    in_first = sum(r.request_id in d.steps[-1] for r in bulk)
+    assert in_first <= -(-len(bulk) // bulk_min_every(target_ms / 1000))
+    d.step()
+    assert d.steps[-1][chat.request_id] == 1
+    assert all(r.request_id in d.steps[-1] for r in bulk)
+    d.run()
+    assert all(r.num_output_tokens == 200 for r in bulk)
+
 def test_an_interactive_prompt_is_not_chunked_beside_running_interactive_decodes():
     """Chunking a new prompt would cost the running decodes the same compute (their TPOT is a
     mean over their tokens) and the new request its first token steps later: it runs whole, and
