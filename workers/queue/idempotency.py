@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import msgspec
 
 from mqinfer.schemas import errors, keys
+from mqinfer.schemas.connection import is_cluster
 from mqinfer.schemas.errors import RequestError
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.rows import ResultRow
@@ -171,17 +172,41 @@ class Idempotency:
         ``entry_id`` is the worker's qualified id (``<id>@<lane>`` for a lane's entry); the record
         holds the id within the lane's stream. Without records (a time to live of 0) every entry
         is new."""
+        return self.claim_many([(entry_id, request)])[0]
+
+    def claim_many(self, items: list[tuple[str, Request]]) -> list[Claim]:
+        """``claim`` for each (entry id, request), in order, in one round trip: the scripts run one
+        after another on the server, so a second copy of a request in the same read finds the
+        first one's record, as if claimed one at a time. (On a cluster, whose pipelines do not
+        carry scripts, one round trip each.)"""
         if not self.ttl_s:
-            return Claim("new")
+            return [Claim("new") for _ in items]
+        calls = [self._claim_call(entry_id, request) for entry_id, request in items]
+        if is_cluster(self.redis):
+            results = [self._claim(keys=k, args=a) for k, a, _, _ in calls]
+        else:
+            pipe = self.redis.pipeline(transaction=False)
+            for k, a, _, _ in calls:
+                self._claim(keys=k, args=a, client=pipe)
+            results = pipe.execute()
+        return [self._claimed(entry_id, request, record, digest, result)
+                for (entry_id, request), (_, _, record, digest), result in zip(items, calls, results)]
+
+    def _claim_call(self, entry_id: str, request: Request) -> tuple[list[str], list, str, str]:
+        """The claim script's keys and arguments for one entry, its record key and content digest."""
         raw_id, lane = split(entry_id)
         lane_stream = stream_of(self.stream, lane)
         record = self.record_key(request.id, request.job_id, lane)
         digest = content_digest(request)
         known = json.dumps([request.job_id, request.id, request.tenant, request.request_type])
-        outcome, first, state, stored = self._claim(
-            keys=[record, keys.inflight_hash(lane_stream), keys.request_stream(lane_stream), final_row_key(record),
-                  waiters_key(record)],
-            args=[raw_id, digest, max(1, math.ceil(self.ttl_s)), known, request.reply_to or "", MAX_WAITERS])
+        return ([record, keys.inflight_hash(lane_stream), keys.request_stream(lane_stream), final_row_key(record),
+                 waiters_key(record)],
+                [raw_id, digest, max(1, math.ceil(self.ttl_s)), known, request.reply_to or "", MAX_WAITERS],
+                record, digest)
+
+    def _claimed(self, entry_id: str, request: Request, record: str, digest: str, result) -> Claim:
+        """What one claim script's reply means, with its logs and counts."""
+        outcome, first, state, stored = result
         claim = Claim(text(outcome), text(first), text(state), stored)
         if not claim.duplicate:
             if claim.outcome == "takeover":

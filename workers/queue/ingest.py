@@ -254,18 +254,19 @@ class Ingest:
 
     def _take(self, response) -> None:
         """Accept what an XREADGROUP over one or more lanes returned."""
-        new = []
+        taken: dict[str, dict] = {}
         lane_by_key = {lane.key: lane.name for lane in self.lanes}
         for key, entries in response or []:
             lane = lane_by_key.get(text(key))
             for entry_id, fields in entries:
                 qid = qualify(text(entry_id), lane)
-                if qid in self.ownership:
+                if qid in self.ownership or qid in taken:
                     # Delivered again while running here (a group rewound with XGROUP SETID, a
                     # server restarted from an append-only file that lost its last second).
                     continue
-                self.accept(qid, fields, attempt=1)
-                new.append(qid)
+                taken[qid] = fields
+        self.accept_many([(qid, fields, 1, False) for qid, fields in taken.items()])
+        new = list(taken)
         if new:
             self.ownership.apply_cancels([e for e in new if e in self.ownership])
 
@@ -485,22 +486,41 @@ class Ingest:
         A redelivered request with a reply stream first gets a ``restart`` message there, so its
         consumer drops what an earlier worker sent.
         """
-        enqueued_at = entry_time(entry_id)
+        self.accept_many([(entry_id, fields, attempt, redelivered)])
+
+    def accept_many(self, entries: list[tuple[str, dict, int, bool]]) -> None:
+        """``accept`` each (entry id, fields, attempt, redelivered), in order, with their records
+        claimed in one round trip (a read's worth of entries costs one, not one each)."""
+        decoded = []
+        for entry_id, fields, attempt, redelivered in entries:
+            request = self._decode(entry_id, fields, attempt)
+            if request is not None:
+                decoded.append((entry_id, fields, attempt, redelivered, request))
+        claims = self.idempotency.claim_many([(d[0], d[4]) for d in decoded])
+        for (entry_id, fields, attempt, redelivered, request), claim in zip(decoded, claims):
+            self._accept_claimed(entry_id, fields, attempt, redelivered, request, claim)
+
+    def _decode(self, entry_id: str, fields: dict, attempt: int) -> Request | None:
+        """The entry's request, or None: a lane's notice is taken in, a bad entry becomes an error
+        row or a dead letter."""
         self.last_accept = self.clock()
         if is_notice(fields):  # a producer registered a new lane: read it from now on
             self.lanes.refresh(self.last_accept, force=True)
             self.acks.add_without_row(entry_id)
-            return
+            return None
         try:
-            request = decode_entry(fields, max_entry_bytes=self.config.max_entry_bytes)
+            return decode_entry(fields, max_entry_bytes=self.config.max_entry_bytes)
         except RequestError as exc:
             if exc.request_id is None:
                 self.dead_letters.send(entry_id, fields, exc)
             else:
                 self.acks.add_error(entry_id, exc.request_id, recover_job_id(fields), exc.code, exc.message,
-                                    attempt=attempt, enqueued_at=enqueued_at)
-            return
-        claim = self.idempotency.claim(entry_id, request)
+                                    attempt=attempt, enqueued_at=entry_time(entry_id))
+            return None
+
+    def _accept_claimed(self, entry_id: str, fields: dict, attempt: int, redelivered: bool, request: Request,
+                        claim) -> None:
+        enqueued_at = entry_time(entry_id)
         if claim.duplicate:
             if claim.outcome == "conflict":
                 self.dead_letters.send(entry_id, fields, self.idempotency.conflict_error(request, claim))
