@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 import msgspec
+from redis.exceptions import NoScriptError
 
 from mqinfer.schemas import errors, keys
 from mqinfer.schemas.connection import is_cluster
@@ -185,12 +186,34 @@ class Idempotency:
         if is_cluster(self.redis):
             results = [self._claim(keys=k, args=a) for k, a, _, _ in calls]
         else:
-            pipe = self.redis.pipeline(transaction=False)
-            for k, a, _, _ in calls:
-                self._claim(keys=k, args=a, client=pipe)
-            results = pipe.execute()
+            results = self._claim_pipelined([(k, a) for k, a, _, _ in calls])
         return [self._claimed(entry_id, request, record, digest, result)
                 for (entry_id, request), (_, _, record, digest), result in zip(items, calls, results)]
+
+    def _claim_pipelined(self, calls: list[tuple[list[str], list]]) -> list:
+        """Run the claim script for each (keys, args) in one pipeline of ``EVALSHA``.
+
+        redis-py's own script pipelining asks ``SCRIPT EXISTS`` first, which the worker's ACL user
+        may not run; instead a call the server answers with ``NOSCRIPT`` (a restarted or flushed
+        server) did not run, so the script is loaded with ``SCRIPT LOAD`` and those calls run again,
+        in their order, after the ones that did."""
+        pipe = self.redis.pipeline(transaction=False)
+        for k, a in calls:
+            pipe.evalsha(self._claim.sha, len(k), *k, *a)
+        results = pipe.execute(raise_on_error=False)
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            self._claim.sha = self.redis.script_load(_CLAIM_SCRIPT)
+            pipe = self.redis.pipeline(transaction=False)
+            for i in missing:
+                k, a = calls[i]
+                pipe.evalsha(self._claim.sha, len(k), *k, *a)
+            for i, r in zip(missing, pipe.execute(raise_on_error=False)):
+                results[i] = r
+        for r in results:
+            if isinstance(r, Exception):
+                raise r
+        return results
 
     def _claim_call(self, entry_id: str, request: Request) -> tuple[list[str], list, str, str]:
         """The claim script's keys and arguments for one entry, its record key and content digest."""
