@@ -1,4 +1,8 @@
-"""The offline run of `mqinfer bench`: every request submitted before the workers start.
+"""The offline run of `mqinfer bench`: every request submitted before any worker reads.
+
+As `mqinfer run` does, the workers are started first and the requests submitted once every one
+has joined its consumer group (before it loads the model): a worker that is ready first then
+leaves the others their share of the backlog instead of taking it whole while they load.
 
 Throughput counts the tokens the requests asked for over first started -> last finished, read
 back from the result rows; ``overhead_share`` turns the workers' busy-time lines into the share of
@@ -11,8 +15,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from mqinfer.loadgen.bench_pool import WorkerPool, log, read_results, wait_done
+from mqinfer.loadgen.bench_pool import STREAM, WorkerPool, log, read_results, wait_done
 from mqinfer.loadgen.metrics import RequestTiming
+from mqinfer.run_progress import wait_for_workers
+from mqinfer.schemas import keys
 
 
 def overhead_share(summaries: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -48,9 +54,13 @@ def speculation_summary(summaries: list[dict[str, Any]]) -> dict[str, Any] | Non
 
 def run_offline(args: argparse.Namespace, requests: list[dict[str, Any]], producer, pool: WorkerPool, out: Path,
                 job_id: str) -> tuple[list[RequestTiming], dict[str, list[int]]]:
-    """Every request submitted, then the workers started; stopped when all are done (their busy
-    time summaries are then in ``pool.busy_summaries()``)."""
+    """The workers started, every request submitted once all have joined their groups; stopped
+    when all are done (their busy time summaries are then in ``pool.busy_summaries()``)."""
     try:
+        log(f"mqinfer offline: starting {args.workers} worker(s)")
+        pool.start()
+        wait_for_workers(producer.redis, [keys.request_stream(s) for s in pool.streams or [STREAM]], keys.GROUP,
+                         pool.procs)
         feed = requests
         if getattr(args, "order", "input") == "prefix":
             # Prefix-tree order, as `mqinfer run` feeds a job (the bench's prompts are token ids).
@@ -60,9 +70,7 @@ def run_offline(args: argparse.Namespace, requests: list[dict[str, Any]], produc
         else:
             producer.submit_many(feed, job_id=job_id)
         log(f"mqinfer offline: {len(requests)} requests submitted"
-            + (f" in {args.order} order" if getattr(args, "order", None) else "")
-            + f"; starting {args.workers} worker(s)")
-        pool.start()
+            + (f" in {args.order} order" if getattr(args, "order", None) else ""))
         wait_done(producer.redis, job_id, len(requests), pool, args.timeout_s, "mqinfer offline")
     finally:
         pool.stop()

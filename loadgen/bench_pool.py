@@ -78,18 +78,22 @@ class WorkerPool:
         self._logs: list[Any] = []
 
     def start(self) -> None:
+        for i in range(self.count):
+            self.start_one(i)
+
+    def start_one(self, i: int) -> None:
+        """Start worker ``i`` (consumer ``self.consumers[i]``), its output in ``worker-<i>.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.setdefault("MQINFER_LOG_LEVEL", "info")
-        for i, consumer in enumerate(self.consumers):
-            log_file = open(self.log_dir / f"worker-{i}.log", "wb")
-            self._logs.append(log_file)
-            argv = list(self.argv)
-            if self.streams:
-                argv[argv.index("--stream") + 1] = self.streams[i % len(self.streams)]
-            spread_over_gpus(argv, i)
-            self.procs.append(subprocess.Popen([*argv, "--consumer", consumer], env=env,
-                                               stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT))
+        log_file = open(self.log_dir / f"worker-{i}.log", "wb")
+        self._logs.append(log_file)
+        argv = list(self.argv)
+        if self.streams:
+            argv[argv.index("--stream") + 1] = self.streams[i % len(self.streams)]
+        spread_over_gpus(argv, i)
+        self.procs.append(subprocess.Popen([*argv, "--consumer", self.consumers[i]], env=env,
+                                           stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT))
 
     def check_alive(self) -> None:
         """Raise with the log's tail when every worker has exited."""

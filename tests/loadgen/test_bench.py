@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
 
-from mqinfer.loadgen import bench, bench_online, bench_pool, bench_report
+from mqinfer.loadgen import bench, bench_offline, bench_online, bench_pool, bench_report
 from mqinfer.loadgen.metrics import summarize, timings_from_rows
 from mqinfer.loadgen.workload import uniform_workload
 
@@ -502,3 +504,35 @@ def test_a_shared_prefix_job_finds_the_same_prefixes_under_both_cache_scopes(tmp
     assert report["ratios"]["vs_global_scope"] == pytest.approx(ours["throughput"] / other["throughput"])
     assert "mqinfer --prefix-cache-scope tenant / global: " in captured.out
     assert "--prefix-cache-scope global: " in captured.out
+
+
+class _SecondWorkerLate(bench_pool.WorkerPool):
+    """Real workers, the second started a few seconds after the first (as on a busy machine,
+    where one process imports and loads more slowly than another)."""
+
+    def start(self) -> None:
+        self.start_one(0)
+        time.sleep(3.0)
+        self.start_one(1)
+
+
+def test_an_offline_backlog_is_split_between_workers_when_one_starts_late(tmp_path):
+    from mqinfer.client import Producer
+    from mqinfer.server import EmbeddedServer
+
+    args = parse("--model", "tiny", "--workers", "2", "--num-threads", "1", "--idle-exit-s", "30",
+                 "--max-batch", "8")
+    requests = uniform_workload(32, prompt_len=(8, 16), output_len=(24, 32), vocab_size=256, seed=0)
+    out = tmp_path / "out"
+    server = EmbeddedServer(tmp_path / "redis", unix_socket=True, appendonly=False).start()
+    try:
+        producer = Producer(server.url, stream=bench_pool.STREAM)
+        pool = _SecondWorkerLate(bench_pool.worker_argv(args, "tiny", server.url, out), 2, tmp_path / "logs", out)
+        timings, _ = bench_offline.run_offline(args, requests, producer, pool, out, "split-job")
+    finally:
+        server.stop()
+    assert len(timings) == 32 and all(t.ok for t in timings)
+    per_worker = Counter(ds.dataset(out / "results", format="parquet").to_table().column("worker").to_pylist())
+    # Submitted only once both had joined their group: the one ready first takes its share, not
+    # the whole backlog while the other loads.
+    assert set(per_worker) == set(pool.consumers) and min(per_worker.values()) >= 8, per_worker
