@@ -8,8 +8,9 @@ percentiles and the ratios between systems. The parts live in their own modules:
 
 - ``bench_options``: the flags; ``bench_model``: the checkpoint and its prompt token ids;
 - ``bench_pool``: the worker processes; ``bench_offline`` / ``bench_online``: the two modes
-  (offline: everything submitted before the workers start; online: Poisson arrivals at ``--rate``,
-  ``--rate half``, ``--compare-wait``, each point checked against the TTFT budget);
+  (offline: everything submitted at once, when every worker has joined its group and before any
+  reads; online: Poisson arrivals at ``--rate``, ``--rate half``, ``--compare-wait``, each point
+  checked against the TTFT budget);
 - ``bench_report``: text, JSON and charts;
 - peers: ``hf_baseline`` (``--compare hf``: transformers' static and continuous batching on the
   same checkpoint and requests) and ``llamacpp`` (``--compare llamacpp``: ``llama-batched-bench``
