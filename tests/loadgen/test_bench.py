@@ -522,7 +522,8 @@ def test_an_offline_backlog_is_split_between_workers_when_one_starts_late(tmp_pa
 
     args = parse("--model", "tiny", "--workers", "2", "--num-threads", "1", "--idle-exit-s", "30",
                  "--max-batch", "8")
-    requests = uniform_workload(32, prompt_len=(8, 16), output_len=(24, 32), vocab_size=256, seed=0)
+    # Outputs long enough that the first worker is still on its half when the second is ready.
+    requests = uniform_workload(32, prompt_len=(8, 16), output_len=(128, 160), vocab_size=256, seed=0)
     out = tmp_path / "out"
     server = EmbeddedServer(tmp_path / "redis", unix_socket=True, appendonly=False).start()
     try:
