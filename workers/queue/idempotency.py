@@ -197,18 +197,18 @@ class Idempotency:
         may not run; instead a call the server answers with ``NOSCRIPT`` (a restarted or flushed
         server) did not run, so the script is loaded with ``SCRIPT LOAD`` and those calls run again,
         in their order, after the ones that did."""
-        pipe = self.redis.pipeline(transaction=False)
-        for k, a in calls:
-            pipe.evalsha(self._claim.sha, len(k), *k, *a)
-        results = pipe.execute(raise_on_error=False)
-        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
-        if missing:
-            self._claim.sha = self.redis.script_load(_CLAIM_SCRIPT)
+        def send(indices: list[int]) -> list:
             pipe = self.redis.pipeline(transaction=False)
-            for i in missing:
+            for i in indices:
                 k, a = calls[i]
                 pipe.evalsha(self._claim.sha, len(k), *k, *a)
-            for i, r in zip(missing, pipe.execute(raise_on_error=False)):
+            return pipe.execute(raise_on_error=False)
+
+        results = send(list(range(len(calls))))
+        missing = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if missing:
+            self.redis.script_load(_CLAIM_SCRIPT)  # the same SHA: the script's own hash
+            for i, r in zip(missing, send(missing)):
                 results[i] = r
         for r in results:
             if isinstance(r, Exception):
