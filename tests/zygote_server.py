@@ -1,0 +1,276 @@
+"""The zygote's side of tests/zygote.py: a process that imports what `mqinfer` commands import,
+once, and forks a child per command that then runs as `python -m mqinfer ARGS` would.
+
+It listens on a Unix socket. Each connection asks for one command: a length-prefixed JSON request
+(argv, environment, working folder, umask, session) with the child's stdin, stdout and stderr
+passed as file descriptors (SCM_RIGHTS). The child reports ``{"pid": ...}`` (or the error that
+kept it from starting) on that connection; once the zygote has reaped it, it sends
+``{"pid": ..., "status": <wait status>}`` and closes the connection.
+
+The zygote itself starts no thread and runs no torch operation, so that forking it is safe: it
+only imports. It exits when the test process that started it is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import traceback
+from pathlib import Path
+
+# What a worker, `mqinfer run` and the other commands the tests start import before they do
+# anything (the command line imports the bench and plan options for any command; compact and
+# report read Parquet datasets): loaded once here instead of in every child.
+PRELOAD = (
+    "mqinfer.cli",
+    "mqinfer.run",
+    "mqinfer.jobs_cli",
+    "mqinfer.loadgen.bench_options",
+    "mqinfer.loadgen.plan.options",
+    "mqinfer.workers.queue.worker",
+    "mqinfer.workers.engine.core",
+    "mqinfer.ops.compact",
+    "mqinfer.ops.metrics",
+    "pyarrow.dataset",
+)
+
+_HEADER = struct.Struct("!I")
+
+# Bytes of command line the zygote is started with beyond its own (a padding argument), so that a
+# child can write its command's over them.
+ARGV_ROOM = 16384
+
+
+def serve(path: str) -> None:
+    """Import, then serve fork requests on the Unix socket ``path`` until the parent is gone."""
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    # Clients may connect from now on; they wait until the imports are done.
+    from mqinfer.procs import short_openmp_spin
+
+    short_openmp_spin()  # what `mqinfer`'s main does before anything imports torch
+    for name in PRELOAD:
+        __import__(name)
+    import_env = dict(os.environ)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    children: dict[int, socket.socket] = {}
+    own = [listener]
+    try:
+        while os.getppid() == parent:
+            ready, _, _ = select.select([listener, wake_r], [], [], 1.0)
+            if wake_r in ready:
+                try:
+                    while os.read(wake_r, 512):
+                        pass
+                except BlockingIOError:
+                    pass
+            _reap(children)
+            if listener in ready:
+                conn, _ = listener.accept()
+                try:
+                    _fork(conn, children, own, (wake_r, wake_w), import_env)
+                except Exception:  # noqa: BLE001 - one bad request must not end the zygote
+                    traceback.print_exc()
+                    conn.close()
+    finally:
+        listener.close()
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    while children:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = children.pop(pid, None)
+        if conn is not None:
+            try:
+                conn.sendall(json.dumps({"pid": pid, "status": status}).encode() + b"\n")
+            except OSError:
+                pass  # the test process stopped listening; nothing to report to
+            conn.close()
+
+
+def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
+    conn.settimeout(60)
+    data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+    try:
+        if len(fds) != 3:
+            raise ValueError(f"expected 3 file descriptors, got {len(fds)}")
+        while len(data) < _HEADER.size:
+            data += _more(conn)
+        (size,) = _HEADER.unpack_from(data)
+        body = bytearray(data[_HEADER.size:])
+        while len(body) < size:
+            body += _more(conn)
+        return json.loads(body), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+def _more(conn: socket.socket) -> bytes:
+    data = conn.recv(1 << 16)
+    if not data:
+        raise EOFError("request cut short")
+    return data
+
+
+def _fork(conn, children, own, wake_fds, import_env) -> None:
+    try:
+        request, fds = _receive(conn)
+    except (OSError, ValueError, EOFError):
+        conn.close()
+        raise
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 255
+        try:
+            for sock in [*own, *children.values()]:
+                sock.close()
+            for fd in wake_fds:
+                os.close(fd)
+            code = _child(request, fds, conn, import_env)
+        except BaseException:  # noqa: BLE001 - the child must never return into the zygote's loop
+            try:
+                traceback.print_exc()
+            except BaseException:  # noqa: BLE001
+                pass
+        os._exit(code)
+    for fd in fds:
+        os.close(fd)
+    conn.settimeout(None)
+    children[pid] = conn
+
+
+def _child(request: dict, fds: list[int], conn: socket.socket, import_env: dict) -> int:
+    """Become ``python -m mqinfer ARGS`` in a fresh process's state, run it, and return its exit
+    code; a death by signal (an uncaught KeyboardInterrupt) does not return."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        if request["start_new_session"]:
+            os.setsid()
+        if request["process_group"] >= 0:
+            os.setpgid(0, request["process_group"])
+        os.umask(request["umask"])
+        os.chdir(request["cwd"])
+    except OSError as exc:
+        conn.sendall(json.dumps({"pid": os.getpid(), "errno": exc.errno}).encode() + b"\n")
+        return 255
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    if not sys.stdout.write_through:  # as `python -u` leaves it
+        sys.stdout.reconfigure(line_buffering=os.isatty(1))
+
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        from mqinfer.procs import OPENMP_SPIN_COUNT
+
+        # What `mqinfer`'s main sets before torch loads (there, for the processes it starts).
+        os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
+    argv = request["argv"]
+    _retitle(argv)
+    threads = env.get("OMP_NUM_THREADS")
+    if threads != import_env.get("OMP_NUM_THREADS"):
+        import torch
+
+        torch.set_num_threads(int(threads))  # what OpenMP would have read from it at startup
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()  # a fresh process seeds numpy's global generator itself
+    conn.sendall(json.dumps({"pid": os.getpid()}).encode() + b"\n")
+    conn.close()
+    return _run_as_main(argv)
+
+
+def _run_as_main(argv: list[str]) -> int:
+    """Run `mqinfer.__main__` as ``python -m mqinfer`` does, then end as the interpreter does:
+    the exit code of SystemExit (its message printed when it is not a number), 1 and a traceback
+    for an uncaught exception, non-daemon threads joined and atexit handlers run before exiting,
+    and death by SIGINT after an uncaught KeyboardInterrupt."""
+    import atexit
+    import runpy
+    import threading
+    import types
+
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    sys.orig_argv = list(argv)
+    sys.argv = ["-m", *argv[3:]]
+    sys.path[0] = os.getcwd()
+    interrupted = False
+    code = 0
+    try:
+        runpy._run_module_as_main("mqinfer", alter_argv=True)
+    except SystemExit as exc:
+        code = _exit_code(exc.code)
+    except KeyboardInterrupt:
+        sys.excepthook(*sys.exc_info())
+        interrupted = True
+    except BaseException:  # noqa: BLE001 - the interpreter prints any uncaught exception
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        threading._shutdown()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - the interpreter turns a failed final flush into 120
+            code = code or 120
+    if interrupted:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        code = 128 + signal.SIGINT
+    return code & 0xFF
+
+
+def _exit_code(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    try:
+        print(value, file=sys.stderr)
+    except Exception:  # noqa: BLE001
+        pass
+    return 1
+
+
+def _retitle(argv: list[str]) -> None:
+    """Write ``argv`` over this process's original command line, where the kernel reads
+    /proc/PID/cmdline (what `ps` and the run lock's check of a pid read), as an exec of that
+    command would have set it. The zygote was started with room to spare (ARGV_ROOM); the rest of
+    the area is zeroed, so readers see the arguments followed by empty ones."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end, fields 48 and 49
+    data = b"".join(os.fsencode(a) + b"\0" for a in argv)
+    if len(data) > end - start:
+        raise ValueError(f"a command line of {len(data)} bytes does not fit in {end - start}")
+    ctypes.memmove(start, data + bytes(end - start - len(data)), end - start)
