@@ -16,6 +16,7 @@ import pyarrow.dataset as ds
 
 from mqinfer.schemas.request import request_from_obj
 from mqinfer.schemas.routing import PrefixRouter
+from tests import zygote
 
 
 def mqinfer_cmd(*args: str) -> list[str]:
@@ -26,7 +27,7 @@ def start_worker(redis_url: str, out: Path, *extra: str, log_level: str = "warni
     # One model thread per worker: tests run several processes on a small machine, where
     # oversubscribed threads make every step many times slower.
     env = dict(os.environ, MQINFER_LOG_LEVEL=log_level, OMP_NUM_THREADS="1")
-    return subprocess.Popen(
+    return zygote.popen(
         mqinfer_cmd("worker", "--redis", redis_url, "--out", str(out), *extra),
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

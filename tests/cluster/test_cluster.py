@@ -23,6 +23,7 @@ from mqinfer.schemas.rows import ResultRow
 from mqinfer.schemas.stream import decode_entry
 from mqinfer.ops.jobs import job_info
 from mqinfer.server import EmbeddedServer
+from tests import zygote
 from tests.helpers import mqinfer_cmd, rows, start_worker, stop_processes, wait_exit, wait_until, write_jsonl
 
 
@@ -140,10 +141,10 @@ def test_a_job_runs_across_the_cluster_through_a_node_restart(cluster, tmp_path)
         {"id": f"j{i}", "prompt_token_ids": [256] + [65 + i % 26] * 4, "max_tokens": 32, "ignore_eos": True,
          "temperature": 0.0} for i in range(n)])
     out = tmp_path / "out"
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         mqinfer_cmd("run", str(src), "--out", str(out), "--redis", cluster.url, "--redis-cluster",
-                    "--stream", "job", "--shards", "3", "--workers", "3", "--num-threads", "1",
-                    "--max-num-seqs", "4", "--flush-interval-s", "0.1", "--claim-idle-ms", "2000"),
+                "--stream", "job", "--shards", "3", "--workers", "3", "--num-threads", "1",
+                "--max-num-seqs", "4", "--flush-interval-s", "0.1", "--claim-idle-ms", "2000"),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     outputs: dict[str, str] = {}
@@ -190,8 +191,8 @@ def test_a_bulk_job_with_its_queue_on_a_plain_server_runs_across_the_cluster_thr
 
     def spawn(args, log):
         with open(tmp_path / log, "ab") as f:
-            procs.append(subprocess.Popen(mqinfer_cmd(*args), env=env, stdin=subprocess.DEVNULL, stdout=f,
-                                          stderr=subprocess.STDOUT))
+            procs.append(zygote.popen(mqinfer_cmd(*args), env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                      stderr=subprocess.STDOUT))
 
     jobs = jobs_server.client()
     try:
@@ -200,9 +201,9 @@ def test_a_bulk_job_with_its_queue_on_a_plain_server_runs_across_the_cluster_thr
                    "--out", str(tmp_path / f"w{i}"), "--num-threads", "1", "--max-num-seqs", "4",
                    "--num-kv-blocks", "256", "--flush-interval-s", "0.1", "--claim-idle-ms", "2000"], f"w{i}.log")
         spawn(["jobs", "worker", *planes, "--sweep-interval-s", "0.5"], "rq.log")
-        submitted = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "out"), *planes,
-                                               "--stream", "bulk", "--shards", "3", "--max-in-flight", "12",
-                                               "--json"), capture_output=True, text=True, timeout=60, env=env)
+        submitted = zygote.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "out"), *planes,
+                                           "--stream", "bulk", "--shards", "3", "--max-in-flight", "12",
+                                           "--json"), capture_output=True, text=True, timeout=60, env=env)
         assert submitted.returncode == 0, submitted.stderr
         job_id = json.loads(submitted.stdout)["job_id"]
         wait_until(lambda: job_info(jobs, job_id)["counts"]["completed"] >= 5, timeout=180, interval=0.2,

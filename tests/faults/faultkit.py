@@ -24,6 +24,7 @@ import redis.exceptions
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
 from mqinfer.workers.devices import usable_cores
+from tests import zygote
 from tests.helpers import mqinfer_cmd, rows, wait_until
 
 STREAM = keys.request_stream("requests")
@@ -99,7 +100,7 @@ def spawn(redis_url: str, out: Path, name: str, *args: str, faults: str | None =
     out.mkdir(parents=True, exist_ok=True)
     log_path = out.parent / f"worker-{name}.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         mqinfer_cmd("worker", "--redis", redis_url, "--out", str(out), "--consumer", name, *FAST, *args),
         env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
     )
@@ -154,7 +155,7 @@ def compact(out: Path, *, faults: str | None = None) -> subprocess.CompletedProc
     env.pop("MQINFER_FAULTS", None)
     if faults:
         env["MQINFER_FAULTS"] = faults
-    return subprocess.run(mqinfer_cmd("compact", str(out)), capture_output=True, text=True, env=env, timeout=120)
+    return zygote.run(mqinfer_cmd("compact", str(out)), capture_output=True, text=True, env=env, timeout=120)
 
 
 @dataclass

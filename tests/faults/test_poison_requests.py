@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+from tests import zygote
 from tests.helpers import rows
 
 
@@ -18,8 +19,8 @@ def _run(src, out, *args: str, faults: str | None = None, timeout: float = 240) 
     env = dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1")
     if faults:
         env["MQINFER_FAULTS"] = faults
-    return subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(out), *args],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    return zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(out), *args],
+                      env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _write(path, lines: list[dict]):

@@ -21,6 +21,7 @@ from mqinfer.ops.jobs import JobsWorker
 from mqinfer.schemas import keys
 from mqinfer.client import Client, Producer
 from mqinfer.server import _free_port, server_binary
+from tests import zygote
 from tests.faults.faultkit import STREAM, pending_by_consumer, requests, spawn, submit
 from tests.helpers import mqinfer_cmd, rows, wait_until
 
@@ -180,9 +181,9 @@ def test_rate_limits_run_under_the_worker_user_and_a_user_without_them_refuses_t
     rules = [r for r in worker_rules.split()[2:] if not r.startswith(">") and r not in ("+time", "+hmget", "+pexpire")]
     admin = acl_server.client("admin")
     admin.execute_command("ACL", "SETUSER", "oldworker", "reset", ">old-password", *rules)
-    proc = subprocess.run([*mqinfer_cmd("worker"), "--redis", f"redis://oldworker:old-password@127.0.0.1:"
-                           f"{acl_server.port}/0", "--out", str(tmp_path / "out"), "--tenant-limits", "gold=100"],
-                          capture_output=True, text=True, timeout=60)
+    proc = zygote.run([*mqinfer_cmd("worker"), "--redis", f"redis://oldworker:old-password@127.0.0.1:"
+                       f"{acl_server.port}/0", "--out", str(tmp_path / "out"), "--tenant-limits", "gold=100"],
+                      capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "--tenant-limits cannot be enforced: this Redis user may not run the rate-limit script" in proc.stderr
     assert "Traceback" not in proc.stderr and "loading" not in proc.stderr.lower()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mqinfer.config import (
 )
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.workers.config import EngineConfig, WorkerConfig
+from tests import zygote
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +51,8 @@ def test_precedence(monkeypatch, tmp_path):
 def test_one_default_per_setting_in_help_resolve_and_every_config():
     """`mqinfer worker --help`, resolve() and the dataclasses agree on every default, and the engine
     hands the scheduler the scheduler's own defaults: a second copy of any number fails here."""
-    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--help"], capture_output=True, text=True,
-                         env={k: v for k, v in os.environ.items() if not k.startswith("MQINFER_")})
+    out = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--help"], capture_output=True, text=True,
+                     env={k: v for k, v in os.environ.items() if not k.startswith("MQINFER_")})
     assert out.returncode == 0, out.stderr
     help_text = " ".join(out.stdout.split())
     resolved = _resolve([])
@@ -204,8 +204,8 @@ def test_bad_tenant_weights_name_the_flag_the_source_and_the_entry(monkeypatch, 
 
 
 def test_missing_required_flag_exits_2_with_message():
-    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--out", "x"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin"})
+    out = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--out", "x"], capture_output=True, text=True,
+                     env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 2
     assert "--redis is required" in out.stderr
 
@@ -261,9 +261,9 @@ def test_bad_tenant_limits_name_the_flag_the_source_and_the_entry(monkeypatch, t
 
 
 def test_a_bad_tenant_limit_exits_2_with_message():
-    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
-                          "--tenant-limits", "gold=200,batch=-1"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin"})
+    out = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
+                      "--tenant-limits", "gold=200,batch=-1"], capture_output=True, text=True,
+                     env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 2
     assert ("--tenant-limits (from command line): tenant limits: the tokens per second of tenant 'batch' must be "
             "a finite number > 0, got '-1'") in out.stderr
@@ -305,9 +305,9 @@ def test_bad_tenant_slos_name_the_flag_the_source_and_the_entry(monkeypatch, tmp
 
 
 def test_a_bad_tenant_slo_exits_2_with_message():
-    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
-                          "--tenant-slos", "chat=500/0"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin"})
+    out = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
+                      "--tenant-slos", "chat=500/0"], capture_output=True, text=True,
+                     env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 2
     assert ("--tenant-slos (from command line): tenant SLOs: the TPOT target of tenant 'chat' must be a whole "
             "number of milliseconds from 1 to 86400000, got '0'") in out.stderr
@@ -332,9 +332,9 @@ def test_a_device_share_that_is_not_a_positive_number_is_refused(value):
 
 def test_a_zero_device_share_exits_2_with_message():
     for command in ("worker", "run"):
-        out = subprocess.run([sys.executable, "-m", "mqinfer", command, *(["in.jsonl"] if command == "run" else []),
-                              "--redis", "redis://127.0.0.1:1", "--out", "x", "--device-share", "0"],
-                             capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
+        out = zygote.run([sys.executable, "-m", "mqinfer", command, *(["in.jsonl"] if command == "run" else []),
+                          "--redis", "redis://127.0.0.1:1", "--out", "x", "--device-share", "0"],
+                         capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"})
         assert out.returncode == 2, (command, out.stderr)
         assert "--device-share must be a number > 0" in out.stderr, (command, out.stderr)
 
@@ -357,8 +357,8 @@ def test_prefix_cache_scope_from_every_source_reaches_the_scheduler_and_run(monk
 
 
 def test_a_bad_prefix_cache_scope_exits_2_with_message():
-    out = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
-                          "--prefix-cache-scope", "everyone"], capture_output=True, text=True,
-                         env={"PATH": "/usr/bin:/bin"})
+    out = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
+                      "--prefix-cache-scope", "everyone"], capture_output=True, text=True,
+                     env={"PATH": "/usr/bin:/bin"})
     assert out.returncode == 2, out.stderr
     assert "--prefix-cache-scope" in out.stderr and "tenant" in out.stderr, out.stderr

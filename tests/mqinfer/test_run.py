@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import zygote
 from tests.helpers import LineCollector, rows, wait_until, write_jsonl
 
 LOCK = Path(".mqinfer") / "run.lock"
@@ -77,7 +78,7 @@ def test_rerun_after_kill_9_resumes_and_leaves_no_process(tmp_path):
     src = write_jsonl(tmp_path / "job.jsonl", items)
     out = tmp_path / "out"
     args = run_cmd(str(src), "--out", str(out), "--max-num-seqs", "4", "--flush-rows", "1")
-    proc = subprocess.Popen(args, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = zygote.popen(args, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(rows(out / "results")) >= 8, timeout=180, what="the first rows")
         children = lock_info(out)["children"]
@@ -99,7 +100,7 @@ def test_rerun_after_kill_9_resumes_and_leaves_no_process(tmp_path):
     first = len(rows(out / "results"))
     assert 8 <= first < 24
 
-    again = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
+    again = zygote.run(args, env=env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert "resuming" in again.stderr
     assert "24 of 24 requests have rows: 24 length" in again.stdout
@@ -107,7 +108,7 @@ def test_rerun_after_kill_9_resumes_and_leaves_no_process(tmp_path):
     assert len({r["job_id"] for r in rows(out / "results")}) == 1
 
     # Complete: a third run computes nothing and says so.
-    third = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=120)
+    third = zygote.run(args, env=env(), capture_output=True, text=True, timeout=120)
     assert third.returncode == 0, third.stderr
     assert "nothing to compute" in third.stderr and "this run: nothing computed" in third.stdout
     check_once(out, [r["id"] for r in items])
@@ -120,11 +121,11 @@ def test_one_run_per_folder_and_double_ctrl_c(tmp_path):
     src = write_jsonl(tmp_path / "job.jsonl", items)
     out = tmp_path / "out"
     args = run_cmd(str(src), "--out", str(out), "--max-num-seqs", "4", "--flush-rows", "1")
-    first = subprocess.Popen(args, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = zygote.popen(args, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stderr = LineCollector(first.stderr)
     try:
         wait_until(lambda: len(rows(out / "results")) >= 2, timeout=180, what="the first rows")
-        second = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=60)
+        second = zygote.run(args, env=env(), capture_output=True, text=True, timeout=60)
         assert second.returncode == 2
         assert f"pid {first.pid}" in second.stderr and "Traceback" not in second.stderr
         # Two Ctrl-Cs: the run still waits for its workers to write and acknowledge what they finished.
@@ -145,7 +146,7 @@ def test_one_run_per_folder_and_double_ctrl_c(tmp_path):
     done = len(rows(out / "results"))
     assert 2 <= done < 30
 
-    resumed = subprocess.run(args, env=env(), capture_output=True, text=True, timeout=300)
+    resumed = zygote.run(args, env=env(), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"({done} rows from earlier runs)" in resumed.stdout
     check_once(out, [r["id"] for r in items])
@@ -156,43 +157,43 @@ def test_small_first_contact_errors(tmp_path):
     # An empty input is a job of 0 requests.
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    proc = subprocess.run(run_cmd(str(empty), "--out", str(out)), env=env(), capture_output=True, text=True)
+    proc = zygote.run(run_cmd(str(empty), "--out", str(out)), env=env(), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "0 of 0 requests have rows" in proc.stdout
 
     src = write_jsonl(tmp_path / "job.jsonl", requests(3, 2))
     # --fresh starts over: the same requests, computed once more, billed once.
-    done = subprocess.run(run_cmd(str(src), "--out", str(out)), env=env(), capture_output=True, text=True)
+    done = zygote.run(run_cmd(str(src), "--out", str(out)), env=env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    fresh = subprocess.run(run_cmd(str(src), "--out", str(out), "--fresh"), env=env(), capture_output=True, text=True)
+    fresh = zygote.run(run_cmd(str(src), "--out", str(out), "--fresh"), env=env(), capture_output=True, text=True)
     assert fresh.returncode == 0, fresh.stderr
     assert "removed 3 result rows and 3 cost rows" in fresh.stderr and "this run: 3 requests" in fresh.stdout
     check_once(out, ["r0", "r1", "r2"])
     # A bad flag fails before anything is submitted or written.
-    proc = subprocess.run(run_cmd(str(src), "--out", str(tmp_path / "o2"), "--max-batch", "0"), env=env(),
-                          capture_output=True, text=True)
+    proc = zygote.run(run_cmd(str(src), "--out", str(tmp_path / "o2"), "--max-batch", "0"), env=env(),
+                      capture_output=True, text=True)
     assert proc.returncode == 2 and "--max-batch must be >= 1" in proc.stderr
     assert not (tmp_path / "o2" / "results").exists()
     # A misspelt config key is named, not ignored.
     cfg = tmp_path / "mq.toml"
     cfg.write_text("max_bacth = 8\n[worker]\nblock-size = 32\n")
-    proc = subprocess.run(run_cmd(str(src), "--out", str(out), "--config", str(cfg)), env=env(),
-                          capture_output=True, text=True)
+    proc = zygote.run(run_cmd(str(src), "--out", str(out), "--config", str(cfg)), env=env(),
+                      capture_output=True, text=True)
     assert proc.returncode == 2 and "max_bacth is not a flag of any command" in proc.stderr
     assert "block-size" not in proc.stderr  # a known key of another command's table is fine
     # A folder that is no checkpoint: refused before anything starts, once, no traceback.
     not_a_model = tmp_path / "not-a-model"
     not_a_model.mkdir()
-    proc = subprocess.run(run_cmd(str(src), "--out", str(tmp_path / "o3"), "--model", str(not_a_model)), env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = zygote.run(run_cmd(str(src), "--out", str(tmp_path / "o3"), "--model", str(not_a_model)), env=env(),
+                      capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.count("file not found (a checkpoint folder needs config.json)") == 1
     assert "Traceback" not in proc.stderr and "--log-level" not in proc.stderr and "submitted" not in proc.stderr
     # Workers that cannot load the model (an architecture they do not run): their reason, and the
     # run says that none got as far as reading a request.
     (not_a_model / "config.json").write_text('{"model_type": "bert", "architectures": ["BertModel"]}')
-    proc = subprocess.run(run_cmd(str(src), "--out", str(tmp_path / "o3"), "--model", str(not_a_model)), env=env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = zygote.run(run_cmd(str(src), "--out", str(tmp_path / "o3"), "--model", str(not_a_model)), env=env(),
+                      capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unsupported architecture ['BertModel']" in proc.stderr
     assert "every worker exited before it was ready" in proc.stderr
@@ -203,8 +204,8 @@ def test_small_first_contact_errors(tmp_path):
     with EmbeddedServer(tmp_path / "redis", appendonly=False) as server:
         wrong = server.url.replace(server.password, "not-the-password")
         start = time.monotonic()
-        proc = subprocess.run([sys.executable, "-m", "mqinfer", "submit", str(src), "--redis", wrong],
-                              capture_output=True, text=True, timeout=60)
+        proc = zygote.run([sys.executable, "-m", "mqinfer", "submit", str(src), "--redis", wrong],
+                          capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and time.monotonic() - start < 30
         assert "cannot authenticate" in proc.stderr and "Traceback" not in proc.stderr
         assert "not-the-password" not in proc.stderr
@@ -267,8 +268,8 @@ def test_workers_auto_layout():
 def test_run_with_int8_weights(tmp_path):
     out = tmp_path / "out"
     src = write_jsonl(tmp_path / "job.jsonl", requests(4, 6))
-    proc = subprocess.run(run_cmd(str(src), "--out", str(out), "--quantization", "w8a8"),
-                          env=dict(env(), MQINFER_LOG_LEVEL="info"), capture_output=True, text=True, timeout=300)
+    proc = zygote.run(run_cmd(str(src), "--out", str(out), "--quantization", "w8a8"),
+                      env=dict(env(), MQINFER_LOG_LEVEL="info"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     check_once(out, ["r0", "r1", "r2", "r3"])
     assert all(len(r["output_token_ids"]) == 6 for r in rows(out / "results"))
@@ -290,8 +291,8 @@ def test_prefix_order_and_routing_give_the_same_rows_as_input_order(tmp_path):
             "routed": ["--shards", "2", "--workers", "2", "--num-threads", "1"]}
     for name, flags in runs.items():
         out = tmp_path / name
-        proc = subprocess.run(run_cmd(str(src), "--out", str(out), *flags), env=env(),
-                              capture_output=True, text=True, timeout=300)
+        proc = zygote.run(run_cmd(str(src), "--out", str(out), *flags), env=env(),
+                          capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         check_once(out, [r["id"] for r in reqs])
         got = rows(out / "results")
@@ -314,8 +315,8 @@ def test_a_run_with_choices_counts_requests_and_keeps_every_choice(tmp_path):
     items[1]["seed"] = 7
     src = write_jsonl(tmp_path / "job.jsonl", items)
     out = tmp_path / "out"
-    done = subprocess.run(run_cmd(str(src), "--out", str(out)), env=env(), capture_output=True, text=True,
-                          timeout=300)
+    done = zygote.run(run_cmd(str(src), "--out", str(out)), env=env(), capture_output=True, text=True,
+                      timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert ": 3 of 3 requests have rows: 3 length" in done.stdout, done.stdout
     results = rows(out / "results")
@@ -325,7 +326,7 @@ def test_a_run_with_choices_counts_requests_and_keeps_every_choice(tmp_path):
 
 def test_run_takes_a_file_uri_as_its_folder(tmp_path):
     src = write_jsonl(tmp_path / "job.jsonl", requests(2, 2))
-    done = subprocess.run(run_cmd(str(src), "--out", (tmp_path / "o").as_uri()), env=env(), capture_output=True,
-                          text=True, timeout=300)
+    done = zygote.run(run_cmd(str(src), "--out", (tmp_path / "o").as_uri()), env=env(), capture_output=True,
+                      text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     check_once(tmp_path / "o", ["r0", "r1"])

@@ -13,6 +13,7 @@ import pytest
 
 from mqinfer.schemas import keys
 from mqinfer.workers.queue.job_caps import JobCaps, set_cap
+from tests import zygote
 from tests.helpers import FakeClock, rows, write_jsonl
 
 PRICE = 3600.0  # one USD per device-second
@@ -27,9 +28,9 @@ def _env() -> dict:
 
 
 def _run(src, out, *flags) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(out),
-                           "--price-per-device-hour", str(PRICE), *LAYOUT, *flags],
-                          env=_env(), capture_output=True, text=True, timeout=300)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(out),
+                       "--price-per-device-hour", str(PRICE), *LAYOUT, *flags],
+                      env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

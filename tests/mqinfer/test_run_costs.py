@@ -26,6 +26,7 @@ import pytest
 from mqinfer.machine import RUN_WORKER, machine_records, worker_shares
 from mqinfer.ops.compact import compact
 from mqinfer.workers.devices import usable_cores
+from tests import zygote
 from tests.helpers import rows, wait_until, write_jsonl
 
 PRICE = 36.0  # USD per device-hour: 0.01 USD per device-second
@@ -102,8 +103,8 @@ def run_job(tmp_path: Path, name: str, items: list[dict], *flags: str, env: dict
     out = tmp_path / name
     src = write_jsonl(tmp_path / f"{name}.jsonl", items)
     began = time.time()
-    proc = subprocess.run(run_cmd(str(src), "--out", str(out), "--price-per-device-hour", str(PRICE), *flags),
-                          env=env or clean_env(), capture_output=True, text=True, timeout=300)
+    proc = zygote.run(run_cmd(str(src), "--out", str(out), "--price-per-device-hour", str(PRICE), *flags),
+                      env=env or clean_env(), capture_output=True, text=True, timeout=300)
     ended = time.time()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(rows(out / "results")) == len(items)
@@ -148,10 +149,10 @@ def test_a_worker_killed_mid_run_is_billed_as_lost_and_the_bill_still_adds_up(tm
     out = tmp_path / "killed"
     src = write_jsonl(tmp_path / "killed.jsonl", items)
     began = time.time()
-    proc = subprocess.Popen(run_cmd(str(src), "--out", str(out), "--price-per-device-hour", str(PRICE),
-                                    "--workers", "2", "--num-threads", "1", "--claim-idle-ms", "1000",
-                                    "--max-num-seqs", "4", "--flush-rows", "1"),
-                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = zygote.popen(run_cmd(str(src), "--out", str(out), "--price-per-device-hour", str(PRICE),
+                                "--workers", "2", "--num-threads", "1", "--claim-idle-ms", "1000",
+                                "--max-num-seqs", "4", "--flush-rows", "1"),
+                        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(rows(out / "results")) >= 6, timeout=180, what="the first rows")
         children = json.loads((out / ".mqinfer" / "run.lock").read_text())["children"]

@@ -16,6 +16,7 @@ from pyarrow import fs
 from mqinfer.kernels import native
 from mqinfer.schemas.dataset_uri import visible_parts
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA
+from tests import zygote
 from tests.helpers import write_jsonl
 
 N = 16
@@ -37,9 +38,9 @@ def _env(tmp_path) -> dict:
 
 
 def _run(tmp_path, src, out, *flags, code: int = 0) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", out, "--job-id", "j",
-                           "--price-per-device-hour", str(PRICE), *LAYOUT, *flags],
-                          env=_env(tmp_path), capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", out, "--job-id", "j",
+                       "--price-per-device-hour", str(PRICE), *LAYOUT, *flags],
+                      env=_env(tmp_path), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == code, proc.stderr[-3000:]
     return proc
 

@@ -10,6 +10,7 @@ import redis
 
 from mqinfer.schemas.connection import connect, redact
 from mqinfer.server import EmbeddedServer
+from tests import zygote
 
 
 def test_tcp_server_requires_password_and_binds_loopback(tmp_path):
@@ -52,7 +53,7 @@ def test_connect_rejects_unknown_scheme_and_redacts():
 
 
 def test_mqinfer_redis_command_prints_url_and_stops_on_sigterm(tmp_path):
-    proc = subprocess.Popen(
+    proc = zygote.popen(
         [sys.executable, "-m", "mqinfer", "redis", "--dir", str(tmp_path / "srv")],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

@@ -17,6 +17,7 @@ import redis
 
 from mqinfer.schemas.connection import connect
 from mqinfer.server import EmbeddedServer, ServerError, _free_port, server_binary
+from tests import zygote
 from tests.helpers import mqinfer_cmd, wait_until
 
 
@@ -40,8 +41,8 @@ class Wrappers:
         self.procs: list[subprocess.Popen] = []
 
     def start(self, data: Path, *extra: str) -> subprocess.Popen:
-        proc = subprocess.Popen(mqinfer_cmd("redis", "--dir", str(data), *extra), stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = zygote.popen(mqinfer_cmd("redis", "--dir", str(data), *extra), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.procs.append(proc)
         return proc
 

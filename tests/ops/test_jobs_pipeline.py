@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mqinfer.ops.jobs import job_info, parse_deadline, submit_job
+from tests import zygote
 from tests.helpers import mqinfer_cmd, rows, stop_processes, wait_until, write_jsonl
 
 FINAL = ("completed", "failed", "cancelled", "expired")
@@ -25,8 +26,8 @@ JOBS = mqinfer_cmd("jobs")
 
 
 def jobs_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([*JOBS, *args], capture_output=True, text=True, timeout=timeout,
-                          env=dict(os.environ, MQINFER_LOG_LEVEL="warning"))
+    return zygote.run([*JOBS, *args], capture_output=True, text=True, timeout=timeout,
+                      env=dict(os.environ, MQINFER_LOG_LEVEL="warning"))
 
 
 def start(cmd: list[str], log: Path) -> subprocess.Popen:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import time
 
 import pytest
@@ -18,6 +17,7 @@ from mqinfer.ops.jobs import job_info, submit_job
 from mqinfer.schemas import keys
 from mqinfer.schemas import lanes as lane_scheme
 from mqinfer.schemas.keys import shard_index, shard_streams
+from tests import zygote
 from tests.helpers import mqinfer_cmd, shared_prefix_requests, stop_processes, write_jsonl
 from tests.ops.test_jobs_pipeline import output, start_inference
 from tests.ops.test_jobs_two_servers import _answer, _delete_entry, _drive, _entries, _requests_in, _step
@@ -249,23 +249,23 @@ def test_lost_entries_are_looked_for_on_the_shard_each_request_was_routed_to(red
 
 def test_cli_submit_takes_order_and_route(redis_url, redis_client, tmp_path):
     common = dict(capture_output=True, text=True, timeout=60)
-    shown = subprocess.run(mqinfer_cmd("jobs", "submit", "--help"), **common)
+    shown = zygote.run(mqinfer_cmd("jobs", "submit", "--help"), **common)
     assert shown.returncode == 0, shown.stderr
     assert "--order {prefix,input}" in shown.stdout and "--route {prefix,id}" in shown.stdout
     assert f"part of {job_run.INDEX_PART_LINES} input lines" in " ".join(shown.stdout.split())
     src = write_jsonl(tmp_path / "in.jsonl", _interleaved(3))
-    done = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"), "--redis", redis_url,
-                                      "--shards", "2", "--order", "input", "--route", "id", "--json"), **common)
+    done = zygote.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"), "--redis", redis_url,
+                                  "--shards", "2", "--order", "input", "--route", "id", "--json"), **common)
     assert done.returncode == 0, done.stderr
     job = redis_client.hgetall(keys.job_key(json.loads(done.stdout)["job_id"]))
     assert (job[b"order"], job[b"route"], job[b"shards"]) == (b"input", b"id", b"2")
     assert job[b"prefix_cache_scope"] == b"tenant"  # the workers' default
-    scoped = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o3"), "--redis",
-                                        redis_url, "--json"), **common,
-                            env=dict(os.environ, MQINFER_PREFIX_CACHE_SCOPE="global"))
+    scoped = zygote.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o3"), "--redis",
+                                    redis_url, "--json"), **common,
+                        env=dict(os.environ, MQINFER_PREFIX_CACHE_SCOPE="global"))
     assert scoped.returncode == 0, scoped.stderr
     job = redis_client.hgetall(keys.job_key(json.loads(scoped.stdout)["job_id"]))
     assert job[b"prefix_cache_scope"] == b"global"
-    bad = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o2"), "--redis", redis_url,
-                                     "--order", "random"), **common)
+    bad = zygote.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o2"), "--redis", redis_url,
+                                 "--order", "random"), **common)
     assert bad.returncode == 2 and "--order" in bad.stderr

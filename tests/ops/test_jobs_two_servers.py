@@ -4,7 +4,6 @@ running the rq task directly, including a crash between the two halves of a feed
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import msgspec
@@ -21,6 +20,7 @@ from mqinfer.ops.jobs import cancel_job, job_info, submit_job
 from mqinfer.schemas.request import Request
 from mqinfer.schemas.rows import ResultRow
 from mqinfer.server import EmbeddedServer
+from tests import zygote
 from tests.helpers import mqinfer_cmd, shared_prefix_requests, write_jsonl
 
 
@@ -240,15 +240,15 @@ def test_a_worker_without_the_data_server_refuses_a_two_server_job(planes, tmp_p
 def test_cli_needs_a_plain_jobs_server_beside_a_cluster(redis_url, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "x"}])
     common = dict(capture_output=True, text=True, timeout=60)
-    proc = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"), "--redis", redis_url,
-                                      "--redis-cluster"), **common)
+    proc = zygote.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"), "--redis", redis_url,
+                                  "--redis-cluster"), **common)
     assert proc.returncode == 2 and "rq cannot run on a Redis Cluster" in proc.stderr
-    proc = subprocess.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"),
-                                      "--jobs-redis", redis_url), **common)
+    proc = zygote.run(mqinfer_cmd("jobs", "submit", str(src), "--out", str(tmp_path / "o"),
+                                  "--jobs-redis", redis_url), **common)
     assert proc.returncode == 2 and "--redis is required" in proc.stderr
-    proc = subprocess.run(mqinfer_cmd("jobs", "list"), **common)
+    proc = zygote.run(mqinfer_cmd("jobs", "list"), **common)
     assert proc.returncode == 2 and "--jobs-redis (or --redis)" in proc.stderr
-    proc = subprocess.run(mqinfer_cmd("jobs", "submit", "--help"), **common)
+    proc = zygote.run(mqinfer_cmd("jobs", "submit", "--help"), **common)
     assert proc.returncode == 0 and "--jobs-redis" in proc.stdout and "--shards" in proc.stdout
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
 
 import pytest
 
@@ -15,6 +14,7 @@ from mqinfer.ops.report import cost_report
 from mqinfer.ops.report_render import render
 from mqinfer.schemas.dataset import DatasetWriter
 from mqinfer.schemas.rows import COST_SCHEMA
+from tests import zygote
 from tests.helpers import mqinfer_cmd
 from tests.ops.test_report import ROWS, T, row
 
@@ -85,12 +85,12 @@ def test_rendered_columns_and_lines(out):
 
 
 def test_the_command_line_flag(out):
-    proc = subprocess.run(mqinfer_cmd("report", "costs", str(out), "--basis", "allocation", "--format", "csv"),
-                          capture_output=True, text=True, timeout=120)
+    proc = zygote.run(mqinfer_cmd("report", "costs", str(out), "--basis", "allocation", "--format", "csv"),
+                      capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "allocated_usd" in proc.stdout.splitlines()[0]
-    bad = subprocess.run(mqinfer_cmd("report", "costs", str(out), "--basis", "fair"), capture_output=True,
-                         text=True, timeout=120)
+    bad = zygote.run(mqinfer_cmd("report", "costs", str(out), "--basis", "fair"), capture_output=True,
+                     text=True, timeout=120)
     assert bad.returncode == 2 and "allocation" in bad.stderr
 
 

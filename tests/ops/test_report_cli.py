@@ -15,6 +15,7 @@ import pytest
 from mqinfer.ops.compact import compact
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA, CostRow, ResultRow
 from mqinfer.schemas.dataset import DatasetWriter
+from tests import zygote
 from tests.helpers import mqinfer_cmd
 
 T = 1_700_000_000.0
@@ -66,7 +67,7 @@ def uncompacted(tmp_path) -> Path:
 
 
 def report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(mqinfer_cmd("report", "costs", *args), capture_output=True, text=True, timeout=120)
+    return zygote.run(mqinfer_cmd("report", "costs", *args), capture_output=True, text=True, timeout=120)
 
 
 def test_missing_folder_is_a_one_line_error(tmp_path):
@@ -182,7 +183,7 @@ def test_three_formats_give_the_same_totals(uncompacted):
 
 
 def test_help_says_what_the_totals_count():
-    proc = subprocess.run(mqinfer_cmd("report", "costs", "--help"), capture_output=True, text=True, timeout=60)
+    proc = zygote.run(mqinfer_cmd("report", "costs", "--help"), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
     for phrase in ("`overhead` (startup + idle + lost rows", "`TOTAL` (every row", "mqinfer compact DIR", "`billed`"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import subprocess
 
 import pytest
 
@@ -15,6 +14,7 @@ from mqinfer.ops.report import cost_report
 from mqinfer.ops.report_render import plot, render
 from mqinfer.schemas.rows import COST_SCHEMA, CostRow
 from mqinfer.schemas.dataset import DatasetWriter
+from tests import zygote
 from tests.helpers import mqinfer_cmd
 
 H = 1_700_002_800.0  # an hour boundary (UTC)
@@ -153,9 +153,9 @@ def test_plot_writes_png_charts(out, tmp_path):
 def test_report_costs_command(out, tmp_path):
     budgets = tmp_path / "budgets.toml"
     budgets.write_text('[tenants]\nacme = 0.001\n')
-    proc = subprocess.run(
+    proc = zygote.run(
         mqinfer_cmd("report", "costs", str(out), "--by", "tenant,job_id", "--format", "json", "--budgets",
-                    str(budgets), "--top", "3", "--plot", str(tmp_path / "charts"), "--since", "2023-11-14T23:00:00"),
+                str(budgets), "--top", "3", "--plot", str(tmp_path / "charts"), "--since", "2023-11-14T23:00:00"),
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -164,6 +164,6 @@ def test_report_costs_command(out, tmp_path):
     assert doc["since"] == H  # an ISO time without a zone is UTC
     assert {g["key"]["tenant"]: g["over_budget"] for g in doc["groups"]}["acme"] is True
     assert (tmp_path / "charts" / "device_time_per_hour.png").exists()
-    bad = subprocess.run(mqinfer_cmd("report", "costs", str(out), "--budgets", str(tmp_path / "missing.toml")),
-                         capture_output=True, text=True, timeout=60)
+    bad = zygote.run(mqinfer_cmd("report", "costs", str(out), "--budgets", str(tmp_path / "missing.toml")),
+                     capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "missing.toml" in bad.stderr

@@ -16,6 +16,7 @@ import pytest
 
 from mqinfer.ops.report import cost_report
 from mqinfer.ops.report_html import CHARTS, render_html
+from tests import zygote
 from tests.helpers import mqinfer_cmd, write_jsonl
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -38,9 +39,9 @@ def out(tmp_path_factory):
               "metadata": {"team": ("search", "ads", "maps", "<b>&co</b>")[i % 4]}} for i in range(20)]
     src = write_jsonl(tmp / "in.jsonl", items)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp / "out"),
-                           "--workers", "1", "--price-per-device-hour", "36"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp / "out"),
+                       "--workers", "1", "--price-per-device-hour", "36"],
+                      env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (tmp / "budgets.toml").write_text(BUDGETS)
     return tmp
@@ -49,9 +50,9 @@ def out(tmp_path_factory):
 @pytest.fixture(scope="module")
 def page(out):
     path = out / "report.html"
-    proc = subprocess.run(mqinfer_cmd("report", "costs", str(out / "out"), "--by", "metadata.team",
-                                      "--budgets", str(out / "budgets.toml"), "--basis", "allocation",
-                                      "--html", str(path)), capture_output=True, text=True, timeout=120)
+    proc = zygote.run(mqinfer_cmd("report", "costs", str(out / "out"), "--by", "metadata.team",
+                                  "--budgets", str(out / "budgets.toml"), "--basis", "allocation",
+                                  "--html", str(path)), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"html: {path}" in proc.stderr
     return path

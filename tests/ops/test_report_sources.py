@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from mqinfer.ops.report import cost_report
 from mqinfer.ops.report_render import render
 from mqinfer.schemas.dataset import DatasetWriter
 from mqinfer.schemas.rows import COST_SCHEMA
+from tests import zygote
 from tests.helpers import mqinfer_cmd, write_jsonl
 
 BY = ["metadata.team", "worker", "prompt_band"]
@@ -34,9 +34,9 @@ def fleet(tmp_path_factory):
     src = write_jsonl(tmp / "in.jsonl", items)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
     whole = tmp / "whole"
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(whole), "--workers", "2",
-                           "--num-threads", "1", "--price-per-device-hour", "36"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(whole), "--workers", "2",
+                       "--num-threads", "1", "--price-per-device-hour", "36"],
+                      env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The rows of the first worker go to A, every other row to B, each in its date partition.
     table = pq.read_table(whole / "costs", schema=COST_SCHEMA, partitioning="hive").select(COST_SCHEMA.names)
@@ -75,12 +75,12 @@ def test_two_folders_report_as_one(fleet, basis):
 
 def test_the_command_takes_several_folders(fleet):
     whole, a, b = fleet
-    both = subprocess.run(mqinfer_cmd("report", "costs", str(a), str(b), "--by", ",".join(BY), "--format", "json"),
-                          capture_output=True, text=True, timeout=120)
+    both = zygote.run(mqinfer_cmd("report", "costs", str(a), str(b), "--by", ",".join(BY), "--format", "json"),
+                      capture_output=True, text=True, timeout=120)
     assert both.returncode == 0, both.stderr
     assert json.loads(both.stdout)["totals"]["requests"] == 24
-    missing = subprocess.run(mqinfer_cmd("report", "costs", str(a), str(a.parent / "nope")),
-                             capture_output=True, text=True, timeout=120)
+    missing = zygote.run(mqinfer_cmd("report", "costs", str(a), str(a.parent / "nope")),
+                         capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "no such output folder" in missing.stderr
 
 
@@ -90,10 +90,10 @@ def test_compact_takes_several_folders_and_refuses_object_stores(fleet, tmp_path
     for name in ("x", "y"):
         shutil.copytree(whole, tmp_path / name)
         copies.append(str(tmp_path / name))
-    done = subprocess.run(mqinfer_cmd("compact", *copies), capture_output=True, text=True, timeout=120)
+    done = zygote.run(mqinfer_cmd("compact", *copies), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert all(f"{c}: results: 24 rows -> 24" in done.stdout for c in copies)
-    remote = subprocess.run(mqinfer_cmd("compact", "s3://bucket/out"), capture_output=True, text=True, timeout=120)
+    remote = zygote.run(mqinfer_cmd("compact", "s3://bucket/out"), capture_output=True, text=True, timeout=120)
     assert remote.returncode != 0 and "needs a local folder" in remote.stderr
 
 
@@ -114,8 +114,8 @@ def test_an_s3_store_reports_as_the_folder(fleet, s3):
     b_uri = f"s3://fleet/b?endpoint_override={endpoint}&scheme=http&region=us-east-1"
     _same(cost_report([a, b_uri], by=BY), cost_report(whole, by=BY))
     # The command line reads it too.
-    proc = subprocess.run(mqinfer_cmd("report", "costs", uri, "--format", "csv"), capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ))
+    proc = zygote.run(mqinfer_cmd("report", "costs", uri, "--format", "csv"), capture_output=True, text=True,
+                      timeout=120, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
     assert render(cost_report(whole), "csv").splitlines()[-1].split(",")[0] == "total"
     assert proc.stdout.splitlines()[-1].split(",")[0] == "total"

@@ -116,8 +116,8 @@ def test_a_lane_unused_for_a_while_wakes_the_workers_again(redis_client, redis_u
 
 def test_mqinfer_lanes_lists_the_plain_stream_and_every_lane(redis_client, redis_url):
     import json
-    import subprocess
 
+    from tests import zygote
     from tests.helpers import mqinfer_cmd
 
     producer = Producer(redis_url)
@@ -126,8 +126,8 @@ def test_mqinfer_lanes_lists_the_plain_stream_and_every_lane(redis_client, redis
     alice = lanes.lane_name("tenant", "alice", None)
     redis_client.xreadgroup(keys.GROUP, "w", {keys.request_stream(lanes.lane_stream("requests", alice)): ">"},
                             count=1)
-    out = subprocess.run(mqinfer_cmd("lanes", "--redis", redis_url, "--format", "json"), capture_output=True,
-                         text=True, timeout=60)
+    out = zygote.run(mqinfer_cmd("lanes", "--redis", redis_url, "--format", "json"), capture_output=True,
+                     text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     listed = {row["lane"]: row for row in json.loads(out.stdout)}
     assert set(listed) == {"plain", alice}
@@ -135,5 +135,5 @@ def test_mqinfer_lanes_lists_the_plain_stream_and_every_lane(redis_client, redis
     assert listed["plain"]["length"] == 2 and listed["plain"]["last_used_s"] is None
     assert (listed[alice]["length"], listed[alice]["unread"], listed[alice]["pending"]) == (3, 2, 1)
     assert listed[alice]["last_used_s"] >= 0
-    table = subprocess.run(mqinfer_cmd("lanes", "--redis", redis_url), capture_output=True, text=True, timeout=60)
+    table = zygote.run(mqinfer_cmd("lanes", "--redis", redis_url), capture_output=True, text=True, timeout=60)
     assert table.returncode == 0 and alice in table.stdout and "1 lane and the plain stream" in table.stdout

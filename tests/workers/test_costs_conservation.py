@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 from collections import defaultdict
 
 import pytest
@@ -22,6 +21,7 @@ from mqinfer.schemas import keys
 from mqinfer.ops.compact import compact
 from mqinfer.workers.devices import usable_cores
 from mqinfer.ops.report import cost_report
+from tests import zygote
 from tests.helpers import LineCollector, mqinfer_cmd, rows, start_worker, wait_exit, wait_until, write_jsonl
 
 PRICE = 36.0  # USD per device hour: 0.01 USD per device second
@@ -121,8 +121,8 @@ def _submit(redis_url, tmp_path) -> list[dict]:
             requests.append(shaped(f"r{i}-{j}", 2 + 2 * i + j, prompt_len, max_tokens, tenants[i % 3],
                                    "chat" if i % 2 else "batch"))
     src = write_jsonl(tmp_path / "in.jsonl", requests)
-    sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", redis_url, "--job-id", "job-1"),
-                         capture_output=True, text=True)
+    sub = zygote.run(mqinfer_cmd("submit", str(src), "--redis", redis_url, "--job-id", "job-1"),
+                     capture_output=True, text=True)
     assert sub.returncode == 0, sub.stderr
     return requests
 
@@ -228,7 +228,7 @@ def test_one_worker_same_shape_same_cost_logs_and_handback(redis_url, redis_clie
         for j in range(2):
             requests.append(shaped(f"{name}-{j}", 10 + 2 * k + j, prompt_len, max_tokens, "acme"))
     src = write_jsonl(tmp_path / "in.jsonl", requests)
-    sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", redis_url), capture_output=True, text=True)
+    sub = zygote.run(mqinfer_cmd("submit", str(src), "--redis", redis_url), capture_output=True, text=True)
     assert sub.returncode == 0, sub.stderr
     out = tmp_path / "out"
     worker = start_worker(redis_url, out, "--flush-interval-s", "0.1", "--max-num-seqs", "8", "--drain-timeout-s", "0",

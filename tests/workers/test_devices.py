@@ -5,7 +5,6 @@ refusal of devices that do not exist. This machine has no GPU: the device count 
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
@@ -13,6 +12,7 @@ from mqinfer.config import ConfigError
 from mqinfer.workers import devices
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.devices import rank_devices, worker_devices
+from tests import zygote
 from tests.helpers import mqinfer_cmd
 
 
@@ -93,9 +93,9 @@ def test_the_engine_and_run_read_the_device_count_through_the_seam(monkeypatch, 
 def test_a_worker_refuses_a_missing_device_before_it_waits_for_redis(tmp_path):
     # Nothing listens on port 1: a worker that got as far as Redis would wait a minute for it.
     env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_")}
-    proc = subprocess.run(mqinfer_cmd("worker", "--redis", "redis://127.0.0.1:1", "--out", str(tmp_path),
-                                      "--device", "cuda:999"),
-                          capture_output=True, text=True, timeout=60, env=env)
+    proc = zygote.run(mqinfer_cmd("worker", "--redis", "redis://127.0.0.1:1", "--out", str(tmp_path),
+                                  "--device", "cuda:999"),
+                      capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     # This machine without CUDA, or one with fewer than 1000 devices.
     assert ("device 'cuda:999' requested but CUDA is not available" in proc.stderr

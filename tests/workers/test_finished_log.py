@@ -8,6 +8,7 @@ import signal
 import subprocess
 
 from mqinfer.client import Client, Delta, Final
+from tests import zygote
 from tests.helpers import mqinfer_cmd, rows
 
 STREAM = "finished-log"
@@ -33,9 +34,9 @@ def test_finished_lines_equal_rows_on_disk_at_a_kill(redis_url, tmp_path):
     env = dict(os.environ, MQINFER_LOG_LEVEL="info", OMP_NUM_THREADS="1")
     # Rows are flushed when the engine goes idle, or after a minute, or 100,000 rows.
     with open(log_path, "w") as log_file:
-        worker = subprocess.Popen(
+        worker = zygote.popen(
             mqinfer_cmd("worker", "--redis", redis_url, "--out", str(out), "--stream", STREAM,
-                        "--flush-interval-s", "60", "--flush-rows", "100000", "--max-wait-ms", "0"),
+                    "--flush-interval-s", "60", "--flush-rows", "100000", "--max-wait-ms", "0"),
             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log_file)
     try:
         with Client(redis_url, stream=STREAM) as client:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -24,6 +23,7 @@ from mqinfer.workers.engine.loader import ModelLoadError, load_model
 from mqinfer.workers.engine.models.config import ModelConfig
 from mqinfer.workers.engine.models.rotary import rope_inv_freq
 from mqinfer.workers.engine.tokenizer import load_tokenizer
+from tests import zygote
 from tests.helpers import rows, write_jsonl
 from tests.workers.gguf_files import CHAT_TEMPLATE, byte_level_vocab, sentencepiece_vocab, write_gguf
 
@@ -377,9 +377,9 @@ def test_mqinfer_run_on_a_gguf_file(tmp_path, make_hf_checkpoint, vocab):
         {"id": f"c{i}", "messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
         for i, text in enumerate(["Hello", "The sea", "Who sells sea shells?"])])
     env = dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1", MQINFER_WORKERS="1")
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "out"),
-                           "--model", str(path), "--dtype", "float32"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "out"),
+                       "--model", str(path), "--dtype", "float32"], env=env, capture_output=True, text=True,
+                      timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = {r["id"]: r for r in rows(tmp_path / "out" / "results")}
     assert set(results) == {"c0", "c1", "c2"}
@@ -389,9 +389,9 @@ def test_mqinfer_run_on_a_gguf_file(tmp_path, make_hf_checkpoint, vocab):
         assert row["finish_reason"] in ("length", "stop") and row["error"] is None
         assert row["prompt_tokens"] == len(tok.encode_chat([{"role": "user", "content": text}]))
         assert row["model"].startswith("chat.gguf@")
-    missing = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "o2"),
-                              "--model", str(tmp_path / "nope.gguf")], env=env, capture_output=True, text=True,
-                             timeout=120)
+    missing = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "o2"),
+                          "--model", str(tmp_path / "nope.gguf")], env=env, capture_output=True, text=True,
+                         timeout=120)
     assert missing.returncode == 2 and "neither 'tiny', a checkpoint folder nor a .gguf file" in missing.stderr
 
 

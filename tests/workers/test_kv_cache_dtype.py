@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 
 import pytest
@@ -17,6 +16,7 @@ from mqinfer.workers.engine import startup as engine_startup
 from mqinfer.workers.config import EngineConfig
 from mqinfer.workers.engine.core import LLMEngine
 from mqinfer.workers.engine.loader import load_model
+from tests import zygote
 from tests.helpers import rows, write_jsonl
 
 # The tiny model: 4 layers, 2 KV heads of 64, float32. Per token: float32 K and V 4096 bytes;
@@ -33,11 +33,11 @@ def test_bad_value_is_a_clear_error():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, int8, fp8, got 'int4'"):
         EngineConfig(kv_cache_dtype="int4")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_")}
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
-                           "--kv-cache-dtype", "int4"], capture_output=True, text=True, env=env, timeout=60)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x",
+                       "--kv-cache-dtype", "int4"], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 2 and "--kv-cache-dtype" in proc.stderr and "'int4'" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x"],
-                          capture_output=True, text=True, env={**env, "MQINFER_KV_CACHE_DTYPE": "int4"}, timeout=60)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--redis", "redis://127.0.0.1:1", "--out", "x"],
+                      capture_output=True, text=True, env={**env, "MQINFER_KV_CACHE_DTYPE": "int4"}, timeout=60)
     assert proc.returncode == 2 and "MQINFER_KV_CACHE_DTYPE" in proc.stderr
 
 
@@ -147,13 +147,13 @@ def test_run_with_int8_kv_cache_writes_results(tmp_path):
               "ignore_eos": True} for i in range(3)]
     src = write_jsonl(tmp_path / "job.jsonl", items)
     env = dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1", MQINFER_WORKERS="1")
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "out"),
-                           "--kv-cache-dtype", "int8"], env=env, capture_output=True, text=True, timeout=300)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "out"),
+                       "--kv-cache-dtype", "int8"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     results = {r["id"]: r for r in rows(tmp_path / "out" / "results")}
     assert sorted(results) == ["r0", "r1", "r2"]
     assert all(r["finish_reason"] == "length" and len(r["output_token_ids"]) == 4 for r in results.values())
-    bad = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "o2"),
-                          "--kv-cache-dtype", "int4"], env=env, capture_output=True, text=True, timeout=120)
+    bad = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp_path / "o2"),
+                      "--kv-cache-dtype", "int4"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--kv-cache-dtype" in bad.stderr
     assert not (tmp_path / "o2" / "results").exists()

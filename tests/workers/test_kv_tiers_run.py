@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import os
 import random
-import subprocess
 import sys
 
+from tests import zygote
 from tests.helpers import rows, write_jsonl
 
 
@@ -28,7 +28,7 @@ def run(input_path, out, disk, *extra, **environment):
     cmd = [sys.executable, "-m", "mqinfer", "run", str(input_path), "--out", str(out), "--order", "input",
            "--kv-cache-dtype", "int8", "--num-kv-blocks", "8", "--max-num-seqs", "1", "--kv-disk-cache", str(disk),
            *extra]
-    return subprocess.run(cmd, env=env(**environment), capture_output=True, text=True, timeout=300)
+    return zygote.run(cmd, env=env(**environment), capture_output=True, text=True, timeout=300)
 
 
 def test_a_full_disk_tier_and_a_re_run_from_disk(tmp_path):

@@ -8,6 +8,7 @@ import subprocess
 import msgspec
 
 from mqinfer.schemas import keys
+from tests import zygote
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, write_jsonl
 
 STREAM = keys.request_stream("requests")
@@ -17,7 +18,7 @@ def test_submit_then_worker_writes_a_row_per_request(redis_url, redis_client, tm
     good = [{"id": f"r{i}", "prompt": f"hello {i}", "max_tokens": 4 + i, "temperature": 0.0,
              "tenant": "t1" if i % 2 else "t2"} for i in range(12)]
     src = write_jsonl(tmp_path / "in.jsonl", good)
-    sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", redis_url), capture_output=True, text=True)
+    sub = zygote.run(mqinfer_cmd("submit", str(src), "--redis", redis_url), capture_output=True, text=True)
     assert sub.returncode == 0, sub.stderr
     assert "submitted 12 requests" in sub.stdout
 
@@ -123,8 +124,8 @@ def test_run_one_command_on_200_mixed_lines(tmp_path):
                           "tenant": "a" if i % 2 else "b"})
     src = write_jsonl(tmp_path / "mixed.jsonl", lines)
     out = tmp_path / "out"
-    proc = subprocess.run(mqinfer_cmd("run", str(src), "--out", str(out), "--workers", "1", "--num-threads", "1"),
-                          capture_output=True, text=True, timeout=300)
+    proc = zygote.run(mqinfer_cmd("run", str(src), "--out", str(out), "--workers", "1", "--num-threads", "1"),
+                      capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     results = rows(out / "results")
     by_id = {r["id"]: r for r in results}
@@ -144,20 +145,20 @@ def test_run_one_command_on_200_mixed_lines(tmp_path):
 
 
 def test_run_fails_clearly_on_missing_input(tmp_path):
-    proc = subprocess.run(mqinfer_cmd("run", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")),
-                          capture_output=True, text=True)
+    proc = zygote.run(mqinfer_cmd("run", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")),
+                      capture_output=True, text=True)
     assert proc.returncode == 2
     assert "no such input file" in proc.stderr
 
 
 def test_standalone_worker_against_mqinfer_redis_serves_submit(tmp_path):
-    server = subprocess.Popen(mqinfer_cmd("redis", "--dir", str(tmp_path / "srv")), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    server = zygote.popen(mqinfer_cmd("redis", "--dir", str(tmp_path / "srv")), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().strip()
         src = write_jsonl(tmp_path / "in.jsonl", [{"id": f"s{i}", "prompt": "hey", "max_tokens": 2} for i in range(5)])
-        sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", url, "--job-id", "j1"),
-                             capture_output=True, text=True)
+        sub = zygote.run(mqinfer_cmd("submit", str(src), "--redis", url, "--job-id", "j1"),
+                         capture_output=True, text=True)
         assert sub.returncode == 0, sub.stderr
         out = tmp_path / "out"
         code, err = wait_exit(start_worker(url, out, "--idle-exit-s", "1", "--flush-interval-s", "0.1"))
@@ -173,7 +174,7 @@ def test_standalone_worker_against_mqinfer_redis_serves_submit(tmp_path):
 def test_submit_reports_invalid_lines_and_sends_the_rest(redis_url, redis_client, tmp_path):
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "ok", "prompt": "a"}, {"id": "bad", "top_k": -1, "prompt": "a"},
                                               "not json", {"id": "ok", "prompt": "again"}])
-    sub = subprocess.run(mqinfer_cmd("submit", str(src), "--redis", redis_url), capture_output=True, text=True)
+    sub = zygote.run(mqinfer_cmd("submit", str(src), "--redis", redis_url), capture_output=True, text=True)
     assert sub.returncode == 1
     assert "line 2: invalid_request" in sub.stderr and "top_k" in sub.stderr
     assert "line 3: invalid_json" in sub.stderr

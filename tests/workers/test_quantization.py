@@ -7,7 +7,6 @@ stay close to the float model's."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
@@ -22,6 +21,7 @@ from mqinfer.workers.engine.core import LLMEngine
 from mqinfer.workers.engine.loader import load_model
 from mqinfer.workers.engine.models.layers import Linear, LMHead
 from mqinfer.workers.engine.models.quant import Int8Linear, quantize_model
+from tests import zygote
 
 
 @pytest.fixture(autouse=True)
@@ -203,8 +203,8 @@ def test_quantized_outputs_stay_close_to_the_float_model(qwen2, mode):
 def test_a_bad_quantization_is_refused():
     with pytest.raises(ValueError, match="quantization must be none, w8a8 or w8a16"):
         EngineConfig(quantization="int4")
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "worker", "--quantization", "int4"],
-                          capture_output=True, text=True, timeout=60)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "worker", "--quantization", "int4"],
+                      capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "'int4' is not one of none, w8a8, w8a16" in proc.stderr
 
 

@@ -6,13 +6,13 @@ fixed step mid-decode, then another worker takes over)."""
 
 from __future__ import annotations
 
-import subprocess
 
 import pytest
 import redis.exceptions
 
 from mqinfer.schemas import keys
 from mqinfer.client import Producer
+from tests import zygote
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit, wait_until
 
 STREAM = keys.request_stream("requests")
@@ -40,7 +40,7 @@ def test_sigkill_mid_run_then_second_worker_finishes_every_request_once(redis_ur
     assert code == 0, err
     assert redis_client.xpending(STREAM, keys.GROUP)["pending"] == 0
 
-    compact = subprocess.run(mqinfer_cmd("compact", str(out)), capture_output=True, text=True)
+    compact = zygote.run(mqinfer_cmd("compact", str(out)), capture_output=True, text=True)
     assert compact.returncode == 0, compact.stderr
     result_ids = [r["id"] for r in rows(out / "results")]
     assert sorted(result_ids) == sorted(f"k{i}" for i in range(n))  # every id exactly once

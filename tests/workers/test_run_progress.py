@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 from mqinfer.run import input_job_id
 from mqinfer.schemas import keys
+from tests import zygote
 from tests.helpers import rows, write_jsonl
 
 
@@ -20,8 +20,8 @@ def test_run_counts_generated_tokens_and_workers_leave_exit_summaries(redis_url,
     src = write_jsonl(tmp_path / "job.jsonl", items)
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", MQINFER_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(out), "--redis", redis_url,
-                           "--workers", "2"], env=env, capture_output=True, text=True, timeout=300)
+    proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(out), "--redis", redis_url,
+                       "--workers", "2"], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     job_id = input_job_id(src)
     results = rows(out / "results")

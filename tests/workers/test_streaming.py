@@ -8,6 +8,7 @@ import subprocess
 
 from mqinfer.client import Client, Delta, Final, Restart
 from mqinfer.schemas.rows import RESULT_SCHEMA, rows_to_table
+from tests import zygote
 from tests.helpers import mqinfer_cmd, rows, start_worker, wait_exit
 
 
@@ -75,9 +76,9 @@ def test_a_redelivered_request_announces_a_restart_and_streams_again(redis_url, 
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="1", MQINFER_LOG_LEVEL="warning",
                MQINFER_FAULTS="worker.after_step=kill@12")
-    first = subprocess.Popen(
+    first = zygote.popen(
         mqinfer_cmd("worker", "--redis", redis_url, "--out", str(out), "--consumer", "first",
-                    "--claim-idle-ms", "300"),
+                "--claim-idle-ms", "300"),
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     with Client(redis_url) as client:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from tests import zygote
 from tests.helpers import mqinfer_cmd
 
 PASSWORD_IN_TEST = "not-the-password-123"
@@ -18,8 +19,8 @@ PASSWORD_IN_TEST = "not-the-password-123"
 def _run(argv: list[str], tmp_path, timeout: float = 120.0) -> tuple[int, str, float]:
     env = dict(os.environ, OMP_NUM_THREADS="1", MQINFER_LOG_LEVEL="info")
     started = time.monotonic()
-    proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp_path)
+    proc = zygote.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                      timeout=timeout, cwd=tmp_path)
     return proc.returncode, proc.stderr, time.monotonic() - started
 
 
