@@ -21,6 +21,7 @@ from typing import Any
 
 from mqinfer.loadgen.metrics import RequestTiming, timings_from_results
 from mqinfer.procs import mqinfer_command
+from mqinfer.warm_start import WarmStarter
 
 STREAM = "bench"
 
@@ -76,6 +77,8 @@ class WorkerPool:
         self.consumers = [f"bench-{uuid.uuid4().hex[:8]}-{i}" for i in range(count)]
         self.procs: list[subprocess.Popen] = []
         self._logs: list[Any] = []
+        # Workers forked from one process that has imported the engine (mqinfer.warm_start).
+        self._starter = WarmStarter()
 
     def start(self) -> None:
         for i in range(self.count):
@@ -92,8 +95,8 @@ class WorkerPool:
         if self.streams:
             argv[argv.index("--stream") + 1] = self.streams[i % len(self.streams)]
         spread_over_gpus(argv, i)
-        self.procs.append(subprocess.Popen([*argv, "--consumer", self.consumers[i]], env=env,
-                                           stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT))
+        self.procs.append(self._starter.popen([*argv, "--consumer", self.consumers[i]], env=env,
+                                              stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT))
 
     def check_alive(self) -> None:
         """Raise with the log's tail when every worker has exited."""
@@ -133,6 +136,7 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        self._starter.close()
         for log_file in self._logs:
             log_file.close()
         self._logs.clear()

@@ -29,7 +29,8 @@ from pathlib import Path
 from mqinfer.config import ENGINE_OPTIONS, LOG_FORMAT, WORKER_OPTIONS, ConfigError
 from mqinfer.layout import choose_layout
 from mqinfer.machine import Window, bill_remainder, settle_lost, worker_shares
-from mqinfer.procs import die_with_parent, mqinfer_command
+from mqinfer.procs import mqinfer_command
+from mqinfer.warm_start import WarmStarter
 from mqinfer.run_caps import cap_summary, check_cap, set_cost_cap, stopped_by_cap
 from mqinfer.run_progress import mark_done, wait_done, wait_for_workers
 from mqinfer.run_state import STATE_DIR, check_manifest, ids_with_rows, job_rows, state_home, write_manifest
@@ -254,6 +255,7 @@ def _compute(todo, requests, done_before: set[str], out: Path | str, home: Path,
     streams = shard_streams(opts["stream"], opts["shards"])
     server = client = None
     workers: list[subprocess.Popen] = []
+    starter = WarmStarter().prepare()  # workers forked from a process importing the engine meanwhile
     with _Signals() as signals:
         try:
             redis_url = opts["redis"]
@@ -279,10 +281,9 @@ def _compute(todo, requests, done_before: set[str], out: Path | str, home: Path,
             window.start()
 
             def start(i: int) -> subprocess.Popen:
-                return subprocess.Popen(
+                return starter.popen(
                     worker_argv(opts, out, i, streams[i % len(streams)], places[i], device_share=shares[i]), env=env,
-                    stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True,
-                    preexec_fn=die_with_parent())
+                    stdin=subprocess.DEVNULL, pass_fds=(lock.fd,), start_new_session=True)
 
             def started_again(proc: subprocess.Popen) -> None:
                 window.pids.append(proc.pid)
@@ -316,7 +317,7 @@ def _compute(todo, requests, done_before: set[str], out: Path | str, home: Path,
             return 130
         finally:
             signals.armed = False
-            _stop_workers(workers, timeout_s=opts["drain_timeout_s"] + 30.0)
+            _stop_workers(workers, timeout_s=opts["drain_timeout_s"] + 30.0, starter=starter)
             if workers:
                 window.end()
                 _settle_lost(client, streams, opts["group"], window, out)
@@ -377,7 +378,7 @@ def worker_argv(opts: dict, out: Path | str, index: int, stream: str,
     return argv
 
 
-def _stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
+def _stop_workers(workers: list[subprocess.Popen], timeout_s: float, starter: WarmStarter | None = None) -> None:
     for w in workers:
         if w.poll() is None:
             w.send_signal(signal.SIGTERM)
@@ -388,6 +389,8 @@ def _stop_workers(workers: list[subprocess.Popen], timeout_s: float) -> None:
         except subprocess.TimeoutExpired:
             w.kill()
             w.wait()
+    if starter is not None:
+        starter.close()
 
 
 # -- the summary --------------------------------------------------------------------------------

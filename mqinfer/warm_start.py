@@ -1,0 +1,240 @@
+"""Worker processes forked from a template that has imported the engine once.
+
+A worker spends about 2 s of CPU importing PyTorch and the engine before it does anything. `mqinfer
+run` and `mqinfer bench` start several workers, and start a worker again when one dies; instead of
+an interpreter each, they start one template process (:mod:`mqinfer.warm_template`) that imports
+those modules once, and ask it to fork each worker. A forked worker is ready in the time it takes to
+load its model, and the pages of the imported modules are shared between the workers until written.
+
+What a worker sees is what `python -P -m mqinfer worker ...` started by its parent would see: its
+own pid, the standard streams, extra file descriptors, working folder, environment and session its
+parent asked for, its command line in /proc (what `ps` and the run lock's check of a stale pid read),
+and a status its parent reads as a ``subprocess.Popen``'s. Two things differ: its parent process is
+the template, and it gets SIGTERM when the template dies (the template dies with its owner), as a
+cold worker does when its parent dies.
+
+Linux only (``PR_SET_PDEATHSIG``, /proc); elsewhere, or when the template cannot start, or for a
+command whose import-time environment differs from the template's, :meth:`WarmStarter.popen`
+starts the command cold, as ``subprocess.Popen``. ``MQINFER_WARM_START=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from mqinfer.procs import die_with_parent, mqinfer_command
+
+log = logging.getLogger(__name__)
+
+SWITCH = "MQINFER_WARM_START"
+# Bytes of command line the template is started with beyond its own, so that a worker can write
+# its own command line over them (/proc/PID/cmdline cannot grow after exec).
+ARGV_ROOM = 16384
+
+# Environment variables read once, when the interpreter or a library the template has loaded starts
+# (OpenMP, BLAS, the allocator, the interpreter): a fork cannot take new values of them, so a
+# command that asks for values other than the template's is started cold.
+_IMPORT_TIME = re.compile(r"(PYTHON|OMP_|GOMP_|KMP_|MKL_|OPENBLAS_|ARROW_|PYTORCH_|CUDA_|LD_|MALLOC_|LC_).*"
+                          r"|TORCH(?!INDUCTOR_|DYNAMO_).*|LANG|LANGUAGE|TZ")
+
+
+def import_settings(env) -> dict[str, str]:
+    """The import-time part of ``env``. OMP_NUM_THREADS is not part of it where it is a count: the
+    forked child sets PyTorch's thread count from it instead, as OpenMP would have at start."""
+    settings = {k: v for k, v in env.items() if _IMPORT_TIME.fullmatch(k)}
+    if settings.get("OMP_NUM_THREADS", "").isdigit() and int(settings["OMP_NUM_THREADS"]) > 0:
+        del settings["OMP_NUM_THREADS"]
+    return settings
+
+
+def enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get(SWITCH, "1") not in ("0", "false", "no", "off")
+
+
+class WarmProcess:
+    """A forked worker, with the parts of ``subprocess.Popen`` its owner uses: ``pid``,
+    ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``. Its status comes
+    from the template over a socket of its own, once the template has reaped it."""
+
+    def __init__(self, args: list[str], pid: int, conn: socket.socket) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._conn = conn
+        self._inbox = b""
+        self._lock = threading.Lock()
+
+    def _read_status(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while b"\n" not in self._inbox:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([self._conn], [], [], remaining)
+            if not ready:
+                return
+            data = self._conn.recv(4096)
+            if not data:  # the template died before reaping it: the worker got SIGTERM (PDEATHSIG)
+                self._finish(-signal.SIGTERM if _gone(self.pid) else None)
+                return
+            self._inbox += data
+        line, _, self._inbox = self._inbox.partition(b"\n")
+        self._finish(os.waitstatus_to_exitcode(json.loads(line)["status"]))
+
+    def _finish(self, code: int | None) -> None:
+        if code is None:  # still running without a template: wait for it to go
+            return
+        self.returncode = code
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        with self._lock:
+            if self.returncode is None:
+                self._read_status(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self.returncode is None:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise subprocess.TimeoutExpired(self.args, timeout)
+                    self._read_status(None if remaining is None else min(remaining, 0.5))
+                if self.returncode is not None:
+                    return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
+class WarmStarter:
+    """Starts `mqinfer` commands (workers) forked from one template process, started at the first
+    command. Close it when done: the template exits, and workers still running get SIGTERM."""
+
+    def __init__(self) -> None:
+        self._template: subprocess.Popen | None = None
+        self._conn: socket.socket | None = None
+        self._env: dict[str, str] = {}
+        self._broken = not enabled()
+
+    @property
+    def template_pid(self) -> int | None:
+        return self._template.pid if self._template is not None else None
+
+    def _start_template(self) -> None:
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._env = dict(os.environ)
+        self._template = subprocess.Popen(
+            [*mqinfer_command()[:-1], "mqinfer.warm_template", str(theirs.fileno()), "." * ARGV_ROOM],
+            env=self._env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+            preexec_fn=die_with_parent(signal.SIGKILL))
+        theirs.close()
+        self._conn = mine
+
+    def prepare(self) -> "WarmStarter":
+        """Start the template now, so that it imports while this process does other work."""
+        if not self._broken and self._template is None:
+            self._start_template()
+        return self
+
+    def popen(self, args: list[str], *, env: dict[str, str] | None = None, stdin=None, stdout=None, stderr=None,
+              pass_fds: tuple[int, ...] = (), start_new_session: bool = False, cwd: str | None = None):
+        """``subprocess.Popen(args, ...)`` for an `mqinfer` command (``mqinfer_command(...)``), forked
+        from the template where it can be; ``stdin``, ``stdout``, ``stderr``: None (this process's),
+        ``subprocess.DEVNULL``, a file descriptor or a file object, and ``subprocess.STDOUT`` for
+        ``stderr`` (pipes start the command cold)."""
+        env = dict(os.environ if env is None else env)
+        prefix = mqinfer_command()
+        if not self._broken and list(args[:len(prefix)]) == prefix:
+            if self._template is None:
+                self._start_template()
+            if subprocess.PIPE not in (stdin, stdout, stderr) and import_settings(env) == import_settings(self._env):
+                try:
+                    return self._fork(list(args), env, (stdin, stdout, stderr), pass_fds, start_new_session, cwd)
+                except (OSError, EOFError, ValueError) as exc:
+                    self._give_up(exc)
+        return subprocess.Popen(args, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
+                                start_new_session=start_new_session, cwd=cwd, preexec_fn=die_with_parent())
+
+    def _fork(self, args, env, streams, pass_fds, start_new_session, cwd) -> WarmProcess:
+        opened: list[int] = []
+        fds = []
+        for i, stream in enumerate(streams):
+            if stream is None:
+                fds.append(i)
+            elif stream == subprocess.STDOUT and i == 2:
+                fds.append(fds[1])
+            elif stream == subprocess.DEVNULL:
+                fd = os.open(os.devnull, os.O_RDWR)
+                opened.append(fd)
+                fds.append(fd)
+            elif isinstance(stream, int):
+                fds.append(stream)
+            else:
+                fds.append(stream.fileno())
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        request = {"argv": args, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
+                   "session": bool(start_new_session), "extra_fds": len(pass_fds)}
+        try:
+            socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"],
+                            [theirs.fileno(), *fds, *pass_fds])
+        finally:
+            theirs.close()
+            for fd in opened:
+                os.close(fd)
+        mine.settimeout(120)
+        first = b""
+        while not first.endswith(b"\n"):
+            data = mine.recv(4096)
+            if not data:
+                raise EOFError("the worker template closed the connection before starting the command")
+            first += data
+        mine.settimeout(None)
+        reply = json.loads(first)
+        if "error" in reply:
+            raise ValueError(reply["error"])
+        return WarmProcess(args, reply["pid"], mine)
+
+    def _give_up(self, exc: BaseException) -> None:
+        self._broken = True
+        log.warning("warm start off: the worker template failed (%s); workers start cold", exc)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._template is not None:
+            try:
+                self._template.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._template.kill()
+                self._template.wait()
+            self._template = None  # a later command starts a new one

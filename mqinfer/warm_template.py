@@ -1,0 +1,220 @@
+"""The template process of :mod:`mqinfer.warm_start`: imports the worker once, then forks a worker
+per request.
+
+``python -P -m mqinfer.warm_template FD PADDING``: FD is a Unix socket to the owner (`mqinfer run`,
+`mqinfer bench`). Each request on it is a JSON line (argv, environment, working folder, session)
+with file descriptors (SCM_RIGHTS): a socket for this command's replies, its stdin, stdout and
+stderr, then the descriptors it is to keep (the run lock's, say). The reply socket gets
+``{"pid": N}`` once the child is forked, then ``{"status": S}`` (a wait status) once it has been
+reaped. The template exits when the owner closes its socket or dies.
+
+The template starts no thread and runs no PyTorch operation before it forks, so each child starts
+from a quiet copy: it sets up OpenMP's threads itself, at its first operation.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import importlib
+import json
+import os
+import random
+import signal
+import socket
+import sys
+import traceback
+from pathlib import Path
+
+from mqinfer.procs import die_with_parent
+
+# What a worker imports before it reads its first request.
+PRELOAD = ("mqinfer.cli", "mqinfer.workers.queue.worker", "mqinfer.workers.engine.core", "mqinfer.ops.metrics")
+
+
+def main(argv: list[str]) -> int:
+    conn = socket.socket(fileno=int(argv[0]))
+    _retitle(["mqinfer", "warm-template"], final=False)
+    for name in PRELOAD:
+        importlib.import_module(name)
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    replies: dict[int, socket.socket] = {}
+    buffer = b""
+    try:
+        while True:
+            ready = _select([conn.fileno(), wake_r])
+            if wake_r in ready:
+                _drain(wake_r)
+            _reap(replies)
+            if conn.fileno() in ready:
+                data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
+                if not data:
+                    return 0
+                buffer += data
+                line, sep, buffer = buffer.partition(b"\n")
+                if not sep:  # requests are sent in one message each; a partial one is a broken owner
+                    for fd in fds:
+                        os.close(fd)
+                    return 1
+                _fork(json.loads(line), fds, replies, [conn.fileno(), wake_r, wake_w])
+    finally:
+        for reply in replies.values():
+            reply.close()
+
+
+def _select(fds: list[int]) -> list[int]:
+    import select
+
+    while True:
+        try:
+            return select.select(fds, [], [])[0]
+        except InterruptedError:
+            continue
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _reap(replies: dict[int, socket.socket]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        reply = replies.pop(pid, None)
+        if reply is not None:
+            try:
+                reply.sendall(json.dumps({"status": status}).encode() + b"\n")
+            except OSError:
+                pass  # the owner is gone; nobody to tell
+            reply.close()
+
+
+def _fork(request: dict, fds: list[int], replies: dict[int, socket.socket], own: list[int]) -> None:
+    reply = socket.socket(fileno=fds[0])
+    streams, extra = fds[1:4], fds[4:]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    orphaned = die_with_parent()  # made here: it checks the child's parent against this pid
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = _child(request, reply, streams, extra, [*own, *(r.fileno() for r in replies.values())], orphaned)
+        except BaseException:  # noqa: BLE001 - a child must never return into the template's loop
+            try:
+                traceback.print_exc()
+            except BaseException:  # noqa: BLE001
+                pass
+        os._exit(code)
+    for fd in fds[1:]:
+        os.close(fd)
+    try:
+        reply.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+    except OSError:
+        pass
+    replies[pid] = reply
+
+
+def _child(request: dict, reply: socket.socket, streams: list[int], extra: list[int], inherited: list[int],
+           orphaned) -> int:
+    """Become `mqinfer ARGS` as a fresh process started with these streams would be, run it, and
+    return its exit code (a death by signal does not return)."""
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    reply.close()
+    for fd in inherited:
+        os.close(fd)
+    if orphaned is not None:
+        orphaned()  # SIGTERM when the template dies, as a cold worker gets when its parent does
+    if request["session"]:
+        os.setsid()
+    os.chdir(request["cwd"])
+    for target, fd in enumerate(streams):
+        os.dup2(fd, target)
+    keep = []
+    for fd in extra:  # kept, inheritable, at numbers of their own
+        os.set_inheritable(fd, True)
+        keep.append(fd)
+    for fd in set(streams) - {0, 1, 2} - set(keep):
+        os.close(fd)
+    threads = request["env"].get("OMP_NUM_THREADS")
+    if threads != os.environ.get("OMP_NUM_THREADS"):
+        import torch
+
+        # What OpenMP reads from it when it loads, which happened here before the fork.
+        torch.set_num_threads(int(threads) if threads else os.cpu_count() or 1)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    # A fresh interpreter seeds its generators itself; a fork would share the template's state.
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    argv = request["argv"]
+    _retitle(argv, final=True)
+    atexit._clear()
+    sys.argv = ["mqinfer", *argv[4:]]
+    code = 0
+    try:
+        from mqinfer.cli import main as cli_main
+
+        code = cli_main(argv[4:])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, (int, type(None))):
+            print(exc.code, file=sys.stderr)
+    except KeyboardInterrupt:
+        _finish()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+        traceback.print_exc()
+        code = 1
+    return _finish(code or 0)
+
+
+def _finish(code: int = 0) -> int:
+    """What the interpreter does on its way out: join non-daemon threads, run atexit, flush."""
+    import threading
+
+    try:
+        threading._shutdown()
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - the interpreter turns a failed final flush into 120
+            code = code or 120
+    return code & 0xFF
+
+
+def _retitle(argv: list[str], *, final: bool) -> None:
+    """Write ``argv`` over this process's command line as /proc/PID/cmdline shows it (what `ps`
+    and the run lock's check of a stale pid read). The template was started with room to spare;
+    the rest of the area is zeroed. Also names the thread (``comm``) after the command."""
+    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end (fields 48 and 49)
+    data = b"".join(os.fsencode(a) + b"\0" for a in argv)
+    if len(data) > end - start:
+        data = data[:end - start - 1] + b"\0"
+    ctypes.memmove(start, data + bytes(end - start - len(data)), end - start)
+    libc = ctypes.CDLL(None, use_errno=True)
+    name = ("mqinfer " + (argv[4] if final and len(argv) > 4 else "template"))[:15]
+    libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,124 @@
+"""Workers forked from the warm template (mqinfer.warm_start): what their owner and the system see is
+what a cold `python -P -m mqinfer ...` child would show, and they do not outlive their owner."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from mqinfer.procs import mqinfer_command
+from mqinfer.warm_start import SWITCH, WarmProcess, WarmStarter
+from tests.helpers import wait_until
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm start is Linux-only")
+
+
+def _stat(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return _stat(pid)[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def starter(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+    s = WarmStarter()
+    yield s
+    s.close()
+
+
+def test_a_forked_command_ends_as_the_cold_one(starter, tmp_path):
+    env = dict(os.environ, MQINFER_LOG_LEVEL="bogus")
+    outputs = []
+    for start in (starter.popen, subprocess.Popen):
+        with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+            proc = start(mqinfer_command("compact", "x"), env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+            code = proc.wait(timeout=120)
+            out.seek(0)
+            err.seek(0)
+            outputs.append((type(proc), code, out.read(), err.read()))
+    (forked_type, *forked), (_, *cold) = outputs
+    assert forked_type is WarmProcess
+    assert forked == cold
+    assert cold[0] == 2 and "MQINFER_LOG_LEVEL" in cold[2]
+
+
+def test_a_forked_worker_is_the_templates_child_with_its_own_command_line_and_status(starter, tmp_path):
+    argv = mqinfer_command("redis", "--dir", str(tmp_path / "data"))
+    with open(tmp_path / "log", "w") as log:
+        proc = starter.popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    try:
+        assert isinstance(proc, WarmProcess)
+        wait_until(lambda: "redis://" in (tmp_path / "log").read_text(), timeout=60, what="the server's URL")
+        assert int(_stat(proc.pid)[1]) == starter.template_pid  # its parent
+        assert int(_stat(proc.pid)[3]) == proc.pid  # start_new_session: it leads its own session
+        shown = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert [p.decode() for p in shown if p] == argv
+        assert proc.poll() is None
+        proc.kill()
+        assert proc.wait(timeout=60) == -signal.SIGKILL and proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+
+
+OWNER = textwrap.dedent("""
+    import subprocess, sys, time
+    from mqinfer.procs import mqinfer_command
+    from mqinfer.warm_start import WarmStarter
+
+    starter = WarmStarter()
+    with open(sys.argv[2], "w") as log:
+        proc = starter.popen(mqinfer_command("redis", "--dir", sys.argv[1]), stdin=subprocess.DEVNULL,
+                             stdout=log, stderr=log)
+    print(type(proc).__name__, proc.pid, starter.template_pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_forked_workers_die_with_their_owner(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != SWITCH}
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "data"), str(tmp_path / "log")], env=env,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        kind, pid, template = owner.stdout.readline().split()
+        pid, template = int(pid), int(template)
+        assert kind == "WarmProcess"
+        wait_until(lambda: "redis://" in (tmp_path / "log").read_text(), timeout=60, what="the server's URL")
+        owner.kill()  # SIGKILL: no chance to stop anything itself
+        owner.wait()
+        wait_until(lambda: not _alive(template) and not _alive(pid), timeout=30,
+                   what="the template and the command forked from it to exit")
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+
+
+def test_commands_it_cannot_fork_start_cold(starter, monkeypatch):
+    cold = starter.popen(mqinfer_command("--version"), env=dict(os.environ, OMP_WAIT_POLICY="passive"),
+                         stdout=subprocess.DEVNULL)
+    assert type(cold) is subprocess.Popen and cold.wait(timeout=120) == 0
+    piped = starter.popen(mqinfer_command("--version"), stdout=subprocess.PIPE)
+    assert type(piped) is subprocess.Popen and piped.communicate(timeout=120)[0].startswith(b"mqinfer ")
+    other = starter.popen([sys.executable, "-c", "pass"])
+    assert type(other) is subprocess.Popen and other.wait(timeout=120) == 0
+    # A count of threads is no obstacle: the child sets it.
+    forked = starter.popen(mqinfer_command("--version"), env=dict(os.environ, OMP_NUM_THREADS="3"),
+                           stdout=subprocess.DEVNULL)
+    assert type(forked) is WarmProcess and forked.wait(timeout=120) == 0
+    monkeypatch.setenv(SWITCH, "0")
+    off = WarmStarter()
+    proc = off.popen(mqinfer_command("--version"), stdout=subprocess.DEVNULL)
+    assert type(proc) is subprocess.Popen and proc.wait(timeout=120) == 0
+    assert off.template_pid is None
