@@ -138,6 +138,15 @@ def pending_ids(client, consumer: str | None = None, stream: str = STREAM) -> se
     return {_s(p["message_id"]) for p in client.xpending_range(stream, keys.GROUP, "-", "+", 100_000, **kwargs)}
 
 
+def wait_claimable(client, idle_ms: int, stream: str = STREAM) -> None:
+    """Until every pending entry has been idle ``idle_ms``, so that a worker started now with that
+    --claim-idle-ms takes them over at its first claim, however fast it starts, instead of idling out
+    (--idle-exit-s) while a dead worker's entries are not yet claimable."""
+    wait_until(lambda: all(p["time_since_delivered"] >= idle_ms
+                           for p in client.xpending_range(stream, keys.GROUP, "-", "+", 100_000)),
+               timeout=60, what=f"the pending entries to be idle {idle_ms} ms")
+
+
 def consumers(client, stream: str = STREAM) -> set[str]:
     return {_s(c["name"]) for c in client.xinfo_consumers(stream, keys.GROUP)}
 

@@ -19,6 +19,7 @@ from tests.faults.faultkit import (
     result_keys,
     spawn,
     submit,
+    wait_claimable,
 )
 from tests.helpers import rows, wait_until
 
@@ -94,6 +95,7 @@ def test_resubmitting_a_request_whose_entry_was_trimmed_takes_over(redis_url, re
     assert len(pending_ids(redis_client, "A")) == 1
     redis_client.xtrim(STREAM, maxlen=0, approximate=False)  # its content is gone
     submit(redis_url, [_req("again", "t", max_tokens=30)])  # the producer sends it again
+    wait_claimable(redis_client, 1000)
     b = spawn(redis_url, out, "B", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5", log_level="info")
     assert b.wait() == 0, b.log()
     assert "takes over from" in b.log()

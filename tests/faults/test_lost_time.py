@@ -11,7 +11,9 @@ import time
 import pytest
 
 from mqinfer.ops.report import cost_report
-from tests.faults.faultkit import check_lost_time, compact_and_check, killed, pending_ids, requests, spawn, submit
+from tests.faults.faultkit import (
+    check_lost_time, compact_and_check, killed, pending_ids, requests, spawn, submit, wait_claimable,
+)
 from tests.helpers import rows
 
 pytestmark = pytest.mark.slow
@@ -35,6 +37,7 @@ def _kill_mid_batch_then_claim(redis_url, redis_client, tmp_path, *, n: int, max
     died = time.time()
     assert killed(a), a.log()
     assert pending_ids(redis_client, "A"), "it died holding no entries: not mid-batch"
+    wait_claimable(redis_client, CLAIM_IDLE_MS)
     procs = [spawn(redis_url, out, name, "--idle-exit-s", "1.5", *common) for name in claimers]
     for p in procs:
         assert p.wait() == 0, p.log()

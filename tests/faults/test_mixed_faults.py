@@ -4,7 +4,7 @@ one row and one billed cost row; the interactive rows carry ``slo_met``."""
 
 from __future__ import annotations
 
-from tests.faults.faultkit import compact_and_check, killed, record, requests, spawn, submit
+from tests.faults.faultkit import compact_and_check, killed, record, requests, spawn, submit, wait_claimable
 from tests.helpers import rows
 
 
@@ -28,6 +28,7 @@ def test_kill_9_with_interactive_and_bulk_running_then_another_worker_finishes(r
     written_by_a = rows(out / "results")
     assert len(written_by_a) < len(expected), len(written_by_a)
 
+    wait_claimable(redis_client, 1000)
     b = spawn(redis_url, out, "B", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5")
     assert b.wait() == 0, b.log()
 

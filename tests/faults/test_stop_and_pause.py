@@ -20,6 +20,7 @@ from tests.faults.faultkit import (
     result_keys,
     spawn,
     submit,
+    wait_claimable,
 )
 from tests.helpers import rows, wait_until
 
@@ -103,9 +104,7 @@ def test_two_workers_reclaiming_at_once_take_each_entry_once(redis_url, redis_cl
     # A's entries become claimable once idle for the claim idle time. Both workers start after
     # that, so that each finds all 24 claimable at once rather than idling out (--idle-exit-s)
     # before the first of them is.
-    wait_until(lambda: min(p["time_since_delivered"] for p in
-                           redis_client.xpending_range(STREAM, keys.GROUP, "-", "+", 100)) >= 2000,
-               timeout=30, what="A's entries to pass the claim idle time")
+    wait_claimable(redis_client, 2000)
 
     # Both start together and take over in chunks of four (--max-batch bounds each claim).
     b = spawn(redis_url, out, "B", "--claim-idle-ms", "2000", "--max-batch", "4", "--idle-exit-s", "1.5")

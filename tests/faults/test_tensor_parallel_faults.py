@@ -10,13 +10,16 @@ import time
 
 import pytest
 
-from tests.faults.faultkit import compact_and_check, pending_by_consumer, pending_ids, record, requests, spawn, submit
+from tests.faults.faultkit import (
+    compact_and_check, pending_by_consumer, pending_ids, record, requests, spawn, submit, wait_claimable,
+)
 from tests.helpers import rows, wait_until
 
 TP2 = ("--device", "cpu", "--tensor-parallel-size", "2", "--max-num-seqs", "4", "--claim-idle-ms", "1000", "--flush-rows", "1")
 
 
 def _finish_with_another_worker(redis_url, redis_client, out, expected, case, **figures):
+    wait_claimable(redis_client, 1000)
     b = spawn(redis_url, out, "B", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5")
     assert b.wait() == 0, b.log()
     assert pending_by_consumer(redis_client) == {}

@@ -27,6 +27,7 @@ from tests.faults.faultkit import (
     spawn,
     submit,
     temp_files,
+    wait_claimable,
 )
 from tests.helpers import rows
 
@@ -47,6 +48,7 @@ def test_kill_9_mid_decode_then_another_worker_reclaims(redis_url, redis_client,
     written_by_a = len(rows(out / "results"))
     assert written_by_a == 4
 
+    wait_claimable(redis_client, 1000)
     b = spawn(redis_url, out, "B", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5")
     assert b.wait() == 0, b.log()
     assert pending_by_consumer(redis_client) == {}
@@ -165,6 +167,7 @@ def test_kill_9_inside_parquet_write_leaves_no_partial_file(redis_url, redis_cli
     assert len(orphan_costs) >= 1  # costs are written first: these bill rows that never appeared
     assert len(pending_ids(redis_client, "A")) == len(expected)
 
+    wait_claimable(redis_client, 1000)
     b = spawn(redis_url, out, "B", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5", log_level="info")
     assert b.wait() == 0, b.log()
     assert "removed 1 leftover temporary part files" in b.log()
@@ -187,6 +190,7 @@ def test_full_disk_no_ack_exit_3_then_another_worker_finishes(redis_url, redis_c
     # Nothing unwritten was acked: every entry A read is still pending under its name.
     assert pending_ids(redis_client, "A") == pending_ids(redis_client) and len(pending_ids(redis_client)) == 8
 
+    wait_claimable(redis_client, 1000)
     b = spawn(redis_url, out, "B", "--claim-idle-ms", "1000", "--idle-exit-s", "1.5")
     assert b.wait() == 0, b.log()
     assert pending_by_consumer(redis_client) == {}
