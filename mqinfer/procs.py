@@ -50,6 +50,34 @@ def die_with_parent(sig: int = signal.SIGTERM):
     return preexec
 
 
+# The pid of the process a worker forked from a warm template works for (mqinfer.warm_start), which
+# is not its parent; None in a process started the usual way.
+_owner: int | None = None
+
+
+def set_owner(pid: int) -> None:
+    """In a process forked from a warm template: the process it was started for."""
+    global _owner
+    _owner = pid
+
+
+def started_by() -> int:
+    """The pid of the process that started this one: its owner where a warm template forked it,
+    else its parent (taken once, at start: see :func:`starter_gone`)."""
+    return _owner if _owner is not None else os.getppid()
+
+
+def starter_gone(pid: int) -> bool:
+    """Whether the process ``started_by()`` gave is gone (a zombie counts as gone)."""
+    if _owner is None:
+        return os.getppid() != pid
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True
+
+
 def mqinfer_command(*args: str) -> list[str]:
     """The argv that runs ``mqinfer ARGS`` with this interpreter.
 

@@ -16,6 +16,11 @@ cold worker does when its parent dies.
 Linux only (``PR_SET_PDEATHSIG``, /proc); elsewhere, or when the template cannot start, or for a
 command whose import-time environment differs from the template's, :meth:`WarmStarter.popen`
 starts the command cold, as ``subprocess.Popen``. ``MQINFER_WARM_START=0`` turns it off.
+
+``MQINFER_WARM_TEMPLATE=PATH`` names the Unix socket of a template that serves several owners
+(``python -P -m mqinfer.warm_template --listen PATH PADDING``), so that runs started one after
+another on a machine do not each import the engine: the test suite starts one per test process.
+A worker forked there gets SIGTERM when its owner's connection ends, the owner killed included.
 """
 
 from __future__ import annotations
@@ -27,16 +32,18 @@ import re
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 
-from mqinfer.procs import die_with_parent, mqinfer_command
+from mqinfer.procs import OPENMP_SPIN_COUNT, die_with_parent, mqinfer_command
 
 log = logging.getLogger(__name__)
 
 SWITCH = "MQINFER_WARM_START"
+SHARED = "MQINFER_WARM_TEMPLATE"
 # Bytes of command line the template is started with beyond its own, so that a worker can write
 # its own command line over them (/proc/PID/cmdline cannot grow after exec).
 ARGV_ROOM = 16384
@@ -49,11 +56,14 @@ _IMPORT_TIME = re.compile(r"(PYTHON|OMP_|GOMP_|KMP_|MKL_|OPENBLAS_|ARROW_|PYTORC
 
 
 def import_settings(env) -> dict[str, str]:
-    """The import-time part of ``env``. OMP_NUM_THREADS is not part of it where it is a count: the
-    forked child sets PyTorch's thread count from it instead, as OpenMP would have at start."""
+    """The import-time part of ``env`` as `mqinfer` sees it. OMP_NUM_THREADS is not part of it where
+    it is a count: the forked child sets PyTorch's thread count from it instead, as OpenMP would
+    have at start."""
     settings = {k: v for k, v in env.items() if _IMPORT_TIME.fullmatch(k)}
     if settings.get("OMP_NUM_THREADS", "").isdigit() and int(settings["OMP_NUM_THREADS"]) > 0:
         del settings["OMP_NUM_THREADS"]
+    if "GOMP_SPINCOUNT" not in settings and "OMP_WAIT_POLICY" not in settings:
+        settings["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT  # what `mqinfer`'s main sets before torch loads
     return settings
 
 
@@ -142,26 +152,36 @@ class WarmStarter:
     def __init__(self) -> None:
         self._template: subprocess.Popen | None = None
         self._conn: socket.socket | None = None
-        self._env: dict[str, str] = {}
+        self._template_pid: int | None = None
         self._broken = not enabled()
 
     @property
     def template_pid(self) -> int | None:
-        return self._template.pid if self._template is not None else None
+        return self._template_pid
 
     def _start_template(self) -> None:
+        shared = os.environ.get(SHARED)
+        if shared:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(shared)
+                pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                struct.calcsize("3i")))
+                self._conn, self._template_pid = conn, pid
+                return
+            except OSError as exc:
+                conn.close()
+                log.warning("%s=%s cannot be used (%s): starting a template of this run's own", SHARED, shared, exc)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._env = dict(os.environ)
         self._template = subprocess.Popen(
             [*mqinfer_command()[:-1], "mqinfer.warm_template", str(theirs.fileno()), "." * ARGV_ROOM],
-            env=self._env, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
-            preexec_fn=die_with_parent(signal.SIGKILL))
+            stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), preexec_fn=die_with_parent(signal.SIGKILL))
         theirs.close()
-        self._conn = mine
+        self._conn, self._template_pid = mine, self._template.pid
 
     def prepare(self) -> "WarmStarter":
         """Start the template now, so that it imports while this process does other work."""
-        if not self._broken and self._template is None:
+        if not self._broken and self._conn is None:
             self._start_template()
         return self
 
@@ -173,18 +193,19 @@ class WarmStarter:
         ``stderr`` (pipes start the command cold)."""
         env = dict(os.environ if env is None else env)
         prefix = mqinfer_command()
-        if not self._broken and list(args[:len(prefix)]) == prefix:
-            if self._template is None:
+        if not self._broken and list(args[:len(prefix)]) == prefix and subprocess.PIPE not in (stdin, stdout, stderr):
+            if self._conn is None:
                 self._start_template()
-            if subprocess.PIPE not in (stdin, stdout, stderr) and import_settings(env) == import_settings(self._env):
-                try:
-                    return self._fork(list(args), env, (stdin, stdout, stderr), pass_fds, start_new_session, cwd)
-                except (OSError, EOFError, ValueError) as exc:
-                    self._give_up(exc)
+            try:
+                forked = self._fork(list(args), env, (stdin, stdout, stderr), pass_fds, start_new_session, cwd)
+                if forked is not None:
+                    return forked
+            except (OSError, EOFError, ValueError) as exc:
+                self._give_up(exc)
         return subprocess.Popen(args, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
                                 start_new_session=start_new_session, cwd=cwd, preexec_fn=die_with_parent())
 
-    def _fork(self, args, env, streams, pass_fds, start_new_session, cwd) -> WarmProcess:
+    def _fork(self, args, env, streams, pass_fds, start_new_session, cwd) -> WarmProcess | None:
         opened: list[int] = []
         fds = []
         for i, stream in enumerate(streams):
@@ -219,8 +240,9 @@ class WarmStarter:
             first += data
         mine.settimeout(None)
         reply = json.loads(first)
-        if "error" in reply:
-            raise ValueError(reply["error"])
+        if "cold" in reply:  # the template cannot start this one as it would start: cold, then
+            mine.close()
+            return None
         return WarmProcess(args, reply["pid"], mine)
 
     def _give_up(self, exc: BaseException) -> None:
@@ -228,9 +250,11 @@ class WarmStarter:
         log.warning("warm start off: the worker template failed (%s); workers start cold", exc)
 
     def close(self) -> None:
+        """Let the template go (a shared one stays); workers still running get SIGTERM."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+            self._template_pid = None
         if self._template is not None:
             try:
                 self._template.wait(timeout=10)

@@ -22,48 +22,109 @@ import os
 import random
 import signal
 import socket
+import struct
 import sys
 import traceback
 from pathlib import Path
 
-from mqinfer.procs import die_with_parent
+from mqinfer.procs import die_with_parent, set_owner, short_openmp_spin
+from mqinfer.warm_start import import_settings
 
 # What a worker imports before it reads its first request.
 PRELOAD = ("mqinfer.cli", "mqinfer.workers.queue.worker", "mqinfer.workers.engine.core", "mqinfer.ops.metrics")
 
 
 def main(argv: list[str]) -> int:
-    conn = socket.socket(fileno=int(argv[0]))
+    """``FD PADDING``: serve the one owner on socket FD, and exit when it is gone. ``--listen PATH
+    PADDING``: serve every process that connects to the Unix socket PATH, until this process's
+    parent is gone. Either way, the workers of an owner whose connection ends (it exited or was
+    killed) get SIGTERM, as a cold worker does when its parent dies."""
+    listener = None
+    owners: dict[int, _Owner] = {}
+    if argv[0] == "--listen":
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(argv[1])
+        listener.listen(64)
+    else:
+        conn = socket.socket(fileno=int(argv[0]))
+        owners[conn.fileno()] = _Owner(conn)
+    parent = os.getppid()
     _retitle(["mqinfer", "warm-template"], final=False)
+    short_openmp_spin()  # what `mqinfer`'s main does before torch loads
     for name in PRELOAD:
         importlib.import_module(name)
+    import_env = import_settings(os.environ)
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     replies: dict[int, socket.socket] = {}
-    buffer = b""
     try:
-        while True:
-            ready = _select([conn.fileno(), wake_r])
+        while os.getppid() == parent:
+            ready = _select([*owners, wake_r, *([listener.fileno()] if listener else [])])
             if wake_r in ready:
                 _drain(wake_r)
-            _reap(replies)
-            if conn.fileno() in ready:
-                data, fds, _, _ = socket.recv_fds(conn, 1 << 20, 64)
-                if not data:
-                    return 0
-                buffer += data
-                line, sep, buffer = buffer.partition(b"\n")
-                if not sep:  # requests are sent in one message each; a partial one is a broken owner
-                    for fd in fds:
-                        os.close(fd)
-                    return 1
-                _fork(json.loads(line), fds, replies, [conn.fileno(), wake_r, wake_w])
+            _reap(replies, owners)
+            if listener is not None and listener.fileno() in ready:
+                conn, _ = listener.accept()
+                owners[conn.fileno()] = _Owner(conn)
+            for fd in [fd for fd in ready if fd in owners]:
+                owner = owners[fd]
+                requests = owner.receive()
+                if requests is None:  # the owner is gone: so are its workers
+                    owner.stop_children()
+                    owner.conn.close()
+                    del owners[fd]
+                    if listener is None:
+                        return 0
+                    continue
+                for request, fds in requests:
+                    own = [*owners, wake_r, wake_w, *([listener.fileno()] if listener else []),
+                           *(r.fileno() for r in replies.values())]
+                    pid = _fork(dict(request, owner=owner.pid), fds, import_env, own)
+                    if pid is not None:
+                        replies[pid] = socket.socket(fileno=fds[0])
+                        owner.children.add(pid)
+        return 0
     finally:
         for reply in replies.values():
             reply.close()
+
+
+class _Owner:
+    """One connected owner: its requests as they arrive, and the workers forked for it."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                             struct.calcsize("3i")))
+        self.children: set[int] = set()
+        self._buffer = b""
+
+    def receive(self) -> list[tuple[dict, list[int]]] | None:
+        """The requests in what has arrived (one message each, with its descriptors); None once the
+        connection has ended."""
+        try:
+            data, fds, _, _ = socket.recv_fds(self.conn, 1 << 20, 64)
+        except OSError:
+            return None
+        if not data:
+            return None
+        self._buffer += data
+        line, sep, self._buffer = self._buffer.partition(b"\n")
+        if not sep:  # a request comes in one message; anything else is a broken owner
+            for fd in fds:
+                os.close(fd)
+            return None
+        return [(json.loads(line), fds)]
+
+    def stop_children(self) -> None:
+        for pid in self.children:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
 
 
 def _select(fds: list[int]) -> list[int]:
@@ -71,7 +132,7 @@ def _select(fds: list[int]) -> list[int]:
 
     while True:
         try:
-            return select.select(fds, [], [])[0]
+            return select.select(fds, [], [], 1.0)[0]
         except InterruptedError:
             continue
 
@@ -84,7 +145,7 @@ def _drain(fd: int) -> None:
         pass
 
 
-def _reap(replies: dict[int, socket.socket]) -> None:
+def _reap(replies: dict[int, socket.socket], owners: dict[int, _Owner]) -> None:
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -92,6 +153,8 @@ def _reap(replies: dict[int, socket.socket]) -> None:
             return
         if pid == 0:
             return
+        for owner in owners.values():
+            owner.children.discard(pid)
         reply = replies.pop(pid, None)
         if reply is not None:
             try:
@@ -101,8 +164,20 @@ def _reap(replies: dict[int, socket.socket]) -> None:
             reply.close()
 
 
-def _fork(request: dict, fds: list[int], replies: dict[int, socket.socket], own: list[int]) -> None:
-    reply = socket.socket(fileno=fds[0])
+def _fork(request: dict, fds: list[int], import_env: dict[str, str], own: list[int]) -> int | None:
+    """Fork the child for ``request``; its pid (told on the reply socket, ``fds[0]``), or None where
+    it is to start cold: its import-time environment differs from this process's."""
+    reply = socket.socket(fileno=os.dup(fds[0]))
+    if import_settings(request["env"]) != import_env:
+        try:
+            reply.sendall(json.dumps({"cold": "its import-time environment differs from the template's"}).encode()
+                          + b"\n")
+        except OSError:
+            pass
+        reply.close()
+        for fd in fds:
+            os.close(fd)
+        return None
     streams, extra = fds[1:4], fds[4:]
     sys.stdout.flush()
     sys.stderr.flush()
@@ -111,7 +186,7 @@ def _fork(request: dict, fds: list[int], replies: dict[int, socket.socket], own:
     if pid == 0:
         code = 1
         try:
-            code = _child(request, reply, streams, extra, [*own, *(r.fileno() for r in replies.values())], orphaned)
+            code = _child(request, reply, streams, extra, [*own, fds[0]], orphaned)
         except BaseException:  # noqa: BLE001 - a child must never return into the template's loop
             try:
                 traceback.print_exc()
@@ -124,7 +199,8 @@ def _fork(request: dict, fds: list[int], replies: dict[int, socket.socket], own:
         reply.sendall(json.dumps({"pid": pid}).encode() + b"\n")
     except OSError:
         pass
-    replies[pid] = reply
+    reply.close()
+    return pid
 
 
 def _child(request: dict, reply: socket.socket, streams: list[int], extra: list[int], inherited: list[int],
@@ -138,6 +214,7 @@ def _child(request: dict, reply: socket.socket, streams: list[int], extra: list[
         os.close(fd)
     if orphaned is not None:
         orphaned()  # SIGTERM when the template dies, as a cold worker gets when its parent does
+    set_owner(request["owner"])  # the process it works for, which it outlives only a moment
     if request["session"]:
         os.setsid()
     os.chdir(request["cwd"])

@@ -30,6 +30,41 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return int(explicit) if explicit else usable_cores() + 1
 
 
+def pytest_configure(config):
+    """Each test process keeps one warm template (mqinfer.warm_start) that the runs and benches the
+    tests start fork their workers from, instead of each run importing the engine once more in a
+    template of its own. Off, like the test zygote, with MQINFER_TEST_NO_ZYGOTE=1."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # the xdist controller runs no test
+    if os.environ.get("MQINFER_TEST_NO_ZYGOTE", "") not in ("", "0") or not sys.platform.startswith("linux"):
+        return
+    import atexit
+    import signal
+    import subprocess
+    import tempfile
+
+    from mqinfer.procs import die_with_parent, mqinfer_command
+    from mqinfer.warm_start import ARGV_ROOM, SHARED
+
+    folder = tempfile.mkdtemp(prefix="mqinfer-template-")
+    path = os.path.join(folder, "socket")
+    template = subprocess.Popen([*mqinfer_command()[:-1], "mqinfer.warm_template", "--listen", path, "." * ARGV_ROOM],
+                                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(signal.SIGKILL))
+    os.environ[SHARED] = path
+
+    def stop() -> None:
+        template.terminate()
+        try:
+            template.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            template.kill()
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
     """Build the native CPU kernels (or find them in their cache) once, before the test processes

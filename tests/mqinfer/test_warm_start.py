@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mqinfer.procs import mqinfer_command
-from mqinfer.warm_start import SWITCH, WarmProcess, WarmStarter
+from mqinfer.warm_start import ARGV_ROOM, SHARED, SWITCH, WarmProcess, WarmStarter
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm start is Linux-only")
@@ -87,19 +87,38 @@ OWNER = textwrap.dedent("""
 """)
 
 
-def test_forked_workers_die_with_their_owner(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != SWITCH}
+@pytest.fixture
+def shared_template(tmp_path):
+    """A template serving several owners on a socket (``--listen``)."""
+    path = str(tmp_path / "template.sock")
+    proc = subprocess.Popen([*mqinfer_command()[:-1], "mqinfer.warm_template", "--listen", path, "." * ARGV_ROOM],
+                            stdin=subprocess.DEVNULL)
+    wait_until(lambda: os.path.exists(path), timeout=30, what="the template's socket")
+    yield path, proc
+    proc.kill()
+    proc.wait()
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-template", "shared-template"])
+def test_forked_workers_die_with_their_owner(tmp_path, request, shared):
+    env = {k: v for k, v in os.environ.items() if k not in (SWITCH, SHARED)}
+    template_proc = None
+    if shared:
+        env[SHARED], template_proc = request.getfixturevalue("shared_template")
     owner = subprocess.Popen([sys.executable, "-c", OWNER, str(tmp_path / "data"), str(tmp_path / "log")], env=env,
                              stdout=subprocess.PIPE, text=True)
     try:
         kind, pid, template = owner.stdout.readline().split()
         pid, template = int(pid), int(template)
-        assert kind == "WarmProcess"
+        assert kind == "WarmProcess" and int(_stat(pid)[1]) == template
+        if shared:
+            assert template == template_proc.pid
         wait_until(lambda: "redis://" in (tmp_path / "log").read_text(), timeout=60, what="the server's URL")
         owner.kill()  # SIGKILL: no chance to stop anything itself
         owner.wait()
-        wait_until(lambda: not _alive(template) and not _alive(pid), timeout=30,
-                   what="the template and the command forked from it to exit")
+        wait_until(lambda: not _alive(pid), timeout=30, what="the command forked for it to exit")
+        # Its own template goes with it; a shared one serves on.
+        wait_until(lambda: _alive(template) == shared, timeout=30, what="the template to go, or stay")
     finally:
         if owner.poll() is None:
             owner.kill()

@@ -37,6 +37,7 @@ from pathlib import Path
 import redis
 from prometheus_client import Gauge
 
+from mqinfer.procs import started_by, starter_gone
 from mqinfer.scheduler.batcher import DynamicBatcher
 from mqinfer.schemas import errors, faults, keys
 from mqinfer.schemas.connection import connect_redis, redact
@@ -93,7 +94,7 @@ class Worker:
         self.config = config
         self.clock = clock
         self.started = clock()
-        self._parent_pid = os.getppid()
+        self._parent_pid = started_by()
         self.consumer = config.consumer or default_consumer_name()
         self.stream_key = keys.request_stream(config.stream)
         self.redis = connect_redis(config.redis_url, cluster=config.redis_cluster)
@@ -530,7 +531,7 @@ class Worker:
                 break
             self._with_backoff.retry_now()
             self._with_backoff(self.acks.ack)
-            if self.acks.pending and os.getppid() != self._parent_pid:
+            if self.acks.pending and starter_gone(self._parent_pid):
                 # The process that started us is gone (a `mqinfer run` killed, its embedded server
                 # with it): no server is coming back to take these acks.
                 break
