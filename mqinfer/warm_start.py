@@ -18,7 +18,7 @@ command whose import-time environment differs from the template's, :meth:`WarmSt
 starts the command cold, as ``subprocess.Popen``. ``MQINFER_WARM_START=0`` turns it off.
 
 ``MQINFER_WARM_TEMPLATE=PATH`` names the Unix socket of a template that serves several owners
-(``python -P -m mqinfer.warm_template --listen PATH PADDING``), so that runs started one after
+(``python -m mqinfer.warm_template --listen PATH``), so that runs started one after
 another on a machine do not each import the engine: the test suite starts one per test process.
 A worker forked there gets SIGTERM when its owner's connection ends, the owner killed included.
 """

@@ -28,7 +28,7 @@ import traceback
 from pathlib import Path
 
 from mqinfer.procs import die_with_parent, set_owner, short_openmp_spin
-from mqinfer.warm_start import import_settings
+from mqinfer.warm_start import ARGV_ROOM, import_settings
 
 # What a worker imports before it reads its first request.
 PRELOAD = ("mqinfer.cli", "mqinfer.workers.queue.worker", "mqinfer.workers.engine.core", "mqinfer.ops.metrics")
@@ -41,6 +41,8 @@ def main(argv: list[str]) -> int:
     killed) get SIGTERM, as a cold worker does when its parent dies."""
     listener = None
     owners: dict[int, _Owner] = {}
+    if len(argv) < 3 and argv[:1] == ["--listen"]:  # started by hand: again, with room for the workers' command lines
+        os.execv(sys.executable, [sys.executable, "-P", "-m", "mqinfer.warm_template", *argv, "." * ARGV_ROOM])
     if argv[0] == "--listen":
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(argv[1])

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mqinfer.procs import mqinfer_command
-from mqinfer.warm_start import ARGV_ROOM, SHARED, SWITCH, WarmProcess, WarmStarter
+from mqinfer.warm_start import SHARED, SWITCH, WarmProcess, WarmStarter
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the warm start is Linux-only")
@@ -89,10 +89,9 @@ OWNER = textwrap.dedent("""
 
 @pytest.fixture
 def shared_template(tmp_path):
-    """A template serving several owners on a socket (``--listen``)."""
+    """A template serving several owners on a socket, started as a user would (``--listen PATH``)."""
     path = str(tmp_path / "template.sock")
-    proc = subprocess.Popen([*mqinfer_command()[:-1], "mqinfer.warm_template", "--listen", path, "." * ARGV_ROOM],
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "mqinfer.warm_template", "--listen", path], stdin=subprocess.DEVNULL)
     wait_until(lambda: os.path.exists(path), timeout=30, what="the template's socket")
     yield path, proc
     proc.kill()
@@ -114,6 +113,8 @@ def test_forked_workers_die_with_their_owner(tmp_path, request, shared):
         if shared:
             assert template == template_proc.pid
         wait_until(lambda: "redis://" in (tmp_path / "log").read_text(), timeout=60, what="the server's URL")
+        shown = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert [p.decode() for p in shown if p] == mqinfer_command("redis", "--dir", str(tmp_path / "data"))
         owner.kill()  # SIGKILL: no chance to stop anything itself
         owner.wait()
         wait_until(lambda: not _alive(pid), timeout=30, what="the command forked for it to exit")
