@@ -149,18 +149,21 @@ class WarmStarter:
     """Starts `mqinfer` commands (workers) forked from one template process, started at the first
     command. Close it when done: the template exits, and workers still running get SIGTERM."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, warm: bool | None = None, shared: bool = True) -> None:
+        """``warm``: fork (where it can) or start every command cold; None: as MQINFER_WARM_START
+        says. ``shared``: use the template MQINFER_WARM_TEMPLATE names, if any."""
         self._template: subprocess.Popen | None = None
         self._conn: socket.socket | None = None
         self._template_pid: int | None = None
-        self._broken = not enabled()
+        self._broken = not (enabled() if warm is None else warm and sys.platform.startswith("linux"))
+        self._shared = os.environ.get(SHARED) if shared else None
 
     @property
     def template_pid(self) -> int | None:
         return self._template_pid
 
     def _start_template(self) -> None:
-        shared = os.environ.get(SHARED)
+        shared = self._shared
         if shared:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
