@@ -92,16 +92,19 @@ class WarmProcess:
             if not ready:
                 return
             data = self._conn.recv(4096)
-            if not data:  # the template died before reaping it: the worker got SIGTERM (PDEATHSIG)
-                self._finish(-signal.SIGTERM if _gone(self.pid) else None)
+            if not data:
+                # The template died before reaping it, and the worker got SIGTERM (PDEATHSIG): its
+                # status is its new parent's to read; it counts as ended by SIGTERM once gone.
+                if _gone(self.pid):
+                    self._finish(-signal.SIGTERM)
+                else:
+                    time.sleep(min(0.05, remaining) if remaining is not None else 0.05)
                 return
             self._inbox += data
         line, _, self._inbox = self._inbox.partition(b"\n")
         self._finish(os.waitstatus_to_exitcode(json.loads(line)["status"]))
 
-    def _finish(self, code: int | None) -> None:
-        if code is None:  # still running without a template: wait for it to go
-            return
+    def _finish(self, code: int) -> None:
         self.returncode = code
         self._conn.close()
 

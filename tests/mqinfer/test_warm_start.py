@@ -142,3 +142,21 @@ def test_commands_it_cannot_fork_start_cold(starter, monkeypatch):
     proc = off.popen(mqinfer_command("--version"), stdout=subprocess.DEVNULL)
     assert type(proc) is subprocess.Popen and proc.wait(timeout=120) == 0
     assert off.template_pid is None
+
+
+def test_a_worker_whose_template_dies_ends_and_its_owner_is_told(tmp_path):
+    starter = WarmStarter(warm=True, shared=False)
+    with open(tmp_path / "log", "w") as log:
+        proc = starter.popen(mqinfer_command("redis", "--dir", str(tmp_path / "data")), stdin=subprocess.DEVNULL,
+                             stdout=log, stderr=log)
+    try:
+        assert isinstance(proc, WarmProcess)
+        wait_until(lambda: "redis://" in (tmp_path / "log").read_text(), timeout=60, what="the server's URL")
+        os.kill(starter.template_pid, signal.SIGKILL)
+        assert proc.wait(timeout=60) == -signal.SIGTERM  # it got SIGTERM (PDEATHSIG) and is gone
+        assert not _alive(proc.pid)
+        assert proc.poll() == -signal.SIGTERM
+    finally:
+        if _alive(proc.pid):
+            os.kill(proc.pid, signal.SIGKILL)
+        starter.close()
