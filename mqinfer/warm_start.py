@@ -237,14 +237,15 @@ class WarmStarter:
             theirs.close()
             for fd in opened:
                 os.close(fd)
-        mine.settimeout(120)
+        # No time limit: the first command waits for the template's imports, as a cold start would
+        # wait for its own.
         first = b""
         while not first.endswith(b"\n"):
             data = mine.recv(4096)
             if not data:
+                mine.close()
                 raise EOFError("the worker template closed the connection before starting the command")
             first += data
-        mine.settimeout(None)
         reply = json.loads(first)
         if "cold" in reply:  # the template cannot start this one as it would start: cold, then
             mine.close()
