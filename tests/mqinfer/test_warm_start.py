@@ -160,3 +160,20 @@ def test_a_worker_whose_template_dies_ends_and_its_owner_is_told(tmp_path):
         if _alive(proc.pid):
             os.kill(proc.pid, signal.SIGKILL)
         starter.close()
+
+
+def test_a_run_gives_the_same_greedy_rows_with_forked_and_cold_workers(tmp_path):
+    from tests import zygote
+    from tests.helpers import mqinfer_cmd, rows, write_jsonl
+
+    src = write_jsonl(tmp_path / "in.jsonl", [
+        {"id": f"r{i}", "prompt": f"request {i}: say something", "max_tokens": 12, "temperature": 0} for i in range(6)])
+    texts = {}
+    for warm in ("1", "0"):
+        out = tmp_path / f"out-{warm}"
+        env = dict(os.environ, MQINFER_WARM_START=warm, MQINFER_WORKERS="2", OMP_NUM_THREADS="1")
+        done = zygote.run(mqinfer_cmd("run", str(src), "--out", str(out)), env=env, capture_output=True, text=True,
+                          timeout=300)
+        assert done.returncode == 0, done.stderr
+        texts[warm] = {r["id"]: (r["text"], r["output_tokens"]) for r in rows(out / "results")}
+    assert len(texts["1"]) == 6 and texts["1"] == texts["0"]
