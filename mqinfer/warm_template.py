@@ -56,6 +56,9 @@ def main(argv: list[str]) -> int:
     for name in PRELOAD:
         importlib.import_module(name)
     import_env = import_settings(os.environ)
+    # CUDA cannot be used in a child forked after the parent initialized it: should an import ever
+    # do so, every command starts cold.
+    forkable = not sys.modules["torch"].cuda.is_initialized()
     wake_r, wake_w = os.pipe()
     for fd in (wake_r, wake_w):
         os.set_blocking(fd, False)
@@ -84,7 +87,7 @@ def main(argv: list[str]) -> int:
                 for request, fds in requests:
                     own = [*owners, wake_r, wake_w, *([listener.fileno()] if listener else []),
                            *(r.fileno() for r in replies.values())]
-                    pid = _fork(dict(request, owner=owner.pid), fds, import_env, own)
+                    pid = _fork(dict(request, owner=owner.pid), fds, import_env if forkable else None, own)
                     if pid is not None:
                         replies[pid] = socket.socket(fileno=fds[0])
                         owner.children.add(pid)
@@ -166,13 +169,14 @@ def _reap(replies: dict[int, socket.socket], owners: dict[int, _Owner]) -> None:
             reply.close()
 
 
-def _fork(request: dict, fds: list[int], import_env: dict[str, str], own: list[int]) -> int | None:
+def _fork(request: dict, fds: list[int], import_env: dict[str, str] | None, own: list[int]) -> int | None:
     """Fork the child for ``request``; its pid (told on the reply socket, ``fds[0]``), or None where
-    it is to start cold: its import-time environment differs from this process's."""
+    it is to start cold: its import-time environment differs from this process's (``import_env``;
+    None: no command can be forked here)."""
     reply = socket.socket(fileno=os.dup(fds[0]))
-    if import_settings(request["env"]) != import_env:
+    if import_env is None or import_settings(request["env"]) != import_env:
         try:
-            reply.sendall(json.dumps({"cold": "its import-time environment differs from the template's"}).encode()
+            reply.sendall(json.dumps({"cold": "not forked here (import-time environment or CUDA)"}).encode()
                           + b"\n")
         except OSError:
             pass
