@@ -68,9 +68,12 @@ def started_by() -> int:
 
 
 def starter_gone(pid: int) -> bool:
-    """Whether the process ``started_by()`` gave is gone (a zombie counts as gone)."""
-    if _owner is None:
-        return os.getppid() != pid
+    """Whether the process ``started_by()`` gave is gone."""
+    return os.getppid() != pid if _owner is None else process_gone(pid)
+
+
+def process_gone(pid: int) -> bool:
+    """Whether ``pid`` has ended (Linux, /proc): a zombie, not yet reaped, counts as ended."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 
-from mqinfer.procs import OPENMP_SPIN_COUNT, die_with_parent, mqinfer_command
+from mqinfer.procs import OPENMP_SPIN_COUNT, die_with_parent, mqinfer_command, process_gone
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +48,13 @@ SHARED = "MQINFER_WARM_TEMPLATE"
 # its own command line over them (/proc/PID/cmdline cannot grow after exec).
 ARGV_ROOM = 16384
 
-# Environment variables read once, when the interpreter or a library the template has loaded starts
-# (OpenMP, BLAS, the allocator, the interpreter): a fork cannot take new values of them, so a
-# command that asks for values other than the template's is started cold.
-_IMPORT_TIME = re.compile(r"(PYTHON|OMP_|GOMP_|KMP_|MKL_|OPENBLAS_|ARROW_|PYTORCH_|CUDA_|LD_|MALLOC_|LC_).*"
-                          r"|TORCH(?!INDUCTOR_|DYNAMO_).*|LANG|LANGUAGE|TZ")
+# Environment variables that the interpreter, the C library or a module the template has loaded
+# (torch with its OpenMP and BLAS, numpy, pyarrow) read when they start or load, which a fork
+# cannot read again: a command that asks for values other than the template's is started cold.
+# Modules not loaded there read theirs in the child: triton, and torch's compiler (dynamo and
+# inductor).
+_IMPORT_TIME = re.compile(r"(PYTHON|OMP_|GOMP_|KMP_|MKL_|OPENBLAS_|ARROW_|PYTORCH_|CUDA_|NUMPY_|LD_|MALLOC_|LC_).*"
+                          r"|TORCH(?!INDUCTOR_|DYNAMO_).*|LANG|LANGUAGE|TZ|TMPDIR|TEMP|TMP|HOME")
 
 
 def import_settings(env) -> dict[str, str]:
@@ -95,7 +97,7 @@ class WarmProcess:
             if not data:
                 # The template died before reaping it, and the worker got SIGTERM (PDEATHSIG): its
                 # status is its new parent's to read; it counts as ended by SIGTERM once gone.
-                if _gone(self.pid):
+                if process_gone(self.pid):
                     self._finish(-signal.SIGTERM)
                 else:
                     time.sleep(min(0.05, remaining) if remaining is not None else 0.05)
@@ -138,14 +140,6 @@ class WarmProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
-    except OSError:
-        return True
 
 
 class WarmStarter:

@@ -51,7 +51,7 @@ def main(argv: list[str]) -> int:
         conn = socket.socket(fileno=int(argv[0]))
         owners[conn.fileno()] = _Owner(conn)
     parent = os.getppid()
-    _retitle(["mqinfer", "warm-template"], final=False)
+    retitle(["mqinfer", "warm-template"])
     short_openmp_spin()  # what `mqinfer`'s main does before torch loads
     for name in PRELOAD:
         importlib.import_module(name)
@@ -245,7 +245,7 @@ def _child(request: dict, reply: socket.socket, streams: list[int], extra: list[
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     argv = request["argv"]
-    _retitle(argv, final=True)
+    retitle(argv)
     atexit._clear()
     sys.argv = ["mqinfer", *argv[4:]]
     code = 0
@@ -254,20 +254,32 @@ def _child(request: dict, reply: socket.socket, streams: list[int], extra: list[
 
         code = cli_main(argv[4:])
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-        if not isinstance(exc.code, (int, type(None))):
-            print(exc.code, file=sys.stderr)
+        code = exit_code(exc.code)
     except KeyboardInterrupt:
-        _finish()
+        finish()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
         traceback.print_exc()
         code = 1
-    return _finish(code or 0)
+    return finish(code or 0)
 
 
-def _finish(code: int = 0) -> int:
+def exit_code(value) -> int:
+    """The exit code of ``SystemExit(value)``, as the interpreter makes it: None is 0, a number is
+    itself, anything else is printed on stderr and gives 1."""
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    try:
+        print(value, file=sys.stderr)
+    except Exception:  # noqa: BLE001
+        pass
+    return 1
+
+
+def finish(code: int = 0) -> int:
     """What the interpreter does on its way out: join non-daemon threads, run atexit, flush."""
     import threading
 
@@ -284,10 +296,11 @@ def _finish(code: int = 0) -> int:
     return code & 0xFF
 
 
-def _retitle(argv: list[str], *, final: bool) -> None:
+def retitle(argv: list[str]) -> None:
     """Write ``argv`` over this process's command line as /proc/PID/cmdline shows it (what `ps`
-    and the run lock's check of a stale pid read). The template was started with room to spare;
-    the rest of the area is zeroed. Also names the thread (``comm``) after the command."""
+    and the run lock's check of a stale pid read). The process was started with room to spare
+    (ARGV_ROOM); the rest of the area is zeroed. Also names the thread (``comm``) after the
+    `mqinfer` command in ``argv``."""
     fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
     start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end (fields 48 and 49)
     data = b"".join(os.fsencode(a) + b"\0" for a in argv)
@@ -295,7 +308,8 @@ def _retitle(argv: list[str], *, final: bool) -> None:
         data = data[:end - start - 1] + b"\0"
     ctypes.memmove(start, data + bytes(end - start - len(data)), end - start)
     libc = ctypes.CDLL(None, use_errno=True)
-    name = ("mqinfer " + (argv[4] if final and len(argv) > 4 else "template"))[:15]
+    words = argv[argv.index("mqinfer") + 1:] if "mqinfer" in argv else []
+    name = ("mqinfer " + (words[0] if words else ""))[:15]
     libc.prctl(15, name.encode(), 0, 0, 0)  # PR_SET_NAME
 
 

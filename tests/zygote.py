@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import select
 import shutil
 import socket
@@ -35,8 +34,8 @@ import time
 import warnings
 from pathlib import Path
 
-from mqinfer.procs import OPENMP_SPIN_COUNT
-from tests.zygote_server import ARGV_ROOM
+# What a fork cannot change (import-time environment variables): the same rule as the warm start's.
+from mqinfer.warm_start import ARGV_ROOM, import_settings
 
 SWITCH = "MQINFER_TEST_NO_ZYGOTE"
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,15 +46,6 @@ _HEADER = struct.Struct("!I")
 # means a real subprocess.
 _SUPPORTED = {"stdin", "stdout", "stderr", "env", "cwd", "text", "universal_newlines", "encoding", "errors",
               "bufsize", "start_new_session", "process_group", "close_fds"}
-
-# Environment variables that the interpreter, the C library or a module the zygote has loaded
-# (torch with its OpenMP and BLAS, numpy, pyarrow) read when they start or load, which a fork
-# cannot read again: a child whose values differ from the zygote's is started for real. Modules
-# the zygote does not load read theirs in the child: triton, and torch's compiler (dynamo and
-# inductor; torch sets TORCHINDUCTOR_CACHE_DIR in a process that used it). OMP_NUM_THREADS is not
-# among them: the child sets torch's thread count from it instead.
-_IMPORT_TIME = re.compile(r"(PYTHON|OMP_|GOMP_|KMP_|MKL_|OPENBLAS_|ARROW_|TORCH(?!INDUCTOR_|DYNAMO_)|PYTORCH_"
-                          r"|CUDA_|NUMPY_|LD_|LC_|MALLOC_).*|LANG|LANGUAGE|TZ|TMPDIR|TEMP|TMP|HOME")
 
 # The environment the zygote starts with: this process's before any test changed it.
 _BASE_ENV = dict(os.environ)
@@ -97,15 +87,6 @@ def run(args, *, input=None, capture_output: bool = False, timeout: float | None
         if check and code:
             raise subprocess.CalledProcessError(code, process.args, output=stdout, stderr=stderr)
     return subprocess.CompletedProcess(process.args, code, stdout, stderr)
-
-
-def import_settings(env) -> dict[str, str]:
-    """The import-time part of an environment, as `mqinfer`'s main sees it (it sets libgomp's spin
-    count where the user set no OpenMP wait policy: mqinfer.procs.short_openmp_spin)."""
-    settings = {k: v for k, v in env.items() if _IMPORT_TIME.fullmatch(k) and k != "OMP_NUM_THREADS"}
-    if "GOMP_SPINCOUNT" not in settings and "OMP_WAIT_POLICY" not in settings:
-        settings["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
-    return settings
 
 
 def servable(args, kwargs: dict) -> bool:

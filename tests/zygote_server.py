@@ -13,7 +13,6 @@ only imports. It exits when the test process that started it is gone.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import select
@@ -22,7 +21,8 @@ import socket
 import struct
 import sys
 import traceback
-from pathlib import Path
+
+from mqinfer.warm_template import exit_code, finish, retitle
 
 # What a worker, `mqinfer run` and the other commands the tests start import before they do
 # anything (the command line imports the bench and plan options for any command; compact and
@@ -42,9 +42,6 @@ PRELOAD = (
 
 _HEADER = struct.Struct("!I")
 
-# Bytes of command line the zygote is started with beyond its own (a padding argument), so that a
-# child can write its command's over them.
-ARGV_ROOM = 16384
 
 
 def serve(path: str) -> None:
@@ -195,7 +192,7 @@ def _child(request: dict, fds: list[int], conn: socket.socket, import_env: dict)
         # What `mqinfer`'s main sets before torch loads (there, for the processes it starts).
         os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
     argv = request["argv"]
-    _retitle(argv)
+    retitle(argv)  # its command line, as an exec would have set it (room was made at start)
     threads = env.get("OMP_NUM_THREADS")
     if threads != import_env.get("OMP_NUM_THREADS"):
         import torch
@@ -213,9 +210,7 @@ def _run_as_main(argv: list[str]) -> int:
     the exit code of SystemExit (its message printed when it is not a number), 1 and a traceback
     for an uncaught exception, non-daemon threads joined and atexit handlers run before exiting,
     and death by SIGINT after an uncaught KeyboardInterrupt."""
-    import atexit
     import runpy
-    import threading
     import types
 
     sys.modules["__main__"] = types.ModuleType("__main__")
@@ -227,50 +222,16 @@ def _run_as_main(argv: list[str]) -> int:
     try:
         runpy._run_module_as_main("mqinfer", alter_argv=True)
     except SystemExit as exc:
-        code = _exit_code(exc.code)
+        code = exit_code(exc.code)
     except KeyboardInterrupt:
         sys.excepthook(*sys.exc_info())
         interrupted = True
     except BaseException:  # noqa: BLE001 - the interpreter prints any uncaught exception
         sys.excepthook(*sys.exc_info())
         code = 1
-    try:
-        threading._shutdown()
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - the interpreter turns a failed final flush into 120
-            code = code or 120
+    code = finish(code)
     if interrupted:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
         code = 128 + signal.SIGINT
     return code & 0xFF
-
-
-def _exit_code(value) -> int:
-    if value is None:
-        return 0
-    if isinstance(value, int):
-        return value
-    try:
-        print(value, file=sys.stderr)
-    except Exception:  # noqa: BLE001
-        pass
-    return 1
-
-
-def _retitle(argv: list[str]) -> None:
-    """Write ``argv`` over this process's original command line, where the kernel reads
-    /proc/PID/cmdline (what `ps` and the run lock's check of a pid read), as an exec of that
-    command would have set it. The zygote was started with room to spare (ARGV_ROOM); the rest of
-    the area is zeroed, so readers see the arguments followed by empty ones."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end, fields 48 and 49
-    data = b"".join(os.fsencode(a) + b"\0" for a in argv)
-    if len(data) > end - start:
-        raise ValueError(f"a command line of {len(data)} bytes does not fit in {end - start}")
-    ctypes.memmove(start, data + bytes(end - start - len(data)), end - start)
