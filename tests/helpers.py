@@ -99,16 +99,22 @@ def write_jsonl(path: Path, items) -> Path:
     return path
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a process and its children (an rq worker's work horse runs in its own group)."""
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (Linux, /proc)."""
     children = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[1]) == proc.pid:
+        if int(fields[1]) == pid:
             children.append(int(stat.parent.name))
+    return children
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process and its children (an rq worker's work horse runs in its own group)."""
+    children = children_of(proc.pid)
     proc.kill()
     for pid in children:
         try:

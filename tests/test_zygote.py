@@ -12,24 +12,22 @@ from pathlib import Path
 import pytest
 
 from tests import zygote
-from tests.helpers import mqinfer_cmd, wait_until
+from tests.helpers import children_of, mqinfer_cmd, wait_until
 
-needs_zygote = pytest.mark.skipif(not zygote.enabled(), reason="the zygote is off (MQINFER_TEST_NO_ZYGOTE)")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
+
+
+@pytest.fixture
+def zygote_on(monkeypatch):
+    """These tests are about the zygote: on, whatever MQINFER_TEST_NO_ZYGOTE says for the run."""
+    monkeypatch.delenv(zygote.SWITCH, raising=False)
+
+
+needs_zygote = pytest.mark.usefixtures("zygote_on")
 
 
 def _parent(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
-def _children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-        except (OSError, ValueError):
-            continue
-    return found
 
 
 @needs_zygote
@@ -67,7 +65,7 @@ def test_a_long_running_command_has_its_own_pid_folder_command_line_and_children
         assert Path(f"/proc/{proc.pid}/cwd").resolve() == tmp_path.resolve()
         shown = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
         assert [part.decode() for part in shown if part] == argv
-        server = wait_until(lambda: _children(proc.pid), timeout=30, what="the embedded server")
+        server = wait_until(lambda: children_of(proc.pid), timeout=30, what="the embedded server")
         assert proc.poll() is None
         proc.send_signal(signum)
         assert proc.wait(timeout=60) == code
@@ -90,9 +88,8 @@ def test_the_switch_starts_every_command_for_real(monkeypatch):
     assert type(proc) is subprocess.Popen and proc.wait(timeout=120) == 0
 
 
+@needs_zygote
 def test_only_what_a_fork_can_match_is_forked():
-    if not zygote.enabled():
-        pytest.skip("the zygote is off")
     assert zygote.servable(mqinfer_cmd("worker"), {"env": dict(os.environ, OMP_NUM_THREADS="1")})
     # Read where it is used (torch's compiler), which the zygote has not loaded.
     assert zygote.servable(mqinfer_cmd("worker"), {"env": dict(os.environ, TORCHINDUCTOR_CACHE_DIR="/x")})
