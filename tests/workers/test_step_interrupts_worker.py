@@ -152,3 +152,34 @@ def test_the_watch_flags_targets_tenant_defaults_and_new_lanes_only_while_armed(
     finally:
         watch.close()
     assert not watch._thread.is_alive()  # closed: its thread ended
+
+
+def test_a_watch_does_not_flag_again_what_an_earlier_watch_looked_at(redis_client):
+    """The request whose arrival gave one step up is in the next step: that step's watch, which
+    starts a margin before its moment, must not see the same entry and give its own step up. A
+    margin of a minute puts the first entry inside every later watch's start."""
+    redis_client.flushall()
+    stream = keys.request_stream("requests:lane-again")
+    watch = ArrivalWatch(redis_client, lambda: [stream],
+                         interactive_entry(LatencyTargets({}), max_entry_bytes=1 << 20,
+                                           lane_key=lambda lane: keys.request_stream(f"requests:{lane}")),
+                         margin_ms=60_000)
+    try:
+        watch.arm()
+        redis_client.xadd(stream, {"json": '{"id": "a", "prompt": "x", "slo_ttft_ms": 300}', "v": "1"})
+        wait_for(lambda: watch.num_entries == 1, "the first watch looking at the interactive entry")
+        assert watch.arrived.is_set() and watch.disarm() == [stream]
+        # The next watch: only a bulk entry arrives during it.
+        watch.arm()
+        redis_client.xadd(stream, {"json": '{"id": "b", "prompt": "x"}', "v": "1"})
+        wait_for(lambda: watch.num_entries >= 2, "the second watch looking at the bulk entry")
+        time.sleep(0.2)  # and at nothing else
+        assert watch.num_entries == 2
+        assert not watch.arrived.is_set() and watch.disarm() == []
+        # An interactive entry in a later watch is flagged as before.
+        watch.arm()
+        redis_client.xadd(stream, {"json": '{"id": "c", "prompt": "x", "slo_tpot_ms": 50}', "v": "1"})
+        wait_for(lambda: watch.num_entries == 3, "the third watch looking at the interactive entry")
+        assert watch.arrived.is_set() and watch.disarm() == [stream]
+    finally:
+        watch.close()

@@ -14,10 +14,12 @@ the worker then reads the streams the watch named in :attr:`ArrivalWatch.flagged
 its fair share of the backlog (workers/queue/ingest.py), and schedules the request at once, in a
 step planned for its targets (scheduler/slo.py).
 
-What it costs: one blocking read on another connection per step, and about one given-up step per
-arrival, as each step's watch starts at the moment the step began (less ``MARGIN_MS`` for the
-error of the clocks' offset, which the watch measures with ``TIME``): an entry is seen during the
-step it arrived in, or by the worker's own read after it.
+What it costs: one blocking read on another connection per step, and one given-up step per
+arrival at most. Each step's watch starts at the moment the step began (less ``MARGIN_MS`` for the
+error of the clocks' offset, which the watch measures with ``TIME``), so an entry is seen during
+the step it arrived in, or by the worker's own read after it; and a watch never looks again at an
+entry an earlier watch looked at, so the request that gave one step up does not give up the next
+one too, the step that starts it.
 
 Not used with a Redis cluster (one XREAD cannot span the lanes' hash slots).
 """
@@ -60,11 +62,14 @@ class ArrivalWatch:
     """
 
     def __init__(self, redis_client, keys: Callable[[], list[str]], interactive: Callable[[Mapping], bool | str],
-                 block_ms: int = BLOCK_MS) -> None:
+                 block_ms: int = BLOCK_MS, margin_ms: int = MARGIN_MS) -> None:
         self._redis = redis_client
         self._keys = keys
         self._interactive = interactive
         self._block_ms = block_ms
+        self._margin_ms = margin_ms
+        # Per stream, the last entry a watch looked at: the next watch starts after it.
+        self._looked: dict[str, tuple[int, int]] = {}
         # Set when an interactive entry arrived during the current watch; the engine reads it. The
         # stream keys it arrived on, for the worker's read after the step.
         self.arrived = threading.Event()
@@ -72,6 +77,7 @@ class ArrivalWatch:
         self._armed = threading.Event()
         self._watched: list[str] = []
         self._since = "0-0"
+        self._starts: dict[str, str] = {}
         # The server's clock less this host's (seconds), and when it was measured (never: -inf).
         self._offset_s = 0.0
         self._offset_at = float("-inf")
@@ -87,10 +93,11 @@ class ArrivalWatch:
     def arm(self) -> None:
         """Start a watch from this moment (before a step)."""
         watched = list(self._keys())
-        since_ms = int((time.time() + self._offset_s) * 1000) - MARGIN_MS
+        since_ms = int((time.time() + self._offset_s) * 1000) - self._margin_ms
         with self._lock:  # a read of the watch before this one adds nothing to this one's results
             self._watched = watched
             self._since = f"{max(since_ms, 0)}-0"
+            self._starts = {key: self._start(key) for key in watched}
             self.arrived.clear()
             self.flagged = set()
             self._generation += 1
@@ -121,7 +128,7 @@ class ArrivalWatch:
             with self._lock:
                 if generation != self._generation:
                     generation = self._generation
-                    ids = dict.fromkeys(self._watched, self._since)
+                    ids = dict(self._starts)
             if not ids:
                 self._armed.clear()
                 continue
@@ -146,16 +153,24 @@ class ArrivalWatch:
             key = text(key)
             for entry_id, fields in entries:
                 ids[key] = text(entry_id)
+                self._looked[key] = _parse_id(ids[key])
                 self.num_entries += 1
                 verdict = self._interactive(fields)
                 if isinstance(verdict, str):
-                    ids.setdefault(verdict, self._since)
+                    ids.setdefault(verdict, self._start(verdict))
                 elif verdict:
                     flagged.add(key)
                     if not self.arrived.is_set():
                         self.num_seen += 1
                         self.arrived.set()
 
+    def _start(self, key: str) -> str:
+        """Where a watch of ``key`` starts (under the lock): at the watch's moment, or after the
+        last entry an earlier watch looked at there, whichever is later."""
+        looked = self._looked.get(key)
+        if looked is None or looked < _parse_id(self._since):
+            return self._since
+        return f"{looked[0]}-{looked[1]}"
 
     def _measure_offset(self) -> None:
         """The server's clock less this host's, from the quickest of three ``TIME`` round trips
@@ -169,6 +184,12 @@ class ArrivalWatch:
                 best = (t1 - t0, seconds + micros / 1e6 - (t0 + t1) / 2)
         self._offset_s = best[1]
         self._offset_at = time.monotonic()
+
+
+def _parse_id(entry_id: str) -> tuple[int, int]:
+    """A stream entry id (``milliseconds-sequence``) as a pair that orders as the ids do."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 # What the names of both target fields begin with.
