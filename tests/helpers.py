@@ -19,6 +19,17 @@ from mqinfer.schemas.routing import PrefixRouter
 from tests import zygote
 
 
+def clean_env(*drop: str) -> dict[str, str]:
+    """This process's environment without the MQINFER_* settings (and the other variables in
+    ``drop``) that would change what the commands under test do. The shared warm template that
+    conftest.py starts stays: it changes how a run's workers start, not what they compute, and
+    without it each run imports the engine once more in a template of its own."""
+    from mqinfer.warm_start import SHARED
+
+    return {k: v for k, v in os.environ.items()
+            if (k == SHARED or not k.startswith("MQINFER_")) and k not in drop}
+
+
 def mqinfer_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "mqinfer", *args]
 

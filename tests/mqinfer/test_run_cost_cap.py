@@ -5,7 +5,6 @@ the same job cost uncapped on this machine a moment before."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -14,7 +13,7 @@ import pytest
 from mqinfer.schemas import keys
 from mqinfer.workers.queue.job_caps import JobCaps, set_cap
 from tests import zygote
-from tests.helpers import FakeClock, rows, write_jsonl
+from tests.helpers import FakeClock, clean_env, rows, write_jsonl
 
 PRICE = 3600.0  # one USD per device-second
 # One worker, at most 2 requests running and 2 waiting in its engine: what can be in flight.
@@ -24,7 +23,7 @@ N = 16
 
 
 def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
+    return clean_env("OMP_NUM_THREADS")
 
 
 def _run(src, out, *flags) -> subprocess.CompletedProcess:

@@ -27,7 +27,7 @@ from mqinfer.machine import RUN_WORKER, machine_records, worker_shares
 from mqinfer.ops.compact import compact
 from mqinfer.workers.devices import usable_cores
 from tests import zygote
-from tests.helpers import rows, wait_until, write_jsonl
+from tests.helpers import clean_env, rows, wait_until, write_jsonl
 
 PRICE = 36.0  # USD per device-hour: 0.01 USD per device-second
 CORES = usable_cores()
@@ -37,10 +37,10 @@ def run_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "mqinfer", "run", *args]
 
 
-def clean_env() -> dict:
+def run_env() -> dict:
     """No MQINFER_* settings and no OMP_NUM_THREADS from the test's environment: each test's flags
     are the whole layout."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
+    return clean_env("OMP_NUM_THREADS")
 
 
 def requests(n: int, max_tokens: int) -> list[dict]:
@@ -104,7 +104,7 @@ def run_job(tmp_path: Path, name: str, items: list[dict], *flags: str, env: dict
     src = write_jsonl(tmp_path / f"{name}.jsonl", items)
     began = time.time()
     proc = zygote.run(run_cmd(str(src), "--out", str(out), "--price-per-device-hour", str(PRICE), *flags),
-                      env=env or clean_env(), capture_output=True, text=True, timeout=300)
+                      env=env or run_env(), capture_output=True, text=True, timeout=300)
     ended = time.time()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(rows(out / "results")) == len(items)
@@ -152,7 +152,7 @@ def test_a_worker_killed_mid_run_is_billed_as_lost_and_the_bill_still_adds_up(tm
     proc = zygote.popen(run_cmd(str(src), "--out", str(out), "--price-per-device-hour", str(PRICE),
                                 "--workers", "2", "--num-threads", "1", "--claim-idle-ms", "1000",
                                 "--max-num-seqs", "4", "--flush-rows", "1"),
-                        env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                        env=run_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(rows(out / "results")) >= 6, timeout=180, what="the first rows")
         children = json.loads((out / ".mqinfer" / "run.lock").read_text())["children"]

@@ -5,7 +5,6 @@ state stays in the user's cache. Real runs of the built-in tiny model."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ from mqinfer.kernels import native
 from mqinfer.schemas.dataset_uri import visible_parts
 from mqinfer.schemas.rows import COST_SCHEMA, RESULT_SCHEMA
 from tests import zygote
-from tests.helpers import write_jsonl
+from tests.helpers import clean_env, write_jsonl
 
 N = 16
 PRICE = 3600.0  # one USD per device-second
@@ -26,7 +25,7 @@ LAYOUT = ("--workers", "1", "--max-num-seqs", "2", "--max-batch", "1")
 
 
 def _env(tmp_path) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
+    env = clean_env("OMP_NUM_THREADS")
     # The test's own cache folder, with the native kernels the session built linked into it: its
     # workers would otherwise compile them again (a minute of both cores).
     cache = tmp_path / "cache"

@@ -17,7 +17,7 @@ import pytest
 from mqinfer.ops.report import cost_report
 from mqinfer.ops.report_html import CHARTS, render_html
 from tests import zygote
-from tests.helpers import mqinfer_cmd, write_jsonl
+from tests.helpers import clean_env, mqinfer_cmd, write_jsonl
 
 SVG = "{http://www.w3.org/2000/svg}"
 BUDGETS = '[metadata.team]\nads = 0.000001\nmaps = 100\n[tenants]\nacme = 1000\n'
@@ -38,7 +38,7 @@ def out(tmp_path_factory):
               "max_tokens": 4 + 6 * (i % 4), "temperature": 0, "ignore_eos": True, "tenant": ("acme", "beta")[i % 2],
               "metadata": {"team": ("search", "ads", "maps", "<b>&co</b>")[i % 4]}} for i in range(20)]
     src = write_jsonl(tmp / "in.jsonl", items)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
+    env = clean_env("OMP_NUM_THREADS")
     proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp / "out"),
                        "--workers", "1", "--price-per-device-hour", "36"],
                       env=env, capture_output=True, text=True, timeout=300)

@@ -5,7 +5,6 @@ The rows come from a real `mqinfer run` of the built-in tiny model (one run for 
 
 from __future__ import annotations
 
-import os
 import sys
 
 import pytest
@@ -17,7 +16,7 @@ from mqinfer.ops.report_render import render
 from mqinfer.schemas.dataset import DatasetWriter
 from mqinfer.schemas.rows import COST_SCHEMA, CostRow
 from tests import zygote
-from tests.helpers import rows, write_jsonl
+from tests.helpers import clean_env, rows, write_jsonl
 
 LINES = ("retail", "travel", "health")
 PRICE = 36.0
@@ -44,7 +43,7 @@ def _items() -> list[dict]:
 def out(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("labels")
     src = write_jsonl(tmp / "in.jsonl", _items())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
+    env = clean_env("OMP_NUM_THREADS")
     proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(tmp / "out"),
                        "--workers", "1", "--price-per-device-hour", str(PRICE)],
                       env=env, capture_output=True, text=True, timeout=300)

@@ -19,7 +19,7 @@ from mqinfer.ops.report_render import render
 from mqinfer.schemas.dataset import DatasetWriter
 from mqinfer.schemas.rows import COST_SCHEMA
 from tests import zygote
-from tests.helpers import mqinfer_cmd, write_jsonl
+from tests.helpers import clean_env, mqinfer_cmd, write_jsonl
 
 BY = ["metadata.team", "worker", "prompt_band"]
 
@@ -32,7 +32,7 @@ def fleet(tmp_path_factory):
               "max_tokens": 6 + i % 9, "temperature": 0, "ignore_eos": True,
               "metadata": {"team": ("search", "ads", "maps")[i % 3]}} for i in range(24)]
     src = write_jsonl(tmp / "in.jsonl", items)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MQINFER_") and k != "OMP_NUM_THREADS"}
+    env = clean_env("OMP_NUM_THREADS")
     whole = tmp / "whole"
     proc = zygote.run([sys.executable, "-m", "mqinfer", "run", str(src), "--out", str(whole), "--workers", "2",
                        "--num-threads", "1", "--price-per-device-hour", "36"],
