@@ -18,6 +18,29 @@ sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
+def _lean_test_process() -> None:
+    """What `mqinfer` sets for its own processes, set here for the test processes, which run torch
+    beside each other on the same cores: PyTorch's OpenMP workers sleep soon after each parallel
+    region instead of spinning on a core another test process needs (mqinfer.procs.short_openmp_spin;
+    the kernel tests run two threads). And glibc keeps the memory that tests' large tensors free
+    for their next ones instead of giving it back to the kernel and faulting it in again."""
+    from mqinfer.procs import short_openmp_spin
+
+    short_openmp_spin()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None)
+            libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: blocks up to 32 MiB come from the heap
+            libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+        except (OSError, AttributeError):  # not glibc: its defaults
+            pass
+
+
+_lean_test_process()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject.toml): one test process per core, plus one. Many tests spend part of
