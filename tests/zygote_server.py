@@ -56,6 +56,10 @@ def serve(path: str) -> None:
     short_openmp_spin()  # what `mqinfer`'s main does before anything imports torch
     for name in PRELOAD:
         __import__(name)
+    # Most commands the tests start load the built-in tiny model: its weights are made here once.
+    from mqinfer.workers.engine.loader import _tiny_checkpoint
+
+    _tiny_checkpoint()
     import_env = dict(os.environ)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)

@@ -14,6 +14,7 @@ so it is the same model on every machine.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -201,7 +202,20 @@ def _random_weights(config: ModelConfig, seed: int = 0) -> Iterator[tuple[str, t
 
 
 def _tiny_tensors() -> dict[str, torch.Tensor]:
-    return dict(_random_weights(ModelConfig.from_hf(TINY_HF_CONFIG, "tiny"), seed=0))
+    return _tiny_checkpoint()[0]
+
+
+@functools.cache
+def _tiny_checkpoint() -> tuple[dict[str, torch.Tensor], str]:
+    """The tiny model's tensors and its id (a hash of its config and weights), made once per
+    process (and once per warm template: its workers share them). Callers only read the
+    tensors: loading copies them into the model's own parameters."""
+    tensors = dict(_random_weights(ModelConfig.from_hf(TINY_HF_CONFIG, "tiny"), seed=0))
+    digest = hashlib.blake2b(json.dumps(TINY_HF_CONFIG, sort_keys=True).encode(), digest_size=16)
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].numpy().tobytes())
+    return tensors, f"{TINY}@{digest.hexdigest()[:8]}"
 
 
 def _write_checkpoint(folder: Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
@@ -384,15 +398,11 @@ def _load_tiny(device: torch.device, dtype: str | torch.dtype, shard: tuple[int,
     hf = dict(TINY_HF_CONFIG)
     config = ModelConfig.from_hf(hf, "tiny")
     torch_dtype = resolve_dtype(dtype, hf, device)
-    tensors = _tiny_tensors()
-    digest = hashlib.blake2b(json.dumps(hf, sort_keys=True).encode(), digest_size=16)
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].numpy().tobytes())
+    tensors, model_id = _tiny_checkpoint()
     split = _shard_of(config, shard)
     part = _stage_of(config, stage)
     model = _build(config, _sliced(tensors.items(), split), torch_dtype, device, "tiny", split, part)
-    return model, _model_info(model, config, torch_dtype, name=TINY, model_id=f"{TINY}@{digest.hexdigest()[:8]}",
+    return model, _model_info(model, config, torch_dtype, name=TINY, model_id=model_id,
                               path=None, eos_token_ids=config.eos_token_ids, whole=split is None and part is None)
 
 
