@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import importlib
 import json
 import os
@@ -55,6 +56,11 @@ def main(argv: list[str]) -> int:
     short_openmp_spin()  # what `mqinfer`'s main does before torch loads
     for name in PRELOAD:
         importlib.import_module(name)
+    # What the imports made, out of the collector's reach before any fork: a child's collections
+    # (a worker's first, at the end of its start-up) walk only the objects it made itself, and
+    # write nothing into the pages it shares with this process.
+    gc.collect()
+    gc.freeze()
     import_env = import_settings(os.environ)
     # CUDA cannot be used in a child forked after the parent initialized it: should an import ever
     # do so, every command starts cold.

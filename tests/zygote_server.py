@@ -13,6 +13,7 @@ only imports. It exits when the test process that started it is gone.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -60,6 +61,9 @@ def serve(path: str) -> None:
     from mqinfer.workers.engine.loader import _tiny_checkpoint
 
     _tiny_checkpoint()
+    # As the warm template does: the children's collections leave the shared pages alone.
+    gc.collect()
+    gc.freeze()
     import_env = dict(os.environ)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
