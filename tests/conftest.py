@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
@@ -106,6 +107,14 @@ def pytest_sessionstart(session):
 
 _KERNEL_TESTS = Path(__file__).parent / "kernels"
 _torch_default_threads: list[int] = []
+
+
+def pytest_collection_finish(session):
+    """The imported modules and the collected tests (a couple of hundred thousand objects that
+    live until the session ends) out of the garbage collector's reach: its full collections then
+    walk only what the tests make (measured on three test files: 8.9 s of collections to 4.9 s)."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)
