@@ -50,7 +50,7 @@ from mqinfer.loadgen.plan.model import (
     save_calibration,
 )
 from mqinfer.loadgen.plan.options import BULK_REQUESTS, ONLINE_REQUESTS
-from mqinfer.loadgen.plan.report import calibration_dict, ms_text, ms_value, plot_sweep, render
+from mqinfer.loadgen.plan.report import calibration_dict, can_plot, ms_text, ms_value, plot_sweep, render
 from mqinfer.loadgen.plan.sim import SimRequest, WorkerSettings, simulate
 from mqinfer.loadgen.plan.target import (
     MAX_WORKERS,
@@ -362,7 +362,9 @@ def make_plan(opts: dict[str, Any], input_path: str | None,
     ctx = PlanContext(model, workload.name, target, layout, calibration, path, opts["price_per_device_hour"])
     plan = _plan_dict(ctx, chosen, fixed is None, costs, keda, tried, notes)
     plan["ttft_p99_band"] = band
-    if opts.get("plot"):
+    # The sweep is for the plot and for the JSON; a table without a plot to draw (no matplotlib)
+    # would show none of it, so it is not simulated.
+    if opts.get("plot") and (opts["format"] == "json" or can_plot()):
         plan["sweep"] = sweep(evaluate, workload.requests, chosen, target, count, opts["seed"], upper)
     return plan
 

@@ -125,6 +125,15 @@ def render(plan: dict[str, Any], fmt: str) -> str:
     return "\n".join(lines)
 
 
+def can_plot() -> bool:
+    """Whether matplotlib can be imported (``plot_sweep`` draws with it)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot_sweep(plan: dict[str, Any], path: str) -> str | None:
     """Draw ``plan["sweep"]`` (p99 TTFT against requests per second, a line per worker count, the
     SLO and the planned rate marked) into ``path`` (its suffix picks the format: .png, .svg,

@@ -750,6 +750,11 @@ def test_without_matplotlib_the_plot_is_a_note_and_the_plan_stands(cache, capsys
                           "--device", "cpu", "--plot", str(path))
     assert code == 0 and "cost per request" in out
     assert "matplotlib is not installed" in err and not path.exists()
+    # The JSON still gains the sweep's points, which it shows without a plot.
+    code, out, err = _run(capsys, "--workload", "standard", "--num-requests", "8", "--rate", "5",
+                          "--device", "cpu", "--plot", str(path), "--format", "json")
+    assert code == 0 and "matplotlib is not installed" in err and not path.exists()
+    assert sorted({p["rate"] for p in json.loads(out)["sweep"]}) == pytest.approx([5 * f for f in planner.SWEEP_RATE_FACTORS])
 
 
 def test_without_calibration_the_command_says_to_calibrate(plan_cache, capsys):
