@@ -142,7 +142,6 @@ def gumbel_tables() -> tuple[torch.Tensor, torch.Tensor]:
     It is ``gumbel_noise(uniforms_of_draws(arange(2**DRAW_BITS)))`` made in place in one buffer (a
     fifth of the time; every worker makes it at its first sampled token): float32 holds every
     draw below 2**24 exactly, so the uniforms and then each operation round as theirs do."""
-    assert DRAW_BITS <= 24
     noise = torch.arange(1 << DRAW_BITS, dtype=torch.float32)
     noise.add_(0.5).mul_(1.0 / (1 << DRAW_BITS))  # uniforms_of_draws
     noise.log_().neg_().log_().neg_()  # gumbel_noise: -log(-log(u))

@@ -26,6 +26,7 @@ import socket
 import struct
 import sys
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 from mqinfer.procs import die_with_parent, set_owner, short_openmp_spin
@@ -157,6 +158,16 @@ def _drain(fd: int) -> None:
 
 
 def _reap(replies: dict[int, socket.socket], owners: dict[int, _Owner]) -> None:
+    for pid, status in reaped():
+        for owner in owners.values():
+            owner.children.discard(pid)
+        reply = replies.pop(pid, None)
+        if reply is not None:
+            report(reply, {"status": status})
+
+
+def reaped() -> Iterator[tuple[int, int]]:
+    """Each child that has exited and is not yet reaped, as (pid, wait status); never blocks."""
     while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -164,15 +175,16 @@ def _reap(replies: dict[int, socket.socket], owners: dict[int, _Owner]) -> None:
             return
         if pid == 0:
             return
-        for owner in owners.values():
-            owner.children.discard(pid)
-        reply = replies.pop(pid, None)
-        if reply is not None:
-            try:
-                reply.sendall(json.dumps({"status": status}).encode() + b"\n")
-            except OSError:
-                pass  # the owner is gone; nobody to tell
-            reply.close()
+        yield pid, status
+
+
+def report(reply: socket.socket, message: dict) -> None:
+    """Send a child's last message (a JSON line) on its reply socket, and close it."""
+    try:
+        reply.sendall(json.dumps(message).encode() + b"\n")
+    except OSError:
+        pass  # the one who asked is gone; nobody to tell
+    reply.close()
 
 
 def _fork(request: dict, fds: list[int], import_env: dict[str, str] | None, own: list[int]) -> int | None:

@@ -23,7 +23,7 @@ import struct
 import sys
 import traceback
 
-from mqinfer.warm_template import exit_code, finish, retitle
+from mqinfer.warm_template import exit_code, finish, reaped, report, retitle
 
 # What a worker, `mqinfer run` and the other commands the tests start import before they do
 # anything (the command line imports the bench and plan options for any command; compact and
@@ -98,20 +98,10 @@ def serve(path: str) -> None:
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
-    while children:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+    for pid, status in reaped():
         conn = children.pop(pid, None)
         if conn is not None:
-            try:
-                conn.sendall(json.dumps({"pid": pid, "status": status}).encode() + b"\n")
-            except OSError:
-                pass  # the test process stopped listening; nothing to report to
-            conn.close()
+            report(conn, {"pid": pid, "status": status})
 
 
 def _receive(conn: socket.socket) -> tuple[dict, list[int]]:

@@ -208,8 +208,8 @@ def _tiny_tensors() -> dict[str, torch.Tensor]:
 @functools.cache
 def _tiny_checkpoint() -> tuple[dict[str, torch.Tensor], str]:
     """The tiny model's tensors and its id (a hash of its config and weights), made once per
-    process (and once per warm template: its workers share them). Callers only read the
-    tensors: loading copies them into the model's own parameters."""
+    process; a process forked after the first call shares them. Callers only read the tensors:
+    loading copies them into the model's own parameters."""
     tensors = dict(_random_weights(ModelConfig.from_hf(TINY_HF_CONFIG, "tiny"), seed=0))
     digest = hashlib.blake2b(json.dumps(TINY_HF_CONFIG, sort_keys=True).encode(), digest_size=16)
     for name in sorted(tensors):

@@ -75,7 +75,7 @@ class ArrivalWatch:
         self.arrived = threading.Event()
         self.flagged: set[str] = set()
         self._armed = threading.Event()
-        self._watched: list[str] = []
+        # The current watch's moment, and where it starts on each stream (``_start``).
         self._since = "0-0"
         self._starts: dict[str, str] = {}
         # The server's clock less this host's (seconds), and when it was measured (never: -inf).
@@ -95,7 +95,6 @@ class ArrivalWatch:
         watched = list(self._keys())
         since_ms = int((time.time() + self._offset_s) * 1000) - self._margin_ms
         with self._lock:  # a read of the watch before this one adds nothing to this one's results
-            self._watched = watched
             self._since = f"{max(since_ms, 0)}-0"
             self._starts = {key: self._start(key) for key in watched}
             self.arrived.clear()
