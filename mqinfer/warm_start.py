@@ -13,6 +13,9 @@ and a status its parent reads as a ``subprocess.Popen``'s. Two things differ: it
 the template, and it gets SIGTERM when the template dies (the template dies with its owner), as a
 cold worker does when its parent dies.
 
+The other ranks of a tensor- or pipeline-parallel worker (``ENTRY_POINTS``) are forked the same way
+where the worker can reach a shared template (below); they get SIGKILL instead, as cold ones do.
+
 Linux only (``PR_SET_PDEATHSIG``, /proc); elsewhere, or when the template cannot start, or for a
 command whose import-time environment differs from the template's, :meth:`WarmStarter.popen`
 starts the command cold, as ``subprocess.Popen``. ``MQINFER_WARM_START=0`` turns it off.
@@ -20,7 +23,8 @@ starts the command cold, as ``subprocess.Popen``. ``MQINFER_WARM_START=0`` turns
 ``MQINFER_WARM_TEMPLATE=PATH`` names the Unix socket of a template that serves several owners
 (``python -m mqinfer.warm_template --listen PATH``), so that runs started one after
 another on a machine do not each import the engine: the test suite starts one per test process.
-A worker forked there gets SIGTERM when its owner's connection ends, the owner killed included.
+A worker forked there gets SIGTERM (a rank SIGKILL) when its owner's connection ends, the owner
+killed included.
 """
 
 from __future__ import annotations
@@ -67,6 +71,22 @@ def import_settings(env) -> dict[str, str]:
     if "GOMP_SPINCOUNT" not in settings and "OMP_WAIT_POLICY" not in settings:
         settings["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT  # what `mqinfer`'s main sets before torch loads
     return settings
+
+
+# Entry points other than `mqinfer` itself that a template can fork: ``python -P -m MODULE ARGS`` runs
+# ``FUNCTION(ARGS)`` of the module named here (a tensor- or pipeline-parallel worker's other ranks).
+ENTRY_POINTS = {"mqinfer.workers.engine.tp_rank": ("mqinfer.workers.engine.ranks", "follower_main")}
+
+
+def entry_point(args: list[str]) -> str | None:
+    """The module ``args`` runs with this interpreter (``mqinfer`` or one of ``ENTRY_POINTS``), or
+    None where a template cannot fork it."""
+    prefix = mqinfer_command()[:-1]
+    if len(args) >= len(prefix) + 1 and list(args[:len(prefix)]) == prefix:
+        module = args[len(prefix)]
+        if module == "mqinfer" or module in ENTRY_POINTS:
+            return module
+    return None
 
 
 def enabled() -> bool:
@@ -186,26 +206,30 @@ class WarmStarter:
         return self
 
     def popen(self, args: list[str], *, env: dict[str, str] | None = None, stdin=None, stdout=None, stderr=None,
-              pass_fds: tuple[int, ...] = (), start_new_session: bool = False, cwd: str | None = None):
-        """``subprocess.Popen(args, ...)`` for an `mqinfer` command (``mqinfer_command(...)``), forked
-        from the template where it can be; ``stdin``, ``stdout``, ``stderr``: None (this process's),
-        ``subprocess.DEVNULL``, a file descriptor or a file object, and ``subprocess.STDOUT`` for
-        ``stderr`` (pipes start the command cold)."""
+              pass_fds: tuple[int, ...] = (), start_new_session: bool = False, cwd: str | None = None,
+              death_signal: int = signal.SIGTERM):
+        """``subprocess.Popen(args, ...)`` for an `mqinfer` command (``mqinfer_command(...)``) or an
+        entry point of ``ENTRY_POINTS``, forked from the template where it can be; ``stdin``,
+        ``stdout``, ``stderr``: None (this process's), ``subprocess.DEVNULL``, a file descriptor or
+        a file object, and ``subprocess.STDOUT`` for ``stderr`` (``subprocess.PIPE`` starts the
+        command cold: pass the ends of an ``os.pipe()`` instead). ``death_signal``: what the command
+        gets when this process (its owner) or the template dies."""
         env = dict(os.environ if env is None else env)
-        prefix = mqinfer_command()
-        if not self._broken and list(args[:len(prefix)]) == prefix and subprocess.PIPE not in (stdin, stdout, stderr):
+        if not self._broken and entry_point(args) and subprocess.PIPE not in (stdin, stdout, stderr):
             if self._conn is None:
                 self._start_template()
             try:
-                forked = self._fork(list(args), env, (stdin, stdout, stderr), pass_fds, start_new_session, cwd)
+                forked = self._fork(list(args), env, (stdin, stdout, stderr), pass_fds, start_new_session, cwd,
+                                    death_signal)
                 if forked is not None:
                     return forked
             except (OSError, EOFError, ValueError) as exc:
                 self._give_up(exc)
         return subprocess.Popen(args, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
-                                start_new_session=start_new_session, cwd=cwd, preexec_fn=die_with_parent())
+                                start_new_session=start_new_session, cwd=cwd,
+                                preexec_fn=die_with_parent(death_signal))
 
-    def _fork(self, args, env, streams, pass_fds, start_new_session, cwd) -> WarmProcess | None:
+    def _fork(self, args, env, streams, pass_fds, start_new_session, cwd, death_signal) -> WarmProcess | None:
         opened: list[int] = []
         fds = []
         for i, stream in enumerate(streams):
@@ -223,7 +247,7 @@ class WarmStarter:
                 fds.append(stream.fileno())
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         request = {"argv": args, "env": env, "cwd": os.path.abspath(cwd or os.getcwd()),
-                   "session": bool(start_new_session), "extra_fds": len(pass_fds)}
+                   "session": bool(start_new_session), "extra_fds": len(pass_fds), "death_signal": int(death_signal)}
         try:
             socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"],
                             [theirs.fileno(), *fds, *pass_fds])

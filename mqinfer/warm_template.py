@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from mqinfer.procs import die_with_parent, set_owner, short_openmp_spin
-from mqinfer.warm_start import ARGV_ROOM, import_settings
+from mqinfer.warm_start import ARGV_ROOM, ENTRY_POINTS, entry_point, import_settings
 
 # What a worker imports before it reads its first request.
 PRELOAD = ("mqinfer.cli", "mqinfer.workers.queue.worker", "mqinfer.workers.engine.core", "mqinfer.ops.metrics")
@@ -40,7 +40,8 @@ def main(argv: list[str]) -> int:
     """``FD PADDING``: serve the one owner on socket FD, and exit when it is gone. ``--listen PATH
     PADDING``: serve every process that connects to the Unix socket PATH, until this process's
     parent is gone. Either way, the workers of an owner whose connection ends (it exited or was
-    killed) get SIGTERM, as a cold worker does when its parent dies."""
+    killed) get their death signal (SIGTERM, a rank SIGKILL), as a cold one does when its parent
+    dies."""
     listener = None
     owners: dict[int, _Owner] = {}
     if len(argv) < 3 and argv[:1] == ["--listen"]:  # started by hand: again, with room for the workers' command lines
@@ -97,7 +98,7 @@ def main(argv: list[str]) -> int:
                     pid = _fork(dict(request, owner=owner.pid), fds, import_env if forkable else None, own)
                     if pid is not None:
                         replies[pid] = socket.socket(fileno=fds[0])
-                        owner.children.add(pid)
+                        owner.children[pid] = request.get("death_signal", signal.SIGTERM)
         return 0
     finally:
         for reply in replies.values():
@@ -111,7 +112,7 @@ class _Owner:
         self.conn = conn
         self.pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                              struct.calcsize("3i")))
-        self.children: set[int] = set()
+        self.children: dict[int, int] = {}  # pid: the signal it gets when this owner is gone
         self._buffer = b""
 
     def receive(self) -> list[tuple[dict, list[int]]] | None:
@@ -132,9 +133,9 @@ class _Owner:
         return [(json.loads(line), fds)]
 
     def stop_children(self) -> None:
-        for pid in self.children:
+        for pid, sig in self.children.items():
             try:
-                os.kill(pid, signal.SIGTERM)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
 
@@ -160,7 +161,7 @@ def _drain(fd: int) -> None:
 def _reap(replies: dict[int, socket.socket], owners: dict[int, _Owner]) -> None:
     for pid, status in reaped():
         for owner in owners.values():
-            owner.children.discard(pid)
+            owner.children.pop(pid, None)
         reply = replies.pop(pid, None)
         if reply is not None:
             report(reply, {"status": status})
@@ -192,9 +193,9 @@ def _fork(request: dict, fds: list[int], import_env: dict[str, str] | None, own:
     it is to start cold: its import-time environment differs from this process's (``import_env``;
     None: no command can be forked here)."""
     reply = socket.socket(fileno=os.dup(fds[0]))
-    if import_env is None or import_settings(request["env"]) != import_env:
+    if import_env is None or import_settings(request["env"]) != import_env or not entry_point(request["argv"]):
         try:
-            reply.sendall(json.dumps({"cold": "not forked here (import-time environment or CUDA)"}).encode()
+            reply.sendall(json.dumps({"cold": "not forked here (import-time environment, CUDA or command)"}).encode()
                           + b"\n")
         except OSError:
             pass
@@ -205,7 +206,8 @@ def _fork(request: dict, fds: list[int], import_env: dict[str, str] | None, own:
     streams, extra = fds[1:4], fds[4:]
     sys.stdout.flush()
     sys.stderr.flush()
-    orphaned = die_with_parent()  # made here: it checks the child's parent against this pid
+    # Made here: it checks the child's parent against this pid.
+    orphaned = die_with_parent(request.get("death_signal", signal.SIGTERM))
     pid = os.fork()
     if pid == 0:
         code = 1
@@ -237,7 +239,7 @@ def _child(request: dict, reply: socket.socket, streams: list[int], extra: list[
     for fd in inherited:
         os.close(fd)
     if orphaned is not None:
-        orphaned()  # SIGTERM when the template dies, as a cold worker gets when its parent does
+        orphaned()  # its death signal when the template dies, as a cold one gets when its parent does
     set_owner(request["owner"])  # the process it works for, which it outlives only a moment
     if request["session"]:
         os.setsid()
@@ -265,12 +267,16 @@ def _child(request: dict, reply: socket.socket, streams: list[int], extra: list[
     argv = request["argv"]
     retitle(argv)
     atexit._clear()
-    sys.argv = ["mqinfer", *argv[4:]]
+    module, args = argv[3], argv[4:]
+    sys.argv = [module, *args]
     code = 0
     try:
-        from mqinfer.cli import main as cli_main
-
-        code = cli_main(argv[4:])
+        if module == "mqinfer":
+            from mqinfer.cli import main
+        else:  # the module's function that `python -m MODULE` runs
+            where, name = ENTRY_POINTS[module]
+            main = getattr(importlib.import_module(where), name)
+        code = main(args)
     except SystemExit as exc:
         code = exit_code(exc.code)
     except KeyboardInterrupt:

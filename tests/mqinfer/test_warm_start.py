@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +178,30 @@ def test_a_run_gives_the_same_greedy_rows_with_forked_and_cold_workers(tmp_path)
         assert done.returncode == 0, done.stderr
         texts[warm] = {r["id"]: (r["text"], r["output_tokens"]) for r in rows(out / "results")}
     assert len(texts["1"]) == 6 and texts["1"] == texts["0"]
+
+
+def test_a_tensor_parallel_rank_is_forked_and_killed_with_its_owner(starter, tmp_path):
+    """A worker's other ranks come from the template too (its entry points), over the pipes the
+    worker hands it; a rank ignores SIGTERM, so it gets SIGKILL when its owner's connection ends."""
+    argv = [*mqinfer_command()[:-1], "mqinfer.workers.engine.tp_rank", "--init", f"file://{tmp_path / 'rendezvous'}",
+            "--rank", "1", "--size", "2", "--device", "cpu"]
+    to_rank, from_rank = os.pipe(), os.pipe()
+    proc = starter.popen(argv, stdin=to_rank[0], stdout=from_rank[1], death_signal=signal.SIGKILL)
+    for fd in (to_rank[0], from_rank[1]):
+        os.close(fd)
+    try:
+        assert isinstance(proc, WarmProcess)
+        with os.fdopen(from_rank[0], "rb") as said:
+            assert said.readline() == b"started\n"  # the rank's own entry point ran in the fork
+        assert int(_stat(proc.pid)[1]) == starter.template_pid
+        shown = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert [p.decode() for p in shown if p] == argv
+        os.kill(proc.pid, signal.SIGTERM)  # ignored: its worker decides when it stops
+        time.sleep(0.5)
+        assert _alive(proc.pid) and proc.poll() is None
+        starter.close()  # the owner's connection ends, as when the owner dies
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        os.close(to_rank[1])
+        if _alive(proc.pid):
+            os.kill(proc.pid, signal.SIGKILL)

@@ -22,7 +22,8 @@ import tempfile
 import msgspec
 import torch
 
-from mqinfer.procs import die_with_parent
+from mqinfer.procs import die_with_parent, mqinfer_command
+from mqinfer.warm_start import SHARED, WarmStarter
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.schemas import faults
 from mqinfer.workers.heap import freeze_startup_heap
@@ -32,6 +33,8 @@ from mqinfer.workers.engine.parallel import (
     PLAN_DECODER, Group, RankFailure, RankSettings, init_group, rank_parts, read_frame, use_device, write_frame,
 )
 from mqinfer.workers.engine.pipeline import StageRunner, join_pipeline
+
+log = logging.getLogger(__name__)
 
 
 def _join(init_method: str, rank: int, size: int, pipeline: int, device: str,
@@ -45,7 +48,11 @@ def _join(init_method: str, rank: int, size: int, pipeline: int, device: str,
 class Leader:
     """Rank 0: starts the other ranks, joins the group with them, sends them their messages (over
     their standard input) and hears from them when they are ready (over their standard output),
-    and watches that they live. A rank that dies closes its pipes, so rank 0 never waits on it."""
+    and watches that they live. A rank that dies closes its pipes, so rank 0 never waits on it.
+
+    Where the worker can reach a shared warm template (``MQINFER_WARM_TEMPLATE``,
+    :mod:`mqinfer.warm_start`), the other ranks are forked from it instead of importing PyTorch and
+    the engine each; either way each gets SIGKILL when this process dies."""
 
     def __init__(self, devices: list[str], pipeline: int = 1) -> None:
         """``devices``: each rank's, in rank order; ``pipeline``: the pipeline stages they make
@@ -56,30 +63,54 @@ class Leader:
             raise ValueError(f"{self.size} ranks do not make {pipeline} pipeline stages")
         self._dir = tempfile.mkdtemp(prefix="mqinfer-tp-")
         init = "file://" + os.path.join(self._dir, "rendezvous")
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list = []  # subprocess.Popen, or WarmProcess where forked
+        self._to: list = []  # each rank's standard input (binary file), in rank order
+        self._from: list = []  # and its standard output
         self.group: Group | None = None
+        # Only a template that is already running: a template of this worker's own would import
+        # as much as the ranks it saves it from.
+        self._starter = WarmStarter() if os.environ.get(SHARED) else None
         try:
             use_device(devices[0])
             for rank in range(1, self.size):
-                argv = [sys.executable, "-P", "-m", "mqinfer.workers.engine.tp_rank", "--init", init, "--rank", str(rank),
+                argv = [*mqinfer_command()[:-1], "mqinfer.workers.engine.tp_rank", "--init", init, "--rank", str(rank),
                         "--size", str(self.size), "--device", devices[rank], "--pipeline", str(pipeline)]
-                # SIGKILL: a rank must not outlive its worker, whatever the worker was doing.
-                self.procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   preexec_fn=die_with_parent(9)))
+                self._start(argv)
+                log.info("started %s (pid %d)", self.name(rank), self.procs[-1].pid)
             self._hear("started")  # every rank has its device and is about to join
             self.group = _join(init, 0, self.size, pipeline, devices[0], self)
         except BaseException:
             self.close()
             raise
 
+    def _start(self, argv: list[str]) -> None:
+        """Start one rank, its standard input and output being pipes to this process."""
+        to_rank, from_rank = os.pipe(), os.pipe()
+        try:
+            # SIGKILL: a rank must not outlive its worker, whatever the worker was doing.
+            if self._starter is not None:
+                proc = self._starter.popen(argv, stdin=to_rank[0], stdout=from_rank[1], death_signal=signal.SIGKILL)
+            else:
+                proc = subprocess.Popen(argv, stdin=to_rank[0], stdout=from_rank[1],
+                                        preexec_fn=die_with_parent(signal.SIGKILL))
+        except BaseException:
+            for fd in (*to_rank, *from_rank):
+                os.close(fd)
+            raise
+        os.close(to_rank[0])
+        os.close(from_rank[1])
+        self.procs.append(proc)
+        self._to.append(os.fdopen(to_rank[1], "wb"))
+        self._from.append(os.fdopen(from_rank[0], "rb"))
+
     def _hear(self, word: str) -> None:
         """Wait for a line ``word`` from every other rank, failing at once if one exits instead."""
-        waiting = {proc.stdout.fileno(): rank for rank, proc in enumerate(self.procs, start=1)}
+        waiting = {out.fileno(): rank for rank, out in enumerate(self._from, start=1)}
         while waiting:
             ready, _, _ = select.select(list(waiting), [], [], 1.0)
             for fd in ready:
                 rank = waiting.pop(fd)
-                line = self.procs[rank - 1].stdout.readline().decode(errors="replace").strip()
+                line = self._from[rank - 1].readline().decode(errors="replace").strip()
                 if line != word:
                     self.procs[rank - 1].wait(timeout=30)
                     self.check_alive()
@@ -101,9 +132,9 @@ class Leader:
 
     def send(self, message: msgspec.Struct | None) -> None:
         """One message to every other rank (None: stop)."""
-        for rank, proc in enumerate(self.procs, start=1):
+        for rank, inbox in enumerate(self._to, start=1):
             try:
-                write_frame(proc.stdin, message)
+                write_frame(inbox, message)
             except (BrokenPipeError, OSError) as exc:
                 self.check_alive()
                 raise RankFailure(f"{self.name(rank)} is gone ({exc})") from None
@@ -123,10 +154,10 @@ class Leader:
     def close(self) -> None:
         """Tell the other ranks to stop, wait a little, then end those that remain."""
         group, self.group = self.group, None
-        for proc in self.procs:
+        for inbox in self._to:
             try:
-                write_frame(proc.stdin, None)
-                proc.stdin.close()
+                write_frame(inbox, None)
+                inbox.close()
             except OSError:  # a rank is gone: nothing to tell it
                 pass
         for proc in self.procs:
@@ -135,8 +166,10 @@ class Leader:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-            if proc.stdout is not None:
-                proc.stdout.close()
+        for out in self._from:
+            out.close()
+        if self._starter is not None:
+            self._starter.close()
         if group is not None:
             group.close()
         shutil.rmtree(self._dir, ignore_errors=True)
