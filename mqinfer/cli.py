@@ -263,20 +263,20 @@ def redis_problem(exc: Exception, url: str | None) -> str:
 
 # -- worker ----------------------------------------------------------------------------------
 def cmd_worker(args, opts: dict) -> int:
-    from mqinfer.ops.budgets import BudgetGuard, load_budgets
-    from mqinfer.ops.metrics import WorkerMetrics
-    from mqinfer.schemas.connection import connect_redis
-    from mqinfer.workers.queue.worker import Worker
-
+    from mqinfer.schemas.dataset_uri import out_location
     from mqinfer.workers import devices
 
-    from mqinfer.schemas.dataset_uri import out_location
-
+    # The settings are checked before the engine (PyTorch) is imported: a bad one is refused at once.
     config = worker_config(opts, redis_url=opts["redis"], out=out_location(opts["out"]))
     try:  # a device that does not exist is refused before anything waits for Redis
         devices.engine_rank_devices(config.engine)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    from mqinfer.ops.budgets import BudgetGuard, load_budgets
+    from mqinfer.ops.metrics import WorkerMetrics
+    from mqinfer.schemas.connection import connect_redis
+    from mqinfer.workers.queue.worker import Worker
+
     # The worker gets its metrics and budget guard from here: workers/ never imports ops/.
     guard = None
     if config.budgets is not None:

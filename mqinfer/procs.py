@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import signal
 import sys
@@ -24,7 +25,9 @@ _PR_SET_PDEATHSIG = 1
 OPENMP_SPIN_COUNT = "3000"
 
 
+@functools.cache
 def _libc():
+    # Once per process: find_library runs `ldconfig -p` (a fork of this process) each time.
     name = ctypes.util.find_library("c")
     return ctypes.CDLL(name, use_errno=True) if name else None
 
