@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests import zygote
-from tests.helpers import children_of, mqinfer_cmd, wait_until
+from tests.helpers import children_of, mqinfer_cmd, rows, wait_until
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the zygote is Linux-only")
 
@@ -100,3 +100,20 @@ def test_only_what_a_fork_can_match_is_forked():
     seed = os.environ.get("PYTHONHASHSEED", "") + "1"
     assert not zygote.servable(mqinfer_cmd("worker"), {"env": dict(os.environ, PYTHONHASHSEED=seed)})
     assert not zygote.servable(mqinfer_cmd("worker"), {"env": dict(os.environ, OMP_NUM_THREADS="x")})
+
+
+
+@needs_zygote
+def test_a_forked_worker_runs_torch_on_several_threads(redis_url, tmp_path):
+    """The zygote runs no operation on several threads before it forks: OpenMP's team would be
+    missing from every child, whose first parallel region would then wait forever."""
+    from mqinfer.client import Producer
+
+    Producer(redis_url, stream="zygote-threads").submit_many(
+        [{"id": "r0", "prompt_token_ids": [256] + [65] * 40, "max_tokens": 4, "temperature": 0.0}])
+    env = dict(os.environ, OMP_NUM_THREADS="2", MQINFER_LOG_LEVEL="warning")
+    done = zygote.run(mqinfer_cmd("worker", "--redis", redis_url, "--out", str(tmp_path / "out"), "--stream",
+                                  "zygote-threads", "--num-threads", "2", "--idle-exit-s", "0.5"),
+                      env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [r["id"] for r in rows(tmp_path / "out" / "results")] == ["r0"]

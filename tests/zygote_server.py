@@ -7,8 +7,8 @@ passed as file descriptors (SCM_RIGHTS). The child reports ``{"pid": ...}`` (or 
 kept it from starting) on that connection; once the zygote has reaped it, it sends
 ``{"pid": ..., "status": <wait status>}`` and closes the connection.
 
-The zygote itself starts no thread and runs no torch operation, so that forking it is safe: it
-only imports. It exits when the test process that started it is gone.
+The zygote itself starts no thread and runs torch on one thread only (the tiny model's weights),
+so that forking it is safe. It exits when the test process that started it is gone.
 """
 
 from __future__ import annotations
@@ -57,10 +57,17 @@ def serve(path: str) -> None:
     short_openmp_spin()  # what `mqinfer`'s main does before anything imports torch
     for name in PRELOAD:
         __import__(name)
-    # Most commands the tests start load the built-in tiny model: its weights are made here once.
+    # Most commands the tests start load the built-in tiny model: its weights are made here once,
+    # on this thread alone. An operation on several threads would start OpenMP's team here, and a
+    # forked child's first parallel region would wait forever on threads the fork did not copy.
+    import torch
+
     from mqinfer.workers.engine.loader import _tiny_checkpoint
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     _tiny_checkpoint()
+    torch.set_num_threads(threads)
     # As the warm template does: the children's collections leave the shared pages alone.
     gc.collect()
     gc.freeze()

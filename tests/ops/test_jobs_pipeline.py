@@ -30,16 +30,18 @@ def jobs_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
                       env=dict(os.environ, MQINFER_LOG_LEVEL="warning"))
 
 
-def start(cmd: list[str], log: Path) -> subprocess.Popen:
+def start(cmd: list[str], log: Path, *, forked: bool = False) -> subprocess.Popen:
+    """``cmd`` with its output in ``log``; ``forked``: from the test zygote (tests/zygote.py)."""
     env = dict(os.environ, MQINFER_LOG_LEVEL="warning")
     with open(log, "ab") as f:
-        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+        return (zygote.popen if forked else subprocess.Popen)(cmd, env=env, stdin=subprocess.DEVNULL, stdout=f,
+                                                              stderr=subprocess.STDOUT)
 
 
 def start_inference(url: str, out: Path, *extra: str) -> subprocess.Popen:
     out.mkdir(parents=True, exist_ok=True)
     return start(mqinfer_cmd("worker", "--redis", url, "--out", str(out), *WORKER_FLAGS, *extra),
-                 out.parent / f"{out.name}.log")
+                 out.parent / f"{out.name}.log", forked=True)
 
 
 def start_rq(url: str, log: Path, *extra: str) -> subprocess.Popen:
