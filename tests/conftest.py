@@ -56,11 +56,15 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 def pytest_configure(config):
-    """Each test process keeps one warm template (mqinfer.warm_start) that the runs and benches the
-    tests start fork their workers from, instead of each run importing the engine once more in a
-    template of its own. Off, like the test zygote, with MQINFER_TEST_NO_ZYGOTE=1."""
-    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
-        return  # the xdist controller runs no test
+    """One warm template (mqinfer.warm_start) for the whole session, which the runs, benches and
+    parallel workers the tests start fork their workers and ranks from, instead of each run
+    importing the engine once more in a template of its own. The xdist controller starts it before
+    the test processes, which inherit its path (each importing the engine in a template of its own
+    cost 2.5 s of CPU more per process). Off, like the test zygote, with MQINFER_TEST_NO_ZYGOTE=1."""
+    from mqinfer.warm_start import SHARED
+
+    if hasattr(config, "workerinput") and os.environ.get(SHARED):
+        return  # a test process of xdist's: the controller's template serves it
     if os.environ.get("MQINFER_TEST_NO_ZYGOTE", "") not in ("", "0") or not sys.platform.startswith("linux"):
         return
     import atexit
@@ -69,7 +73,7 @@ def pytest_configure(config):
     import tempfile
 
     from mqinfer.procs import die_with_parent, mqinfer_command
-    from mqinfer.warm_start import ARGV_ROOM, SHARED
+    from mqinfer.warm_start import ARGV_ROOM
 
     folder = tempfile.mkdtemp(prefix="mqinfer-template-")
     path = os.path.join(folder, "socket")
