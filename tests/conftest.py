@@ -58,15 +58,21 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def pytest_configure(config):
     """One warm template (mqinfer.warm_start) for the whole session, which the runs, benches and
     parallel workers the tests start fork their workers and ranks from, instead of each run
-    importing the engine once more in a template of its own. The xdist controller starts it before
-    the test processes, which inherit its path (each importing the engine in a template of its own
-    cost 2.5 s of CPU more per process). Off, like the test zygote, with MQINFER_TEST_NO_ZYGOTE=1."""
+    importing the engine once more in a template of its own; and one test zygote
+    (tests/zygote.py). The xdist controller starts both before the test processes, which inherit
+    their paths (each importing the engine in a template and a zygote of its own cost about 5 s of
+    CPU more per process). Off, like the test zygote, with MQINFER_TEST_NO_ZYGOTE=1."""
     from mqinfer.warm_start import SHARED
+    from tests import zygote
 
     if hasattr(config, "workerinput") and os.environ.get(SHARED):
         return  # a test process of xdist's: the controller's template serves it
-    if os.environ.get("MQINFER_TEST_NO_ZYGOTE", "") not in ("", "0") or not sys.platform.startswith("linux"):
+    if not zygote.enabled():
         return
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        # Likewise the test zygote (tests/zygote.py), which a single test process starts at its
+        # first command.
+        zygote.start_shared()
     import atexit
     import signal
     import subprocess

@@ -38,6 +38,10 @@ from pathlib import Path
 from mqinfer.warm_start import ARGV_ROOM, import_settings
 
 SWITCH = "MQINFER_TEST_NO_ZYGOTE"
+# The socket of a zygote that serves every test process of the session (the xdist controller
+# starts it: tests/conftest.py), read when this module is imported (tests that clear MQINFER_*
+# variables keep it); unset, each test process starts its own at its first command.
+SHARED = "MQINFER_TEST_ZYGOTE"
 ROOT = Path(__file__).resolve().parent.parent
 _PREFIX = [sys.executable, "-m", "mqinfer"]
 _HEADER = struct.Struct("!I")
@@ -245,15 +249,18 @@ class _Zygote:
         self._proc: subprocess.Popen | None = None
         self._folder: Path | None = None
         self._broken: str | None = None
+        self._shared = os.environ.get(SHARED)
 
     def connect(self) -> socket.socket | None:
         """A connection to the zygote (started if need be), None where it cannot be had."""
         with self._lock:
             if self._broken:
                 return None
-            if self._proc is None:
-                self._start()
-            path = str(self._folder / "socket")
+            path = self._shared
+            if not path:
+                if self._proc is None:
+                    self._start()
+                path = str(self._folder / "socket")
         deadline = time.monotonic() + 60
         while True:
             conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -262,13 +269,20 @@ class _Zygote:
                 return conn
             except (FileNotFoundError, ConnectionRefusedError):
                 conn.close()
-            if self._proc.poll() is not None:
+            if self._proc is not None and self._proc.poll() is not None:
                 self.broken(f"it exited with {self._proc.returncode}")
                 return None
             if time.monotonic() > deadline:
                 self.broken("its socket did not appear within 60 s")
                 return None
             time.sleep(0.01)
+
+    def start_shared(self) -> None:
+        """Start the zygote now, for this process and the processes it starts (``SHARED``)."""
+        if enabled():
+            with self._lock:
+                self._start()
+            os.environ[SHARED] = str(self._folder / "socket")
 
     def _start(self) -> None:
         self._folder = Path(tempfile.mkdtemp(prefix="mqinfer-zygote-"))
@@ -305,3 +319,9 @@ class _Zygote:
 
 
 _ZYGOTE = _Zygote()
+
+
+def start_shared() -> None:
+    """Start this process's zygote now and name its socket in ``SHARED``, so that the processes
+    this one starts afterwards (xdist's test processes) use it instead of starting their own."""
+    _ZYGOTE.start_shared()
