@@ -22,7 +22,7 @@ starts the command cold, as ``subprocess.Popen``. ``MQINFER_WARM_START=0`` turns
 
 ``MQINFER_WARM_TEMPLATE=PATH`` names the Unix socket of a template that serves several owners
 (``python -m mqinfer.warm_template --listen PATH``), so that runs started one after
-another on a machine do not each import the engine: the test suite starts one per test process.
+another on a machine do not each import the engine: the test suite starts one for its whole session.
 A worker forked there gets SIGTERM (a rank SIGKILL) when its owner's connection ends, the owner
 killed included.
 """

@@ -102,7 +102,6 @@ def test_only_what_a_fork_can_match_is_forked():
     assert not zygote.servable(mqinfer_cmd("worker"), {"env": dict(os.environ, OMP_NUM_THREADS="x")})
 
 
-
 @needs_zygote
 def test_a_forked_worker_runs_torch_on_several_threads(redis_url, tmp_path):
     """The zygote runs no operation on several threads before it forks: OpenMP's team would be

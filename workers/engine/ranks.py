@@ -22,7 +22,7 @@ import tempfile
 import msgspec
 import torch
 
-from mqinfer.procs import die_with_parent, mqinfer_command
+from mqinfer.procs import mqinfer_command
 from mqinfer.warm_start import SHARED, WarmStarter
 from mqinfer.scheduler.config import SchedulerConfig
 from mqinfer.schemas import faults
@@ -67,9 +67,9 @@ class Leader:
         self._to: list = []  # each rank's standard input (binary file), in rank order
         self._from: list = []  # and its standard output
         self.group: Group | None = None
-        # Only a template that is already running: a template of this worker's own would import
-        # as much as the ranks it saves it from.
-        self._starter = WarmStarter() if os.environ.get(SHARED) else None
+        # Forked only from a shared template: one of this worker's own would import as much as the
+        # ranks it saves them from. Without one, each rank starts cold.
+        self._starter = WarmStarter(warm=None if os.environ.get(SHARED) else False)
         try:
             use_device(devices[0])
             for rank in range(1, self.size):
@@ -88,11 +88,7 @@ class Leader:
         to_rank, from_rank = os.pipe(), os.pipe()
         try:
             # SIGKILL: a rank must not outlive its worker, whatever the worker was doing.
-            if self._starter is not None:
-                proc = self._starter.popen(argv, stdin=to_rank[0], stdout=from_rank[1], death_signal=signal.SIGKILL)
-            else:
-                proc = subprocess.Popen(argv, stdin=to_rank[0], stdout=from_rank[1],
-                                        preexec_fn=die_with_parent(signal.SIGKILL))
+            proc = self._starter.popen(argv, stdin=to_rank[0], stdout=from_rank[1], death_signal=signal.SIGKILL)
         except BaseException:
             for fd in (*to_rank, *from_rank):
                 os.close(fd)
@@ -168,8 +164,7 @@ class Leader:
                 proc.wait()
         for out in self._from:
             out.close()
-        if self._starter is not None:
-            self._starter.close()
+        self._starter.close()
         if group is not None:
             group.close()
         shutil.rmtree(self._dir, ignore_errors=True)
