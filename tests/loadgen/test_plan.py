@@ -818,8 +818,8 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
     from mqinfer.loadgen.plan import calibrate as plan_calibrate
     from mqinfer.loadgen.plan import pipeline as plan_pipeline
 
-    # Fewer and smaller decode batches to calibrate, and a smaller workload for the pipeline runs:
-    # the same path, quicker. The busy engines beside the timed one are the other calibration
+    # Fewer and smaller batches to calibrate (a KV cache too small for 32 long contexts leaves that
+    # decode batch out), and a smaller workload for the pipeline runs: the same path, quicker. The busy engines beside the timed one are the other calibration
     # test's (their processes cost seconds of both cores).
     monkeypatch.setattr(plan_pipeline, "PIPELINE_REQUESTS", 12)
     monkeypatch.setattr(plan_calibrate, "contention_probes", lambda config: 0)
@@ -827,7 +827,8 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
     # A target any machine meets, however busy while it calibrates: the plan exits 1 when its
     # target is not met, and this test is about the calibration, not this machine's speed.
     argv = ["--workload", "standard", "--num-requests", "64", "--rate", "10", "--device", "cpu", "--format", "json",
-            "--max-num-seqs", "32", "--slo-ttft-p99-ms", "60000"]
+            "--max-num-seqs", "32", "--max-num-batched-tokens", "512", "--num-kv-blocks", "512",
+            "--slo-ttft-p99-ms", "60000"]
     code, out, err = _run(capsys, *argv, "--calibrate")
     assert code == 0, err[-3000:]
     first = json.loads(out)
