@@ -27,6 +27,35 @@ def test_allocate_takes_least_recently_used_first_and_counts_owners():
         pool.allocate(5)
 
 
+def test_a_large_pool_makes_its_blocks_as_they_are_handed_out():
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        pool = BlockPool(1_000_000)
+        made_at_start = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    # A block object each would be about 100 MB; the pool starts with none of them.
+    assert made_at_start < 100_000
+    assert pool.num_free_blocks == 1_000_000 and pool.usage == 0.0
+    assert [x.block_id for x in pool.allocate(3)] == [0, 1, 2]
+    assert pool.num_free_blocks == 999_997
+
+    pool = BlockPool(6)
+    a, b, c = pool.allocate(3)
+    h = hash_block_tokens(None, [1, 2])
+    assert pool.cache_block(b, h, [1, 2])
+    pool.free([c, b, a])
+    # Uncached blocks go ahead of the never used ones, the cached one after them all.
+    assert free_ids(pool) == [0, 2, 3, 4, 5, 1]
+    assert pool.lookup(h, [1, 2]) is b
+    pool.touch([b])
+    assert free_ids(pool) == [0, 2, 3, 4, 5] and pool.num_free_blocks == 5
+    assert [x.block_id for x in pool.allocate(4)] == [0, 2, 3, 4]
+    assert [x.block_id for x in pool.blocks] == list(range(6))
+
+
 def test_chained_hash_depends_on_parent_tokens_and_extra_key():
     h1 = hash_block_tokens(None, [1, 2, 3])
     assert h1 == hash_block_tokens(None, (1, 2, 3))
