@@ -36,7 +36,7 @@ import redis
 
 from mqinfer.schemas.connection import connect
 
-from mqinfer.procs import die_with_parent
+from mqinfer.procs import with_death_signal
 
 log = logging.getLogger(__name__)
 
@@ -270,13 +270,15 @@ class EmbeddedServer:
         if self.unix_socket:
             self.socket_path = _socket_path(self.data_dir)
             args += ["--unixsocket", self.socket_path, "--unixsocketperm", "700"]
+        # If we are killed outright, the server stops too (a death signal).
+        args, preexec = with_death_signal(args)
         self.process = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,  # Ctrl-C reaches us, and we stop the server in order
-            preexec_fn=die_with_parent(),  # and if we are killed outright, the server stops too
+            preexec_fn=preexec,
         )
         try:
             self.process.stdin.write(f"requirepass {_config_string(self.password)}\n".encode())

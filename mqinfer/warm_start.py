@@ -42,7 +42,7 @@ import sys
 import threading
 import time
 
-from mqinfer.procs import OPENMP_SPIN_COUNT, die_with_parent, mqinfer_command, process_gone
+from mqinfer.procs import OPENMP_SPIN_COUNT, mqinfer_command, process_gone, with_death_signal
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +193,10 @@ class WarmStarter:
                 conn.close()
                 log.warning("%s=%s cannot be used (%s): starting a template of this run's own", SHARED, shared, exc)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._template = subprocess.Popen(
-            [*mqinfer_command()[:-1], "mqinfer.warm_template", str(theirs.fileno()), "." * ARGV_ROOM],
-            stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), preexec_fn=die_with_parent(signal.SIGKILL))
+        argv, preexec = with_death_signal(
+            [*mqinfer_command()[:-1], "mqinfer.warm_template", str(theirs.fileno()), "." * ARGV_ROOM], signal.SIGKILL)
+        self._template = subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
+                                          preexec_fn=preexec)
         theirs.close()
         self._conn, self._template_pid = mine, self._template.pid
 
@@ -225,9 +226,9 @@ class WarmStarter:
                     return forked
             except (OSError, EOFError, ValueError) as exc:
                 self._give_up(exc)
-        return subprocess.Popen(args, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
-                                start_new_session=start_new_session, cwd=cwd,
-                                preexec_fn=die_with_parent(death_signal))
+        argv, preexec = with_death_signal(list(args), death_signal)
+        return subprocess.Popen(argv, env=env, stdin=stdin, stdout=stdout, stderr=stderr, pass_fds=pass_fds,
+                                start_new_session=start_new_session, cwd=cwd, preexec_fn=preexec)
 
     def _fork(self, args, env, streams, pass_fds, start_new_session, cwd, death_signal) -> WarmProcess | None:
         opened: list[int] = []

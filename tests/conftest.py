@@ -78,13 +78,14 @@ def pytest_configure(config):
     import subprocess
     import tempfile
 
-    from mqinfer.procs import die_with_parent, mqinfer_command
+    from mqinfer.procs import mqinfer_command, with_death_signal
     from mqinfer.warm_start import ARGV_ROOM
 
     folder = tempfile.mkdtemp(prefix="mqinfer-template-")
     path = os.path.join(folder, "socket")
-    template = subprocess.Popen([*mqinfer_command()[:-1], "mqinfer.warm_template", "--listen", path, "." * ARGV_ROOM],
-                                stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(signal.SIGKILL))
+    argv, preexec = with_death_signal(
+        [*mqinfer_command()[:-1], "mqinfer.warm_template", "--listen", path, "." * ARGV_ROOM], signal.SIGKILL)
+    template = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec)
     os.environ[SHARED] = path
 
     def stop() -> None:

@@ -294,20 +294,13 @@ class GrammarChecker:
     def _started(self) -> subprocess.Popen:
         if self._proc is not None and self._proc.poll() is None:
             return self._proc
-        from mqinfer.procs import die_with_parent
+        from mqinfer.procs import with_death_signal
 
         env = dict(os.environ, MQINFER_GRAMMAR_CHECK_STACK=str(self.stack_bytes))
-        orphan_guard = die_with_parent(signal.SIGKILL)
-
-        def preexec() -> None:
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected: no core file
-            if orphan_guard is not None:
-                orphan_guard()
-
-        self._proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "mqinfer.workers.engine.grammar_check"], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, preexec_fn=preexec,
-        )
+        argv, preexec = with_death_signal([sys.executable, "-P", "-m", "mqinfer.workers.engine.grammar_check"],
+                                          signal.SIGKILL)
+        self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, env=env, preexec_fn=preexec)
         self._buffer = b""
         hello = {"tokenizer": self._tokenizer, "json_options": self._json_options}
         self._proc.stdin.write(json.dumps(hello).encode() + b"\n")
@@ -390,6 +383,7 @@ def _serve(stdin, stdout) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a crash here is expected: no core file
     return _serve(sys.stdin, sys.stdout)
 
 
