@@ -84,7 +84,7 @@ def with_death_signal(argv: list[str], sig: int = signal.SIGTERM
     (and a shell that checks the parent is still there once the signal is set, as
     ``die_with_parent`` does), and there is no ``preexec_fn``, so Popen starts the child with
     vfork. A ``preexec_fn`` forces a full fork, which marks every page of this process
-    copy-on-write: each page it writes after that faults once, about 0.3 s of CPU per GB it touches
+    copy-on-write: each page it writes after that faults once, about 0.37 s of CPU per GB it writes
     again (measured), paid for every child that a process holding a model starts. Elsewhere,
     ``argv`` as it is and ``die_with_parent(sig)``.
     """
