@@ -191,40 +191,43 @@ class BlockPool:
         blocks, least recently used first, and the walk is skipped until a block is freed again.
         Blocks never handed out hold nothing: each is unprotected.
         """
-        protected = self._protected
         skipped: list[int] = []
-        need = num_blocks
-        for part in (self._front, None, self._back):
-            if part is None:
-                need -= min(need, self.num_blocks - self._next_fresh)
-                if need == 0:
-                    break
-                continue
-            for block in part.values():
-                block_hash = block.block_hash
-                if block_hash is not None:
-                    if protected is None:
-                        protected = self._protected = self._protect()
-                        if not protected:
-                            self._protect = None  # nothing to protect: plain LRU until reinstalled
-                            return
-                    if block_hash in protected:
-                        skipped.append(block.block_id)
-                        continue
-                need -= 1
-                if need == 0:
-                    break
-            if need == 0:
-                break
-        else:
+        need = self._count_unprotected(self._front, num_blocks, skipped)
+        if need:
+            need -= min(need, self.num_blocks - self._next_fresh)
+            if need:
+                need = self._count_unprotected(self._back, need, skipped)
+        if need is None:
+            return  # nothing to protect: plain LRU until reinstalled
+        if need:
             self._all_free_protected = True
-        front, back = self._front, self._back
         for block_id in skipped:
-            block = front.pop(block_id, None)
-            if block is None:
-                back.move_to_end(block_id)
-            else:
-                back[block_id] = block
+            self._back[block_id] = self._unlink_free(block_id)
+
+    def _count_unprotected(self, part: OrderedDict[int, KVBlock], need: int, skipped: list[int]) -> int | None:
+        """Walk ``part`` of the free list, counting ``need`` down over its unprotected blocks and
+        listing in ``skipped`` the protected ones met before it reaches 0; what is left of
+        ``need``, or None when the protection turns out to hold nothing."""
+        for block in part.values():
+            block_hash = block.block_hash
+            if block_hash is not None:
+                if self._protected is None:
+                    self._protected = self._protect()
+                    if not self._protected:
+                        self._protect = None
+                        return None
+                if block_hash in self._protected:
+                    skipped.append(block.block_id)
+                    continue
+            need -= 1
+            if need == 0:
+                return 0
+        return need
+
+    def _unlink_free(self, block_id: int) -> KVBlock:
+        """Take a free block that was handed out before out of the free list."""
+        block = self._front.pop(block_id, None)
+        return self._back.pop(block_id) if block is None else block
 
     def lookup(self, block_hash: BlockHash, token_ids: Sequence[int]) -> KVBlock | None:
         """The cached block holding exactly ``token_ids`` under ``block_hash``, or None."""
@@ -235,10 +238,9 @@ class BlockPool:
 
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Add one owner to each block (a prefix-cache hit); a free one leaves the free list."""
-        front, back = self._front, self._back
         for block in blocks:
-            if block.ref_cnt == 0 and front.pop(block.block_id, None) is None:
-                del back[block.block_id]
+            if block.ref_cnt == 0:
+                self._unlink_free(block.block_id)
             block.ref_cnt += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:
@@ -287,8 +289,7 @@ class BlockPool:
                 del self._cached[block_hash]
                 block.block_hash = None
                 block.token_ids = None
-                if self._front.pop(block.block_id, None) is None:
-                    del self._back[block.block_id]
+                self._unlink_free(block.block_id)
                 self._front[block.block_id] = block
                 self._front.move_to_end(block.block_id, last=False)
                 dropped += 1
