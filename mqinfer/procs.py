@@ -6,7 +6,8 @@ its parent dies (``PR_SET_PDEATHSIG``); elsewhere this is a no-op and the run's 
 stops leftovers on the next start.
 
 ``short_openmp_spin`` sets how long PyTorch's OpenMP threads spin between parallel regions, for
-the processes that run the engine (see there).
+the processes that run the engine (see there). ``freeze_heap`` moves a process's start-up heap out
+of the garbage collector's reach, before it serves or forks children, and counts what it froze.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import os
 import shutil
 import signal
@@ -22,6 +24,10 @@ import sys
 from collections.abc import Callable
 
 _PR_SET_PDEATHSIG = 1
+
+# Objects moved out of the collector's reach by this process's freezes and those of the process it
+# was forked from (a fork copies this count with the objects).
+_frozen_objects = 0
 
 # Iterations libgomp's idle workers spin before they sleep, where the user sets neither
 # GOMP_SPINCOUNT nor OMP_WAIT_POLICY (libgomp's own default is 300,000).
@@ -152,3 +158,27 @@ def short_openmp_spin() -> bool:
         return False
     os.environ["GOMP_SPINCOUNT"] = OPENMP_SPIN_COUNT
     return True
+
+
+def freeze_heap() -> int:
+    """A full collection, then ``gc.freeze()``: every object left alive leaves the collector's
+    reach for good. Returns how many objects are frozen in all.
+
+    The count is kept as they are frozen: ``gc.get_freeze_count()`` walks the whole frozen list
+    each time it is asked (about 16 ms for a worker's 200,000 objects, and in a forked child a
+    walk over pages it shares with its parent). After the collection every survivor is in one of
+    the three generations, and only those (in a forked child: the objects it made itself) are
+    counted here, to within the few objects made or freed between the count and the freeze."""
+    global _frozen_objects
+    gc.collect()
+    count = len(gc.get_objects(0))
+    count += len(gc.get_objects(1))
+    count += len(gc.get_objects(2))
+    gc.freeze()
+    _frozen_objects += count
+    return _frozen_objects
+
+
+def frozen_objects() -> int:
+    """How many objects :func:`freeze_heap` froze, in this process and the one it was forked from."""
+    return _frozen_objects

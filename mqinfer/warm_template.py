@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import gc
 import importlib
 import json
 import os
@@ -29,7 +28,7 @@ import traceback
 from collections.abc import Iterator
 from pathlib import Path
 
-from mqinfer.procs import die_with_parent, set_owner, short_openmp_spin
+from mqinfer.procs import die_with_parent, freeze_heap, set_owner, short_openmp_spin
 from mqinfer.warm_start import ARGV_ROOM, ENTRY_POINTS, entry_point, import_settings
 
 # What a worker imports before it reads its first request.
@@ -61,8 +60,7 @@ def main(argv: list[str]) -> int:
     # What the imports made, out of the collector's reach before any fork: a child's collections
     # (a worker's first, at the end of its start-up) walk only the objects it made itself, and
     # write nothing into the pages it shares with this process.
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
     import_env = import_settings(os.environ)
     # CUDA cannot be used in a child forked after the parent initialized it: should an import ever
     # do so, every command starts cold.

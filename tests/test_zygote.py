@@ -116,3 +116,30 @@ def test_a_forked_worker_runs_torch_on_several_threads(redis_url, tmp_path):
                       env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert [r["id"] for r in rows(tmp_path / "out" / "results")] == ["r0"]
+
+
+def test_a_child_runs_its_own_finalizers_at_exit_and_not_the_zygotes():
+    """The zygote's finalizers (torch's operator libraries, after its imports) are its own: a
+    forked command does not run them at its exit; those the command makes run as usual."""
+    code = (
+        "import atexit, os, sys, weakref\n"
+        "from tests.zygote_server import _drop_inherited_finalizers\n"
+        "class Thing: pass\n"
+        "zygotes = Thing()\n"
+        "weakref.finalize(zygotes, print, 'the zygote\\'s finalizer', flush=True)\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    _drop_inherited_finalizers()\n"
+        "    childs = Thing()\n"
+        "    weakref.finalize(childs, print, 'the child\\'s finalizer', flush=True)\n"
+        "    print('child exits', flush=True)\n"
+        "    atexit._run_exitfuncs()\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print('parent exits', flush=True)\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=root,
+                          check=True)
+    assert proc.stdout.splitlines() == ["child exits", "the child's finalizer", "parent exits",
+                                        "the zygote's finalizer"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import gc
 import time
 
+from mqinfer.procs import freeze_heap, frozen_objects
+
 
 def freeze_startup_heap() -> None:
     """Move every object alive after start-up (the model's modules, the tokenizer, the imported
@@ -16,8 +18,7 @@ def freeze_startup_heap() -> None:
     queue behind the pause make the TTFT tail; after it, a full collection walks only what was
     made since and takes about a millisecond. Frozen objects are never freed, which suits objects
     that live as long as the process; call it once, when start-up is done."""
-    gc.collect()
-    gc.freeze()
+    freeze_heap()
 
 
 class CollectorPauses:
@@ -52,6 +53,6 @@ class CollectorPauses:
 
     def summary(self) -> dict:
         """The pauses, and how many objects start-up froze (0: the heap was not frozen)."""
-        return {"frozen_objects": gc.get_freeze_count(), "collections": list(self.count),
+        return {"frozen_objects": frozen_objects(), "collections": list(self.count),
                 "pause_total_ms": [round(1000 * s, 3) for s in self.total_s],
                 "pause_longest_ms": [round(1000 * s, 3) for s in self.longest_s]}
