@@ -84,12 +84,13 @@ def test_a_plain_gguf_is_kept_dequantized_and_a_changed_file_is_prepared_again(g
 
 
 def test_a_corrupt_entry_is_removed_and_the_model_prepared_again(gguf_path, caplog):
-    first = _greedy(_engine(gguf_path, quantization="w8a8"))
+    # 8-bit weights (the w8a8 entry, read back, is the first test's; its calibration costs more).
+    first = _greedy(_engine(gguf_path, quantization="w8a16"))
     [entry] = _entries()
     weights = entry / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with caplog.at_level(logging.WARNING, logger="mqinfer.workers.engine.prepared"):
-        again = _engine(gguf_path, quantization="w8a8")
+        again = _engine(gguf_path, quantization="w8a16")
     assert "unreadable" in caplog.text
     assert _greedy(again) == first and len(_entries()) == 1  # written anew
 
@@ -112,9 +113,11 @@ def test_switched_off_or_nothing_to_save_keeps_nothing(gguf_path, tmp_path, monk
 
 def test_only_the_most_recently_used_entries_are_kept(gguf_path, monkeypatch):
     monkeypatch.setattr(prepared, "_MAX_ENTRIES", 2)
-    for alpha in (0.5, 0.6, 0.7):
-        _engine(gguf_path, quantization="w8a8", smoothquant_alpha=alpha)
-    assert len(_entries()) == 2
-    keys = {prepared.entry_key(EngineConfig(model=str(gguf_path), dtype="bfloat16", quantization="w8a8",
-                                            smoothquant_alpha=a), torch.device("cpu")) for a in (0.6, 0.7)}
+    # Three entries of three kinds: the GGUF's weights as they are, 8-bit weights, and w8a8's.
+    variants = [{}, {"quantization": "w8a16"}, {"quantization": "w8a8", "smoothquant_alpha": 0.6}]
+    for made, variant in enumerate(variants, 1):
+        _engine(gguf_path, **variant)
+        assert len(_entries()) == min(made, 2)
+    keys = {prepared.entry_key(EngineConfig(model=str(gguf_path), dtype="bfloat16", **v), torch.device("cpu"))
+            for v in variants[1:]}
     assert {p.name for p in _entries()} == keys
