@@ -200,8 +200,15 @@ def _count(mask: torch.Tensor) -> torch.Tensor:
     return mask.view(torch.uint8).sum(-1, dtype=torch.int32).long()
 
 
+def sort_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row of ``logits`` in descending order, ties in index order (a stable sort), and the
+    indices: the order ``reference_apply_top_k_top_p`` works in."""
+    return torch.sort(logits, dim=-1, descending=True, stable=True)
+
+
 def reference_apply_top_k_top_p(
-    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, *,
+    sorted_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``apply_top_k_top_p`` by a full stable sort of every row: the definition the fast path
     reproduces bit for bit, and its fallback for the rows and inputs it does not take.
@@ -210,11 +217,14 @@ def reference_apply_top_k_top_p(
     sorted distribution (after top-k) whose preceding mass, ``cumsum(probs) - probs`` in float32,
     is below p: the smallest prefix whose mass reaches p, always at least one token. p = 1 is off
     (the tail tokens whose preceding mass rounds to 1.0 stay).
+
+    ``sorted_rows`` is ``sort_rows(logits)`` where the caller has it already: several settings
+    of k and p over the same logits then sort them once (the sort is most of the cost).
     """
     if top_k is None and top_p is None:
         return logits
     vocab = logits.shape[-1]
-    sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True, stable=True)
+    sorted_logits, sorted_idx = sort_rows(logits) if sorted_rows is None else sorted_rows
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
@@ -324,4 +334,5 @@ __all__ = [
     "random_uniforms",
     "reference_apply_top_k_top_p",
     "sample",
+    "sort_rows",
 ]
