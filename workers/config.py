@@ -358,6 +358,9 @@ class WorkerConfig:
         "After this many deliveries a request ends with an error row.", metavar="N"))
     idle_exit_s: float | None = field(default=None, metadata=flag(
         "Exit 0 after this many seconds with nothing to do (default: never).", metavar="S"))
+    redis_wait_s: float = field(default=60.0, metadata=flag(
+        "At start, wait this long for Redis to answer (a server still starting, or not there yet), then "
+        "stop with an error.", metavar="S"))
     metrics_port: int | None = field(default=None, metadata=flag(
         "Serve Prometheus metrics, /healthz and /readyz on this port.", metavar="P"))
     metrics_host: str = field(default="127.0.0.1", metadata=flag(
@@ -432,6 +435,8 @@ class WorkerConfig:
             (self.claim_idle_ms >= 100, f"--claim-idle-ms must be >= 100, got {self.claim_idle_ms}"),
             (self.max_deliveries >= 1, f"--max-deliveries must be >= 1, got {self.max_deliveries}"),
             (self.idle_exit_s is None or self.idle_exit_s >= 0, "--idle-exit-s must be >= 0"),
+            (self.redis_wait_s > 0 and math.isfinite(self.redis_wait_s),
+             f"--redis-wait-s must be a number of seconds > 0, got {self.redis_wait_s}"),
             (self.price_per_device_hour >= 0, "--price-per-device-hour must be >= 0"),
             (self.device_share is None or (self.device_share > 0 and math.isfinite(self.device_share)),
              f"--device-share must be a number > 0 (the devices this worker bills, e.g. 0.5 for half of a "

@@ -7,7 +7,6 @@ import os
 import re
 import socket
 import subprocess
-import sys
 import time
 
 from tests import zygote
@@ -54,11 +53,8 @@ def test_a_server_that_never_answers_ends_the_wait_with_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     url = f"redis://:{PASSWORD_IN_TEST}@127.0.0.1:{port}/0"
-    # The real command line, with the startup wait shortened from a minute to a second.
-    script = ("import sys; import mqinfer.workers.queue.worker as w; w.REDIS_STARTUP_WAIT_S = 1.0; "
-              "from mqinfer.cli import main; sys.exit(main(sys.argv[1:]))")
-    code, err, elapsed = _run([sys.executable, "-c", script, "worker", "--redis", url, "--out",
-                               str(tmp_path / "out")], tmp_path)
+    # The start-up wait shortened from a minute to a second.
+    code, err, elapsed = _run([*_worker_argv(url, tmp_path), "--redis-wait-s", "1"], tmp_path)
     assert code != 0
     assert "Traceback" not in err and PASSWORD_IN_TEST not in err
     lines = err.splitlines()
@@ -68,3 +64,5 @@ def test_a_server_that_never_answers_ends_the_wait_with_one_line(tmp_path):
     # Before it: only the waiting notices.
     assert lines[:-1] and all("waiting for redis at " + shown in line for line in lines[:-1]), err
     assert elapsed < 60
+    code, err, _ = _run([*_worker_argv(url, tmp_path), "--redis-wait-s", "0"], tmp_path)
+    assert code == 2 and "--redis-wait-s must be a number of seconds > 0, got 0" in err

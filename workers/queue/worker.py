@@ -74,8 +74,6 @@ from mqinfer.workers.queue.uptime import LostTime, UptimeRecord
 
 log = logging.getLogger("mqinfer.worker")
 
-# How long a starting worker waits for Redis to answer before it gives up.
-REDIS_STARTUP_WAIT_S = 60.0
 # Tries to ack durable rows at stop while Redis is away, half a second apart.
 _FINAL_ACK_TRIES = 20
 
@@ -294,7 +292,7 @@ class Worker:
 
     def _wait_for_redis(self) -> None:
         wait_for_redis(lambda: ensure_group(self.redis, self.stream_key, self.config.group), self.config.redis_url,
-                       timeout_s=REDIS_STARTUP_WAIT_S, what=f"the consumer group of {self.stream_key}")
+                       timeout_s=self.config.redis_wait_s, what=f"the consumer group of {self.stream_key}")
 
     # -- the loop ----------------------------------------------------------------------------
     def _holds_work(self) -> bool:
