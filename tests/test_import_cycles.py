@@ -10,6 +10,7 @@ the strongly connected components of that graph are the cycles."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,9 @@ def _walk_run_time(tree: ast.AST):
             todo.append(child)
 
 
+@functools.cache
 def import_graph() -> dict[str, set[str]]:
+    """Module -> the project modules it imports; parsed once for this file's tests (read only)."""
     modules = project_modules()
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
