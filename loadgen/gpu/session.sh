@@ -38,20 +38,23 @@ OUT=$(cd "$OUT" && pwd)
 echo "== machine ($(date -u '+%Y-%m-%d %H:%M:%S') UTC, commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'))"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv 2>&1 || echo "no nvidia-smi"
 "$PYTHON" - <<'EOF'
-import importlib, platform
+# Versions from the installed packages' metadata (importing transformers alone takes seconds of
+# the session's device time; gpu_bench imports what it uses and says what fails); torch is
+# imported for the devices it sees.
+import platform
+from importlib import metadata
 print("python", platform.python_version())
 for name in ("torch", "triton", "transformers", "pyarrow", "redis", "numpy", "safetensors"):
     try:
-        module = importlib.import_module(name)
-        print(f"{name} {getattr(module, '__version__', '?')}")
-    except Exception as exc:  # report every missing piece, not just the first
-        print(f"{name} MISSING ({type(exc).__name__}: {exc})")
+        print(f"{name} {metadata.version(name)}")
+    except metadata.PackageNotFoundError:  # report every missing piece, not just the first
+        print(f"{name} MISSING (not installed)")
 try:
     import torch
     print("cuda available:", torch.cuda.is_available(), "| devices:",
           [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
-except Exception:
-    pass
+except Exception as exc:
+    print(f"torch does not import ({type(exc).__name__}: {exc})")
 EOF
 
 # Run from the repository's root, `python -m mqinfer...` is this tree's code, installed or not
