@@ -776,7 +776,7 @@ def test_bad_targets_are_errors_naming_the_flag(cache, capsys, argv, message):
 
 
 def test_an_out_of_reach_slo_is_reported_unmet(cache, capsys):
-    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "100", "--rate", "5",
+    code, out, _ = _run(capsys, "--workload", "standard", "--num-requests", "40", "--rate", "5",
                         "--slo-ttft-p99-ms", "1", "--device", "cpu", "--format", "json")
     plan = json.loads(out)
     assert code == 1 and not plan["target"]["met"]
