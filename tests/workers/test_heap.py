@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import subprocess
 import sys
 
-from mqinfer.workers.heap import CollectorPauses
-
 
 def test_collector_pauses_count_each_generation_and_stop_when_removed():
-    pauses = CollectorPauses().install()
-    try:
-        for _ in range(3):
-            gc.collect(2)
-        gc.collect(0)
-    finally:
-        pauses.remove()
-    assert pauses.count[2] >= 3 and pauses.count[0] >= 1
-    assert pauses.longest_s[2] > 0 and pauses.total_s[2] >= pauses.longest_s[2]
-    before = list(pauses.count)
-    gc.collect(2)
-    assert pauses.count == before
-    summary = pauses.summary()
+    # In a small fresh process: a full collection here would walk this test process's whole heap.
+    code = (
+        "import gc, json\n"
+        "from mqinfer.workers.heap import CollectorPauses\n"
+        "kept = [[i] for i in range(20_000)]\n"
+        "pauses = CollectorPauses().install()\n"
+        "try:\n"
+        "    for _ in range(3):\n"
+        "        gc.collect(2)\n"
+        "    gc.collect(0)\n"
+        "finally:\n"
+        "    pauses.remove()\n"
+        "before = list(pauses.count)\n"
+        "gc.collect(2)\n"
+        "print(json.dumps([pauses.count, pauses.longest_s, pauses.total_s, before, pauses.summary()]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    count, longest_s, total_s, before, summary = json.loads(proc.stdout)
+    assert count[2] >= 3 and count[0] >= 1
+    assert longest_s[2] > 0 and total_s[2] >= longest_s[2]
+    assert count == before  # removed: the last collection was not counted
     assert summary["collections"] == before and len(summary["pause_longest_ms"]) == 3
 
 
