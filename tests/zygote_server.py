@@ -217,8 +217,9 @@ def _drop_inherited_finalizers() -> None:
     After the zygote's imports, every one of them is a ``torch.library.Library``'s: at exit it
     unregisters its operators from the dispatcher of a process that is about to end: 134 of them,
     about 38 ms of the child's CPU and 7,000 page faults (copies of pages it shares with the
-    zygote) at every exit. The child's own finalizers run as in any process. (CPython keeps no public list of live finalizers; the
-    registry is read where it has been since Python 3.4, and nothing is dropped without it.)"""
+    zygote) at every exit. The child's own finalizers run as in any process. (CPython keeps no
+    public list of live finalizers; the registry is read where it has been since Python 3.4, and
+    nothing is dropped without it.)"""
     for finalizer in list(getattr(weakref.finalize, "_registry", ())):
         finalizer.atexit = False
 
