@@ -819,8 +819,9 @@ def test_calibrate_end_to_end_through_the_command(plan_cache, capsys, monkeypatc
     from mqinfer.loadgen.plan import pipeline as plan_pipeline
 
     # Fewer and smaller batches to calibrate (a KV cache too small for 32 long contexts leaves that
-    # decode batch out), and a smaller workload for the pipeline runs: the same path, quicker. The busy engines beside the timed one are the other calibration
-    # test's (their processes cost seconds of both cores).
+    # decode batch out), and a smaller workload for the pipeline runs: the same path, quicker. The
+    # busy engines beside the timed one are the other calibration test's (their processes cost
+    # seconds of both cores).
     monkeypatch.setattr(plan_pipeline, "PIPELINE_REQUESTS", 12)
     monkeypatch.setattr(plan_calibrate, "contention_probes", lambda config: 0)
     monkeypatch.setattr(plan_pipeline, "contention_probes", lambda config: 0)
