@@ -112,6 +112,11 @@ def test_async_client_against_the_worker(served):
 
 
 def test_the_adaptive_wait_is_exported_as_metrics(served):
+    # A request of its own first: the module's worker may have served nothing yet (this test can
+    # be the module's first, or the only one a test process runs), and the metrics come up with it.
+    with _client(served) as client:
+        client.submit({"id": "metrics-probe", "prompt": "p", "max_tokens": 2, "ignore_eos": True})
+        assert client.result("metrics-probe", timeout=120).finish_reason == "length"
     text = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10).read().decode()
     values = {name: float(v) for name, v in re.findall(r"^(mqinfer_batcher_\w+) (\S+)$", text, re.M)}
     assert set(values) == {"mqinfer_batcher_max_wait_seconds", "mqinfer_batcher_arrival_rate",
