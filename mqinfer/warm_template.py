@@ -33,6 +33,9 @@ from mqinfer.warm_start import ARGV_ROOM, ENTRY_POINTS, entry_point, import_sett
 
 # What a worker imports before it reads its first request.
 PRELOAD = ("mqinfer.cli", "mqinfer.workers.queue.worker", "mqinfer.workers.engine.core", "mqinfer.ops.metrics")
+# What every worker builds first from those modules, built here once (no thread, no PyTorch
+# operation): the command line's parser, with the modules it imports as it is built.
+PREBUILD = ("mqinfer.cli.command_parser",)
 
 
 def main(argv: list[str]) -> int:
@@ -57,6 +60,9 @@ def main(argv: list[str]) -> int:
     short_openmp_spin()  # what `mqinfer`'s main does before torch loads
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in PREBUILD:
+        module, _, function = name.rpartition(".")
+        getattr(importlib.import_module(module), function)()
     # What the imports made, out of the collector's reach before any fork: a child's collections
     # (a worker's first, at the end of its start-up) walk only the objects it made itself, and
     # write nothing into the pages it shares with this process.
