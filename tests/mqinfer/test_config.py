@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mqinfer.cli import REDIS_CMD, RUN_CMD, WORKER_CMD, build_parser, config_keys
+from mqinfer.cli import REDIS_CMD, RUN_CMD, WORKER_CMD, build_parser, command_parser, config_keys
 from mqinfer.commands import engine_config, worker_config
 from mqinfer.config import (
     ENGINE_OPTIONS, STREAM, WORKER_OPTIONS, ConfigError, load_config_file, resolve,
@@ -36,6 +36,19 @@ def _config(tmp_path, text: str, command: str = "worker") -> dict:
     path = tmp_path / "mq.toml"
     path.write_text(text)
     return load_config_file(path, command, config_keys(build_parser()))
+
+
+def test_the_shared_parser_carries_nothing_from_one_command_line_to_the_next(monkeypatch):
+    """`main` parses every command line of a process with one parser (command_parser)."""
+    parser = command_parser()
+    assert command_parser() is parser
+    first = resolve(parser.parse_args(["worker", "--redis", "redis://a", "--max-batch", "4", "--no-prefix-cache"]),
+                    WORKER_CMD, {}, ())
+    second = resolve(parser.parse_args(["worker", "--redis", "redis://b"]), WORKER_CMD, {}, ())
+    fresh = resolve(build_parser().parse_args(["worker", "--redis", "redis://b"]), WORKER_CMD, {}, ())
+    assert (first["max_batch"], first["prefix_cache"]) == (4, False)
+    assert second == fresh and second["redis"] == "redis://b" and second["max_batch"] != 4
+    assert "max_batch" not in vars(parser.parse_args(["worker", "--redis", "redis://c"]))  # not given: not there
 
 
 def test_precedence(monkeypatch, tmp_path):
