@@ -255,7 +255,7 @@ def _compute(todo, requests, done_before: set[str], out: Path | str, home: Path,
     streams = shard_streams(opts["stream"], opts["shards"])
     server = client = None
     workers: list[subprocess.Popen] = []
-    starter = WarmStarter().prepare()  # workers forked from a process importing the engine meanwhile
+    starter = WarmStarter(tiny=opts["model"] == "tiny").prepare()  # imports the engine meanwhile
     with _Signals() as signals:
         try:
             redis_url = opts["redis"]

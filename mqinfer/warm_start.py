@@ -166,9 +166,12 @@ class WarmStarter:
     """Starts `mqinfer` commands (workers) forked from one template process, started at the first
     command. Close it when done: the template exits, and workers still running get SIGTERM."""
 
-    def __init__(self, *, warm: bool | None = None, shared: bool = True) -> None:
+    def __init__(self, *, warm: bool | None = None, shared: bool = True, tiny: bool = False) -> None:
         """``warm``: fork (where it can) or start every command cold; None: as MQINFER_WARM_START
-        says. ``shared``: use the template MQINFER_WARM_TEMPLATE names, if any."""
+        says. ``shared``: use the template MQINFER_WARM_TEMPLATE names, if any. ``tiny``: the
+        workers load the built-in tiny model (a template of this starter's own makes its weights
+        once for all of them)."""
+        self._tiny = tiny
         self._template: subprocess.Popen | None = None
         self._conn: socket.socket | None = None
         self._template_pid: int | None = None
@@ -194,7 +197,8 @@ class WarmStarter:
                 log.warning("%s=%s cannot be used (%s): starting a template of this run's own", SHARED, shared, exc)
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         argv, preexec = with_death_signal(
-            [*mqinfer_command()[:-1], "mqinfer.warm_template", str(theirs.fileno()), "." * ARGV_ROOM], signal.SIGKILL)
+            [*mqinfer_command()[:-1], "mqinfer.warm_template", *(["--tiny"] if self._tiny else []),
+             str(theirs.fileno()), "." * ARGV_ROOM], signal.SIGKILL)
         self._template = subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(theirs.fileno(),),
                                           preexec_fn=preexec)
         theirs.close()

@@ -8,8 +8,9 @@ stderr, then the descriptors it is to keep (the run lock's, say). The reply sock
 ``{"pid": N}`` once the child is forked, then ``{"status": S}`` (a wait status) once it has been
 reaped. The template exits when the owner closes its socket or dies.
 
-The template starts no thread and runs no PyTorch operation before it forks, so each child starts
-from a quiet copy: it sets up OpenMP's threads itself, at its first operation.
+The template starts no thread and runs no PyTorch operation on more than one thread before it
+forks, so each child starts from a quiet copy: it sets up OpenMP's threads itself, at its first
+parallel operation.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ PRELOAD = ("mqinfer.cli", "mqinfer.workers.queue.worker", "mqinfer.workers.engin
 # What every worker builds first from those modules, built here once (no thread, no PyTorch
 # operation): the command line's parser, with the modules it imports as it is built.
 PREBUILD = ("mqinfer.cli.command_parser",)
+# With --tiny: the built-in tiny model's weights, made once (on one thread) for every worker.
+TINY_WEIGHTS = "mqinfer.workers.engine.loader.make_tiny_weights"
 
 
 def main(argv: list[str]) -> int:
@@ -43,11 +46,16 @@ def main(argv: list[str]) -> int:
     PADDING``: serve every process that connects to the Unix socket PATH, until this process's
     parent is gone. Either way, the workers of an owner whose connection ends (it exited or was
     killed) get their death signal (SIGTERM, a rank SIGKILL), as a cold one does when its parent
-    dies."""
+    dies. ``--tiny`` first: the workers will load the built-in tiny model, whose weights are made
+    here once for all of them."""
     listener = None
     owners: dict[int, _Owner] = {}
+    tiny = argv[:1] == ["--tiny"]
+    if tiny:
+        argv = argv[1:]
     if len(argv) < 3 and argv[:1] == ["--listen"]:  # started by hand: again, with room for the workers' command lines
-        os.execv(sys.executable, [sys.executable, "-P", "-m", "mqinfer.warm_template", *argv, "." * ARGV_ROOM])
+        os.execv(sys.executable, [sys.executable, "-P", "-m", "mqinfer.warm_template", *(["--tiny"] if tiny else []),
+                                  *argv, "." * ARGV_ROOM])
     if argv[0] == "--listen":
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(argv[1])
@@ -60,7 +68,7 @@ def main(argv: list[str]) -> int:
     short_openmp_spin()  # what `mqinfer`'s main does before torch loads
     for name in PRELOAD:
         importlib.import_module(name)
-    for name in PREBUILD:
+    for name in [*PREBUILD, *([TINY_WEIGHTS] if tiny else [])]:
         module, _, function = name.rpartition(".")
         getattr(importlib.import_module(module), function)()
     # What the imports made, out of the collector's reach before any fork: a child's collections

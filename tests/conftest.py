@@ -84,7 +84,9 @@ def pytest_configure(config):
     folder = tempfile.mkdtemp(prefix="mqinfer-template-")
     path = os.path.join(folder, "socket")
     argv, preexec = with_death_signal(
-        [*mqinfer_command()[:-1], "mqinfer.warm_template", "--listen", path, "." * ARGV_ROOM], signal.SIGKILL)
+        # --tiny: the runs the tests start load the built-in tiny model, made once in the template.
+        [*mqinfer_command()[:-1], "mqinfer.warm_template", "--tiny", "--listen", path, "." * ARGV_ROOM],
+        signal.SIGKILL)
     template = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=preexec)
     os.environ[SHARED] = path
 

@@ -61,17 +61,10 @@ def serve(path: str) -> None:
     for name in PREBUILD:  # the command line's parser, as the warm template builds it
         module, _, function = name.rpartition(".")
         getattr(sys.modules[module], function)()
-    # Most commands the tests start load the built-in tiny model: its weights are made here once,
-    # on this thread alone. An operation on several threads would start OpenMP's team here, and a
-    # forked child's first parallel region would wait forever on threads the fork did not copy.
-    import torch
+    # Most commands the tests start load the built-in tiny model: its weights are made here once.
+    from mqinfer.workers.engine.loader import make_tiny_weights
 
-    from mqinfer.workers.engine.loader import _tiny_checkpoint
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    _tiny_checkpoint()
-    torch.set_num_threads(threads)
+    make_tiny_weights()
     # As the warm template does: the children's collections leave the shared pages alone.
     freeze_heap()
     import_env = dict(os.environ)

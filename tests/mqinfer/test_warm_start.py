@@ -90,9 +90,11 @@ OWNER = textwrap.dedent("""
 
 @pytest.fixture
 def shared_template(tmp_path):
-    """A template serving several owners on a socket, started as a user would (``--listen PATH``)."""
+    """A template serving several owners on a socket, started as a user would (``--tiny --listen
+    PATH``: it starts again with room for its workers' command lines, the option kept)."""
     path = str(tmp_path / "template.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "mqinfer.warm_template", "--listen", path], stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, "-m", "mqinfer.warm_template", "--tiny", "--listen", path],
+                            stdin=subprocess.DEVNULL)
     wait_until(lambda: os.path.exists(path), timeout=30, what="the template's socket")
     yield path, proc
     proc.kill()

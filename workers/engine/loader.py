@@ -218,6 +218,20 @@ def _tiny_checkpoint() -> tuple[dict[str, torch.Tensor], str]:
     return tensors, f"{TINY}@{digest.hexdigest()[:8]}"
 
 
+def make_tiny_weights() -> None:
+    """Make the tiny model's weights now, once per process, with PyTorch on this thread alone: a
+    process that forks workers afterwards (a warm template) gives them the weights ready-made
+    (about 60 ms of CPU each). A parallel operation would start OpenMP's threads here, and a
+    forked child's first parallel region would then wait forever on threads the fork did not
+    copy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _tiny_checkpoint()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _write_checkpoint(folder: Path, hf_config: dict[str, Any], tensors: dict[str, torch.Tensor],
                       generation: dict[str, Any] | None = None) -> None:
     from safetensors.torch import save_file
