@@ -89,27 +89,27 @@ def test_a_job_with_lanes_job_waits_in_its_lane_and_its_lane_goes_when_it_ends(e
     assert not env.client.exists(JobStore(env.client, job_id).lanes_key)
 
 
-def test_an_8_line_job_submitted_behind_a_150_line_job_finishes_first(env):
-    """An 8-line job submitted while a 150-line job runs, through the one rq worker and the one
+def test_an_8_line_job_submitted_behind_a_100_line_job_finishes_first(env):
+    """An 8-line job submitted while a 100-line job runs, through the one rq worker and the one
     inference worker, each with its default settings (`jobs submit`'s lanes: a lane per job). All
-    150 requests run at once (they fit the engine's default 256 sequences), so a request of the
+    100 requests run at once (they fit the engine's default 256 sequences), so a request of the
     small job as long as theirs, started a moment later, would end a moment later: its requests
     are shorter, as an interactive job's beside a bulk one. It ends first only if it is fed at
     once, not once the rq worker is done waiting on the large job's rows."""
     stream_key = keys.request_stream("requests")
     wait_until(lambda: env.client.exists(stream_key) and env.client.xinfo_consumers(stream_key, keys.GROUP),
                timeout=120, what="the inference worker to read the stream")
-    big_src = write_jsonl(env.base / "big.jsonl", native(150, "big", max_tokens=128, ignore_eos=True))
+    big_src = write_jsonl(env.base / "big.jsonl", native(100, "big", max_tokens=96, ignore_eos=True))
     small_src = write_jsonl(env.base / "small.jsonl", native(8, "small", max_tokens=16, ignore_eos=True))
     big = submit_job(env.client, big_src, env.base / "big", lanes=DEFAULT_JOB_LANES).job_id
-    wait_until(lambda: job_info(env.client, big)["counts"]["fed"] == 150, timeout=60, what="the large job fed")
+    wait_until(lambda: job_info(env.client, big)["counts"]["fed"] == 100, timeout=60, what="the large job fed")
     small = submit_job(env.client, small_src, env.base / "small", lanes=DEFAULT_JOB_LANES).job_id
 
     info_small, info_big = wait_final(env.client, small, timeout=120), wait_final(env.client, big, timeout=120)
     assert info_small["status"] == info_big["status"] == "completed"
     assert info_small["ended_at"] < info_big["ended_at"], (info_small["ended_at"], info_big["ended_at"])
     small_rows, big_rows = output(env.base / "small"), output(env.base / "big")
-    assert len(small_rows) == 8 and len(big_rows) == 150
+    assert len(small_rows) == 8 and len(big_rows) == 100
     assert all(r["finish_reason"] == "length" for r in small_rows + big_rows)
     # Fed at once: the small job's requests entered their lane before any of the large job's ended.
     assert max(r["enqueued_at"] for r in small_rows) < min(r["finished_at"] for r in big_rows)
