@@ -121,13 +121,13 @@ def _check(fields) -> None:
         assert isinstance(out, Request)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(_entry_keys, _entry_values, max_size=4))
 def test_fuzz_random_field_maps_raise_only_request_error(fields):
     _check(fields)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(["r", "json"]), st.binary(max_size=256), st.sampled_from([None, b"1", b"2", "1"]))
 def test_fuzz_random_payload_bytes_raise_only_request_error(field, payload, version):
     fields = {field: payload}
@@ -136,7 +136,7 @@ def test_fuzz_random_payload_bytes_raise_only_request_error(field, payload, vers
     _check(fields)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_request_like, st.sampled_from(["r", "json"]))
 def test_fuzz_structured_payloads_raise_only_request_error(obj, field):
     raw = msgspec.msgpack.encode(obj) if field == "r" else msgspec.json.encode(obj)
