@@ -117,6 +117,51 @@ def pytest_sessionstart(session):
         native.build()
     except (OSError, RuntimeError):
         pass  # no compiler, or the build fails: native.load() says why where a test needs it
+    if getattr(session.config.option, "numprocesses", None):
+        _rewrite_test_modules(session.config)
+
+
+def _rewrite_test_modules(config) -> None:
+    """The test modules with their asserts rewritten, compiled once into pytest's bytecode cache
+    before the test processes start. In a fresh checkout each test process would otherwise rewrite
+    every one of them itself, at the same time as the others: 8.6 s of CPU per process (15.5 s to
+    collect against 6.9 s from the cache). A module whose cached file is at least as new as its
+    source is left alone, and each process still checks every file it loads against its source,
+    so nothing stale is run. This reads pytest's own rewriter; should that ever change, the test
+    processes rewrite the modules themselves, as before."""
+    try:
+        from _pytest.assertion import rewrite
+    except ImportError:
+        return
+    needed = ("assertstate_key", "PYC_TAIL", "_rewrite_test", "_write_pyc", "get_cache_dir", "try_makedirs")
+    if not all(hasattr(rewrite, name) for name in needed) or sys.dont_write_bytecode:
+        return
+    state = config.stash.get(rewrite.assertstate_key, None)
+    if state is None:  # assertion rewriting is off (--assert=plain)
+        return
+    patterns = config.getini("python_files")
+    # The files and folders this run collects (its arguments, or testpaths without any).
+    here = config.invocation_params.dir
+    paths = set()
+    for arg in config.args:
+        target = here / arg.split("::")[0]
+        paths.update(target.rglob("*.py") if target.is_dir() else [target] if target.suffix == ".py" else [])
+    for path in sorted(paths):
+        if path.name != "conftest.py" and not any(path.match(pattern) for pattern in patterns):
+            continue
+        cache = rewrite.get_cache_dir(path)
+        pyc = cache / (path.name[:-3] + rewrite.PYC_TAIL)
+        try:
+            if pyc.stat().st_mtime >= path.stat().st_mtime:
+                continue
+        except OSError:
+            pass
+        try:
+            source_hash, code = rewrite._rewrite_test(path, config)
+        except (OSError, SyntaxError):
+            continue  # its test process reports it, as it would have
+        if rewrite.try_makedirs(cache):
+            rewrite._write_pyc(state, code, source_hash, pyc)
 
 
 _KERNEL_TESTS = Path(__file__).parent / "kernels"
