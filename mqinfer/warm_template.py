@@ -41,6 +41,13 @@ PREBUILD = ("mqinfer.cli.command_parser",)
 TINY_WEIGHTS = "mqinfer.workers.engine.loader.make_tiny_weights"
 
 
+def prebuild(tiny: bool) -> None:
+    """Build PREBUILD's objects, and with ``tiny`` the tiny model's weights, before any fork."""
+    for name in [*PREBUILD, *([TINY_WEIGHTS] if tiny else [])]:
+        module, _, function = name.rpartition(".")
+        getattr(importlib.import_module(module), function)()
+
+
 def main(argv: list[str]) -> int:
     """``FD PADDING``: serve the one owner on socket FD, and exit when it is gone. ``--listen PATH
     PADDING``: serve every process that connects to the Unix socket PATH, until this process's
@@ -68,9 +75,7 @@ def main(argv: list[str]) -> int:
     short_openmp_spin()  # what `mqinfer`'s main does before torch loads
     for name in PRELOAD:
         importlib.import_module(name)
-    for name in [*PREBUILD, *([TINY_WEIGHTS] if tiny else [])]:
-        module, _, function = name.rpartition(".")
-        getattr(importlib.import_module(module), function)()
+    prebuild(tiny)
     # What the imports made, out of the collector's reach before any fork: a child's collections
     # (a worker's first, at the end of its start-up) walk only the objects it made itself, and
     # write nothing into the pages it shares with this process.

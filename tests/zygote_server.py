@@ -24,7 +24,7 @@ import traceback
 import weakref
 
 from mqinfer.procs import freeze_heap
-from mqinfer.warm_template import PREBUILD, exit_code, finish, reaped, report, retitle
+from mqinfer.warm_template import exit_code, finish, prebuild, reaped, report, retitle
 
 # What a worker, `mqinfer run` and the other commands the tests start import before they do
 # anything (the command line imports the bench and plan options for any command; compact and
@@ -58,13 +58,9 @@ def serve(path: str) -> None:
     short_openmp_spin()  # what `mqinfer`'s main does before anything imports torch
     for name in PRELOAD:
         __import__(name)
-    for name in PREBUILD:  # the command line's parser, as the warm template builds it
-        module, _, function = name.rpartition(".")
-        getattr(sys.modules[module], function)()
-    # Most commands the tests start load the built-in tiny model: its weights are made here once.
-    from mqinfer.workers.engine.loader import make_tiny_weights
-
-    make_tiny_weights()
+    # As the warm template does: the command line's parser, and the built-in tiny model's weights
+    # (most commands the tests start load it), made here once.
+    prebuild(tiny=True)
     # As the warm template does: the children's collections leave the shared pages alone.
     freeze_heap()
     import_env = dict(os.environ)

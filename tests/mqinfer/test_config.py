@@ -38,7 +38,7 @@ def _config(tmp_path, text: str, command: str = "worker") -> dict:
     return load_config_file(path, command, config_keys(build_parser()))
 
 
-def test_the_shared_parser_carries_nothing_from_one_command_line_to_the_next(monkeypatch):
+def test_the_shared_parser_carries_nothing_from_one_command_line_to_the_next():
     """`main` parses every command line of a process with one parser (command_parser)."""
     parser = command_parser()
     assert command_parser() is parser
